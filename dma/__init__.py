@@ -1,0 +1,1 @@
+"""Slot pools, transports and pollers: the memory the requests land in."""

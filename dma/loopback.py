@@ -1,0 +1,401 @@
+"""The ``loopback`` transport: RDMA semantics between processes on one machine.
+
+Registered memory is a ``memfd`` mapped by both sides; remote CAS is a C11 atomic
+on the shared word; WRITE is one ``memcpy`` into the peer's mapping (the DMA a
+NIC would do); WRITE_WITH_IMM additionally posts to the peer's completion queue,
+a shared-memory MPSC ring with an eventfd for sleeping consumers.  Connection
+management (the rdma_cm role) is a Unix ``SOCK_SEQPACKET`` socket: each side
+sends the descriptors of the regions it exports, and nothing else, so a peer can
+only ever touch exported memory, with the access it was granted.  The socket
+stays open; its EOF is the disconnect event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import mmap
+import os
+import socket
+from typing import Any
+
+import numpy as np
+from edgepath.dma.transport import (
+    Access,
+    Completion,
+    CompletionQueue,
+    Connection,
+    Listener,
+    MemoryRegion,
+    RemoteRegion,
+    TransferCounters,
+    Transport,
+    TransportError,
+)
+from edgepath.native.abi import ffi, lib
+
+PROTOCOL_VERSION = 1
+DEFAULT_CQ_CAPACITY = 1 << 14
+_MAX_MESSAGE = 1 << 16
+_MAX_FDS = 64
+
+
+def _map_fd(fd: int, length: int, writable: bool) -> mmap.mmap:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=prot)
+
+
+class _Mapping:
+    """A shared mapping plus the cffi pointer the C primitives use."""
+
+    def __init__(self, fd: int, length: int, writable: bool = True) -> None:
+        self.length = length
+        self.mm = _map_fd(fd, length, writable)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.ptr = ffi.cast("char *", ffi.from_buffer(self.mm))
+
+    def close(self) -> None:
+        self.ptr = None
+        self.array = None
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+class LoopbackRegion(MemoryRegion):
+    """A memfd-backed registered region."""
+
+    def __init__(self, name: str, length: int, access: Access) -> None:
+        self.fd = os.memfd_create(f"edgepath-{name}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, length)
+        self._map = _Mapping(self.fd, length)
+        self.ptr = self._map.ptr
+        super().__init__(name=name, buf=self._map.array, access=access)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "length": self.buf.nbytes, "access": int(self.access)}
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LoopbackCQ(CompletionQueue):
+    """An MPSC ring in shared memory, plus the eventfd a sleeping consumer waits on."""
+
+    def __init__(self, capacity: int = DEFAULT_CQ_CAPACITY) -> None:
+        self.capacity = capacity
+        size = int(lib.ep_cq_size(capacity))
+        self.mem_fd = os.memfd_create("edgepath-cq", os.MFD_CLOEXEC)
+        os.ftruncate(self.mem_fd, size)
+        self._map = _Mapping(self.mem_fd, size)
+        if lib.ep_cq_init(self._map.ptr, capacity) != lib.EP_OK:
+            raise ValueError(f"CQ capacity must be a power of two, got {capacity}")
+        self.event_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._out = ffi.new("uint64_t[]", 256)
+
+    def _convert(self, n: int) -> list[Completion]:
+        if n < 0:
+            raise TransportError(f"completion queue wait failed ({n})")
+        out = self._out
+        return [Completion(int(out[i]) >> 32, int(out[i]) & 0xFFFFFFFF) for i in range(n)]
+
+    def poll(self, max_entries: int = 64) -> list[Completion]:
+        return self._convert(lib.ep_cq_poll(self._map.ptr, self._out, min(max_entries, 256)))
+
+    def wait(self, timeout: float | None, spin: float = 0.0, max_entries: int = 64) -> list[Completion]:
+        timeout_ns = -1 if timeout is None else int(timeout * 1e9)
+        n = lib.ep_cq_wait(self._map.ptr, self.event_fd, self._out, min(max_entries, 256), timeout_ns,
+                           int(spin * 1e9))
+        return self._convert(n)
+
+    def fileno(self) -> int:
+        return self.event_fd
+
+    def arm(self) -> None:
+        """Arm by a zero-timeout wait: it sets the armed flag when nothing is pending."""
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.event_fd)
+
+    def close(self) -> None:
+        os.close(self.event_fd)
+        os.close(self.mem_fd)
+
+
+class _PeerCQ:
+    """The peer's completion queue, mapped for posting."""
+
+    def __init__(self, mem_fd: int, event_fd: int, capacity: int) -> None:
+        self._map = _Mapping(mem_fd, int(lib.ep_cq_size(capacity)))
+        os.close(mem_fd)
+        self.ptr = self._map.ptr
+        self.event_fd = event_fd
+
+    def close(self) -> None:
+        os.close(self.event_fd)
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    data = json.dumps(message).encode()
+    if len(data) > _MAX_MESSAGE:
+        raise TransportError("connection message too large")
+    socket.send_fds(sock, [data], fds)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise TransportError("peer closed the connection during setup")
+    try:
+        message = json.loads(data)
+    except ValueError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise TransportError(f"malformed connection message: {exc}") from exc
+    if message.get("version") != PROTOCOL_VERSION:
+        for fd in fds:
+            os.close(fd)
+        raise TransportError(
+            f"peer speaks loopback protocol {message.get('version')!r}, this side {PROTOCOL_VERSION}")
+    return message, fds
+
+
+class LoopbackConnection(Connection):
+    def __init__(self, transport: LoopbackTransport, sock: socket.socket, conn_id: int,
+                 message: dict[str, Any], fds: list[int]) -> None:
+        self.transport = transport
+        self.sock = sock
+        self.conn_id = conn_id
+        self.peer_assigned_id = int(message["conn_id"])
+        self.peer_info = dict(message.get("info", {}))
+        self.counters = TransferCounters()
+        self._tag = self.peer_assigned_id << 32
+        self._alive = True
+        self._peer_cq = _PeerCQ(fds[0], fds[1], int(message["cq_capacity"]))
+        self.remote: dict[str, RemoteRegion] = {}
+        self._maps: list[_Mapping] = []
+        for desc, fd in zip(message["exports"], fds[2:], strict=True):
+            access = Access(int(desc["access"]))
+            writable = bool(access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
+            mapping = _Mapping(fd, int(desc["length"]), writable)
+            os.close(fd)
+            self._maps.append(mapping)
+            self.remote[desc["name"]] = RemoteRegion(desc["name"], int(desc["length"]), access, mapping)
+
+    # -- verbs -----------------------------------------------------------------
+    def _live(self) -> None:
+        if not self._alive:
+            raise TransportError(f"connection {self.conn_id} is closed")
+
+    def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
+        self._live()
+        remote.check(offset, 8, Access.REMOTE_ATOMIC)
+        if offset % 8:
+            raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
+        self.counters.cas += 1
+        return int(lib.ep_cas64(ffi.cast("uint64_t *", remote.handle.ptr + offset), expected, desired))
+
+    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
+              length: int) -> None:
+        self._live()
+        remote.check(remote_offset, length, Access.REMOTE_WRITE)
+        _check_local(local, local_offset, length)
+        lib.ep_copy(remote.handle.ptr + remote_offset, local.ptr + local_offset, length)
+        self.counters.writes += 1
+        self.counters.bytes_written += length
+
+    def write_with_imm(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion,
+                       remote_offset: int, length: int, imm: int) -> None:
+        self._live()
+        remote.check(remote_offset, length, Access.REMOTE_WRITE)
+        _check_local(local, local_offset, length)
+        rc = lib.ep_write_imm(remote.handle.ptr + remote_offset, local.ptr + local_offset, length,
+                              self._peer_cq.ptr, self._tag | (imm & 0xFFFFFFFF), self._peer_cq.event_fd)
+        if rc != lib.EP_OK:
+            raise TransportError(f"peer completion queue overrun on connection {self.conn_id}")
+        self.counters.writes += 1
+        self.counters.bytes_written += length
+
+    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
+             length: int) -> None:
+        self._live()
+        remote.check(remote_offset, length, Access.REMOTE_READ)
+        _check_local(local, local_offset, length)
+        lib.ep_copy(local.ptr + local_offset, remote.handle.ptr + remote_offset, length)
+        self.counters.reads += 1
+        self.counters.bytes_read += length
+
+    # -- management ------------------------------------------------------------
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def check_alive(self) -> bool:
+        if not self._alive:
+            return False
+        try:
+            data = self.sock.recv(64, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self._alive = False
+        return self._alive
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        self._alive = False
+        self.sock.close()
+        self._peer_cq.close()
+        self.transport._forget(self)
+
+
+def _check_local(local: MemoryRegion, offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > local.buf.nbytes:
+        raise TransportError(
+            f"local access [{offset}, {offset + length}) outside region {local.name!r} "
+            f"of {local.buf.nbytes} bytes")
+
+
+class LoopbackListener(Listener):
+    def __init__(self, transport: LoopbackTransport, address: str, exports: list[LoopbackRegion],
+                 info: dict[str, Any]) -> None:
+        self.transport = transport
+        self.address = address
+        self._exports = exports
+        self._info = info
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        _claim_path(address)
+        self.sock.bind(address)
+        self.sock.listen(64)
+
+    def accept(self, timeout: float | None = None) -> LoopbackConnection | None:
+        self.sock.settimeout(timeout)
+        try:
+            sock, _ = self.sock.accept()
+        except TimeoutError:
+            return None
+        sock.settimeout(5.0)
+        try:
+            message, fds = _recv(sock)
+            conn_id = self.transport._next_id()
+            reply = self.transport._hello(conn_id, self._exports, self._info)
+            _send(sock, reply, self.transport._hello_fds(self._exports))
+        except (OSError, TransportError, KeyError):
+            sock.close()
+            raise
+        conn = LoopbackConnection(self.transport, sock, conn_id, message, fds)
+        sock.settimeout(None)
+        self.transport._track(conn)
+        return conn
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
+
+
+def _claim_path(address: str) -> None:
+    """Remove a stale socket file (nobody listening) so a restart can bind again."""
+    if not os.path.exists(address):
+        os.makedirs(os.path.dirname(address) or ".", exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(address)
+        return
+    finally:
+        probe.close()
+    raise TransportError(f"{address}: another process is already listening there")
+
+
+class LoopbackTransport(Transport):
+    """Shared-memory transport; ``cq_capacity`` bounds this endpoint's outstanding completions."""
+
+    name = "loopback"
+
+    def __init__(self, cq_capacity: int = DEFAULT_CQ_CAPACITY) -> None:
+        self.cq = LoopbackCQ(cq_capacity)
+        self._ids = itertools.count(1)
+        self.connections: dict[int, LoopbackConnection] = {}
+        self._regions: list[LoopbackRegion] = []
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _track(self, conn: LoopbackConnection) -> None:
+        self.connections[conn.conn_id] = conn
+
+    def _forget(self, conn: LoopbackConnection) -> None:
+        self.connections.pop(conn.conn_id, None)
+
+    def register(self, name: str, length: int, access: Access) -> LoopbackRegion:
+        if length <= 0:
+            raise ValueError(f"region {name!r}: length must be positive, got {length}")
+        region = LoopbackRegion(name, length, access)
+        self._regions.append(region)
+        return region
+
+    def _hello(self, conn_id: int, exports: list[LoopbackRegion], info: dict[str, Any]) -> dict[str, Any]:
+        """Connection private data: this side's id for the connection (the tag the peer posts
+        completions with, and a slot server's claimant id for the agent), CQ and exports."""
+        return {
+            "version": PROTOCOL_VERSION,
+            "conn_id": conn_id,
+            "cq_capacity": self.cq.capacity,
+            "exports": [r.describe() for r in exports],
+            "info": info,
+        }
+
+    def _hello_fds(self, exports: list[LoopbackRegion]) -> list[int]:
+        return [self.cq.mem_fd, self.cq.event_fd, *(r.fd for r in exports)]
+
+    def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> LoopbackListener:
+        return LoopbackListener(self, address, _own(exports), info)
+
+    def connect(self, address: str, exports: list[MemoryRegion], info: dict[str, Any],
+                timeout: float = 5.0) -> LoopbackConnection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise TransportError(f"nothing is listening at {address} ({exc.strerror})") from exc
+        conn_id = self._next_id()
+        regions = _own(exports)
+        try:
+            _send(sock, self._hello(conn_id, regions, info), self._hello_fds(regions))
+            message, fds = _recv(sock)
+        except (OSError, TransportError):
+            sock.close()
+            raise
+        conn = LoopbackConnection(self, sock, conn_id, message, fds)
+        sock.settimeout(None)
+        self._track(conn)
+        return conn
+
+    def close(self) -> None:
+        for conn in list(self.connections.values()):
+            conn.close()
+        self.cq.close()
+        for region in self._regions:
+            region.close()
+
+
+def _own(exports: list[MemoryRegion]) -> list[LoopbackRegion]:
+    for region in exports:
+        if not isinstance(region, LoopbackRegion):
+            raise TransportError(f"region {region.name!r} was not registered with the loopback transport")
+    return list(exports)  # type: ignore[arg-type]

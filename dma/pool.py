@@ -1,0 +1,162 @@
+"""Typed views of slot-pool memory and of frame arrays (same per-entry layout).
+
+A *frame* is ``[request header][int32 tokens[in]][result header][int32 output[out]]``.
+The slot pool holds one frame per slot behind a pool header and the state and
+doorbell word arrays; a requester's reply region is a bare frame array.  These
+classes only compute views over a buffer someone else owns (shared memory, a
+registered MR, GPU-mapped memory): they never copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from edgepath.dma.state import SlotWord
+from edgepath.native.abi import (
+    POOL_HEADER,
+    REQUEST_HEADER,
+    RESULT_HEADER,
+    State,
+    ffi,
+    lib,
+)
+
+DEFAULT_INPUT_CAPACITY = 4096
+DEFAULT_OUTPUT_CAPACITY = 4096
+
+
+class PoolError(ValueError):
+    """Pool memory that is not a valid edgepath pool of this ABI version."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLayout:
+    """Byte layout of one frame for given token capacities (computed by the C ABI code)."""
+
+    input_capacity: int
+    output_capacity: int
+
+    def __post_init__(self) -> None:
+        for name in ("input_capacity", "output_capacity"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1 << 24:
+                raise ValueError(f"{name} must be between 1 and {1 << 24} tokens, got {value}")
+
+    @property
+    def stride(self) -> int:
+        return int(lib.ep_frame_stride(self.input_capacity, self.output_capacity))
+
+    @property
+    def result_offset(self) -> int:
+        return int(lib.ep_result_offset(self.input_capacity))
+
+    def request_bytes(self, token_count: int) -> int:
+        """Bytes of a request with ``token_count`` tokens: what one RDMA WRITE sends."""
+        return REQUEST_HEADER.itemsize + 4 * token_count
+
+    def result_bytes(self, output_count: int) -> int:
+        return RESULT_HEADER.itemsize + 4 * output_count
+
+
+class FrameArray:
+    """``count`` frames laid out back to back in ``buf`` starting at byte ``offset``."""
+
+    def __init__(self, buf: np.ndarray, offset: int, count: int, layout: FrameLayout) -> None:
+        self.layout = layout
+        self.count = count
+        self.offset = offset
+        stride = layout.stride
+        need = offset + count * stride
+        if buf.nbytes < need:
+            raise PoolError(f"frame array needs {need} bytes, buffer has {buf.nbytes}")
+        raw = buf[offset:need].reshape(count, stride)
+        res = layout.result_offset
+        self.raw = raw
+        self.requests = raw[:, : REQUEST_HEADER.itemsize].view(REQUEST_HEADER).reshape(count)
+        self.tokens = raw[:, REQUEST_HEADER.itemsize : REQUEST_HEADER.itemsize + 4 * layout.input_capacity].view(
+            np.int32
+        )
+        self.results = raw[:, res : res + RESULT_HEADER.itemsize].view(RESULT_HEADER).reshape(count)
+        out0 = res + RESULT_HEADER.itemsize
+        self.outputs = raw[:, out0 : out0 + 4 * layout.output_capacity].view(np.int32)
+
+    def frame_offset(self, index: int) -> int:
+        """Byte offset of frame ``index`` within the underlying buffer."""
+        return self.offset + index * self.layout.stride
+
+    def result_offset(self, index: int) -> int:
+        return self.frame_offset(index) + self.layout.result_offset
+
+
+class SlotPool:
+    """Views of a slot pool: header, state words, doorbell words and slot frames."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        rc = lib.ep_pool_validate(ffi.from_buffer(buf), buf.nbytes)
+        if rc != lib.EP_OK:
+            raise PoolError(_describe_invalid(buf, rc))
+        self.buf = buf
+        self.header = buf[: POOL_HEADER.itemsize].view(POOL_HEADER)[0]
+        h = self.header
+        self.slot_count = int(h["slot_count"])
+        self.layout = FrameLayout(int(h["input_capacity"]), int(h["output_capacity"]))
+        n = self.slot_count
+        self.states_offset = int(h["states_offset"])
+        self.doorbells_offset = int(h["doorbells_offset"])
+        self.states = buf[self.states_offset : self.states_offset + 8 * n].view(np.uint64)
+        self.doorbells = buf[self.doorbells_offset : self.doorbells_offset + 8 * n].view(np.uint64)
+        self.slots = FrameArray(buf, int(h["slots_offset"]), n, self.layout)
+        self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.states))
+
+    @staticmethod
+    def layout_for(slot_count: int, input_capacity: int, output_capacity: int) -> dict[str, int]:
+        """Header fields (offsets, sizes) of a pool with these dimensions."""
+        hdr = ffi.new("struct ep_pool_header *")
+        if lib.ep_pool_layout(slot_count, input_capacity, output_capacity, hdr) != lib.EP_OK:
+            raise PoolError(
+                f"invalid pool dimensions: {slot_count} slots (allowed 1..{lib.EP_SLOT_MAX + 1}), "
+                f"input {input_capacity} and output {output_capacity} tokens (each at least 1)"
+            )
+        return {name: getattr(hdr, name) for name, _ in ffi.typeof("struct ep_pool_header").fields
+                if name != "reserved"}
+
+    @classmethod
+    def create(cls, buf: np.ndarray, slot_count: int, input_capacity: int, output_capacity: int,
+               lease_ns: int, epoch: int) -> SlotPool:
+        """Initialise ``buf`` as an empty pool (all slots FREE, generation 0) and view it."""
+        FrameLayout(input_capacity, output_capacity)
+        hdr = ffi.new("struct ep_pool_header *")
+        if lib.ep_pool_layout(slot_count, input_capacity, output_capacity, hdr) != lib.EP_OK:
+            cls.layout_for(slot_count, input_capacity, output_capacity)
+        hdr.lease_ns = lease_ns
+        hdr.server_epoch = epoch
+        if lib.ep_pool_init(ffi.from_buffer(buf), buf.nbytes, hdr) != lib.EP_OK:
+            raise PoolError(f"pool needs {hdr.total_size} bytes, buffer has {buf.nbytes}")
+        return cls(buf)
+
+    def word(self, slot: int) -> int:
+        """The state word of ``slot``, read with acquire ordering."""
+        return int(lib.ep_load64(self._states_ptr + slot))
+
+    def slot_word(self, slot: int) -> SlotWord:
+        return SlotWord.unpack(self.word(slot))
+
+    def count(self, state: State) -> int:
+        return int(np.count_nonzero((self.states & np.uint64(0xFF)) == int(state)))
+
+    def free_count(self) -> int:
+        return self.count(State.FREE)
+
+
+def _describe_invalid(buf: np.ndarray, rc: int) -> str:
+    if rc == lib.EP_POOL_E_MAGIC:
+        found = int(buf[:8].view(np.uint64)[0]) if buf.nbytes >= 8 else None
+        return f"not an edgepath slot pool: magic {found:#x}, expected {lib.EP_POOL_MAGIC:#x}"
+    if rc == lib.EP_POOL_E_VERSION:
+        found = int(buf[8:12].view(np.uint32)[0])
+        return (f"slot pool ABI version {found} is not supported: this edgepath speaks version "
+                f"{lib.EP_ABI_VERSION}; run agent and slot server from the same release")
+    if rc == lib.EP_POOL_E_LAYOUT:
+        return "slot pool header is inconsistent (offsets or sizes do not match its dimensions)"
+    return f"slot pool memory too small ({buf.nbytes} bytes) for its header"

@@ -1,0 +1,184 @@
+"""The transport interface: the handful of one-sided RDMA verbs the data path needs.
+
+Transports are interchangeable: ``loopback`` (shared memory between processes,
+C11 atomics) and ``verbs`` (pyverbs / rdma-core) implement the same classes, and
+the agent and slot server are written only against these.
+
+Model (RDMA's): an endpoint *registers* memory regions with the access peers may
+have, *exports* some of them when a connection is set up (the peer learns only
+those, like rkeys in rdma_cm private data), and owns one completion queue on
+which immediate-data completions from all of its connections arrive.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class TransportError(RuntimeError):
+    """A verb failed: remote access error, bounds, a closed connection, a CQ overrun."""
+
+
+class TransportUnavailable(TransportError):
+    """The transport cannot be used on this machine (no device, no driver, no package)."""
+
+
+class Access(enum.IntFlag):
+    """What a peer may do to a region (RDMA's remote access flags)."""
+
+    NONE = 0
+    REMOTE_READ = 1
+    REMOTE_WRITE = 2
+    REMOTE_ATOMIC = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """An immediate-data completion: which connection it arrived on, and the 32-bit immediate."""
+
+    conn_id: int
+    imm: int
+
+
+@dataclass(eq=False)
+class MemoryRegion:
+    """Local memory registered with a transport. ``buf`` is a uint8 view of all of it."""
+
+    name: str
+    buf: np.ndarray
+    access: Access
+
+
+@dataclass(eq=False)
+class RemoteRegion:
+    """A peer's exported region as this side sees it: a name, a length, the access granted."""
+
+    name: str
+    length: int
+    access: Access
+    handle: Any = field(repr=False, default=None)
+
+    def check(self, offset: int, length: int, need: Access) -> None:
+        """Raise unless ``[offset, offset+length)`` is inside the region and ``need`` is granted."""
+        if need not in self.access:
+            raise TransportError(f"remote region {self.name!r} does not grant {need.name}")
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise TransportError(
+                f"access [{offset}, {offset + length}) outside remote region {self.name!r} "
+                f"of {self.length} bytes"
+            )
+
+
+@dataclass
+class TransferCounters:
+    """What crossed a connection: the copy counter of the zero-copy claim."""
+
+    cas: int = 0
+    reads: int = 0
+    writes: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class Connection(abc.ABC):
+    """A reliable connection to one peer (an RC queue pair)."""
+
+    #: the id this side's completions carry for this connection
+    conn_id: int
+    #: the id the peer gave this side (an agent's claimant id on a slot server)
+    peer_assigned_id: int
+    #: the peer's exported regions, by name
+    remote: dict[str, RemoteRegion]
+    #: the peer's connection private data (e.g. pool dimensions)
+    peer_info: dict[str, Any]
+    counters: TransferCounters
+
+    @abc.abstractmethod
+    def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
+        """Atomic CAS on a remote u64; returns the value found (== expected on success)."""
+
+    @abc.abstractmethod
+    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
+              length: int) -> None:
+        """RDMA WRITE; returns once the data is placed (the send completion)."""
+
+    @abc.abstractmethod
+    def write_with_imm(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion,
+                       remote_offset: int, length: int, imm: int) -> None:
+        """RDMA WRITE_WITH_IMM: the data, then a completion carrying ``imm`` on the peer's CQ."""
+
+    @abc.abstractmethod
+    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
+             length: int) -> None:
+        """RDMA READ into local memory."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """A descriptor that turns readable when the connection has a management event."""
+
+    @abc.abstractmethod
+    def check_alive(self) -> bool:
+        """Handle pending management events; False once the peer has gone."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class CompletionQueue(abc.ABC):
+    """Receive completions of all of an endpoint's connections."""
+
+    @abc.abstractmethod
+    def poll(self, max_entries: int = 64) -> list[Completion]:
+        """What has arrived, without waiting."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None, spin: float = 0.0, max_entries: int = 64) -> list[Completion]:
+        """Spin up to ``spin`` seconds, then sleep (no core burned) until something arrives or
+        ``timeout`` seconds pass (None: forever). Returns [] on timeout."""
+
+    @abc.abstractmethod
+    def fileno(self) -> int:
+        """A descriptor an event loop can watch; readable after :meth:`arm` when entries arrive."""
+
+    @abc.abstractmethod
+    def arm(self) -> None:
+        """Request a notification on :meth:`fileno` for the next completion (ibv_req_notify_cq)."""
+
+
+class Listener(abc.ABC):
+    address: str
+
+    @abc.abstractmethod
+    def accept(self, timeout: float | None = None) -> Connection | None: ...
+
+    @abc.abstractmethod
+    def fileno(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """One endpoint: its registered memory, its completion queue, its connections."""
+
+    name: str
+    cq: CompletionQueue
+
+    @abc.abstractmethod
+    def register(self, name: str, length: int, access: Access) -> MemoryRegion:
+        """Allocate and register ``length`` bytes that peers may access as ``access`` allows."""
+
+    @abc.abstractmethod
+    def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> Listener: ...
+
+    @abc.abstractmethod
+    def connect(self, address: str, exports: list[MemoryRegion], info: dict[str, Any],
+                timeout: float = 5.0) -> Connection: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The DPU-side agent: claims slots and writes requests over a transport."""

@@ -1,0 +1,291 @@
+"""The DPU-side agent: claims a slot with a remote CAS, writes the request, rings the doorbell.
+
+The agent owns a registered *frame* region.  Whoever feeds it (the edge, in
+process or through :mod:`edgepath.dpu.agent_service`) writes a request's token
+ids once, straight into a frame; the agent sends that frame to the claimed slot
+with one RDMA WRITE (no copy on the way) and the slot server writes the result
+back into the same frame's result area.
+
+Admission is decided once, at claim time: a slot is taken only by a CAS of its
+state word from FREE to CLAIMED.  If no CAS on any attached slot server succeeds
+(after one refresh of the cached state words), the answer is NO_SLOT at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgepath.dma.pool import FrameArray, FrameLayout
+from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
+from edgepath.dma.state import claim_word, doorbell_imm
+from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Status, ffi, lib
+
+log = logging.getLogger("edgepath.agent")
+
+_DOORBELL_FIELD = REQUEST_HEADER.fields["doorbell"][1]
+_FREE_MASK = np.uint64(0xFF)
+
+
+class AgentError(RuntimeError):
+    """Attaching to a slot server failed (unreachable, incompatible ABI or dimensions)."""
+
+
+@dataclass
+class ClaimStats:
+    claims: int = 0
+    cas_attempts: int = 0
+    cas_failures: int = 0
+    refreshes: int = 0
+    no_slot: int = 0
+
+
+@dataclass(eq=False)
+class ServerLink:
+    """One attached slot server: its connection, pool geometry and cached state words."""
+
+    address: str
+    conn: Connection
+    slot_count: int
+    input_capacity: int
+    output_capacity: int
+    states_offset: int
+    doorbells_offset: int
+    slots_offset: int
+    slot_stride: int
+    epoch: int
+    words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
+    words_offset: int
+    cursor: int = 0
+    inflight: int = 0
+    alive: bool = True
+    stats: ClaimStats = field(default_factory=ClaimStats)
+
+    @property
+    def claimant(self) -> int:
+        return self.conn.peer_assigned_id
+
+    @property
+    def free_hint(self) -> int:
+        """Free slots as last seen (cached words), an ordering hint across servers."""
+        return int(np.count_nonzero((self.words & _FREE_MASK) == 0))
+
+
+@dataclass(slots=True)
+class InFlight:
+    link: ServerLink
+    slot: int
+    generation: int
+
+
+class Agent:
+    """Claims slots on attached slot servers and moves frames into them."""
+
+    def __init__(self, transport: Transport, frames: int = 256, input_capacity: int = 4096,
+                 output_capacity: int = 4096, max_servers: int = 8, max_slots_per_server: int = 65536) -> None:
+        self.transport = transport
+        self.layout = FrameLayout(input_capacity, output_capacity)
+        self.frames_mr: MemoryRegion = transport.register(REPLIES_REGION, frames * self.layout.stride,
+                                                          Access.REMOTE_WRITE)
+        self.frames = FrameArray(self.frames_mr.buf, 0, frames, self.layout)
+        self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
+        self._words_per_link = max_slots_per_server
+        self.scratch_mr = transport.register("words", 8 * max_slots_per_server * max_servers + POOL_HEADER.itemsize,
+                                             Access.NONE)
+        self.links: list[ServerLink] = []
+        self.by_conn: dict[int, ServerLink] = {}
+        self.inflight: dict[int, InFlight] = {}
+        self.max_servers = max_servers
+
+    # -- attaching ------------------------------------------------------------------
+    def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
+        """Connect to a slot server and verify its pool (magic, ABI version, geometry)."""
+        if len(self.links) >= self.max_servers:
+            raise AgentError(f"already attached to {self.max_servers} slot servers")
+        info = {"frames": self.frames.count, "input_capacity": self.layout.input_capacity,
+                "output_capacity": self.layout.output_capacity, "frames_offset": 0}
+        try:
+            conn = self.transport.connect(address, [self.frames_mr], info, timeout=timeout)
+        except TransportError as exc:
+            raise AgentError(f"cannot attach to slot server at {address}: {exc}") from exc
+        try:
+            link = self._verify(address, conn)
+        except Exception:
+            conn.close()
+            raise
+        self.links.append(link)
+        self.by_conn[conn.conn_id] = link
+        return link
+
+    def _verify(self, address: str, conn: Connection) -> ServerLink:
+        pool = conn.remote.get(POOL_REGION)
+        if pool is None or Access.REMOTE_ATOMIC not in pool.access or Access.REMOTE_WRITE not in pool.access:
+            raise AgentError(f"{address}: peer exports no writable, atomic {POOL_REGION!r} region")
+        hdr_off = self.scratch_mr.buf.nbytes - POOL_HEADER.itemsize
+        conn.read(self.scratch_mr, hdr_off, pool, 0, POOL_HEADER.itemsize)
+        header = self.scratch_mr.buf[hdr_off:hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
+        if int(header["magic"]) != MAGIC:
+            raise AgentError(f"{address}: not an edgepath slot pool (magic {int(header['magic']):#x}, "
+                             f"expected {MAGIC:#x})")
+        if int(header["abi_version"]) != ABI_VERSION:
+            raise AgentError(f"{address}: slot pool ABI version {int(header['abi_version'])}, this agent "
+                             f"speaks {ABI_VERSION}; run agent and slot server from the same release")
+        n = int(header["slot_count"])
+        if n > self._words_per_link:
+            raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
+        words_offset = 8 * self._words_per_link * len(self.links)
+        words = self.scratch_mr.buf[words_offset:words_offset + 8 * n].view(np.uint64)
+        link = ServerLink(address, conn, n, int(header["input_capacity"]), int(header["output_capacity"]),
+                          int(header["states_offset"]), int(header["doorbells_offset"]),
+                          int(header["slots_offset"]), int(header["slot_stride"]), int(header["server_epoch"]),
+                          words, words_offset)
+        self._refresh(link)
+        return link
+
+    def _refresh(self, link: ServerLink) -> None:
+        """One RDMA READ of the server's state words into the cache."""
+        link.stats.refreshes += 1
+        link.conn.read(self.scratch_mr, link.words_offset, link.conn.remote[POOL_REGION], link.states_offset,
+                       8 * link.slot_count)
+
+    # -- claiming -------------------------------------------------------------------
+    def _try_claim(self, link: ServerLink, slot: int) -> int | None:
+        """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
+        pool = link.conn.remote[POOL_REGION]
+        offset = link.states_offset + 8 * slot
+        expected = int(link.words[slot])
+        for _ in range(2):  # second try only when the slot was FREE in a newer generation
+            desired = claim_word(expected, link.claimant)
+            link.stats.cas_attempts += 1
+            found = link.conn.compare_and_swap(pool, offset, expected, desired)
+            if found == expected:
+                link.words[slot] = desired
+                return desired >> 32
+            link.stats.cas_failures += 1
+            link.words[slot] = found
+            if found & 0xFF:
+                return None
+            expected = found
+        return None
+
+    def claim(self, link: ServerLink) -> tuple[int, int] | None:
+        """Claim any free slot of ``link``: (slot, generation), or None when none is free."""
+        for attempt in range(2):
+            free = np.flatnonzero((link.words & _FREE_MASK) == 0)
+            if len(free):
+                start = int(np.searchsorted(free, link.cursor))
+                for slot in (*free[start:], *free[:start]):
+                    gen = self._try_claim(link, int(slot))
+                    if gen is not None:
+                        link.cursor = int(slot) + 1
+                        link.stats.claims += 1
+                        return int(slot), gen
+            if attempt == 0:
+                self._refresh(link)
+        link.stats.no_slot += 1
+        return None
+
+    # -- requests -------------------------------------------------------------------
+    def check_frame(self, index: int) -> str | None:
+        """Why frame ``index`` cannot be sent (None if it can)."""
+        if not 0 <= index < self.frames.count:
+            return f"frame index {index} outside 0..{self.frames.count - 1}"
+        if index in self.inflight:
+            return f"frame {index} is already in flight"
+        req = self.frames.requests[index]
+        count = int(req["token_count"])
+        if not 1 <= count <= self.layout.input_capacity:
+            return f"token_count {count} outside 1..{self.layout.input_capacity}"
+        max_new = int(req["max_new_tokens"])
+        if not 0 <= max_new <= self.layout.output_capacity:
+            return f"max_new_tokens {max_new} outside 0..{self.layout.output_capacity}"
+        return None
+
+    def submit(self, index: int) -> Status | None:
+        """Send frame ``index``. None: in flight (its result arrives via :meth:`poll`);
+        otherwise the immediate outcome: NO_SLOT, UNAVAILABLE (no live server) or BAD_REQUEST."""
+        if self.check_frame(index) is not None:
+            return Status.BAD_REQUEST
+        count = int(self.frames.requests[index]["token_count"])
+        live = [link for link in self.links if link.alive and count <= link.input_capacity]
+        if not live:
+            return Status.UNAVAILABLE if not any(link.alive for link in self.links) else Status.BAD_REQUEST
+        if len(live) > 1:
+            live.sort(key=lambda link: -link.free_hint)
+        for link in live:
+            try:
+                claimed = self.claim(link)
+            except TransportError as exc:
+                self._link_down(link, exc)
+                continue
+            if claimed is None:
+                continue
+            slot, gen = claimed
+            try:
+                self._send(link, index, slot, gen, count)
+            except TransportError as exc:
+                self._link_down(link, exc)
+                return Status.UNAVAILABLE
+            return None
+        if not any(link.alive for link in self.links):
+            return Status.UNAVAILABLE
+        return Status.NO_SLOT
+
+    def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
+        frame_off = self.frames.frame_offset(index)
+        lib.ep_request_stamp(self._frames_ptr + frame_off, gen & 0xFFFFFFFF, slot, index)
+        pool = link.conn.remote[POOL_REGION]
+        self.inflight[index] = InFlight(link, slot, gen)
+        link.inflight += 1
+        link.conn.write(self.frames_mr, frame_off, pool, link.slots_offset + slot * link.slot_stride,
+                        self.layout.request_bytes(count))
+        link.conn.write_with_imm(self.frames_mr, frame_off + _DOORBELL_FIELD, pool,
+                                 link.doorbells_offset + 8 * slot, 8, doorbell_imm(slot, gen))
+
+    def _link_down(self, link: ServerLink, exc: Exception) -> None:
+        if link.alive:
+            log.warning("slot server %s unavailable: %s", link.address, exc)
+        link.alive = False
+
+    def complete(self, conn_id: int, reply_index: int) -> int | None:
+        """Account a result notification; the frame index it completes, or None if stale."""
+        flight = self.inflight.get(reply_index)
+        link = self.by_conn.get(conn_id)
+        if flight is None or link is None or flight.link is not link:
+            log.warning("ignoring result for frame %d from connection %d: not in flight there",
+                        reply_index, conn_id)
+            return None
+        if int(self.frames.results[reply_index]["generation"]) != flight.generation & 0xFFFFFFFF:
+            log.warning("ignoring stale result for frame %d", reply_index)
+            return None
+        del self.inflight[reply_index]
+        link.inflight -= 1
+        # The server frees the slot before notifying: remember it as FREE in this generation.
+        link.words[flight.slot] = np.uint64((flight.generation << 32) & 0xFFFFFFFF00000000)
+        return reply_index
+
+    def fail_link(self, link: ServerLink) -> list[int]:
+        """Mark ``link`` down; frames that were in flight there (now lost) are returned."""
+        link.alive = False
+        lost = [i for i, f in self.inflight.items() if f.link is link]
+        for i in lost:
+            del self.inflight[i]
+        link.inflight = 0
+        return lost
+
+    def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[int]:
+        """Frames whose results have arrived (results are in ``frames.results`` / ``frames.outputs``)."""
+        done = []
+        for c in self.transport.cq.wait(timeout, spin=spin, max_entries=256):
+            index = self.complete(c.conn_id, c.imm)
+            if index is not None:
+                done.append(index)
+        return done
+
+    def describe(self) -> dict[str, Any]:
+        return {"servers": [{"address": link.address, "slots": link.slot_count, "alive": link.alive,
+                             "inflight": link.inflight, **link.stats.__dict__} for link in self.links]}

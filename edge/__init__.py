@@ -1,0 +1,1 @@
+"""The QUIC/HTTP edge: request parsing, tokenization, admission."""

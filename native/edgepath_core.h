@@ -1,0 +1,62 @@
+/*
+ * Host-side data-plane primitives (built into edgepath.native._core by cffi).
+ * Everything between the CDEF markers is the cffi cdef; see edgepath_slot.h.
+ */
+#ifndef EDGEPATH_CORE_H
+#define EDGEPATH_CORE_H
+
+#include <stddef.h>
+#include "edgepath_slot.h"
+
+/* CDEF-BEGIN */
+uint64_t ep_now_ns(void);
+
+/* State machine (edgepath_step.h) exposed to Python, and applied atomically. */
+int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant, uint64_t *next);
+uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot);
+uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot);
+int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev);
+
+/* Loopback "NIC" operations on shared memory. */
+uint64_t ep_cas64(uint64_t *addr, uint64_t expected, uint64_t desired);
+uint64_t ep_load64(const uint64_t *addr);
+void ep_store64(uint64_t *addr, uint64_t value);
+void ep_copy(void *dst, const void *src, size_t n);
+
+/* Agent: fill the fields a claim decides, just before the request is written. */
+void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_t reply_index);
+
+/* Pool layout. */
+int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,
+                   struct ep_pool_header *out);
+uint64_t ep_frame_stride(uint32_t input_capacity, uint32_t output_capacity);
+uint64_t ep_result_offset(uint32_t input_capacity);
+int ep_pool_init(void *base, uint64_t size, const struct ep_pool_header *layout);
+int ep_pool_validate(const void *base, uint64_t size);
+
+/* Completion queue: bounded MPSC ring in shared memory plus an eventfd. */
+uint64_t ep_cq_size(uint32_t capacity);
+int ep_cq_init(void *ring, uint32_t capacity);
+int ep_cq_push(void *ring, uint64_t value, int efd);
+int ep_cq_poll(void *ring, uint64_t *out, int max);
+int ep_cq_wait(void *ring, int efd, uint64_t *out, int max, int64_t timeout_ns, int64_t spin_ns);
+
+/* Loopback WRITE_WITH_IMM: copy then post the completion (conn << 32 | imm). */
+int ep_write_imm(void *dst, const void *src, size_t n, void *ring, uint64_t value, int efd);
+
+/* Slot-server poller core. */
+int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *ready_slots,
+                        uint32_t *ready_conns, uint64_t now_ns, int *rejected);
+int ep_scan_leases(void *pool, uint64_t *seen_word, uint64_t *seen_ns, uint64_t now_ns,
+                   uint32_t *expired, int max);
+
+/* Pool validation failures (ep_pool_validate) and CQ errors. */
+#define EP_POOL_E_SIZE -10
+#define EP_POOL_E_MAGIC -11
+#define EP_POOL_E_VERSION -12
+#define EP_POOL_E_LAYOUT -13
+#define EP_CQ_E_FULL -20
+#define EP_CQ_E_WAIT -21
+/* CDEF-END */
+
+#endif

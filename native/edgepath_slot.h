@@ -1,0 +1,117 @@
+/*
+ * edgepath slot ABI: the single source of truth for the memory shared by the
+ * agent (writer, via RDMA or loopback) and the slot server / poller (reader).
+ *
+ * Everything between the CDEF markers is also fed to cffi's cdef, so the
+ * Python view of this ABI is generated from this file and checked against the
+ * C compiler's layout at build time (cffi API mode) and by tests/test_abi.py
+ * (an independent gcc-compiled offset dump).
+ *
+ * Pool memory (one registered region):
+ *   [ep_pool_header][u64 state[slot_count]][u64 doorbell[slot_count]][slots...]
+ * each array starts on a 64-byte boundary; each slot is slot_stride bytes:
+ *   [ep_request_header][int32 tokens[input_capacity]][ep_result_header][int32 output[output_capacity]]
+ * A requester's reply region uses the same per-entry layout (a "frame"), so
+ * the request part is sent with one RDMA WRITE and the result part comes back
+ * with one RDMA WRITE.
+ */
+#ifndef EDGEPATH_SLOT_H
+#define EDGEPATH_SLOT_H
+
+#include <stdint.h>
+
+/* CDEF-BEGIN */
+#define EP_POOL_MAGIC 0x4c4f4f5045474445
+#define EP_ABI_VERSION 1
+
+/* Slot states (low 8 bits of the state word). */
+#define EP_FREE 0
+#define EP_CLAIMED 1
+#define EP_READY 2
+#define EP_RUNNING 3
+#define EP_DONE 4
+
+/* State-machine events understood by ep_step(). */
+#define EP_EV_CLAIM 1
+#define EP_EV_DOORBELL 2
+#define EP_EV_START 3
+#define EP_EV_COMPLETE 4
+#define EP_EV_RELEASE 5
+#define EP_EV_EXPIRE 6
+
+/* ep_step() results. */
+#define EP_OK 0
+#define EP_E_STATE -1
+#define EP_E_STALE -2
+#define EP_E_EVENT -3
+
+/* State word: generation (bits 32..63) | claimant (bits 8..31) | state (bits 0..7). */
+#define EP_CLAIMANT_MAX 16777215
+
+/* Doorbell word (written last): generation << 32 | EP_DOORBELL_VALID | slot. */
+#define EP_DOORBELL_VALID 2147483648
+#define EP_SLOT_MAX 65535
+
+/* Result status codes (ep_result_header.status). */
+#define EP_STATUS_OK 0
+#define EP_STATUS_HANDLER_ERROR 1
+#define EP_STATUS_BAD_REQUEST 2
+#define EP_STATUS_NO_SLOT 3
+#define EP_STATUS_UNAVAILABLE 4
+
+#define EP_ALIGN 64
+
+struct ep_pool_header {
+    uint64_t magic;
+    uint32_t abi_version;
+    uint32_t slot_count;
+    uint32_t input_capacity;   /* tokens per slot */
+    uint32_t output_capacity;  /* tokens per slot */
+    uint64_t slot_stride;      /* bytes */
+    uint64_t states_offset;
+    uint64_t doorbells_offset;
+    uint64_t slots_offset;
+    uint64_t total_size;
+    uint64_t server_epoch;     /* changes on every slot-server start */
+    uint64_t lease_ns;         /* CLAIMED without doorbell for longer is reclaimed */
+    uint64_t reserved[6];
+};
+
+struct ep_request_header {
+    uint64_t request_id;
+    uint32_t token_count;
+    uint32_t max_new_tokens;
+    uint32_t flags;
+    uint32_t generation;       /* generation the writer claimed */
+    uint64_t t_receive_ns;     /* CLOCK_MONOTONIC, edge */
+    uint64_t t_tokenized_ns;
+    uint64_t t_written_ns;
+    uint64_t doorbell;         /* value rung into doorbell[slot] */
+    uint32_t reply_index;      /* entry of the requester's reply region */
+    uint32_t reserved;
+};
+
+struct ep_result_header {
+    uint64_t request_id;
+    uint32_t generation;
+    uint32_t slot;
+    int32_t status;
+    uint32_t output_count;
+    uint64_t t_ready_ns;       /* poller saw the doorbell */
+    uint64_t t_start_ns;       /* handler started */
+    uint64_t t_done_ns;        /* handler finished */
+    uint64_t reserved[2];
+};
+/* CDEF-END */
+
+/* The fixed parts are whole cache lines, so token areas stay 64-byte aligned. */
+#ifdef __cplusplus
+#define EP_STATIC_ASSERT static_assert
+#else
+#define EP_STATIC_ASSERT _Static_assert
+#endif
+EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 128, "ep_pool_header must be 128 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 64, "ep_request_header must be 64 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 64, "ep_result_header must be 64 bytes");
+
+#endif

@@ -1,0 +1,92 @@
+/*
+ * The slot state machine's transition step, shared verbatim by the CPU poller
+ * (native/edgepath_core.c) and the CUDA poller (native/edgepath_poller.cu).
+ * Pure functions on a state word: no memory access, no atomics, so the same
+ * code runs on host and device and is exhaustively testable on the CPU.
+ */
+#ifndef EDGEPATH_STEP_H
+#define EDGEPATH_STEP_H
+
+#include "edgepath_slot.h"
+
+#if defined(__CUDACC__)
+#define EP_HD __host__ __device__ __forceinline__
+#else
+#define EP_HD static inline
+#endif
+
+EP_HD uint64_t ep_word(uint32_t generation, uint32_t state, uint32_t claimant)
+{
+    return ((uint64_t)generation << 32) | ((uint64_t)(claimant & EP_CLAIMANT_MAX) << 8) | (state & 0xffu);
+}
+
+EP_HD uint32_t ep_word_state(uint64_t w) { return (uint32_t)(w & 0xffu); }
+EP_HD uint32_t ep_word_claimant(uint64_t w) { return (uint32_t)((w >> 8) & EP_CLAIMANT_MAX); }
+EP_HD uint32_t ep_word_generation(uint64_t w) { return (uint32_t)(w >> 32); }
+
+EP_HD uint64_t ep_doorbell(uint32_t generation, uint32_t slot)
+{
+    return ((uint64_t)generation << 32) | (uint64_t)EP_DOORBELL_VALID | (slot & EP_SLOT_MAX);
+}
+
+/* 32-bit immediate of a doorbell (WRITE_WITH_IMM): generation's low 16 bits | slot. */
+EP_HD uint32_t ep_doorbell_imm(uint32_t generation, uint32_t slot)
+{
+    return ((generation & 0xffffu) << 16) | (slot & EP_SLOT_MAX);
+}
+
+/*
+ * Next state word for `event` applied to `cur`.  `generation` is the
+ * generation the event refers to (ignored for CLAIM, which bumps it);
+ * `claimant` is only used by CLAIM.  Returns EP_OK and sets *next, or an
+ * EP_E_* code and leaves *next untouched: a stale generation (late doorbell,
+ * expired lease, old result) is EP_E_STALE, a wrong state is EP_E_STATE.
+ */
+EP_HD int ep_step(uint64_t cur, int event, uint32_t generation, uint32_t claimant, uint64_t *next)
+{
+    uint32_t st = ep_word_state(cur);
+    uint32_t gen = ep_word_generation(cur);
+    uint32_t who = ep_word_claimant(cur);
+
+    if (event == EP_EV_CLAIM) {
+        if (st != EP_FREE)
+            return EP_E_STATE;
+        if (claimant == 0 || claimant > EP_CLAIMANT_MAX)
+            return EP_E_EVENT;
+        *next = ep_word(gen + 1u, EP_CLAIMED, claimant);
+        return EP_OK;
+    }
+    if (event < EP_EV_DOORBELL || event > EP_EV_EXPIRE)
+        return EP_E_EVENT;
+    if (generation != gen)
+        return EP_E_STALE;
+    switch (event) {
+    case EP_EV_DOORBELL:
+        if (st != EP_CLAIMED)
+            return EP_E_STATE;
+        *next = ep_word(gen, EP_READY, who);
+        return EP_OK;
+    case EP_EV_START:
+        if (st != EP_READY)
+            return EP_E_STATE;
+        *next = ep_word(gen, EP_RUNNING, who);
+        return EP_OK;
+    case EP_EV_COMPLETE:
+        if (st != EP_RUNNING)
+            return EP_E_STATE;
+        *next = ep_word(gen, EP_DONE, who);
+        return EP_OK;
+    case EP_EV_RELEASE:
+        if (st != EP_DONE)
+            return EP_E_STATE;
+        *next = ep_word(gen, EP_FREE, 0);
+        return EP_OK;
+    default: /* EP_EV_EXPIRE */
+        if (st != EP_CLAIMED)
+            return EP_E_STATE;
+        *next = ep_word(gen, EP_FREE, 0);
+        return EP_OK;
+    }
+}
+
+#endif
