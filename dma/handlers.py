@@ -49,8 +49,7 @@ def load_handler(spec: str) -> Handler:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise HandlerError(
-            f"unknown handler {spec!r}: use a built-in ({', '.join(BUILTIN)}) or 'module:function'")
+        raise HandlerError(f"unknown handler {spec!r}: use a built-in ({', '.join(BUILTIN)}) or 'module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -29,6 +29,7 @@ from edgepath.dma.transport import (
     Listener,
     MemoryRegion,
     RemoteRegion,
+    ReplyInfo,
     TransferCounters,
     Transport,
     TransportError,
@@ -104,17 +105,16 @@ class LoopbackCQ(CompletionQueue):
 
     def wait(self, timeout: float | None, spin: float = 0.0, max_entries: int = 64) -> list[Completion]:
         timeout_ns = -1 if timeout is None else int(timeout * 1e9)
-        n = lib.ep_cq_wait(self._map.ptr, self.event_fd, self._out, min(max_entries, 256), timeout_ns,
-                           int(spin * 1e9))
+        n = lib.ep_cq_wait(self._map.ptr, self.event_fd, self._out, min(max_entries, 256), timeout_ns, int(spin * 1e9))
         return self._convert(n)
 
     def fileno(self) -> int:
         return self.event_fd
 
-    def arm(self) -> None:
-        """Arm by a zero-timeout wait: it sets the armed flag when nothing is pending."""
+    def arm(self) -> bool:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.event_fd)
+        return bool(lib.ep_cq_arm(self._map.ptr))
 
     def close(self) -> None:
         os.close(self.event_fd)
@@ -156,14 +156,19 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if message.get("version") != PROTOCOL_VERSION:
         for fd in fds:
             os.close(fd)
-        raise TransportError(
-            f"peer speaks loopback protocol {message.get('version')!r}, this side {PROTOCOL_VERSION}")
+        raise TransportError(f"peer speaks loopback protocol {message.get('version')!r}, this side {PROTOCOL_VERSION}")
     return message, fds
 
 
 class LoopbackConnection(Connection):
-    def __init__(self, transport: LoopbackTransport, sock: socket.socket, conn_id: int,
-                 message: dict[str, Any], fds: list[int]) -> None:
+    def __init__(
+        self,
+        transport: LoopbackTransport,
+        sock: socket.socket,
+        conn_id: int,
+        message: dict[str, Any],
+        fds: list[int],
+    ) -> None:
         self.transport = transport
         self.sock = sock
         self.conn_id = conn_id
@@ -196,8 +201,9 @@ class LoopbackConnection(Connection):
         self.counters.cas += 1
         return int(lib.ep_cas64(ffi.cast("uint64_t *", remote.handle.ptr + offset), expected, desired))
 
-    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
-              length: int) -> None:
+    def write(
+        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
+    ) -> None:
         self._live()
         remote.check(remote_offset, length, Access.REMOTE_WRITE)
         _check_local(local, local_offset, length)
@@ -205,20 +211,34 @@ class LoopbackConnection(Connection):
         self.counters.writes += 1
         self.counters.bytes_written += length
 
-    def write_with_imm(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion,
-                       remote_offset: int, length: int, imm: int) -> None:
+    def write_with_imm(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteRegion,
+        remote_offset: int,
+        length: int,
+        imm: int,
+    ) -> None:
         self._live()
         remote.check(remote_offset, length, Access.REMOTE_WRITE)
         _check_local(local, local_offset, length)
-        rc = lib.ep_write_imm(remote.handle.ptr + remote_offset, local.ptr + local_offset, length,
-                              self._peer_cq.ptr, self._tag | (imm & 0xFFFFFFFF), self._peer_cq.event_fd)
+        rc = lib.ep_write_imm(
+            remote.handle.ptr + remote_offset,
+            local.ptr + local_offset,
+            length,
+            self._peer_cq.ptr,
+            self._tag | (imm & 0xFFFFFFFF),
+            self._peer_cq.event_fd,
+        )
         if rc != lib.EP_OK:
             raise TransportError(f"peer completion queue overrun on connection {self.conn_id}")
         self.counters.writes += 1
         self.counters.bytes_written += length
 
-    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
-             length: int) -> None:
+    def read(
+        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
+    ) -> None:
         self._live()
         remote.check(remote_offset, length, Access.REMOTE_READ)
         _check_local(local, local_offset, length)
@@ -259,13 +279,14 @@ class LoopbackConnection(Connection):
 def _check_local(local: MemoryRegion, offset: int, length: int) -> None:
     if offset < 0 or length < 0 or offset + length > local.buf.nbytes:
         raise TransportError(
-            f"local access [{offset}, {offset + length}) outside region {local.name!r} "
-            f"of {local.buf.nbytes} bytes")
+            f"local access [{offset}, {offset + length}) outside region {local.name!r} of {local.buf.nbytes} bytes"
+        )
 
 
 class LoopbackListener(Listener):
-    def __init__(self, transport: LoopbackTransport, address: str, exports: list[LoopbackRegion],
-                 info: dict[str, Any]) -> None:
+    def __init__(
+        self, transport: LoopbackTransport, address: str, exports: list[LoopbackRegion], info: dict[str, Any]
+    ) -> None:
         self.transport = transport
         self.address = address
         self._exports = exports
@@ -275,7 +296,7 @@ class LoopbackListener(Listener):
         self.sock.bind(address)
         self.sock.listen(64)
 
-    def accept(self, timeout: float | None = None) -> LoopbackConnection | None:
+    def accept(self, timeout: float | None = None, reply_info: ReplyInfo | None = None) -> LoopbackConnection | None:
         self.sock.settimeout(timeout)
         try:
             sock, _ = self.sock.accept()
@@ -285,9 +306,12 @@ class LoopbackListener(Listener):
         try:
             message, fds = _recv(sock)
             conn_id = self.transport._next_id()
-            reply = self.transport._hello(conn_id, self._exports, self._info)
+            info = dict(self._info)
+            if reply_info is not None:
+                info.update(reply_info(dict(message.get("info", {}))))
+            reply = self.transport._hello(conn_id, self._exports, info)
             _send(sock, reply, self.transport._hello_fds(self._exports))
-        except (OSError, TransportError, KeyError):
+        except (OSError, TransportError, KeyError, ValueError):
             sock.close()
             raise
         conn = LoopbackConnection(self.transport, sock, conn_id, message, fds)
@@ -364,8 +388,9 @@ class LoopbackTransport(Transport):
     def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> LoopbackListener:
         return LoopbackListener(self, address, _own(exports), info)
 
-    def connect(self, address: str, exports: list[MemoryRegion], info: dict[str, Any],
-                timeout: float = 5.0) -> LoopbackConnection:
+    def connect(
+        self, address: str, exports: list[MemoryRegion], info: dict[str, Any], timeout: float = 5.0
+    ) -> LoopbackConnection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:

@@ -118,12 +118,20 @@ class SlotPool:
                 f"invalid pool dimensions: {slot_count} slots (allowed 1..{lib.EP_SLOT_MAX + 1}), "
                 f"input {input_capacity} and output {output_capacity} tokens (each at least 1)"
             )
-        return {name: getattr(hdr, name) for name, _ in ffi.typeof("struct ep_pool_header").fields
-                if name != "reserved"}
+        return {
+            name: getattr(hdr, name) for name, _ in ffi.typeof("struct ep_pool_header").fields if name != "reserved"
+        }
 
     @classmethod
-    def create(cls, buf: np.ndarray, slot_count: int, input_capacity: int, output_capacity: int,
-               lease_ns: int, epoch: int) -> SlotPool:
+    def create(
+        cls,
+        buf: np.ndarray,
+        slot_count: int,
+        input_capacity: int,
+        output_capacity: int,
+        lease_ns: int,
+        epoch: int,
+    ) -> SlotPool:
         """Initialise ``buf`` as an empty pool (all slots FREE, generation 0) and view it."""
         FrameLayout(input_capacity, output_capacity)
         hdr = ffi.new("struct ep_pool_header *")
@@ -155,8 +163,10 @@ def _describe_invalid(buf: np.ndarray, rc: int) -> str:
         return f"not an edgepath slot pool: magic {found:#x}, expected {lib.EP_POOL_MAGIC:#x}"
     if rc == lib.EP_POOL_E_VERSION:
         found = int(buf[8:12].view(np.uint32)[0])
-        return (f"slot pool ABI version {found} is not supported: this edgepath speaks version "
-                f"{lib.EP_ABI_VERSION}; run agent and slot server from the same release")
+        return (
+            f"slot pool ABI version {found} is not supported: this edgepath speaks version "
+            f"{lib.EP_ABI_VERSION}; run agent and slot server from the same release"
+        )
     if rc == lib.EP_POOL_E_LAYOUT:
         return "slot pool header is inconsistent (offsets or sizes do not match its dimensions)"
     return f"slot pool memory too small ({buf.nbytes} bytes) for its header"

@@ -76,18 +76,28 @@ class _Peer:
 class SlotServer:
     """Owns a slot pool on ``transport`` and serves it with ``handler``."""
 
-    def __init__(self, transport: Transport, address: str, handler: Handler,
-                 config: SlotServerConfig | None = None) -> None:
+    def __init__(
+        self, transport: Transport, address: str, handler: Handler, config: SlotServerConfig | None = None
+    ) -> None:
         self.config = config or SlotServerConfig()
         self.transport = transport
         self.handler = handler
         cfg = self.config
         dims = SlotPool.layout_for(cfg.slots, cfg.input_capacity, cfg.output_capacity)
         self.pool_mr = transport.register(
-            POOL_REGION, int(dims["total_size"]), Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
+            POOL_REGION,
+            int(dims["total_size"]),
+            Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ,
+        )
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        self.pool = SlotPool.create(self.pool_mr.buf, cfg.slots, cfg.input_capacity, cfg.output_capacity,
-                                    int(cfg.lease * 1e9), self.epoch)
+        self.pool = SlotPool.create(
+            self.pool_mr.buf,
+            cfg.slots,
+            cfg.input_capacity,
+            cfg.output_capacity,
+            int(cfg.lease * 1e9),
+            self.epoch,
+        )
         self._pool_ptr = ffi.cast("char *", ffi.from_buffer(self.pool_mr.buf))
         self._states_ptr = ffi.cast("uint64_t *", self._pool_ptr + self.pool.states_offset)
         self._seen_word = ffi.new("uint64_t[]", cfg.slots)
@@ -108,9 +118,22 @@ class SlotServer:
 
     def _pool_info(self) -> dict[str, Any]:
         h = self.pool.header
-        return {name: int(h[name]) for name in (
-            "abi_version", "slot_count", "input_capacity", "output_capacity", "slot_stride",
-            "states_offset", "doorbells_offset", "slots_offset", "total_size", "server_epoch", "lease_ns")}
+        return {
+            name: int(h[name])
+            for name in (
+                "abi_version",
+                "slot_count",
+                "input_capacity",
+                "output_capacity",
+                "slot_stride",
+                "states_offset",
+                "doorbells_offset",
+                "slots_offset",
+                "total_size",
+                "server_epoch",
+                "lease_ns",
+            )
+        }
 
     # -- connection management (its own thread) ---------------------------------
     def _admit(self, conn: Connection) -> None:
@@ -159,9 +182,9 @@ class SlotServer:
         for peer in peers:
             for slot in range(self.pool.slot_count):
                 w = self.pool.word(slot)
-                if (w & 0xFF) == State.CLAIMED and ((w >> 8) & lib.EP_CLAIMANT_MAX) == peer.conn.conn_id:
-                    if lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, w >> 32, 0, ffi.NULL) == lib.EP_OK:
-                        self.stats.expired_leases += 1
+                mine = (w & 0xFF) == State.CLAIMED and ((w >> 8) & lib.EP_CLAIMANT_MAX) == peer.conn.conn_id
+                if mine and lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, w >> 32, 0, ffi.NULL) == lib.EP_OK:
+                    self.stats.expired_leases += 1
             peer.conn.close()
 
     # -- data path ----------------------------------------------------------------
@@ -173,8 +196,15 @@ class SlotServer:
         ready = 0
         for base in range(0, len(completions), 256):
             n = min(256, len(completions) - base)
-            got = lib.ep_accept_doorbells(self._pool_ptr, entries + base, n, self._ready_slots,
-                                          self._ready_conns, now_ns or lib.ep_now_ns(), self._rejected)
+            got = lib.ep_accept_doorbells(
+                self._pool_ptr,
+                entries + base,
+                n,
+                self._ready_slots,
+                self._ready_conns,
+                now_ns or lib.ep_now_ns(),
+                self._rejected,
+            )
             self.stats.rejected_doorbells += self._rejected[0]
             for i in range(got):
                 self._run(int(self._ready_slots[i]), int(self._ready_conns[i]))
@@ -192,15 +222,21 @@ class SlotServer:
         count = int(req["token_count"])
         max_new = int(req["max_new_tokens"])
         reply_index = int(req["reply_index"])
-        out_cap = self.config.output_capacity if peer is None else min(self.config.output_capacity,
-                                                                        peer.layout.output_capacity)
+        out_cap = (
+            self.config.output_capacity
+            if peer is None
+            else min(self.config.output_capacity, peer.layout.output_capacity)
+        )
         res["request_id"] = req["request_id"]
         res["generation"] = gen
         res["slot"] = slot
         res["t_start_ns"] = lib.ep_now_ns()
         output_count = 0
-        if not 1 <= count <= self.config.input_capacity or max_new > out_cap or (
-                peer is not None and reply_index >= peer.frames):
+        if (
+            not 1 <= count <= self.config.input_capacity
+            or max_new > out_cap
+            or (peer is not None and reply_index >= peer.frames)
+        ):
             status = Status.BAD_REQUEST
             self.stats.bad_requests += 1
         else:
@@ -218,8 +254,14 @@ class SlotServer:
 
     def _call_handler(self, slot: int, req: Any, count: int, max_new: int, out_cap: int) -> tuple[Status, int]:
         pool = self.pool
-        request = SlotRequest(slot, int(req["request_id"]), max_new, int(req["flags"]),
-                              pool.slots.tokens[slot, :count], pool.slots.outputs[slot, :out_cap])
+        request = SlotRequest(
+            slot,
+            int(req["request_id"]),
+            max_new,
+            int(req["flags"]),
+            pool.slots.tokens[slot, :count],
+            pool.slots.outputs[slot, :out_cap],
+        )
         try:
             produced = self.handler(request)
             if isinstance(produced, (int, np.integer)):
@@ -243,8 +285,13 @@ class SlotServer:
         """Result straight from the slot into the agent's frame, free the slot, then notify."""
         src = self.pool.slots.result_offset(slot)
         try:
-            peer.conn.write(self.pool_mr, src, peer.replies, peer.result_offset(reply_index),
-                            peer.layout.result_bytes(output_count))
+            peer.conn.write(
+                self.pool_mr,
+                src,
+                peer.replies,
+                peer.result_offset(reply_index),
+                peer.layout.result_bytes(output_count),
+            )
         except TransportError as exc:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
@@ -258,15 +305,20 @@ class SlotServer:
             self.stats.results_dropped += 1
 
     def scan_leases(self, now_ns: int | None = None) -> int:
-        n = lib.ep_scan_leases(self._pool_ptr, self._seen_word, self._seen_ns, now_ns or lib.ep_now_ns(),
-                               self._expired, self.pool.slot_count)
+        n = lib.ep_scan_leases(
+            self._pool_ptr,
+            self._seen_word,
+            self._seen_ns,
+            now_ns or lib.ep_now_ns(),
+            self._expired,
+            self.pool.slot_count,
+        )
         self.stats.expired_leases += n
         return n
 
     # -- lifecycle ------------------------------------------------------------------
     def start_connection_manager(self) -> None:
-        self._cm_thread = threading.Thread(target=self._manage_connections, name="slot-server-cm",
-                                           daemon=True)
+        self._cm_thread = threading.Thread(target=self._manage_connections, name="slot-server-cm", daemon=True)
         self._cm_thread.start()
 
     def serve(self, until: Callable[[], bool] | None = None) -> None:
@@ -297,4 +349,3 @@ class SlotServer:
         for peer in list(self.peers.values()):
             peer.conn.close()
         self.peers.clear()
-

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,8 +70,7 @@ class RemoteRegion:
             raise TransportError(f"remote region {self.name!r} does not grant {need.name}")
         if offset < 0 or length < 0 or offset + length > self.length:
             raise TransportError(
-                f"access [{offset}, {offset + length}) outside remote region {self.name!r} "
-                f"of {self.length} bytes"
+                f"access [{offset}, {offset + length}) outside remote region {self.name!r} of {self.length} bytes"
             )
 
 
@@ -103,18 +103,27 @@ class Connection(abc.ABC):
         """Atomic CAS on a remote u64; returns the value found (== expected on success)."""
 
     @abc.abstractmethod
-    def write(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
-              length: int) -> None:
+    def write(
+        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
+    ) -> None:
         """RDMA WRITE; returns once the data is placed (the send completion)."""
 
     @abc.abstractmethod
-    def write_with_imm(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion,
-                       remote_offset: int, length: int, imm: int) -> None:
+    def write_with_imm(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteRegion,
+        remote_offset: int,
+        length: int,
+        imm: int,
+    ) -> None:
         """RDMA WRITE_WITH_IMM: the data, then a completion carrying ``imm`` on the peer's CQ."""
 
     @abc.abstractmethod
-    def read(self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int,
-             length: int) -> None:
+    def read(
+        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
+    ) -> None:
         """RDMA READ into local memory."""
 
     @abc.abstractmethod
@@ -146,15 +155,22 @@ class CompletionQueue(abc.ABC):
         """A descriptor an event loop can watch; readable after :meth:`arm` when entries arrive."""
 
     @abc.abstractmethod
-    def arm(self) -> None:
-        """Request a notification on :meth:`fileno` for the next completion (ibv_req_notify_cq)."""
+    def arm(self) -> bool:
+        """Request a notification on :meth:`fileno` for the next completion (ibv_req_notify_cq)
+        and consume the pending one. True if completions are already waiting: poll again
+        before sleeping, or one may be missed."""
+
+
+ReplyInfo = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class Listener(abc.ABC):
     address: str
 
     @abc.abstractmethod
-    def accept(self, timeout: float | None = None) -> Connection | None: ...
+    def accept(self, timeout: float | None = None, reply_info: ReplyInfo | None = None) -> Connection | None:
+        """Accept one connection. ``reply_info(peer_info)`` adds per-connection private data to the
+        reply (as rdma_accept's private data does); raising ValueError from it refuses the peer."""
 
     @abc.abstractmethod
     def fileno(self) -> int: ...
@@ -177,8 +193,9 @@ class Transport(abc.ABC):
     def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> Listener: ...
 
     @abc.abstractmethod
-    def connect(self, address: str, exports: list[MemoryRegion], info: dict[str, Any],
-                timeout: float = 5.0) -> Connection: ...
+    def connect(
+        self, address: str, exports: list[MemoryRegion], info: dict[str, Any], timeout: float = 5.0
+    ) -> Connection: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...

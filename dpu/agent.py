@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from edgepath.dma.pool import FrameArray, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
 from edgepath.dma.state import claim_word, doorbell_imm
@@ -85,29 +84,54 @@ class InFlight:
 class Agent:
     """Claims slots on attached slot servers and moves frames into them."""
 
-    def __init__(self, transport: Transport, frames: int = 256, input_capacity: int = 4096,
-                 output_capacity: int = 4096, max_servers: int = 8, max_slots_per_server: int = 65536) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        frames: int = 256,
+        input_capacity: int = 4096,
+        output_capacity: int = 4096,
+        max_servers: int = 8,
+        max_slots_per_server: int = 65536,
+    ) -> None:
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
-        self.frames_mr: MemoryRegion = transport.register(REPLIES_REGION, frames * self.layout.stride,
-                                                          Access.REMOTE_WRITE)
+        self.frames_mr: MemoryRegion = transport.register(
+            REPLIES_REGION, frames * self.layout.stride, Access.REMOTE_WRITE
+        )
         self.frames = FrameArray(self.frames_mr.buf, 0, frames, self.layout)
         self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server
-        self.scratch_mr = transport.register("words", 8 * max_slots_per_server * max_servers + POOL_HEADER.itemsize,
-                                             Access.NONE)
+        self.scratch_mr = transport.register(
+            "words", 8 * max_slots_per_server * max_servers + POOL_HEADER.itemsize, Access.NONE
+        )
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self.inflight: dict[int, InFlight] = {}
         self.max_servers = max_servers
+        self._free_frames = list(range(frames - 1, -1, -1))
+
+    # -- frames ---------------------------------------------------------------------
+    def acquire(self) -> int | None:
+        """A frame index the caller may fill (tokens, request header), or None if all are taken."""
+        return self._free_frames.pop() if self._free_frames else None
+
+    def release(self, index: int) -> None:
+        """Give a frame back once its result has been read (or it was refused)."""
+        if index in self.inflight:
+            raise ValueError(f"frame {index} is still in flight")
+        self._free_frames.append(index)
 
     # -- attaching ------------------------------------------------------------------
     def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
         """Connect to a slot server and verify its pool (magic, ABI version, geometry)."""
         if len(self.links) >= self.max_servers:
             raise AgentError(f"already attached to {self.max_servers} slot servers")
-        info = {"frames": self.frames.count, "input_capacity": self.layout.input_capacity,
-                "output_capacity": self.layout.output_capacity, "frames_offset": 0}
+        info = {
+            "frames": self.frames.count,
+            "input_capacity": self.layout.input_capacity,
+            "output_capacity": self.layout.output_capacity,
+            "frames_offset": 0,
+        }
         try:
             conn = self.transport.connect(address, [self.frames_mr], info, timeout=timeout)
         except TransportError as exc:
@@ -127,30 +151,48 @@ class Agent:
             raise AgentError(f"{address}: peer exports no writable, atomic {POOL_REGION!r} region")
         hdr_off = self.scratch_mr.buf.nbytes - POOL_HEADER.itemsize
         conn.read(self.scratch_mr, hdr_off, pool, 0, POOL_HEADER.itemsize)
-        header = self.scratch_mr.buf[hdr_off:hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
+        header = self.scratch_mr.buf[hdr_off : hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
         if int(header["magic"]) != MAGIC:
-            raise AgentError(f"{address}: not an edgepath slot pool (magic {int(header['magic']):#x}, "
-                             f"expected {MAGIC:#x})")
+            raise AgentError(
+                f"{address}: not an edgepath slot pool (magic {int(header['magic']):#x}, expected {MAGIC:#x})"
+            )
         if int(header["abi_version"]) != ABI_VERSION:
-            raise AgentError(f"{address}: slot pool ABI version {int(header['abi_version'])}, this agent "
-                             f"speaks {ABI_VERSION}; run agent and slot server from the same release")
+            raise AgentError(
+                f"{address}: slot pool ABI version {int(header['abi_version'])}, this agent "
+                f"speaks {ABI_VERSION}; run agent and slot server from the same release"
+            )
         n = int(header["slot_count"])
         if n > self._words_per_link:
             raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
         words_offset = 8 * self._words_per_link * len(self.links)
-        words = self.scratch_mr.buf[words_offset:words_offset + 8 * n].view(np.uint64)
-        link = ServerLink(address, conn, n, int(header["input_capacity"]), int(header["output_capacity"]),
-                          int(header["states_offset"]), int(header["doorbells_offset"]),
-                          int(header["slots_offset"]), int(header["slot_stride"]), int(header["server_epoch"]),
-                          words, words_offset)
+        words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
+        link = ServerLink(
+            address,
+            conn,
+            n,
+            int(header["input_capacity"]),
+            int(header["output_capacity"]),
+            int(header["states_offset"]),
+            int(header["doorbells_offset"]),
+            int(header["slots_offset"]),
+            int(header["slot_stride"]),
+            int(header["server_epoch"]),
+            words,
+            words_offset,
+        )
         self._refresh(link)
         return link
 
     def _refresh(self, link: ServerLink) -> None:
         """One RDMA READ of the server's state words into the cache."""
         link.stats.refreshes += 1
-        link.conn.read(self.scratch_mr, link.words_offset, link.conn.remote[POOL_REGION], link.states_offset,
-                       8 * link.slot_count)
+        link.conn.read(
+            self.scratch_mr,
+            link.words_offset,
+            link.conn.remote[POOL_REGION],
+            link.states_offset,
+            8 * link.slot_count,
+        )
 
     # -- claiming -------------------------------------------------------------------
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
@@ -241,10 +283,21 @@ class Agent:
         pool = link.conn.remote[POOL_REGION]
         self.inflight[index] = InFlight(link, slot, gen)
         link.inflight += 1
-        link.conn.write(self.frames_mr, frame_off, pool, link.slots_offset + slot * link.slot_stride,
-                        self.layout.request_bytes(count))
-        link.conn.write_with_imm(self.frames_mr, frame_off + _DOORBELL_FIELD, pool,
-                                 link.doorbells_offset + 8 * slot, 8, doorbell_imm(slot, gen))
+        link.conn.write(
+            self.frames_mr,
+            frame_off,
+            pool,
+            link.slots_offset + slot * link.slot_stride,
+            self.layout.request_bytes(count),
+        )
+        link.conn.write_with_imm(
+            self.frames_mr,
+            frame_off + _DOORBELL_FIELD,
+            pool,
+            link.doorbells_offset + 8 * slot,
+            8,
+            doorbell_imm(slot, gen),
+        )
 
     def _link_down(self, link: ServerLink, exc: Exception) -> None:
         if link.alive:
@@ -256,8 +309,7 @@ class Agent:
         flight = self.inflight.get(reply_index)
         link = self.by_conn.get(conn_id)
         if flight is None or link is None or flight.link is not link:
-            log.warning("ignoring result for frame %d from connection %d: not in flight there",
-                        reply_index, conn_id)
+            log.warning("ignoring result for frame %d from connection %d: not in flight there", reply_index, conn_id)
             return None
         if int(self.frames.results[reply_index]["generation"]) != flight.generation & 0xFFFFFFFF:
             log.warning("ignoring stale result for frame %d", reply_index)
@@ -277,6 +329,15 @@ class Agent:
         link.inflight = 0
         return lost
 
+    def check_links(self) -> list[int]:
+        """Handle connection events; frames lost with a slot server that went away are returned."""
+        lost: list[int] = []
+        for link in self.links:
+            if link.alive and not link.conn.check_alive():
+                log.warning("slot server %s disconnected", link.address)
+                lost.extend(self.fail_link(link))
+        return lost
+
     def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[int]:
         """Frames whose results have arrived (results are in ``frames.results`` / ``frames.outputs``)."""
         done = []
@@ -287,5 +348,15 @@ class Agent:
         return done
 
     def describe(self) -> dict[str, Any]:
-        return {"servers": [{"address": link.address, "slots": link.slot_count, "alive": link.alive,
-                             "inflight": link.inflight, **link.stats.__dict__} for link in self.links]}
+        return {
+            "servers": [
+                {
+                    "address": link.address,
+                    "slots": link.slot_count,
+                    "alive": link.alive,
+                    "inflight": link.inflight,
+                    **link.stats.__dict__,
+                }
+                for link in self.links
+            ]
+        }

@@ -56,9 +56,7 @@ def struct_dtype(name: str) -> np.dtype:
         names.append(field_name)
         formats.append(fmt)
         offsets.append(field.offset)
-    return np.dtype(
-        {"names": names, "formats": formats, "offsets": offsets, "itemsize": ffi.sizeof(ctype)}
-    )
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": ffi.sizeof(ctype)})
 
 
 POOL_HEADER = struct_dtype("ep_pool_header")

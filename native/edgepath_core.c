@@ -247,6 +247,15 @@ int ep_cq_poll(void *ring, uint64_t *out, int max)
     return n;
 }
 
+/* Ask for an eventfd write on the next push; returns 1 if entries are already pending. */
+int ep_cq_arm(void *ring)
+{
+    struct ep_cq *q = ring;
+    atomic_store_explicit(&q->armed, 1u, memory_order_seq_cst);
+    uint64_t head = atomic_load_explicit(&q->head, memory_order_relaxed);
+    return atomic_load_explicit(&q->entries[head & q->mask].seq, memory_order_acquire) == head + 1;
+}
+
 static void drain_eventfd(int efd)
 {
     uint64_t v;

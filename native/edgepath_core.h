@@ -39,6 +39,7 @@ uint64_t ep_cq_size(uint32_t capacity);
 int ep_cq_init(void *ring, uint32_t capacity);
 int ep_cq_push(void *ring, uint64_t value, int efd);
 int ep_cq_poll(void *ring, uint64_t *out, int max);
+int ep_cq_arm(void *ring);
 int ep_cq_wait(void *ring, int efd, uint64_t *out, int max, int64_t timeout_ns, int64_t spin_ns);
 
 /* Loopback WRITE_WITH_IMM: copy then post the completion (conn << 32 | imm). */

@@ -1,0 +1,37 @@
+# Two commands on a fresh clone:  `make run` (the main job)  and  `make test` (every test).
+# Each sets itself up: Debian packages (scripts/setup-system), a venv in .venv, the native build.
+PYTHON ?= /usr/bin/python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NATIVE := native/.built
+NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
+
+.PHONY: run demo test lint build clean
+
+$(STAMP): pyproject.toml scripts/setup-system
+	scripts/setup-system
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
+	$(PY) -m edgepath.native.build
+	touch $@
+
+build: $(NATIVE)
+
+run: build
+	$(VENV)/bin/edgepath demo
+
+demo: run
+
+test: build
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: build
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) $(NATIVE) native/_core*.so

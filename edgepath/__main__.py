@@ -1,0 +1,5 @@
+import sys
+
+from edgepath.cli import main
+
+sys.exit(main())

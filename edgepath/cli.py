@@ -1,0 +1,200 @@
+"""The ``edgepath`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+from edgepath.runtime import default_address, setup_logging
+
+log = logging.getLogger("edgepath")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_transport(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        choices=("loopback", "verbs"),
+        default="loopback",
+        help="data-path transport (default: loopback, shared memory on this machine)",
+    )
+    p.add_argument("--device", default=None, help="RDMA device for --transport verbs (e.g. rxe0)")
+    p.add_argument("--gid-index", type=int, default=None, help="GID index for --transport verbs")
+
+
+def _transport_options(args: argparse.Namespace) -> dict[str, object]:
+    if args.transport == "verbs":
+        return {k: v for k, v in (("device", args.device), ("gid_index", args.gid_index)) if v is not None}
+    return {}
+
+
+def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> None:
+    """Run ``serve`` on this thread; SIGINT/SIGTERM call ``stop``."""
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        stop()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    serve()
+
+
+def cmd_slot_server(args: argparse.Namespace) -> int:
+    from edgepath.dma.handlers import load_handler
+    from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+    from edgepath.dma.transports import make_transport
+
+    handler = load_handler(args.handler)
+    config = SlotServerConfig(
+        slots=args.slots,
+        input_capacity=args.input_capacity,
+        output_capacity=args.output_capacity,
+        lease=args.lease,
+        spin=args.spin_us / 1e6,
+    )
+    server = SlotServer(make_transport(args.transport, **_transport_options(args)), args.listen, handler, config)
+    log.info(
+        "slot server on %s (%s): %d slots, %d/%d tokens in/out, handler %s",
+        args.listen,
+        args.transport,
+        args.slots,
+        args.input_capacity,
+        args.output_capacity,
+        args.handler,
+    )
+    print(f"ready {args.listen}", flush=True)
+    try:
+        _run_until_signal(server.serve, server.stop)
+    finally:
+        server.close()
+        log.info("stats: %s", server.stats)
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from edgepath.dma.loopback import LoopbackTransport
+    from edgepath.dma.transports import make_transport
+    from edgepath.dpu.agent import Agent
+    from edgepath.dpu.agent_service import AgentService
+
+    if args.transport != "loopback":
+        server_side = make_transport(args.transport, **_transport_options(args))
+        raise SystemExit(
+            f"agent: --transport {server_side.name} towards slot servers needs the verbs agent "
+            "(not in this build); use --transport loopback"
+        )
+    transport = LoopbackTransport()
+    agent = Agent(
+        transport,
+        frames=args.frames,
+        input_capacity=args.input_capacity,
+        output_capacity=args.output_capacity,
+    )
+    for address in args.slot_server:
+        link = agent.attach(address)
+        log.info("attached to slot server %s: %d slots, claimant id %d", address, link.slot_count, link.claimant)
+    service = AgentService(agent, transport, args.listen, frames_per_edge=args.frames_per_edge, spin=args.spin_us / 1e6)
+    print(f"ready {args.listen}", flush=True)
+    try:
+        _run_until_signal(service.serve, service.stop)
+    finally:
+        service.close()
+        log.info("agent: %s", agent.describe())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from edgepath.dpu.demo import run_demo
+
+    report = run_demo(
+        requests=args.requests,
+        slots=args.slots,
+        concurrency=args.concurrency,
+        tokens=args.tokens,
+        spin=args.spin_us / 1e6,
+    )
+    print("edgepath demo: edge frames -> agent (CAS claim, write, doorbell) -> slot server (echo) -> result")
+    for line in report.lines():
+        print(line)
+    bad = report.errors or report.mismatches or report.slots_free_after != report.slots
+    return 1 if bad else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgepath", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("slot-server", help="own a slot pool and serve it with a handler")
+    _add_transport(p)
+    p.add_argument("--listen", default=default_address("slot-server"), help="address agents connect to")
+    p.add_argument("--slots", type=_positive_int, default=64)
+    p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
+    p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
+    p.add_argument("--lease", type=float, default=1.0, help="seconds a claimed slot may wait for its doorbell")
+    p.add_argument(
+        "--spin-us",
+        type=_non_negative_float,
+        default=0.0,
+        help="spin this long on the completion queue before sleeping (lowest latency, burns a core)",
+    )
+    p.add_argument("--handler", default="echo", help="'echo' or module:function")
+    p.set_defaults(func=cmd_slot_server)
+
+    p = sub.add_parser("agent", help="claim slots and write requests for edges (a separate process)")
+    _add_transport(p)
+    p.add_argument(
+        "--slot-server",
+        action="append",
+        default=None,
+        help="slot server address (repeat for several; default: the local one)",
+    )
+    p.add_argument("--listen", default=default_address("agent"), help="address edges connect to")
+    p.add_argument("--frames", type=_positive_int, default=1024)
+    p.add_argument("--frames-per-edge", type=_positive_int, default=256)
+    p.add_argument("--input-capacity", type=_positive_int, default=4096)
+    p.add_argument("--output-capacity", type=_positive_int, default=4096)
+    p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("demo", help="run the whole loopback data path in one process and report")
+    p.add_argument("--requests", type=_positive_int, default=10_000)
+    p.add_argument("--slots", type=_positive_int, default=8)
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight at once")
+    p.add_argument("--tokens", type=_positive_int, default=128, help="tokens per request")
+    p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if getattr(args, "slot_server", "unset") is None:
+        args.slot_server = [default_address("slot-server")]
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, RuntimeError) as exc:
+        print(f"edgepath {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
