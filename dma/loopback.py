@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 from edgepath.dma.transport import (
     Access,
+    Admit,
     Completion,
     CompletionQueue,
     Connection,
     Listener,
     MemoryRegion,
     RemoteRegion,
-    ReplyInfo,
     TransferCounters,
     Transport,
     TransportError,
@@ -296,25 +296,28 @@ class LoopbackListener(Listener):
         self.sock.bind(address)
         self.sock.listen(64)
 
-    def accept(self, timeout: float | None = None, reply_info: ReplyInfo | None = None) -> LoopbackConnection | None:
+    def accept(self, timeout: float | None = None, admit: Admit | None = None) -> LoopbackConnection | None:
         self.sock.settimeout(timeout)
         try:
             sock, _ = self.sock.accept()
         except TimeoutError:
             return None
         sock.settimeout(5.0)
+        conn = None
         try:
             message, fds = _recv(sock)
-            conn_id = self.transport._next_id()
+            conn = LoopbackConnection(self.transport, sock, self.transport._next_id(), message, fds)
             info = dict(self._info)
-            if reply_info is not None:
-                info.update(reply_info(dict(message.get("info", {}))))
-            reply = self.transport._hello(conn_id, self._exports, info)
-            _send(sock, reply, self.transport._hello_fds(self._exports))
+            if admit is not None:
+                info.update(admit(conn))
+            _send(
+                sock, self.transport._hello(conn.conn_id, self._exports, info), self.transport._hello_fds(self._exports)
+            )
         except (OSError, TransportError, KeyError, ValueError):
+            if conn is not None:
+                conn.close()
             sock.close()
             raise
-        conn = LoopbackConnection(self.transport, sock, conn_id, message, fds)
         sock.settimeout(None)
         self.transport._track(conn)
         return conn

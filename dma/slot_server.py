@@ -136,7 +136,8 @@ class SlotServer:
         }
 
     # -- connection management (its own thread) ---------------------------------
-    def _admit(self, conn: Connection) -> None:
+    def _admit(self, conn: Connection) -> dict[str, Any]:
+        """Check the agent's reply-region description and register it before it is accepted."""
         info = conn.peer_info
         try:
             layout = FrameLayout(int(info["input_capacity"]), int(info["output_capacity"]))
@@ -145,12 +146,11 @@ class SlotServer:
             offset = int(info.get("frames_offset", 0))
             replies.check(offset, frames * layout.stride, Access.REMOTE_WRITE)
         except (KeyError, ValueError, TypeError, TransportError) as exc:
-            log.warning("refusing connection %d: bad reply-region description (%s)", conn.conn_id, exc)
-            conn.close()
-            return
+            raise ValueError(f"bad reply-region description: {exc}") from exc
         with self._lock:
             self.peers[conn.conn_id] = _Peer(conn, replies, layout, frames, offset)
             self.stats.connections += 1
+        return {}
 
     def _manage_connections(self) -> None:
         sel = selectors.DefaultSelector()
@@ -159,14 +159,11 @@ class SlotServer:
             for key, _ in sel.select(timeout=0.1):
                 if key.data is None:
                     try:
-                        conn = self.listener.accept(timeout=1.0)
-                    except (OSError, TransportError) as exc:
-                        log.warning("connection setup failed: %s", exc)
+                        conn = self.listener.accept(timeout=1.0, admit=self._admit)
+                    except (OSError, TransportError, ValueError) as exc:
+                        log.warning("connection refused: %s", exc)
                         continue
-                    if conn is None:
-                        continue
-                    self._admit(conn)
-                    if conn.conn_id in self.peers:
+                    if conn is not None:
                         sel.register(conn.fileno(), selectors.EVENT_READ, conn)
                 elif not key.data.check_alive():
                     sel.unregister(key.fd)

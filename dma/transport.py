@@ -161,16 +161,18 @@ class CompletionQueue(abc.ABC):
         before sleeping, or one may be missed."""
 
 
-ReplyInfo = Callable[[dict[str, Any]], dict[str, Any]]
+Admit = Callable[["Connection"], dict[str, Any]]
 
 
 class Listener(abc.ABC):
     address: str
 
     @abc.abstractmethod
-    def accept(self, timeout: float | None = None, reply_info: ReplyInfo | None = None) -> Connection | None:
-        """Accept one connection. ``reply_info(peer_info)`` adds per-connection private data to the
-        reply (as rdma_accept's private data does); raising ValueError from it refuses the peer."""
+    def accept(self, timeout: float | None = None, admit: Admit | None = None) -> Connection | None:
+        """Accept one connection. ``admit(conn)`` runs on the fully set-up connection *before* the
+        peer is told it is accepted, so the peer can never use a connection this side has not yet
+        registered; it returns per-connection private data for the reply (as rdma_accept's private
+        data does), and raising ValueError from it refuses the peer."""
 
     @abc.abstractmethod
     def fileno(self) -> int: ...

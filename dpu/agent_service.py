@@ -72,13 +72,15 @@ class AgentService:
         self.answered = 0
 
     # -- edges come and go -----------------------------------------------------------
-    def _reply_info(self, peer_info: dict[str, Any]) -> dict[str, Any]:
+    def _admit(self, conn: Connection) -> dict[str, Any]:
+        """Give a new edge a frame range of its own (refused when none is left)."""
         with self._lock:
             if not self._free_ranges:
                 raise ValueError("no free frame range for another edge")
-            rng = self._free_ranges.pop()
-        base = rng * self.frames_per_edge
-        self._last_range = (base, self.frames_per_edge)  # read by _accept, on this same thread
+            base = self._free_ranges.pop() * self.frames_per_edge
+            edge = _Edge(conn, base, self.frames_per_edge)
+            self.edges[conn.conn_id] = edge
+            self._by_range[base // self.frames_per_edge] = edge
         return {"frame_base": base, "frame_count": self.frames_per_edge}
 
     def _manage(self) -> None:
@@ -103,18 +105,12 @@ class AgentService:
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
-            conn = self.listener.accept(timeout=1.0, reply_info=self._reply_info)
+            conn = self.listener.accept(timeout=1.0, admit=self._admit)
         except (OSError, TransportError, ValueError) as exc:
             log.warning("edge connection refused: %s", exc)
             return
-        if conn is None:
-            return
-        base, count = self._last_range
-        edge = _Edge(conn, base, count)
-        with self._lock:
-            self.edges[conn.conn_id] = edge
-            self._by_range[base // self.frames_per_edge] = edge
-        sel.register(conn.fileno(), selectors.EVENT_READ, edge)
+        if conn is not None:
+            sel.register(conn.fileno(), selectors.EVENT_READ, self.edges[conn.conn_id])
 
     def _reap(self) -> None:
         with self._lock:

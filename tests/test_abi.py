@@ -1,0 +1,76 @@
+"""The Python view of the slot ABI must match the C header as an independent compiler sees it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from edgepath.native import abi
+
+NATIVE = Path(abi.__file__).resolve().parent
+STRUCTS = {
+    "ep_pool_header": abi.POOL_HEADER,
+    "ep_request_header": abi.REQUEST_HEADER,
+    "ep_result_header": abi.RESULT_HEADER,
+}
+CONSTANTS = [
+    "EP_POOL_MAGIC",
+    "EP_ABI_VERSION",
+    "EP_FREE",
+    "EP_CLAIMED",
+    "EP_READY",
+    "EP_RUNNING",
+    "EP_DONE",
+    "EP_DOORBELL_VALID",
+    "EP_SLOT_MAX",
+    "EP_CLAIMANT_MAX",
+    "EP_STATUS_NO_SLOT",
+]
+
+
+def _gcc_layout(tmp_path: Path) -> dict[str, int]:
+    """Compile a C program against the header that prints sizeof/offsetof of every field."""
+    lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "edgepath_slot.h"', "int main(void) {"]
+    for struct, dtype in STRUCTS.items():
+        lines.append(f'printf("{struct} %zu\\n", sizeof(struct {struct}));')
+        for name in dtype.names:
+            lines.append(f'printf("{struct}.{name} %zu\\n", offsetof(struct {struct}, {name}));')
+    for const in CONSTANTS:
+        lines.append(f'printf("{const} %llu\\n", (unsigned long long)({const}));')
+    lines.append("return 0; }")
+    src = tmp_path / "layout.c"
+    src.write_text("\n".join(lines))
+    exe = tmp_path / "layout"
+    subprocess.run(["gcc", "-std=c11", "-I", str(NATIVE), str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is needed to compile the layout probe")
+def test_dtypes_match_an_independent_compile_of_the_header(tmp_path: Path) -> None:
+    c = _gcc_layout(tmp_path)
+    for struct, dtype in STRUCTS.items():
+        assert dtype.itemsize == c[struct], struct
+        for name in dtype.names:
+            assert dtype.fields[name][1] == c[f"{struct}.{name}"], f"{struct}.{name}"
+    for const in CONSTANTS:
+        assert getattr(abi.lib, const) == c[const], const
+
+
+def test_fixed_parts_are_whole_cache_lines() -> None:
+    assert abi.REQUEST_HEADER.itemsize % 64 == 0
+    assert abi.RESULT_HEADER.itemsize % 64 == 0
+    assert abi.POOL_HEADER.itemsize % 64 == 0
+
+
+def test_magic_spells_edgepool() -> None:
+    assert np.uint64(abi.MAGIC).tobytes() == b"EDGEPOOL"
+
+
+def test_token_fields_are_typed_as_the_header_declares() -> None:
+    assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
+    assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
+    assert abi.POOL_HEADER.fields["reserved"][0].shape == (6,)

@@ -1,0 +1,208 @@
+"""Agent <-> slot server over a transport, with the server driven step by step from the test
+(no thread): claim, zero-copy write, doorbell, handler, result, refusals and bad input."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
+from edgepath.dma.pool import SlotPool
+from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+from edgepath.dma.transport import Access, Transport
+from edgepath.dpu.agent import Agent, AgentError
+from edgepath.dpu.frame import FrameError, write_request
+from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
+
+pytestmark = pytest.mark.transport
+
+CAP = 64
+
+
+@pytest.fixture
+def make_server(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> Iterator[Callable[..., SlotServer]]:
+    servers: list[SlotServer] = []
+
+    def make(handler=echo, slots: int = 2, **config: object) -> SlotServer:
+        cfg = SlotServerConfig(slots=slots, input_capacity=CAP, output_capacity=CAP, **config)
+        server = SlotServer(new_transport(), new_address("slot-server"), handler, cfg)
+        server.start_connection_manager()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def agent(new_transport: Callable[[], Transport]) -> Agent:
+    return Agent(
+        new_transport(), frames=8, input_capacity=CAP, output_capacity=CAP, max_servers=2, max_slots_per_server=64
+    )
+
+
+def _serve_once(server: SlotServer, timeout: float = 5.0) -> int:
+    return server.process(server.transport.cq.wait(timeout))
+
+
+def _roundtrip(agent: Agent, server: SlotServer, tokens: list[int], request_id: int = 1) -> int:
+    index = agent.acquire()
+    assert index is not None
+    write_request(agent.frames, index, tokens, request_id=request_id, max_new_tokens=CAP)
+    assert agent.submit(index) is None
+    assert _serve_once(server) == 1
+    assert agent.poll(timeout=5.0) == [index]
+    return index
+
+
+def test_echo_roundtrip_moves_the_tokens_once_and_frees_the_slot(agent: Agent, make_server) -> None:
+    server = make_server()
+    link = agent.attach(server.address)
+    tokens = list(range(1000, 1040))
+    index = _roundtrip(agent, server, tokens, request_id=77)
+    res = agent.frames.results[index]
+    assert (int(res["status"]), int(res["output_count"]), int(res["request_id"])) == (Status.OK, 40, 77)
+    assert agent.frames.outputs[index, :40].tolist() == tokens
+    assert server.pool.free_count() == 2
+    # Zero copy: the edge's token view *is* the registered memory the agent sends from,
+    # and exactly one WRITE carried header + tokens, one WRITE_WITH_IMM the 8-byte doorbell.
+    assert np.shares_memory(agent.frames.tokens[index], agent.frames_mr.buf)
+    assert (link.conn.counters.writes, link.conn.counters.bytes_written) == (2, REQUEST_HEADER.itemsize + 4 * 40 + 8)
+    assert link.conn.counters.cas == 1
+    # The server answered from the slot itself: one WRITE of result header + output, one notification.
+    peer = next(iter(server.peers.values()))
+    assert (peer.conn.counters.writes, peer.conn.counters.bytes_written) == (2, RESULT_HEADER.itemsize + 4 * 40)
+
+
+def test_no_free_slot_is_refused_at_once_and_deterministically(agent: Agent, make_server) -> None:
+    server = make_server(slots=2)
+    link = agent.attach(server.address)
+    held = []
+    for _ in range(2):
+        i = agent.acquire()
+        write_request(agent.frames, i, [1, 2, 3], request_id=i, max_new_tokens=3)
+        assert agent.submit(i) is None
+        held.append(i)
+    i = agent.acquire()
+    write_request(agent.frames, i, [4], request_id=9, max_new_tokens=1)
+    cas_before = link.stats.cas_attempts
+    assert agent.submit(i) == Status.NO_SLOT
+    # No CAS was even tried: the cached words say busy, and one refresh READ confirmed it.
+    assert link.stats.cas_attempts == cas_before
+    assert [server.pool.slot_word(s).state for s in range(2)] == [State.CLAIMED, State.CLAIMED]
+    served = 0
+    while served < 2:
+        served += _serve_once(server)
+    assert sorted(agent.poll(timeout=5.0) + agent.poll(timeout=0.5)) == sorted(held)
+    assert agent.submit(i) is None  # a slot is free again: admitted
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_new", "message"),
+    [
+        ([], 4, "at least 1 token"),
+        (list(range(CAP + 1)), 4, f"{CAP + 1} tokens; a slot holds at most {CAP}"),
+        ([1, 2], -1, "max_new_tokens must be between 0 and"),
+        ([1, 2], CAP + 1, "max_new_tokens must be between 0 and"),
+        ([[1, 2]], 4, "flat sequence"),
+        ([1.5], 4, "must be integers"),
+        ([2**40], 4, "fit in int32"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_written(agent: Agent, tokens, max_new: int, message: str) -> None:
+    before = agent.frames.raw[0].copy()
+    with pytest.raises(FrameError, match=message):
+        write_request(agent.frames, 0, tokens, request_id=1, max_new_tokens=max_new)
+    assert np.array_equal(agent.frames.raw[0], before)
+
+
+def test_frame_with_bad_counts_is_not_sent(agent: Agent, make_server) -> None:
+    server = make_server()
+    link = agent.attach(server.address)
+    agent.frames.requests[0]["token_count"] = CAP + 1
+    assert agent.check_frame(0) == f"token_count {CAP + 1} outside 1..{CAP}"
+    assert agent.submit(0) == Status.BAD_REQUEST
+    agent.frames.requests[0]["token_count"] = 0
+    assert agent.submit(0) == Status.BAD_REQUEST
+    assert link.stats.cas_attempts == 0 and server.pool.free_count() == 2
+
+
+def test_doorbell_for_a_slot_never_claimed_is_ignored(new_transport, make_server) -> None:
+    server = make_server()
+    rogue = new_transport()
+    scratch = rogue.register("replies", 4096, Access.REMOTE_WRITE)
+    conn = rogue.connect(server.address, [scratch], {"frames": 1, "input_capacity": CAP, "output_capacity": CAP})
+    pool = conn.remote["pool"]
+    conn.write_with_imm(scratch, 0, pool, int(conn.peer_info["doorbells_offset"]), 8, (1 << 16) | 0)
+    before = server.pool.states.copy()
+    assert _serve_once(server) == 0
+    assert server.stats.rejected_doorbells == 1
+    assert np.array_equal(server.pool.states, before)
+
+
+def test_handler_failure_answers_that_request_and_frees_the_slot(agent: Agent, make_server) -> None:
+    def picky(request: SlotRequest) -> int:
+        if request.tokens[0] == 13:
+            raise RuntimeError("unlucky")
+        if request.tokens[0] == 14:
+            return len(request.output) + 1  # claims more output than fits
+        return echo(request)
+
+    server = make_server(handler=picky)
+    agent.attach(server.address)
+    for first, status in ((13, Status.HANDLER_ERROR), (14, Status.HANDLER_ERROR), (1, Status.OK)):
+        index = _roundtrip(agent, server, [first, 2, 3])
+        assert int(agent.frames.results[index]["status"]) == status
+        agent.release(index)
+    assert server.pool.free_count() == 2
+    assert server.stats.handler_errors == 2 and server.stats.served == 1
+
+
+def test_handler_may_return_tokens_instead_of_writing_in_place(agent: Agent, make_server) -> None:
+    server = make_server(handler=lambda request: [int(t) * 2 for t in request.tokens[::-1]])
+    agent.attach(server.address)
+    index = _roundtrip(agent, server, [1, 2, 3])
+    assert agent.frames.outputs[index, :3].tolist() == [6, 4, 2]
+
+
+def test_claims_spill_to_the_next_server_and_429_only_when_all_are_full(agent: Agent, make_server) -> None:
+    a, b = make_server(slots=1), make_server(slots=1)
+    agent.attach(a.address)
+    agent.attach(b.address)
+    statuses = []
+    for i in range(3):
+        write_request(agent.frames, i, [i + 1], request_id=i, max_new_tokens=1)
+        statuses.append(agent.submit(i))
+    assert statuses == [None, None, Status.NO_SLOT]
+    assert a.pool.free_count() == 0 and b.pool.free_count() == 0
+
+
+def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, new_address) -> None:
+    fake = new_transport()
+    region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
+    SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
+    region.buf[8:12].view(np.uint32)[0] = 2  # a slot server from a release with ABI version 2
+    address = new_address("fake")
+    listener = fake.listen(address, [region], {})
+    accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
+    accepted.start()
+    with pytest.raises(AgentError, match="ABI version 2, this agent speaks 1"):
+        agent.attach(address)
+    accepted.join()
+    listener.close()
+    assert agent.links == []
+
+
+def test_unknown_handlers_are_clear_errors() -> None:
+    assert load_handler("echo") is echo
+    with pytest.raises(HandlerError, match="use a built-in"):
+        load_handler("nope")
+    with pytest.raises(HandlerError, match="cannot import module 'no_such_module'"):
+        load_handler("no_such_module:f")
+    with pytest.raises(HandlerError, match="has no callable 'nothing'"):
+        load_handler("json:nothing")

@@ -1,0 +1,133 @@
+"""The shared transition step (``ep_step``, the code the CPU and CUDA pollers both run),
+checked exhaustively against a reference model written independently here."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from edgepath.dma.pool import PoolError, SlotPool
+from edgepath.dma.state import SlotWord, TransitionRefused, claim_word, doorbell_imm, doorbell_word, step
+from edgepath.native.abi import Event, State, StepError, ffi, lib
+
+# The reference model: event -> (state it needs, state it leads to).
+LEGAL = {
+    Event.DOORBELL: (State.CLAIMED, State.READY),
+    Event.START: (State.READY, State.RUNNING),
+    Event.COMPLETE: (State.RUNNING, State.DONE),
+    Event.RELEASE: (State.DONE, State.FREE),
+    Event.EXPIRE: (State.CLAIMED, State.FREE),
+}
+
+
+def reference(word: SlotWord, event: Event, generation: int, claimant: int) -> SlotWord | StepError:
+    if event == Event.CLAIM:
+        if word.state != State.FREE:
+            return StepError.STATE
+        if not 0 < claimant <= lib.EP_CLAIMANT_MAX:
+            return StepError.EVENT
+        return SlotWord((word.generation + 1) & 0xFFFFFFFF, State.CLAIMED, claimant)
+    if generation != word.generation:
+        return StepError.STALE
+    need, to = LEGAL[event]
+    if word.state != need:
+        return StepError.STATE
+    return SlotWord(word.generation, to, 0 if to == State.FREE else word.claimant)
+
+
+GENERATIONS = (0, 1, 7, 0xFFFF, 0x10000, 0xFFFFFFFF)
+CLAIMANTS = (0, 1, 42, lib.EP_CLAIMANT_MAX)
+
+
+@pytest.mark.parametrize("event", list(Event))
+def test_every_state_event_generation_combination_matches_the_model(event: Event) -> None:
+    checked = 0
+    for state, gen, who, arg_gen, claimant in itertools.product(
+        State, GENERATIONS, CLAIMANTS, (0, 1, 7, 0xFFFFFFFF), (0, 5, lib.EP_CLAIMANT_MAX + 1)
+    ):
+        word = SlotWord(gen, state, who)
+        expected = reference(word, event, arg_gen, claimant)
+        try:
+            got: SlotWord | StepError = SlotWord.unpack(step(word.pack(), event, arg_gen, claimant))
+        except TransitionRefused as refused:
+            assert refused.word == word.pack()
+            got = refused.reason
+        assert got == expected, (word, event, arg_gen, claimant)
+        checked += 1
+    assert checked == len(State) * len(GENERATIONS) * len(CLAIMANTS) * 4 * 3
+
+
+def test_unknown_event_is_refused() -> None:
+    out = ffi.new("uint64_t *", 123)
+    assert lib.ep_step_word(0, 99, 0, 1, out) == lib.EP_E_EVENT
+    assert out[0] == 123  # untouched
+
+
+def test_full_cycle_bumps_generation_once_per_claim() -> None:
+    w = SlotWord(41, State.FREE, 0).pack()
+    w = claim_word(w, claimant=9)
+    assert SlotWord.unpack(w) == SlotWord(42, State.CLAIMED, 9)
+    for event in (Event.DOORBELL, Event.START, Event.COMPLETE, Event.RELEASE):
+        w = step(w, event, 42)
+    assert SlotWord.unpack(w) == SlotWord(42, State.FREE, 0)
+    assert SlotWord.unpack(claim_word(w, 3)).generation == 43
+
+
+def test_stale_doorbell_after_expiry_and_reclaim_is_refused() -> None:
+    w = claim_word(SlotWord(0, State.FREE, 0).pack(), 1)  # gen 1, claimant 1
+    w = step(w, Event.EXPIRE, 1)  # lease expired
+    w = claim_word(w, 2)  # gen 2, someone else
+    with pytest.raises(TransitionRefused) as err:
+        step(w, Event.DOORBELL, 1)
+    assert err.value.reason == StepError.STALE
+    assert SlotWord.unpack(step(w, Event.DOORBELL, 2)).state == State.READY
+
+
+def test_apply_is_the_atomic_form_of_step() -> None:
+    word = ffi.new("uint64_t *", SlotWord(5, State.CLAIMED, 3).pack())
+    prev = ffi.new("uint64_t *")
+    assert lib.ep_apply(word, Event.DOORBELL, 4, 0, prev) == lib.EP_E_STALE
+    assert word[0] == SlotWord(5, State.CLAIMED, 3).pack() == prev[0]
+    assert lib.ep_apply(word, Event.DOORBELL, 5, 0, prev) == lib.EP_OK
+    assert SlotWord.unpack(word[0]) == SlotWord(5, State.READY, 3)
+
+
+def test_doorbell_encodings() -> None:
+    assert doorbell_imm(slot=3, generation=0x12345) == (0x2345 << 16) | 3
+    assert doorbell_word(slot=3, generation=0x12345) == (0x12345 << 32) | lib.EP_DOORBELL_VALID | 3
+
+
+def test_pool_create_and_views_share_the_buffer() -> None:
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    pool = SlotPool.create(buf, slot_count=4, input_capacity=100, output_capacity=50, lease_ns=10**9, epoch=7)
+    assert pool.free_count() == 4
+    assert pool.slots.tokens.shape == (4, 100) and pool.slots.outputs.shape == (4, 50)
+    assert np.shares_memory(pool.slots.tokens, buf) and np.shares_memory(pool.states, buf)
+    assert pool.layout.stride % 64 == 0
+    assert int(pool.header["server_epoch"]) == 7
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [
+        (0, 0xDEADBEEF, "not an edgepath slot pool"),
+        (8, 99, "ABI version 99 is not supported"),
+    ],
+)
+def test_pool_with_wrong_magic_or_version_is_rejected_clearly(offset: int, value: int, message: str) -> None:
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    SlotPool.create(buf, 2, 16, 16, 10**9, 1)
+    width = np.uint64 if offset == 0 else np.uint32
+    buf[offset : offset + np.dtype(width).itemsize].view(width)[0] = value
+    with pytest.raises(PoolError, match=message):
+        SlotPool(buf)
+
+
+def test_pool_dimensions_are_validated() -> None:
+    with pytest.raises(PoolError, match="invalid pool dimensions"):
+        SlotPool.layout_for(0, 16, 16)
+    with pytest.raises(ValueError, match="input_capacity must be between"):
+        SlotPool.create(np.zeros(1 << 16, np.uint8), 2, 0, 16, 10**9, 1)
+    with pytest.raises(PoolError, match="needs"):
+        SlotPool.create(np.zeros(256, np.uint8), 2, 16, 16, 10**9, 1)
