@@ -183,6 +183,11 @@ class Agent:
         self._refresh(link)
         return link
 
+    def server_states(self, link: ServerLink) -> np.ndarray:
+        """The server's state words now (one RDMA READ), e.g. for exact free-slot counts."""
+        self._refresh(link)
+        return link.words.copy()
+
     def _refresh(self, link: ServerLink) -> None:
         """One RDMA READ of the server's state words into the cache."""
         link.stats.refreshes += 1

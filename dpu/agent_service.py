@@ -21,13 +21,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from edgepath.dma.slot_server import REPLIES_REGION
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_service")
 
-EDGE_FRAMES_REGION = "frames"
+EDGE_FRAMES_REGION = REPLIES_REGION  # the agent's frames: edges fill them, slot servers answer into them
 
 
 @dataclass
