@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 NATIVE := native/.built
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
 
-.PHONY: run demo test lint build clean
+.PHONY: run demo test lint build bench clean
 
 $(STAMP): pyproject.toml scripts/setup-system
 	scripts/setup-system
@@ -29,6 +29,11 @@ demo: run
 
 test: build
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: build
+	mkdir -p out
+	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=out/bench.json
+	$(PY) -m edgepath.bench.report out/bench.json --readme README.md
 
 lint: build
 	$(VENV)/bin/ruff check .

@@ -40,6 +40,8 @@ PROTOCOL_VERSION = 1
 DEFAULT_CQ_CAPACITY = 1 << 14
 _MAX_MESSAGE = 1 << 16
 _MAX_FDS = 64
+# Plain ints for the per-operation access checks (IntFlag arithmetic costs microseconds).
+_ATOMIC, _WRITE, _READ = int(Access.REMOTE_ATOMIC), int(Access.REMOTE_WRITE), int(Access.REMOTE_READ)
 
 
 def _map_fd(fd: int, length: int, writable: bool) -> mmap.mmap:
@@ -195,7 +197,7 @@ class LoopbackConnection(Connection):
 
     def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
         self._live()
-        remote.check(offset, 8, Access.REMOTE_ATOMIC)
+        remote.check(offset, 8, _ATOMIC)
         if offset % 8:
             raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
         self.counters.cas += 1
@@ -205,7 +207,7 @@ class LoopbackConnection(Connection):
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         self._live()
-        remote.check(remote_offset, length, Access.REMOTE_WRITE)
+        remote.check(remote_offset, length, _WRITE)
         _check_local(local, local_offset, length)
         lib.ep_copy(remote.handle.ptr + remote_offset, local.ptr + local_offset, length)
         self.counters.writes += 1
@@ -221,7 +223,7 @@ class LoopbackConnection(Connection):
         imm: int,
     ) -> None:
         self._live()
-        remote.check(remote_offset, length, Access.REMOTE_WRITE)
+        remote.check(remote_offset, length, _WRITE)
         _check_local(local, local_offset, length)
         rc = lib.ep_write_imm(
             remote.handle.ptr + remote_offset,
@@ -240,7 +242,7 @@ class LoopbackConnection(Connection):
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         self._live()
-        remote.check(remote_offset, length, Access.REMOTE_READ)
+        remote.check(remote_offset, length, _READ)
         _check_local(local, local_offset, length)
         lib.ep_copy(local.ptr + local_offset, remote.handle.ptr + remote_offset, length)
         self.counters.reads += 1

@@ -64,10 +64,13 @@ class RemoteRegion:
     access: Access
     handle: Any = field(repr=False, default=None)
 
-    def check(self, offset: int, length: int, need: Access) -> None:
+    def __post_init__(self) -> None:
+        self._bits = int(self.access)  # plain int: IntFlag arithmetic is slow on the hot path
+
+    def check(self, offset: int, length: int, need: int) -> None:
         """Raise unless ``[offset, offset+length)`` is inside the region and ``need`` is granted."""
-        if need not in self.access:
-            raise TransportError(f"remote region {self.name!r} does not grant {need.name}")
+        if need & ~self._bits:
+            raise TransportError(f"remote region {self.name!r} does not grant {Access(need).name}")
         if offset < 0 or length < 0 or offset + length > self.length:
             raise TransportError(
                 f"access [{offset}, {offset + length}) outside remote region {self.name!r} of {self.length} bytes"

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from edgepath.dma.pool import FrameArray, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
-from edgepath.dma.state import claim_word, doorbell_imm
-from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError
-from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Status, ffi, lib
+from edgepath.dma.state import doorbell_imm
+from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, lib
 
 log = logging.getLogger("edgepath.agent")
 
@@ -59,10 +59,14 @@ class ServerLink:
     epoch: int
     words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
     words_offset: int
+    pool: RemoteRegion
     cursor: int = 0
     inflight: int = 0
     alive: bool = True
     stats: ClaimStats = field(default_factory=ClaimStats)
+
+    def __post_init__(self) -> None:
+        self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
 
     @property
     def claimant(self) -> int:
@@ -109,6 +113,7 @@ class Agent:
         self.inflight: dict[int, InFlight] = {}
         self.max_servers = max_servers
         self._free_frames = list(range(frames - 1, -1, -1))
+        self._next_word = ffi.new("uint64_t *")
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -179,6 +184,7 @@ class Agent:
             int(header["server_epoch"]),
             words,
             words_offset,
+            pool,
         )
         self._refresh(link)
         return link
@@ -202,13 +208,14 @@ class Agent:
     # -- claiming -------------------------------------------------------------------
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
         """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
-        pool = link.conn.remote[POOL_REGION]
         offset = link.states_offset + 8 * slot
         expected = int(link.words[slot])
         for _ in range(2):  # second try only when the slot was FREE in a newer generation
-            desired = claim_word(expected, link.claimant)
+            if lib.ep_step_word(expected, Event.CLAIM, 0, link.claimant, self._next_word) != lib.EP_OK:
+                return None
+            desired = int(self._next_word[0])
             link.stats.cas_attempts += 1
-            found = link.conn.compare_and_swap(pool, offset, expected, desired)
+            found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
             if found == expected:
                 link.words[slot] = desired
                 return desired >> 32
@@ -220,17 +227,23 @@ class Agent:
         return None
 
     def claim(self, link: ServerLink) -> tuple[int, int] | None:
-        """Claim any free slot of ``link``: (slot, generation), or None when none is free."""
+        """Claim any free slot of ``link``: (slot, generation), or None when none is free.
+
+        Candidates are the slots the cache says are FREE, from a rotating cursor; a failed CAS
+        teaches the cache the real word.  When the cache has no FREE slot left, one RDMA READ
+        refreshes it and the scan runs once more; then the answer is final."""
+        n = link.slot_count
         for attempt in range(2):
-            free = np.flatnonzero((link.words & _FREE_MASK) == 0)
-            if len(free):
-                start = int(np.searchsorted(free, link.cursor))
-                for slot in (*free[start:], *free[:start]):
-                    gen = self._try_claim(link, int(slot))
-                    if gen is not None:
-                        link.cursor = int(slot) + 1
-                        link.stats.claims += 1
-                        return int(slot), gen
+            slot = lib.ep_next_free(link.words_ptr, n, link.cursor)
+            for _ in range(n):
+                if slot < 0:
+                    break
+                gen = self._try_claim(link, slot)
+                if gen is not None:
+                    link.cursor = (slot + 1) % n
+                    link.stats.claims += 1
+                    return slot, gen
+                slot = lib.ep_next_free(link.words_ptr, n, (slot + 1) % n)
             if attempt == 0:
                 self._refresh(link)
         link.stats.no_slot += 1
@@ -285,7 +298,7 @@ class Agent:
     def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
         frame_off = self.frames.frame_offset(index)
         lib.ep_request_stamp(self._frames_ptr + frame_off, gen & 0xFFFFFFFF, slot, index)
-        pool = link.conn.remote[POOL_REGION]
+        pool = link.pool
         self.inflight[index] = InFlight(link, slot, gen)
         link.inflight += 1
         link.conn.write(

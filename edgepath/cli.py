@@ -177,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the whole loopback data path in one process and report")
     p.add_argument("--requests", type=_positive_int, default=10_000)
     p.add_argument("--slots", type=_positive_int, default=8)
-    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight at once")
+    p.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        default=12,
+        help="requests in flight at once (more than --slots shows 429s)",
+    )
     p.add_argument("--tokens", type=_positive_int, default=128, help="tokens per request")
     p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
     p.set_defaults(func=cmd_demo)

@@ -79,6 +79,16 @@ void ep_copy(void *dst, const void *src, size_t n)
     atomic_thread_fence(memory_order_release);
 }
 
+int ep_next_free(const uint64_t *words, uint32_t n, uint32_t start)
+{
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = (start + k) % n;
+        if (ep_word_state(words[i]) == EP_FREE)
+            return (int)i;
+    }
+    return -1;
+}
+
 void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_t reply_index)
 {
     struct ep_request_header *req = request;

@@ -23,6 +23,9 @@ uint64_t ep_load64(const uint64_t *addr);
 void ep_store64(uint64_t *addr, uint64_t value);
 void ep_copy(void *dst, const void *src, size_t n);
 
+/* Agent: first FREE word in a cached state array at or after start (wrapping), or -1. */
+int ep_next_free(const uint64_t *words, uint32_t n, uint32_t start);
+
 /* Agent: fill the fields a claim decides, just before the request is written. */
 void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_t reply_index);
 

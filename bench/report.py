@@ -1,0 +1,81 @@
+"""Turn pytest-benchmark JSON into the README's performance table (never typed by hand).
+
+``python -m edgepath.bench.report out/bench.json --readme README.md`` rewrites the block between
+``<!-- bench:datapath:begin -->`` and ``<!-- bench:datapath:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+from pathlib import Path
+
+import numpy as np
+
+BEGIN, END = "<!-- bench:datapath:begin -->", "<!-- bench:datapath:end -->"
+TARGETS = {
+    "test_claim": "p50 ≤ 5",
+    "test_write_doorbell": "p50 ≤ 5",
+    "test_roundtrip[spin]": "p50 ≤ 50, p99 ≤ 200",
+    "test_roundtrip[sleep]": "—",
+}
+LABELS = {
+    "test_claim": "claim (remote CAS FREE→CLAIMED)",
+    "test_write_doorbell": "write 128 tokens + doorbell",
+    "test_roundtrip[spin]": "agent round trip, echo, spinning poller",
+    "test_roundtrip[sleep]": "agent round trip, echo, sleeping poller (eventfd)",
+}
+
+
+def table(report: dict) -> str:
+    info = report.get("machine_info", {})
+    cpu = info.get("cpu", {}).get("brand_raw", platform.processor() or "unknown CPU")
+    lines = [
+        f"Measured {report.get('datetime', '?')[:19]} on {cpu}, {info.get('cpu', {}).get('count', '?')} cores, "
+        f"Python {info.get('python_version', '?')} (`make bench`).",
+        "",
+        "| stage (µs) | p50 | p99 | max | rounds | target |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    extra: list[str] = []
+    for bench in report["benchmarks"]:
+        data = np.array(bench["stats"]["data"]) * 1e6
+        p50, p99 = np.percentile(data, [50, 99])
+        name = bench["name"]
+        lines.append(
+            f"| {LABELS.get(name, name)} | {p50:.1f} | {p99:.1f} | {data.max():.1f} | {len(data)} | "
+            f"{TARGETS.get(name, '')} |"
+        )
+        e = bench.get("extra_info", {})
+        if "doorbell_to_ready_us_p50" in e:
+            extra.append(
+                f"| doorbell → poller sees READY ({LABELS.get(name, name).split(', ', 1)[-1]}) | "
+                f"{e['doorbell_to_ready_us_p50']:.1f} | {e['doorbell_to_ready_us_p99']:.1f} | | | "
+                f"{'p50 ≤ 10' if 'spin' in name else '—'} |"
+            )
+    return "\n".join(lines + extra)
+
+
+def rewrite(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} block to rewrite")
+    readme.write_text(pattern.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("json", type=Path)
+    parser.add_argument("--readme", type=Path)
+    args = parser.parse_args()
+    block = table(json.loads(args.json.read_text()))
+    print(block)
+    if args.readme:
+        rewrite(args.readme, block)
+
+
+if __name__ == "__main__":
+    main()
