@@ -96,12 +96,19 @@ class Agent:
         output_capacity: int = 4096,
         max_servers: int = 8,
         max_slots_per_server: int = 65536,
+        frames_buffer: np.ndarray | None = None,
     ) -> None:
+        """``frames_buffer``: frame memory owned elsewhere (shared with edges) that ``transport``
+        registers in place (the verbs transport can), so edges' token writes are what the NIC sends."""
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
-        self.frames_mr: MemoryRegion = transport.register(
-            REPLIES_REGION, frames * self.layout.stride, Access.REMOTE_WRITE
-        )
+        size = frames * self.layout.stride
+        if frames_buffer is None:
+            self.frames_mr: MemoryRegion = transport.register(REPLIES_REGION, size, Access.REMOTE_WRITE)
+        else:
+            self.frames_mr = transport.register(  # type: ignore[call-arg]
+                REPLIES_REGION, size, Access.REMOTE_WRITE, buffer=frames_buffer
+            )
         self.frames = FrameArray(self.frames_mr.buf, 0, frames, self.layout)
         self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server

@@ -16,8 +16,10 @@ transport.
 from __future__ import annotations
 
 import logging
+import select
 import selectors
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +50,14 @@ class AgentService:
         address: str,
         frames_per_edge: int = 64,
         spin: float = 0.0,
+        edge_frames: MemoryRegion | None = None,
     ) -> None:
-        if agent.transport is not edge_transport:
-            raise ValueError("the agent and its edges must share one endpoint (one completion queue)")
+        """``edge_frames``: when the agent reaches slot servers over another transport (verbs), the
+        same frame memory registered with ``edge_transport``, which is what edges are given."""
+        if agent.transport is not edge_transport and edge_frames is None:
+            raise ValueError("an agent on another transport than its edges needs edge_frames (its frames, shared)")
+        if edge_frames is not None and edge_frames.buf.ctypes.data != agent.frames_mr.buf.ctypes.data:
+            raise ValueError("edge_frames must be the very memory of the agent's frames (zero copy)")
         if not 1 <= frames_per_edge <= agent.frames.count:
             raise ValueError(f"frames_per_edge must be 1..{agent.frames.count}, got {frames_per_edge}")
         self.agent = agent
@@ -65,7 +72,7 @@ class AgentService:
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
         self.listener: Listener = edge_transport.listen(
             address,
-            [agent.frames_mr],
+            [edge_frames or agent.frames_mr],
             {"input_capacity": agent.layout.input_capacity, "output_capacity": agent.layout.output_capacity},
         )
         self.address = address
@@ -152,28 +159,65 @@ class AgentService:
         self._answer(index)
 
     def handle(self, conn_id: int, imm: int) -> None:
+        """A completion on the one endpoint shared by edges and slot servers."""
+        if conn_id in self.edges:
+            self._from_edge(conn_id, imm)
+        else:
+            self._from_server(conn_id, imm)
+
+    def _from_edge(self, conn_id: int, imm: int) -> None:
         edge = self.edges.get(conn_id)
-        if edge is not None:
-            if not 0 <= imm < edge.count:
-                log.warning("edge %d named frame %d outside its range of %d", conn_id, imm, edge.count)
-                return
-            index = edge.base + imm
-            status = self.agent.submit(index)
-            if status is not None:
-                self._refuse(index, status)
+        if edge is None:
             return
+        if not 0 <= imm < edge.count:
+            log.warning("edge %d named frame %d outside its range of %d", conn_id, imm, edge.count)
+            return
+        index = edge.base + imm
+        status = self.agent.submit(index)
+        if status is not None:
+            self._refuse(index, status)
+
+    def _from_server(self, conn_id: int, imm: int) -> None:
         index = self.agent.complete(conn_id, imm)
         if index is not None:
             self._answer(index)
 
     def serve(self) -> None:
         threading.Thread(target=self._manage, name="agent-cm", daemon=True).start()
+        if self.agent.transport is not self.transport:
+            self._serve_two()
+            return
         cq = self.transport.cq
         while not self._stop.is_set():
             for c in cq.wait(0.05, spin=self.spin, max_entries=256):
                 self.handle(c.conn_id, c.imm)
             if self._gone:
                 self._reap()
+
+    def _serve_two(self) -> None:
+        """Edges on one completion queue, slot servers on another (their connection ids are separate
+        spaces): poll both, then arm both and sleep on both descriptors."""
+        edge_cq, server_cq = self.transport.cq, self.agent.transport.cq
+        fds = [edge_cq.fileno(), server_cq.fileno()]
+        while not self._stop.is_set():
+            busy = False
+            deadline = time.monotonic() + self.spin
+            while True:
+                for c in edge_cq.poll(256):
+                    busy = True
+                    self._from_edge(c.conn_id, c.imm)
+                for c in server_cq.poll(256):
+                    busy = True
+                    self._from_server(c.conn_id, c.imm)
+                if busy or time.monotonic() >= deadline:
+                    break
+            if self._gone:
+                self._reap()
+            if busy:
+                continue
+            armed = [edge_cq.arm(), server_cq.arm()]  # both armed before sleeping, or a wake-up is lost
+            if not any(armed):
+                select.select(fds, [], [], 0.05)
 
     def stop(self) -> None:
         self._stop.set()

@@ -94,23 +94,40 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService
 
-    if args.transport != "loopback":
-        server_side = make_transport(args.transport, **_transport_options(args))
-        raise SystemExit(
-            f"agent: --transport {server_side.name} towards slot servers needs the verbs agent "
-            "(not in this build); use --transport loopback"
+    transport = LoopbackTransport()  # edges reach the agent through shared memory, always
+    edge_frames = None
+    if args.transport == "loopback":
+        agent = Agent(
+            transport, frames=args.frames, input_capacity=args.input_capacity, output_capacity=args.output_capacity
         )
-    transport = LoopbackTransport()
-    agent = Agent(
-        transport,
-        frames=args.frames,
-        input_capacity=args.input_capacity,
-        output_capacity=args.output_capacity,
-    )
+    else:
+        # Slot servers over RDMA: the frames live in shared memory that edges map, and the same
+        # pages are registered with the NIC, so the edge's one write of the tokens is what is sent.
+        from edgepath.dma.pool import FrameLayout
+        from edgepath.dma.slot_server import REPLIES_REGION
+        from edgepath.dma.transport import Access
+
+        server_side = make_transport(args.transport, **_transport_options(args))
+        size = args.frames * FrameLayout(args.input_capacity, args.output_capacity).stride
+        edge_frames = transport.register(REPLIES_REGION, size, Access.REMOTE_WRITE)
+        agent = Agent(
+            server_side,
+            frames=args.frames,
+            input_capacity=args.input_capacity,
+            output_capacity=args.output_capacity,
+            frames_buffer=edge_frames.buf,
+        )
     for address in args.slot_server:
         link = agent.attach(address)
         log.info("attached to slot server %s: %d slots, claimant id %d", address, link.slot_count, link.claimant)
-    service = AgentService(agent, transport, args.listen, frames_per_edge=args.frames_per_edge, spin=args.spin_us / 1e6)
+    service = AgentService(
+        agent,
+        transport,
+        args.listen,
+        frames_per_edge=args.frames_per_edge,
+        spin=args.spin_us / 1e6,
+        edge_frames=edge_frames,
+    )
     print(f"ready {args.listen}", flush=True)
     try:
         _run_until_signal(service.serve, service.stop)
