@@ -39,4 +39,4 @@ lint: build
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(NATIVE) native/_core*.so
+	rm -rf $(VENV) $(NATIVE) native/_core*.so native/_verbs*.so
