@@ -5,8 +5,8 @@ device (both ends on one rxe, like ``ib_write_lat`` run against the local addres
 call, from Python, what the agent does per request:
 
 * ``write_imm64``: one WRITE_WITH_IMM of 64 bytes (data + doorbell in one work request);
-* ``write64_doorbell``: a WRITE of 64 bytes, then an 8-byte WRITE_WITH_IMM doorbell (the agent's two
-  synchronous operations per request);
+* ``write64_doorbell``: a WRITE of 64 bytes and an 8-byte WRITE_WITH_IMM doorbell posted together,
+  one completion waited for (``write_then_imm``: what the agent does per request);
 * ``cas``: one remote compare-and-swap that succeeds (a claim).
 
 Each operation returns after its send completion, i.e. after the responder's ACK: a full round
@@ -72,8 +72,7 @@ def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warm
         samples = []
         for i in range(warmup + iterations):
             t0 = clock()
-            conn.write(local, 0, remote, 1024, 64)
-            conn.write_with_imm(local, 64, remote, 2048, 8, i)
+            conn.write_then_imm(local, 0, remote, 1024, 64, 64, 2048, 8, i)
             t1 = clock()
             if i >= warmup:
                 samples.append(t1 - t0)

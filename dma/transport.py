@@ -129,6 +129,24 @@ class Connection(abc.ABC):
     ) -> None:
         """RDMA READ into local memory."""
 
+    def write_then_imm(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteRegion,
+        remote_offset: int,
+        length: int,
+        bell_offset: int,
+        bell_remote_offset: int,
+        bell_length: int,
+        imm: int,
+    ) -> None:
+        """A WRITE, then a WRITE_WITH_IMM (the doorbell) from the same local region to the same remote
+        one; RC ordering places the data before the doorbell's completion.  A transport may post both
+        at once and wait for the second only (verbs does: one round trip instead of two)."""
+        self.write(local, local_offset, remote, remote_offset, length)
+        self.write_with_imm(local, bell_offset, remote, bell_remote_offset, bell_length, imm)
+
     @abc.abstractmethod
     def fileno(self) -> int:
         """A descriptor that turns readable when the connection has a management event."""

@@ -93,6 +93,7 @@ _ACCEPTED, _REFUSED = 1, 2
 _HANDLE_OFFSET = 40
 _OP_TIMEOUT_NS = 10_000_000_000  # beyond rxe's retry budget: a dead peer shows as a failed completion first
 _ATOMIC, _WRITE, _READ = int(Access.REMOTE_ATOMIC), int(Access.REMOTE_WRITE), int(Access.REMOTE_READ)
+_OP_WRITE, _OP_WRITE_IMM, _T = _lib.EP_V_WRITE, _lib.EP_V_WRITE_IMM, _OP_TIMEOUT_NS
 
 
 def _raw(obj: object) -> int:
@@ -134,6 +135,7 @@ class VerbsRegion(MemoryRegion):
         super().__init__(name=name, buf=buf, access=access)
         self.mr = mr
         self.addr = int(buf.ctypes.data)
+        self.length = buf.nbytes
         self.lkey = int(mr.lkey)
         self.rkey = int(mr.rkey)
         self._keep = keep  # the mmap that owns the memory, when this region allocated it
@@ -219,6 +221,7 @@ class VerbsConnection(Connection):
         _checked("QP", _lib.ep_v_check_qp(self._qp, transport.ctx_ptr, self.qp.qp_num))
         self.ctl = transport._alloc("ctl", 64 + _HELLO_CAP, Access.NONE, track=False)
         self._ctl_ptr = _ffi.cast("uint64_t *", self.ctl.addr)
+        self._ctl_lkey = self.ctl.lkey
 
     # -- setup -----------------------------------------------------------------------
     def _modify(self, state: int) -> None:
@@ -272,14 +275,16 @@ class VerbsConnection(Connection):
         if not self._alive:
             raise TransportError(f"connection {self.conn_id} is closed")
 
+    # Hot path: one access check per side, one cffi call, no further Python calls when it succeeds.
     def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
-        self._live()
+        if not self._alive:
+            self._live()
         remote.check(offset, 8, _ATOMIC)
-        if offset % 8:
+        if offset & 7:
             raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
         addr, rkey = remote.handle
         rc = _lib.ep_v_cas(
-            self._qp, self._scq, self._ctl_ptr, self.ctl.lkey, addr + offset, rkey, expected, desired, _OP_TIMEOUT_NS
+            self._qp, self._scq, self._ctl_ptr, self._ctl_lkey, addr + offset, rkey, expected, desired, _T
         )
         if rc:
             self._failed(rc, "compare-and-swap")
@@ -289,13 +294,17 @@ class VerbsConnection(Connection):
     def write(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
-        self._live()
+        if not self._alive:
+            self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
+        laddr, lkey = _local(local, local_offset, length)
         addr, rkey = remote.handle
-        self._op(_lib.EP_V_WRITE, local.addr + local_offset, local.lkey, length, addr + remote_offset, rkey, 0, "write")
-        self.counters.writes += 1
-        self.counters.bytes_written += length
+        rc = _lib.ep_v_post_wait(self._qp, self._scq, _OP_WRITE, laddr, lkey, length, addr + remote_offset, rkey, 0, _T)
+        if rc:
+            self._failed(rc, "write")
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
 
     def write_with_imm(
         self,
@@ -306,31 +315,69 @@ class VerbsConnection(Connection):
         length: int,
         imm: int,
     ) -> None:
-        self._live()
+        if not self._alive:
+            self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
+        laddr, lkey = _local(local, local_offset, length)
         addr, rkey = remote.handle
-        self._op(
-            _lib.EP_V_WRITE_IMM,
-            local.addr + local_offset,
-            local.lkey,
+        rc = _lib.ep_v_post_wait(
+            self._qp, self._scq, _OP_WRITE_IMM, laddr, lkey, length, addr + remote_offset, rkey, imm & 0xFFFFFFFF, _T
+        )
+        if rc:
+            self._failed(rc, "write-with-immediate")
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
+
+    def write_then_imm(
+        self,
+        local: MemoryRegion,
+        local_offset: int,
+        remote: RemoteRegion,
+        remote_offset: int,
+        length: int,
+        bell_offset: int,
+        bell_remote_offset: int,
+        bell_length: int,
+        imm: int,
+    ) -> None:
+        """Both work requests in one post, one completion waited for: one round trip, one cffi call."""
+        if not self._alive:
+            self._live()
+        remote.check(remote_offset, length, _WRITE)
+        remote.check(bell_remote_offset, bell_length, _WRITE)
+        laddr, lkey = _local(local, local_offset, length)
+        bell_laddr, _ = _local(local, bell_offset, bell_length)
+        addr, rkey = remote.handle
+        rc = _lib.ep_v_write_then_imm(
+            self._qp,
+            self._scq,
+            laddr,
+            lkey,
             length,
             addr + remote_offset,
             rkey,
+            bell_laddr,
+            bell_length,
+            addr + bell_remote_offset,
             imm & 0xFFFFFFFF,
-            "write-with-immediate",
+            _T,
         )
-        self.counters.writes += 1
-        self.counters.bytes_written += length
+        if rc:
+            self._failed(rc, "write + doorbell")
+        counters = self.counters
+        counters.writes += 2
+        counters.bytes_written += length + bell_length
 
     def read(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
-        self._live()
+        if not self._alive:
+            self._live()
         remote.check(remote_offset, length, _READ)
-        _check_local(local, local_offset, length)
+        laddr, lkey = _local(local, local_offset, length)
         addr, rkey = remote.handle
-        self._op(_lib.EP_V_READ, local.addr + local_offset, local.lkey, length, addr + remote_offset, rkey, 0, "read")
+        self._op(_lib.EP_V_READ, laddr, lkey, length, addr + remote_offset, rkey, 0, "read")
         self.counters.reads += 1
         self.counters.bytes_read += length
 
@@ -371,13 +418,15 @@ class VerbsConnection(Connection):
         self.cmid = None
 
 
-def _check_local(local: MemoryRegion, offset: int, length: int) -> None:
+def _local(local: MemoryRegion, offset: int, length: int) -> tuple[int, int]:
+    """(address, lkey) of ``[offset, offset+length)`` of a region registered with this transport."""
     if not isinstance(local, VerbsRegion):
         raise TransportError(f"region {local.name!r} was not registered with the verbs transport")
-    if offset < 0 or length < 0 or offset + length > local.buf.nbytes:
+    if offset < 0 or length < 0 or offset + length > local.length:
         raise TransportError(
-            f"local access [{offset}, {offset + length}) outside region {local.name!r} of {local.buf.nbytes} bytes"
+            f"local access [{offset}, {offset + length}) outside region {local.name!r} of {local.length} bytes"
         )
+    return local.addr + offset, local.lkey
 
 
 class VerbsCQ(CompletionQueue):

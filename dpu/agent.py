@@ -308,17 +308,13 @@ class Agent:
         pool = link.pool
         self.inflight[index] = InFlight(link, slot, gen)
         link.inflight += 1
-        link.conn.write(
+        link.conn.write_then_imm(
             self.frames_mr,
             frame_off,
             pool,
             link.slots_offset + slot * link.slot_stride,
             self.layout.request_bytes(count),
-        )
-        link.conn.write_with_imm(
-            self.frames_mr,
             frame_off + _DOORBELL_FIELD,
-            pool,
             link.doorbells_offset + 8 * slot,
             8,
             doorbell_imm(slot, gen),

@@ -20,6 +20,8 @@
 
 #define POLL_BATCH 32
 #define STASH 256
+/* Busy-poll a send CQ this long, then yield the CPU between polls (on rxe the NIC is kernel code
+ * that may need this core; measured under TCG: 0, 2, 20 and 200 us give the same p50). */
 #define SPIN_BEFORE_YIELD_NS 20000
 
 static int64_t now_ns(void)
@@ -104,7 +106,7 @@ static int wait_send(struct ibv_cq *cq, int64_t timeout_ns)
         int64_t waited = now_ns() - start;
         if (waited > timeout_ns)
             return EP_V_E_TIMEOUT;
-        if (waited > SPIN_BEFORE_YIELD_NS)
+        if (waited >= SPIN_BEFORE_YIELD_NS)
             sched_yield();
     }
 }
@@ -136,6 +138,34 @@ int ep_v_post_wait(uintptr_t qp, uintptr_t scq, int op, uint64_t laddr, uint32_t
         return EP_V_E_POST;
     }
     if (ibv_post_send((struct ibv_qp *)qp, &wr, &bad))
+        return EP_V_E_POST;
+    return wait_send((struct ibv_cq *)scq, timeout_ns);
+}
+
+int ep_v_write_then_imm(uintptr_t qp, uintptr_t scq, uint64_t laddr, uint32_t lkey, uint32_t length, uint64_t raddr,
+                        uint32_t rkey, uint64_t bell_laddr, uint32_t bell_length, uint64_t bell_raddr, uint32_t imm,
+                        int64_t timeout_ns)
+{
+    struct ibv_sge sge[2] = {{.addr = laddr, .length = length, .lkey = lkey},
+                             {.addr = bell_laddr, .length = bell_length, .lkey = lkey}};
+    struct ibv_send_wr wr[2], *bad = NULL;
+    memset(wr, 0, sizeof(wr));
+    wr[0].wr_id = 4;
+    wr[0].next = &wr[1];
+    wr[0].sg_list = &sge[0];
+    wr[0].num_sge = length ? 1 : 0;
+    wr[0].opcode = IBV_WR_RDMA_WRITE; /* unsignaled: a failure errors the QP, so the doorbell fails too */
+    wr[0].wr.rdma.remote_addr = raddr;
+    wr[0].wr.rdma.rkey = rkey;
+    wr[1].wr_id = 5;
+    wr[1].sg_list = &sge[1];
+    wr[1].num_sge = bell_length ? 1 : 0;
+    wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+    wr[1].send_flags = IBV_SEND_SIGNALED;
+    wr[1].imm_data = htonl(imm);
+    wr[1].wr.rdma.remote_addr = bell_raddr;
+    wr[1].wr.rdma.rkey = rkey;
+    if (ibv_post_send((struct ibv_qp *)qp, wr, &bad))
         return EP_V_E_POST;
     return wait_send((struct ibv_cq *)scq, timeout_ns);
 }

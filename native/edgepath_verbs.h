@@ -41,6 +41,10 @@ int ep_v_cm_migrate(uintptr_t id, uintptr_t channel);
 /* One signaled WRITE / WRITE_WITH_IMM / READ, then wait for its completion on scq. */
 int ep_v_post_wait(uintptr_t qp, uintptr_t scq, int op, uint64_t laddr, uint32_t lkey, uint32_t length,
                    uint64_t raddr, uint32_t rkey, uint32_t imm, int64_t timeout_ns);
+/* An unsignaled WRITE and a signaled WRITE_WITH_IMM (same lkey and rkey) posted together. */
+int ep_v_write_then_imm(uintptr_t qp, uintptr_t scq, uint64_t laddr, uint32_t lkey, uint32_t length, uint64_t raddr,
+                        uint32_t rkey, uint64_t bell_laddr, uint32_t bell_length, uint64_t bell_raddr, uint32_t imm,
+                        int64_t timeout_ns);
 /* Remote 64-bit compare-and-swap; the value found lands in *result (registered with lkey). */
 int ep_v_cas(uintptr_t qp, uintptr_t scq, uint64_t *result, uint32_t lkey, uint64_t raddr, uint32_t rkey,
              uint64_t expected, uint64_t desired, int64_t timeout_ns);

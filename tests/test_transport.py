@@ -111,6 +111,19 @@ def test_write_with_imm_lands_data_then_a_completion_for_this_side_s_connection(
     assert [(c.conn_id, c.imm) for c in pair.client.cq.wait(5.0)] == [(pair.c_conn.conn_id, 12)]
 
 
+def test_write_then_imm_lands_the_data_before_its_doorbell(pair: Pair) -> None:
+    pair.local.buf[:64] = np.arange(64, dtype=np.uint8)
+    pair.local.buf[64:72] = 9
+    pool = pair.c_conn.remote["pool"]
+    pair.c_conn.write_then_imm(pair.local, 0, pool, 512, 64, 64, 1024, 8, 5)
+    assert [(c.conn_id, c.imm) for c in pair.server.cq.wait(5.0)] == [(pair.s_conn.conn_id, 5)]
+    assert pair.exported.buf[512:576].tolist() == list(range(64))
+    assert pair.exported.buf[1024:1032].tolist() == [9] * 8
+    assert (pair.c_conn.counters.writes, pair.c_conn.counters.bytes_written) == (2, 72)
+    with pytest.raises(TransportError, match="outside remote region"):
+        pair.c_conn.write_then_imm(pair.local, 0, pool, 512, 64, 64, SIZE - 4, 8, 6)
+
+
 def test_completion_channel_wakes_a_sleeper_after_arm(pair: Pair) -> None:
     cq = pair.server.cq
     assert cq.poll() == []
