@@ -104,7 +104,7 @@ def parse_perftest(text: str) -> dict[str, float]:
         fields = line.split()
         if len(fields) >= 9 and all(f.replace(".", "", 1).isdigit() for f in fields[:9]):
             return {"p50_us": float(fields[4]), "p99_us": float(fields[7]), "n": int(fields[1])}
-    raise ValueError("no perftest result row found")
+    raise ValueError(f"no perftest result row found in:\n{text}")
 
 
 def compare(ours: dict[str, Any], write_lat: str, atomic_lat: str) -> list[str]:

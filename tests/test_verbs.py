@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def test_the_cli_refuses_verbs_without_the_device_and_names_the_alternative() ->
 
 
 def _counters(device: str) -> dict[str, int]:
+    """The port's packet counters, read after the kernel's cache of them (``lifespan`` ms) has expired."""
     base = Path(f"/sys/class/infiniband/{device}/ports/1/hw_counters")
+    time.sleep(3 * int((base / "lifespan").read_text()) / 1000 + 0.05)
     return {name: int((base / name).read_text()) for name in ("sent_pkts", "rcvd_pkts")}
 
 
