@@ -558,6 +558,8 @@ class VerbsListener(Listener):
                     info.update(admit(conn))
             except ValueError as exc:
                 _publish(hello, {"refused": str(exc)}, _REFUSED)
+                # Let the connector read the reason (it disconnects then) before this side tears down.
+                _event(channel, conn.fileno(), 2.0)
                 raise
             _publish(hello, {"exports": [r.describe() for r in self._exports], "info": info}, _ACCEPTED)
         except Exception:

@@ -152,7 +152,7 @@ def test_access_and_bounds_are_enforced_before_anything_moves(pair: Pair) -> Non
 
 
 def test_refusal_by_admit_reaches_the_connecting_side(
-    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str], transport_name: str
 ) -> None:
     server, client = new_transport(), new_transport()
     listener = server.listen(new_address("server"), [], {})
@@ -161,8 +161,10 @@ def test_refusal_by_admit_reaches_the_connecting_side(
         raise ValueError("no room for you")
 
     box = _accept_in_thread(listener, admit=refuse)
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError) as refused:
         client.connect(listener.address, [], {}, timeout=10.0)
+    if transport_name == "verbs":  # loopback's refusal is the socket closing, without a reason
+        assert "no room for you" in str(refused.value)
     box["thread"].join(10.0)
     assert isinstance(box.get("error"), ValueError)
     listener.close()
