@@ -41,6 +41,7 @@ class Results:
     errors: Counter = field(default_factory=Counter)
     started: float = 0.0
     finished: float = 0.0
+    schedule_seconds: float = 0.0
 
     def record(self, status: int, latency_s: float) -> None:
         hist = self.histograms.get(status)
@@ -53,6 +54,7 @@ class Results:
             "histograms": {str(k): h.encode().decode() for k, h in self.histograms.items()},
             "errors": dict(self.errors),
             "seconds": self.finished - self.started,
+            "schedule_seconds": self.schedule_seconds,
         }
 
 
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     offsets = parse(args.schedule, args.count, args.seed)
     results = run(args.url, offsets, args.body.encode(), args.connections, args.max_streams, args.timeout)
+    results.schedule_seconds = float(offsets[-1])
     print(json.dumps(results.to_json()))
     return 0
 

@@ -137,6 +137,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_bench_ingress(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from edgepath.bench.ingress import SYSTEMS, rewrite_readme, run_fixed, run_ingress, table
+
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}: choose from {', '.join(SYSTEMS)}")
+    out = Path(args.out)
+    if args.schedule:
+        report = run_fixed(out, args.schedule, args.count, systems, slots=args.slots)
+    else:
+        report = run_ingress(
+            out,
+            systems,
+            seconds=args.seconds,
+            sweep_seconds=args.sweep_seconds,
+            slots=args.slots,
+            start_rate=args.start_rate,
+        )
+    text = table(report)
+    print(text)
+    print(f"report: {out / 'ingress.json'}, plot: {out / 'ingress.png'}")
+    if args.readme:
+        rewrite_readme(Path(args.readme), text, out / "ingress.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -186,6 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive_int, default=128, help="tokens per request")
     p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("ingress", help="open-loop HTTP latency: edgepath vs the QUIC floor vs queue-and-batch")
+    p.add_argument("--systems", default="floor,edgepath,baseline", help="comma-separated: floor, edgepath, baseline")
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
+    )
+    p.add_argument("--count", type=_positive_int, default=1000, help="requests for --schedule")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of each measured run")
+    p.add_argument("--sweep-seconds", type=float, default=2.0, help="length of each capacity-sweep step")
+    p.add_argument("--start-rate", type=float, default=100.0, help="first rate of the capacity sweep (req/s)")
+    p.add_argument("--slots", type=_positive_int, default=64)
+    p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
+    p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
+    p.set_defaults(func=cmd_bench_ingress)
     return parser
 
 
