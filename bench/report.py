@@ -16,12 +16,14 @@ import numpy as np
 
 BEGIN, END = "<!-- bench:datapath:begin -->", "<!-- bench:datapath:end -->"
 TARGETS = {
+    "test_frame": "—",
     "test_claim": "p50 ≤ 5",
     "test_write_doorbell": "p50 ≤ 5",
     "test_roundtrip[spin]": "p50 ≤ 50, p99 ≤ 200",
     "test_roundtrip[sleep]": "—",
 }
 LABELS = {
+    "test_frame": "frame 128 token ids into the registered buffer",
     "test_claim": "claim (remote CAS FREE→CLAIMED)",
     "test_write_doorbell": "write 128 tokens + doorbell",
     "test_roundtrip[spin]": "agent round trip, echo, spinning poller",
