@@ -31,9 +31,9 @@ def test_poller_compiles_for_sm80_and_sm90(tmp_path: Path) -> None:
 def test_compile_errors_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _nvcc_or_skip()
     bad = tmp_path / "bad.cu"
-    bad.write_text('#include "edgepath_poll.h"\nextern "C" __global__ void k() { int unused_but_set = ep_missing(); }\n')
+    bad.write_text('#include "edgepath_poll.h"\nextern "C" __global__ void k() { int x = ep_missing(); }\n')
     monkeypatch.setattr(cuda_build, "SOURCE", bad)
-    with pytest.raises(cuda_build.CudaBuildError, match="nvcc failed on bad.cu"):
+    with pytest.raises(cuda_build.CudaBuildError, match=r"nvcc failed on bad\.cu"):
         cuda_build.build_poller(("90",), out_dir=tmp_path / "out")
 
 
