@@ -279,7 +279,11 @@ def dmabuf_export(address: int, length: int, device: int = 0) -> tuple[int, int,
         from cuda.bindings import driver
     except ImportError as exc:
         raise RdmaRegistrationError(f"dma-buf export needs cuda-bindings (edgepath[gpu]): {exc}") from exc
-    _check(driver.cuInit(0), "cuInit")
+    try:
+        init = driver.cuInit(0)
+    except Exception as exc:  # cuda-bindings raises its own loader error when there is no driver
+        raise RdmaRegistrationError(f"dma-buf export: no CUDA driver ({exc})") from exc
+    _check(init, "cuInit")
     dev = _check(driver.cuDeviceGet(device), "cuDeviceGet")
     attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
     if not _check(driver.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"):

@@ -130,6 +130,7 @@ class SlotServer:
         self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
         self.address = address
         self._stop = threading.Event()
+        self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
         self._cm_thread: threading.Thread | None = None
         self.on_result: Callable[[int, int], None] | None = None
 
@@ -387,6 +388,10 @@ class SlotServer:
         """Run until :meth:`stop` (or ``until()`` is true)."""
         if self._cm_thread is None:
             self.start_connection_manager()
+        with self._serving:
+            self._serve(until)
+
+    def _serve(self, until: Callable[[], bool] | None) -> None:
         cfg = self.config
         cq = self.transport.cq
         next_scan = time.monotonic()
@@ -414,5 +419,10 @@ class SlotServer:
             peer.conn.close()
         self.peers.clear()
         if self.gpu is not None:
-            self.gpu.close()
-            self.gpu = None
+            if not self._serving.acquire(timeout=5.0):
+                raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")
+            try:
+                self.gpu.close()
+                self.gpu = None
+            finally:
+                self._serving.release()
