@@ -3,11 +3,13 @@ with a message that says why and names the alternative; and the RDMA registratio
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +174,26 @@ def test_dmabuf_export_without_a_driver_is_clear() -> None:
         pytest.skip("a CUDA device is present")
     with pytest.raises(gpu.RdmaRegistrationError, match=r"dma-buf export: no CUDA driver|cuInit failed"):
         gpu.dmabuf_export(0x1000, 4096)
+
+
+def test_gpu_check_without_a_gpu_exits_nonzero_with_no_gpu(tmp_path: Any) -> None:
+    try:
+        gpu.require_device()
+    except gpu.GpuUnavailable:
+        pass
+    else:
+        pytest.skip("a CUDA device is present")
+    out = tmp_path / "report.json"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_check.py"), "--no-setup", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "gpu_check: no GPU: GpuUnavailable: --slots gpu: " in done.stderr
+    report = json.loads(out.read_text())
+    assert report["result"] == "no GPU"
+    assert list(report["steps"]) == ["device"]  # nothing measured, no figures
+    assert "targets_met" not in report
