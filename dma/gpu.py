@@ -30,7 +30,7 @@ log = logging.getLogger("edgepath.gpu")
 # ctrl words (edgepath_poller.cu's EP_CTRL_*).
 CTRL_STOP, CTRL_RUNNING, CTRL_ACCEPTED, CTRL_REJECTED, CTRL_EXPIRED, CTRL_LOST, CTRL_LOOPS = range(7)
 CTRL_WORDS = 8
-_CTRL_NAMES = ("accepted", "rejected", "expired", "lost", "loops")
+_CTRL_NAMES = ("accepted", "rejected", "expired", "lost")
 
 # CUDA runtime flags (cuda_runtime_api.h).
 _HOST_REGISTER_PORTABLE = 1
@@ -144,8 +144,8 @@ class GpuPoller:
         pool_address: int,
         slot_count: int,
         device: DeviceInfo,
-        min_sleep_ns: int = 0,
-        max_sleep_ns: int = 1000,
+        min_sleep_ns: int = 32,
+        max_sleep_ns: int = 1024,
     ) -> None:
         cp = load_cupy()
         self._cp = cp

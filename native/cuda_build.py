@@ -19,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "edgepath_poller.cu"
-HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h")
+HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h")
 DEFAULT_ARCHES = ("80", "90")
 _NVCC_FALLBACKS = ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
 

@@ -46,7 +46,8 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kernel_shares_the_transition_code() -> None:
     """The .cu must take its transitions from ep_step (edgepath_step.h), never build state words itself."""
     src = cuda_build.SOURCE.read_text()
-    assert '#include "edgepath_poll.h"' in src
-    assert "ep_step(" in src and "ep_poll_decide(" in src
-    assert "ep_word(" not in src
+    body = (cuda_build.HERE / "edgepath_poller.h").read_text()
+    assert '#include "edgepath_poller.h"' in src and '#include "edgepath_poll.h"' in body
+    assert "ep_step(" in body and "ep_poll_decide(" in body
+    assert "ep_word(" not in src + body
     assert '#include "edgepath_step.h"' in (cuda_build.HERE / "edgepath_poll.h").read_text()

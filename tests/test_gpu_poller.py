@@ -1,13 +1,17 @@
-"""The CUDA poller on a real GPU (marker ``gpu``; skipped with the reason when there is no device).
-``bench/gpu_check.py`` runs these with ``pytest -m gpu`` on a GPU machine."""
+"""The GPU poller's scenarios, each run twice: on the poller's host twin (tests/gpu_twin.py: the kernel's
+per-slot pass compiled for the CPU, under a stand-in for cupy) wherever the tests run, and on a real GPU
+(marker ``gpu``; skipped with the reason when there is no device). ``bench/gpu_check.py`` runs the
+``gpu`` ones with ``pytest -m gpu`` on a GPU machine."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,16 +26,36 @@ from edgepath.dma.state import doorbell_word
 from edgepath.dma.transport import Access
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
+from gpu_twin import FakeCupy, build_twin
 
-pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture(scope="module")
-def device() -> gpu.DeviceInfo:
+def _real_device() -> gpu.DeviceInfo:
     try:
         return gpu.require_device()
     except gpu.GpuUnavailable as exc:
         pytest.skip(f"no GPU: {exc}")
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_twin(tmp_path_factory.mktemp("twin"))
+
+
+@pytest.fixture(params=["twin", pytest.param("gpu", marks=pytest.mark.gpu)])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, twin: Any) -> str:
+    """Where the poller runs: the host twin (cupy replaced) or the real GPU."""
+    if request.param == "gpu":
+        _real_device()
+    else:
+        monkeypatch.setitem(sys.modules, "cupy", FakeCupy(twin))
+        monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    return request.param
+
+
+@pytest.fixture
+def device() -> gpu.DeviceInfo:
+    """A real GPU only (tests of device memory and the device's own ep_step)."""
+    return _real_device()
 
 
 class Mapped:
@@ -51,7 +75,7 @@ class Mapped:
 
 
 @pytest.fixture
-def mapped(device: gpu.DeviceInfo) -> Iterator[Any]:
+def mapped(backend: str) -> Iterator[Any]:
     made: list[Mapped] = []
 
     def make(slots: int = 8, **kw: Any) -> Mapped:
@@ -73,7 +97,8 @@ def _settle(check: Any, timeout: float = 1.0) -> bool:
     return True
 
 
-def test_device_step_equals_host_step(mapped: Any) -> None:
+@pytest.mark.gpu
+def test_device_step_equals_host_step(device: gpu.DeviceInfo) -> None:
     """ep_step compiled by nvcc for the device gives the host's answer on every input of the CPU tests."""
     cp = gpu.load_cupy()
     rows = list(
@@ -93,8 +118,8 @@ def test_device_step_equals_host_step(mapped: Any) -> None:
     n = len(rows)
     rc = cp.zeros(n, dtype=cp.int32)
     nxt = cp.zeros(n, dtype=cp.uint64)
-    m = mapped()
-    m.poller.step_table(
+    module = cp.RawModule(path=str(gpu.build_poller((device.compute_capability,))))
+    module.get_function("ep_gpu_step_table")(
         ((n + 255) // 256,),
         (256,),
         (cp.asarray(words), cp.asarray(events), cp.asarray(gens), cp.asarray(claimants), np.int32(n), rc, nxt),
@@ -188,6 +213,7 @@ def test_stop_is_clean_and_prompt(mapped: Any) -> None:
     assert lib.ep_load64(m.poller._ctrl.ptr + gpu.CTRL_RUNNING) == 2
 
 
+@pytest.mark.gpu
 def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
     """The same kernel over a pool in device memory (the NIC lane's placement), written with cudaMemcpy."""
     cp = gpu.load_cupy()
@@ -218,6 +244,7 @@ def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
         poller.close()
 
 
+@pytest.mark.gpu
 def test_dmabuf_export_of_device_memory(device: gpu.DeviceInfo) -> None:
     cp = gpu.load_cupy()
     pool = gpu.DevicePool(cp, 8, 32, 32, 10**9)
@@ -229,7 +256,7 @@ def test_dmabuf_export_of_device_memory(device: gpu.DeviceInfo) -> None:
     os.close(fd)
 
 
-def test_slot_server_with_gpu_slots_echoes(device: gpu.DeviceInfo, tmp_path: Any) -> None:
+def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
     """--slots gpu end to end: agent (loopback) claims, writes, rings; the kernel hands over; echo; result."""
     server = SlotServer(
         LoopbackTransport(),
@@ -266,7 +293,7 @@ def test_slot_server_with_gpu_slots_echoes(device: gpu.DeviceInfo, tmp_path: Any
         server.transport.close()
 
 
-def test_slot_server_gpu_lease_expiry(device: gpu.DeviceInfo, tmp_path: Any) -> None:
+def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
     """A claim never rung is expired by the kernel on the host's request after the lease."""
     server = SlotServer(
         LoopbackTransport(),
@@ -288,3 +315,22 @@ def test_slot_server_gpu_lease_expiry(device: gpu.DeviceInfo, tmp_path: Any) -> 
         server.close()
         worker.join(timeout=5)
         server.transport.close()
+
+
+@pytest.fixture
+def twin_backend(monkeypatch: pytest.MonkeyPatch, twin: Any) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy(twin))
+    monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+
+
+def test_gpu_check_measurements_run_on_the_twin(twin_backend: None) -> None:
+    """bench/gpu_check.py's (a) and (b) code paths, end to end on the host twin (the figures mean nothing
+    here: a CPU thread plays the kernel; they are not reported anywhere)."""
+    from edgepath.bench import gpu_check
+
+    a = gpu_check.measure_doorbell(300, slots=8)
+    assert a["doorbell_to_handoff"]["n"] == 300
+    assert a["kernel_counters"]["accepted"] == 500 and a["kernel_counters"]["lost"] == 0
+    b = gpu_check.measure_echo(200, tokens=32)
+    for run in b.values():
+        assert run["ok"] == 200 and run["wrong_tokens"] == 0 and run["slots_free_after"] == "8/8"
