@@ -3,8 +3,9 @@
     python3 bench/gpu_check.py [--wheels .whl] [--out gpu_report.json]
 
 Steps (each recorded in the report; the first failure stops the run with a non-zero exit):
-  setup    (skipped with --no-setup) install the carried wheels (``--fetch-wheels`` makes them on a
-           machine with PyPI), build the cffi extension, install edgepath editable; nothing from the network
+  setup    (skipped with --no-setup) install the carried wheels (``--prepare`` fetches them, and can build
+           the cffi extension for the GPU image's Python, on a machine with PyPI), build that extension
+           unless carried, install edgepath editable; nothing from the network
   device   a CUDA device through cupy; without one: exit 3 and "no GPU", nothing measured
   compile  nvcc builds the poller fatbin for this device; cupy loads it eagerly
   tests    pytest -m gpu (the GPU test subset)
@@ -24,6 +25,8 @@ import os
 import platform
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -191,9 +194,13 @@ def setup(wheels: Path | None) -> dict[str, Any]:
             raise CheckFailed(f"no wheels in {wheels}")
         _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *files])
         done["wheels"] = [Path(f).name for f in files]
-    _run([py, str(ROOT / "native" / "build.py")])
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if (ROOT / "native" / f"_core{suffix}").exists():
+        done["native"] = f"carried _core{suffix}"
+    else:
+        _run([py, str(ROOT / "native" / "build.py")])
+        done["native"] = f"built _core{suffix}"
     _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
-    done["native"] = "built"
     return done
 
 
@@ -204,14 +211,25 @@ def _run(cmd: list[str], timeout: float = 180) -> str:
     return proc.stdout
 
 
-def fetch_wheels(dest: Path, python_version: str) -> None:
-    """On a machine with PyPI: the wheels the GPU image lacks (README of the device machine: Python 3.12)."""
+def prepare(dest: Path, python: str | None) -> None:
+    """On a machine with PyPI (no GPU needed): the wheels the GPU image lacks, for its Python, and, with
+    ``python`` (an interpreter of that version), the cffi extension built for it into native/."""
+    version = "3.12"
+    if python:
+        version = _run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).strip()
     platforms = [f"manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["manylinux2014_x86_64"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
-    cmd += ["--python-version", python_version, "--implementation", "cp"]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
+    cmd += ["--python-version", version, "--implementation", "cp"]
     for p in platforms:
         cmd += ["--platform", p]
-    subprocess.run([*cmd, *WHEELS], check=True)
+    _run([*cmd, *WHEELS])
+    if python:
+        with tempfile.TemporaryDirectory(prefix="edgepath-prep-") as tmp:
+            _run([python, "-m", "venv", tmp])
+            vpy = str(Path(tmp) / "bin" / "python")
+            _run([vpy, "-m", "pip", "install", "-q", "--no-deps", "setuptools", *map(str, dest.glob("*.whl"))])
+            _run([vpy, str(ROOT / "native" / "build.py")])
+    print(f"gpu_check: prepared for Python {version}: wheels in {dest}", file=sys.stderr)
 
 
 def run_tests() -> dict[str, Any]:
@@ -239,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-setup", action="store_true", help="edgepath is already installed and built here")
     parser.add_argument("--iterations", type=int, default=10_000, help="(a) iterations, at least 10000")
     parser.add_argument("--echo-requests", type=int, default=10_000)
-    parser.add_argument("--fetch-wheels", type=Path, default=None, help="only download the wheels into this folder")
-    parser.add_argument("--python-version", default="3.12", help="for --fetch-wheels")
+    parser.add_argument(
+        "--prepare", type=Path, default=None, help="on a machine with PyPI: put the GPU image's missing wheels here"
+    )
+    parser.add_argument("--python", default=None, help="with --prepare: that Python's version; build native/ for it")
     args = parser.parse_args(argv)
-    if args.fetch_wheels is not None:
-        fetch_wheels(args.fetch_wheels, args.python_version)
+    if args.prepare is not None:
+        try:
+            prepare(args.prepare, args.python)
+        except CheckFailed as exc:
+            print(f"gpu_check: prepare failed: {exc}", file=sys.stderr)
+            return EXIT_FAILED
         return 0
     if args.iterations < 10_000:
         parser.error("--iterations must be at least 10000")
