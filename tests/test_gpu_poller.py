@@ -42,12 +42,12 @@ def twin(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(params=["twin", pytest.param("gpu", marks=pytest.mark.gpu)])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, twin: Any) -> str:
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the poller runs: the host twin (cupy replaced) or the real GPU."""
     if request.param == "gpu":
         _real_device()
     else:
-        monkeypatch.setitem(sys.modules, "cupy", FakeCupy(twin))
+        monkeypatch.setitem(sys.modules, "cupy", FakeCupy(request.getfixturevalue("twin")))
         monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
     return request.param
 
