@@ -346,6 +346,8 @@ def _device() -> dict[str, Any]:
         "name": info.name,
         "compute_capability": info.compute_capability,
         "host_native_atomics": info.host_native_atomics,
+        "gpudirect_rdma": info.gpudirect_rdma,
+        "rdma_writes_ordering": info.rdma_writes_ordering,
         "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING"),
     }
 

@@ -32,13 +32,9 @@ CTRL_STOP, CTRL_RUNNING, CTRL_ACCEPTED, CTRL_REJECTED, CTRL_EXPIRED, CTRL_LOST, 
 CTRL_WORDS = 8
 _CTRL_NAMES = ("accepted", "rejected", "expired", "lost")
 
-# CUDA runtime flags (cuda_runtime_api.h).
+# cudaHostRegister flags (cuda_runtime_api.h; cupy names the cudaHostAlloc ones only).
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
-_HOST_ALLOC_PORTABLE = 1
-_HOST_ALLOC_MAPPED = 2
-_ATTR_HOST_NATIVE_ATOMIC = 86  # cudaDevAttrHostNativeAtomicSupported
-_ATTR_CAN_MAP_HOST_MEMORY = 19  # cudaDevAttrCanMapHostMemory
 
 
 class GpuUnavailable(RuntimeError):
@@ -63,10 +59,14 @@ def load_cupy() -> ModuleType:
 
 @dataclass(frozen=True)
 class DeviceInfo:
+    """What the poller's design depends on, read off the device (and recorded by bench/gpu_check.py)."""
+
     index: int
     name: str
     compute_capability: str  # "90"
-    host_native_atomics: bool
+    host_native_atomics: bool  # CPU and GPU atomics on one host word are atomic together (NVLink-C2C)
+    gpudirect_rdma: bool
+    rdma_writes_ordering: int  # cudaGPUDirectRDMAWritesOrdering: 0 none, 100 owner, 200 all devices
 
 
 def require_device(index: int = 0) -> DeviceInfo:
@@ -80,15 +80,22 @@ def require_device(index: int = 0) -> DeviceInfo:
         raise GpuUnavailable(f"--slots gpu: no CUDA device {index} (found {count}); use --slots host")
     rt = cp.cuda.runtime
     props = rt.getDeviceProperties(index)
-    if not rt.deviceGetAttribute(_ATTR_CAN_MAP_HOST_MEMORY, index):
+    if not rt.deviceGetAttribute(rt.cudaDevAttrCanMapHostMemory, index):
         raise GpuUnavailable(f"--slots gpu: device {index} cannot map host memory; use --slots host")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return DeviceInfo(
         index,
         name,
         f"{props['major']}{props['minor']}",
-        bool(rt.deviceGetAttribute(_ATTR_HOST_NATIVE_ATOMIC, index)),
+        bool(rt.deviceGetAttribute(rt.cudaDevAttrHostNativeAtomicSupported, index)),
+        bool(rt.deviceGetAttribute(rt.cudaDevAttrGPUDirectRDMASupported, index)),
+        int(rt.deviceGetAttribute(rt.cudaDevAttrGPUDirectRDMAWritesOrdering, index)),
     )
+
+
+def _device_address(cp: ModuleType, host_address: int) -> int:
+    """Where the GPU sees mapped host memory (cudaHostGetDevicePointer, through the pointer's attributes)."""
+    return int(cp.cuda.runtime.pointerGetAttributes(host_address).devicePointer)
 
 
 class _Pinned:
@@ -96,8 +103,9 @@ class _Pinned:
 
     def __init__(self, cp: ModuleType, nbytes: int) -> None:
         self._cp = cp
-        self.host = cp.cuda.runtime.hostAlloc(nbytes, _HOST_ALLOC_MAPPED | _HOST_ALLOC_PORTABLE)
-        self.device = cp.cuda.runtime.hostGetDevicePointer(self.host, 0)
+        rt = cp.cuda.runtime
+        self.host = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        self.device = _device_address(cp, self.host)
         self.ptr = ffi.cast("uint64_t *", self.host)
         ffi.memmove(self.ptr, bytes(nbytes), nbytes)  # cudaHostAlloc does not zero
 
@@ -113,7 +121,7 @@ def map_host_buffer(cp: ModuleType, buf: np.ndarray) -> int:
         cp.cuda.runtime.hostRegister(buf.ctypes.data, buf.nbytes, _HOST_REGISTER_MAPPED | _HOST_REGISTER_PORTABLE)
     except Exception as exc:
         raise GpuUnavailable(f"--slots gpu: cannot page-lock and map the slot pool into the GPU ({exc})") from exc
-    return int(cp.cuda.runtime.hostGetDevicePointer(buf.ctypes.data, 0))
+    return _device_address(cp, buf.ctypes.data)
 
 
 def start_mapped_poller(buf: np.ndarray, slot_count: int, device: int = 0, **options: Any) -> GpuPoller:
@@ -259,15 +267,28 @@ class GpuPoller:
 
 
 class DevicePool:
-    """A slot pool in device memory (the NIC lane): same layout, initialised on the host and copied in."""
+    """A slot pool in device memory (the NIC lane): same layout, initialised on the host and copied in.
+
+    Allocated with cudaMalloc on its own, rounded up to 2 MiB, so the host-page-aligned range a dma-buf
+    export needs lies inside it (a block from cupy's memory pool could share pages with other arrays).
+    """
+
+    ALIGN = 2 << 20
 
     def __init__(self, cp: ModuleType, slot_count: int, input_capacity: int, output_capacity: int, lease_ns: int):
         dims = SlotPool.layout_for(slot_count, input_capacity, output_capacity)
         staging = np.zeros(int(dims["total_size"]), dtype=np.uint8)
         self.header = SlotPool.create(staging, slot_count, input_capacity, output_capacity, lease_ns, 0)
-        self.memory = cp.asarray(staging)
-        self.address = int(self.memory.data.ptr)
+        self._cp = cp
         self.nbytes = int(staging.nbytes)
+        rt = cp.cuda.runtime
+        self.address = int(rt.malloc(-(-self.nbytes // self.ALIGN) * self.ALIGN))
+        rt.memcpy(self.address, staging.ctypes.data, self.nbytes, rt.memcpyHostToDevice)
+
+    def close(self) -> None:
+        if self.address:
+            self._cp.cuda.runtime.free(self.address)
+            self.address = 0
 
 
 def dmabuf_export(address: int, length: int, device: int = 0) -> tuple[int, int, int]:

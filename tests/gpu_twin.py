@@ -153,6 +153,13 @@ class FakeCupy(types.ModuleType):
             def getDeviceProperties(index: int) -> dict[str, Any]:
                 return {"name": b"host twin", "major": 9, "minor": 0}
 
+            cudaDevAttrCanMapHostMemory = 19
+            cudaDevAttrHostNativeAtomicSupported = 86
+            cudaDevAttrGPUDirectRDMASupported = 116
+            cudaDevAttrGPUDirectRDMAWritesOrdering = 118
+            hostAllocPortable = 1
+            hostAllocMapped = 2
+
             @staticmethod
             def deviceGetAttribute(attr: int, index: int) -> int:
                 return 1 if attr == 19 else 0
@@ -169,8 +176,8 @@ class FakeCupy(types.ModuleType):
                 del fake._blocks[address]
 
             @staticmethod
-            def hostGetDevicePointer(address: int, flags: int) -> int:
-                return address
+            def pointerGetAttributes(address: int) -> Any:
+                return types.SimpleNamespace(devicePointer=address, hostPointer=address)
 
             @staticmethod
             def hostRegister(address: int, nbytes: int, flags: int) -> None:

@@ -220,6 +220,7 @@ def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
     pool = gpu.DevicePool(cp, 8, 32, 32, 10**9)
     poller = gpu.GpuPoller(pool.address, 8, device)
     poller.start()
+    rt = cp.cuda.runtime
     try:
         h = pool.header
         slot = 5
@@ -227,10 +228,10 @@ def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
 
         def poke(offset: int, value: int) -> None:
             word[0] = value
-            cp.cuda.runtime.memcpy(pool.address + offset, word.ctypes.data, 8, 1)  # host to device
+            rt.memcpy(pool.address + offset, word.ctypes.data, 8, rt.memcpyHostToDevice)
 
         def peek(offset: int) -> int:
-            cp.cuda.runtime.memcpy(word.ctypes.data, pool.address + offset, 8, 2)  # device to host
+            rt.memcpy(word.ctypes.data, pool.address + offset, 8, rt.memcpyDeviceToHost)
             return int(word[0])
 
         claimed = (1 << 32) | (9 << 8) | State.CLAIMED
@@ -242,6 +243,7 @@ def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
         assert peek(h.states_offset + 8 * slot) == (1 << 32) | (9 << 8) | State.RUNNING
     finally:
         poller.close()
+        pool.close()
 
 
 @pytest.mark.gpu
@@ -252,7 +254,9 @@ def test_dmabuf_export_of_device_memory(device: gpu.DeviceInfo) -> None:
         fd, offset, span = gpu.dmabuf_export(pool.address, pool.nbytes, device.index)
     except gpu.RdmaRegistrationError as exc:
         pytest.skip(f"dma-buf export not available on this machine: {exc}")
-    assert fd >= 0 and offset >= 0 and span >= pool.nbytes + offset
+    finally:
+        pool.close()
+    assert fd >= 0 and offset == 0 and span >= pool.nbytes
     os.close(fd)
 
 
@@ -334,3 +338,22 @@ def test_gpu_check_measurements_run_on_the_twin(twin_backend: None) -> None:
     b = gpu_check.measure_echo(200, tokens=32)
     for run in b.values():
         assert run["ok"] == 200 and run["wrong_tokens"] == 0 and run["slots_free_after"] == "8/8"
+
+
+def test_twin_fakes_only_what_cupy_has(twin: Any) -> None:
+    """The stand-in must not make up cupy API: every name it offers exists in the real cupy."""
+    cupy = pytest.importorskip("cupy", reason="cupy not installed (edgepath[gpu] extra): cannot compare the stand-in")
+    fake = FakeCupy(twin)
+    names = [n for n in vars(fake.cuda.runtime) if not n.startswith("_")]
+    assert "pointerGetAttributes" in names and "hostRegister" in names
+    missing = [n for n in names if not hasattr(cupy.cuda.runtime, n)]
+    assert not missing, f"FakeCupy offers runtime calls cupy does not have: {missing}"
+    for n in ("Device", "Stream"):
+        assert hasattr(cupy.cuda, n)
+    assert hasattr(cupy, "RawModule") and hasattr(cupy, "zeros")
+    assert hasattr(cupy.cuda.Stream, "done") and hasattr(cupy.cuda.Stream, "synchronize")
+    assert hasattr(cupy.cuda.runtime.PointerAttributes, "devicePointer")
+    for n in names:
+        real = getattr(cupy.cuda.runtime, n)
+        if isinstance(real, int):
+            assert getattr(fake.cuda.runtime, n) == real, n
