@@ -253,11 +253,13 @@ def test_dmabuf_export_of_device_memory(device: gpu.DeviceInfo) -> None:
     try:
         fd, offset, span = gpu.dmabuf_export(pool.address, pool.nbytes, device.index)
     except gpu.RdmaRegistrationError as exc:
-        pytest.skip(f"dma-buf export not available on this machine: {exc}")
-    finally:
         pool.close()
-    assert fd >= 0 and offset == 0 and span >= pool.nbytes
-    os.close(fd)
+        pytest.skip(f"dma-buf export not available on this machine: {exc}")
+    try:
+        assert fd >= 0 and offset == 0 and span >= pool.nbytes
+    finally:
+        os.close(fd)
+        pool.close()
 
 
 def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
