@@ -22,13 +22,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from edgepath.dma.handlers import Handler, SlotRequest
 from edgepath.dma.pool import FrameLayout, SlotPool
 from edgepath.dma.transport import Access, Completion, Connection, RemoteRegion, Transport, TransportError
 from edgepath.native.abi import Event, State, Status, ffi, lib
+
+if TYPE_CHECKING:
+    from edgepath.dma.gpu import GpuPoller
 
 log = logging.getLogger("edgepath.slot_server")
 
@@ -116,11 +119,6 @@ class SlotServer:
         self._ready_slots = ffi.new("uint32_t[]", 256)
         self._ready_conns = ffi.new("uint32_t[]", 256)
         self._rejected = ffi.new("int *")
-        self.gpu = None
-        if cfg.memory == "gpu":
-            from edgepath.dma.gpu import start_mapped_poller
-
-            self.gpu = start_mapped_poller(self.pool_mr.buf, cfg.slots, cfg.gpu_device)
         self._lease_word = np.zeros(cfg.slots, dtype=np.uint64)
         self._lease_ns = np.zeros(cfg.slots, dtype=np.int64)
         self.peers: dict[int, _Peer] = {}
@@ -133,6 +131,15 @@ class SlotServer:
         self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
         self._cm_thread: threading.Thread | None = None
         self.on_result: Callable[[int, int], None] | None = None
+        self.gpu: GpuPoller | None = None
+        if cfg.memory == "gpu":
+            from edgepath.dma.gpu import start_mapped_poller
+
+            try:
+                self.gpu = start_mapped_poller(self.pool_mr.buf, cfg.slots, cfg.gpu_device)
+            except BaseException:
+                self.listener.close()
+                raise
 
     def _pool_info(self) -> dict[str, Any]:
         h = self.pool.header

@@ -197,3 +197,19 @@ def test_gpu_check_without_a_gpu_exits_nonzero_with_no_gpu(tmp_path: Any) -> Non
     assert report["result"] == "no GPU"
     assert list(report["steps"]) == ["device"]  # nothing measured, no figures
     assert "targets_met" not in report
+
+
+def test_slot_server_gpu_start_failure_leaves_no_listener(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from edgepath.dma.handlers import echo
+    from edgepath.dma.loopback import LoopbackTransport
+    from edgepath.dma.slot_server import SlotServer
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    transport = LoopbackTransport()
+    address = tmp_path / "s.sock"
+    try:
+        with pytest.raises(gpu.GpuUnavailable, match="cupy is not installed"):
+            SlotServer(transport, str(address), echo, SlotServerConfig(slots=2, memory="gpu"))
+        assert not address.exists()
+    finally:
+        transport.close()
