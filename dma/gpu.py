@@ -13,6 +13,7 @@ cupy) imports this module fine and gets a clear :class:`GpuUnavailable` instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -130,12 +131,17 @@ def start_mapped_poller(buf: np.ndarray, slot_count: int, device: int = 0, **opt
     cp = load_cupy()
     cp.cuda.Device(device).use()
     address = map_host_buffer(cp, buf)
+    poller: GpuPoller | None = None
     try:
         poller = GpuPoller(address, slot_count, info, **options)
         poller.unmap_on_close(buf.ctypes.data)
         poller.start()
     except BaseException:
-        cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+        if poller is None:
+            cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+        else:
+            with contextlib.suppress(Exception):  # the start error is the one to report
+                poller.close()
         raise
     return poller
 

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -359,3 +360,23 @@ def test_twin_fakes_only_what_cupy_has(twin: Any) -> None:
         real = getattr(cupy.cuda.runtime, n)
         if isinstance(real, int):
             assert getattr(fake.cuda.runtime, n) == real, n
+
+
+def test_a_kernel_that_never_polls_is_an_error_and_cleans_up(twin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that returns at once (no RUNNING flag) fails start() and leaves nothing mapped."""
+    fake = FakeCupy(twin)
+
+    class DeadKernel:
+        def __call__(self, grid: Any, block: Any, args: Any) -> None:
+            stream = fake.cuda.Stream.current
+            stream.thread = threading.Thread(target=lambda: None)
+            stream.thread.start()
+
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    monkeypatch.setattr(fake, "RawModule", lambda path: types.SimpleNamespace(get_function=lambda n: DeadKernel()))
+    buf = np.zeros(SlotPool.layout_for(2, 8, 8)["total_size"], dtype=np.uint8)
+    SlotPool.create(buf, 2, 8, 8, 10**9, 1)
+    with pytest.raises(gpu.GpuUnavailable, match="exited at once"):
+        gpu.start_mapped_poller(buf, 2)
+    assert fake.registered == {} and fake._blocks == {}
