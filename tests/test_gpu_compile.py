@@ -51,3 +51,28 @@ def test_kernel_shares_the_transition_code() -> None:
     assert "ep_step(" in body and "ep_poll_decide(" in body
     assert "ep_word(" not in src + body
     assert '#include "edgepath_step.h"' in (cuda_build.HERE / "edgepath_poll.h").read_text()
+
+
+def test_kernel_uses_system_scope_atomics_and_backoff(tmp_path: Path) -> None:
+    """What the GPU must see of host memory, checked in the PTX: acquire loads and acq_rel CAS at system
+    scope, release stores for the hand-off, __nanosleep back-off, a block-wide OR for 'anyone worked'."""
+    import subprocess
+
+    nvcc = _nvcc_or_skip()
+    ptx = tmp_path / "poller.ptx"
+    subprocess.run(
+        [nvcc, "-std=c++17", "-arch=sm_90", "-ptx", f"-I{cuda_build.HERE}", str(cuda_build.SOURCE), "-o", str(ptx)],
+        check=True,
+        timeout=300,
+    )
+    text = ptx.read_text()
+    for instruction in (
+        "ld.acquire.sys.b64",
+        "ld.acquire.sys.b32",
+        "atom.cas.acq_rel.sys.b64",
+        "st.release.sys.b64",
+        "nanosleep.u32",
+        "bar.red.or.pred",
+    ):
+        assert instruction in text, instruction
+    assert "ld.volatile" not in text
