@@ -4,6 +4,7 @@ failure, not a skip, so the kernel cannot silently stop building."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,6 @@ def test_kernel_shares_the_transition_code() -> None:
 def test_kernel_uses_system_scope_atomics_and_backoff(tmp_path: Path) -> None:
     """What the GPU must see of host memory, checked in the PTX: acquire loads and acq_rel CAS at system
     scope, release stores for the hand-off, __nanosleep back-off, a block-wide OR for 'anyone worked'."""
-    import subprocess
-
     nvcc = _nvcc_or_skip()
     ptx = tmp_path / "poller.ptx"
     subprocess.run(
