@@ -149,8 +149,8 @@ def start_mapped_poller(buf: np.ndarray, slot_count: int, device: int = 0, **opt
 class GpuPoller:
     """The persistent kernel over one slot pool, and the host end of its hand-off ring.
 
-    ``pool_address`` is the pool as the GPU sees it (from :func:`map_host_buffer` or a
-    :class:`DevicePool`); ``pool`` is the host's view when it has one (mapped placement).
+    ``pool_address`` is the pool as the GPU sees it: from :func:`map_host_buffer` (mapped placement,
+    where the host reads the same words directly) or a :class:`DevicePool`'s address.
     """
 
     def __init__(
@@ -175,7 +175,6 @@ class GpuPoller:
         module = cp.RawModule(path=str(fatbin))
         # get_function loads the module now, before the persistent kernel occupies the GPU.
         self._kernel = module.get_function("ep_gpu_poller")
-        self.step_table = module.get_function("ep_gpu_step_table")
         self.ring_capacity = 1 << max(6, (slot_count - 1).bit_length())  # >= slots: the ring cannot overrun
         self._ctrl = _Pinned(cp, 8 * CTRL_WORDS)
         self._expire = _Pinned(cp, 8 * slot_count)
