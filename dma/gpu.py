@@ -159,7 +159,7 @@ class GpuPoller:
         slot_count: int,
         device: DeviceInfo,
         min_sleep_ns: int = 32,
-        max_sleep_ns: int = 1024,
+        max_sleep_ns: int = 256,
     ) -> None:
         cp = load_cupy()
         self._cp = cp

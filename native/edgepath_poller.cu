@@ -34,10 +34,14 @@ static __device__ __forceinline__ sys_u64 sys(uint64_t *p)
 {
     return sys_u64(*reinterpret_cast<unsigned long long *>(p));
 }
-static __device__ __forceinline__ uint64_t ep_ld_acq(uint64_t *p) { return sys(p).load(cuda::memory_order_acquire); }
-static __device__ __forceinline__ uint32_t ep_ld_acq32(uint32_t *p)
+static __device__ __forceinline__ uint64_t ep_ld_rlx(uint64_t *p) { return sys(p).load(cuda::memory_order_relaxed); }
+static __device__ __forceinline__ uint32_t ep_ld_rlx32(uint32_t *p)
 {
-    return sys_u32(*p).load(cuda::memory_order_acquire);
+    return sys_u32(*p).load(cuda::memory_order_relaxed);
+}
+static __device__ __forceinline__ void ep_fence_acq(void)
+{
+    cuda::atomic_thread_fence(cuda::memory_order_acquire, cuda::thread_scope_system);
 }
 static __device__ __forceinline__ void ep_st_rel(uint64_t *p, uint64_t v) { sys(p).store(v, cuda::memory_order_release); }
 static __device__ __forceinline__ void ep_st_rlx(uint64_t *p, uint64_t v) { sys(p).store(v, cuda::memory_order_relaxed); }
@@ -65,7 +69,6 @@ extern "C" __global__ void ep_gpu_poller(char *pool, uint64_t *seen, uint64_t *e
                                          uint32_t min_sleep_ns, uint32_t max_sleep_ns)
 {
     __shared__ ep_pool_header h;
-    __shared__ int stop;
     if (threadIdx.x == 0) {
         h = *reinterpret_cast<const ep_pool_header *>(pool);
         ep_st_rel(&ctrl[EP_CTRL_RUNNING], 1u);
@@ -75,18 +78,16 @@ extern "C" __global__ void ep_gpu_poller(char *pool, uint64_t *seen, uint64_t *e
     uint32_t sleep_ns = min_sleep_ns;
     uint64_t passes = 0;
     for (;;) {
+        /* The stop flag's load is issued with the pass's own loads (relaxed), not after them. */
+        uint64_t stop_word = threadIdx.x == 0 ? ep_ld_rlx(&ctrl[EP_CTRL_STOP]) : 0u;
         int worked = 0;
         for (uint32_t slot = threadIdx.x; slot < h.slot_count; slot += blockDim.x)
             worked |= ep_poller_slot(pool, &h, slot, seen, expire_req, ring, mask, ring_tail, ctrl);
         int any = __syncthreads_or(worked);
-        if (threadIdx.x == 0) {
-            stop = ep_ld_acq(&ctrl[EP_CTRL_STOP]) != 0;
-            if ((++passes & 1023u) == 0) /* a liveness sign, without a PCIe atomic per pass */
-                ep_st_rlx(&ctrl[EP_CTRL_LOOPS], passes);
-        }
-        __syncthreads();
-        if (stop)
+        if (__syncthreads_or(stop_word != 0u))
             break;
+        if (threadIdx.x == 0 && (++passes & 1023u) == 0) /* a liveness sign, no PCIe atomic per pass */
+            ep_st_rlx(&ctrl[EP_CTRL_LOOPS], passes);
         if (any) {
             sleep_ns = min_sleep_ns;
         } else {

@@ -1,13 +1,14 @@
 /*
  * One polling pass of the slot poller, shared verbatim by the CUDA kernel
  * (edgepath_poller.cu, device atomics at system scope) and its host twin
- * (tests/test_gpu_host_twin.py compiles it with gcc and C11 atomics), so the
- * CPU tests run the kernel's per-slot code, ring hand-off included.
+ * (tests/gpu_twin.py compiles it with gcc and C11 atomics), so the CPU tests
+ * run the kernel's per-slot code, ring hand-off included.
  *
  * The includer defines, before including this file:
  *   EP_PFN                         qualifiers of these functions
- *   uint64_t ep_ld_acq(uint64_t *p)            load, acquire, system scope
- *   uint32_t ep_ld_acq32(uint32_t *p)          load, acquire, system scope
+ *   uint64_t ep_ld_rlx(uint64_t *p)            load, relaxed, system scope
+ *   uint32_t ep_ld_rlx32(uint32_t *p)          load, relaxed, system scope
+ *   void ep_fence_acq(void)                    acquire fence, system scope
  *   void ep_st_rel(uint64_t *p, uint64_t v)    store, release, system scope
  *   void ep_st_rlx(uint64_t *p, uint64_t v)    store, relaxed
  *   int ep_cas(uint64_t *p, uint64_t expected, uint64_t desired)   acq_rel CAS; 1 if swapped
@@ -44,6 +45,18 @@ EP_PFN int ep_poller_apply(uint64_t *word, uint64_t cur, int event, uint32_t gen
     return ep_cas(word, cur, *next);
 }
 
+/* CLAIMED -> READY -> RUNNING, both steps through ep_step, published with one CAS: READY has no
+ * other observer that acts on it (the kernel is its only writer), and one PCIe round trip less
+ * is on the doorbell's path.  1 (and *running set) if the word moved. */
+EP_PFN int ep_poller_accept(uint64_t *word, uint64_t cur, uint32_t generation, uint64_t *running)
+{
+    uint64_t ready;
+    if (ep_step(cur, EP_EV_DOORBELL, generation, 0u, &ready) != EP_OK ||
+        ep_step(ready, EP_EV_START, generation, 0u, running) != EP_OK)
+        return 0;
+    return ep_cas(word, cur, *running);
+}
+
 /* Publish `value` to the model side: the value first, then its sequence number with release.
  * The ring cannot overrun: a slot has at most one entry outstanding and capacity >= slot count. */
 EP_PFN void ep_poller_hand_off(uint64_t *ring, uint32_t mask, uint64_t *ring_tail, uint64_t value)
@@ -63,21 +76,24 @@ EP_PFN int ep_poller_slot(char *pool, const struct ep_pool_header *h, uint32_t s
     struct ep_request_header *req =
         (struct ep_request_header *)(pool + h->slots_offset + (uint64_t)slot * h->slot_stride);
 
-    uint64_t bell = ep_ld_acq(&doorbells[slot]);
-    uint64_t expire = ep_ld_acq(&expire_req[slot]);
+    /* Relaxed, so both loads (and the warp's other slots) are in flight at once: one PCIe round
+     * trip per pass, not one per acquire. */
+    uint64_t bell = ep_ld_rlx(&doorbells[slot]);
+    uint64_t expire = ep_ld_rlx(&expire_req[slot]);
     if (bell == seen[slot] && expire == 0)
         return 0;
-    /* Everything below is read after the doorbell's acquire: the writer stored it last. */
-    uint64_t state = ep_ld_acq(&states[slot]);
-    uint32_t req_gen = ep_ld_acq32(&req->generation);
+    /* The ordering step: everything below is read after the doorbell (stored last, with release)
+     * under an acquire fence, so the claim's state word and request header are at least as new. */
+    ep_fence_acq();
+    uint64_t state = ep_ld_rlx(&states[slot]);
+    uint32_t req_gen = ep_ld_rlx32(&req->generation);
     uint32_t gen = ep_word_generation(state);
-    uint64_t ready, running, freed;
+    uint64_t running, freed;
 
     switch (ep_poll_decide(state, bell, seen[slot], req_gen, expire, slot)) {
     case EP_POLL_ACCEPT:
         seen[slot] = bell;
-        if (!ep_poller_apply(&states[slot], state, EP_EV_DOORBELL, gen, &ready) ||
-            !ep_poller_apply(&states[slot], ready, EP_EV_START, gen, &running)) {
+        if (!ep_poller_accept(&states[slot], state, gen, &running)) {
             ep_add(&ctrl[EP_CTRL_LOST], 1u);
             return 1;
         }

@@ -28,10 +28,12 @@ _SOURCE = r"""
 #include <stdint.h>
 #define A64(p) ((_Atomic uint64_t *)(p))
 static inline uint64_t ep_ld_acq(uint64_t *p) { return atomic_load_explicit(A64(p), memory_order_acquire); }
-static inline uint32_t ep_ld_acq32(uint32_t *p)
+static inline uint64_t ep_ld_rlx(uint64_t *p) { return atomic_load_explicit(A64(p), memory_order_relaxed); }
+static inline uint32_t ep_ld_rlx32(uint32_t *p)
 {
-    return atomic_load_explicit((_Atomic uint32_t *)p, memory_order_acquire);
+    return atomic_load_explicit((_Atomic uint32_t *)p, memory_order_relaxed);
 }
+static inline void ep_fence_acq(void) { atomic_thread_fence(memory_order_acquire); }
 static inline void ep_st_rel(uint64_t *p, uint64_t v) { atomic_store_explicit(A64(p), v, memory_order_release); }
 static inline void ep_st_rlx(uint64_t *p, uint64_t v) { atomic_store_explicit(A64(p), v, memory_order_relaxed); }
 static inline uint64_t ep_add(uint64_t *p, uint64_t v)

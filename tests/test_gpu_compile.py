@@ -55,8 +55,9 @@ def test_kernel_shares_the_transition_code() -> None:
 
 
 def test_kernel_uses_system_scope_atomics_and_backoff(tmp_path: Path) -> None:
-    """What the GPU must see of host memory, checked in the PTX: acquire loads and acq_rel CAS at system
-    scope, release stores for the hand-off, __nanosleep back-off, a block-wide OR for 'anyone worked'."""
+    """What the GPU must see of host memory, checked in the PTX: system-scope relaxed loads ordered by a
+    system-scope acquire fence, acq_rel CAS, release stores for the hand-off, __nanosleep back-off, and
+    block-wide ORs (anyone worked, stop) instead of extra barriers."""
     nvcc = _nvcc_or_skip()
     ptx = tmp_path / "poller.ptx"
     subprocess.run(
@@ -66,8 +67,9 @@ def test_kernel_uses_system_scope_atomics_and_backoff(tmp_path: Path) -> None:
     )
     text = ptx.read_text()
     for instruction in (
-        "ld.acquire.sys.b64",
-        "ld.acquire.sys.b32",
+        "ld.relaxed.sys.b64",
+        "ld.relaxed.sys.b32",
+        "fence.acq_rel.sys",
         "atom.cas.acq_rel.sys.b64",
         "st.release.sys.b64",
         "nanosleep.u32",
