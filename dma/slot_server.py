@@ -7,6 +7,10 @@ Loop (one thread; connection management on a second):
   DONE -> FREE, then a zero-length WRITE_WITH_IMM tells the agent (so an agent
   that sees the result can claim the slot again at once).
   every ``scan_interval``: leases -- CLAIMED slots whose writer never rang are reclaimed.
+
+With ``memory="gpu"`` (``--slots gpu``) the CUDA poller (edgepath.dma.gpu) owns the doorbell side:
+it moves rung slots CLAIMED -> READY -> RUNNING and hands them over through a ring; the CQ is only
+a wake-up hint, and lease expiry is asked of the kernel, the one writer of CLAIMED words.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from edgepath.dma.handlers import Handler, SlotRequest
@@ -26,10 +30,14 @@ from edgepath.dma.pool import FrameLayout, SlotPool
 from edgepath.dma.transport import Access, Completion, Connection, RemoteRegion, Transport, TransportError
 from edgepath.native.abi import Event, State, Status, ffi, lib
 
+if TYPE_CHECKING:
+    from edgepath.dma.gpu import GpuPoller
+
 log = logging.getLogger("edgepath.slot_server")
 
 REPLIES_REGION = "replies"
 POOL_REGION = "pool"
+SLOT_MEMORY = ("host", "gpu")
 
 
 @dataclass
@@ -40,8 +48,13 @@ class SlotServerConfig:
     lease: float = 1.0  # seconds a CLAIMED slot may wait for its doorbell
     spin: float = 0.0  # seconds to spin on the CQ before sleeping
     scan_interval: float = 0.05
+    memory: str = "host"  # where the doorbells are polled: "host" (CPU) or "gpu" (CUDA poller)
+    gpu_device: int = 0
+    handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
 
     def __post_init__(self) -> None:
+        if self.memory not in SLOT_MEMORY:
+            raise ValueError(f"slot memory must be one of {', '.join(SLOT_MEMORY)}, got {self.memory!r}")
         if self.lease <= 0:
             raise ValueError(f"lease must be positive seconds, got {self.lease}")
         if self.spin < 0:
@@ -106,6 +119,8 @@ class SlotServer:
         self._ready_slots = ffi.new("uint32_t[]", 256)
         self._ready_conns = ffi.new("uint32_t[]", 256)
         self._rejected = ffi.new("int *")
+        self._lease_word = np.zeros(cfg.slots, dtype=np.uint64)
+        self._lease_ns = np.zeros(cfg.slots, dtype=np.int64)
         self.peers: dict[int, _Peer] = {}
         self._gone: list[int] = []
         self._lock = threading.Lock()
@@ -113,8 +128,18 @@ class SlotServer:
         self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
         self.address = address
         self._stop = threading.Event()
+        self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
         self._cm_thread: threading.Thread | None = None
         self.on_result: Callable[[int, int], None] | None = None
+        self.gpu: GpuPoller | None = None
+        if cfg.memory == "gpu":
+            from edgepath.dma.gpu import start_mapped_poller
+
+            try:
+                self.gpu = start_mapped_poller(self.pool_mr.buf, cfg.slots, cfg.gpu_device)
+            except BaseException:
+                self.listener.close()
+                raise
 
     def _pool_info(self) -> dict[str, Any]:
         h = self.pool.header
@@ -180,7 +205,11 @@ class SlotServer:
             for slot in range(self.pool.slot_count):
                 w = self.pool.word(slot)
                 mine = (w & 0xFF) == State.CLAIMED and ((w >> 8) & lib.EP_CLAIMANT_MAX) == peer.conn.conn_id
-                if mine and lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, w >> 32, 0, ffi.NULL) == lib.EP_OK:
+                if not mine:
+                    continue
+                if self.gpu is not None:
+                    self.gpu.request_expire(slot, w)
+                elif lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, w >> 32, 0, ffi.NULL) == lib.EP_OK:
                     self.stats.expired_leases += 1
             peer.conn.close()
 
@@ -208,11 +237,32 @@ class SlotServer:
             ready += got
         return ready
 
+    def process_gpu(self, doorbells: int) -> int:
+        """Run the slots the GPU poller handed over; after ``doorbells`` wake-ups, wait a little for them."""
+        assert self.gpu is not None
+        deadline = time.monotonic() + (self.config.handoff_wait if doorbells else 0.0)
+        ran = 0
+        while True:
+            handed = self.gpu.poll()
+            for slot, gen in handed:
+                word = self.pool.word(slot)
+                if word >> 32 != gen or word & 0xFF != State.RUNNING:
+                    log.error("GPU handed over slot %d generation %d, but its word is %#x", slot, gen, word)
+                    continue
+                self.pool.slots.results[slot]["t_ready_ns"] = lib.ep_now_ns()
+                self._serve_slot(slot, (word >> 8) & lib.EP_CLAIMANT_MAX, gen)
+            ran += len(handed)
+            if ran >= doorbells or time.monotonic() >= deadline:
+                return ran
+
     def _run(self, slot: int, conn_id: int) -> None:
-        pool = self.pool
-        word = pool.word(slot)
-        gen = word >> 32
+        gen = self.pool.word(slot) >> 32
         lib.ep_apply(self._states_ptr + slot, Event.START, gen, 0, ffi.NULL)
+        self._serve_slot(slot, conn_id, gen)
+
+    def _serve_slot(self, slot: int, conn_id: int, gen: int) -> None:
+        """The handler on a RUNNING slot, the result back to its agent, RUNNING -> DONE -> FREE."""
+        pool = self.pool
         req = pool.slots.requests[slot]
         res = pool.slots.results[slot]
         peer = self.peers.get(conn_id)
@@ -302,6 +352,8 @@ class SlotServer:
             self.stats.results_dropped += 1
 
     def scan_leases(self, now_ns: int | None = None) -> int:
+        if self.gpu is not None:
+            return self._scan_leases_gpu(now_ns or lib.ep_now_ns())
         n = lib.ep_scan_leases(
             self._pool_ptr,
             self._seen_word,
@@ -313,6 +365,24 @@ class SlotServer:
         self.stats.expired_leases += n
         return n
 
+    def _scan_leases_gpu(self, now_ns: int) -> int:
+        """ep_scan_leases' rule (the lease runs from the first scan that saw the claim), but the expiry
+        itself is asked of the kernel. Returns how many expiries were asked for."""
+        assert self.gpu is not None
+        words = self.pool.states.copy()
+        claimed = (words & np.uint64(0xFF)) == State.CLAIMED
+        changed = words != self._lease_word
+        self._lease_ns[changed] = now_ns
+        self._lease_word[:] = words
+        due = np.flatnonzero(claimed & ~changed & (now_ns - self._lease_ns >= int(self.pool.header["lease_ns"])))
+        asked = 0
+        for slot in due:
+            if not self.gpu.expire_pending(int(slot)):
+                self.gpu.request_expire(int(slot), int(words[slot]))
+                asked += 1
+        self.stats.expired_leases = self.gpu.counters()["expired"]
+        return asked
+
     # -- lifecycle ------------------------------------------------------------------
     def start_connection_manager(self) -> None:
         self._cm_thread = threading.Thread(target=self._manage_connections, name="slot-server-cm", daemon=True)
@@ -322,12 +392,18 @@ class SlotServer:
         """Run until :meth:`stop` (or ``until()`` is true)."""
         if self._cm_thread is None:
             self.start_connection_manager()
+        with self._serving:
+            self._serve(until)
+
+    def _serve(self, until: Callable[[], bool] | None) -> None:
         cfg = self.config
         cq = self.transport.cq
         next_scan = time.monotonic()
         while not self._stop.is_set() and not (until and until()):
             completions = cq.wait(cfg.scan_interval, spin=cfg.spin, max_entries=256)
-            if completions:
+            if self.gpu is not None:
+                self.process_gpu(len(completions))
+            elif completions:
                 self.process(completions)
             now = time.monotonic()
             if now >= next_scan:
@@ -346,3 +422,11 @@ class SlotServer:
         for peer in list(self.peers.values()):
             peer.conn.close()
         self.peers.clear()
+        if self.gpu is not None:
+            if not self._serving.acquire(timeout=5.0):
+                raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")
+            try:
+                self.gpu.close()
+                self.gpu = None
+            finally:
+                self._serving.release()

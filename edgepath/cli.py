@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from edgepath.runtime import default_address, setup_logging
 
 log = logging.getLogger("edgepath")
+DEFAULT_SLOTS = 64
 
 
 def _positive_int(text: str) -> int:
@@ -18,6 +19,16 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _slots_spec(text: str) -> tuple[str, int | None]:
+    """``--slots``: a count (``64``), a memory kind (``host``, ``gpu``) or both (``gpu:64``)."""
+    kind, sep, count = text.partition(":")
+    if not sep and kind.isdigit():
+        kind, count = "host", text
+    if kind not in ("host", "gpu"):
+        raise argparse.ArgumentTypeError(f"expected N, host, gpu, host:N or gpu:N, got {text!r}")
+    return kind, _positive_int(count) if count else None
 
 
 def _non_negative_float(text: str) -> float:
@@ -61,9 +72,16 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
     from edgepath.dma.transports import make_transport
 
+    memory, count = args.slots
+    slots = count or DEFAULT_SLOTS
+    if memory == "gpu":
+        from edgepath.dma.gpu import require_device
+
+        require_device()  # fail at once, before any transport is set up
     handler = load_handler(args.handler)
     config = SlotServerConfig(
-        slots=args.slots,
+        slots=slots,
+        memory=memory,
         input_capacity=args.input_capacity,
         output_capacity=args.output_capacity,
         lease=args.lease,
@@ -71,10 +89,11 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
     )
     server = SlotServer(make_transport(args.transport, **_transport_options(args)), args.listen, handler, config)
     log.info(
-        "slot server on %s (%s): %d slots, %d/%d tokens in/out, handler %s",
+        "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
         args.listen,
         args.transport,
-        args.slots,
+        slots,
+        memory,
         args.input_capacity,
         args.output_capacity,
         args.handler,
@@ -174,7 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("slot-server", help="own a slot pool and serve it with a handler")
     _add_transport(p)
     p.add_argument("--listen", default=default_address("slot-server"), help="address agents connect to")
-    p.add_argument("--slots", type=_positive_int, default=64)
+    p.add_argument(
+        "--slots",
+        type=_slots_spec,
+        default=("host", None),
+        metavar="{N,host,gpu,host:N,gpu:N}",
+        help=f"slot count (default {DEFAULT_SLOTS}) and/or where doorbells are polled: host (CPU poller, default) "
+        "or gpu (CUDA persistent poller over the pool mapped into the GPU; needs edgepath[gpu] and a CUDA device)",
+    )
     p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
     p.add_argument("--lease", type=float, default=1.0, help="seconds a claimed slot may wait for its doorbell")
