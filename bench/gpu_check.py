@@ -117,6 +117,7 @@ def wait_handoff(poller: Any, timeout: float = 1.0) -> tuple[int, int]:
 def measure_doorbell(iterations: int, slots: int = 64, tokens: int = 128) -> dict[str, Any]:
     """(a): write a ``tokens``-token request, ring, time until the host sees the kernel's hand-off."""
     import numpy as np
+
     from edgepath.dma.gpu import start_mapped_poller
     from edgepath.dma.loopback import LoopbackTransport
     from edgepath.dma.pool import SlotPool

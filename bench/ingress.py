@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgepath.bench.loadgen import new_histogram
 from hdrh.histogram import HdrHistogram
 from tqdm import tqdm
+
+from edgepath.bench.loadgen import new_histogram
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 SYSTEMS = ("floor", "edgepath", "baseline")

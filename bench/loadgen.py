@@ -25,8 +25,9 @@ from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import QuicEvent, StreamReset
-from edgepath.bench.schedule import parse
 from hdrh.histogram import HdrHistogram
+
+from edgepath.bench.schedule import parse
 
 LOWEST_US, HIGHEST_US = 1, 60_000_000
 

@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.pool import SlotPool
 from edgepath.native.abi import ffi, lib
 from edgepath.native.cuda_build import CudaBuildError, build_poller

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from edgepath.dma.handlers import Handler, SlotRequest
 from edgepath.dma.pool import FrameLayout, SlotPool
 from edgepath.dma.transport import Access, Completion, Connection, RemoteRegion, Transport, TransportError

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.pool import FrameArray, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
 from edgepath.dma.state import doorbell_imm

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Status, lib
-
 from edgepath.runtime import runtime_dir
 
 STAGES = ("claim", "write_to_ready", "handler", "result_back", "total")

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+
 from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig

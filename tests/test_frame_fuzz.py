@@ -4,10 +4,11 @@ FrameError and the frame left byte-for-byte as it was."""
 from __future__ import annotations
 
 import numpy as np
-from edgepath.dma.pool import FrameArray, FrameLayout
-from edgepath.dpu.frame import FrameError, write_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from edgepath.dma.pool import FrameArray, FrameLayout
+from edgepath.dpu.frame import FrameError, write_request
 
 LAYOUT = FrameLayout(16, 8)
 tokens = st.one_of(

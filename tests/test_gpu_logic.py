@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from edgepath.dma.state import TransitionRefused, step
 from edgepath.native.abi import Event, State, StepError, ffi, lib
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpu_twin import FakeCupy, build_twin
+
 from edgepath.bench.gpu_check import LocalWriter, wait_handoff
 from edgepath.dma import gpu
 from edgepath.dma.handlers import echo
@@ -27,7 +29,6 @@ from edgepath.dma.state import doorbell_word
 from edgepath.dma.transport import Access
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
-from gpu_twin import FakeCupy, build_twin
 
 
 def _real_device() -> gpu.DeviceInfo:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edgepath.dma import gpu
-from edgepath.dma.slot_server import SlotServerConfig
 
 from edgepath import cli
+from edgepath.dma import gpu
+from edgepath.dma.slot_server import SlotServerConfig
 
 
 def _fake_cupy(get_device_count: Any) -> types.ModuleType:

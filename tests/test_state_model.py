@@ -9,12 +9,13 @@ and after every step the pool must equal an independent model of what should hav
 from __future__ import annotations
 
 import numpy as np
-from edgepath.dma.pool import SlotPool
-from edgepath.dma.state import SlotWord, claim_word, doorbell_imm
-from edgepath.native.abi import Event, State, ffi, lib
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from edgepath.dma.pool import SlotPool
+from edgepath.dma.state import SlotWord, claim_word, doorbell_imm
+from edgepath.native.abi import Event, State, ffi, lib
 
 SLOTS, CLAIMERS, LEASE = 3, 3, 100
 
