@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -207,3 +208,35 @@ def test_unknown_handlers_are_clear_errors() -> None:
         load_handler("no_such_module:f")
     with pytest.raises(HandlerError, match="has no callable 'nothing'"):
         load_handler("json:nothing")
+
+
+def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
+    agent: Agent, new_transport, new_address
+) -> None:
+    address = new_address("slot-server")
+    config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
+    first = SlotServer(new_transport(), address, echo, config)
+    first.start_connection_manager()
+    link = agent.attach(address)
+    write_request(agent.frames, 0, [1, 2], request_id=1, max_new_tokens=2)
+    assert agent.submit(0) is None  # in flight when the server goes away
+    first.close()
+    lost: list[int] = []
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        lost = agent.check_links()
+    assert lost == [0] and not link.alive
+    write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
+    assert agent.submit(1) == Status.UNAVAILABLE
+    assert agent.revive(timeout=0.5) == []  # nobody there yet
+    second = SlotServer(new_transport(), address, echo, config)
+    second.start_connection_manager()
+    try:
+        (back,) = agent.revive(timeout=5.0)
+        assert back.alive and back.epoch == second.epoch != first.epoch
+        assert agent.submit(1) is None
+        assert _serve_once(second) == 1
+        assert agent.poll(timeout=5.0) == [1]
+        assert agent.frames.outputs[1, :1].tolist() == [3]
+    finally:
+        second.close()
