@@ -1,0 +1,244 @@
+"""The edge service: the one place where the HTTP core, the tokenizer and the agent meet.
+
+Both adapters (QUIC and HTTP/1.1) hand it complete :class:`Request` objects and a callback for
+the response.  Per request: route and validate (sans-I/O core) -> tokenize (inline, or on a worker
+thread for large prompts) -> take a frame -> write the token ids once into the registered frame ->
+``agent.submit`` (CAS claim, RDMA WRITE, doorbell) -> answer from the completion-queue callback.
+No queue and no batcher anywhere: a request that cannot claim a frame and a slot right now is
+answered 429 right now.  Results are picked up on the event loop from the completion queue's
+eventfd, so no thread hand-off sits between the doorbell and the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from edgepath.dpu.agent import Agent
+from edgepath.edge.http import HttpCore, HttpError, Request, Response, Work, error_response, timing_headers
+from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
+from edgepath.native.abi import Status, lib
+
+log = logging.getLogger("edgepath.edge")
+
+Respond = Callable[[Response], None]
+_now = lib.ep_now_ns
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request between arrival and response; ``cancel`` when the client gave up on it."""
+
+    request: Request
+    respond: Respond
+    route: str
+    timings: dict[str, int] = field(default_factory=dict)
+    work: Work | None = None
+    input_count: int = 0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class EdgeService:
+    """Turns requests into slot submissions and completions into responses, on one event loop."""
+
+    def __init__(
+        self,
+        core: HttpCore,
+        tokenizer: Tokenizer,
+        agent: Agent,
+        loop: asyncio.AbstractEventLoop,
+        executor: Executor,
+        check_interval: float = 0.25,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.agent = agent
+        self.loop = loop
+        self.executor = executor
+        self.metrics = EdgeMetrics(lambda: self.agent.free_slots()[0])
+        self.inflight: dict[int, Ticket] = {}
+        self._ids = itertools.count(1)
+        self._check_interval = check_interval
+        self._check_handle: asyncio.TimerHandle | None = None
+        self._cq = agent.transport.cq
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.loop.add_reader(self._cq.fileno(), self._on_completions)
+        self._on_completions()  # arms the queue (and drains anything already there)
+        self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
+
+    def stop(self) -> None:
+        self.loop.remove_reader(self._cq.fileno())
+        if self._check_handle is not None:
+            self._check_handle.cancel()
+
+    # -- requests -------------------------------------------------------------------------
+    def handle(self, request: Request, respond: Respond) -> Ticket:
+        """Start answering ``request``; ``respond`` is called exactly once unless the ticket is cancelled."""
+        t0 = _now()
+        ticket = Ticket(request, respond, "other", {"queue": t0 - request.t_receive_ns})
+        result = self.core.handle(request)
+        ticket.timings["parse"] = _now() - t0
+        if isinstance(result, Response):
+            path = request.target.split("?", 1)[0]
+            ticket.route = path if path in self.core_routes else "other"
+            self._answer(ticket, result)
+        elif isinstance(result, tuple):
+            ticket.route = result[0]
+            self._answer(ticket, self._state_response(*result))
+        else:
+            ticket.route = f"/v1/{result.kind}"
+            ticket.work = result
+            self._tokenize(ticket, result)
+        return ticket
+
+    core_routes = frozenset(("/v1/generate", "/v1/tokenize", "/health", "/metrics"))
+
+    def refuse(self, request: Request, response: Response, respond: Respond) -> None:
+        """Answer an adapter's early refusal (e.g. 413 while the body is still arriving), counted like the rest."""
+        path = request.target.split("?", 1)[0]
+        self._answer(Ticket(request, respond, path if path in self.core_routes else "other"), response)
+
+    def _state_response(self, route: str, query: dict[str, list[str]]) -> Response:
+        if route == "/metrics":
+            return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
+        free, total = self.agent.free_slots()
+        alive = any(link.alive for link in self.agent.links)
+        return self.core.health_response(
+            free, total, alive, query, lambda pct: self.metrics.window.percentile(pct, _now())
+        )
+
+    def _tokenize(self, ticket: Ticket, work: Work) -> None:
+        if work.prompt is None:
+            assert work.tokens is not None
+            self._tokenized(ticket, work.tokens, 0)
+        elif len(work.prompt) <= INLINE_CHARS:
+            t0 = _now()
+            ids = self.tokenizer.encode(work.prompt)
+            self._tokenized(ticket, ids, _now() - t0)
+        else:
+            t0 = _now()
+            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode, work.prompt)
+            future.add_done_callback(lambda f: self._tokenized_async(ticket, f, t0))
+
+    def _tokenized_async(self, ticket: Ticket, future: asyncio.Future[list[int]], t0: int) -> None:
+        if ticket.cancelled:
+            return
+        try:
+            ids = future.result()
+        except Exception as exc:  # a tokenizer failure answers this request, the server keeps serving
+            log.exception("tokenizer failed")
+            self._answer(ticket, self.core.failure(500, "tokenizer_error", str(exc)))
+            return
+        self._tokenized(ticket, ids, _now() - t0)
+
+    def _tokenized(self, ticket: Ticket, ids: list[int], tokenize_ns: int) -> None:
+        ticket.timings["tokenize"] = tokenize_ns
+        work = ticket.work
+        assert work is not None
+        ticket.input_count = n = len(ids)
+        try:
+            self.core.check_length(n)
+        except HttpError as exc:
+            self._answer(ticket, error_response(exc))
+            return
+        if work.kind == "tokenize":
+            self._answer(ticket, self.core.tokenize_response(ids))
+            return
+        self._dispatch(ticket, ids)
+
+    def _dispatch(self, ticket: Ticket, ids: list[int]) -> None:
+        agent = self.agent
+        timings = ticket.timings
+        index = agent.acquire()
+        if index is None:
+            self._answer(ticket, self.core.no_slot())
+            return
+        t0 = _now()
+        n = len(ids)
+        work = ticket.work
+        assert work is not None
+        req = agent.frames.requests[index]
+        req["request_id"] = next(self._ids)
+        req["token_count"] = n
+        req["max_new_tokens"] = work.max_tokens
+        req["t_receive_ns"] = ticket.request.t_receive_ns
+        req["t_tokenized_ns"] = t0
+        agent.frames.tokens[index, :n] = ids  # the one CPU write of the token ids, into registered memory
+        t1 = _now()
+        status = agent.submit(index)
+        t2 = _now()
+        timings["write"] = t1 - t0
+        if status is not None:
+            agent.release(index)
+            timings["claim"] = t2 - t1
+            if status == Status.NO_SLOT:
+                self._answer(ticket, self.core.no_slot())
+            elif status == Status.UNAVAILABLE:
+                self._answer(ticket, self.core.failure(503, "unavailable", "no slot server is reachable"))
+            else:
+                self._answer(ticket, self.core.failure(400, "bad_request", "the data path refused this request"))
+            return
+        written = int(req["t_written_ns"])
+        timings["claim"] = written - t1
+        timings["doorbell"] = t2 - written
+        self.inflight[index] = ticket
+
+    # -- completions ------------------------------------------------------------------------
+    def _on_completions(self) -> None:
+        agent = self.agent
+        while True:
+            for index in agent.poll(0):
+                self._finish(index)
+            if not self._cq.arm():
+                return
+
+    def _finish(self, index: int) -> None:
+        ticket = self.inflight.pop(index)
+        agent = self.agent
+        result = agent.frames.results[index]
+        req = agent.frames.requests[index]
+        status = int(result["status"])
+        edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
+        request_id = int(req["request_id"])
+        if status == Status.OK:
+            # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
+            count = min(int(result["output_count"]), int(req["max_new_tokens"]))
+            output = agent.frames.outputs[index, :count].tolist()
+        agent.release(index)
+        ticket.timings["edge"] = edge_ns
+        self.metrics.edge(edge_ns, _now())
+        if ticket.cancelled:
+            return
+        if status != Status.OK:
+            self._answer(ticket, self.core.failure(502, "slot_error", f"slot server answered status {status}"))
+            return
+        assert ticket.work is not None
+        text = self.tokenizer.decode(output)
+        response = self.core.generate_response(ticket.work, request_id, ticket.input_count, output, text)
+        self._answer(ticket, response)
+
+    def _check_links(self) -> None:
+        for index in self.agent.check_links():
+            ticket = self.inflight.pop(index)
+            self.agent.release(index)
+            self._answer(ticket, self.core.failure(503, "unavailable", "the slot server went away"))
+        self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
+
+    def _answer(self, ticket: Ticket, response: Response) -> None:
+        total = _now() - ticket.request.t_receive_ns
+        ticket.timings["total"] = total
+        self.metrics.answered(ticket.route, response.status, total)
+        if ticket.cancelled:
+            return
+        response.headers += timing_headers(ticket.timings)
+        ticket.respond(response)
