@@ -146,13 +146,13 @@ class EdgeService:
         work = ticket.work
         assert work is not None
         ticket.input_count = n = len(ids)
+        if work.kind == "tokenize":  # the ids are reported even when they would not fit a slot
+            self._answer(ticket, self.core.tokenize_response(ids))
+            return
         try:
             self.core.check_length(n)
         except HttpError as exc:
             self._answer(ticket, error_response(exc))
-            return
-        if work.kind == "tokenize":
-            self._answer(ticket, self.core.tokenize_response(ids))
             return
         self._dispatch(ticket, ids)
 
