@@ -187,18 +187,17 @@ async def request_main(args: argparse.Namespace) -> int:
         cafile = str(default_certificate())
     server_name = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
     try:
-        async with h3_client(args.host, args.port, cafile, args.insecure, server_name) as client:
+        async with (
+            asyncio.timeout(args.timeout),
+            h3_client(args.host, args.port, cafile, args.insecure, server_name) as c,
+        ):
             if args.tokenize:
-                response = await client.request("POST", "/v1/tokenize", {"prompt": args.prompt}, timeout=args.timeout)
+                response = await c.request("POST", "/v1/tokenize", {"prompt": args.prompt})
             else:
-                response = await asyncio.wait_for(
-                    client.generate(args.prompt, args.max_tokens, args.stream), args.timeout
-                )
+                response = await c.generate(args.prompt, args.max_tokens, args.stream)
     except (ConnectionError, OSError, TimeoutError) as exc:
-        print(
-            f"edgepath request: cannot reach https://{args.host}:{args.port}: {exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
+        reason = str(exc) or f"no answer within {args.timeout:g} s"
+        print(f"edgepath request: cannot reach https://{args.host}:{args.port}: {reason}", file=sys.stderr)
         return 2
     print(f"HTTP/3 {response.status}")
     if args.stream and response.status == 200:
