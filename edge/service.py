@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import HttpCore, HttpError, Request, Response, Work, error_response, timing_headers
@@ -39,6 +40,7 @@ class Ticket:
     route: str
     timings: dict[str, int] = field(default_factory=dict)
     work: Work | None = None
+    frame: int | None = None  # the agent frame this request holds
     input_count: int = 0
     cancelled: bool = False
 
@@ -118,68 +120,96 @@ class EdgeService:
         )
 
     def _tokenize(self, ticket: Ticket, work: Work) -> None:
-        if work.prompt is None:
-            assert work.tokens is not None
-            self._tokenized(ticket, work.tokens, 0)
-        elif len(work.prompt) <= INLINE_CHARS:
-            t0 = _now()
-            ids = self.tokenizer.encode(work.prompt)
-            self._tokenized(ticket, ids, _now() - t0)
-        else:
-            t0 = _now()
-            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode, work.prompt)
-            future.add_done_callback(lambda f: self._tokenized_async(ticket, f, t0))
-
-    def _tokenized_async(self, ticket: Ticket, future: asyncio.Future[list[int]], t0: int) -> None:
-        if ticket.cancelled:
+        """Tokenize: /v1/tokenize into a fresh array; /v1/generate straight into a frame taken first
+        (no frame free: 429 before spending anything on the prompt)."""
+        if work.kind == "tokenize":
+            if work.prompt is None:
+                assert work.tokens is not None
+                self._answer(ticket, self.core.tokenize_response(work.tokens))
+            elif len(work.prompt) <= INLINE_CHARS:
+                t0 = _now()
+                ids = self.tokenizer.encode(work.prompt)
+                ticket.timings["tokenize"] = _now() - t0
+                self._answer(ticket, self.core.tokenize_response(ids.tolist()))
+            else:
+                t0 = _now()
+                future = self.loop.run_in_executor(self.executor, self.tokenizer.encode, work.prompt)
+                future.add_done_callback(lambda f: self._off_loop_done(ticket, f, t0))
             return
-        try:
-            ids = future.result()
-        except Exception as exc:  # a tokenizer failure answers this request, the server keeps serving
-            log.exception("tokenizer failed")
-            self._answer(ticket, self.core.failure(500, "tokenizer_error", str(exc)))
-            return
-        self._tokenized(ticket, ids, _now() - t0)
-
-    def _tokenized(self, ticket: Ticket, ids: list[int], tokenize_ns: int) -> None:
-        ticket.timings["tokenize"] = tokenize_ns
-        work = ticket.work
-        assert work is not None
-        ticket.input_count = n = len(ids)
-        if work.kind == "tokenize":  # the ids are reported even when they would not fit a slot
-            self._answer(ticket, self.core.tokenize_response(ids))
-            return
-        try:
-            self.core.check_length(n)
-        except HttpError as exc:
-            self._answer(ticket, error_response(exc))
-            return
-        self._dispatch(ticket, ids)
-
-    def _dispatch(self, ticket: Ticket, ids: list[int]) -> None:
-        agent = self.agent
-        timings = ticket.timings
-        index = agent.acquire()
+        index = self.agent.acquire()
         if index is None:
             self._answer(ticket, self.core.no_slot())
             return
+        ticket.frame = index
+        out = self.agent.frames.tokens[index]  # registered memory: the ids are written here once
         t0 = _now()
-        n = len(ids)
+        if work.prompt is None:
+            assert work.tokens is not None
+            n = len(work.tokens)
+            if n <= len(out):
+                out[:n] = work.tokens
+            self._tokenized(ticket, n, _now() - t0)
+        elif len(work.prompt) <= INLINE_CHARS:
+            n = self.tokenizer.encode_into(work.prompt, out)
+            self._tokenized(ticket, n, _now() - t0)
+        else:
+            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode_into, work.prompt, out)
+            future.add_done_callback(lambda f: self._off_loop_done(ticket, f, t0))
+
+    def _off_loop_done(self, ticket: Ticket, future: asyncio.Future[Any], t0: int) -> None:
+        """A worker thread finished tokenizing a large prompt (the event loop kept serving meanwhile)."""
+        tokenize_ns = _now() - t0
+        if ticket.cancelled:
+            self._drop_frame(ticket)
+            return
+        try:
+            result = future.result()
+        except Exception as exc:  # a tokenizer failure answers this request, the server keeps serving
+            log.exception("tokenizer failed")
+            self._drop_frame(ticket)
+            self._answer(ticket, self.core.failure(500, "tokenizer_error", str(exc)))
+            return
+        if ticket.frame is None:
+            ticket.timings["tokenize"] = tokenize_ns
+            self._answer(ticket, self.core.tokenize_response(result.tolist()))
+        else:
+            self._tokenized(ticket, int(result), tokenize_ns)
+
+    def _drop_frame(self, ticket: Ticket) -> None:
+        if ticket.frame is not None:
+            self.agent.release(ticket.frame)
+            ticket.frame = None
+
+    def _tokenized(self, ticket: Ticket, n: int, tokenize_ns: int) -> None:
+        ticket.timings["tokenize"] = tokenize_ns
+        ticket.input_count = n
+        try:
+            self.core.check_length(n)
+        except HttpError as exc:
+            self._drop_frame(ticket)
+            self._answer(ticket, error_response(exc))
+            return
+        self._dispatch(ticket, n)
+
+    def _dispatch(self, ticket: Ticket, n: int) -> None:
+        agent = self.agent
+        timings = ticket.timings
+        index = ticket.frame
         work = ticket.work
-        assert work is not None
+        assert index is not None and work is not None
+        t0 = _now()
         req = agent.frames.requests[index]
         req["request_id"] = next(self._ids)
         req["token_count"] = n
         req["max_new_tokens"] = work.max_tokens
         req["t_receive_ns"] = ticket.request.t_receive_ns
         req["t_tokenized_ns"] = t0
-        agent.frames.tokens[index, :n] = ids  # the one CPU write of the token ids, into registered memory
         t1 = _now()
         status = agent.submit(index)
         t2 = _now()
         timings["write"] = t1 - t0
         if status is not None:
-            agent.release(index)
+            self._drop_frame(ticket)
             timings["claim"] = t2 - t1
             if status == Status.NO_SLOT:
                 self._answer(ticket, self.core.no_slot())
@@ -210,11 +240,14 @@ class EdgeService:
         status = int(result["status"])
         edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
         request_id = int(req["request_id"])
-        if status == Status.OK:
+        tokens: list[int] = []
+        text = ""
+        if status == Status.OK and not ticket.cancelled:
             # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
-            count = min(int(result["output_count"]), int(req["max_new_tokens"]))
-            output = agent.frames.outputs[index, :count].tolist()
-        agent.release(index)
+            output = agent.frames.outputs[index, : min(int(result["output_count"]), int(req["max_new_tokens"]))]
+            tokens = output.tolist()
+            text = self.tokenizer.decode(output)
+        self._drop_frame(ticket)
         ticket.timings["edge"] = edge_ns
         self.metrics.edge(edge_ns, _now())
         if ticket.cancelled:
@@ -223,14 +256,12 @@ class EdgeService:
             self._answer(ticket, self.core.failure(502, "slot_error", f"slot server answered status {status}"))
             return
         assert ticket.work is not None
-        text = self.tokenizer.decode(output)
-        response = self.core.generate_response(ticket.work, request_id, ticket.input_count, output, text)
-        self._answer(ticket, response)
+        self._answer(ticket, self.core.generate_response(ticket.work, request_id, ticket.input_count, tokens, text))
 
     def _check_links(self) -> None:
         for index in self.agent.check_links():
             ticket = self.inflight.pop(index)
-            self.agent.release(index)
+            self._drop_frame(ticket)
             self._answer(ticket, self.core.failure(503, "unavailable", "the slot server went away"))
         self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
 

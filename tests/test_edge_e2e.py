@@ -228,7 +228,12 @@ def test_large_prompt_is_tokenized_off_the_event_loop(edge: RunningEdge) -> None
         small = await tag("small", c.generate("small one"))
         big_response = await big_task
         assert small.status == 200 and big_response.status == 200
-        assert big_response.json()["count"] > 100_000
+        count = big_response.json()["count"]
+        assert count > 100_000
+        # The same prompt to /v1/generate is also tokenized off the loop (into a frame), then refused.
+        refused = await c.request("POST", "/v1/generate", body=json.dumps({"prompt": big}).encode(), timeout=60)
+        message = assert_error(refused, 400, "prompt_too_long")
+        assert f"{count} tokens" in message
         return order
 
     assert run(go, edge.port) == ["small", "big"]
