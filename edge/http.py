@@ -25,13 +25,19 @@ STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "t
 
 @dataclass(slots=True)
 class Request:
-    """A complete request as an adapter received it; ``t_receive_ns`` is when its last byte arrived."""
+    """A complete request as an adapter received it (times: CLOCK_MONOTONIC ns).
+
+    ``t_receive_ns``: the adapter saw the request complete (its last byte parsed).  ``t_arrival_ns``:
+    the datagram or read that completed it came off the socket -- earlier when several requests share
+    one datagram and wait for each other; queue time is measured from it.
+    """
 
     method: str
     target: str
     headers: Headers
     body: bytes
     t_receive_ns: int
+    t_arrival_ns: int | None = None
 
 
 @dataclass(slots=True)

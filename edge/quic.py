@@ -56,8 +56,10 @@ class EdgeProtocol(QuicConnectionProtocol):
         self._receiving = False
         self._flush_scheduled = False
         self._terminated = False
+        self._arrival_ns: int | None = None
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._arrival_ns = lib.ep_now_ns()
         self._receiving = True
         try:
             super().datagram_received(data, addr)
@@ -103,7 +105,9 @@ class EdgeProtocol(QuicConnectionProtocol):
         else:
             return
         if event.stream_ended and not stream.answered:
-            request = Request(stream.method, stream.target, stream.headers, bytes(stream.body), lib.ep_now_ns())
+            request = Request(
+                stream.method, stream.target, stream.headers, bytes(stream.body), lib.ep_now_ns(), self._arrival_ns
+            )
             stream.body = bytearray()
             stream.ticket = self._service.handle(request, partial(self._send, event.stream_id))
 

@@ -44,6 +44,7 @@ class ServeOptions:
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
+    slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
 
 
 class SlotServerProcess:
@@ -66,6 +67,8 @@ class SlotServerProcess:
             str(options.output_capacity),
             "--handler",
             options.handler,
+            "--spin-us",
+            str(options.slot_spin_us),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self._wait_ready(30.0)

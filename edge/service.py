@@ -87,7 +87,8 @@ class EdgeService:
     def handle(self, request: Request, respond: Respond) -> Ticket:
         """Start answering ``request``; ``respond`` is called exactly once unless the ticket is cancelled."""
         t0 = _now()
-        ticket = Ticket(request, respond, "other", {"queue": t0 - request.t_receive_ns})
+        arrival = request.t_arrival_ns if request.t_arrival_ns is not None else request.t_receive_ns
+        ticket = Ticket(request, respond, "other", {"queue": t0 - arrival})
         result = self.core.handle(request)
         ticket.timings["parse"] = _now() - t0
         if isinstance(result, Response):

@@ -30,6 +30,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._body = bytearray()
         self._ticket: Ticket | None = None
         self._busy = False  # a request is being answered; h11 holds later ones back
+        self._arrival_ns: int | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -42,6 +43,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
+        self._arrival_ns = lib.ep_now_ns()
         self._conn.receive_data(data)
         self._process()
 
@@ -86,6 +88,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
             list(req.headers),
             bytes(self._body),
             lib.ep_now_ns(),
+            self._arrival_ns,  # the latest read; a pipelined request held back by h11 arrived earlier
         )
         self._body = bytearray()
         self._busy = True

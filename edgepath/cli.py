@@ -155,6 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             certificate=args.certificate,
             private_key=args.private_key,
             handler=args.handler,
+            slot_spin_us=args.slot_spin_us,
         )
     )
 
@@ -233,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--certificate", default=None, help="TLS certificate (PEM); default: a generated self-signed one")
     p.add_argument("--private-key", default=None, help="TLS private key (PEM) for --certificate")
     p.add_argument("--handler", default="echo", help="handler of the started slot server: 'echo' or module:function")
+    p.add_argument(
+        "--slot-spin-us",
+        type=_non_negative_float,
+        default=0.0,
+        help="the started slot server spins this long before sleeping (fewer wake-ups, burns CPU)",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")
