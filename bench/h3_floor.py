@@ -20,14 +20,22 @@ from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ProtocolNegotiated, QuicEvent
 
-BODY = b'{"id":0,"input_count":1,"output_count":1,"tokens":[1],"text":""}'
-HEADERS = [(b":status", b"200"), (b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+
+def fixed_response(size: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """Headers and a JSON body of ``size`` bytes (the benchmark matches the edge's response size)."""
+    body = b'{"pad":"' + b"x" * max(size - 10, 0) + b'"}'
+    return [
+        (b":status", b"200"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ], body
 
 
 class FloorProtocol(QuicConnectionProtocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, response: tuple[list[tuple[bytes, bytes]], bytes], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._h3: H3Connection | None = None
+        self._headers, self._body = response
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
@@ -38,14 +46,19 @@ class FloorProtocol(QuicConnectionProtocol):
 
     def _answer(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived | DataReceived) and event.stream_ended and self._h3 is not None:
-            self._h3.send_headers(event.stream_id, HEADERS)
-            self._h3.send_data(event.stream_id, BODY, end_stream=True)
+            self._h3.send_headers(event.stream_id, self._headers)
+            self._h3.send_data(event.stream_id, self._body, end_stream=True)
 
 
-async def main(port: int, certificate: str, private_key: str) -> None:
+async def main(port: int, certificate: str, private_key: str, body_bytes: int) -> None:
     config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
     config.load_cert_chain(certificate, private_key)
-    server = await serve("127.0.0.1", port, configuration=config, create_protocol=partial(FloorProtocol))
+    server = await serve(
+        "127.0.0.1",
+        port,
+        configuration=config,
+        create_protocol=partial(FloorProtocol, response=fixed_response(body_bytes)),
+    )
     print(f"ready https://127.0.0.1:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -60,6 +73,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=4434)
     parser.add_argument("--certificate", required=True)
     parser.add_argument("--private-key", required=True)
+    parser.add_argument("--body-bytes", type=int, default=64, help="size of the fixed response body")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(main(args.port, args.certificate, args.private_key))
+    asyncio.run(main(args.port, args.certificate, args.private_key, args.body_bytes))

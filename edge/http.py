@@ -28,8 +28,8 @@ class Request:
     """A complete request as an adapter received it (times: CLOCK_MONOTONIC ns).
 
     ``t_receive_ns``: the adapter saw the request complete (its last byte parsed).  ``t_arrival_ns``:
-    the datagram or read that completed it came off the socket -- earlier when several requests share
-    one datagram and wait for each other; queue time is measured from it.
+    the transport handed the edge the datagram (or read) that completed it -- earlier when several
+    requests share one datagram and wait for each other; queue time is measured from it.
     """
 
     method: str

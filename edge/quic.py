@@ -59,7 +59,7 @@ class EdgeProtocol(QuicConnectionProtocol):
         self._arrival_ns: int | None = None
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._arrival_ns = lib.ep_now_ns()
+        self._arrival_ns = None  # stamped when aioquic hands over this datagram's first event
         self._receiving = True
         try:
             super().datagram_received(data, addr)
@@ -67,6 +67,10 @@ class EdgeProtocol(QuicConnectionProtocol):
             self._receiving = False
 
     def quic_event_received(self, event: QuicEvent) -> None:
+        if self._arrival_ns is None:
+            # Every request completed by this datagram is available to the edge from now on; the ones
+            # handled after others in the same datagram show that wait in their queue time.
+            self._arrival_ns = lib.ep_now_ns()
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
         if isinstance(event, StreamReset):
