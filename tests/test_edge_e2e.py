@@ -283,3 +283,36 @@ def test_more_requests_than_slots_get_429_at_once(slow_edge: RunningEdge) -> Non
         assert results[i].headers["retry-after"] == "1"
         assert "server-timing" in results[i].headers
     assert health.json()["free_slots"] == health.json()["total_slots"] == 2
+
+
+def test_existing_slot_server_and_its_loss(
+    edgepath_process: Any, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """``serve --slot-server ADDR`` attaches to a running slot server; when it dies, requests get 503."""
+    address = str(tmp_path / "slots.sock")
+    slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
+    options = ServeOptions(port=free_port(), slot_server=address, frames=16)
+    with running_edge(options, tmp_path_factory.mktemp("attached")) as edge:
+
+        async def before(c: H3Client) -> tuple[H3Response, H3Response]:
+            return await c.generate("attached"), await c.request("GET", "/health")
+
+        ok, health = run(before, edge.port)
+        assert ok.status == 200 and ok.json()["text"] == "attached"
+        assert health.json()["total_slots"] == 3
+
+        slots.kill()
+        slots.wait(timeout=10)
+
+        async def after(c: H3Client) -> tuple[H3Response, H3Response]:
+            health = await c.request("GET", "/health")
+            for _ in range(100):  # the agent notices the lost connection on its next link check
+                if health.status == 503:
+                    break
+                await asyncio.sleep(0.05)
+                health = await c.request("GET", "/health")
+            return health, await c.generate("nobody home")
+
+        health, refused = run(after, edge.port)
+        assert health.status == 503 and health.json()["status"] == "unavailable"
+        assert_error(refused, 503, "unavailable")
