@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from functools import partial
+from http import HTTPStatus
 
 import h11
 from edgepath.edge.http import HttpError, Request, Response, error_response
@@ -115,6 +116,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                     self._conn.send(
                         h11.Response(
                             status_code=exc.error_status_hint,
+                            reason=HTTPStatus(exc.error_status_hint).phrase.encode(),
                             headers=[
                                 (b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),
@@ -135,7 +137,8 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         headers = [(b"server", SERVER), *response.headers]
         if response.events is None:
             headers.append((b"content-length", str(len(response.body)).encode()))
-        out = [self._conn.send(h11.Response(status_code=response.status, headers=headers))]
+        reason = HTTPStatus(response.status).phrase.encode()
+        out = [self._conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))]
         if response.events is None:
             out.append(self._conn.send(h11.Data(data=response.body)))
         else:

@@ -61,7 +61,8 @@ def test_serve_tcp_http11(edgepath_process: Callable[..., subprocess.Popen[str]]
     conn.request("POST", "/v1/generate", body=json.dumps({"prompt": "over TCP"}))  # same connection: keep-alive
     response = conn.getresponse()
     doc = json.loads(response.read())
-    assert response.status == 200 and doc["tokens"] == ids and doc["text"] == "over TCP"
+    assert response.status == 200 and response.reason == "OK"
+    assert doc["tokens"] == ids and doc["text"] == "over TCP"
     assert "doorbell;dur=" in response.getheader("server-timing", "")
     conn.request("GET", "/v1/generate")
     response = conn.getresponse()
@@ -75,7 +76,7 @@ def test_serve_tcp_http11(edgepath_process: Callable[..., subprocess.Popen[str]]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
         raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         reply = raw.makefile("rb").read()
-    assert reply.startswith(b"HTTP/1.1 400")
+    assert reply.startswith(b"HTTP/1.1 400 ")
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "bad_http"
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
