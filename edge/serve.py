@@ -45,6 +45,7 @@ class ServeOptions:
     private_key: str | None = None
     handler: str = "echo"
     slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
+    request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
 
 
 class SlotServerProcess:
@@ -134,7 +135,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             output_capacity=min(options.output_capacity, link.output_capacity),
             vocab_size=tokenizer.vocab_size,
         )
-        service = EdgeService(HttpCore(limits), tokenizer, agent, loop, executor)
+        service = EdgeService(
+            HttpCore(limits), tokenizer, agent, loop, executor, request_timeout=options.request_timeout
+        )
         service.start()
         server = await _listen(options, service)
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"

@@ -1,9 +1,10 @@
 """The edge service: the one place where the HTTP core, the tokenizer and the agent meet.
 
 Both adapters (QUIC and HTTP/1.1) hand it complete :class:`Request` objects and a callback for
-the response.  Per request: route and validate (sans-I/O core) -> tokenize (inline, or on a worker
-thread for large prompts) -> take a frame -> write the token ids once into the registered frame ->
-``agent.submit`` (CAS claim, RDMA WRITE, doorbell) -> answer from the completion-queue callback.
+the response.  Per request: route and validate (sans-I/O core) -> take an agent frame -> tokenize
+straight into it, the one write of the token ids into registered memory (inline, or on a worker
+thread for large prompts) -> ``agent.submit`` (CAS claim, RDMA WRITE, doorbell) -> answer from the
+completion-queue callback.
 No queue and no batcher anywhere: a request that cannot claim a frame and a slot right now is
 answered 429 right now.  Results are picked up on the event loop from the completion queue's
 eventfd, so no thread hand-off sits between the doorbell and the response.
@@ -20,7 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import HttpCore, HttpError, Request, Response, Work, error_response, timing_headers
+from edgepath.edge.http import (
+    ROUTES,
+    HttpCore,
+    HttpError,
+    Request,
+    Response,
+    Work,
+    error_response,
+    timing_headers,
+)
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
 from edgepath.native.abi import Status, lib
@@ -41,6 +51,7 @@ class Ticket:
     timings: dict[str, int] = field(default_factory=dict)
     work: Work | None = None
     frame: int | None = None  # the agent frame this request holds
+    t_dispatch_ns: int = 0  # when it went to the slot server
     input_count: int = 0
     cancelled: bool = False
 
@@ -59,6 +70,7 @@ class EdgeService:
         loop: asyncio.AbstractEventLoop,
         executor: Executor,
         check_interval: float = 0.25,
+        request_timeout: float = 60.0,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -69,6 +81,7 @@ class EdgeService:
         self.inflight: dict[int, Ticket] = {}
         self._ids = itertools.count(1)
         self._check_interval = check_interval
+        self._timeout_ns = int(request_timeout * 1e9)
         self._check_handle: asyncio.TimerHandle | None = None
         self._cq = agent.transport.cq
 
@@ -92,8 +105,7 @@ class EdgeService:
         result = self.core.handle(request)
         ticket.timings["parse"] = _now() - t0
         if isinstance(result, Response):
-            path = request.target.split("?", 1)[0]
-            ticket.route = path if path in self.core_routes else "other"
+            ticket.route = _route_of(request)
             self._answer(ticket, result)
         elif isinstance(result, tuple):
             ticket.route = result[0]
@@ -104,12 +116,9 @@ class EdgeService:
             self._tokenize(ticket, result)
         return ticket
 
-    core_routes = frozenset(("/v1/generate", "/v1/tokenize", "/health", "/metrics"))
-
     def refuse(self, request: Request, response: Response, respond: Respond) -> None:
         """Answer an adapter's early refusal (e.g. 413 while the body is still arriving), counted like the rest."""
-        path = request.target.split("?", 1)[0]
-        self._answer(Ticket(request, respond, path if path in self.core_routes else "other"), response)
+        self._answer(Ticket(request, respond, _route_of(request)), response)
 
     def _state_response(self, route: str, query: dict[str, list[str]]) -> Response:
         if route == "/metrics":
@@ -129,7 +138,11 @@ class EdgeService:
                 self._answer(ticket, self.core.tokenize_response(work.tokens))
             elif len(work.prompt) <= INLINE_CHARS:
                 t0 = _now()
-                ids = self.tokenizer.encode(work.prompt)
+                try:
+                    ids = self.tokenizer.encode(work.prompt)
+                except Exception as exc:
+                    self._tokenizer_failed(ticket, exc)
+                    return
                 ticket.timings["tokenize"] = _now() - t0
                 self._answer(ticket, self.core.tokenize_response(ids.tolist()))
             else:
@@ -151,7 +164,11 @@ class EdgeService:
                 out[:n] = work.tokens
             self._tokenized(ticket, n, _now() - t0)
         elif len(work.prompt) <= INLINE_CHARS:
-            n = self.tokenizer.encode_into(work.prompt, out)
+            try:
+                n = self.tokenizer.encode_into(work.prompt, out)
+            except Exception as exc:
+                self._tokenizer_failed(ticket, exc)
+                return
             self._tokenized(ticket, n, _now() - t0)
         else:
             future = self.loop.run_in_executor(self.executor, self.tokenizer.encode_into, work.prompt, out)
@@ -165,16 +182,20 @@ class EdgeService:
             return
         try:
             result = future.result()
-        except Exception as exc:  # a tokenizer failure answers this request, the server keeps serving
-            log.exception("tokenizer failed")
-            self._drop_frame(ticket)
-            self._answer(ticket, self.core.failure(500, "tokenizer_error", str(exc)))
+        except Exception as exc:
+            self._tokenizer_failed(ticket, exc)
             return
         if ticket.frame is None:
             ticket.timings["tokenize"] = tokenize_ns
             self._answer(ticket, self.core.tokenize_response(result.tolist()))
         else:
             self._tokenized(ticket, int(result), tokenize_ns)
+
+    def _tokenizer_failed(self, ticket: Ticket, exc: Exception) -> None:
+        """A tokenizer exception answers its own request with 500; the server keeps serving."""
+        log.error("tokenizer failed on a %d-character prompt: %r", len((ticket.work and ticket.work.prompt) or ""), exc)
+        self._drop_frame(ticket)
+        self._answer(ticket, self.core.failure(500, "tokenizer_error", f"the tokenizer failed: {exc}"))
 
     def _drop_frame(self, ticket: Ticket) -> None:
         if ticket.frame is not None:
@@ -222,6 +243,7 @@ class EdgeService:
         written = int(req["t_written_ns"])
         timings["claim"] = written - t1
         timings["doorbell"] = t2 - written
+        ticket.t_dispatch_ns = t2
         self.inflight[index] = ticket
 
     # -- completions ------------------------------------------------------------------------
@@ -260,10 +282,19 @@ class EdgeService:
         self._answer(ticket, self.core.generate_response(ticket.work, request_id, ticket.input_count, tokens, text))
 
     def _check_links(self) -> None:
+        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504."""
         for index in self.agent.check_links():
             ticket = self.inflight.pop(index)
             self._drop_frame(ticket)
-            self._answer(ticket, self.core.failure(503, "unavailable", "the slot server went away"))
+            if not ticket.cancelled:
+                self._answer(ticket, self.core.failure(503, "unavailable", "the slot server went away"))
+        now = _now()
+        for ticket in self.inflight.values():
+            if not ticket.cancelled and now - ticket.t_dispatch_ns > self._timeout_ns:
+                # The frame stays in flight (a late result may still be written into it) and is
+                # released when that result arrives; the client gets its one answer now.
+                self._answer(ticket, self.core.failure(504, "timeout", "no result from the slot server in time"))
+                ticket.cancel()
         self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
 
     def _answer(self, ticket: Ticket, response: Response) -> None:
@@ -274,3 +305,9 @@ class EdgeService:
             return
         response.headers += timing_headers(ticket.timings)
         ticket.respond(response)
+
+
+def _route_of(request: Request) -> str:
+    """The metrics label of a request: its path if it is one of the API's, else "other" (bounded cardinality)."""
+    path = request.target.split("?", 1)[0]
+    return path if path in ROUTES else "other"

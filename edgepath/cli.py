@@ -156,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             private_key=args.private_key,
             handler=args.handler,
             slot_spin_us=args.slot_spin_us,
+            request_timeout=args.request_timeout,
         )
     )
 
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         default=0.0,
         help="the started slot server spins this long before sleeping (fewer wake-ups, burns CPU)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_non_negative_float,
+        default=60.0,
+        help="seconds a dispatched request may wait for its result before it is answered 504",
     )
     p.set_defaults(func=cmd_serve)
 
