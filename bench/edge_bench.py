@@ -37,9 +37,14 @@ from edgepath.edge.client import H3Client, H3Response, h3_client
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
 
 
 def children(pid: int) -> list[int]:
@@ -78,6 +83,7 @@ class Throughput:
     seconds: float
     statuses: dict[int, int]
     server_cpu_s: float
+    server_sys_s: float  # the kernel's share of server_cpu_s
     slot_server_cpu_s: float
 
     @property
@@ -117,12 +123,12 @@ def throughput(
     proc: subprocess.Popen[str], port: int, cafile: str, body: bytes, args: argparse.Namespace
 ) -> Throughput:
     pids = children(proc.pid)
-    cpu0, slot0 = cpu_seconds(proc.pid), sum(cpu_seconds(p) for p in pids)
+    (user0, sys0), slot0 = cpu_times(proc.pid), sum(cpu_seconds(p) for p in pids)
     done, seconds, statuses = asyncio.run(
         closed_loop(port, cafile, body, args.duration, args.connections, args.inflight)
     )
-    cpu1, slot1 = cpu_seconds(proc.pid), sum(cpu_seconds(p) for p in pids)
-    return Throughput(done, seconds, dict(statuses), cpu1 - cpu0, slot1 - slot0)
+    (user1, sys1), slot1 = cpu_times(proc.pid), sum(cpu_seconds(p) for p in pids)
+    return Throughput(done, seconds, dict(statuses), user1 + sys1 - user0 - sys0, sys1 - sys0, slot1 - slot0)
 
 
 async def open_loop(
