@@ -139,7 +139,10 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             HttpCore(limits), tokenizer, agent, loop, executor, request_timeout=options.request_timeout
         )
         service.start()
-        server = await _listen(options, service)
+        try:
+            server = await _listen(options, service)
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {options.host}:{options.port} ({options.transport}): {exc}") from exc
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"
         log.info("edge (%s) listening on %s", "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1", url)
         print(f"ready {url}", flush=True)

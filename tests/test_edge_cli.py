@@ -82,3 +82,11 @@ def test_serve_tcp_http11(edgepath_process: Callable[..., subprocess.Popen[str]]
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/health")
     assert json.loads(conn.getresponse().read())["total_slots"] == 4
+
+
+def test_serve_on_a_busy_port_is_a_clear_error() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        done = edgepath("serve", "--port", str(busy.getsockname()[1]), "--slots", "2")
+    assert done.returncode == 2
+    assert "cannot listen on 127.0.0.1" in done.stderr and "Address already in use" in done.stderr
