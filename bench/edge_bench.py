@@ -138,6 +138,7 @@ async def open_loop(
     edge_us: list[float] = []
     rtt_us: list[float] = []
     statuses: Counter[int] = Counter()
+    stages: dict[str, list[float]] = {}
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(h3_client("127.0.0.1", port, cafile, server_name="localhost"))
@@ -153,7 +154,10 @@ async def open_loop(
             rtt_us.append((time.perf_counter() - t0) * 1e6)
             statuses[r.status] += 1
             if r.status == 200:
-                edge_us.append(r.timings()["edge"] * 1000)
+                timings = r.timings()
+                edge_us.append(timings["edge"] * 1000)
+                for stage, ms in timings.items():
+                    stages.setdefault(stage, []).append(ms * 1000)
 
         n = int(rate * duration)
         begin = time.perf_counter()
@@ -173,6 +177,7 @@ async def open_loop(
         "statuses": dict(statuses),
         "edge_us": {"p50": float(np.percentile(e, 50)), "p99": float(np.percentile(e, 99)), "max": float(e.max())},
         "client_rtt_us": {"p50": float(np.percentile(r, 50)), "p99": float(np.percentile(r, 99))},
+        "server_timing_p50_us": {k: float(np.percentile(v, 50)) for k, v in stages.items()},
         "health_window": {str(k): v for k, v in health.items()},
     }
 
