@@ -43,8 +43,8 @@ class TekkenTokenizer:
     """Mistral's Tekken tokenizer from a file shipped in ``mistral_common/data`` (BOS added, as a model sees it).
 
     mistral-common's ``Tekkenizer.encode`` post-processes the tiktoken ids in Python (a list
-    comprehension calling a property per id) and ``decode`` groups ids in Python: together ~150 µs
-    for a 128-token request.  The same tiktoken ``Encoding`` is used directly instead -- ids come
+    comprehension calling a property per id) and ``decode`` groups ids in Python (301 tokens: 118 and
+    57 µs, against 95 and 9 µs here).  The same tiktoken ``Encoding`` is used directly instead -- ids come
     back as a numpy array and are offset by the special-token count straight into the caller's
     buffer.  At load, the fast path is checked against ``Tekkenizer.encode``/``decode``; if a
     future mistral-common changes its internals, the official (slower) API is used, with a warning.
