@@ -165,7 +165,7 @@ def _content_length(headers: Headers) -> int | None:
 
 
 def server_configuration(certificate: str, private_key: str) -> QuicConfiguration:
-    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN, max_datagram_frame_size=65536)
+    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
     config.load_cert_chain(certificate, private_key)
     return config
 
