@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from edgepath.bench.edge_bench import prompt_of
+from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.transport import Completion
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import HttpCore, Limits, Request, Response
@@ -55,8 +56,6 @@ class ThreadPickupService(EdgeService):
 
 
 async def measure(mode: str, address: str, tokenizer: Tokenizer, body: bytes, requests: int) -> list[str]:
-    from edgepath.dma.loopback import LoopbackTransport
-
     agent = Agent(LoopbackTransport(), frames=64)
     agent.attach(address)
     await asyncio.sleep(0.2)  # let the slot server admit this agent before the first doorbell
