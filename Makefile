@@ -23,9 +23,10 @@ $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 build: $(NATIVE)
 
 run: build
-	$(VENV)/bin/edgepath demo
+	$(VENV)/bin/edgepath serve --transport quic
 
-demo: run
+demo: build
+	$(VENV)/bin/edgepath demo
 
 test: build
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -390,6 +390,20 @@ class Agent:
                 done.append(index)
         return done
 
+    def free_slots(self) -> tuple[int, int]:
+        """(free slots on live servers, slots on all servers), read now: one RDMA READ of the state words per server."""
+        free = 0
+        for link in self.links:
+            if not link.alive:
+                continue
+            try:
+                self._refresh(link)
+            except TransportError as exc:
+                self._link_down(link, exc)
+                continue
+            free += link.free_hint
+        return free, sum(link.slot_count for link in self.links)
+
     def describe(self) -> dict[str, Any]:
         return {
             "servers": [

@@ -185,6 +185,38 @@ def cmd_bench_ingress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from edgepath.edge.serve import ServeOptions, serve
+
+    return serve(
+        ServeOptions(
+            transport=args.transport,
+            host=args.host,
+            port=args.port if args.port is not None else (4433 if args.transport == "quic" else 8080),
+            slot_server=args.slot_server_address,
+            slots=args.slots,
+            frames=args.frames,
+            input_capacity=args.input_capacity,
+            output_capacity=args.output_capacity,
+            max_body=args.max_body,
+            tokenizer=args.tokenizer,
+            certificate=args.certificate,
+            private_key=args.private_key,
+            handler=args.handler,
+            slot_spin_us=args.slot_spin_us,
+            request_timeout=args.request_timeout,
+        )
+    )
+
+
+def cmd_request(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from edgepath.edge.client import request_main
+
+    return asyncio.run(request_main(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -258,6 +290,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
     p.set_defaults(func=cmd_bench_ingress)
+
+    p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
+    p.add_argument("--transport", choices=("quic", "tcp"), default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 4433 for quic, 8080 for tcp)")
+    p.add_argument(
+        "--slot-server",
+        dest="slot_server_address",
+        default=None,
+        help="address of a running slot server (default: start one as a child process)",
+    )
+    p.add_argument("--slots", type=_positive_int, default=64, help="slots of the started slot server")
+    p.add_argument("--frames", type=_positive_int, default=256, help="agent frames (requests in flight)")
+    p.add_argument("--input-capacity", type=_positive_int, default=4096, help="prompt tokens per slot")
+    p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
+    p.add_argument("--max-body", type=_positive_int, default=1 << 20, help="largest request body in bytes")
+    p.add_argument(
+        "--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: Tekken from mistral-common)"
+    )
+    p.add_argument("--certificate", default=None, help="TLS certificate (PEM); default: a generated self-signed one")
+    p.add_argument("--private-key", default=None, help="TLS private key (PEM) for --certificate")
+    p.add_argument("--handler", default="echo", help="handler of the started slot server: 'echo' or module:function")
+    p.add_argument(
+        "--slot-spin-us",
+        type=_non_negative_float,
+        default=0.0,
+        help="the started slot server spins this long before sleeping (fewer wake-ups, burns CPU)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_non_negative_float,
+        default=60.0,
+        help="seconds a dispatched request may wait for its result before it is answered 504",
+    )
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4433)
+    p.add_argument("--max-tokens", type=_positive_int, default=None)
+    p.add_argument("--stream", action="store_true", help="ask for server-sent events")
+    p.add_argument("--tokenize", action="store_true", help="only tokenize (POST /v1/tokenize)")
+    p.add_argument("--cacert", default=None, help="CA file to verify the server (default: the local self-signed one)")
+    p.add_argument("--insecure", action="store_true", help="do not verify the server's certificate")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.set_defaults(func=cmd_request)
     return parser
 
 
