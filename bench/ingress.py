@@ -32,7 +32,7 @@ from tqdm import tqdm
 from edgepath.bench.loadgen import new_histogram
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
-SYSTEMS = ("floor", "edgepath", "baseline")
+SYSTEMS = ("edgepath", "floor", "baseline")  # edgepath first: the floor copies its response size
 
 
 @dataclass
@@ -87,8 +87,11 @@ def _wait_http(port: int, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def running(system: str, workdir: Path, slots: int, certificate: str, key: str) -> Iterator[str]:
-    """Start ``system``; yields the URL the load generator drives."""
+def running(
+    system: str, workdir: Path, slots: int, certificate: str, key: str, floor_body: int = 1024
+) -> Iterator[str]:
+    """Start ``system``; yields the URL the load generator drives. The floor answers ``floor_body`` bytes
+    (the caller passes the mean size of edgepath's responses, so both put the same bytes on the wire)."""
     py = sys.executable
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -99,9 +102,11 @@ def running(system: str, workdir: Path, slots: int, certificate: str, key: str) 
                     [
                         py,
                         "-m",
-                        "edgepath.bench.floor",
+                        "edgepath.bench.h3_floor",
                         "--port",
                         str(port),
+                        "--body-bytes",
+                        str(floor_body),
                         "--certificate",
                         certificate,
                         "--private-key",
@@ -190,6 +195,12 @@ def drive(url: str, schedule: str, count: int, seed: int, timeout: float) -> dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def mean_body(raw: dict, default: int) -> int:
+    """Mean response body size of a run (what the floor should answer to match)."""
+    answered = sum(HdrHistogram.decode(v).get_total_count() for v in raw["histograms"].values())
+    return int(raw.get("response_bytes", 0) / answered) if answered else default
+
+
 def summarize(system: str, offered: float, count: int, raw: dict) -> RunStats:
     hists = {int(k): HdrHistogram.decode(v) for k, v in raw["histograms"].items()}
     ok = hists.get(200, new_histogram())
@@ -264,16 +275,20 @@ def run_ingress(
         tqdm(total=len(systems) * 2, desc="ingress") as bar,
     ):
         workdir = Path(tmp)
+        floor_body = 1024
         for system in systems:
-            with running(system, workdir, slots, str(tls.certificate), str(tls.private_key)) as url:
-                drive(url, "poisson:50", 50, seed=99, timeout=timeout)  # warm-up: caches, first connections
+            with running(system, workdir, slots, str(tls.certificate), str(tls.private_key), floor_body) as url:
+                warm = drive(url, "poisson:50", 50, seed=99, timeout=timeout)  # caches, first connections
+                if system == "edgepath":
+                    floor_body = mean_body(warm, floor_body)
+                report["floor_body_bytes"] = floor_body
                 capacity, sweep = find_capacity(system, url, start_rate, sweep_seconds, timeout, bar)
                 report["capacity"][system] = capacity
                 report.setdefault("sweeps", {})[system] = [asdict(s) for s in sweep]
             bar.update(1)
         base_cap = report["capacity"].get("baseline") or max(report["capacity"].values()) or start_rate
         for system in systems:
-            with running(system, workdir, slots, str(tls.certificate), str(tls.private_key)) as url:
+            with running(system, workdir, slots, str(tls.certificate), str(tls.private_key), floor_body) as url:
                 drive(url, "poisson:50", 50, seed=98, timeout=timeout)
                 for frac in loads:
                     rate = max(1.0, frac * base_cap)
@@ -304,11 +319,14 @@ def run_fixed(
     offered = count / max(float(offsets[-1]), 1e-9)
     tls = resolve(None, None)
     report: dict = {"machine": _machine(), "started": _now(), "capacity": {}, "runs": []}
+    floor_body = 1024
     with tempfile.TemporaryDirectory(prefix="edgepath-bench-") as tmp:
         for system in tqdm(systems, desc="ingress"):
-            with running(system, Path(tmp), slots, str(tls.certificate), str(tls.private_key)) as url:
-                stats = summarize(system, offered, count, drive(url, schedule, count, 7, timeout))
-                report["runs"].append({"load": schedule, **asdict(stats)})
+            with running(system, Path(tmp), slots, str(tls.certificate), str(tls.private_key), floor_body) as url:
+                raw = drive(url, schedule, count, 7, timeout)
+                if system == "edgepath":
+                    floor_body = mean_body(raw, floor_body)
+                report["runs"].append({"load": schedule, **asdict(summarize(system, offered, count, raw))})
     report["ratios"] = ratios(report)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ingress.json").write_text(json.dumps(report, indent=2))

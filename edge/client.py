@@ -112,6 +112,11 @@ class H3ClientProtocol(QuicConnectionProtocol):
         self.transmit()
         return stream_id, future
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent on this connection and not yet answered."""
+        return len(self._pending)
+
     def reset(self, stream_id: int, error_code: int = 0x10C) -> None:
         """Abandon a request mid-stream (RESET_STREAM), as a client that gives up would."""
         self._pending.pop(stream_id, None)

@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     p = bench.add_parser("ingress", help="open-loop HTTP latency: edgepath vs the QUIC floor vs queue-and-batch")
-    p.add_argument("--systems", default="floor,edgepath,baseline", help="comma-separated: floor, edgepath, baseline")
+    p.add_argument("--systems", default="edgepath,floor,baseline", help="comma-separated: edgepath, floor, baseline")
     p.add_argument(
         "--schedule",
         default=None,
