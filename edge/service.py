@@ -282,7 +282,10 @@ class EdgeService:
         self._answer(ticket, self.core.generate_response(ticket.work, request_id, ticket.input_count, tokens, text))
 
     def _check_links(self) -> None:
-        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504."""
+        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504;
+        a slot server that went away is re-attached as soon as it is back."""
+        if not all(link.alive for link in self.agent.links):
+            self.agent.revive(timeout=0.05)
         for index in self.agent.check_links():
             ticket = self.inflight.pop(index)
             self._drop_frame(ticket)

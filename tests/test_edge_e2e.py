@@ -289,7 +289,8 @@ def test_more_requests_than_slots_get_429_at_once(slow_edge: RunningEdge) -> Non
 def test_existing_slot_server_and_its_loss(
     edgepath_process: Any, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    """``serve --slot-server ADDR`` attaches to a running slot server; when it dies, requests get 503."""
+    """``serve --slot-server ADDR`` attaches to a running slot server; when it dies, requests get 503;
+    when it is back, the edge re-attaches and serves again without a restart."""
     address = str(tmp_path / "slots.sock")
     slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
     options = ServeOptions(port=free_port(), slot_server=address, frames=16)
@@ -317,3 +318,18 @@ def test_existing_slot_server_and_its_loss(
         health, refused = run(after, edge.port)
         assert health.status == 503 and health.json()["status"] == "unavailable"
         assert_error(refused, 503, "unavailable")
+
+        edgepath_process("slot-server", "--listen", address, "--slots", "3")  # it comes back
+
+        async def back(c: H3Client) -> tuple[H3Response, H3Response]:
+            health = await c.request("GET", "/health")
+            for _ in range(100):  # re-attached on a later link check
+                if health.status == 200:
+                    break
+                await asyncio.sleep(0.05)
+                health = await c.request("GET", "/health")
+            return health, await c.generate("welcome back")
+
+        health, ok = run(back, edge.port)
+        assert health.status == 200 and health.json()["free_slots"] == 3
+        assert ok.status == 200 and ok.json()["text"] == "welcome back"
