@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -143,15 +144,16 @@ class H3ClientProtocol(QuicConnectionProtocol):
 class H3Client:
     """One HTTP/3 connection to an edgepath server."""
 
-    def __init__(self, protocol: H3ClientProtocol, authority: str) -> None:
+    def __init__(self, protocol: H3ClientProtocol, authority: str, api_key: str | None = None) -> None:
         self.protocol = protocol
         self.authority = authority
+        self.headers = [(b"x-api-key", api_key.encode())] if api_key else []
 
     async def request(
         self, method: str, path: str, payload: Any = None, body: bytes | None = None, timeout: float = 30.0
     ) -> H3Response:
         data = body if body is not None else (json.dumps(payload).encode() if payload is not None else b"")
-        _, future = self.protocol.start(method, self.authority, path, data)
+        _, future = self.protocol.start(method, self.authority, path, data, self.headers)
         return await asyncio.wait_for(future, timeout)
 
     async def generate(self, prompt: str, max_tokens: int | None = None, stream: bool = False) -> H3Response:
@@ -174,12 +176,17 @@ def client_configuration(
 
 @asynccontextmanager
 async def h3_client(
-    host: str, port: int, cafile: str | None = None, insecure: bool = False, server_name: str | None = None
+    host: str,
+    port: int,
+    cafile: str | None = None,
+    insecure: bool = False,
+    server_name: str | None = None,
+    api_key: str | None = None,
 ) -> AsyncIterator[H3Client]:
-    """An open :class:`H3Client`; the connection is closed on exit."""
+    """An open :class:`H3Client` (sending ``api_key`` as ``x-api-key``); the connection is closed on exit."""
     config = client_configuration(cafile, insecure, server_name or host)
     async with connect(host, port, configuration=config, create_protocol=H3ClientProtocol) as protocol:
-        yield H3Client(cast(H3ClientProtocol, protocol), f"{server_name or host}:{port}")
+        yield H3Client(cast(H3ClientProtocol, protocol), f"{server_name or host}:{port}", api_key)
 
 
 async def request_main(args: argparse.Namespace) -> int:
@@ -191,10 +198,11 @@ async def request_main(args: argparse.Namespace) -> int:
     if cafile is None and not args.insecure and default_certificate().is_file():
         cafile = str(default_certificate())
     server_name = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
+    api_key = args.api_key or os.environ.get("EDGEPATH_API_KEY")
     try:
         async with (
             asyncio.timeout(args.timeout),
-            h3_client(args.host, args.port, cafile, args.insecure, server_name) as c,
+            h3_client(args.host, args.port, cafile, args.insecure, server_name, api_key) as c,
         ):
             if args.tokenize:
                 response = await c.request("POST", "/v1/tokenize", {"prompt": args.prompt})

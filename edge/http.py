@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from edgepath.edge.auth import ApiKeys
+
 JSON = b"application/json"
 Headers = list[tuple[bytes, bytes]]
 
@@ -91,6 +93,9 @@ ROUTES: dict[str, tuple[str, ...]] = {
 }
 
 
+OPS_ROUTES = ("/health", "/metrics")
+
+
 def error_response(exc: HttpError) -> Response:
     body = json.dumps({"error": {"type": exc.type, "message": exc.message}}).encode()
     return Response(exc.status, [(b"content-type", JSON), *exc.headers], body)
@@ -116,8 +121,9 @@ def timing_headers(timings: dict[str, int]) -> Headers:
 class HttpCore:
     """Routing and validation of edgepath's HTTP API, independent of transport."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None) -> None:
         self.limits = limits
+        self.api_keys = api_keys
 
     # -- entry ----------------------------------------------------------------------
     def handle(self, request: Request) -> Response | Work | tuple[str, dict[str, list[str]]]:
@@ -130,6 +136,7 @@ class HttpCore:
 
     def _route(self, request: Request) -> Work | tuple[str, dict[str, list[str]]]:
         parts = urlsplit(request.target)
+        self._authorize(parts.path, request.headers)
         methods = ROUTES.get(parts.path)
         if methods is None:
             raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST /v1/generate")
@@ -145,6 +152,22 @@ class HttpCore:
         if len(request.body) > self.limits.max_body:
             raise self.too_large(len(request.body))
         return self._parse_body(parts.path, request.body)
+
+    def _authorize(self, path: str, headers: Headers) -> None:
+        """401 unless the request carries a valid key (when keys are configured). Unknown paths
+        are checked too, so an unauthenticated client learns nothing about the routes."""
+        keys = self.api_keys
+        if keys is None or (path in OPS_ROUTES and not keys.protect_ops):
+            return
+        presented = keys.presented(headers)
+        if not keys.allows(presented):
+            why = "is not valid" if presented else "is missing"
+            raise HttpError(
+                401,
+                "unauthorized",
+                f"API key {why}: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
+                [(b"www-authenticate", b"Bearer")],
+            )
 
     def too_large(self, size: int) -> HttpError:
         """413 for a body of ``size`` bytes (adapters use it as soon as a body grows past the limit)."""

@@ -22,6 +22,7 @@ from aioquic.asyncio.server import QuicServer
 
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dpu.agent import Agent
+from edgepath.edge.auth import load_keys
 from edgepath.edge.http import HttpCore, Limits
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tokenizer import load_tokenizer
@@ -47,6 +48,8 @@ class ServeOptions:
     handler: str = "echo"
     slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
     request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
+    api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
+    protect_ops: bool = False  # /health and /metrics need a key too
 
 
 class SlotServerProcess:
@@ -137,7 +140,12 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             vocab_size=tokenizer.vocab_size,
         )
         service = EdgeService(
-            HttpCore(limits), tokenizer, agent, loop, executor, request_timeout=options.request_timeout
+            HttpCore(limits, load_keys(options.api_keys_file, options.protect_ops)),
+            tokenizer,
+            agent,
+            loop,
+            executor,
+            request_timeout=options.request_timeout,
         )
         service.start()
         try:

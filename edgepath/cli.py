@@ -205,6 +205,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             handler=args.handler,
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
+            api_keys_file=args.api_keys_file,
+            protect_ops=args.protect_ops,
         )
     )
 
@@ -319,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the started slot server spins this long before sleeping (fewer wake-ups, burns CPU)",
     )
     p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="require an API key (x-api-key or Authorization: Bearer) from this file, one per line; "
+        "$EDGEPATH_API_KEYS (comma-separated) adds more",
+    )
+    p.add_argument("--protect-ops", action="store_true", help="require a key for /health and /metrics too")
+    p.add_argument(
         "--request-timeout",
         type=_non_negative_float,
         default=60.0,
@@ -335,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenize", action="store_true", help="only tokenize (POST /v1/tokenize)")
     p.add_argument("--cacert", default=None, help="CA file to verify the server (default: the local self-signed one)")
     p.add_argument("--insecure", action="store_true", help="do not verify the server's certificate")
+    p.add_argument("--api-key", default=None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
     p.add_argument("--timeout", type=float, default=30.0)
     p.set_defaults(func=cmd_request)
     return parser
