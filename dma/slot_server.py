@@ -15,6 +15,7 @@ a wake-up hint, and lease expiry is asked of the kernel, the one writer of CLAIM
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import selectors
@@ -52,12 +53,15 @@ class SlotServerConfig:
     memory: str = "host"  # where the doorbells are polled: "host" (CPU) or "gpu" (CUDA poller)
     gpu_device: int = 0
     handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
+    handler_deadline: float = 0.0  # > 0: handlers run on worker threads and are answered after this many seconds
 
     def __post_init__(self) -> None:
         if self.memory not in SLOT_MEMORY:
             raise ValueError(f"slot memory must be one of {', '.join(SLOT_MEMORY)}, got {self.memory!r}")
         if self.lease <= 0:
             raise ValueError(f"lease must be positive seconds, got {self.lease}")
+        if self.handler_deadline < 0:
+            raise ValueError(f"handler deadline must be >= 0 seconds (0: none), got {self.handler_deadline}")
         if self.spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
 
@@ -70,6 +74,8 @@ class ServerStats:
     rejected_doorbells: int = 0
     expired_leases: int = 0
     results_dropped: int = 0
+    deadline_exceeded: int = 0  # handlers answered HANDLER_ERROR at their deadline
+    quarantined: int = 0  # slots held (DONE) until their overdue handler returns
     connections: int = 0
 
 
@@ -123,6 +129,15 @@ class SlotServer:
         self._lease_word = np.zeros(cfg.slots, dtype=np.uint64)
         self._lease_ns = np.zeros(cfg.slots, dtype=np.int64)
         self.peers: dict[int, _Peer] = {}
+        # Handlers with a deadline run on worker threads (lazily created, at most one per slot);
+        # an overdue one keeps its slot (DONE) until it returns.
+        self._workers = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="handler")
+            if cfg.handler_deadline > 0
+            else None
+        )
+        self._late: dict[int, concurrent.futures.Future] = {}
+        self._late_gen: dict[int, int] = {}
         self._gone: list[int] = []
         self._lock = threading.Lock()
         self.stats = ServerStats()
@@ -293,12 +308,16 @@ class SlotServer:
         res["output_count"] = output_count
         res["t_done_ns"] = lib.ep_now_ns()
         lib.ep_apply(self._states_ptr + slot, Event.COMPLETE, gen, 0, ffi.NULL)
+        release = slot not in self._late
         if peer is None or reply_index >= peer.frames:
             # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
-            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+            if release:
+                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
             self.stats.results_dropped += 1
         else:
-            self._push_result(peer, slot, reply_index, output_count, gen)
+            self._push_result(peer, slot, reply_index, output_count, gen, release)
+        if not release:
+            self._late_gen[slot] = gen
 
     def _call_handler(self, slot: int, req: Any, count: int, max_new: int, out_cap: int) -> tuple[Status, int]:
         pool = self.pool
@@ -311,7 +330,19 @@ class SlotServer:
             pool.slots.outputs[slot, :out_cap],
         )
         try:
-            produced = self.handler(request)
+            if self._workers is not None:
+                future = self._workers.submit(self.handler, request)
+                try:
+                    produced = future.result(timeout=self.config.handler_deadline)
+                except concurrent.futures.TimeoutError:
+                    # The handler still owns the slot's memory: answer now, free the slot when it returns.
+                    self._late[slot] = future
+                    self.stats.deadline_exceeded += 1
+                    self.stats.quarantined += 1
+                    log.warning("handler on slot %d missed its %.3f s deadline", slot, self.config.handler_deadline)
+                    return Status.HANDLER_ERROR, 0
+            else:
+                produced = self.handler(request)
             if isinstance(produced, (int, np.integer)):
                 n = int(produced)
                 if not 0 <= n <= out_cap:
@@ -329,8 +360,11 @@ class SlotServer:
         self.stats.served += 1
         return Status.OK, n
 
-    def _push_result(self, peer: _Peer, slot: int, reply_index: int, output_count: int, gen: int) -> None:
-        """Result straight from the slot into the agent's frame, free the slot, then notify."""
+    def _push_result(
+        self, peer: _Peer, slot: int, reply_index: int, output_count: int, gen: int, release: bool = True
+    ) -> None:
+        """Result straight from the slot into the agent's frame, free the slot (unless its handler is
+        overdue and still holds it), then notify."""
         src = self.pool.slots.result_offset(slot)
         try:
             peer.conn.write(
@@ -343,14 +377,25 @@ class SlotServer:
         except TransportError as exc:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
-            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+            if release:
+                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
             return
-        lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+        if release:
+            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
         try:
             peer.conn.write_with_imm(self.pool_mr, 0, peer.replies, 0, 0, reply_index)
         except TransportError as exc:
             log.warning("result notification for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
+
+    def release_late(self) -> int:
+        """Free the slots whose overdue handlers have now returned (their output is discarded)."""
+        done = [slot for slot, future in self._late.items() if future.done()]
+        for slot in done:
+            del self._late[slot]
+            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, self._late_gen.pop(slot), 0, ffi.NULL)
+            self.stats.quarantined -= 1
+        return len(done)
 
     def scan_leases(self, now_ns: int | None = None) -> int:
         if self.gpu is not None:
@@ -410,6 +455,8 @@ class SlotServer:
             if now >= next_scan:
                 self._reap_gone()
                 self.scan_leases()
+                if self._late:
+                    self.release_late()
                 next_scan = now + cfg.scan_interval
 
     def stop(self) -> None:
@@ -423,6 +470,8 @@ class SlotServer:
         for peer in list(self.peers.values()):
             peer.conn.close()
         self.peers.clear()
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
         if self.gpu is not None:
             if not self._serving.acquire(timeout=5.0):
                 raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")

@@ -50,6 +50,7 @@ class ServeOptions:
     request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
     protect_ops: bool = False  # /health and /metrics need a key too
+    handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
 
 
 class SlotServerProcess:
@@ -74,6 +75,8 @@ class SlotServerProcess:
             options.handler,
             "--spin-us",
             str(options.slot_spin_us),
+            "--handler-deadline",
+            str(options.handler_deadline),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self._wait_ready(30.0)

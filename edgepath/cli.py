@@ -86,6 +86,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
         output_capacity=args.output_capacity,
         lease=args.lease,
         spin=args.spin_us / 1e6,
+        handler_deadline=args.handler_deadline,
     )
     server = SlotServer(make_transport(args.transport, **_transport_options(args)), args.listen, handler, config)
     log.info(
@@ -207,6 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             api_keys_file=args.api_keys_file,
             protect_ops=args.protect_ops,
+            handler_deadline=args.handler_deadline,
         )
     )
 
@@ -238,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
     p.add_argument("--lease", type=float, default=1.0, help="seconds a claimed slot may wait for its doorbell")
+    p.add_argument(
+        "--handler-deadline",
+        type=_non_negative_float,
+        default=0.0,
+        help="answer a request HANDLER_ERROR when its handler runs longer than this (seconds; handlers then run "
+        "on worker threads and an overdue one keeps its slot until it returns); 0: no deadline, run inline",
+    )
     p.add_argument(
         "--spin-us",
         type=_non_negative_float,
@@ -327,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
     p.add_argument("--protect-ops", action="store_true", help="require a key for /health and /metrics too")
+    p.add_argument(
+        "--handler-deadline",
+        type=_non_negative_float,
+        default=0.0,
+        help="the started slot server answers a request 502 when its handler runs longer (seconds; 0: none)",
+    )
     p.add_argument(
         "--request-timeout",
         type=_non_negative_float,

@@ -240,3 +240,28 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
         assert agent.frames.outputs[1, :1].tolist() == [3]
     finally:
         second.close()
+
+
+def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_returns(agent: Agent, make_server) -> None:
+    release = threading.Event()
+
+    def sticky(request: SlotRequest) -> int:
+        if request.tokens[0] == 99:
+            release.wait(30)  # hangs until the test lets go
+        return echo(request)
+
+    server = make_server(handler=sticky, slots=2, handler_deadline=0.2)
+    agent.attach(server.address)
+    hung = _roundtrip(agent, server, [99, 1])
+    assert int(agent.frames.results[hung]["status"]) == Status.HANDLER_ERROR
+    assert server.stats.deadline_exceeded == 1 and server.stats.quarantined == 1
+    assert server.pool.free_count() == 1  # the hung handler still owns its slot's memory
+    for i in range(3):  # the others are unaffected
+        index = _roundtrip(agent, server, [i + 1, 7])
+        assert agent.frames.outputs[index, :2].tolist() == [i + 1, 7]
+        agent.release(index)
+    release.set()
+    deadline = time.monotonic() + 10
+    while server.stats.quarantined and time.monotonic() < deadline:
+        server.release_late()
+    assert server.stats.quarantined == 0 and server.pool.free_count() == 2
