@@ -78,3 +78,11 @@ def slow_echo(request: SlotRequest) -> int:
     n = min(len(request.tokens), len(request.output))
     request.output[:n] = request.tokens[:n]
     return n
+
+
+def paced_echo(request: SlotRequest) -> int:
+    """Echo after 10 ms: a slot server with a known capacity (about 100 requests/s, one at a time)."""
+    time.sleep(0.01)
+    n = min(len(request.tokens), len(request.output))
+    request.output[:n] = request.tokens[:n]
+    return n
