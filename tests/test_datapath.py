@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
-from edgepath.dma.pool import SlotPool
+from edgepath.dma.pool import FrameArray, SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Access, Transport
+from edgepath.dma.state import claim_word, doorbell_imm, doorbell_word
+from edgepath.dma.transport import Access, Transport, TransportError
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
@@ -265,3 +266,45 @@ def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_retu
     while server.stats.quarantined and time.monotonic() < deadline:
         server.release_late()
     assert server.stats.quarantined == 0 and server.pool.free_count() == 2
+
+
+def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_no_other_slot(
+    new_transport, make_server
+) -> None:
+    """A peer that bypasses the agent's checks: it claims a slot properly, then writes a header that
+    claims more tokens than a slot holds and rings. The server refuses it (BAD_REQUEST), frees the
+    slot, and the neighbouring slot is byte-for-byte unchanged."""
+    server = make_server(slots=2)
+    rogue = new_transport()
+    layout = server.pool.layout
+    replies = rogue.register("replies", layout.stride, Access.REMOTE_WRITE)
+    conn = rogue.connect(server.address, [replies], {"frames": 1, "input_capacity": CAP, "output_capacity": CAP})
+    pool, info = conn.remote["pool"], conn.peer_info
+    scratch = rogue.register("scratch", layout.stride, Access.NONE)
+    states = int(info["states_offset"])
+    want = claim_word(0, conn.peer_assigned_id)
+    assert conn.compare_and_swap(pool, states, 0, want) == 0
+    frame = FrameArray(scratch.buf, 0, 1, layout)
+    req = frame.requests[0]
+    req["token_count"] = CAP + 1000  # a lie: the slot holds CAP tokens
+    req["generation"] = want >> 32
+    req["reply_index"] = 0
+    req["doorbell"] = doorbell_word(0, want >> 32)
+    neighbour = server.pool.slots.raw[1].copy()
+    conn.write(scratch, 0, pool, int(info["slots_offset"]), REQUEST_HEADER.itemsize)
+    conn.write_with_imm(
+        scratch,
+        REQUEST_HEADER.fields["doorbell"][1],
+        pool,
+        int(info["doorbells_offset"]),
+        8,
+        doorbell_imm(0, want >> 32),
+    )
+    assert _serve_once(server) == 1
+    assert rogue.cq.wait(5.0)
+    answer = FrameArray(replies.buf, 0, 1, layout).results[0]
+    assert int(answer["status"]) == Status.BAD_REQUEST and int(answer["output_count"]) == 0
+    assert server.stats.bad_requests == 1 and server.pool.free_count() == 2
+    assert np.array_equal(server.pool.slots.raw[1], neighbour)
+    with pytest.raises(TransportError, match="outside remote region"):  # and nothing past the pool at all
+        conn.write(scratch, 0, pool, pool.length - 8, 64)

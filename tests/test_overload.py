@@ -114,8 +114,10 @@ def test_twice_capacity_for_a_minute_gives_only_200_or_429_with_latency_and_memo
     assert ok + refused == int(2 * CAPACITY * 60)
     assert refused > 0.3 * (ok + refused), "twice capacity should be refused about half the time"
     p99_over = hist[200].get_value_at_percentile(99)
-    print(f"overload: {ok} accepted, {refused} refused; accepted p99 {p99_over} us (at half load {p99_half} us); "
-          f"RSS KiB early {early} late {late}")
+    print(
+        f"overload: {ok} accepted, {refused} refused; accepted p99 {p99_over} us (at half load {p99_half} us); "
+        f"RSS KiB early {early} late {late}"
+    )
     assert p99_over <= 2 * p99_half, f"accepted p99 {p99_over} us at 2x load vs {p99_half} us at 0.5x"
     for pid in pids:
         assert late[pid] <= early[pid] * 1.10 + 4096, f"process {pid} grew from {early[pid]} to {late[pid]} KiB"
