@@ -22,6 +22,7 @@ from aioquic.asyncio.server import QuicServer
 
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dpu.agent import Agent
+from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.auth import load_keys
 from edgepath.edge.http import HttpCore, Limits
 from edgepath.edge.service import EdgeService
@@ -36,6 +37,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 4433
     slot_server: str | None = None  # address of an existing slot server; None: start one
+    agent: str | None = None  # address of an `edgepath agent` process to use instead of an in-process agent
     slot_server_address: str | None = None  # where the started one listens
     slots: int = 64
     frames: int = 256
@@ -126,7 +128,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     tokenizer = load_tokenizer(options.tokenizer)
     log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
     child = None
-    if options.slot_server is None:
+    if options.agent is not None:
+        address = options.agent
+    elif options.slot_server is None:
         address = options.slot_server_address or str(runtime_dir() / f"serve-{options.transport}-{options.port}.sock")
         child = SlotServerProcess(options, address)
     else:
@@ -134,7 +138,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
     agent = None
     try:
-        agent = build_agent(options, address)
+        agent = AgentClient(address) if options.agent is not None else build_agent(options, address)
         link = agent.links[0]
         limits = Limits(
             max_body=options.max_body,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgepath.dpu.agent import Agent
+from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.http import (
     ROUTES,
     HttpCore,
@@ -66,7 +67,7 @@ class EdgeService:
         self,
         core: HttpCore,
         tokenizer: Tokenizer,
-        agent: Agent,
+        agent: Agent | AgentClient,
         loop: asyncio.AbstractEventLoop,
         executor: Executor,
         check_interval: float = 0.25,
@@ -233,12 +234,7 @@ class EdgeService:
         if status is not None:
             self._drop_frame(ticket)
             timings["claim"] = t2 - t1
-            if status == Status.NO_SLOT:
-                self._answer(ticket, self.core.no_slot())
-            elif status == Status.UNAVAILABLE:
-                self._answer(ticket, self.core.failure(503, "unavailable", "no slot server is reachable"))
-            else:
-                self._answer(ticket, self.core.failure(400, "bad_request", "the data path refused this request"))
+            self._answer(ticket, self._refusal(status))
             return
         written = int(req["t_written_ns"])
         timings["claim"] = written - t1
@@ -255,12 +251,25 @@ class EdgeService:
             if not self._cq.arm():
                 return
 
+    def _refusal(self, status: Status) -> Response:
+        """The answer to a request the data path refused before any slot ran it."""
+        if status == Status.NO_SLOT:
+            return self.core.no_slot()
+        if status == Status.UNAVAILABLE:
+            return self.core.failure(503, "unavailable", "no slot server is reachable")
+        return self.core.failure(400, "bad_request", "the data path refused this request")
+
     def _finish(self, index: int) -> None:
         ticket = self.inflight.pop(index)
         agent = self.agent
         result = agent.frames.results[index]
         req = agent.frames.requests[index]
         status = int(result["status"])
+        if status in REFUSALS:  # an agent process answers its refusals through the completion queue
+            self._drop_frame(ticket)
+            if not ticket.cancelled:
+                self._answer(ticket, self._refusal(Status(status)))
+            return
         edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
         request_id = int(req["request_id"])
         tokens: list[int] = []
@@ -308,6 +317,9 @@ class EdgeService:
             return
         response.headers += timing_headers(ticket.timings)
         ticket.respond(response)
+
+
+REFUSALS = (Status.NO_SLOT, Status.UNAVAILABLE, Status.BAD_REQUEST)
 
 
 def _route_of(request: Request) -> str:

@@ -195,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port if args.port is not None else (4433 if args.transport == "quic" else 8080),
             slot_server=args.slot_server_address,
+            agent=args.agent,
             slots=args.slots,
             frames=args.frames,
             input_capacity=args.input_capacity,
@@ -336,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
     p.add_argument("--protect-ops", action="store_true", help="require a key for /health and /metrics too")
+    p.add_argument(
+        "--agent",
+        default=None,
+        help="use a running `edgepath agent` process at this address (shared memory) instead of an in-process "
+        "agent; the edge survives its restarts",
+    )
     p.add_argument(
         "--handler-deadline",
         type=_non_negative_float,
