@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup-system
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
@@ -23,9 +23,10 @@ $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 build: $(NATIVE)
 
 run: build
-	$(VENV)/bin/edgepath demo
+	$(VENV)/bin/edgepath serve --transport quic
 
-demo: run
+demo: build
+	$(VENV)/bin/edgepath demo
 
 test: build
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import Status
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 DEFAULT_MAX_BATCH = 10
 DEFAULT_WINDOW_MS = 10.0

@@ -3,6 +3,7 @@
 Run: ``make bench`` (pytest-benchmark; JSON in out/bench.json, table in README).
 In ``make test`` they run once each as smoke tests (benchmarking disabled).
 
+- frame: validate a tokenized request and write its ids into the registered frame (the one write);
 - claim: one remote CAS FREE -> CLAIMED through the agent's claim logic;
 - write_doorbell: RDMA WRITE of header + 128 tokens, then the 8-byte doorbell WRITE_WITH_IMM;
 - roundtrip: claim -> write -> doorbell -> spinning slot server (another process) runs echo ->
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
@@ -58,6 +60,17 @@ def _free_all(server: SlotServer, link: ServerLink) -> None:
         gen = server.pool.slot_word(slot).generation
         server.pool.states[slot] = SlotWord(gen, State.FREE, 0).pack()
         link.words[slot] = server.pool.states[slot]
+
+
+def test_frame(benchmark, local_pair) -> None:
+    agent, _, _ = local_pair
+    ids = list(range(TOKENS))  # what a tokenizer returns: a Python list of ints
+
+    def frame() -> int:
+        return write_request(agent.frames, 0, ids, request_id=1, max_new_tokens=TOKENS)
+
+    assert benchmark.pedantic(frame, rounds=ROUNDS, iterations=1) == TOKENS
+    assert agent.frames.tokens[0, :TOKENS].tolist() == ids
 
 
 def test_claim(benchmark, local_pair) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import ssl
 import sys
 import time
 from collections import Counter
@@ -20,13 +19,11 @@ from urllib.parse import urlsplit
 import h11
 import numpy as np
 from aioquic.asyncio.client import connect
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import QuicEvent, StreamReset
-from edgepath.bench.schedule import parse
 from hdrh.histogram import HdrHistogram
+
+from edgepath.bench.schedule import parse
+from edgepath.edge.client import H3ClientProtocol, client_configuration
 
 LOWEST_US, HIGHEST_US = 1, 60_000_000
 
@@ -39,8 +36,10 @@ def new_histogram() -> HdrHistogram:
 class Results:
     histograms: dict[int, HdrHistogram] = field(default_factory=dict)
     errors: Counter = field(default_factory=Counter)
+    response_bytes: int = 0  # bodies of all answered requests
     started: float = 0.0
     finished: float = 0.0
+    schedule_seconds: float = 0.0
 
     def record(self, status: int, latency_s: float) -> None:
         hist = self.histograms.get(status)
@@ -53,69 +52,18 @@ class Results:
             "histograms": {str(k): h.encode().decode() for k, h in self.histograms.items()},
             "errors": dict(self.errors),
             "seconds": self.finished - self.started,
+            "schedule_seconds": self.schedule_seconds,
+            "response_bytes": self.response_bytes,
         }
-
-
-class _H3Client(QuicConnectionProtocol):
-    """Minimal HTTP/3 client: request() returns (status, body) when the response stream ends."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self._http = H3Connection(self._quic)
-        self._waiting: dict[int, tuple[asyncio.Future, list]] = {}
-
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, StreamReset) and event.stream_id in self._waiting:
-            fut, _ = self._waiting.pop(event.stream_id)
-            if not fut.done():
-                fut.set_exception(ConnectionResetError(f"stream reset ({event.error_code})"))
-            return
-        for ev in self._http.handle_event(event):
-            self._h3_event(ev)
-
-    def _h3_event(self, ev: H3Event) -> None:
-        entry = self._waiting.get(getattr(ev, "stream_id", -1))
-        if entry is None:
-            return
-        fut, acc = entry
-        if isinstance(ev, HeadersReceived):
-            acc[0] = int(dict(ev.headers).get(b":status", b"0"))
-        elif isinstance(ev, DataReceived):
-            acc[1] += len(ev.data)
-        if getattr(ev, "stream_ended", False):
-            self._waiting.pop(ev.stream_id)
-            if not fut.done():
-                fut.set_result((acc[0], acc[1]))
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._waiting)
-
-    async def request(self, authority: bytes, path: bytes, body: bytes) -> tuple[int, int]:
-        stream_id = self._quic.get_next_available_stream_id()
-        headers = [
-            (b":method", b"POST"),
-            (b":scheme", b"https"),
-            (b":authority", authority),
-            (b":path", path),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
-        self._http.send_headers(stream_id, headers)
-        self._http.send_data(stream_id, body, end_stream=True)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiting[stream_id] = (fut, [0, 0])
-        self.transmit()
-        return await fut
 
 
 async def _run_h3(
     url: str, offsets: np.ndarray, body: bytes, connections: int, max_streams: int, timeout: float
 ) -> Results:
     parts = urlsplit(url)
-    config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE)
-    authority = parts.netloc.encode()
-    path = (parts.path or "/").encode()
+    config = client_configuration(insecure=True, server_name=parts.hostname)
+    authority = parts.netloc
+    path = parts.path or "/"
     results = Results()
     async with _H3Pool(parts.hostname, parts.port or 443, config, connections) as clients:
         loop = asyncio.get_running_loop()
@@ -146,11 +94,11 @@ class _H3Pool:
         self._n = n
         self._cms: list = []
 
-    async def __aenter__(self) -> list[_H3Client]:
+    async def __aenter__(self) -> list[H3ClientProtocol]:
         host, port, config = self._args
         clients = []
         for _ in range(self._n):
-            cm = connect(host, port, configuration=config, create_protocol=_H3Client)
+            cm = connect(host, port, configuration=config, create_protocol=H3ClientProtocol)
             clients.append(await cm.__aenter__())
             self._cms.append(cm)
         return clients
@@ -161,11 +109,14 @@ class _H3Pool:
 
 
 async def _one_h3(
-    client: _H3Client, authority: bytes, path: bytes, body: bytes, due: float, timeout: float, results: Results
+    client: H3ClientProtocol, authority: str, path: str, body: bytes, due: float, timeout: float, results: Results
 ) -> None:
     loop = asyncio.get_running_loop()
     try:
-        status, _ = await asyncio.wait_for(client.request(authority, path, body), timeout)
+        _, future = client.start("POST", authority, path, body)
+        response = await asyncio.wait_for(future, timeout)
+        status = response.status
+        results.response_bytes += len(response.body)
     except TimeoutError:
         results.errors["timeout"] += 1
         return
@@ -263,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     offsets = parse(args.schedule, args.count, args.seed)
     results = run(args.url, offsets, args.body.encode(), args.connections, args.max_streams, args.timeout)
+    results.schedule_seconds = float(offsets[-1])
     print(json.dumps(results.to_json()))
     return 0
 

@@ -16,12 +16,18 @@ import numpy as np
 
 BEGIN, END = "<!-- bench:datapath:begin -->", "<!-- bench:datapath:end -->"
 TARGETS = {
+    "test_parse": "—",
+    "test_tokenize": "—",
+    "test_frame": "—",
     "test_claim": "p50 ≤ 5",
     "test_write_doorbell": "p50 ≤ 5",
     "test_roundtrip[spin]": "p50 ≤ 50, p99 ≤ 200",
     "test_roundtrip[sleep]": "—",
 }
 LABELS = {
+    "test_parse": "HTTP request parse + validate (sans-I/O core)",
+    "test_tokenize": "tokenize 128 tokens into the registered frame (Tekken)",
+    "test_frame": "frame 128 token ids into the registered buffer",
     "test_claim": "claim (remote CAS FREE→CLAIMED)",
     "test_write_doorbell": "write 128 tokens + doorbell",
     "test_roundtrip[spin]": "agent round trip, echo, spinning poller",
@@ -40,7 +46,9 @@ def table(report: dict) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     extra: list[str] = []
-    for bench in report["benchmarks"]:
+    order = list(LABELS)
+    benches = sorted(report["benchmarks"], key=lambda b: order.index(b["name"]) if b["name"] in order else len(order))
+    for bench in benches:
         data = np.array(bench["stats"]["data"]) * 1e6
         p50, p99 = np.percentile(data, [50, 99])
         name = bench["name"]

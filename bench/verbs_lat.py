@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport
 

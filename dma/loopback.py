@@ -21,6 +21,7 @@ import socket
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.transport import (
     Access,
     Admit,

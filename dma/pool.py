@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from edgepath.dma.state import SlotWord
 from edgepath.native.abi import (
     POOL_HEADER,

@@ -15,12 +15,15 @@ from edgepath.native.abi import Event, State, StepError, ffi, lib
 @dataclass(frozen=True, slots=True)
 class SlotWord:
     generation: int
-    state: State
+    state: State | int
     claimant: int
 
     @classmethod
     def unpack(cls, word: int) -> SlotWord:
-        return cls(word >> 32, State(word & 0xFF), (word >> 8) & lib.EP_CLAIMANT_MAX)
+        """Unpack a word; a state byte outside the ABI (corrupt memory) is kept as a plain int."""
+        code = word & 0xFF
+        state = State(code) if code in State._value2member_map_ else code
+        return cls(word >> 32, state, (word >> 8) & lib.EP_CLAIMANT_MAX)
 
     def pack(self) -> int:
         return (self.generation << 32) | ((self.claimant & lib.EP_CLAIMANT_MAX) << 8) | int(self.state)
@@ -31,7 +34,8 @@ class TransitionRefused(Exception):
 
     def __init__(self, word: int, event: Event, reason: StepError) -> None:
         self.word, self.event, self.reason = word, event, reason
-        super().__init__(f"{event.name} refused on {SlotWord.unpack(word)}: {reason.name.lower()}")
+        name = event.name if isinstance(event, Event) else f"event {event}"
+        super().__init__(f"{name} refused on {SlotWord.unpack(word)}: {reason.name.lower()}")
 
 
 def step(word: int, event: Event, generation: int = 0, claimant: int = 0) -> int:

@@ -53,6 +53,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.transport import (
     Access,
     Admit,

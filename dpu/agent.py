@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from edgepath.dma.pool import FrameArray, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
 from edgepath.dma.state import doorbell_imm
@@ -138,6 +139,12 @@ class Agent:
         """Connect to a slot server and verify its pool (magic, ABI version, geometry)."""
         if len(self.links) >= self.max_servers:
             raise AgentError(f"already attached to {self.max_servers} slot servers")
+        link = self._connect(address, len(self.links), timeout)
+        self.links.append(link)
+        self.by_conn[link.conn.conn_id] = link
+        return link
+
+    def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
         info = {
             "frames": self.frames.count,
             "input_capacity": self.layout.input_capacity,
@@ -149,15 +156,33 @@ class Agent:
         except TransportError as exc:
             raise AgentError(f"cannot attach to slot server at {address}: {exc}") from exc
         try:
-            link = self._verify(address, conn)
+            return self._verify(address, conn, position)
         except Exception:
             conn.close()
             raise
-        self.links.append(link)
-        self.by_conn[conn.conn_id] = link
-        return link
 
-    def _verify(self, address: str, conn: Connection) -> ServerLink:
+    def revive(self, timeout: float = 1.0) -> list[ServerLink]:
+        """Re-attach to slot servers that went away (restarted, say); the links that came back.
+
+        A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
+        trusted, and what was in flight there was already answered by :meth:`fail_link`."""
+        revived = []
+        for position, old in enumerate(self.links):
+            if old.alive:
+                continue
+            try:
+                link = self._connect(old.address, position, timeout)
+            except AgentError:
+                continue
+            self.by_conn.pop(old.conn.conn_id, None)
+            old.conn.close()
+            self.links[position] = link
+            self.by_conn[link.conn.conn_id] = link
+            revived.append(link)
+            log.info("slot server %s is back (epoch %#x)", link.address, link.epoch)
+        return revived
+
+    def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
         pool = conn.remote.get(POOL_REGION)
         if pool is None or Access.REMOTE_ATOMIC not in pool.access or Access.REMOTE_WRITE not in pool.access:
             raise AgentError(f"{address}: peer exports no writable, atomic {POOL_REGION!r} region")
@@ -176,7 +201,7 @@ class Agent:
         n = int(header["slot_count"])
         if n > self._words_per_link:
             raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
-        words_offset = 8 * self._words_per_link * len(self.links)
+        words_offset = 8 * self._words_per_link * position
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
         link = ServerLink(
             address,
@@ -367,6 +392,20 @@ class Agent:
             if index is not None:
                 done.append(index)
         return done
+
+    def free_slots(self) -> tuple[int, int]:
+        """(free slots on live servers, slots on all servers), read now: one RDMA READ of the state words per server."""
+        free = 0
+        for link in self.links:
+            if not link.alive:
+                continue
+            try:
+                self._refresh(link)
+            except TransportError as exc:
+                self._link_down(link, exc)
+                continue
+            free += link.free_hint
+        return free, sum(link.slot_count for link in self.links)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from edgepath.dma.slot_server import REPLIES_REGION
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
 from edgepath.dpu.agent import Agent
@@ -30,6 +32,8 @@ from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_service")
 
+STATUS_REGION = "status"
+STATUS_INTERVAL = 0.1  # seconds between status refreshes (one state-word READ per slot server)
 EDGE_FRAMES_REGION = REPLIES_REGION  # the agent's frames: edges fill them, slot servers answer into them
 
 
@@ -70,9 +74,12 @@ class AgentService:
         self._gone: list[int] = []
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
+        # Free/total slots and liveness of the slot servers, refreshed by the serve loop, read by edges.
+        self.status_mr: MemoryRegion = edge_transport.register(STATUS_REGION, 64, Access.REMOTE_READ)
+        self._status = self.status_mr.buf[:24].view(np.uint64)
         self.listener: Listener = edge_transport.listen(
             address,
-            [edge_frames or agent.frames_mr],
+            [edge_frames or agent.frames_mr, self.status_mr],
             {"input_capacity": agent.layout.input_capacity, "output_capacity": agent.layout.output_capacity},
         )
         self.address = address
@@ -92,23 +99,17 @@ class AgentService:
         return {"frame_base": base, "frame_count": self.frames_per_edge}
 
     def _manage(self) -> None:
+        """Edges come and go (slot servers are watched by the serve loop, which can revive them)."""
         sel = selectors.DefaultSelector()
         sel.register(self.listener.fileno(), selectors.EVENT_READ, None)
-        for link in self.agent.links:
-            sel.register(link.conn.fileno(), selectors.EVENT_READ, link)
         while not self._stop.is_set():
             for key, _ in sel.select(timeout=0.1):
                 if key.data is None:
                     self._accept(sel)
-                elif isinstance(key.data, _Edge):
-                    if not key.data.conn.check_alive():
-                        sel.unregister(key.fd)
-                        with self._lock:
-                            self._gone.append(key.data.conn.conn_id)
                 elif not key.data.conn.check_alive():
                     sel.unregister(key.fd)
                     with self._lock:
-                        self._gone.append(-key.data.conn.conn_id)
+                        self._gone.append(key.data.conn.conn_id)
         sel.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -124,12 +125,6 @@ class AgentService:
         with self._lock:
             gone, self._gone = self._gone, []
         for cid in gone:
-            if cid < 0:  # a slot server went away: answer what was in flight there
-                link = self.agent.by_conn.get(-cid)
-                if link is not None:
-                    for index in self.agent.fail_link(link):
-                        self._refuse(index, Status.UNAVAILABLE)
-                continue
             edge = self.edges.pop(cid, None)
             if edge is None:
                 continue
@@ -182,23 +177,44 @@ class AgentService:
         if index is not None:
             self._answer(index)
 
+    def publish_status(self) -> None:
+        """Re-attach slot servers that came back, then publish free/total slots and liveness."""
+        agent = self.agent
+        if not all(link.alive for link in agent.links):
+            agent.revive(timeout=0.05)
+        free, total = agent.free_slots()
+        self._status[:] = (free, total, int(any(link.alive for link in agent.links)))
+
     def serve(self) -> None:
         threading.Thread(target=self._manage, name="agent-cm", daemon=True).start()
         if self.agent.transport is not self.transport:
             self._serve_two()
             return
         cq = self.transport.cq
+        next_status = 0.0
         while not self._stop.is_set():
             for c in cq.wait(0.05, spin=self.spin, max_entries=256):
                 self.handle(c.conn_id, c.imm)
-            if self._gone:
-                self._reap()
+            next_status = self._housekeeping(next_status)
+
+    def _housekeeping(self, next_status: float) -> float:
+        """Reap what went away; every STATUS_INTERVAL check links and publish status. Returns the next time."""
+        if self._gone:
+            self._reap()
+        now = time.monotonic()
+        if now >= next_status:
+            for index in self.agent.check_links():
+                self._refuse(index, Status.UNAVAILABLE)
+            self.publish_status()
+            next_status = now + STATUS_INTERVAL
+        return next_status
 
     def _serve_two(self) -> None:
         """Edges on one completion queue, slot servers on another (their connection ids are separate
         spaces): poll both, then arm both and sleep on both descriptors."""
         edge_cq, server_cq = self.transport.cq, self.agent.transport.cq
         fds = [edge_cq.fileno(), server_cq.fileno()]
+        next_status = 0.0
         while not self._stop.is_set():
             busy = False
             deadline = time.monotonic() + self.spin
@@ -211,8 +227,7 @@ class AgentService:
                     self._from_server(c.conn_id, c.imm)
                 if busy or time.monotonic() >= deadline:
                     break
-            if self._gone:
-                self._reap()
+            next_status = self._housekeeping(next_status)
             if busy:
                 continue
             armed = [edge_cq.arm(), server_cq.arm()]  # both armed before sleeping, or a wake-up is lost

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Status, lib
-
 from edgepath.runtime import runtime_dir
 
 STAGES = ("claim", "write_to_ready", "handler", "result_back", "total")
@@ -45,9 +45,15 @@ class DemoReport:
 
 
 def run_demo(
-    requests: int = 10_000, slots: int = 8, concurrency: int = 4, tokens: int = 128, spin: float = 0.0
+    requests: int = 10_000,
+    slots: int = 8,
+    concurrency: int = 4,
+    tokens: int = 128,
+    spin: float = 0.0,
+    memory: str = "host",
 ) -> DemoReport:
-    """Push ``requests`` echo requests, ``concurrency`` at a time, through a fresh slot server."""
+    """Push ``requests`` echo requests, ``concurrency`` at a time, through a fresh slot server
+    whose doorbells are polled by the CPU (``memory="host"``) or the CUDA poller (``"gpu"``)."""
     if concurrency > 256:
         raise ValueError("concurrency must be at most 256")
     address = str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
@@ -55,7 +61,7 @@ def run_demo(
         LoopbackTransport(),
         address,
         echo,
-        SlotServerConfig(slots=slots, input_capacity=tokens, output_capacity=tokens, spin=spin),
+        SlotServerConfig(slots=slots, input_capacity=tokens, output_capacity=tokens, spin=spin, memory=memory),
     )
     worker = threading.Thread(target=server.serve, name="slot-server", daemon=True)
     worker.start()

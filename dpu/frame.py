@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from edgepath.dma.pool import FrameArray
 from edgepath.native.abi import lib
 

@@ -13,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+
 from edgepath.dma.state import SlotWord, claim_word
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from edgepath.dma.transport import Transport
 from edgepath.dma.transports import make_transport
 

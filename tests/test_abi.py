@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from edgepath.native import abi
 
 NATIVE = Path(abi.__file__).resolve().parent

@@ -6,10 +6,11 @@ import threading
 
 import numpy as np
 import pytest
+from procs import result_of, start_claimer
+
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access
-from procs import result_of, start_claimer
 
 pytestmark = [pytest.mark.transport, pytest.mark.slow]
 

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+
 from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
-from edgepath.dma.pool import SlotPool
+from edgepath.dma.pool import FrameArray, SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Access, Transport
+from edgepath.dma.state import claim_word, doorbell_imm, doorbell_word
+from edgepath.dma.transport import Access, Transport, TransportError
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
@@ -206,3 +209,102 @@ def test_unknown_handlers_are_clear_errors() -> None:
         load_handler("no_such_module:f")
     with pytest.raises(HandlerError, match="has no callable 'nothing'"):
         load_handler("json:nothing")
+
+
+def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
+    agent: Agent, new_transport, new_address
+) -> None:
+    address = new_address("slot-server")
+    config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
+    first = SlotServer(new_transport(), address, echo, config)
+    first.start_connection_manager()
+    link = agent.attach(address)
+    write_request(agent.frames, 0, [1, 2], request_id=1, max_new_tokens=2)
+    assert agent.submit(0) is None  # in flight when the server goes away
+    first.close()
+    lost: list[int] = []
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        lost = agent.check_links()
+    assert lost == [0] and not link.alive
+    write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
+    assert agent.submit(1) == Status.UNAVAILABLE
+    assert agent.revive(timeout=0.5) == []  # nobody there yet
+    second = SlotServer(new_transport(), address, echo, config)
+    second.start_connection_manager()
+    try:
+        (back,) = agent.revive(timeout=5.0)
+        assert back.alive and back.epoch == second.epoch != first.epoch
+        assert agent.submit(1) is None
+        assert _serve_once(second) == 1
+        assert agent.poll(timeout=5.0) == [1]
+        assert agent.frames.outputs[1, :1].tolist() == [3]
+    finally:
+        second.close()
+
+
+def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_returns(agent: Agent, make_server) -> None:
+    release = threading.Event()
+
+    def sticky(request: SlotRequest) -> int:
+        if request.tokens[0] == 99:
+            release.wait(30)  # hangs until the test lets go
+        return echo(request)
+
+    server = make_server(handler=sticky, slots=2, handler_deadline=0.2)
+    agent.attach(server.address)
+    hung = _roundtrip(agent, server, [99, 1])
+    assert int(agent.frames.results[hung]["status"]) == Status.HANDLER_ERROR
+    assert server.stats.deadline_exceeded == 1 and server.stats.quarantined == 1
+    assert server.pool.free_count() == 1  # the hung handler still owns its slot's memory
+    for i in range(3):  # the others are unaffected
+        index = _roundtrip(agent, server, [i + 1, 7])
+        assert agent.frames.outputs[index, :2].tolist() == [i + 1, 7]
+        agent.release(index)
+    release.set()
+    deadline = time.monotonic() + 10
+    while server.stats.quarantined and time.monotonic() < deadline:
+        server.release_late()
+    assert server.stats.quarantined == 0 and server.pool.free_count() == 2
+
+
+def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_no_other_slot(
+    new_transport, make_server
+) -> None:
+    """A peer that bypasses the agent's checks: it claims a slot properly, then writes a header that
+    claims more tokens than a slot holds and rings. The server refuses it (BAD_REQUEST), frees the
+    slot, and the neighbouring slot is byte-for-byte unchanged."""
+    server = make_server(slots=2)
+    rogue = new_transport()
+    layout = server.pool.layout
+    replies = rogue.register("replies", layout.stride, Access.REMOTE_WRITE)
+    conn = rogue.connect(server.address, [replies], {"frames": 1, "input_capacity": CAP, "output_capacity": CAP})
+    pool, info = conn.remote["pool"], conn.peer_info
+    scratch = rogue.register("scratch", layout.stride, Access.NONE)
+    states = int(info["states_offset"])
+    want = claim_word(0, conn.peer_assigned_id)
+    assert conn.compare_and_swap(pool, states, 0, want) == 0
+    frame = FrameArray(scratch.buf, 0, 1, layout)
+    req = frame.requests[0]
+    req["token_count"] = CAP + 1000  # a lie: the slot holds CAP tokens
+    req["generation"] = want >> 32
+    req["reply_index"] = 0
+    req["doorbell"] = doorbell_word(0, want >> 32)
+    neighbour = server.pool.slots.raw[1].copy()
+    conn.write(scratch, 0, pool, int(info["slots_offset"]), REQUEST_HEADER.itemsize)
+    conn.write_with_imm(
+        scratch,
+        REQUEST_HEADER.fields["doorbell"][1],
+        pool,
+        int(info["doorbells_offset"]),
+        8,
+        doorbell_imm(0, want >> 32),
+    )
+    assert _serve_once(server) == 1
+    assert rogue.cq.wait(5.0)
+    answer = FrameArray(replies.buf, 0, 1, layout).results[0]
+    assert int(answer["status"]) == Status.BAD_REQUEST and int(answer["output_count"]) == 0
+    assert server.stats.bad_requests == 1 and server.pool.free_count() == 2
+    assert np.array_equal(server.pool.slots.raw[1], neighbour)
+    with pytest.raises(TransportError, match="outside remote region"):  # and nothing past the pool at all
+        conn.write(scratch, 0, pool, pool.length - 8, 64)

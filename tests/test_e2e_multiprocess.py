@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.state import SlotWord, claim_word, doorbell_imm
 from edgepath.native.abi import State, ffi, lib

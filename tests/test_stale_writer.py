@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from procs import start_claimer
+
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
-from procs import start_claimer
 
 pytestmark = [pytest.mark.transport, pytest.mark.slow]
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError
 
 pytestmark = pytest.mark.transport

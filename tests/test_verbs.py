@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from edgepath.dma.transport import Access, Transport, TransportUnavailable
 from edgepath.dma.transports import make_transport
 

@@ -1,0 +1,66 @@
+"""Optional API keys: ``x-api-key: KEY`` or ``Authorization: Bearer KEY`` (sans-I/O; no files read here
+except by :func:`load_keys`).
+
+Keys are held as SHA-256 digests and compared with ``hmac.compare_digest`` against every key, so
+neither a key's length nor which key nearly matched shows in the timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+ENV_VAR = "EDGEPATH_API_KEYS"
+
+
+class ApiKeys:
+    """The accepted keys, and whether ``/health`` and ``/metrics`` need one too."""
+
+    def __init__(self, keys: Iterable[str], protect_ops: bool = False) -> None:
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        if not self._digests:
+            raise ValueError("API keys are enabled but none was given (empty file or variable)")
+        self.protect_ops = protect_ops
+
+    def allows(self, presented: bytes | None) -> bool:
+        if not presented:
+            return False
+        digest = hashlib.sha256(presented).digest()
+        ok = False
+        for known in self._digests:
+            ok |= hmac.compare_digest(digest, known)
+        return ok
+
+    @staticmethod
+    def presented(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+        """The key a request carries, if any."""
+        for name, value in headers:
+            lname = name.lower()
+            if lname == b"x-api-key":
+                return value.strip()
+            if lname == b"authorization" and value[:7].lower() == b"bearer ":
+                return value[7:].strip()
+        return None
+
+
+def load_keys(path: str | None, protect_ops: bool = False, environ: dict[str, str] | None = None) -> ApiKeys | None:
+    """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated);
+    None when neither is set (no authentication)."""
+    env = (os.environ if environ is None else environ).get(ENV_VAR)
+    if path is None and env is None:
+        if protect_ops:
+            raise ValueError("--protect-ops needs API keys: give --api-keys-file or set EDGEPATH_API_KEYS")
+        return None
+    keys: list[str] = []
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"cannot read API keys from {path}: {exc.strerror}") from exc
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if env is not None:
+        keys += [k.strip() for k in env.split(",") if k.strip()]
+    return ApiKeys(keys, protect_ops)

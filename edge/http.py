@@ -1,0 +1,304 @@
+"""Sans-I/O HTTP request handling: a complete request in, a response or a unit of work out.
+
+Nothing here touches a socket, a thread or a clock: the QUIC and HTTP/1.1 adapters feed
+:class:`Request` objects in, and timestamps arrive as arguments.  :meth:`HttpCore.handle`
+answers what it can at once (health, metrics, every bad input) and turns a valid
+``/v1/generate`` or ``/v1/tokenize`` call into a :class:`Work` item; the service then
+tokenizes, admits and dispatches it and comes back here for the response bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from edgepath.edge.auth import ApiKeys
+
+JSON = b"application/json"
+Headers = list[tuple[bytes, bytes]]
+
+# Every stage that can appear in Server-Timing, in the order a request passes them.
+STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "total")
+
+
+@dataclass(slots=True)
+class Request:
+    """A complete request as an adapter received it (times: CLOCK_MONOTONIC ns).
+
+    ``t_receive_ns``: the adapter saw the request complete (its last byte parsed).  ``t_arrival_ns``:
+    the transport handed the edge the datagram (or read) that completed it -- earlier when several
+    requests share one datagram and wait for each other; queue time is measured from it.
+    """
+
+    method: str
+    target: str
+    headers: Headers
+    body: bytes
+    t_receive_ns: int
+    t_arrival_ns: int | None = None
+
+
+@dataclass(slots=True)
+class Response:
+    """A complete response.  ``events`` (server-sent events) are sent as separate body chunks."""
+
+    status: int
+    headers: Headers
+    body: bytes = b""
+    events: list[bytes] | None = None
+
+
+@dataclass(slots=True)
+class Work:
+    """A validated tokenize or generate call; the service tokenizes and (for generate) dispatches it."""
+
+    kind: str  # "tokenize" | "generate"
+    prompt: str | None
+    tokens: list[int] | None
+    max_tokens: int
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for: body size, and the slot ABI's token capacities."""
+
+    max_body: int
+    input_capacity: int
+    output_capacity: int
+    vocab_size: int
+    retry_after_s: int = 1
+
+
+class HttpError(Exception):
+    """A request the core refuses; carries the status and the JSON error ``{type, message}``."""
+
+    def __init__(self, status: int, type_: str, message: str, headers: Headers | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = headers or []
+
+
+ROUTES: dict[str, tuple[str, ...]] = {
+    "/v1/generate": ("POST",),
+    "/v1/tokenize": ("POST",),
+    "/health": ("GET",),
+    "/metrics": ("GET",),
+}
+
+
+OPS_ROUTES = ("/health", "/metrics")
+
+
+def error_response(exc: HttpError) -> Response:
+    body = json.dumps({"error": {"type": exc.type, "message": exc.message}}).encode()
+    return Response(exc.status, [(b"content-type", JSON), *exc.headers], body)
+
+
+def json_response(status: int, payload: dict[str, Any]) -> Response:
+    return Response(status, [(b"content-type", JSON)], json.dumps(payload, separators=(",", ":")).encode())
+
+
+def server_timing(timings: dict[str, int]) -> bytes:
+    """``Server-Timing`` value (milliseconds, as the header's ``dur`` wants) of the stages measured."""
+    return ", ".join(f"{k};dur={timings[k] / 1e6:.3f}" for k in STAGES if k in timings).encode()
+
+
+def timing_headers(timings: dict[str, int]) -> Headers:
+    """``Server-Timing`` and ``X-Queue-Time`` (measured queue time, in microseconds)."""
+    return [
+        (b"server-timing", server_timing(timings)),
+        (b"x-queue-time", f"{timings.get('queue', 0) / 1e3:.1f}us".encode()),
+    ]
+
+
+class HttpCore:
+    """Routing and validation of edgepath's HTTP API, independent of transport."""
+
+    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None) -> None:
+        self.limits = limits
+        self.api_keys = api_keys
+
+    # -- entry ----------------------------------------------------------------------
+    def handle(self, request: Request) -> Response | Work | tuple[str, dict[str, list[str]]]:
+        """A final response, a :class:`Work` item, or ``(route, query)`` for health/metrics,
+        which need live state the service owns."""
+        try:
+            return self._route(request)
+        except HttpError as exc:
+            return error_response(exc)
+
+    def _route(self, request: Request) -> Work | tuple[str, dict[str, list[str]]]:
+        parts = urlsplit(request.target)
+        self._authorize(parts.path, request.headers)
+        methods = ROUTES.get(parts.path)
+        if methods is None:
+            raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST /v1/generate")
+        if request.method not in methods:
+            raise HttpError(
+                405,
+                "method_not_allowed",
+                f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
+                [(b"allow", ", ".join(methods).encode())],
+            )
+        if request.method == "GET":
+            return parts.path, parse_qs(parts.query)
+        if len(request.body) > self.limits.max_body:
+            raise self.too_large(len(request.body))
+        return self._parse_body(parts.path, request.body)
+
+    def _authorize(self, path: str, headers: Headers) -> None:
+        """401 unless the request carries a valid key (when keys are configured). Unknown paths
+        are checked too, so an unauthenticated client learns nothing about the routes."""
+        keys = self.api_keys
+        if keys is None or (path in OPS_ROUTES and not keys.protect_ops):
+            return
+        presented = keys.presented(headers)
+        if not keys.allows(presented):
+            why = "is not valid" if presented else "is missing"
+            raise HttpError(
+                401,
+                "unauthorized",
+                f"API key {why}: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
+                [(b"www-authenticate", b"Bearer")],
+            )
+
+    def too_large(self, size: int) -> HttpError:
+        """413 for a body of ``size`` bytes (adapters use it as soon as a body grows past the limit)."""
+        return HttpError(413, "body_too_large", f"request body is {size} bytes; the limit is {self.limits.max_body}")
+
+    def _parse_body(self, path: str, body: bytes) -> Work:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HttpError(400, "invalid_utf8", f"request body is not valid UTF-8 (byte {exc.start})") from None
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
+        kind = "generate" if path == "/v1/generate" else "tokenize"
+        allowed = {"prompt", "tokens"} | ({"max_tokens", "stream"} if kind == "generate" else set())
+        unknown = sorted(set(doc) - allowed)
+        if unknown:
+            raise HttpError(400, "invalid_request", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        prompt, tokens = self._input(doc)
+        max_tokens, stream = (self._max_tokens(doc), self._stream(doc)) if kind == "generate" else (0, False)
+        return Work(kind, prompt, tokens, max_tokens, stream)
+
+    def _input(self, doc: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+        has_prompt, has_tokens = "prompt" in doc, "tokens" in doc
+        if has_prompt == has_tokens:
+            raise HttpError(400, "invalid_request", "give exactly one of 'prompt' (a string) or 'tokens' (token ids)")
+        if has_prompt:
+            prompt = doc["prompt"]
+            if not isinstance(prompt, str):
+                raise HttpError(400, "invalid_request", f"'prompt' must be a string, got {_json_type(prompt)}")
+            if not prompt:
+                raise HttpError(400, "invalid_request", "'prompt' is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HttpError(
+                    400, "invalid_utf8", "'prompt' contains an unpaired surrogate escape, which is not valid UTF-8"
+                ) from None
+            return prompt, None
+        tokens = doc["tokens"]
+        vocab = self.limits.vocab_size
+        if not isinstance(tokens, list) or not tokens or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise HttpError(400, "invalid_request", f"'tokens' must be a non-empty list of token ids in 0..{vocab - 1}")
+        return None, tokens
+
+    def _max_tokens(self, doc: dict[str, Any]) -> int:
+        cap = self.limits.output_capacity
+        value = doc.get("max_tokens", cap)
+        if type(value) is not int or not 1 <= value <= cap:
+            raise HttpError(400, "invalid_max_tokens", f"'max_tokens' must be an integer in 1..{cap}, got {value!r}")
+        return value
+
+    @staticmethod
+    def _stream(doc: dict[str, Any]) -> bool:
+        value = doc.get("stream", False)
+        if not isinstance(value, bool):
+            raise HttpError(400, "invalid_request", f"'stream' must be true or false, got {_json_type(value)}")
+        return value
+
+    # -- after tokenization ---------------------------------------------------------------
+    def check_length(self, count: int) -> None:
+        """400 with the exact count and the limit when a prompt does not fit one slot."""
+        cap = self.limits.input_capacity
+        if count > cap:
+            raise HttpError(
+                400,
+                "prompt_too_long",
+                f"prompt is {count} tokens; a slot holds at most {cap}",
+            )
+
+    @staticmethod
+    def tokenize_response(ids: Sequence[int]) -> Response:
+        return json_response(200, {"tokens": list(ids), "count": len(ids)})
+
+    def no_slot(self) -> Response:
+        """429 at once: nothing is queued, the client retries."""
+        return error_response(
+            HttpError(
+                429,
+                "no_slot",
+                "every slot is busy; this server does not queue requests, retry later",
+                [(b"retry-after", str(self.limits.retry_after_s).encode())],
+            )
+        )
+
+    @staticmethod
+    def failure(status: int, type_: str, message: str) -> Response:
+        return error_response(HttpError(status, type_, message))
+
+    @staticmethod
+    def generate_response(work: Work, request_id: int, input_count: int, output: Sequence[int], text: str) -> Response:
+        """200 with the output tokens: one JSON document, or server-sent events when ``stream``."""
+        summary = {"id": request_id, "input_count": input_count, "output_count": len(output)}
+        if not work.stream:
+            response = json_response(200, {**summary, "tokens": list(output), "text": text})
+        else:
+            events = [f"data: {json.dumps({'token': t})}\n\n".encode() for t in output]
+            events.append(f"event: done\ndata: {json.dumps({**summary, 'text': text})}\n\n".encode())
+            response = Response(200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")])
+            response.events = events
+        return response
+
+    @staticmethod
+    def health_response(
+        free: int,
+        total: int,
+        alive: bool,
+        query: dict[str, list[str]],
+        window: Callable[[float], tuple[float, int, float]],
+    ) -> Response:
+        """``/health``; ``?latency=P`` adds the live P-th percentile of edge-internal latency."""
+        payload: dict[str, Any] = {"status": "ok" if alive else "unavailable", "free_slots": free, "total_slots": total}
+        if "latency" in query:
+            raw = query["latency"][-1]
+            try:
+                pct = float(raw)
+            except ValueError:
+                pct = math.nan
+            if not 0 < pct <= 100:
+                return error_response(
+                    HttpError(400, "invalid_request", f"latency percentile must be in (0, 100], got {raw!r}")
+                )
+            value_us, count, seconds = window(pct)
+            payload["latency"] = {"percentile": pct, "edge_us": value_us, "samples": count, "window_s": seconds}
+        return json_response(200 if alive else 503, payload)
+
+
+def _json_type(value: object) -> str:
+    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}.get(
+        type(value), "null"
+    )

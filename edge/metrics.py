@@ -1,0 +1,97 @@
+"""Edge metrics: Prometheus counters/histograms for scraping, and a live HDR window for ``/health``.
+
+``/health?latency=P`` wants a percentile over *recent* traffic, which cumulative Prometheus
+buckets cannot give: :class:`LatencyWindow` keeps two HDR histograms (current and previous
+interval) and rotates them, so a query covers between one and two intervals of samples.
+Time is passed in by the caller (nanoseconds, monotonic), never read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hdrh.histogram import HdrHistogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_US_HIGHEST = 60_000_000  # one minute, in microseconds
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
+
+
+class LatencyWindow:
+    """Percentiles of values (microseconds) recorded over the last one to two ``interval_ns``."""
+
+    def __init__(self, interval_ns: int = 10_000_000_000) -> None:
+        self.interval_ns = interval_ns
+        self._current = HdrHistogram(1, _US_HIGHEST, 3)
+        self._previous = HdrHistogram(1, _US_HIGHEST, 3)
+        self._started_ns: int | None = None
+
+    def _rotate(self, now_ns: int) -> None:
+        if self._started_ns is None:
+            self._started_ns = now_ns
+        elapsed = now_ns - self._started_ns
+        if elapsed >= 2 * self.interval_ns:
+            self._previous.reset()
+            self._current.reset()
+            self._started_ns = now_ns
+        elif elapsed >= self.interval_ns:
+            self._previous, self._current = self._current, self._previous
+            self._current.reset()
+            self._started_ns = now_ns
+
+    def record(self, value_us: float, now_ns: int) -> None:
+        self._rotate(now_ns)
+        self._current.record_value(min(max(round(value_us), 1), _US_HIGHEST))
+
+    def percentile(self, pct: float, now_ns: int) -> tuple[float, int, float]:
+        """(value in µs at ``pct``, samples, seconds the window spans)."""
+        self._rotate(now_ns)
+        merged = HdrHistogram(1, _US_HIGHEST, 3)
+        merged.add(self._previous)
+        merged.add(self._current)
+        span = (self.interval_ns + now_ns - (self._started_ns or now_ns)) / 1e9
+        count = merged.get_total_count()
+        return (float(merged.get_value_at_percentile(pct)) if count else 0.0), count, span
+
+
+class EdgeMetrics:
+    """The edge's Prometheus registry (one per edge, so tests can run several)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, free_slots: Callable[[], float], window: LatencyWindow | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
+        )
+        self.resets = Counter(
+            "edgepath_streams_reset", "Requests whose stream the client reset before the answer", registry=self.registry
+        )
+        self.edge_latency = Histogram(
+            "edgepath_edge_latency_seconds",
+            "Request complete at the edge -> doorbell seen by the slot poller",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.total_latency = Histogram(
+            "edgepath_request_seconds",
+            "Request complete at the edge -> response ready",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.free_slots = Gauge("edgepath_free_slots", "Free slots on attached slot servers", registry=self.registry)
+        self.free_slots.set_function(free_slots)
+        self.window = window or LatencyWindow()
+
+    def answered(self, route: str, status: int, total_ns: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.total_latency.labels(route).observe(total_ns / 1e9)
+
+    def edge(self, latency_ns: int, now_ns: int) -> None:
+        self.edge_latency.observe(latency_ns / 1e9)
+        self.window.record(latency_ns / 1e3, now_ns)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,94 @@
+"""Compile the CUDA poller (``edgepath_poller.cu``) into a fatbin with nvcc.
+
+The fatbin holds machine code for each named architecture plus PTX of the newest,
+so a newer GPU can still JIT it; cupy loads it with ``RawModule(path=...)``.  The
+build is cached by a hash of the sources and the command, so a slot server start
+costs one nvcc run the first time only.  ``python -m edgepath.native.cuda_build``
+builds it (and is the compile check CI runs through tests/test_gpu_compile.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "edgepath_poller.cu"
+HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h")
+DEFAULT_ARCHES = ("80", "90")
+_NVCC_FALLBACKS = ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or rejected the poller source."""
+
+
+def find_nvcc() -> str | None:
+    """``$EDGEPATH_NVCC``, else ``nvcc`` on PATH, else the usual install places."""
+    explicit = os.environ.get("EDGEPATH_NVCC")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return next((p for p in _NVCC_FALLBACKS if os.access(p, os.X_OK)), None)
+
+
+def nvcc_command(nvcc: str, out: Path, arches: tuple[str, ...]) -> list[str]:
+    """The nvcc line: warnings are errors, SASS per arch, PTX of the newest for JIT on later GPUs."""
+    cmd = [nvcc, "-std=c++17", "-O3", "-fatbin", "-Werror", "all-warnings", f"-I{HERE}"]
+    for arch in arches:
+        cmd += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    newest = max(arches, key=int)
+    cmd += ["-gencode", f"arch=compute_{newest},code=compute_{newest}", str(SOURCE), "-o", str(out)]
+    return cmd
+
+
+def _digest(cmd_tail: list[str]) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for name in HEADERS:
+        h.update((HERE / name).read_bytes())
+    h.update(" ".join(cmd_tail).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgepath" / "cuda"
+
+
+def build_poller(arches: tuple[str, ...] = DEFAULT_ARCHES, out_dir: Path | None = None, timeout: float = 300) -> Path:
+    """The poller fatbin for ``arches`` (compute capabilities as "90"), built or taken from the cache."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("nvcc not found (set EDGEPATH_NVCC or put nvcc on PATH): cannot build the CUDA poller")
+    out_dir = out_dir or cache_dir()
+    probe = nvcc_command("nvcc", Path("OUT"), arches)
+    target = out_dir / f"edgepath_poller-{_digest(probe[1:])}.fatbin"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="edgepath-nvcc-") as tmp:
+        built = Path(tmp) / "poller.fatbin"
+        try:
+            done = subprocess.run(
+                nvcc_command(nvcc, built, arches), capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise CudaBuildError(f"nvcc took longer than {timeout:.0f} s on {SOURCE.name}") from exc
+        if done.returncode != 0:
+            raise CudaBuildError(f"nvcc failed on {SOURCE.name} (exit {done.returncode}):\n{done.stderr.strip()}")
+        staged = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        shutil.copy2(built, staged)
+        os.replace(staged, target)  # atomic: a concurrent start sees the whole file or none
+    return target
+
+
+if __name__ == "__main__":
+    arches = tuple(sys.argv[1:]) or DEFAULT_ARCHES
+    print(f"built {build_poller(arches)}", file=sys.stderr)

@@ -1,0 +1,121 @@
+/*
+ * One polling pass of the slot poller, shared verbatim by the CUDA kernel
+ * (edgepath_poller.cu, device atomics at system scope) and its host twin
+ * (tests/gpu_twin.py compiles it with gcc and C11 atomics), so the CPU tests
+ * run the kernel's per-slot code, ring hand-off included.
+ *
+ * The includer defines, before including this file:
+ *   EP_PFN                         qualifiers of these functions
+ *   uint64_t ep_ld_rlx(uint64_t *p)            load, relaxed, system scope
+ *   uint32_t ep_ld_rlx32(uint32_t *p)          load, relaxed, system scope
+ *   void ep_fence_acq(void)                    acquire fence, system scope
+ *   void ep_st_rel(uint64_t *p, uint64_t v)    store, release, system scope
+ *   void ep_st_rlx(uint64_t *p, uint64_t v)    store, relaxed
+ *   int ep_cas(uint64_t *p, uint64_t expected, uint64_t desired)   acq_rel CAS; 1 if swapped
+ *   uint64_t ep_add(uint64_t *p, uint64_t v)   relaxed fetch-add; the old value
+ *
+ * Memory the pass touches (pointers as the poller sees them):
+ *   pool        the slot pool (edgepath_slot.h layout)
+ *   seen        u64[slot_count], poller-private: the doorbell value last decided on
+ *   expire_req  u64[slot_count], host-written: a CLAIMED word the host wants expired
+ *   ring        u64[2 * capacity], host-read: {seq, value} hand-off entries
+ *   ring_tail   u64, poller-private: next ring position
+ *   ctrl        u64[EP_CTRL_WORDS], host-shared: stop flag, running flag, counters
+ */
+#ifndef EDGEPATH_POLLER_H
+#define EDGEPATH_POLLER_H
+
+#include "edgepath_poll.h"
+
+/* ctrl words. */
+#define EP_CTRL_STOP 0     /* host sets non-zero: the poller returns */
+#define EP_CTRL_RUNNING 1  /* poller sets 1 once polling, 2 when it has stopped */
+#define EP_CTRL_ACCEPTED 2 /* doorbells accepted (CLAIMED -> READY -> RUNNING, handed over) */
+#define EP_CTRL_REJECTED 3 /* doorbells rejected */
+#define EP_CTRL_EXPIRED 4  /* claims expired on the host's request */
+#define EP_CTRL_LOST 5     /* a state CAS that found the word changed under it: an ownership rule broken */
+#define EP_CTRL_LOOPS 6    /* polling passes, for the host's liveness check */
+#define EP_CTRL_WORDS 8
+
+/* Apply `event` to the state word with one CAS; 1 (and *next set) if the word moved. */
+EP_PFN int ep_poller_apply(uint64_t *word, uint64_t cur, int event, uint32_t generation, uint64_t *next)
+{
+    if (ep_step(cur, event, generation, 0u, next) != EP_OK)
+        return 0;
+    return ep_cas(word, cur, *next);
+}
+
+/* CLAIMED -> READY -> RUNNING, both steps through ep_step, published with one CAS: READY has no
+ * other observer that acts on it (the kernel is its only writer), and one PCIe round trip less
+ * is on the doorbell's path.  1 (and *running set) if the word moved. */
+EP_PFN int ep_poller_accept(uint64_t *word, uint64_t cur, uint32_t generation, uint64_t *running)
+{
+    uint64_t ready;
+    if (ep_step(cur, EP_EV_DOORBELL, generation, 0u, &ready) != EP_OK ||
+        ep_step(ready, EP_EV_START, generation, 0u, running) != EP_OK)
+        return 0;
+    return ep_cas(word, cur, *running);
+}
+
+/* Publish `value` to the model side: the value first, then its sequence number with release.
+ * The ring cannot overrun: a slot has at most one entry outstanding and capacity >= slot count. */
+EP_PFN void ep_poller_hand_off(uint64_t *ring, uint32_t mask, uint64_t *ring_tail, uint64_t value)
+{
+    uint64_t pos = ep_add(ring_tail, 1u);
+    uint64_t *entry = ring + 2u * (uint32_t)(pos & mask);
+    ep_st_rlx(&entry[1], value);
+    ep_st_rel(&entry[0], pos + 1u);
+}
+
+/* Decide on `slot` and act; 1 if it did work (the kernel then skips its back-off). */
+EP_PFN int ep_poller_slot(char *pool, const struct ep_pool_header *h, uint32_t slot, uint64_t *seen,
+                          uint64_t *expire_req, uint64_t *ring, uint32_t mask, uint64_t *ring_tail, uint64_t *ctrl)
+{
+    uint64_t *states = (uint64_t *)(pool + h->states_offset);
+    uint64_t *doorbells = (uint64_t *)(pool + h->doorbells_offset);
+    struct ep_request_header *req =
+        (struct ep_request_header *)(pool + h->slots_offset + (uint64_t)slot * h->slot_stride);
+
+    /* Relaxed, so both loads (and the warp's other slots) are in flight at once: one PCIe round
+     * trip per pass, not one per acquire. */
+    uint64_t bell = ep_ld_rlx(&doorbells[slot]);
+    uint64_t expire = ep_ld_rlx(&expire_req[slot]);
+    if (bell == seen[slot] && expire == 0)
+        return 0;
+    /* The ordering step: everything below is read after the doorbell (stored last, with release)
+     * under an acquire fence, so the claim's state word and request header are at least as new. */
+    ep_fence_acq();
+    uint64_t state = ep_ld_rlx(&states[slot]);
+    uint32_t req_gen = ep_ld_rlx32(&req->generation);
+    uint32_t gen = ep_word_generation(state);
+    uint64_t running, freed;
+
+    switch (ep_poll_decide(state, bell, seen[slot], req_gen, expire, slot)) {
+    case EP_POLL_ACCEPT:
+        seen[slot] = bell;
+        if (!ep_poller_accept(&states[slot], state, gen, &running)) {
+            ep_add(&ctrl[EP_CTRL_LOST], 1u);
+            return 1;
+        }
+        ep_poller_hand_off(ring, mask, ring_tail, ep_ring_value(gen, slot));
+        ep_add(&ctrl[EP_CTRL_ACCEPTED], 1u);
+        return 1;
+    case EP_POLL_REJECT:
+        seen[slot] = bell;
+        ep_add(&ctrl[EP_CTRL_REJECTED], 1u);
+        return 1;
+    case EP_POLL_EXPIRE:
+        ep_add(&ctrl[ep_poller_apply(&states[slot], state, EP_EV_EXPIRE, gen, &freed) ? EP_CTRL_EXPIRED
+                                                                                       : EP_CTRL_LOST],
+               1u);
+        ep_st_rel(&expire_req[slot], 0u);
+        return 1;
+    case EP_POLL_DROP:
+        ep_st_rel(&expire_req[slot], 0u);
+        return 1;
+    default: /* IDLE, WAIT */
+        return 0;
+    }
+}
+
+#endif

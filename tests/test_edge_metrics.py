@@ -1,0 +1,42 @@
+"""Edge metrics: the recent-window HDR percentiles behind /health, and the Prometheus exposition."""
+
+from __future__ import annotations
+
+from edgepath.edge.metrics import EdgeMetrics, LatencyWindow
+
+S = 1_000_000_000
+
+
+def test_window_percentiles() -> None:
+    window = LatencyWindow(interval_ns=10 * S)
+    for v in range(1, 101):
+        window.record(float(v), now_ns=S)
+    p50, count, _ = window.percentile(50, now_ns=S)
+    p99, _, _ = window.percentile(99, now_ns=S)
+    assert count == 100
+    assert p50 == 50 and p99 == 99
+
+
+def test_window_forgets_old_samples() -> None:
+    window = LatencyWindow(interval_ns=10 * S)
+    window.record(1500.0, now_ns=0)
+    window.record(10.0, now_ns=11 * S)  # one rotation: the old sample is still in "previous"
+    assert window.percentile(100, now_ns=11 * S)[:2] == (1500.0, 2)
+    window.record(20.0, now_ns=22 * S)  # second rotation: the 1500 µs sample is gone
+    value, count, _ = window.percentile(100, now_ns=22 * S)
+    assert (value, count) == (20.0, 2)
+    assert window.percentile(99, now_ns=100 * S)[1] == 0  # idle long enough: empty
+
+
+def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
+    metrics = EdgeMetrics(lambda: 7)
+    metrics.answered("/v1/generate", 200, 150_000)
+    metrics.answered("/v1/generate", 429, 20_000)
+    metrics.edge(120_000, now_ns=S)
+    text = metrics.exposition().decode()
+    assert 'edgepath_requests_total{route="/v1/generate",status="200"} 1.0' in text
+    assert 'edgepath_requests_total{route="/v1/generate",status="429"} 1.0' in text
+    assert "edgepath_edge_latency_seconds_count 1.0" in text
+    assert 'edgepath_edge_latency_seconds_bucket{le="0.00015"} 1.0' in text
+    assert "edgepath_free_slots 7.0" in text
+    assert metrics.window.percentile(50, now_ns=S)[0] == 120

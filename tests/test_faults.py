@@ -1,0 +1,127 @@
+"""Faults with nothing lost: every request sent gets exactly one answer, every slot ends FREE.
+
+Deployment: slot server, agent and edge in separate processes/threads, connected as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from edge_support import free_port, running_edge
+
+from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dpu.agent import Agent
+from edgepath.edge.client import H3Client, h3_client
+from edgepath.edge.serve import ServeOptions
+from edgepath.edge.tls import default_certificate
+from edgepath.native.abi import State
+
+pytestmark = pytest.mark.slow
+
+
+def run(coro_fn: Any, port: int) -> Any:
+    async def main() -> Any:
+        async with h3_client("127.0.0.1", port, cafile=str(default_certificate()), server_name="localhost") as c:
+            return await coro_fn(c)
+
+    return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+async def until_status(c: H3Client, status: int, tries: int = 200) -> int:
+    for _ in range(tries):
+        got = (await c.request("GET", "/health")).status
+        if got == status:
+            return got
+        await asyncio.sleep(0.05)
+    return got
+
+
+def all_free(slot_server: str, slots: int) -> bool:
+    probe = Agent(LoopbackTransport(), frames=1, input_capacity=16, output_capacity=16, max_slots_per_server=slots)
+    try:
+        return bool(((probe.server_states(probe.attach(slot_server)) & 0xFF) == State.FREE).all())
+    finally:
+        probe.transport.close()
+
+
+def test_agent_killed_mid_flight_gives_503_then_a_restarted_agent_resumes_without_restarting_the_edge(
+    edgepath_process: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    )
+    slots_addr, agent_addr = str(tmp_path / "slots.sock"), str(tmp_path / "agent.sock")
+    edgepath_process(
+        "slot-server",
+        "--listen",
+        slots_addr,
+        "--slots",
+        "2",
+        "--handler",
+        "edge_support:slow_echo",
+        "--input-capacity",
+        "256",
+        "--output-capacity",
+        "256",
+        "--lease",
+        "0.5",
+    )
+    agent_args = (
+        "agent",
+        "--slot-server",
+        slots_addr,
+        "--listen",
+        agent_addr,
+        "--frames",
+        "64",
+        "--frames-per-edge",
+        "32",
+        "--input-capacity",
+        "256",
+        "--output-capacity",
+        "256",
+    )
+    agent = edgepath_process(*agent_args)
+    options = ServeOptions(port=free_port(), agent=agent_addr, input_capacity=256, output_capacity=256)
+    with running_edge(options, tmp_path / "edge") as edge:
+
+        async def burst_and_kill(c: H3Client) -> list[int]:
+            assert (await c.generate("before")).status == 200
+            tasks = [asyncio.ensure_future(c.generate(f"in flight {i}")) for i in range(6)]
+            await asyncio.sleep(0.1)  # two are in their slots (0.2 s each), the rest were refused 429
+            agent.send_signal(signal.SIGKILL)
+            return [r.status for r in await asyncio.gather(*tasks)]
+
+        statuses = run(burst_and_kill, edge.port)
+        agent.wait(timeout=10)
+        counts = Counter(statuses)
+        assert sum(counts.values()) == 6  # exactly one answer each
+        assert set(counts) <= {200, 429, 503} and counts[503] >= 1, counts
+
+        async def while_gone(c: H3Client) -> tuple[int, int]:
+            health = await until_status(c, 503)
+            return health, (await c.generate("nobody home")).status
+
+        assert run(while_gone, edge.port) == (503, 503)
+
+        edgepath_process(*agent_args)  # the agent comes back; the edge was never restarted
+
+        async def after(c: H3Client) -> tuple[int, int]:
+            health = await until_status(c, 200)
+            return health, (await c.generate("after")).status
+
+        assert run(after, edge.port) == (200, 200)
+    deadline_ok = False
+    for _ in range(100):  # handlers of the dead agent's requests finish within 0.2 s each
+        if all_free(slots_addr, 2):
+            deadline_ok = True
+            break
+        subprocess.run(["sleep", "0.05"], check=True)
+    assert deadline_ok, "slots left claimed after the agent was killed"
