@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aioquic.asyncio.server import QuicServer
 
-from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dma.transports import make_transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.auth import load_keys
@@ -38,6 +38,10 @@ class ServeOptions:
     port: int = 4433
     slot_server: str | None = None  # address of an existing slot server; None: start one
     agent: str | None = None  # address of an `edgepath agent` process to use instead of an in-process agent
+    data_path: str = "loopback"  # transport between the in-process agent and the slot server: loopback | verbs
+    device: str | None = None  # RDMA device for data_path verbs (e.g. rxe0)
+    gid_index: int | None = None
+    slot_server_listen: str | None = None  # where a started slot server listens (verbs: IP:PORT of the device)
     slot_server_address: str | None = None  # where the started one listens
     slots: int = 64
     frames: int = 256
@@ -79,6 +83,7 @@ class SlotServerProcess:
             str(options.slot_spin_us),
             "--handler-deadline",
             str(options.handler_deadline),
+            *data_path_args(options),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self._wait_ready(30.0)
@@ -102,9 +107,25 @@ class SlotServerProcess:
                 self.proc.wait(timeout=5)
 
 
+def data_path_options(options: ServeOptions) -> dict[str, object]:
+    """Transport options of the agent <-> slot server hop."""
+    if options.data_path != "verbs":
+        return {}
+    return {k: v for k, v in (("device", options.device), ("gid_index", options.gid_index)) if v is not None}
+
+
+def data_path_args(options: ServeOptions) -> list[str]:
+    """The same choice as ``edgepath slot-server`` flags."""
+    args = ["--transport", options.data_path]
+    for flag, value in (("--device", options.device), ("--gid-index", options.gid_index)):
+        if options.data_path == "verbs" and value is not None:
+            args += [flag, str(value)]
+    return args
+
+
 def build_agent(options: ServeOptions, address: str) -> Agent:
     agent = Agent(
-        LoopbackTransport(),
+        make_transport(options.data_path, **data_path_options(options)),
         frames=options.frames,
         input_capacity=options.input_capacity,
         output_capacity=options.output_capacity,
@@ -131,7 +152,16 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     if options.agent is not None:
         address = options.agent
     elif options.slot_server is None:
-        address = options.slot_server_address or str(runtime_dir() / f"serve-{options.transport}-{options.port}.sock")
+        if options.data_path == "verbs" and not options.slot_server_listen:
+            raise RuntimeError(
+                "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
+                "started slot server, or --slot-server ADDR of a running one"
+            )
+        address = (
+            options.slot_server_listen
+            or options.slot_server_address
+            or str(runtime_dir() / f"serve-{options.transport}-{options.port}.sock")
+        )
         child = SlotServerProcess(options, address)
     else:
         address = options.slot_server or default_address("slot-server")

@@ -213,6 +213,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             port=args.port if args.port is not None else (4433 if args.transport == "quic" else 8080),
             slot_server=args.slot_server_address,
             agent=args.agent,
+            data_path=args.data_path,
+            device=args.device,
+            gid_index=args.gid_index,
+            slot_server_listen=args.slot_server_listen,
             slots=args.slots,
             frames=args.frames,
             input_capacity=args.input_capacity,
@@ -354,6 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
     p.add_argument("--protect-ops", action="store_true", help="require a key for /health and /metrics too")
+    p.add_argument(
+        "--data-path",
+        choices=("loopback", "verbs"),
+        default="loopback",
+        help="transport between the agent and the slot server (verbs: RDMA, e.g. soft-RoCE rxe0)",
+    )
+    p.add_argument("--device", default=None, help="RDMA device for --data-path verbs (e.g. rxe0)")
+    p.add_argument("--gid-index", type=int, default=None, help="GID index for --data-path verbs")
+    p.add_argument(
+        "--slot-server-listen",
+        default=None,
+        help="where the started slot server listens (--data-path verbs: IP:PORT of the RDMA device's netdev)",
+    )
     p.add_argument(
         "--agent",
         default=None,
