@@ -90,6 +90,69 @@ class FrameArray:
         return self.frame_offset(index) + self.layout.result_offset
 
 
+def reply_stride(output_capacity: int) -> int:
+    """Bytes of one reply entry ``[result header][int32 output[out]]``, 64-byte aligned."""
+    return RESULT_HEADER.itemsize + -(-4 * output_capacity // 64) * 64
+
+
+def request_stride(input_capacity: int) -> int:
+    """Bytes of one request entry ``[request header][int32 tokens[in]]``, 64-byte aligned."""
+    return REQUEST_HEADER.itemsize + -(-4 * input_capacity // 64) * 64
+
+
+class AgentFrames:
+    """An agent's frames, split for least privilege: requests in one region (only the edge writes it,
+    and it is sent from, never written by a peer) and replies in another (the one region a slot server
+    may write).  Same attributes as :class:`FrameArray` for the code that fills and reads frames."""
+
+    def __init__(
+        self,
+        requests_buf: np.ndarray,
+        replies_buf: np.ndarray,
+        count: int,
+        layout: FrameLayout,
+        requests_offset: int = 0,
+        replies_offset: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.count = count
+        self.request_stride = request_stride(layout.input_capacity)
+        self.reply_stride = reply_stride(layout.output_capacity)
+        self.requests_offset = requests_offset
+        self.replies_offset = replies_offset
+        req = _rows(requests_buf, requests_offset, count, self.request_stride, "request")
+        rep = _rows(replies_buf, replies_offset, count, self.reply_stride, "reply")
+        self.raw = req
+        self.requests = req[:, : REQUEST_HEADER.itemsize].view(REQUEST_HEADER).reshape(count)
+        self.tokens = req[:, REQUEST_HEADER.itemsize : REQUEST_HEADER.itemsize + 4 * layout.input_capacity].view(
+            np.int32
+        )
+        self.results = rep[:, : RESULT_HEADER.itemsize].view(RESULT_HEADER).reshape(count)
+        self.outputs = rep[:, RESULT_HEADER.itemsize : RESULT_HEADER.itemsize + 4 * layout.output_capacity].view(
+            np.int32
+        )
+
+    @staticmethod
+    def sizes(count: int, layout: FrameLayout) -> tuple[int, int]:
+        """Bytes of the requests region and of the replies region for ``count`` frames."""
+        return count * request_stride(layout.input_capacity), count * reply_stride(layout.output_capacity)
+
+    def frame_offset(self, index: int) -> int:
+        """Byte offset of request ``index`` within the requests region."""
+        return self.requests_offset + index * self.request_stride
+
+    def reply_offset(self, index: int) -> int:
+        """Byte offset of reply ``index`` within the replies region."""
+        return self.replies_offset + index * self.reply_stride
+
+
+def _rows(buf: np.ndarray, offset: int, count: int, stride: int, what: str) -> np.ndarray:
+    need = offset + count * stride
+    if buf.nbytes < need:
+        raise PoolError(f"{what} region needs {need} bytes, buffer has {buf.nbytes}")
+    return buf[offset:need].reshape(count, stride)
+
+
 class SlotPool:
     """Views of a slot pool: header, state words, doorbell words and slot frames."""
 

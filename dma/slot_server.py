@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgepath.dma.handlers import Handler, SlotRequest
-from edgepath.dma.pool import FrameLayout, SlotPool
+from edgepath.dma.pool import FrameLayout, SlotPool, reply_stride
 from edgepath.dma.transport import Access, Completion, Connection, RemoteRegion, Transport, TransportError
 from edgepath.native.abi import Event, State, Status, ffi, lib
 
@@ -81,16 +81,16 @@ class ServerStats:
 
 @dataclass
 class _Peer:
-    """An agent connection and the layout of its reply frames."""
+    """An agent connection and the layout of its replies region ([result header][output] entries)."""
 
     conn: Connection
     replies: RemoteRegion
     layout: FrameLayout
     frames: int
-    frames_offset: int
+    replies_offset: int
 
     def result_offset(self, index: int) -> int:
-        return self.frames_offset + index * self.layout.stride + self.layout.result_offset
+        return self.replies_offset + index * reply_stride(self.layout.output_capacity)
 
 
 class SlotServer:
@@ -184,8 +184,8 @@ class SlotServer:
             layout = FrameLayout(int(info["input_capacity"]), int(info["output_capacity"]))
             frames = int(info["frames"])
             replies = conn.remote[REPLIES_REGION]
-            offset = int(info.get("frames_offset", 0))
-            replies.check(offset, frames * layout.stride, Access.REMOTE_WRITE)
+            offset = int(info.get("replies_offset", 0))
+            replies.check(offset, frames * reply_stride(layout.output_capacity), Access.REMOTE_WRITE)
         except (KeyError, ValueError, TypeError, TransportError) as exc:
             raise ValueError(f"bad reply-region description: {exc}") from exc
         with self._lock:

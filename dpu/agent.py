@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.pool import FrameArray, FrameLayout
+from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
 from edgepath.dma.state import doorbell_imm
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
@@ -86,6 +86,15 @@ class InFlight:
     generation: int
 
 
+FRAMES_REGION = "frames"
+
+
+def _register(transport: Transport, name: str, size: int, access: Access, buffer: np.ndarray | None) -> MemoryRegion:
+    if buffer is None:
+        return transport.register(name, size, access)
+    return transport.register(name, size, access, buffer=buffer)  # type: ignore[call-arg]
+
+
 class Agent:
     """Claims slots on attached slot servers and moves frames into them."""
 
@@ -98,19 +107,23 @@ class Agent:
         max_servers: int = 8,
         max_slots_per_server: int = 65536,
         frames_buffer: np.ndarray | None = None,
+        replies_buffer: np.ndarray | None = None,
+        frames_access: Access = Access.NONE,
     ) -> None:
-        """``frames_buffer``: frame memory owned elsewhere (shared with edges) that ``transport``
-        registers in place (the verbs transport can), so edges' token writes are what the NIC sends."""
+        """Frames are two registered regions (least privilege): requests, which the agent only sends
+        from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
+        share the region over loopback) -- and replies, the one region slot servers may write.
+        ``frames_buffer``/``replies_buffer``: memory owned elsewhere (shared with edges) that
+        ``transport`` registers in place (the verbs transport can), so the edges' token writes are
+        what the NIC sends and results land where the edges read them."""
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
-        size = frames * self.layout.stride
-        if frames_buffer is None:
-            self.frames_mr: MemoryRegion = transport.register(REPLIES_REGION, size, Access.REMOTE_WRITE)
-        else:
-            self.frames_mr = transport.register(  # type: ignore[call-arg]
-                REPLIES_REGION, size, Access.REMOTE_WRITE, buffer=frames_buffer
-            )
-        self.frames = FrameArray(self.frames_mr.buf, 0, frames, self.layout)
+        req_size, rep_size = AgentFrames.sizes(frames, self.layout)
+        self.frames_mr: MemoryRegion = _register(transport, FRAMES_REGION, req_size, frames_access, frames_buffer)
+        self.replies_mr: MemoryRegion = _register(
+            transport, REPLIES_REGION, rep_size, Access.REMOTE_WRITE, replies_buffer
+        )
+        self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server
         self.scratch_mr = transport.register(
@@ -149,10 +162,10 @@ class Agent:
             "frames": self.frames.count,
             "input_capacity": self.layout.input_capacity,
             "output_capacity": self.layout.output_capacity,
-            "frames_offset": 0,
+            "replies_offset": 0,
         }
         try:
-            conn = self.transport.connect(address, [self.frames_mr], info, timeout=timeout)
+            conn = self.transport.connect(address, [self.replies_mr], info, timeout=timeout)
         except TransportError as exc:
             raise AgentError(f"cannot attach to slot server at {address}: {exc}") from exc
         try:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgepath.dma.loopback import LoopbackConnection, LoopbackTransport
-from edgepath.dma.pool import FrameArray, FrameLayout
+from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dma.transport import Access, TransportError
-from edgepath.dpu.agent_service import EDGE_FRAMES_REGION, STATUS_REGION
+from edgepath.dpu.agent_service import EDGE_FRAMES_REGION, EDGE_REPLIES_REGION, STATUS_REGION
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_client")
@@ -47,17 +47,29 @@ class AgentClient:
     def _connect(self, timeout: float) -> None:
         conn = self.transport.connect(self.address, [self._completions], {"role": "edge"}, timeout=timeout)
         region = conn.remote.get(EDGE_FRAMES_REGION)
+        replies = conn.remote.get(EDGE_REPLIES_REGION)
         status = conn.remote.get(STATUS_REGION)
-        if region is None or status is None:
+        if region is None or replies is None or status is None:
             conn.close()
-            raise TransportError(f"{self.address}: the agent exported no {EDGE_FRAMES_REGION!r}/{STATUS_REGION!r}")
+            raise TransportError(
+                f"{self.address}: the agent must export {EDGE_FRAMES_REGION!r}, {EDGE_REPLIES_REGION!r} "
+                f"and {STATUS_REGION!r}"
+            )
         info = conn.peer_info
         self.conn: LoopbackConnection = conn
         self._region = region
         self._status = status.handle.array[:24].view(np.uint64)
         self.layout = FrameLayout(int(info["input_capacity"]), int(info["output_capacity"]))
         count = int(info["frame_count"])
-        self.frames = FrameArray(region.handle.array, int(info["frame_base"]) * self.layout.stride, count, self.layout)
+        base = int(info["frame_base"])
+        self.frames = AgentFrames(
+            region.handle.array,
+            replies.handle.array,
+            count,
+            self.layout,
+            requests_offset=base * request_stride(self.layout.input_capacity),
+            replies_offset=base * reply_stride(self.layout.output_capacity),
+        )
         self._free = list(range(count - 1, -1, -1))
         self.inflight.clear()
         self.links = [AgentLink(self.address, self.layout.input_capacity, self.layout.output_capacity)]

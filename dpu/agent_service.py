@@ -25,16 +25,30 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_server import REPLIES_REGION
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
-from edgepath.dpu.agent import Agent
+from edgepath.dpu.agent import FRAMES_REGION, Agent
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_service")
 
 STATUS_REGION = "status"
 STATUS_INTERVAL = 0.1  # seconds between status refreshes (one state-word READ per slot server)
-EDGE_FRAMES_REGION = REPLIES_REGION  # the agent's frames: edges fill them, slot servers answer into them
+EDGE_FRAMES_REGION = FRAMES_REGION  # requests: edges fill them, the agent sends from them
+EDGE_REPLIES_REGION = REPLIES_REGION  # replies: slot servers write them, edges read them
+
+
+def edge_regions(
+    transport: Transport, frames: int, input_capacity: int, output_capacity: int
+) -> tuple[MemoryRegion, MemoryRegion]:
+    """Requests (edges write them) and replies (edges only read them) registered with the edges'
+    transport, for an agent that reaches slot servers over another one."""
+    req_size, rep_size = AgentFrames.sizes(frames, FrameLayout(input_capacity, output_capacity))
+    return (
+        transport.register(FRAMES_REGION, req_size, Access.REMOTE_WRITE),
+        transport.register(REPLIES_REGION, rep_size, Access.REMOTE_READ),
+    )
 
 
 @dataclass
@@ -54,14 +68,16 @@ class AgentService:
         address: str,
         frames_per_edge: int = 64,
         spin: float = 0.0,
-        edge_frames: MemoryRegion | None = None,
+        edge_frames: tuple[MemoryRegion, MemoryRegion] | None = None,
     ) -> None:
         """``edge_frames``: when the agent reaches slot servers over another transport (verbs), the
-        same frame memory registered with ``edge_transport``, which is what edges are given."""
+        same requests and replies memory registered with ``edge_transport``: what edges are given."""
         if agent.transport is not edge_transport and edge_frames is None:
             raise ValueError("an agent on another transport than its edges needs edge_frames (its frames, shared)")
-        if edge_frames is not None and edge_frames.buf.ctypes.data != agent.frames_mr.buf.ctypes.data:
-            raise ValueError("edge_frames must be the very memory of the agent's frames (zero copy)")
+        regions = edge_frames or (agent.frames_mr, agent.replies_mr)
+        for region, own in zip(regions, (agent.frames_mr, agent.replies_mr), strict=True):
+            if region.buf.ctypes.data != own.buf.ctypes.data:
+                raise ValueError("edge_frames must be the very memory of the agent's frames (zero copy)")
         if not 1 <= frames_per_edge <= agent.frames.count:
             raise ValueError(f"frames_per_edge must be 1..{agent.frames.count}, got {frames_per_edge}")
         self.agent = agent
@@ -79,7 +95,7 @@ class AgentService:
         self._status = self.status_mr.buf[:24].view(np.uint64)
         self.listener: Listener = edge_transport.listen(
             address,
-            [edge_frames or agent.frames_mr, self.status_mr],
+            [*regions, self.status_mr],
             {"input_capacity": agent.layout.input_capacity, "output_capacity": agent.layout.output_capacity},
         )
         self.address = address

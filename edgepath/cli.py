@@ -110,6 +110,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from edgepath.dma.loopback import LoopbackTransport
+    from edgepath.dma.transport import Access
     from edgepath.dma.transports import make_transport
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService
@@ -117,25 +118,30 @@ def cmd_agent(args: argparse.Namespace) -> int:
     transport = LoopbackTransport()  # edges reach the agent through shared memory, always
     edge_frames = None
     if args.transport == "loopback":
+        # Edges write requests into the agent's frames (shared memory): that region is exported to
+        # edges only, never to slot servers, which see just the replies region.
         agent = Agent(
-            transport, frames=args.frames, input_capacity=args.input_capacity, output_capacity=args.output_capacity
+            transport,
+            frames=args.frames,
+            input_capacity=args.input_capacity,
+            output_capacity=args.output_capacity,
+            frames_access=Access.REMOTE_WRITE,
         )
     else:
-        # Slot servers over RDMA: the frames live in shared memory that edges map, and the same
-        # pages are registered with the NIC, so the edge's one write of the tokens is what is sent.
-        from edgepath.dma.pool import FrameLayout
-        from edgepath.dma.slot_server import REPLIES_REGION
-        from edgepath.dma.transport import Access
+        # Slot servers over RDMA: requests and replies live in shared memory that edges map, and the
+        # same pages are registered with the NIC (requests with no remote access at all), so the edge's
+        # one write of the tokens is what is sent and results land where the edge reads them.
+        from edgepath.dpu.agent_service import edge_regions
 
         server_side = make_transport(args.transport, **_transport_options(args))
-        size = args.frames * FrameLayout(args.input_capacity, args.output_capacity).stride
-        edge_frames = transport.register(REPLIES_REGION, size, Access.REMOTE_WRITE)
+        edge_frames = edge_regions(transport, args.frames, args.input_capacity, args.output_capacity)
         agent = Agent(
             server_side,
             frames=args.frames,
             input_capacity=args.input_capacity,
             output_capacity=args.output_capacity,
-            frames_buffer=edge_frames.buf,
+            frames_buffer=edge_frames[0].buf,
+            replies_buffer=edge_frames[1].buf,
         )
     for address in args.slot_server:
         link = agent.attach(address)

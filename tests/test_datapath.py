@@ -302,9 +302,27 @@ def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_n
     )
     assert _serve_once(server) == 1
     assert rogue.cq.wait(5.0)
-    answer = FrameArray(replies.buf, 0, 1, layout).results[0]
+    answer = replies.buf[: RESULT_HEADER.itemsize].view(RESULT_HEADER)[0]  # replies: [result][output]
     assert int(answer["status"]) == Status.BAD_REQUEST and int(answer["output_count"]) == 0
     assert server.stats.bad_requests == 1 and server.pool.free_count() == 2
     assert np.array_equal(server.pool.slots.raw[1], neighbour)
     with pytest.raises(TransportError, match="outside remote region"):  # and nothing past the pool at all
         conn.write(scratch, 0, pool, pool.length - 8, 64)
+
+
+def test_least_privilege_slot_servers_see_only_the_agents_replies(agent: Agent, make_server) -> None:
+    """The agent's requests (what it sends from) are registered with no remote access and never
+    exported; a slot server is given the replies region alone, and only for writing results."""
+    server = make_server()
+    agent.attach(server.address)
+    assert agent.frames_mr.access == Access.NONE
+    assert agent.replies_mr.access == Access.REMOTE_WRITE
+    assert agent.scratch_mr.access == Access.NONE
+    (peer,) = server.peers.values()
+    assert set(peer.conn.remote) == {"replies"}
+    replies = peer.conn.remote["replies"]
+    assert replies.access == Access.REMOTE_WRITE and replies.length == agent.replies_mr.buf.nbytes
+    with pytest.raises(TransportError, match="does not grant"):
+        peer.conn.read(server.pool_mr, 0, replies, 0, 8)
+    with pytest.raises(TransportError, match="outside remote region"):
+        peer.conn.write(server.pool_mr, 0, replies, replies.length - 4, 8)
