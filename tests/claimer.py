@@ -33,6 +33,8 @@ def race_cas(cfg: dict) -> dict:
     owner = local.buf[8:16].view(np.uint64)
     rng = np.random.default_rng(me)
     wins = violations = attempts = 0
+    while time.time() < cfg.get("start_at", 0):  # all claimers start together, whatever their start-up took
+        time.sleep(0.001)
     deadline = time.monotonic() + cfg["seconds"]
     while wins < cfg["iterations"] and time.monotonic() < deadline:
         slot = int(rng.integers(slots))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ def test_remote_cas_gives_mutual_exclusion_across_processes(
     conns = []
     acceptor = threading.Thread(target=lambda: conns.extend(listener.accept(timeout=30) for _ in range(CLAIMERS)))
     acceptor.start()
+    start_at = time.time() + 3.0  # past every claimer's interpreter start-up, so they really race
     procs = [
         start_claimer(
             "cas",
@@ -39,8 +41,9 @@ def test_remote_cas_gives_mutual_exclusion_across_processes(
                 "claimant": k + 1,
                 "slots": slots,
                 "owners_offset": owners_offset,
-                "iterations": 3000,
+                "iterations": 10000,
                 "seconds": 60,
+                "start_at": start_at,
             },
         )
         for k in range(CLAIMERS)
