@@ -23,9 +23,6 @@ from edgepath.native.abi import (
     lib,
 )
 
-DEFAULT_INPUT_CAPACITY = 4096
-DEFAULT_OUTPUT_CAPACITY = 4096
-
 
 class PoolError(ValueError):
     """Pool memory that is not a valid edgepath pool of this ABI version."""
@@ -140,10 +137,6 @@ class AgentFrames:
     def frame_offset(self, index: int) -> int:
         """Byte offset of request ``index`` within the requests region."""
         return self.requests_offset + index * self.request_stride
-
-    def reply_offset(self, index: int) -> int:
-        """Byte offset of reply ``index`` within the replies region."""
-        return self.replies_offset + index * self.reply_stride
 
 
 def _rows(buf: np.ndarray, offset: int, count: int, stride: int, what: str) -> np.ndarray:

@@ -136,8 +136,5 @@ class AgentClient:
         free, total, _ = (int(v) for v in self._status)
         return free, total
 
-    def alive(self) -> bool:
-        return self.conn.check_alive()
-
     def close(self) -> None:
         self.transport.close()

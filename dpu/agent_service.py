@@ -100,7 +100,6 @@ class AgentService:
         )
         self.address = address
         self._stop = threading.Event()
-        self.answered = 0
 
     # -- edges come and go -----------------------------------------------------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
@@ -159,7 +158,6 @@ class AgentService:
             return  # the edge has gone; nothing to tell
         try:
             edge.conn.write_with_imm(self.notify_mr, 0, edge.conn.remote["completions"], 0, 0, index - edge.base)
-            self.answered += 1
         except TransportError as exc:
             log.warning("could not answer frame %d: %s", index, exc)
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgepath.dma.transports import make_transport
+from edgepath.dpu.agent import Agent
+from edgepath.native.abi import State
+
 CLAIMER = str(Path(__file__).with_name("claimer.py"))
 
 
@@ -24,3 +28,24 @@ def result_of(proc: subprocess.Popen[str], timeout: float) -> dict:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"claimer failed ({proc.returncode}):\n{err}"
     return json.loads(out.strip().splitlines()[-1])
+
+
+def slot_states(address: str, slots: int, transport: str = "loopback", options: dict | None = None) -> list[int]:
+    """The state (low byte of each state word) of every slot of the slot server at ``address``,
+    read by a probe agent with one RDMA READ."""
+    probe = Agent(
+        make_transport(transport, **(options or {})),
+        frames=1,
+        input_capacity=16,
+        output_capacity=16,
+        max_servers=1,
+        max_slots_per_server=slots,
+    )
+    try:
+        return [int(w) & 0xFF for w in probe.server_states(probe.attach(address))]
+    finally:
+        probe.transport.close()
+
+
+def all_free(address: str, slots: int, transport: str = "loopback", options: dict | None = None) -> bool:
+    return all(state == State.FREE for state in slot_states(address, slots, transport, options))

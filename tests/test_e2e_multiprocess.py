@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from procs import slot_states
 
-from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -20,7 +20,7 @@ SLOTS, TOKENS, WINDOW = 8, 128, 24
 
 
 def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
-    edgepath_process, new_address, new_transport, transport_cli_args, tmp_path
+    edgepath_process, new_address, transport_name, transport_options, transport_cli_args, tmp_path
 ) -> None:
     server_addr = new_address("slot-server")
     agent_addr = str(tmp_path / "agent.sock")  # edges reach the agent through shared memory
@@ -83,13 +83,5 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
     assert set(np.unique(status_of)) <= {Status.OK, Status.NO_SLOT}
     assert (status_of == Status.OK).sum() > 0
     assert mismatches == 0
-    probe = Agent(
-        new_transport(),
-        frames=1,
-        input_capacity=TOKENS,
-        output_capacity=TOKENS,
-        max_servers=1,
-        max_slots_per_server=SLOTS,
-    )
-    states = probe.server_states(probe.attach(server_addr)) & 0xFF
-    assert (states == State.FREE).all(), f"slots not FREE after the run: {states}"
+    states = slot_states(server_addr, SLOTS, transport_name, transport_options)
+    assert all(s == State.FREE for s in states), f"slots not FREE after the run: {states}"

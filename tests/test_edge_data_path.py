@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 from edge_support import free_port, running_edge
+from procs import all_free
 
-from edgepath.dma.transports import make_transport
-from edgepath.dpu.agent import Agent
 from edgepath.edge.client import h3_client
 from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
-from edgepath.native.abi import State
 
 
 @pytest.mark.transport
@@ -44,17 +42,7 @@ def test_serve_over_the_data_path(transport_name: str, transport_options: dict, 
         assert all(status in (200, 429) for status, _ in answers)
         ok = [(i, text) for i, (status, text) in enumerate(answers) if status == 200]
         assert ok and all(text == f"over {transport_name} #{i}" for i, text in ok)
-        probe = Agent(
-            make_transport(transport_name, **transport_options),
-            frames=1,
-            input_capacity=16,
-            output_capacity=16,
-            max_slots_per_server=4,
-        )
-        try:
-            assert ((probe.server_states(probe.attach(address)) & 0xFF) == State.FREE).all()
-        finally:
-            probe.transport.close()
+        assert all_free(address, 4, transport_name, transport_options)
 
 
 @pytest.mark.transport

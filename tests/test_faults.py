@@ -15,13 +15,11 @@ from typing import Any
 
 import pytest
 from edge_support import free_port, running_edge
+from procs import all_free
 
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dpu.agent import Agent
 from edgepath.edge.client import H3Client, h3_client
 from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
-from edgepath.native.abi import State
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +39,6 @@ async def until_status(c: H3Client, status: int, tries: int = 200) -> int:
             return got
         await asyncio.sleep(0.05)
     return got
-
-
-def all_free(slot_server: str, slots: int) -> bool:
-    probe = Agent(LoopbackTransport(), frames=1, input_capacity=16, output_capacity=16, max_slots_per_server=slots)
-    try:
-        return bool(((probe.server_states(probe.attach(slot_server)) & 0xFF) == State.FREE).all())
-    finally:
-        probe.transport.close()
 
 
 def test_agent_killed_mid_flight_gives_503_then_a_restarted_agent_resumes_without_restarting_the_edge(
