@@ -21,7 +21,7 @@ import pytest
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import SlotWord
+from edgepath.dma.wire import SlotWord
 from edgepath.dpu.agent import Agent, ServerLink
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State

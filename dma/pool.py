@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepath.dma.state import SlotWord
+from edgepath.dma.wire import SlotWord
 from edgepath.native.abi import (
     POOL_HEADER,
     REQUEST_HEADER,

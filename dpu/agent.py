@@ -21,7 +21,7 @@ import numpy as np
 
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
-from edgepath.dma.state import doorbell_imm
+from edgepath.dma.wire import doorbell_imm
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, lib
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from edgepath.dma.state import SlotWord, claim_word
+from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport
 from edgepath.dpu.agent import Agent

@@ -13,7 +13,7 @@ import pytest
 from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
 from edgepath.dma.pool import FrameArray, SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import claim_word, doorbell_imm, doorbell_word
+from edgepath.dma.wire import claim_word, doorbell_imm, doorbell_word
 from edgepath.dma.transport import Access, Transport, TransportError
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
@@ -189,12 +189,12 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
     fake = new_transport()
     region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
     SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
-    region.buf[8:12].view(np.uint32)[0] = 2  # a slot server from a release with ABI version 2
+    region.buf[8:12].view(np.uint32)[0] = 3  # a slot server from a release with ABI version 3
     address = new_address("fake")
     listener = fake.listen(address, [region], {})
     accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
     accepted.start()
-    with pytest.raises(AgentError, match="ABI version 2, this agent speaks 1"):
+    with pytest.raises(AgentError, match="ABI version 3, this agent speaks 2"):
         agent.attach(address)
     accepted.join()
     listener.close()
