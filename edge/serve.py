@@ -30,6 +30,9 @@ from edgepath.edge.tokenizer import load_tokenizer
 
 log = logging.getLogger("edgepath.serve")
 
+#: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
+TOKENIZER_WORKERS = 2
+
 
 @dataclass
 class ServeOptions:
@@ -54,6 +57,8 @@ class ServeOptions:
     handler: str = "echo"
     slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
     request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
+    body_timeout: float = 5.0  # seconds a request may take to arrive complete (then 408)
+    quic_retry: bool = False  # QUIC address validation (Retry) before any connection state is kept
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
     protect_ops: bool = False  # /health and /metrics need a key too
     handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
@@ -165,7 +170,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         child = SlotServerProcess(options, address)
     else:
         address = options.slot_server or default_address("slot-server")
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     agent = None
     try:
         agent = AgentClient(address) if options.agent is not None else build_agent(options, address)
@@ -182,7 +187,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             agent,
             loop,
             executor,
+            workers=TOKENIZER_WORKERS,
             request_timeout=options.request_timeout,
+            body_timeout=options.body_timeout,
         )
         service.start()
         try:
@@ -219,7 +226,11 @@ async def _listen(options: ServeOptions, service: EdgeService) -> asyncio.Server
 
     tls = resolve(options.certificate, options.private_key)
     return await serve_quic(
-        service, options.host, options.port, server_configuration(str(tls.certificate), str(tls.private_key))
+        service,
+        options.host,
+        options.port,
+        server_configuration(str(tls.certificate), str(tls.private_key)),
+        retry=options.quic_retry,
     )
 
 

@@ -38,6 +38,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _add_transport(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
@@ -234,6 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             handler=args.handler,
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
+            body_timeout=args.body_timeout,
+            quic_retry=args.quic_retry,
             api_keys_file=args.api_keys_file,
             protect_ops=args.protect_ops,
             handler_deadline=args.handler_deadline,
@@ -391,9 +400,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
-        type=_non_negative_float,
+        type=_positive_float,
         default=60.0,
-        help="seconds a dispatched request may wait for its result before it is answered 504",
+        help="seconds a dispatched request may wait for its result (a stream: for its next tokens) before 504",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=5.0,
+        help="seconds a request may take to arrive complete (headers and body); then 408 and the stream is closed",
+    )
+    p.add_argument(
+        "--quic-retry",
+        action="store_true",
+        help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
     )
     p.set_defaults(func=cmd_serve)
 
