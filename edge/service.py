@@ -20,8 +20,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgepath.dma.wire import Sampling
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
+from edgepath.dpu.frame import write_sampling
 from edgepath.edge.http import (
     ROUTES,
     HttpCore,
@@ -225,6 +227,7 @@ class EdgeService:
         req["request_id"] = next(self._ids)
         req["token_count"] = n
         req["max_new_tokens"] = work.max_tokens
+        write_sampling(req, Sampling())
         req["t_receive_ns"] = ticket.request.t_receive_ns
         req["t_tokenized_ns"] = t0
         t1 = _now()
@@ -246,8 +249,9 @@ class EdgeService:
     def _on_completions(self) -> None:
         agent = self.agent
         while True:
-            for index in agent.poll(0):
-                self._finish(index)
+            for delivery in agent.poll(0):
+                if delivery.final:
+                    self._finish(delivery.index)
             if not self._cq.arm():
                 return
 
