@@ -26,6 +26,7 @@ from enum import Enum
 import numpy as np
 
 from edgepath.dma import wire
+from edgepath.dpu.frame import write_sampling
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.http import (
     ROUTES,
@@ -308,10 +309,7 @@ class EdgeLifecycle:
         req["token_count"] = t.input_count
         req["max_new_tokens"] = work.max_tokens
         req["flags"] = wire.FLAG_STREAM if work.stream else 0
-        req["temperature"] = work.sampling.temperature
-        req["top_p"] = work.sampling.top_p
-        req["top_k"] = work.sampling.top_k
-        req["seed"] = work.sampling.seed
+        write_sampling(req, work.sampling)
         req["t_receive_ns"] = t.request.t_receive_ns
         req["t_tokenized_ns"] = t0
         t1 = self.clock()
