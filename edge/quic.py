@@ -200,7 +200,9 @@ class EdgeProtocol(QuicConnectionProtocol):
             if stream.body_timer is not None:
                 stream.body_timer.cancel()
             if stream.ticket is not None:
-                stream.ticket.cancel()
+                stream.ticket.cancel()  # the lifecycle counts the reset and abandons what it holds
+            elif not stream.answered:
+                self._service.metrics.resets.inc()  # reset before the request was complete: nothing held
 
     def sendable(self, stream_id: int, last: bool) -> H3Connection | None:
         """The HTTP/3 connection if ``stream_id`` can still be answered (``last``: this ends it)."""
