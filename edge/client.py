@@ -124,9 +124,14 @@ class H3ClientProtocol(QuicConnectionProtocol):
         self._quic.reset_stream(stream_id, error_code)
         self.transmit()
 
-    def send_partial(self, method: str, authority: str, path: str, body: bytes) -> int:
-        """Send headers and part of a body without ending the stream (for reset tests)."""
+    def send_partial(
+        self, method: str, authority: str, path: str, body: bytes
+    ) -> tuple[int, asyncio.Future[H3Response]]:
+        """Send headers and part of a body without ending the stream, as a slow or hostile client
+        would; (stream id, future of whatever the server answers)."""
         stream_id = self._quic.get_next_available_stream_id()
+        future: asyncio.Future[H3Response] = self._loop.create_future()
+        self._pending[stream_id] = _Pending(future)
         self.h3.send_headers(
             stream_id,
             [
@@ -138,7 +143,7 @@ class H3ClientProtocol(QuicConnectionProtocol):
         )
         self.h3.send_data(stream_id, body, end_stream=False)
         self.transmit()
-        return stream_id
+        return stream_id, future
 
 
 class H3Client:

@@ -138,7 +138,7 @@ def test_client_resetting_streams_mid_request(edge: RunningEdge) -> None:
     async def go(c: H3Client) -> tuple[H3Response, H3Response, str]:
         proto = c.protocol
         # 1: headers and half a body, then RESET_STREAM before the request is complete.
-        partial_id = proto.send_partial("POST", c.authority, "/v1/generate", b'{"prompt": "half')
+        partial_id, _ = proto.send_partial("POST", c.authority, "/v1/generate", b'{"prompt": "half')
         proto.reset(partial_id)
         # 2: a complete request, reset right away (its generation may already be in flight).
         sid, _ = proto.start("POST", c.authority, "/v1/generate", b'{"prompt": "abandoned"}')
