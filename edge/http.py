@@ -106,8 +106,14 @@ class Formatter(Protocol):
 
     A route (``/v1/generate`` here; OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` next)
     gives one formatter per request, so it can keep per-request state (an incremental detokenizer,
-    stop strings).
+    stop strings).  ``tokens`` sees output as it arrives -- streamed requests, and whole ones when
+    ``watch`` is set (the model side is then asked for streamed output too); setting ``done`` there
+    ends the request early: the lifecycle answers with :meth:`end` (or :meth:`complete`) at once
+    and abandons the frame, which cancels the slot, so the model stops instead of running on.
     """
+
+    watch: bool
+    done: bool
 
     def complete(self, outcome: Outcome) -> Response:
         """The whole answer of a non-streamed request."""
@@ -375,6 +381,8 @@ class GenerateFormatter:
 
     def __init__(self, decode: Callable[[np.ndarray], str]) -> None:
         self._decode = decode
+        self.watch = False  # /v1/generate has no stop strings: the model decides when it is done
+        self.done = False
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:

@@ -308,7 +308,8 @@ class EdgeLifecycle:
         req["request_id"] = t.request_id
         req["token_count"] = t.input_count
         req["max_new_tokens"] = work.max_tokens
-        req["flags"] = wire.FLAG_STREAM if work.stream else 0
+        assert t.formatter is not None
+        req["flags"] = wire.FLAG_STREAM if work.stream or t.formatter.watch else 0
         write_sampling(req, work.sampling)
         req["t_receive_ns"] = t.request.t_receive_ns
         req["t_tokenized_ns"] = t0
@@ -336,17 +337,39 @@ class EdgeLifecycle:
         if count <= t.sent:
             return []
         self._first_tokens(t, count - t.sent, now)
-        if not t.work.stream:
+        work, formatter, frame = t.work, t.formatter, t.frame
+        assert frame is not None and formatter is not None
+        if not (work.stream or formatter.watch):
             t.sent = count  # counted for the first-token time; the answer goes out whole at the end
             return []
-        assert t.frame is not None and t.formatter is not None
-        actions: list[Action] = []
-        if t.phase is not Phase.STREAMING:
-            actions.append(self._start(t))
-        ids = self.port.frames.outputs[t.frame, t.sent : count]
+        ids = self.port.frames.outputs[frame, t.sent : count]
         t.sent = count
-        actions.append(SendChunk(t.rid, t.formatter.tokens(ids)))
+        data = formatter.tokens(ids)
+        actions: list[Action] = []
+        if work.stream:
+            if t.phase is not Phase.STREAMING:
+                actions.append(self._start(t))
+            if data:
+                actions.append(SendChunk(t.rid, data))
+        if formatter.done:
+            actions.append(self._stopped(t, now))
         return actions
+
+    def _stopped(self, t: Tracked, now: int) -> Action:
+        """The formatter saw the end of the answer (a stop string) before the model did: answer with
+        what came so far and abandon the frame, which cancels the slot -- it stops costing model time."""
+        frame, formatter = t.frame, t.formatter
+        assert frame is not None and formatter is not None
+        self._forget(t)
+        tokens = np.array(self.port.frames.outputs[frame, : t.sent])
+        self.port.abandon(frame)
+        first_ns = t.t_first_ns - t.request.t_receive_ns
+        t.timings["first_token"] = first_ns
+        outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns)
+        if not t.work.stream:
+            return self._respond(t.rid, t.route, t.request, t.timings, formatter.complete(outcome))
+        self._count(t, 200, now)
+        return EndStream(t.rid, formatter.end(outcome))
 
     def _first_tokens(self, t: Tracked, new: int, now: int) -> None:
         """Time to first token and inter-token latency (a delivery of ``new`` tokens after a gap
@@ -383,24 +406,25 @@ class EdgeLifecycle:
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
         count = min(int(result["output_count"]), t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
-        t_first = int(result["t_first_ns"])
+        model_first = int(result["t_first_ns"])
         port.release(frame)
         if count > t.sent:
             self._first_tokens(t, count - t.sent, now)
-        if t.work.stream:
-            first_ns = t.t_first_ns - t.request.t_receive_ns if t.t_first_ns else 0
-        else:
-            # the model side's own first-token time when it reports one (same host clock), else the edge's
-            first_ns = (t_first or t.t_first_ns) - t.request.t_receive_ns if (t_first or t.t_first_ns) else 0
+        # streamed: when the first token left the edge; whole: the model side's own first-token time
+        # when it reports one (same host clock), else when the edge first saw output
+        first_at = t.t_first_ns if t.work.stream else (model_first or t.t_first_ns)
+        first_ns = first_at - t.request.t_receive_ns if first_at else 0
         if first_ns:
             t.timings["first_token"] = first_ns
-        outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns)
         if not t.work.stream:
+            outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns)
             return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
         actions: list[Action] = []
         if t.phase is not Phase.STREAMING:
             actions.append(self._start(t))
         last = t.formatter.tokens(tokens[t.sent :]) if count > t.sent else b""
+        name = Status.STOP.name if t.formatter.done else _status_name(status)
+        outcome = Outcome(t.request_id, t.input_count, tokens, name, first_ns)
         self._count(t, 200, now)
         actions.append(EndStream(t.rid, last + t.formatter.end(outcome)))
         return actions

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dpu.port import Delivery, DeliveryStats
-from edgepath.edge.http import HttpCore, Limits, Request, Response
+from edgepath.edge.http import GenerateFormatter, HttpCore, Limits, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
     EdgeLifecycle,
@@ -544,3 +544,44 @@ def test_whatever_happens_every_request_is_answered_once_and_every_frame_comes_b
             assert seen.count("respond") + seen.count("end") == 1
     assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
     assert edge.busy_workers == 0 and edge.unmatched == 0
+
+
+class StopAt(GenerateFormatter):
+    """A route whose answer ends at a given token (as a stop string would), watching whole answers too."""
+
+    def __init__(self, stop: int, tokenizer: CharTokenizer) -> None:
+        super().__init__(tokenizer.decode)
+        self.stop = stop
+        self.watch = True
+        self.seen: list[int] = []
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        for t in ids.tolist():
+            if not self.done:
+                self.seen.append(t)
+                self.done = t == self.stop
+        return super().tokens(ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_formatter_that_sees_the_end_answers_at_once_and_cancels_the_slot(port, tokenizer, stream) -> None:
+    formatters = {"/v1/generate": lambda work, tok: StopAt(33, tok)}
+    metrics = EdgeMetrics(lambda: 0, lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    edge = EdgeLifecycle(
+        core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT, formatters=formatters
+    )
+    edge.receive(1, generate(stream=stream), now=0)
+    (frame,) = port.submitted
+    assert int(port.frames.requests[frame]["flags"]) == wire.FLAG_STREAM  # watched: output comes as it is made
+    first = edge.deliveries([port.produce(frame, [104, 105])], now=10)
+    assert not any(isinstance(a, (Respond, EndStream)) for a in first)
+    actions = edge.deliveries([port.produce(frame, [33, 120])], now=20)  # the stop token, and one past it
+    assert port.abandoned == [frame] and edge.tracked == {}  # the slot is cancelled, the edge holds nothing
+    if stream:
+        assert isinstance(actions[-1], EndStream)
+        name, done = list(sse(actions[-1].data))[-1]
+        assert name == "done" and done["output_count"] == 4
+    else:
+        (answer,) = actions
+        assert body(answer)["tokens"] == [104, 105, 33, 120]
