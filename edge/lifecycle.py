@@ -239,8 +239,7 @@ class EdgeLifecycle:
         abandoned); a slot server that went away is re-attached as soon as it is back."""
         port = self.port
         actions: list[Action] = []
-        if not port.alive():
-            port.revive()
+        port.revive()  # a no-op while every link is up; one of several may be down while alive() is True
         for index in port.check_links():
             t = self.by_frame.get(index)
             if t is None:

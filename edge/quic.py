@@ -180,7 +180,6 @@ class EdgeProtocol(QuicConnectionProtocol):
                 stream,
                 HttpError(408, "body_timeout", f"the request body did not complete within {timeout:g} s"),
             )
-            self.transmit()
 
     def _refuse_early(self, stream_id: int, stream: _Stream, error: HttpError) -> None:
         """Answer before the body is complete, then abort reading with H3_NO_ERROR (RFC 9114 §4.1)."""

@@ -130,7 +130,8 @@ class FakePort:
         return lost
 
     def revive(self) -> None:
-        self.revived += 1
+        if not self.up:
+            self.revived += 1
 
     def alive(self) -> bool:
         return self.up
