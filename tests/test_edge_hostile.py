@@ -9,6 +9,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from edge_support import RunningEdge, free_port, running_edge
@@ -141,3 +142,17 @@ def test_tcp_client_leaving_mid_stream_abandons_and_frees_its_slot(tcp_edge: Run
     assert float(lines["edgepath_port_abandoned_total"]) == 1
     assert float(lines["edgepath_streams_reset_total"]) == 1
     assert float(lines["edgepath_port_duplicates_total"]) == 0
+
+
+def test_quic_retry_validates_the_client_address_before_serving(tmp_path: Path) -> None:
+    options = ServeOptions(port=free_port(), slots=2, frames=4, quic_retry=True)
+    with running_edge(options, tmp_path) as edge:
+
+        async def go() -> tuple[int, int]:
+            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
+                response = await c.generate("validated")
+                return response.status, c.protocol._quic._retry_count
+
+        status, retries = asyncio.run(asyncio.wait_for(go(), 60))
+    assert status == 200
+    assert retries == 1  # the server answered the first Initial with a Retry, and the client came back
