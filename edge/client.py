@@ -119,9 +119,11 @@ class H3ClientProtocol(QuicConnectionProtocol):
         return len(self._pending)
 
     def reset(self, stream_id: int, error_code: int = 0x10C) -> None:
-        """Abandon a request mid-stream (RESET_STREAM), as a client that gives up would."""
+        """Abandon a request, as a client that gives up would: RESET_STREAM for what it was sending
+        and STOP_SENDING for the answer (the one a server sees once the request was complete)."""
         self._pending.pop(stream_id, None)
         self._quic.reset_stream(stream_id, error_code)
+        self._quic.stop_stream(stream_id, error_code)
         self.transmit()
 
     def send_partial(

@@ -29,7 +29,13 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
 from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import EdgeService, Ticket
@@ -120,7 +126,9 @@ class EdgeProtocol(QuicConnectionProtocol):
             self._arrival_ns = lib.ep_now_ns()
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
-        if isinstance(event, StreamReset):
+        if isinstance(event, StreamReset | StopSendingReceived):
+            # RESET_STREAM: the client stopped sending (a request cut short); STOP_SENDING: it stopped
+            # reading -- how a client that sent its whole request walks away from the answer
             self._reset(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
             self._terminated = True

@@ -156,3 +156,37 @@ def test_quic_retry_validates_the_client_address_before_serving(tmp_path: Path) 
         status, retries = asyncio.run(asyncio.wait_for(go(), 60))
     assert status == 200
     assert retries == 1  # the server answered the first Initial with a Retry, and the client came back
+
+
+def test_quic_client_resetting_mid_stream_abandons_and_frees_its_slot(tmp_path: Path) -> None:
+    options = ServeOptions(
+        port=free_port(), slots=2, frames=4, handler="paced-echo", input_capacity=512, output_capacity=512
+    )
+    prompt = " ".join(f"word{i}" for i in range(120))  # a few hundred tokens, one every 5 ms
+
+    with running_edge(options, tmp_path) as edge:
+
+        async def go() -> tuple[dict, str]:
+            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
+                proto = c.protocol
+                body = json.dumps({"prompt": prompt, "stream": True}).encode()
+                sid, answer = proto.start("POST", c.authority, "/v1/generate", body)
+                pending = proto._pending[sid]
+                for _ in range(3000):  # bounded: until the first event has arrived
+                    if b'data: {"token"' in pending.body:
+                        break
+                    await asyncio.sleep(0.005)
+                assert b'data: {"token"' in pending.body and not answer.done()
+                proto.reset(sid)  # walk away mid-stream
+                for _ in range(3000):  # bounded: until every slot is FREE again
+                    health = (await c.request("GET", "/health")).json()
+                    if health["free_slots"] == health["total_slots"]:
+                        break
+                    await asyncio.sleep(0.005)
+                return health, (await c.request("GET", "/metrics")).body.decode()
+
+        health, metrics = asyncio.run(asyncio.wait_for(go(), 60))
+    assert health["free_slots"] == health["total_slots"] == 2
+    lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("edgepath_"))
+    assert float(lines["edgepath_port_abandoned_total"]) == 1
+    assert float(lines["edgepath_streams_reset_total"]) == 1
