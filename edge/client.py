@@ -69,7 +69,8 @@ class H3ClientProtocol(QuicConnectionProtocol):
             self._h3_event(h3_event)
 
     def _h3_event(self, event: H3Event) -> None:
-        pending = self._pending.get(getattr(event, "stream_id", -1))
+        stream_id = getattr(event, "stream_id", -1)
+        pending = self._pending.get(stream_id)
         if pending is None:
             return
         if isinstance(event, HeadersReceived):
@@ -81,7 +82,7 @@ class H3ClientProtocol(QuicConnectionProtocol):
         elif isinstance(event, DataReceived):
             pending.body += event.data
         if getattr(event, "stream_ended", False):
-            del self._pending[event.stream_id]
+            del self._pending[stream_id]
             if not pending.future.done():
                 pending.future.set_result(H3Response(pending.status, pending.headers, bytes(pending.body)))
 

@@ -381,8 +381,8 @@ class GenerateFormatter:
 
     def __init__(self, decode: Callable[[np.ndarray], str]) -> None:
         self._decode = decode
-        self.watch = False  # /v1/generate has no stop strings: the model decides when it is done
-        self.done = False
+        self.watch: bool = False  # /v1/generate has no stop strings: the model decides when it is done
+        self.done: bool = False
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:

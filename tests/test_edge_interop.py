@@ -109,7 +109,7 @@ def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: Runnin
     from curl_cffi import CurlHttpVersion, requests
 
     opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
-    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    prompt = " ".join(f"word{i}" for i in range(40))  # ~80 tokens, 5 ms apart: a stream of several reads
     chunks: list[bytes] = []
     with requests.Session() as session:
         response = session.post(
