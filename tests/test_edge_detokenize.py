@@ -12,10 +12,10 @@ from edgepath.edge.detokenize import REPLACEMENT, IncrementalDetokenizer
 from edgepath.edge.tokenizer import TekkenTokenizer, load_tokenizer
 
 UNICODE_HEAVY = [
-    "東京タワーは333メートルです。中文测试：你好，世界！",
+    "東京タワーは333メートルです。中文测试：你好，世界！",  # noqa: RUF001 (full-width punctuation on purpose)
     "rocket 🚀 family 👨\u200d👩\u200d👧 flag 🇫🇷 skin 👍🏽",
     "combining: e\u0301 a\u0308 n\u0303 Z\u0351\u0352\u0353 ﷽",
-    "math 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 rare CJK 𪚥𠜎 and 한국어 텍스트, ελληνικά, עברית",
+    "math 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 rare CJK 𪚥𠜎 and 한국어 텍스트, ελληνικά, עברית",  # noqa: RUF001 (4-byte letters on purpose)
 ]
 
 
