@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .chat import ChatMessage
+from .detokenize import Decoder, IncrementalDetokenizer
+from .stop import StopMatcher
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
@@ -668,6 +670,102 @@ class StreamEncoder:
     def _expect(self, expected: str) -> None:
         if self._state != expected:
             raise RuntimeError(f"StreamEncoder: stream is {self._state!r}, this call needs {expected!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerStep:
+    """What :meth:`Answer.feed` gives back."""
+
+    data: bytes
+    """Bytes to send now: SSE events for a stream, nothing for a non-streamed answer."""
+    stopped: bool
+    """A stop string matched: cancel the slot, then call :meth:`Answer.finish` with ``"stop"``."""
+
+
+class Answer:
+    """One request's answer, from output token ids to the bytes a client receives.
+
+    Chains the pieces in the order the text needs them: :class:`IncrementalDetokenizer` (no broken
+    characters), :class:`StopMatcher` (no part of a stop string leaks, the answer ends before it),
+    then :class:`StreamEncoder` for ``stream: true`` or one JSON body at the end otherwise.
+    ``completion_tokens`` counts every id fed, i.e. what the model produced for this request,
+    including ids that arrived after a stop matched (they were generated before the cancel landed).
+    """
+
+    def __init__(
+        self, request: OpenAIRequest, tokenizer: Decoder, request_id: int | str, created: int, prompt_tokens: int
+    ) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.created = created
+        self.prompt_tokens = prompt_tokens
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopMatcher(request.stop)
+        self._stream = StreamEncoder.for_request(request, request_id, created) if request.stream else None
+        self._parts: list[str] = []
+        self._stopped = False
+        self._state = "new"
+
+    @property
+    def text(self) -> str:
+        """The answer's text released so far (all of it once finished)."""
+        return "".join(self._parts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._detok.token_count
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def start(self) -> bytes:
+        """The opening bytes of a stream (the chat role chunk), sent before the first token."""
+        self._expect("new")
+        self._state = "open"
+        return self._stream.start() if self._stream is not None else b""
+
+    def feed(self, ids: Sequence[int]) -> AnswerStep:
+        """The next output ids from the model side."""
+        self._expect("open")
+        delta = self._detok.feed(ids)
+        if self._stopped:
+            return AnswerStep(b"", True)
+        return self._release(delta)
+
+    def finish(self, reason: FinishReason) -> bytes:
+        """The model side ended (``"length"`` at max_tokens, ``"stop"`` at its end-of-sequence) or a stop
+        string matched (``"stop"``).  Returns the closing SSE events and ``[DONE]``, or the JSON body."""
+        self._expect("open")
+        if self._stopped and reason != "stop":
+            raise ValueError(f"a stop string matched, so the finish reason is 'stop', not {reason!r}")
+        self._state = "finished"
+        out = b""
+        if not self._stopped:
+            step = self._release(self._detok.flush())
+            out = step.data
+            if step.stopped:
+                reason = "stop"
+            else:
+                out += self._text(self._stop.flush())
+        usage = Usage(self.prompt_tokens, self.completion_tokens)
+        if self._stream is None:
+            return completion_body(self.request, self.request_id, self.created, self.text, reason, usage)
+        return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
+
+    def _release(self, delta: str) -> AnswerStep:
+        result = self._stop.feed(delta)
+        self._stopped = result.stopped
+        return AnswerStep(self._text(result.text), result.stopped)
+
+    def _text(self, text: str) -> bytes:
+        if text:
+            self._parts.append(text)
+        return self._stream.text(text) if self._stream is not None else b""
+
+    def _expect(self, state: str) -> None:
+        if self._state != state:
+            raise RuntimeError(f"Answer: it is {self._state!r}, this call needs {state!r}")
 
 
 def _finish(reason: str) -> str:

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.openai import (
     SSE_DONE,
+    Answer,
+    AnswerStep,
     OpenAIError,
     OpenAILimits,
     OpenAIRequest,
@@ -644,3 +646,91 @@ def test_openai_client_maps_our_errors(client_for: Any) -> None:
     missing = model_not_found("gpt-4o", [MODEL])
     with pytest.raises(openai.NotFoundError):
         client_for(missing.status, missing.body(), b"application/json").completions.create(model="gpt-4o", prompt="x")
+
+
+# -- a whole answer: ids -> text -> stop strings -> bytes -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tekken() -> Any:
+    from edgepath.edge.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+def answer_ids(tok: Any, text: str) -> list[int]:
+    return tok.encode(text)[1:].tolist()
+
+
+def run_answer(answer: Answer, ids: list[int], reason: str) -> tuple[bytes, list[AnswerStep]]:
+    out = answer.start()
+    steps = []
+    for i in ids:
+        step = answer.feed([i])
+        steps.append(step)
+        out += step.data
+        if step.stopped:
+            break
+    return out + answer.finish("stop" if answer.stopped else reason), steps  # type: ignore[arg-type]
+
+
+def test_streamed_chat_answer_stops_at_a_stop_string_spanning_tokens(tekken: Any) -> None:
+    req = chat(stream=True, stream_options={"include_usage": True}, stop=["\n\nUser:"])
+    ids = answer_ids(tekken, "Sure 🚀 東京!\n\nUser: and then more text")
+    answer = Answer(req, tekken, 21, 100, prompt_tokens=9)
+    raw, steps = run_answer(answer, ids, "length")
+    assert steps[-1].stopped and len(steps) < len(ids)
+    evs = events(raw)
+    assert evs[-1] == "[DONE]"
+    content = [c["choices"][0]["delta"].get("content") for c in evs[:-2]]
+    assert all("\ufffd" not in (c or "") for c in content)
+    assert "".join(c or "" for c in content) == "Sure 🚀 東京!" == answer.text
+    assert evs[-3]["choices"][0]["finish_reason"] == "stop"
+    assert evs[-2]["usage"] == {"prompt_tokens": 9, "completion_tokens": len(steps), "total_tokens": 9 + len(steps)}
+
+
+def test_non_streamed_completion_to_length(tekken: Any) -> None:
+    text = "Once upon a time, 東京 🚀"
+    ids = answer_ids(tekken, text)
+    answer = Answer(completion(stop=["never"]), tekken, 5, 100, prompt_tokens=3)
+    raw, steps = run_answer(answer, ids, "length")
+    assert all(s.data == b"" and not s.stopped for s in steps)
+    body = json.loads(raw)
+    assert body["choices"][0]["text"] == text and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
+
+
+def test_held_stop_prefix_is_released_at_the_end(tekken: Any) -> None:
+    answer = Answer(completion(stop=["END"], stream=True), tekken, 6, 100, prompt_tokens=1)
+    raw, _ = run_answer(answer, answer_ids(tekken, "the EN"), "stop")
+    evs = events(raw)
+    assert "".join(c["choices"][0]["text"] for c in evs[:-1]) == "the EN"
+    assert evs[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_ids_after_a_stop_are_counted_not_sent(tekken: Any) -> None:
+    answer = Answer(chat(stop="!"), tekken, 7, 100, prompt_tokens=2)
+    answer.start()
+    assert answer.feed(answer_ids(tekken, "Hi! there")).stopped
+    late = answer.feed(answer_ids(tekken, " more"))
+    assert late == AnswerStep(b"", True)
+    with pytest.raises(ValueError, match="finish reason is 'stop'"):
+        answer.finish("length")
+    body = json.loads(answer.finish("stop"))
+    assert body["choices"][0]["message"]["content"] == "Hi"
+    assert body["usage"]["completion_tokens"] == answer.completion_tokens == len(answer_ids(tekken, "Hi! there more"))
+    with pytest.raises(RuntimeError, match="needs 'open'"):
+        answer.feed([1])
+
+
+def test_openai_client_reads_a_whole_streamed_answer(client_for: Any, tekken: Any) -> None:
+    req = chat(stream=True, stream_options={"include_usage": True})
+    ids = answer_ids(tekken, "Streaming 👨\u200d👩\u200d👧 works.")
+    raw, _ = run_answer(Answer(req, tekken, 30, 100, prompt_tokens=4), ids, "length")
+    chunks = list(
+        client_for(200, raw, b"text/event-stream").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tekken.decode(ids)
+    assert chunks[-1].usage.completion_tokens == len(ids)
