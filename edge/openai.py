@@ -228,6 +228,8 @@ def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
         doc = json.loads(text)
     except ValueError as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise invalid_request("the request body nests JSON too deeply to parse", code="invalid_json") from None
     if not isinstance(doc, dict):
         raise invalid_request(f"the request body must be a JSON object, got {_json_type(doc)}", code="invalid_type")
     return doc

@@ -321,6 +321,7 @@ def test_model_is_required_and_must_be_served() -> None:
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object, got array"),
         (b"null", "must be a JSON object, got null"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests JSON too deeply"),
     ],
 )
 def test_bad_bodies(body: bytes, needle: str) -> None:
