@@ -30,8 +30,6 @@ Headers = list[tuple[bytes, bytes]]
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
-JSON_CONTENT_TYPE = b"application/json"
-SSE_CONTENT_TYPE = b"text/event-stream"
 SSE_DONE = b"data: [DONE]\n\n"
 
 
