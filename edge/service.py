@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgepath.dma.wire import Sampling
+from edgepath.dma.wire import FINISHED, Sampling
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_sampling
@@ -278,7 +278,7 @@ class EdgeService:
         request_id = int(req["request_id"])
         tokens: list[int] = []
         text = ""
-        if status == Status.OK and not ticket.cancelled:
+        if status in FINISHED and not ticket.cancelled:
             # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
             output = agent.frames.outputs[index, : min(int(result["output_count"]), int(req["max_new_tokens"]))]
             tokens = output.tolist()
@@ -288,7 +288,7 @@ class EdgeService:
         self.metrics.edge(edge_ns, _now())
         if ticket.cancelled:
             return
-        if status != Status.OK:
+        if status not in FINISHED:
             self._answer(ticket, self.core.failure(502, "slot_error", f"slot server answered status {status}"))
             return
         assert ticket.work is not None
