@@ -131,6 +131,10 @@ class Formatter(Protocol):
         """The last chunk of a streamed answer."""
         ...
 
+    def failure(self, error: HttpError) -> Response:
+        """A whole error answer (refused, failed, timed out) in this route's error shape."""
+        ...
+
     def error(self, type_: str, message: str) -> bytes:
         """The last chunk of a stream that failed after it had started."""
         ...
@@ -318,30 +322,22 @@ class HttpCore:
     def tokenize_response(ids: Sequence[int]) -> Response:
         return json_response(200, {"tokens": list(ids), "count": len(ids)})
 
-    def no_slot(self) -> Response:
+    def no_slot(self) -> HttpError:
         """429 at once: nothing is queued, the client retries."""
-        return error_response(
-            HttpError(
-                429,
-                "no_slot",
-                "every slot is busy; this server does not queue requests, retry later",
-                [(b"retry-after", str(self.limits.retry_after_s).encode())],
-            )
+        return HttpError(
+            429,
+            "no_slot",
+            "every slot is busy; this server does not queue requests, retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
         )
 
-    @staticmethod
-    def failure(status: int, type_: str, message: str) -> Response:
-        return error_response(HttpError(status, type_, message))
-
-    def busy(self) -> Response:
+    def busy(self) -> HttpError:
         """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
-        return error_response(
-            HttpError(
-                429,
-                "tokenizer_busy",
-                "every tokenizer worker is busy with a large prompt; this server does not queue, retry later",
-                [(b"retry-after", str(self.limits.retry_after_s).encode())],
-            )
+        return HttpError(
+            429,
+            "tokenizer_busy",
+            "every tokenizer worker is busy with a large prompt; this server does not queue, retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
         )
 
     @staticmethod
@@ -405,6 +401,10 @@ class GenerateFormatter:
             "first_token_ms": round(outcome.first_token_ns / 1e6, 3),
         }
         return f"event: done\ndata: {json.dumps(doc)}\n\n".encode()
+
+    @staticmethod
+    def failure(error: HttpError) -> Response:
+        return error_response(error)
 
     def error(self, type_: str, message: str) -> bytes:
         return f"event: error\ndata: {json.dumps({'error': {'type': type_, 'message': message}})}\n\n".encode()

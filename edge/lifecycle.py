@@ -260,13 +260,14 @@ class EdgeLifecycle:
         factory = self.formatters.get(route)
         if factory is None:
             raise LookupError(f"no formatter for route {route!r}; have {sorted(self.formatters)}")
+        formatter = factory(work, self.tokenizer)
         large = work.prompt is not None and len(work.prompt) > INLINE_CHARS
         if large and self.busy_workers >= self.workers:
-            return [self._respond(rid, route, request, timings, self.core.busy())]
+            return [self._respond(rid, route, request, timings, formatter.failure(self.core.busy()))]
         frame = self.port.acquire()
         if frame is None:
-            return [self._respond(rid, route, request, timings, self.core.no_slot())]
-        t = Tracked(rid, request, route, work, factory(work, self.tokenizer), Phase.TOKENIZING, timings, frame)
+            return [self._respond(rid, route, request, timings, formatter.failure(self.core.no_slot()))]
+        t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
         self.tracked[rid] = t
         out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
         if work.prompt is None:
@@ -295,7 +296,7 @@ class EdgeLifecycle:
         except HttpError as exc:
             self._forget(t)
             self.port.release(t.frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, error_response(exc))]
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, exc))]
         return self._submit(t, now)
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
@@ -320,7 +321,7 @@ class EdgeLifecycle:
             self._forget(t)
             port.release(frame)
             t.timings["claim"] = t2 - t1
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._refusal(status))]
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, self._refusal(status)))]
         written = int(req["t_written_ns"])
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
@@ -394,7 +395,8 @@ class EdgeLifecycle:
         status = int(result["status"])
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
             port.release(frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._refusal(Status(status)))]
+            refusal = self._refusal(Status(status))
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
         req = port.frames.requests[frame]
         edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
         t.timings["edge"] = edge_ns
@@ -436,7 +438,7 @@ class EdgeLifecycle:
             return [self._respond(rid, route, request, timings, self.core.tokenize_response(work.tokens))]
         if len(work.prompt) > INLINE_CHARS:
             if self.busy_workers >= self.workers:
-                return [self._respond(rid, route, request, timings, self.core.busy())]
+                return [self._respond(rid, route, request, timings, error_response(self.core.busy()))]
             t = Tracked(rid, request, route, work, None, Phase.TOKENIZING, timings)
             self.tracked[rid] = t
             return [self._to_worker(t, work.prompt, None)]
@@ -460,16 +462,21 @@ class EdgeLifecycle:
         self._forget(t)
         if t.frame is not None:
             self.port.release(t.frame)
-        failure = self.core.failure(500, "tokenizer_error", f"the tokenizer failed: {exc}")
+        failure = self._failure(t, HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}"))
         return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
 
-    def _refusal(self, status: Status) -> Response:
+    def _refusal(self, status: Status) -> HttpError:
         """The answer to a request the data path refused before any slot ran it."""
         if status == Status.NO_SLOT:
             return self.core.no_slot()
         if status == Status.UNAVAILABLE:
-            return self.core.failure(503, "unavailable", "no slot server is reachable")
-        return self.core.failure(400, "bad_request", "the data path refused this request")
+            return HttpError(503, "unavailable", "no slot server is reachable")
+        return HttpError(400, "bad_request", "the data path refused this request")
+
+    @staticmethod
+    def _failure(t: Tracked, error: HttpError) -> Response:
+        """An error answer in the route's shape (its formatter's), or edgepath's for /v1/tokenize."""
+        return t.formatter.failure(error) if t.formatter is not None else error_response(error)
 
     def _fail(self, t: Tracked, status: int, type_: str, message: str) -> Action:
         """An error answer: a response, or the error event that ends a stream already started."""
@@ -477,7 +484,8 @@ class EdgeLifecycle:
             assert t.formatter is not None
             self._count(t, status, self.clock())
             return EndStream(t.rid, t.formatter.error(type_, message))
-        return self._respond(t.rid, t.route, t.request, t.timings, self.core.failure(status, type_, message))
+        failure = self._failure(t, HttpError(status, type_, message))
+        return self._respond(t.rid, t.route, t.request, t.timings, failure)
 
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == "/metrics":

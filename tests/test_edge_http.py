@@ -18,6 +18,7 @@ from edgepath.edge.http import (
     Response,
     StateQuery,
     Work,
+    error_response,
     server_timing,
     timing_headers,
 )
@@ -117,7 +118,7 @@ def test_prompt_too_long_reports_exact_count_and_limit() -> None:
 
 
 def test_no_slot_is_429_with_retry_after() -> None:
-    response = HttpCore(LIMITS).no_slot()
+    response = error_response(HttpCore(LIMITS).no_slot())
     status, type_, _ = error_of(response)
     assert (status, type_) == (429, "no_slot")
     assert dict(response.headers)[b"retry-after"] == b"1"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dpu.port import Delivery, DeliveryStats
-from edgepath.edge.http import GenerateFormatter, HttpCore, Limits, Request, Response
+from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
     EdgeLifecycle,
@@ -586,3 +586,28 @@ def test_a_formatter_that_sees_the_end_answers_at_once_and_cancels_the_slot(port
     else:
         (answer,) = actions
         assert body(answer)["tokens"] == [104, 105, 33, 120]
+
+
+class OtherShape(GenerateFormatter):
+    """A route with its own error shape (as OpenAI's routes have)."""
+
+    @staticmethod
+    def failure(error: HttpError) -> Response:
+        return Response(error.status, error.headers, json.dumps({"other": error.type}).encode())
+
+
+def test_errors_of_a_route_come_in_its_formatters_shape(port, tokenizer) -> None:
+    formatters = {"/v1/generate": lambda work, tok: OtherShape(tok.decode)}
+    metrics = EdgeMetrics(lambda: 0, lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    edge = EdgeLifecycle(
+        core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT, formatters=formatters
+    )
+    (too_long,) = edge.receive(1, generate(prompt="y" * (INPUT + 1)), now=0)
+    assert body(too_long) == {"other": "prompt_too_long"}
+    for rid in range(2, 6):
+        edge.receive(rid, generate(), now=0)
+    (no_frame,) = edge.receive(9, generate(), now=0)
+    assert body(no_frame) == {"other": "no_slot"} and (b"retry-after", b"1") in no_frame.response.headers
+    (timeout, *_) = edge.tick(now=2 * TIMEOUT)
+    assert body(timeout) == {"other": "timeout"}
