@@ -98,6 +98,10 @@ class Tokenize:
 
 Action = Respond | StartStream | SendChunk | EndStream | Tokenize
 
+#: the status a request is counted under in ``edgepath_requests_total`` when its client went away
+#: before the answer was complete (nginx's "client closed request"; nothing is sent)
+CLIENT_GONE = 499
+
 #: how a route's formatter is made for one request (``/v1/generate`` by default)
 FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {"/v1/generate": lambda work, tok: GenerateFormatter(tok.decode)}
@@ -165,7 +169,8 @@ class EdgeLifecycle:
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
-        """A complete request arrived (``rid``: the driver's key for its reply channel)."""
+        """A complete request arrived (``rid``: the driver's key for its reply channel; ``now``: read
+        from the same monotonic clock as ``clock`` and the request's timestamps)."""
         arrival = request.t_arrival_ns if request.t_arrival_ns is not None else request.t_receive_ns
         timings = {"queue": now - arrival}
         handled = self.core.handle(request)
@@ -195,6 +200,7 @@ class EdgeLifecycle:
             self._forget(t)
             if t.frame is not None:
                 self.port.release(t.frame)
+            self._count(t, CLIENT_GONE, now)
             return []
         if isinstance(result, BaseException):
             return self._tokenizer_failed(t, result)
@@ -216,7 +222,7 @@ class EdgeLifecycle:
         self._forget(t)
         if t.frame is not None:
             self.port.abandon(t.frame)
-        self._count(t, 499, now)
+        self._count(t, CLIENT_GONE, now)
         return []
 
     def deliveries(self, deliveries: list[Delivery], now: int) -> list[Action]:
