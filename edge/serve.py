@@ -14,7 +14,9 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from aioquic.asyncio.server import QuicServer
 
@@ -22,11 +24,14 @@ from edgepath.builder import build_agent, build_edge, data_path_transport
 from edgepath.config import ServeOptions
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
+from edgepath.edge.auth import load_keys
 from edgepath.edge.service import EdgeService
+from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import load_tokenizer
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
+T = TypeVar("T")
 
 
 def check_listen(options: ServeOptions) -> None:
@@ -70,6 +75,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     link = options.link
     check_listen(options)
+    listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -80,33 +86,35 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         gave_up.append(message)
         loop.call_soon_threadsafe(stop.set)
 
+    keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
     with contextlib.ExitStack() as cleanup:
-        transport = None
-        if options.agent is None:
-            transport = data_path_transport(link)  # an unusable device fails here, before any child
-            cleanup.callback(transport.close)
-        tokenizer = load_tokenizer(options.tokenizer)
-        log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
         agent: Agent | AgentClient
-        if transport is None:
-            assert options.agent is not None
-            agent = AgentClient(options.agent)
+        if options.agent is not None:
+            agent = _named("--agent", options.agent, AgentClient)
             cleanup.callback(agent.transport.close)
         else:
-            address = options.slot_server
-            if address is None:
-                listen = _slot_server_listen(options)
+            transport = data_path_transport(link)  # an unusable device fails here, before any child
+            cleanup.callback(transport.close)
+            if listen is not None:
                 policy = RestartPolicy(max_restarts=options.max_restarts, window=options.restart_window)
                 supervisor = Supervisor("slot server", options.slot_server_settings(listen).argv(), policy, give_up)
                 cleanup.callback(supervisor.stop)
                 address = supervisor.start().address or listen
-            agent = build_agent(options.agent_settings(address), transport)
+                agent = build_agent(options.agent_settings(address), transport)
+            else:
+                assert options.slot_server is not None
+                agent = _named(
+                    "--slot-server", options.slot_server, lambda a: build_agent(options.agent_settings(a), transport)
+                )
+        tokenizer = load_tokenizer(options.tokenizer)
+        log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
         executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
-        service = build_edge(options, tokenizer, agent, loop, executor)
+        service = build_edge(options, tokenizer, agent, keys, loop, executor)
         service.start()
+        tls = resolve(options.certificate, options.private_key) if options.transport == "quic" else None
         try:
-            server = await _listen(options, service)
+            server = await _listen(options, service, tls)
         except OSError as exc:
             raise _cannot_listen(options, exc) from exc
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"
@@ -121,18 +129,24 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         raise GaveUp(gave_up[0])
 
 
-async def _listen(options: ServeOptions, service: EdgeService) -> asyncio.Server | QuicServer:
-    if options.transport == "tcp":
+async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | None) -> asyncio.Server | QuicServer:
+    if tls is None:
         from edgepath.edge.tcp import serve_tcp
 
         return await serve_tcp(service, options.host, options.port)
     from edgepath.edge.quic import serve_quic, server_configuration
-    from edgepath.edge.tls import resolve
 
-    tls = resolve(options.certificate, options.private_key)
     return await serve_quic(
         service, options.host, options.port, server_configuration(str(tls.certificate), str(tls.private_key))
     )
+
+
+def _named(option: str, address: str, connect: Callable[[str], T]) -> T:
+    """``connect(address)``; a failure names the option the address came from."""
+    try:
+        return connect(address)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(f"{option} {address}: {exc}") from exc
 
 
 def _host_for_url(host: str) -> str:

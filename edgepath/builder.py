@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
+    from edgepath.edge.auth import ApiKeys
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tokenizer import Tokenizer
 
@@ -26,10 +27,15 @@ log = logging.getLogger("edgepath")
 
 
 def data_path_transport(data_path: DataPath) -> Transport:
-    """A transport endpoint for the agent <-> slot-server link (loud when it cannot be had)."""
+    """A transport endpoint for the agent <-> slot-server link; when it cannot be had, an error that
+    names the flags that chose it."""
+    from edgepath.dma.transport import TransportUnavailable
     from edgepath.dma.transports import make_transport
 
-    return make_transport(data_path.kind, **data_path.options())
+    try:
+        return make_transport(data_path.kind, **data_path.options())
+    except TransportUnavailable as exc:
+        raise TransportUnavailable(f"{' '.join(data_path.flags())}: {exc}") from exc
 
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
@@ -150,12 +156,12 @@ def build_edge(
     options: ServeOptions,
     tokenizer: Tokenizer,
     agent: Agent | AgentClient,
+    keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
 ) -> EdgeService:
-    """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys,
-    tokenizer and agent (not started: call ``start()``)."""
-    from edgepath.edge.auth import load_keys
+    """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys
+    (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
     from edgepath.edge.http import HttpCore, Limits
     from edgepath.edge.service import EdgeService
 
@@ -167,7 +173,7 @@ def build_edge(
         vocab_size=tokenizer.vocab_size,
     )
     return EdgeService(
-        HttpCore(limits, load_keys(options.api_keys_file, options.protect_ops)),
+        HttpCore(limits, keys),
         tokenizer,
         agent,
         loop,

@@ -146,6 +146,10 @@ class Child:
     def send_signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
+    def kill(self) -> None:
+        """SIGKILL: the child gets no chance to clean up (what a crash looks like from outside)."""
+        self.proc.kill()
+
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, then SIGKILL if it has not ended within ``timeout`` seconds; its return code."""
         if self.proc.poll() is None:
