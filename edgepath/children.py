@@ -140,8 +140,11 @@ class Child:
         return self.proc.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        """The child's return code once it has ended (``subprocess.TimeoutExpired`` after ``timeout``)."""
-        return self.proc.wait(timeout)
+        """The child's return code once it has ended (``subprocess.TimeoutExpired`` after ``timeout``);
+        what it wrote up to its end is then in :meth:`stderr_tail`."""
+        code = self.proc.wait(timeout)
+        self._join_pumps()
+        return code
 
     def send_signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
@@ -162,6 +165,10 @@ class Child:
                     self.proc.wait(5.0)
                 except subprocess.TimeoutExpired as exc:
                     raise ChildError(f"{self.name} (pid {self.pid}) did not end after SIGKILL") from exc
-        for pump in self._pumps:
-            pump.join(timeout=1.0)
+        self._join_pumps()
         return self.proc.returncode
+
+    def _join_pumps(self) -> None:
+        for pump in self._pumps:
+            if pump is not threading.current_thread():
+                pump.join(timeout=1.0)
