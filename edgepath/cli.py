@@ -45,24 +45,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _number(text: str, zero_allowed: bool) -> float:
+    """A finite number > 0 (or >= 0): NaN, infinities and words are refused with what is allowed."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        value = float("nan")
+    if not (value >= 0 if zero_allowed else value > 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
     return value
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, zero_allowed=True)
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return _number(text, zero_allowed=False)
 
 
 def _non_negative_int(text: str) -> int:

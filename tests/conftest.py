@@ -93,12 +93,11 @@ def new_address(request: pytest.FixtureRequest, transport_name: str, tmp_path: P
 
 @pytest.fixture
 def edgepath_process() -> Iterator[Callable[..., Child]]:
-    """Start ``edgepath ARGS`` and wait for its 'ready' line (``env``: the child's environment); all are
-    stopped after the test."""
+    """Start ``edgepath ARGS`` and wait for its 'ready' line; all are stopped after the test."""
     children: list[Child] = []
 
-    def start(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> Child:
-        child = Child.start(args, ready_timeout=timeout, env=env)
+    def start(*args: str, timeout: float = 30.0) -> Child:
+        child = Child.start(args, ready_timeout=timeout)
         children.append(child)
         return child
 

@@ -30,6 +30,7 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--request-timeout", "-5"], ("--request-timeout", "'-5'", ">= 0")),
     (["serve", "--gid-index", "-1"], ("--gid-index", "'-1'", ">= 0")),
     (["slot-server", "--lease", "0"], ("--lease", "'0'", "> 0")),
+    (["serve", "--slot-spin-us", "nan"], ("--slot-spin-us", "'nan'", ">= 0")),
     (["slot-server", "--slots", "tpu:4"], ("--slots", "'tpu:4'", "gpu:N")),
     (["demo", "--requests", "ten"], ("--requests", "'ten'", "positive integer")),
     (["demo", "--concurrency", "1000"], ("--concurrency", "1000", "at most 256")),
