@@ -9,12 +9,12 @@ transmit per loop iteration.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
@@ -171,7 +171,15 @@ def server_configuration(certificate: str, private_key: str) -> QuicConfiguratio
     return config
 
 
-async def serve_quic(service: EdgeService, host: str, port: int, configuration: QuicConfiguration) -> QuicServer:
-    return await quic_serve(
-        host, port, configuration=configuration, create_protocol=partial(EdgeProtocol, service=service)
+async def serve_quic(
+    service: EdgeService, host: str, port: int, configuration: QuicConfiguration, reuse_port: bool = False
+) -> QuicServer:
+    """aioquic's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
+    the kernel keeps each client address on one worker)."""
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(
+        lambda: QuicServer(configuration=configuration, create_protocol=partial(EdgeProtocol, service=service)),
+        local_addr=(host, port),
+        reuse_port=reuse_port,
     )
+    return server

@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 from aioquic.asyncio.server import QuicServer
@@ -24,7 +25,7 @@ from edgepath.builder import build_agent, build_edge, data_path_transport
 from edgepath.config import ServeOptions
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
-from edgepath.edge.auth import load_keys
+from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import load_tokenizer
@@ -43,6 +44,8 @@ def check_listen(options: ServeOptions) -> None:
         with socket.socket(infos[0][0], kind) as probe:
             if kind == socket.SOCK_STREAM:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+            if options.reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # the workers share the port
             probe.bind(infos[0][4])
     except OSError as exc:
         raise _cannot_listen(options, exc) from exc
@@ -69,76 +72,108 @@ def _slot_server_listen(options: ServeOptions) -> str:
 
 
 async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None); :class:`GaveUp` when the
-    started slot server keeps dying."""
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None); :class:`GaveUp` when a
+    started child (the slot server, or an edge worker) keeps dying."""
     loop = asyncio.get_running_loop()
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     link = options.link
     check_listen(options)
     listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
+    keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     gave_up: list[str] = []
 
-    def give_up(message: str) -> None:  # called on the supervisor's thread
+    def give_up(message: str) -> None:  # called on a supervisor's thread
         gave_up.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
+    def supervisor(name: str, argv: list[str]) -> Supervisor:
+        policy = RestartPolicy(max_restarts=options.max_restarts, window=options.restart_window)
+        made = Supervisor(name, argv, policy, give_up)
+        cleanup.callback(made.stop)
+        return made
+
     with contextlib.ExitStack() as cleanup:
-        agent: Agent | AgentClient
-        if options.agent is not None:
-            agent = _named("--agent", options.agent, AgentClient)
-            cleanup.callback(agent.transport.close)
-        else:
+        transport = None
+        if options.agent is None:
             transport = data_path_transport(link)  # an unusable device fails here, before any child
             cleanup.callback(transport.close)
-            if listen is not None:
-                policy = RestartPolicy(max_restarts=options.max_restarts, window=options.restart_window)
-                supervisor = Supervisor("slot server", options.slot_server_settings(listen).argv(), policy, give_up)
-                cleanup.callback(supervisor.stop)
-                address = supervisor.start().address or listen
-                agent = build_agent(options.agent_settings(address), transport)
+        slot_server = options.slot_server
+        if listen is not None:
+            slot_server = supervisor("slot server", options.slot_server_settings(listen).argv()).start().address
+            slot_server = slot_server or listen
+        if options.workers > 1:
+            assert slot_server is not None
+            tls = _tls(options)
+            if tls is not None:  # one certificate for all workers, made here once
+                options = replace(options, certificate=str(tls.certificate), private_key=str(tls.private_key))
+            workers = [supervisor(f"edge worker {i}", options.worker_argv(slot_server)) for i in range(options.workers)]
+            await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))  # they start together
+            what = f"{options.workers} edge workers"
+        else:
+            if transport is None:
+                assert options.agent is not None
+                agent: Agent | AgentClient = _named("--agent", options.agent, AgentClient)
+                cleanup.callback(agent.transport.close)
             else:
-                assert options.slot_server is not None
+                assert slot_server is not None
                 agent = _named(
-                    "--slot-server", options.slot_server, lambda a: build_agent(options.agent_settings(a), transport)
+                    "--slot-server" if listen is None else "--slot-server-listen",
+                    slot_server,
+                    lambda a: build_agent(options.agent_settings(a), transport),
                 )
-        tokenizer = load_tokenizer(options.tokenizer)
-        log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
-        executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
-        service = build_edge(options, tokenizer, agent, keys, loop, executor)
-        service.start()
-        tls = resolve(options.certificate, options.private_key) if options.transport == "quic" else None
-        try:
-            server = await _listen(options, service, tls)
-        except OSError as exc:
-            raise _cannot_listen(options, exc) from exc
+            await _start_edge(options, agent, keys, loop, cleanup)
+            what = "edge"
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"
-        log.info("edge (%s) listening on %s", "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1", url)
+        protocol = "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1"
+        log.info("%s (%s) listening on %s", what, protocol, url)
         print(f"ready {url}", flush=True)
         if ready is not None:
             ready.set()
         await stop.wait()
-        server.close()
-        service.stop()
     if gave_up:
         raise GaveUp(gave_up[0])
+
+
+async def _start_edge(
+    options: ServeOptions,
+    agent: Agent | AgentClient,
+    keys: ApiKeys | None,
+    loop: asyncio.AbstractEventLoop,
+    cleanup: contextlib.ExitStack,
+) -> None:
+    """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse."""
+    tokenizer = load_tokenizer(options.tokenizer)
+    log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
+    service = build_edge(options, tokenizer, agent, keys, loop, executor)
+    service.start()
+    cleanup.callback(service.stop)
+    tls = _tls(options)
+    try:
+        server = await _listen(options, service, tls)
+    except OSError as exc:
+        raise _cannot_listen(options, exc) from exc
+    cleanup.callback(server.close)
+
+
+def _tls(options: ServeOptions) -> TlsFiles | None:
+    return resolve(options.certificate, options.private_key) if options.transport == "quic" else None
 
 
 async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | None) -> asyncio.Server | QuicServer:
     if tls is None:
         from edgepath.edge.tcp import serve_tcp
 
-        return await serve_tcp(service, options.host, options.port)
+        return await serve_tcp(service, options.host, options.port, reuse_port=options.reuse_port)
     from edgepath.edge.quic import serve_quic, server_configuration
 
-    return await serve_quic(
-        service, options.host, options.port, server_configuration(str(tls.certificate), str(tls.private_key))
-    )
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key))
+    return await serve_quic(service, options.host, options.port, configuration, reuse_port=options.reuse_port)
 
 
 def _named(option: str, address: str, connect: Callable[[str], T]) -> T:

@@ -5,6 +5,8 @@ the one place that starts such a command as a child (``serve`` for its slot serv
 benchmarks), so a child that fails to start always reports the same way: what was run, how it ended,
 and the tail of what it wrote on stderr.  Both output streams are drained by threads for the child's
 whole life (a child never blocks on a full pipe); stderr is passed on to ours and its tail kept.
+A child runs in its own session: signals meant for its parent's process group (a terminal's Ctrl-C)
+reach the parent alone, which stops its children itself -- a supervisor never mistakes that for a crash.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=None if env is None else dict(env),
+            start_new_session=True,  # a Ctrl-C reaches the parent only, which stops its children in order
         )
         child = cls(proc, name, forward_stderr)
         child._await_ready(" ".join(command[1:] if argv is None else command), ready_timeout)

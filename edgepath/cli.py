@@ -286,6 +286,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             handler_deadline=args.handler_deadline,
             max_restarts=args.max_restarts,
             restart_window=args.restart_window,
+            workers=args.workers,
+            reuse_port=args.reuse_port,
         )
     )
 
@@ -471,6 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds over which --max-restarts counts (default 60)",
     )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="edge processes sharing --port (SO_REUSEPORT), each with its own agent on the one slot server; "
+        "supervised like the slot server (default 1: the edge runs in this process)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker by serve
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")

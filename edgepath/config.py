@@ -135,12 +135,18 @@ class ServeOptions:
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
     protect_ops: bool = False  # /health and /metrics need a key too
     handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
-    max_restarts: int = 5  # the started slot server may die this often within restart_window ...
+    max_restarts: int = 5  # a started child may die this often within restart_window ...
     restart_window: float = 60.0  # ... seconds before serve gives up (exit 1)
+    workers: int = 1  # > 1: that many edge processes (each with its own agent) share the port
+    reuse_port: bool = False  # bind with SO_REUSEPORT: this edge is one of several workers on the port
 
     def __post_init__(self) -> None:
         if self.transport not in EDGE_TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(EDGE_TRANSPORTS)}, got {self.transport!r}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.workers > 1 and self.agent is not None:
+            raise ValueError("--workers N gives every worker its own in-process agent: not with --agent")
 
     @property
     def link(self) -> DataPath:
@@ -155,6 +161,42 @@ class ServeOptions:
             output_capacity=self.output_capacity,
             data_path=self.link,
         )
+
+    def worker_argv(self, slot_server: str) -> list[str]:
+        """``edgepath`` arguments of one edge worker: this edge, on the shared port (SO_REUSEPORT), with
+        its own agent attached to the shared ``slot_server``."""
+        argv = [
+            "serve",
+            "--transport",
+            self.transport,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--reuse-port",
+            "--slot-server",
+            slot_server,
+            *self.link.flags(),
+            "--frames",
+            str(self.frames),
+            "--input-capacity",
+            str(self.input_capacity),
+            "--output-capacity",
+            str(self.output_capacity),
+            "--max-body",
+            str(self.max_body),
+            "--request-timeout",
+            repr(self.request_timeout),
+        ]
+        for flag, value in (
+            ("--tokenizer", self.tokenizer),
+            ("--certificate", self.certificate),
+            ("--private-key", self.private_key),
+            ("--api-keys-file", self.api_keys_file),
+        ):
+            if value is not None:
+                argv += [flag, value]
+        return argv + (["--protect-ops"] if self.protect_ops else [])
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
         """The slot server ``serve`` starts, listening at ``listen``."""

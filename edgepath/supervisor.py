@@ -87,11 +87,17 @@ class Supervisor:
         return self._child
 
     def start(self) -> Child:
-        """Start the child and wait until it is ready (:class:`ChildError` if it is not), then watch it."""
-        self._child = Child.start(self.args, ready_timeout=self._ready_timeout)
-        log.info("%s started (pid %d) at %s", self.name, self._child.pid, self._child.address)
+        """Start the child and wait until it is ready (:class:`ChildError` if it is not, or if
+        :meth:`stop` was called meanwhile), then watch it."""
+        child = Child.start(self.args, ready_timeout=self._ready_timeout)
+        with self._lock:
+            if self._stopping.is_set():
+                child.stop()
+                raise ChildError(f"{self.name} was stopped while it started")
+            self._child = child
+        log.info("%s started (pid %d) at %s", self.name, child.pid, child.address)
         self._thread.start()
-        return self._child
+        return child
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop watching and stop the child (SIGTERM, then SIGKILL after ``timeout``)."""

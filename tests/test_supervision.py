@@ -218,3 +218,55 @@ def test_a_crash_loop_ends_serve_with_exit_1_and_says_why(serve_tcp: Callable[..
     assert "slot server died 3 times within 120 s" in log and "giving up" in log
     assert log.splitlines()[-1].startswith("edgepath serve: error: slot server died 3 times")
     assert slot_server_of(serve) is None
+
+
+def children_running(serve: Child, marker: bytes) -> list[int]:
+    """Live children of ``serve`` whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(ppid) == serve.pid and state != "Z" and marker in cmdline:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def listeners(port: int) -> int:
+    """TCP sockets listening on ``port`` (from /proc/net/tcp: the kernel's view, not a process's)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A")
+
+
+def generate(port: int, prompt: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("POST", "/v1/generate", body=json.dumps({"prompt": prompt}))
+        response = conn.getresponse()
+        assert response.status != 200 or json.loads(response.read())["text"] == prompt
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_workers_share_the_port_each_is_supervised_and_all_stop_together(
+    serve_tcp: Callable[..., tuple[Child, int]],
+) -> None:
+    serve, port = serve_tcp("--workers", "2")
+    workers = children_running(serve, b"--reuse-port")
+    slot_server = slot_server_of(serve)
+    assert len(workers) == 2 and slot_server is not None
+    assert [generate(port, f"both up {i}") for i in range(10)] == [200] * 10
+
+    assert listeners(port) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    wait_for(lambda: listeners(port) == 1, 30, "the killed worker's listening socket to be gone")
+    assert [generate(port, f"one down {i}") for i in range(10)] == [200] * 10  # the other holds the port
+    wait_for(lambda: len(children_running(serve, b"--reuse-port")) == 2, 60, "the worker to be restarted")
+    assert slot_server_of(serve) == slot_server  # the shared slot server was never touched
+
+    assert serve.stop(timeout=30) == 0
+    assert not children_running(serve, b"edgepath")
