@@ -40,14 +40,23 @@ def data_path_transport(data_path: DataPath) -> Transport:
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.handlers import load_handler
+    from edgepath.dma.handlers import HandlerConfig, load_handler
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 
     if settings.memory == "gpu":
         from edgepath.dma.gpu import require_device
 
         require_device()  # fail at once, before any transport is set up
-    handler = load_handler(settings.handler)
+    handler = load_handler(
+        settings.handler,
+        HandlerConfig(
+            settings.slots,
+            settings.input_capacity,
+            settings.output_capacity,
+            dict(settings.handler_options),
+            settings.handler_deadline,
+        ),
+    )
     config = SlotServerConfig(
         slots=settings.slots,
         memory=settings.memory,
@@ -56,6 +65,7 @@ def build_slot_server(settings: SlotServerSettings) -> SlotServer:
         lease=settings.lease,
         spin=settings.spin_us / 1e6,
         handler_deadline=settings.handler_deadline,
+        stream_window=settings.stream_window_ms / 1e3,
     )
     server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, config)
     log.info(

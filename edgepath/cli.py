@@ -97,11 +97,12 @@ def _readable_file(text: str) -> str:
 
 
 def _handler_spec(text: str) -> str:
-    """A handler that can be loaded here (``echo`` or ``module:function``): checked before anything starts."""
-    from edgepath.dma.handlers import load_handler
+    """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
+    starts, without building it (a model is loaded by the slot server, once)."""
+    from edgepath.dma.handlers import find_handler
 
     try:
-        load_handler(text)
+        find_handler(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return text
@@ -167,7 +168,9 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
             lease=args.lease,
             spin_us=args.spin_us,
             handler=args.handler,
+            handler_options=tuple(args.handler_option),
             handler_deadline=args.handler_deadline,
+            stream_window_ms=args.stream_window_ms,
             data_path=_data_path(args),
         )
     )
@@ -300,6 +303,13 @@ def cmd_request(args: argparse.Namespace) -> int:
     return asyncio.run(request_main(args))
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -334,7 +344,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="spin this long on the completion queue before sleeping (lowest latency, burns a core)",
     )
-    p.add_argument("--handler", type=_handler_spec, default="echo", help="'echo' or module:function")
+    p.add_argument(
+        "--handler",
+        type=_handler_spec,
+        default="echo",
+        help="the model side: echo, paced-echo (one token per --handler-option token_delay=SECONDS), llama "
+        "(options: see README), or module:attribute (a function, a generator function or a batch handler class)",
+    )
+    p.add_argument(
+        "--handler-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
+    p.add_argument(
+        "--stream-window-ms",
+        type=_non_negative_float,
+        default=2.0,
+        help="streamed tokens after the first are coalesced within this window (milliseconds)",
+    )
     p.set_defaults(func=cmd_slot_server)
 
     p = sub.add_parser("agent", help="claim slots and write requests for edges (a separate process)")

@@ -59,7 +59,9 @@ class SlotServerSettings:
     lease: float = 1.0
     spin_us: float = 0.0
     handler: str = "echo"
+    handler_options: tuple[tuple[str, str], ...] = ()  # --handler-option KEY=VALUE, in order
     handler_deadline: float = 0.0
+    stream_window_ms: float = 2.0  # streamed tokens after the first are coalesced within this window
     data_path: DataPath = field(default_factory=DataPath)
 
     def argv(self) -> list[str]:
@@ -80,8 +82,11 @@ class SlotServerSettings:
             repr(self.spin_us),
             "--handler",
             self.handler,
+            *(arg for key, value in self.handler_options for arg in ("--handler-option", f"{key}={value}")),
             "--handler-deadline",
             repr(self.handler_deadline),
+            "--stream-window-ms",
+            repr(self.stream_window_ms),
             *self.data_path.flags(),
         ]
 

@@ -66,7 +66,7 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
             assert client.submit(index) is None
             in_flight[index] = sent
             sent += 1
-        for index in client.poll(timeout=2.0):
+        for index in [d.index for d in client.poll(timeout=2.0) if d.final]:
             rid = in_flight.pop(index)
             res = client.frames.results[index]
             answers[rid] += 1
