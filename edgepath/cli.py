@@ -282,6 +282,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             certificate=args.certificate,
             private_key=args.private_key,
             handler=args.handler,
+            handler_options=tuple(args.handler_option),
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
             api_keys_file=args.api_keys_file,
@@ -308,6 +309,17 @@ def _key_value(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
+
+
+def _add_handler_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--handler-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,14 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model side: echo, paced-echo (one token per --handler-option token_delay=SECONDS), llama "
         "(options: see README), or module:attribute (a function, a generator function or a batch handler class)",
     )
-    p.add_argument(
-        "--handler-option",
-        action="append",
-        type=_key_value,
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option for the handler (repeat for several)",
-    )
+    _add_handler_option(p)
     p.add_argument(
         "--stream-window-ms",
         type=_non_negative_float,
@@ -450,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--handler",
         type=_handler_spec,
         default="echo",
-        help="handler of the started slot server: 'echo' or module:function",
+        help="handler of the started slot server (see edgepath slot-server --help)",
     )
+    _add_handler_option(p)
     p.add_argument(
         "--slot-spin-us",
         type=_non_negative_float,

@@ -135,6 +135,7 @@ class ServeOptions:
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
+    handler_options: tuple[tuple[str, str], ...] = ()  # the started slot server's --handler-option KEY=VALUE
     slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
     request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
@@ -212,6 +213,7 @@ class ServeOptions:
             output_capacity=self.output_capacity,
             spin_us=self.slot_spin_us,
             handler=self.handler,
+            handler_options=self.handler_options,
             handler_deadline=self.handler_deadline,
             data_path=self.link,
         )
