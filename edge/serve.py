@@ -5,6 +5,9 @@ its command line made from the same configuration), and is restarted with bounde
 dies; the agent re-attaches to it where it listens.  The agent lives in the edge's process, so the
 edge writes token ids straight into the agent's registered frames.  The process prints
 ``ready <url>`` on stdout once it accepts requests, and stops everything it started on SIGINT/SIGTERM.
+
+With ``--workers N`` this process only supervises: N edge processes (each this same command with its
+own in-process agent, on the shared port with SO_REUSEPORT) and the one slot server they all use.
 """
 
 from __future__ import annotations
