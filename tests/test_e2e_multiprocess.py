@@ -77,8 +77,10 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
                 mismatches += not np.array_equal(client.frames.outputs[index, :n], payload[rid])
             answered += 1
             client.release(index)
+    stats = client.delivery_stats
     client.close()
     assert answered == REQUESTS, f"only {answered} of {REQUESTS} answered"
+    assert (stats.delivered, stats.duplicates, stats.unknown, stats.late) == (REQUESTS, 0, 0, 0), stats
     assert (answers == 1).all(), "a request was answered more than once"
     assert set(np.unique(status_of)) <= {Status.OK, Status.NO_SLOT}
     assert (status_of == Status.OK).sum() > 0
