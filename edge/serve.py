@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import socket
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from edgepath.config import ServeOptions
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.auth import ApiKeys, load_keys
+from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import load_tokenizer
@@ -93,9 +96,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         gave_up.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    def supervisor(name: str, argv: list[str]) -> Supervisor:
+    def supervisor(name: str, argv: list[str], env: dict[str, str] | None = None) -> Supervisor:
         policy = RestartPolicy(max_restarts=options.max_restarts, window=options.restart_window)
-        made = Supervisor(name, argv, policy, give_up)
+        made = Supervisor(name, argv, policy, give_up, env=env)
         cleanup.callback(made.stop)
         return made
 
@@ -113,7 +116,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             tls = _tls(options)
             if tls is not None:  # one certificate for all workers, made here once
                 options = replace(options, certificate=str(tls.certificate), private_key=str(tls.private_key))
-            workers = [supervisor(f"edge worker {i}", options.worker_argv(slot_server)) for i in range(options.workers)]
+            env = dict(os.environ, **{SHARED_DIR_ENV: _shared_metrics_dir(options, cleanup)})
+            argv = options.worker_argv(slot_server)
+            workers = [supervisor(f"edge worker {i}", argv, env) for i in range(options.workers)]
             await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))  # they start together
             what = f"{options.workers} edge workers"
         else:
@@ -162,6 +167,17 @@ async def _start_edge(
     except OSError as exc:
         raise _cannot_listen(options, exc) from exc
     cleanup.callback(server.close)
+
+
+def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:
+    """A fresh directory where the workers keep their metrics (one /metrics view), removed at the end."""
+    from edgepath.runtime import runtime_dir
+
+    path = runtime_dir() / f"serve-{options.transport}-{options.port}.metrics"
+    shutil.rmtree(path, ignore_errors=True)  # counts of an earlier run are not this one's
+    path.mkdir(mode=0o700)
+    cleanup.callback(shutil.rmtree, path, ignore_errors=True)
+    return str(path)
 
 
 def _tls(options: ServeOptions) -> TlsFiles | None:

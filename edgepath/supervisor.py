@@ -13,7 +13,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgepath.children import Child, ChildError, exit_reason
@@ -68,9 +68,12 @@ class Supervisor:
         on_give_up: Callable[[str], None],
         ready_timeout: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``env``: the child's whole environment (default: this process's)."""
         self.name = name
         self.args = list(args)
+        self.env = env
         self.policy = policy
         self.restarts = 0
         self._on_give_up = on_give_up
@@ -89,7 +92,7 @@ class Supervisor:
     def start(self) -> Child:
         """Start the child and wait until it is ready (:class:`ChildError` if it is not, or if
         :meth:`stop` was called meanwhile), then watch it."""
-        child = Child.start(self.args, ready_timeout=self._ready_timeout)
+        child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env)
         with self._lock:
             if self._stopping.is_set():
                 child.stop()
@@ -131,7 +134,7 @@ class Supervisor:
             if self._stopping.wait(delay):
                 return
             try:
-                child = Child.start(self.args, ready_timeout=self._ready_timeout)
+                child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env)
             except ChildError as exc:
                 child, reason = None, f"restart failed: {exc}"
                 continue

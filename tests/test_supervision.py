@@ -252,6 +252,27 @@ def generate(port: int, prompt: str) -> int:
         conn.close()
 
 
+def generated_ok(port: int) -> float:
+    """``/v1/generate`` 200s counted by the /metrics of whichever worker takes this connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("edgepath_requests_total{") and 'route="/v1/generate"' in line and 'status="200"' in line
+    )
+
+
+def one_view(port: int, expected: float) -> bool:
+    """Every one of several /metrics scrapes (new connections, so the kernel spreads them over the
+    workers) counts ``expected`` answers: the workers' counters are one view, not one per worker."""
+    return {generated_ok(port) for _ in range(8)} == {expected}
+
+
 def test_workers_share_the_port_each_is_supervised_and_all_stop_together(
     serve_tcp: Callable[..., tuple[Child, int]],
 ) -> None:
@@ -260,6 +281,7 @@ def test_workers_share_the_port_each_is_supervised_and_all_stop_together(
     slot_server = slot_server_of(serve)
     assert len(workers) == 2 and slot_server is not None
     assert [generate(port, f"both up {i}") for i in range(10)] == [200] * 10
+    wait_for(lambda: one_view(port, 10), 30, "every worker's /metrics to count all 10 answers")
 
     assert listeners(port) == 2
     os.kill(workers[0], signal.SIGKILL)
@@ -267,6 +289,7 @@ def test_workers_share_the_port_each_is_supervised_and_all_stop_together(
     assert [generate(port, f"one down {i}") for i in range(10)] == [200] * 10  # the other holds the port
     wait_for(lambda: len(children_running(serve, b"--reuse-port")) == 2, 60, "the worker to be restarted")
     assert slot_server_of(serve) == slot_server  # the shared slot server was never touched
+    wait_for(lambda: one_view(port, 20), 30, "the counts of the killed worker to stay in the one view")
 
     assert serve.stop(timeout=30) == 0
     assert not children_running(serve, b"edgepath")
