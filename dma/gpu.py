@@ -479,6 +479,13 @@ class DeviceSlots:
         rt = self._cp.cuda.runtime
         self._copy(self._host(off), self.address + off, self._result_offset, rt.memcpyDeviceToHost)
 
+    def push_request(self, slot: int) -> None:
+        """Copy ``slot``'s request part from the mirror onto the device: what the NIC's data WRITE does
+        on the GPUDirect lane, for a writer on this host (tests, bench/gpu_check.py's stand-in agent)."""
+        off = self.slot_offset(slot)
+        rt = self._cp.cuda.runtime
+        self._copy(self.address + off, self._host(off), self._result_offset, rt.memcpyHostToDevice)
+
     def push_result(self, slot: int) -> None:
         """Copy ``slot``'s result header and output from the mirror onto the device."""
         off = self.slot_offset(slot) + self._result_offset
