@@ -99,7 +99,7 @@ def load_cupy() -> ModuleType:
     another value it is too late, and that is refused."""
     mode = os.environ.get("CUDA_MODULE_LOADING")
     if mode != "EAGER":
-        if "cupy" in sys.modules:
+        if sys.modules.get("cupy") is not None:
             raise GpuUnavailable(
                 f"--slots gpu: cupy was imported with CUDA_MODULE_LOADING={mode or 'unset (LAZY)'}; the persistent "
                 "poller needs EAGER module loading (a lazily loaded kernel can wait forever behind it): set "
