@@ -552,7 +552,9 @@ def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
     if not args.dry_run:  # the dry run keeps to the twin's file: nvcc builds would take most of its minute
         files += ["tests/test_gpu_logic.py", "tests/test_gpu_compile.py"]
     marker = "not gpu" if args.dry_run else "gpu"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", marker]
+    # -P: the working directory (the repository root, whose edgepath/ holds only part of the package)
+    # must not shadow the package view on PYTHONPATH.
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", marker]
     done = subprocess.run([*cmd, *files], capture_output=True, text=True, cwd=ROOT, timeout=args.timeout, check=False)
     lines = done.stdout.strip().splitlines()
     out = {"files": files, "marker": marker, "exit": done.returncode, "summary": lines[-1] if lines else ""}

@@ -58,10 +58,12 @@ def nvcc_command(nvcc: str, out: Path, arches: tuple[str, ...]) -> list[str]:
 
 
 def _digest(cmd_tail: list[str]) -> str:
+    """Of the sources and the command, with this checkout's path taken out: a fatbin built in one
+    checkout keeps its name in another (the carried one must match on the GPU machine)."""
     h = hashlib.sha256(SOURCE.read_bytes())
     for name in HEADERS:
         h.update((HERE / name).read_bytes())
-    h.update(" ".join(cmd_tail).encode())
+    h.update(" ".join(cmd_tail).replace(str(HERE), "native").encode())
     return h.hexdigest()[:16]
 
 
