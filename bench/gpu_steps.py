@@ -33,6 +33,21 @@ CARRY = ROOT / ".gpu-carry"
 HOST_LIB_ENV = "EDGEPATH_GPU_HOST_LIB"
 LINE = 64
 NOT_RUN = "not run: no GPU"
+# cudaDeviceAttr numbers (cuda_runtime_api.h): CUDA 13 dropped clockRate and memoryClockRate from
+# cudaDeviceProp, and cupy does not name every attribute, so the probe asks by number.
+DEVICE_ATTRS = {
+    "sm_clock_khz": 13,
+    "memory_clock_khz": 36,
+    "multiprocessors": 16,
+    "can_map_host_memory": 19,
+    "pci_bus_id": 33,
+    "concurrent_managed_access": 89,
+    "pageable_memory_access": 88,
+    "host_native_atomic_supported": 86,
+    "gpudirect_rdma_supported": 116,
+    "gpudirect_rdma_flush_writes_options": 117,
+    "gpudirect_rdma_writes_ordering": 118,
+}
 U64P = ctypes.POINTER(ctypes.c_uint64)
 
 
@@ -118,15 +133,20 @@ class Gpu:
 
     twin = False
 
-    def __init__(self) -> None:
+    def __init__(self, load_module: bool = True) -> None:
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before cupy initialises CUDA
         import cupy
 
         self.cp = cupy
         self.rt = cupy.cuda.runtime
+        if self.rt.getDeviceCount() < 1:
+            raise StepFailed("no CUDA device")
         props = self.rt.getDeviceProperties(0)
         self.cc = f"{props['major']}{props['minor']}"
-        self.clock_khz = int(props["clockRate"])
+        self.clock_khz = int(self.rt.deviceGetAttribute(DEVICE_ATTRS["sm_clock_khz"], 0))
+        self._blocks: list[tuple[str, int]] = []
+        if not load_module:
+            return
         fatbin = cuda_build().build_poller((self.cc,))
         self.module = cupy.RawModule(path=str(fatbin))
         self.fatbin = fatbin.name
@@ -135,7 +155,6 @@ class Gpu:
             for n in ("ep_gpu_poller", "ep_gpu_store", "ep_check_atomics", "ep_check_cas", "ep_check_pingpong")
         }
         self.side = cupy.cuda.Stream(non_blocking=True)
-        self._blocks: list[tuple[str, int]] = []
 
     def pinned(self, nbytes: int) -> tuple[int, int]:
         """(host address, device address) of zeroed page-locked host memory mapped into the GPU."""
@@ -268,29 +287,22 @@ def step_probe(args: argparse.Namespace) -> dict[str, Any]:
     if args.dry_run:
         return {**out, "gpu": NOT_RUN}
     try:
-        g = Gpu()
-    except Exception as exc:
-        return {**out, "gpu": f"{NOT_RUN} ({type(exc).__name__}: {exc})"}
+        g = Gpu(load_module=False)
+    except ImportError as exc:
+        return {**out, "gpu": f"{NOT_RUN} (cupy: {exc})"}
     rt = g.rt
     props = rt.getDeviceProperties(0)
-    attrs = {
-        "can_map_host_memory": rt.cudaDevAttrCanMapHostMemory,
-        "host_native_atomic_supported": rt.cudaDevAttrHostNativeAtomicSupported,
-        "pageable_memory_access": rt.cudaDevAttrPageableMemoryAccess,
-        "gpudirect_rdma_supported": rt.cudaDevAttrGPUDirectRDMASupported,
-        "gpudirect_rdma_writes_ordering": rt.cudaDevAttrGPUDirectRDMAWritesOrdering,
-        "concurrent_managed_access": rt.cudaDevAttrConcurrentManagedAccess,
-    }
     out["device"] = {
         "name": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
         "compute_capability": g.cc,
-        "sm_clock_khz": g.clock_khz,
-        "memory_clock_khz": int(props["memoryClockRate"]),
-        "multiprocessors": int(props["multiProcessorCount"]),
         "runtime_version": rt.runtimeGetVersion(),
         "driver_version": rt.driverGetVersion(),
-        **{k: int(rt.deviceGetAttribute(v, 0)) for k, v in attrs.items()},
     }
+    for name, number in DEVICE_ATTRS.items():
+        try:
+            out["device"][name] = int(rt.deviceGetAttribute(number, 0))
+        except Exception as exc:  # one attribute the driver does not know must not hide the others
+            out["device"][name] = f"error: {exc}"
     try:
         from cuda.bindings import driver
 
@@ -300,7 +312,6 @@ def step_probe(args: argparse.Namespace) -> dict[str, Any]:
         out["device"]["dma_buf_supported"] = int(dmabuf) if int(err) == 0 else f"error {err}"
     except Exception as exc:
         out["device"]["dma_buf_supported"] = f"unknown ({type(exc).__name__}: {exc})"
-    out["fatbin"] = g.fatbin
     out["gpu"] = True
     g.close()
     return out
@@ -484,6 +495,15 @@ def step_poller_rtt(args: argparse.Namespace) -> dict[str, Any]:
         g.close()
 
 
+def ids_match(cp: ModuleType, address: int, tokens: int, request_id: int) -> bool:
+    """The model side's read, in place on the device: are the ids at ``address`` the ones
+    ep_chk_write_request wrote for ``request_id``?"""
+    mem = cp.cuda.UnownedMemory(address, 4 * tokens, None)
+    ids = cp.ndarray((tokens,), cp.int32, cp.cuda.MemoryPointer(mem, 0))
+    expected = (cp.arange(tokens, dtype=cp.int64) + request_id) & 0x1FFFF
+    return bool((ids.astype(cp.int64) == expected).all())
+
+
 def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
     """The pool in device memory: claims, requests and doorbells written there (as a NIC would), the
     kernel polling HBM, the tokens checked in place on the device, the model side freeing the slot."""
@@ -492,6 +512,8 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
     slots, tokens, n = 8, 64, 400
     try:
         pool = _pool(lib, g, slots, tokens, device_memory=True)
+        if not g.twin:  # compile and load cupy's kernels now: no module load while the poller runs
+            ids_match(g.cp, pool["dev"] + pool["slots"] + pool["request_header"], tokens, 0)
         poller = Poller(g, pool["dev"], slots, 32, 256)
         staging, dev = pool["host"], pool["dev"]
         mask = poller.capacity - 1
@@ -515,13 +537,8 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
             if u64(entry + 8) != (gen << 32 | slot):
                 raise StepFailed(f"request {i}: hand-off {u64(entry + 8):#x}, expected slot {slot} gen {gen}")
             poller.head.value += 1
-            if not g.twin:  # the model side reads the ids in place, on the device
-                cp = g.cp
-                mem = cp.cuda.UnownedMemory(dev + at + pool["request_header"], 4 * tokens, None)
-                ids = cp.ndarray((tokens,), cp.int32, cp.cuda.MemoryPointer(mem, 0))
-                expected = (cp.arange(tokens, dtype=cp.int64) + i) & 0x1FFFF
-                if not bool((ids.astype(cp.int64) == expected).all()):
-                    raise StepFailed(f"request {i}: the ids in device memory are not the ones written")
+            if not g.twin and not ids_match(g.cp, dev + at + pool["request_header"], tokens, i):
+                raise StepFailed(f"request {i}: the ids in device memory are not the ones written")
             g.copy(ctypes.addressof(word), dev + state_at, 8, to_device=False)
             done = lib.ep_chk_step(word.value, 4)  # EP_EV_COMPLETE
             g.store(dev + state_at, done)

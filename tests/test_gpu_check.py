@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,18 @@ def test_a_failing_step_does_not_stop_the_run(tmp_path: Path) -> None:
     assert report["steps"]["probe"]["status"] == "ok" and "not run: no GPU" in report["steps"]["probe"]["gpu"]
     for name in ("smoke", "device_pool"):
         assert report["steps"][name]["status"] == "failed" and "cupy" in report["steps"][name]["error"]
+
+
+def test_a_step_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
+    """A step that overruns is killed (its whole process group) and recorded as a timeout."""
+    _no_gpu()
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    args = types.SimpleNamespace(iterations=10, requests=10**7, dry_run=True)  # an echo run of hours
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = gpu_check.run_step("echo", 20, env, args, tmp_path)
+    assert result["status"] == "timeout" and result["error"] == "killed after 20 s", result
+    assert not (tmp_path / "echo.json").exists()
