@@ -69,13 +69,14 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 def build(work: Path) -> dict[str, Any]:
     """The host library and the fatbin: carried (``.gpu-carry/``) or built here."""
     done: dict[str, Any] = {}
-    carried = CARRY / "libgpucheck.so"
+    carried = CARRY / gpu_steps.host_lib_name()
     if carried.is_file():
         done["host_lib"] = f"carried {carried.relative_to(ROOT)}"
         os.environ[gpu_steps.HOST_LIB_ENV] = str(carried)
     else:
-        built = gpu_steps.host_lib_build(work / "libgpucheck.so")
-        done["host_lib"] = "built with gcc"
+        stale = sorted(p.name for p in CARRY.glob("libgpucheck-*.so"))
+        built = gpu_steps.host_lib_build(work / carried.name)
+        done["host_lib"] = "built with gcc" + (f" (carried {stale} do not match these sources)" if stale else "")
         os.environ[gpu_steps.HOST_LIB_ENV] = str(built)
     cb = gpu_steps.cuda_build()
     fatbin = CARRY / cb.fatbin_name(ARCHES)
@@ -146,7 +147,7 @@ def run_step(name: str, timeout: int, env: dict[str, str], args: argparse.Namesp
 def prepare(python: str) -> None:
     """Here, with PyPI: what the GPU machine lacks, into .gpu-carry/ (and native/_core for ``python``)."""
     CARRY.mkdir(exist_ok=True)
-    gpu_steps.host_lib_build(CARRY / "libgpucheck.so")
+    gpu_steps.host_lib_build(CARRY / gpu_steps.host_lib_name())
     cb = gpu_steps.cuda_build()
     cb.build_poller(ARCHES, CARRY)
     version = subprocess.check_output([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], text=True)

@@ -85,6 +85,7 @@ void ep_twin_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stop)
             last = v;
             ep_st_rel(pong, v);
         } else if (ep_ld_acq(stop)) {
+            ep_st_rel(stop, 2u);
             return;
         } else {
             sched_yield();
@@ -250,7 +251,8 @@ void ep_chk_increment(uint64_t *word, uint32_t n)
         ep_add(word, 1u);
 }
 
-/* Stop latency: set *stop, spin until *running reads 2 (the poller's "stopped"); ns, or -1 on timeout. */
+/* Stop latency: set *stop, spin until *running reads 2 (the poller's "stopped"; the ping-pong kernel
+ * answers in *stop itself); ns, or -1 on timeout. */
 int64_t ep_chk_stop(uint64_t *stop, uint64_t *running, uint64_t timeout_ns)
 {
     uint64_t t0 = now_ns(), spins = 0;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import hashlib
 import importlib.util
 import json
 import os
@@ -64,11 +65,21 @@ def cuda_build() -> ModuleType:
     return module
 
 
+def host_lib_name() -> str:
+    """The host library's file name for these sources: a carried one must match it (a stale library
+    would time a protocol the kernel no longer speaks)."""
+    h = hashlib.sha256()
+    native = ROOT / "native"
+    for path in [ROOT / "bench" / "gpu_host.c", *sorted(native.glob("*.h")), native / "edgepath_core.c"]:
+        h.update(path.read_bytes())
+    return f"libgpucheck-{h.hexdigest()[:16]}.so"
+
+
 def host_lib_build(out: Path) -> Path:
     """gcc: bench/gpu_host.c + native/edgepath_core.c into ``out`` (no Python headers, no cffi)."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise StepFailed("gcc not found: carry .gpu-carry/libgpucheck.so (gpu_check.py --prepare)")
+        raise StepFailed(f"gcc not found: carry .gpu-carry/{host_lib_name()} (gpu_check.py --prepare)")
     cmd = [gcc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{ROOT / 'native'}"]
     cmd += [str(ROOT / "bench" / "gpu_host.c"), str(ROOT / "native" / "edgepath_core.c"), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -379,14 +390,17 @@ def step_baseline(args: argparse.Namespace) -> dict[str, Any]:
         n = args.iterations
         samples = np.zeros(n + 1000, dtype=np.uint64)
         got = lib.ep_chk_pingpong(host, host + LINE, n + 1000, samples.ctypes.data, 10**9)
-        ctypes.c_uint64.from_address(host + 2 * LINE).value = 1
+        stop_ns = lib.ep_chk_stop(host + 2 * LINE, host + 2 * LINE, 5 * 10**9)
         stream.synchronize()
         if got != n + 1000:
             raise StepFailed(f"ping-pong round trip {-got} did not come back within 1 s")
+        if stop_ns < 0:
+            raise StepFailed("the ping-pong kernel did not answer its stop flag within 5 s")
         out["round_trip"] = percentiles(samples[1000:])
+        out["stop_latency_us"] = round(stop_ns / 1000, 1)
         out["what"] = (
             "round trip: host store -> GPU thread sees it (system-scope load over PCIe) -> GPU store -> host "
-            "sees it; timed in C, first 1000 dropped"
+            "sees it; timed in C, first 1000 dropped; stop latency: host sets the flag -> kernel's answer seen"
         )
         return {**out, "gpu": NOT_RUN + " (cpu-twin figures: a CPU thread echoes)"} if args.dry_run else out
     finally:

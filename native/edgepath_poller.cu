@@ -147,8 +147,9 @@ extern "C" __global__ void ep_check_cas(uint64_t *words, uint32_t n)
 }
 
 /* Baseline: the bare cost of a GPU noticing a host store and answering, with no slot logic.  Thread 0
- * polls ping (system scope) and echoes each new value into pong; returns when *stop is non-zero.
- * ping, pong and stop sit on separate lines (the host passes them so). */
+ * polls ping (system scope) and echoes each new value into pong; when the host sets *stop to 1 it
+ * answers 2 there and returns (the stop latency of a bare kernel).  ping, pong and stop sit on
+ * separate lines (the host passes them so); nobody does a read-modify-write on any of them. */
 extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stop)
 {
     if (threadIdx.x != 0 || blockIdx.x != 0)
@@ -161,6 +162,7 @@ extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uin
             last = v;
             ep_st_rel(pong, v);
         } else if (ep_ld_rlx(stop)) {
+            ep_st_rel(stop, 2u);
             return;
         }
     }
