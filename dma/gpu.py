@@ -234,7 +234,6 @@ class GpuPoller:
         self.module = cp.RawModule(path=str(fatbin))
         # get_function loads the module now, before the persistent kernel occupies the GPU.
         self._kernel = self.module.get_function("ep_gpu_poller")
-        self.module.get_function("ep_gpu_store")
         self.ring_capacity = 1 << max(6, (slot_count - 1).bit_length())  # >= slots: the ring cannot overrun
         self._ctrl = _Pinned(cp, 8 * CTRL_WORDS)
         self._expire = _Pinned(cp, 8 * slot_count)
