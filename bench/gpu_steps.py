@@ -578,10 +578,9 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
-    """The GPU test files, named (no collection of the rest); on a GPU the gpu-marked ones must pass."""
-    files = ["tests/test_gpu_poller.py"]
-    if not args.dry_run:  # the dry run keeps to the twin's file: nvcc builds would take most of its minute
-        files += ["tests/test_gpu_logic.py", "tests/test_gpu_compile.py"]
+    """The GPU test file, named (no collection of the rest): on a GPU its gpu-marked tests, which must
+    pass; in a dry run its twin tests."""
+    files = ["tests/test_gpu_poller.py"]  # the one file with gpu-marked tests
     marker = "not gpu" if args.dry_run else "gpu"
     # -P: the working directory (the repository root, whose edgepath/ holds only part of the package)
     # must not shadow the package view on PYTHONPATH.
