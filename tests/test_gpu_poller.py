@@ -24,8 +24,8 @@ from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import doorbell_word
 from edgepath.dma.transport import Access
+from edgepath.dma.wire import doorbell_word
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
 
@@ -476,7 +476,7 @@ def test_device_pool_round_trip(backend: str) -> None:
     """A request written into device memory (as the NIC would), rung there, handed over by the kernel
     polling HBM, read back, answered and freed by the model side: twin (host memory standing in for
     HBM) and GPU."""
-    from edgepath.dma.state import claim_word, step
+    from edgepath.dma.wire import claim_word, step
 
     slots = gpu.start_device_poller(4, 32, 16, 10**9, epoch=7)
     try:
