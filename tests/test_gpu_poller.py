@@ -22,6 +22,7 @@ from gpu_twin import FakeCupy, LocalWriter, build_twin, wait_handoff
 from edgepath.dma import gpu
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dma.pollers import GpuDoorbellPoller
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access
@@ -88,6 +89,12 @@ def mapped(backend: str) -> Iterator[Any]:
     yield make
     for m in made:
         m.close()
+
+
+def _cuda(server: SlotServer) -> gpu.GpuPoller:
+    """The CUDA poller behind a ``memory="gpu"`` slot server's doorbell poller."""
+    assert isinstance(server.poller, GpuDoorbellPoller), server.poller
+    return server.poller.cuda
 
 
 def _settle(check: Any, timeout: float = 1.0) -> bool:
@@ -288,15 +295,15 @@ def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
             done: list[int] = []
             deadline = time.monotonic() + 10.0  # generous: a loaded 2-core CI machine runs three busy threads here
             while not done and time.monotonic() < deadline:
-                done = agent.poll(timeout=0.5)
-            assert done == [index], (i, server.stats, server.gpu and server.gpu.counters(), server.pool.states)
+                done = [d.index for d in agent.poll(timeout=0.5) if d.final]
+            assert done == [index], (i, server.stats, _cuda(server).counters(), server.pool.states)
             res = agent.frames.results[index]
             assert res["status"] == Status.OK and int(res["output_count"]) == n
             assert np.array_equal(agent.frames.outputs[index, :n], np.arange(i, i + n, dtype=np.int32))
             agent.release(index)
         assert server.stats.served == 300
         assert _settle(lambda: server.pool.free_count() == 4)
-        assert server.gpu is not None and server.gpu.counters()["accepted"] == 300
+        assert _cuda(server).counters()["accepted"] == 300
     finally:
         server.close()
         worker.join(timeout=5)
@@ -320,7 +327,7 @@ def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
         claimed = (((free >> 32) + 1) << 32) | (7 << 8) | State.CLAIMED
         assert lib.ep_cas64(states, free, claimed) == free
         assert _settle(lambda: server.pool.slot_word(0).state == State.FREE, timeout=3.0)
-        assert server.gpu is not None and server.gpu.counters()["expired"] == 1
+        assert _cuda(server).counters()["expired"] == 1
         assert lib.ep_apply(states, Event.EXPIRE, claimed >> 32, 0, ffi.NULL) == lib.EP_E_STATE
     finally:
         server.close()
