@@ -24,7 +24,6 @@ from functools import partial
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
@@ -245,14 +244,23 @@ def server_configuration(certificate: str, private_key: str) -> QuicConfiguratio
 
 
 async def serve_quic(
-    service: EdgeService, host: str, port: int, configuration: QuicConfiguration, retry: bool = False
+    service: EdgeService,
+    host: str,
+    port: int,
+    configuration: QuicConfiguration,
+    reuse_port: bool = False,
+    retry: bool = False,
 ) -> QuicServer:
-    """``retry``: validate client addresses with a Retry round trip before any state is kept for
-    them (RFC 9000 §8.1), against floods from spoofed source addresses; costs one round trip."""
-    return await quic_serve(
-        host,
-        port,
-        configuration=configuration,
-        create_protocol=partial(EdgeProtocol, service=service),
-        retry=retry,
+    """aioquic's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
+    the kernel keeps each client address on one worker).  ``retry``: validate client addresses with
+    a Retry round trip before any state is kept for them (RFC 9000 §8.1), against floods from
+    spoofed source addresses; costs one round trip."""
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(
+        lambda: QuicServer(
+            configuration=configuration, create_protocol=partial(EdgeProtocol, service=service), retry=retry
+        ),
+        local_addr=(host, port),
+        reuse_port=reuse_port,
     )
+    return server

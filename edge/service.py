@@ -38,6 +38,9 @@ log = logging.getLogger("edgepath.edge")
 
 _now = lib.ep_now_ns
 
+#: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
+TOKENIZER_WORKERS = 2
+
 
 class Reply(Protocol):
     """How an adapter sends one request's answer: one complete response, or a stream."""
