@@ -165,12 +165,27 @@ class HttpError(Exception):
 ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/generate": ("POST",),
     "/v1/tokenize": ("POST",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/v1/models": ("GET",),
     "/health": ("GET",),
     "/metrics": ("GET",),
 }
 
 
 OPS_ROUTES = ("/health", "/metrics")
+#: routes answered in OpenAI's shapes (edgepath.edge.openai_routes)
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class OpenAIParser(Protocol):
+    """The OpenAI routes as the core needs them (implemented by edgepath.edge.openai_routes.OpenAIRoutes)."""
+
+    def models(self) -> Response: ...
+
+    def parse(self, path: str, body: bytes) -> Work | Response: ...
+
+    def error(self, exc: HttpError) -> Response: ...
 
 
 def error_response(exc: HttpError) -> Response:
@@ -198,9 +213,10 @@ def timing_headers(timings: dict[str, int]) -> Headers:
 class HttpCore:
     """Routing and validation of edgepath's HTTP API, independent of transport."""
 
-    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None, openai: OpenAIParser | None = None) -> None:
         self.limits = limits
         self.api_keys = api_keys
+        self.openai = openai
 
     # -- entry ----------------------------------------------------------------------
     def handle(self, request: Request) -> Handled:
@@ -209,9 +225,11 @@ class HttpCore:
         try:
             return self._route(request)
         except HttpError as exc:
+            if self.openai is not None and urlsplit(request.target).path in OPENAI_PATHS:
+                return self.openai.error(exc)
             return error_response(exc)
 
-    def _route(self, request: Request) -> Work | StateQuery:
+    def _route(self, request: Request) -> Handled:
         parts = urlsplit(request.target)
         self._authorize(parts.path, request.headers)
         methods = ROUTES.get(parts.path)
@@ -224,6 +242,14 @@ class HttpCore:
                 f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
                 [(b"allow", ", ".join(methods).encode())],
             )
+        if parts.path in OPENAI_PATHS:
+            if self.openai is None:
+                raise HttpError(404, "not_found", f"{parts.path} is not served here (no OpenAI routes configured)")
+            if request.method == "GET":
+                return self.openai.models()
+            if len(request.body) > self.limits.max_body:
+                raise self.too_large(len(request.body))
+            return self.openai.parse(parts.path, request.body)
         if request.method == "GET":
             return StateQuery(parts.path, parse_qs(parts.query))
         if len(request.body) > self.limits.max_body:

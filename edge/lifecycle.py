@@ -92,8 +92,9 @@ class Tokenize:
     the result (count, array, or the exception) with :meth:`EdgeLifecycle.tokenized`."""
 
     rid: int
-    prompt: str
+    prompt: str | None
     out: np.ndarray | None
+    messages: list[dict[str, str]] | None = None  # a chat, tokenized with the model's template instead
 
 
 Action = Respond | StartStream | SendChunk | EndStream | Tokenize
@@ -267,7 +268,9 @@ class EdgeLifecycle:
         if factory is None:
             raise LookupError(f"no formatter for route {route!r}; have {sorted(self.formatters)}")
         formatter = factory(work, self.tokenizer)
-        large = work.prompt is not None and len(work.prompt) > INLINE_CHARS
+        messages = work.options.get("messages")
+        size = len(work.prompt) if work.prompt is not None else sum(len(m["content"]) for m in messages or ())
+        large = size > INLINE_CHARS
         if large and self.busy_workers >= self.workers:
             return [self._respond(rid, route, request, timings, formatter.failure(self.core.busy()))]
         frame = self.port.acquire()
@@ -276,6 +279,16 @@ class EdgeLifecycle:
         t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
         self.tracked[rid] = t
         out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
+        if messages is not None:  # a chat: the model's own template, tokenized straight into the frame
+            if large:
+                return [self._to_worker(t, None, out, messages)]
+            t0 = self.clock()
+            try:
+                n = self.tokenizer.encode_chat_into(messages, out)  # type: ignore[attr-defined]
+            except Exception as exc:
+                return self._tokenizer_failed(t, exc)
+            timings["tokenize"] = self.clock() - t0
+            return self._tokenized_into_frame(t, n, now)
         if work.prompt is None:
             assert work.tokens is not None
             t0 = self.clock()
@@ -457,18 +470,25 @@ class EdgeLifecycle:
         return [self._respond(rid, route, request, timings, self.core.tokenize_response(ids.tolist()))]
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _to_worker(self, t: Tracked, prompt: str, out: np.ndarray | None) -> Tokenize:
+    def _to_worker(
+        self, t: Tracked, prompt: str | None, out: np.ndarray | None, messages: list[dict[str, str]] | None = None
+    ) -> Tokenize:
         self.busy_workers += 1
         t.timings["tokenize_start"] = self.clock()
-        return Tokenize(t.rid, prompt, out)
+        return Tokenize(t.rid, prompt, out, messages)
 
     def _tokenizer_failed(self, t: Tracked, exc: BaseException) -> list[Action]:
-        """A tokenizer exception answers its own request with 500; the server keeps serving."""
-        log.error("tokenizer failed on a %d-character prompt: %r", len(t.work.prompt or ""), exc)
+        """A tokenizer exception answers its own request with 500 -- or 400 when the model's chat template
+        refused the messages (a ValueError); the server keeps serving."""
         self._forget(t)
         if t.frame is not None:
             self.port.release(t.frame)
-        failure = self._failure(t, HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}"))
+        if "messages" in t.work.options and isinstance(exc, ValueError):
+            error = HttpError(400, "invalid_request", f"the chat could not be rendered: {exc}")
+        else:
+            log.error("tokenizer failed on a %d-character prompt: %r", len(t.work.prompt or ""), exc)
+            error = HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}")
+        failure = self._failure(t, error)
         return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
 
     def _refusal(self, status: Status) -> HttpError:

@@ -157,10 +157,14 @@ class EdgeService:
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
 
     def _tokenize(self, action: Tokenize) -> None:
-        if action.out is None:
-            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode, action.prompt)
+        run = self.loop.run_in_executor
+        if action.messages is not None:
+            encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
+            future = run(self.executor, encode_chat, action.messages, action.out)
+        elif action.out is None:
+            future = run(self.executor, self.tokenizer.encode, action.prompt)
         else:
-            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
+            future = run(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
         future.add_done_callback(lambda f: self._tokenized(action.rid, f))
 
     def _tokenized(self, rid: int, future: asyncio.Future[Any]) -> None:

@@ -132,6 +132,7 @@ class ServeOptions:
     output_capacity: int = 4096
     max_body: int = 1 << 20
     tokenizer: str | None = None
+    served_model_name: str | None = None  # the model id of the OpenAI routes (default: derived, see builder)
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
