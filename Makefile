@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 NATIVE := native/.built
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
 
-.PHONY: run demo test lint build bench clean
+.PHONY: run demo test test-fast lint build bench clean
 
 $(STAMP): pyproject.toml scripts/setup-system
 	scripts/setup-system
@@ -31,6 +31,10 @@ demo: build
 test: build
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The edit loop: everything but the multi-process, long-running tests (marked slow).
+test-fast: build
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
 bench: build
 	mkdir -p out
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=out/bench.json
@@ -38,6 +42,8 @@ bench: build
 
 lint: build
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	scripts/typecheck
 
 clean:
 	rm -rf $(VENV) $(NATIVE) native/_core*.so native/_verbs*.so

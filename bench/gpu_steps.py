@@ -580,7 +580,7 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
 def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
     """The GPU test file, named (no collection of the rest): on a GPU its gpu-marked tests, which must
     pass; in a dry run its twin tests."""
-    files = ["tests/test_gpu_poller.py"]  # the one file with gpu-marked tests
+    files = ["tests/dma/test_gpu_poller.py"]  # the one file with gpu-marked tests
     marker = "not gpu" if args.dry_run else "gpu"
     # -P: the working directory (the repository root, whose edgepath/ holds only part of the package)
     # must not shadow the package view on PYTHONPATH.
@@ -600,7 +600,7 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
     """Echo requests through a --slots gpu slot server and an agent over loopback, concurrency 1 and 8."""
     if args.dry_run:  # the poller's host twin under the stand-in for cupy
         sys.path.insert(0, str(ROOT / "tests"))
-        from gpu_twin import FakeCupy, build_twin
+        from helpers.gpu_twin import FakeCupy, build_twin
 
         from edgepath.dma import gpu
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from edge_support import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.config import ServeOptions
 from edgepath.edge.tls import default_certificate

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from edge_support import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.edge.client import H3Response, h3_client
 from edgepath.edge.serve import ServeOptions

@@ -22,7 +22,7 @@ from typing import Any
 import cffi
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 HOST_SOURCE = ROOT / "bench" / "gpu_host.c"  # the twin's C: edgepath_poller.h with C11 atomics
 

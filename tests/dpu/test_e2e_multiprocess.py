@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from procs import slot_states
+from helpers.procs import slot_states
 
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request

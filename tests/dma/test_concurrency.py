@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from procs import result_of, start_claimer
+from helpers.procs import result_of, start_claimer
 
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from edge_support import free_port, running_edge
+from helpers.edge import free_port, running_edge
 
 from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.client import h3_client

@@ -14,7 +14,7 @@ import pytest
 from edgepath.dma.wire import TransitionRefused, step
 from edgepath.native.abi import Event, State, StepError, ffi, lib
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+NATIVE = Path(__file__).resolve().parents[2] / "native"
 M32 = 0xFFFFFFFF
 CLAIMANT_MAX = lib.EP_CLAIMANT_MAX
 VALID = lib.EP_DOORBELL_VALID

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edge_support import free_port, running_edge
-from procs import all_claimed, all_free
+from helpers.edge import free_port, running_edge
+from helpers.procs import all_claimed, all_free
 
 from edgepath.edge.client import H3Client, h3_client
 from edgepath.edge.serve import ServeOptions

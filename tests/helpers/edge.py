@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -12,7 +11,6 @@ from pathlib import Path
 
 from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
 from edgepath.config import ServeOptions
-from edgepath.dma.handlers import SlotRequest
 from edgepath.edge.serve import run
 
 
@@ -66,19 +64,3 @@ def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -
         if stop_box and thread.is_alive():
             loop.call_soon_threadsafe(stop_box[0].set)
         thread.join(timeout=30)
-
-
-def slow_echo(request: SlotRequest) -> int:
-    """Echo after 0.2 s of pretend model time, so a burst of requests outnumbers free slots."""
-    time.sleep(0.2)
-    n = min(len(request.tokens), len(request.output))
-    request.output[:n] = request.tokens[:n]
-    return n
-
-
-def paced_echo(request: SlotRequest) -> int:
-    """Echo after 10 ms: a slot server with a known capacity (about 100 requests/s, one at a time)."""
-    time.sleep(0.01)
-    n = min(len(request.tokens), len(request.output))
-    request.output[:n] = request.tokens[:n]
-    return n

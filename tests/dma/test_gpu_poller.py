@@ -1,4 +1,4 @@
-"""The GPU poller's scenarios, each run twice: on the poller's host twin (tests/gpu_twin.py: the kernel's
+"""The GPU poller's scenarios, each run twice: on the poller's host twin (tests/helpers/gpu_twin.py: the kernel's
 per-slot pass compiled for the CPU, under a stand-in for cupy) wherever the tests run, and on a real GPU
 (marker ``gpu``; skipped with the reason when there is no device). ``bench/gpu_check.py`` runs the
 ``gpu`` ones with ``pytest -m gpu`` on a GPU machine."""
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_twin import FakeCupy, LocalWriter, build_twin, wait_handoff
+from helpers.gpu_twin import FakeCupy, LocalWriter, build_twin, wait_handoff
 
 from edgepath.dma import gpu
 from edgepath.dma.handlers import echo

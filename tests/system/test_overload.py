@@ -4,19 +4,18 @@ p99 stays within 2x of its value at half capacity, and the processes' memory sta
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from edge_support import free_port
 from hdrh.histogram import HdrHistogram
+from helpers.edge import free_port
 
 pytestmark = pytest.mark.slow
 
-CAPACITY = 100.0  # paced_echo: 10 ms per request, one at a time
+CAPACITY = 100.0  # echo with delay=0.01: 10 ms per request, one at a time
 BODY = json.dumps({"prompt": "overload " * 20, "max_tokens": 64})
 
 
@@ -64,9 +63,6 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[dict[int, HdrHi
 
 def test_twice_capacity_for_a_minute_gives_only_200_or_429_with_latency_and_memory_flat(tmp_path: Path) -> None:
     port = free_port()
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    )
     serve = subprocess.Popen(
         [
             sys.executable,
@@ -80,7 +76,9 @@ def test_twice_capacity_for_a_minute_gives_only_200_or_429_with_latency_and_memo
             "--frames",
             "64",
             "--handler",
-            "edge_support:paced_echo",
+            "echo",
+            "--handler-option",
+            "delay=0.01",
             "--input-capacity",
             "256",
             "--output-capacity",
@@ -89,7 +87,6 @@ def test_twice_capacity_for_a_minute_gives_only_200_or_429_with_latency_and_memo
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
-        env=env,
         cwd=tmp_path,
     )
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edge_support import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.edge.client import H3Client, H3Response, h3_client
 from edgepath.edge.serve import ServeOptions
@@ -253,17 +253,9 @@ def test_large_prompt_is_tokenized_off_the_event_loop(edge: RunningEdge) -> None
 @pytest.fixture(scope="module")
 def slow_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """Two slots held 0.2 s each by the handler: a burst of requests outnumbers them."""
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), old]))
-    options = ServeOptions(port=free_port(), slots=2, frames=32, handler="edge_support:slow_echo")
-    try:
-        with running_edge(options, tmp_path_factory.mktemp("slow")) as running:
-            yield running
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
+    options = ServeOptions(port=free_port(), slots=2, frames=32, handler="echo", handler_options=(("delay", "0.2"),))
+    with running_edge(options, tmp_path_factory.mktemp("slow")) as running:
+        yield running
 
 
 def test_more_requests_than_slots_get_429_at_once(slow_edge: RunningEdge) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from procs import start_claimer
+from helpers.procs import start_claimer
 
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig

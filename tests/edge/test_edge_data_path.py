@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edge_support import free_port, running_edge
-from procs import all_free
+from helpers.edge import free_port, running_edge
+from helpers.procs import all_free
 
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
