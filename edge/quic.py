@@ -10,20 +10,23 @@ transmit per loop iteration.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
-
-from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio import serve as quic_serve
-from aioquic.asyncio.server import QuicServer
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepath.edge.http import Headers, Request, Response, error_response
+from edgepath.edge.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.service import EdgeService, Ticket
 from edgepath.native.abi import lib
+
+if TYPE_CHECKING:  # the reference engine's types; qh3 keeps the same API
+    from aioquic.asyncio import QuicConnectionProtocol as _ProtocolBase
+    from aioquic.asyncio.server import QuicServer
+    from aioquic.h3.connection import H3Connection
+    from aioquic.h3.events import H3Event
+    from aioquic.quic.configuration import QuicConfiguration
+    from aioquic.quic.events import QuicEvent
+else:
+    _ProtocolBase = object  # the engine's QuicConnectionProtocol is mixed in by protocol_class()
 
 SERVER = b"edgepath"
 H3_REQUEST_CANCELLED = 0x10C
@@ -46,8 +49,10 @@ def response_headers(response: Response) -> Headers:
     return headers
 
 
-class EdgeProtocol(QuicConnectionProtocol):
-    """One QUIC connection carrying HTTP/3 requests to the edge service."""
+class EdgeProtocol(_ProtocolBase):
+    """One QUIC connection carrying HTTP/3 requests to the edge service (engine-neutral: see protocol_class)."""
+
+    engine: ClassVar[QuicEngine]
 
     def __init__(self, *args: Any, service: EdgeService, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,11 +77,11 @@ class EdgeProtocol(QuicConnectionProtocol):
             # Every request completed by this datagram is available to the edge from now on; the ones
             # handled after others in the same datagram show that wait in their queue time.
             self._arrival_ns = lib.ep_now_ns()
-        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._h3 = H3Connection(self._quic)
-        if isinstance(event, StreamReset):
+        if isinstance(event, self.engine.ProtocolNegotiated) and event.alpn_protocol in self.engine.H3_ALPN:
+            self._h3 = self.engine.H3Connection(self._quic)
+        if isinstance(event, self.engine.StreamReset):
             self._reset(event.stream_id)
-        elif isinstance(event, ConnectionTerminated):
+        elif isinstance(event, self.engine.ConnectionTerminated):
             self._terminated = True
             for stream_id in list(self._streams):
                 self._reset(stream_id)
@@ -85,7 +90,7 @@ class EdgeProtocol(QuicConnectionProtocol):
                 self._h3_event(h3_event)
 
     def _h3_event(self, event: H3Event) -> None:
-        if isinstance(event, HeadersReceived):
+        if isinstance(event, self.engine.HeadersReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None:
                 stream = self._streams[event.stream_id] = _Stream()
@@ -99,7 +104,7 @@ class EdgeProtocol(QuicConnectionProtocol):
                 length = _content_length(stream.headers)
                 if length is not None and length > self._service.core.limits.max_body:
                     self._refuse_too_large(event.stream_id, stream, length)
-        elif isinstance(event, DataReceived):
+        elif isinstance(event, self.engine.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None or stream.answered:
                 return
@@ -165,13 +170,24 @@ def _content_length(headers: Headers) -> int | None:
     return None
 
 
-def server_configuration(certificate: str, private_key: str) -> QuicConfiguration:
-    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+@cache
+def protocol_class(engine: QuicEngine) -> type[EdgeProtocol]:
+    """:class:`EdgeProtocol` on ``engine``'s ``QuicConnectionProtocol`` (one class per engine)."""
+    return type(f"EdgeProtocol_{engine.name}", (EdgeProtocol, engine.QuicConnectionProtocol), {"engine": engine})
+
+
+def server_configuration(certificate: str, private_key: str, engine: str = DEFAULT_ENGINE) -> QuicConfiguration:
+    quic = load_engine(engine)
+    config = quic.QuicConfiguration(is_client=False, alpn_protocols=list(quic.H3_ALPN))
     config.load_cert_chain(certificate, private_key)
     return config
 
 
-async def serve_quic(service: EdgeService, host: str, port: int, configuration: QuicConfiguration) -> QuicServer:
-    return await quic_serve(
-        host, port, configuration=configuration, create_protocol=partial(EdgeProtocol, service=service)
+async def serve_quic(
+    service: EdgeService, host: str, port: int, configuration: QuicConfiguration, engine: str = DEFAULT_ENGINE
+) -> QuicServer:
+    """Listen with ``engine`` (``configuration`` must come from the same engine: server_configuration)."""
+    quic = load_engine(engine)
+    return await quic.serve(
+        host, port, configuration=configuration, create_protocol=partial(protocol_class(quic), service=service)
     )

@@ -57,6 +57,7 @@ class ServeOptions:
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
     protect_ops: bool = False  # /health and /metrics need a key too
     handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
+    quic_engine: str = "aioquic"  # transport quic: the QUIC engine, aioquic (reference) or qh3 (the [qh3] extra)
 
 
 class SlotServerProcess:
@@ -218,9 +219,8 @@ async def _listen(options: ServeOptions, service: EdgeService) -> asyncio.Server
     from edgepath.edge.tls import resolve
 
     tls = resolve(options.certificate, options.private_key)
-    return await serve_quic(
-        service, options.host, options.port, server_configuration(str(tls.certificate), str(tls.private_key))
-    )
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key), options.quic_engine)
+    return await serve_quic(service, options.host, options.port, configuration, options.quic_engine)
 
 
 def _host_for_url(host: str) -> str:

@@ -237,6 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_keys_file=args.api_keys_file,
             protect_ops=args.protect_ops,
             handler_deadline=args.handler_deadline,
+            quic_engine=args.quic_engine,
         )
     )
 
@@ -334,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("quic", "tcp"), default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 4433 for quic, 8080 for tcp)")
+    p.add_argument(
+        "--quic-engine",
+        choices=("aioquic", "qh3"),
+        default="aioquic",
+        help="QUIC engine for --transport quic: aioquic (default, the reference) or qh3 (pip install 'edgepath[qh3]')",
+    )
     p.add_argument(
         "--slot-server",
         dest="slot_server_address",
