@@ -177,8 +177,7 @@ def protocol_class(engine: QuicEngine) -> type[EdgeProtocol]:
 
 
 def server_configuration(certificate: str, private_key: str, engine: str = DEFAULT_ENGINE) -> QuicConfiguration:
-    quic = load_engine(engine)
-    config = quic.QuicConfiguration(is_client=False, alpn_protocols=list(quic.H3_ALPN))
+    config = load_engine(engine).configuration(is_client=False)
     config.load_cert_chain(certificate, private_key)
     return config
 

@@ -17,6 +17,10 @@ from typing import Any
 ENGINES = ("aioquic", "qh3")
 DEFAULT_ENGINE = "aioquic"
 _EXTRAS = {"qh3": "pip install 'edgepath[qh3]'"}
+# qh3's H3Connection always sends SETTINGS_H3_DATAGRAM=1, which RFC 9297 allows only with the QUIC
+# max_datagram_frame_size transport parameter; without it aioquic (and any strict peer) closes the
+# connection with H3_SETTINGS_ERROR.  Advertising datagram support makes the two consistent.
+_CONFIGURATION_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {"qh3": (("max_datagram_frame_size", 65536),)}
 
 
 class QuicEngineError(RuntimeError):
@@ -40,6 +44,13 @@ class QuicEngine:
     ProtocolNegotiated: type[Any]
     StreamReset: type[Any]
     ConnectionTerminated: type[Any]
+    configuration_defaults: tuple[tuple[str, Any], ...] = ()
+
+    def configuration(self, *, is_client: bool) -> Any:
+        """An HTTP/3 ``QuicConfiguration`` of this engine, with the settings it needs to interoperate."""
+        return self.QuicConfiguration(
+            is_client=is_client, alpn_protocols=list(self.H3_ALPN), **dict(self.configuration_defaults)
+        )
 
 
 @cache
@@ -71,4 +82,5 @@ def load_engine(name: str = DEFAULT_ENGINE) -> QuicEngine:
         ProtocolNegotiated=events.ProtocolNegotiated,
         StreamReset=events.StreamReset,
         ConnectionTerminated=events.ConnectionTerminated,
+        configuration_defaults=_CONFIGURATION_DEFAULTS.get(name, ()),
     )

@@ -67,6 +67,7 @@ def test_qh3_edge_answers_generate_stream_and_errors(qh3_edge: RunningEdge) -> N
             "stream": await c.generate("over qh3", stream=True),
             "404": await c.request("GET", "/nope"),
             "413": await c.request("POST", "/v1/generate", body=b" " * 8192),
+            "mid": await c.generate("between"),
             "after": await c.generate("still serving"),
         }
 
@@ -78,7 +79,7 @@ def test_qh3_edge_answers_generate_stream_and_errors(qh3_edge: RunningEdge) -> N
     events = [e for e in out["stream"].body.decode().split("\n\n") if e]
     assert [json.loads(e.removeprefix("data: "))["token"] for e in events[:-1]] == ids
     assert out["404"].status == 404
-    assert out["413"].status == 413 and out["413"].json()["error"]["type"] == "too_large"
+    assert out["413"].status == 413 and out["413"].json()["error"]["type"] == "body_too_large"
     assert out["after"].status == 200 and out["after"].json()["text"] == "still serving"
 
 
