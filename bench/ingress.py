@@ -326,7 +326,8 @@ def summarize(
     lag90, lag99 = float(lag.get_value_at_percentile(90)), float(lag.get_value_at_percentile(99))
     reasons = []
     if lag90 > LAG_P90_US:
-        reasons.append(f"sends behind schedule (p90 lag {lag90 / 1e3:.1f} ms)")
+        busiest = max(client_cores, default=0.0)
+        reasons.append(f"sends behind schedule (p90 lag {lag90 / 1e3:.1f} ms, generator at {busiest:.2f} of a core)")
     if capped > CAPPED_SHARE * sent:
         reasons.append(f"handle pool full on {capped} sends")
     if max(client_cores, default=0.0) >= CLIENT_CPU:
@@ -487,7 +488,7 @@ def run_ingress(
                 if sut.name.startswith("edgepath-") and verdict["sweep"]:
                     floor_body = int(verdict["sweep"][0]["response_bytes_mean"]) or floor_body
         capacities = [v["rps"] for v in report["capacity"].values() if v["rps"]]
-        common = 0.5 * min(capacities) if capacities else start_rate
+        common = 0.5 * min(capacities) if capacities else start_rate  # none found: the sweep's first rate
         report["common_rps"] = common
         for sut in suts:
             own = report["capacity"][sut.name]["rps"]
@@ -636,8 +637,12 @@ def table(report: dict) -> str:
     m = report["machine"]
     caps = []
     for name, v in report["capacity"].items():
-        bound = f"≥ {v['rps']:,.0f}/s, {v['note']}" if v["bound"] != "server" else f"{v['rps']:,.0f}/s"
-        caps.append(f"{name} {bound}")
+        if v["bound"] == "server":
+            caps.append(f"{name} {v['rps']:,.0f}/s")
+        elif v["rps"]:
+            caps.append(f"{name} ≥ {v['rps']:,.0f}/s ({v['note']})")
+        else:
+            caps.append(f"{name} not found ({v['note']})")
     lines = [
         f"Measured {report['started']} on {m['cpu']}, {m['cores']} cores, Python {m['python']}, load average "
         f"{m['loadavg_start'][0]:.2f} at the start (`edgepath bench ingress`; client: {report['client']}).",
