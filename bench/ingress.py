@@ -107,6 +107,7 @@ class RunStats:
     sustained: bool
     client_bound: str  # "" or why the client, not the server, was the limit
     response_bytes_mean: float  # body bytes per answered request (the floors answer edgepath's)
+    edge_internal: dict[str, float] = field(default_factory=dict)  # edgepath: its /health?latency window
     curve: list[tuple[float, float]] = field(default_factory=list)  # (percentile, latency us), accepted
 
 
@@ -395,8 +396,27 @@ class Bench:
             )
             stats = summarize(sut, load, offered, schedule_seconds, raw, cpu)
             if not stats.client_bound or generators >= self.max_generators:
+                if sut.name.startswith("edgepath-"):
+                    stats.edge_internal = edge_internal_latency(url)
                 return stats
             generators += 1
+
+
+def edge_internal_latency(url: str) -> dict[str, float]:
+    """The edge's own view (HTTP/3 request complete -> poller sees the doorbell) from ``/health?latency=P``:
+    a live window of the last 10-20 s, so it covers the run just finished (and what ran right before it)."""
+    from curl_cffi import CurlHttpVersion, requests
+
+    base = url.rsplit("/v1/", 1)[0]
+    out: dict[str, float] = {}
+    for pct in (50, 99):
+        got = requests.get(
+            f"{base}/health?latency={pct}", http_version=CurlHttpVersion.V3ONLY, verify=False, timeout=10
+        )
+        doc = got.json()["latency"]
+        out[f"p{pct}_us"] = float(doc["edge_us"])
+        out["samples"], out["window_s"] = float(doc["samples"]), float(doc["window_s"])
+    return out
 
 
 def find_capacity(
@@ -668,6 +688,20 @@ def table(report: dict) -> str:
             f"{r['p50_us'] / 1e3:.2f} | {r['p99_us'] / 1e3:.2f} | {r['p999_us'] / 1e3:.2f} | "
             f"{r['spread_us'] / 1e3:.2f} | {_cpu_cell(r)} | {r['client_bound'] or 'kept up'} |"
         )
+    inside = [r for r in report["runs"] if r.get("edge_internal")]
+    if inside:
+        lines += [
+            "",
+            "Edge-internal latency (request complete at the edge -> slot server's poller sees the doorbell; "
+            "the edge's `/health?latency=P` window read after each run):",
+            "",
+        ]
+        for r in inside:
+            e = r["edge_internal"]
+            lines.append(
+                f"- {r['system']}, {r['load']}: p50 {e['p50_us']:,.0f} µs, p99 {e['p99_us']:,.0f} µs "
+                f"({e['samples']:,.0f} samples over {e['window_s']:.1f} s)"
+            )
     if report["ratios"]:
         lines += ["", "| comparison (at the load named) | value | target |", "|---|---:|---|"]
         for row in report["ratios"]:

@@ -192,6 +192,12 @@ def test_quick_run_reaches_every_system_and_writes_the_report(tmp_path: Path) ->
         assert r["ok"] + r["rejected_429"] == r["sent"] > 0 and r["ok"] > 0, r
         assert set(r["server_cpu_us"]) == roles[r["system"]], r
         assert r["generators"] == 1 and isinstance(r["client_bound"], str) and isinstance(r["sustained"], bool)
+    for r in report["runs"]:
+        inside = r["edge_internal"]  # the edge's /health?latency window, read after its run
+        if r["system"].startswith("edgepath-"):
+            assert inside["samples"] >= r["ok"] and inside["p99_us"] >= inside["p50_us"] > 0, r
+        else:
+            assert inside == {}, r
     floor = next(r for r in report["runs"] if r["system"] == "floor-aioquic")
     edge = next(r for r in report["runs"] if r["system"] == "edgepath-aioquic")
     assert abs(floor["response_bytes_mean"] - edge["response_bytes_mean"]) <= 2  # the floor answers edge's size
