@@ -36,9 +36,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 from hdrh.histogram import HdrHistogram
 
@@ -235,12 +236,13 @@ def _cpu(pids: dict[int, str]) -> dict[int, float]:
     return {pid: _cpu_seconds(pid) for pid in pids}
 
 
-def _readline(proc: subprocess.Popen[str], what: str) -> str:
+def _readline(proc: subprocess.Popen[str], stderr: IO[str], what: str) -> str:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
-        err = proc.stderr.read() if proc.stderr is not None else ""
-        raise RuntimeError(f"load generator exited before {what}: {err[-2000:]}")
+        proc.wait(timeout=30)
+        stderr.seek(0)
+        raise RuntimeError(f"load generator exited ({proc.returncode}) before {what}: {stderr.read()[-2000:]}")
     return line
 
 
@@ -254,50 +256,54 @@ def drive(
     generators: int,
     timeout: float,
     max_clients: int,
-) -> tuple[list[dict], dict[str, float], float]:
-    """Run one schedule with ``generators`` loadgen processes; returns their results, the servers' CPU
-    seconds by role over the measured window, and the window's start (monotonic)."""
+) -> tuple[list[dict], dict[str, float]]:
+    """Run one schedule with ``generators`` loadgen processes; returns their results and the servers' CPU
+    seconds by role over the measured window."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS})
     common = [url, "--protocol", protocol, "--schedule", schedule, "--count", str(count), "--seed", str(seed)]
     common += ["--body", body, "--timeout", str(timeout), "--max-clients", str(max_clients), "--handshake"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "edgepath.bench.loadgen", *common, "--part", f"{i}/{generators}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(generators)
-    ]
-    try:
-        for proc in procs:
-            if _readline(proc, "warm-up").strip() != "warm":
-                raise RuntimeError("load generator: expected 'warm'")
-        pids = servers.pids()
-        before = _cpu(pids)
-        start = time.monotonic() + 0.2
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(f"{start}\n")
-            proc.stdin.flush()
-        results = [json.loads(_readline(proc, "its result")) for proc in procs]
-        after = _cpu(pids)
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write("close\n")
-            proc.stdin.flush()
-        for proc in procs:
-            proc.wait(timeout=30)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with ExitStack() as stack:
+        # stderr to files, so a chatty generator can never block on a full pipe
+        errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(generators)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "edgepath.bench.loadgen", *common, "--part", f"{i}/{generators}"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+            for i, err in enumerate(errs)
+        ]
+        try:
+            for proc, err in zip(procs, errs, strict=True):
+                line = _readline(proc, err, "warm-up")
+                if line.strip() != "warm":
+                    raise RuntimeError(f"load generator: expected 'warm', got {line!r}")
+            pids = servers.pids()
+            before = _cpu(pids)
+            start = time.monotonic() + 0.2
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write(f"{start}\n")
+                proc.stdin.flush()
+            results = [json.loads(_readline(proc, err, "its result")) for proc, err in zip(procs, errs, strict=True)]
+            after = _cpu(pids)
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write("close\n")
+                proc.stdin.flush()
+            for proc in procs:
+                proc.wait(timeout=30)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     by_role: dict[str, float] = {}
     for pid, role in pids.items():
         by_role[role] = by_role.get(role, 0.0) + after[pid] - before[pid]
-    return results, by_role, start
+    return results, by_role
 
 
 def summarize(
@@ -391,7 +397,7 @@ class Bench:
         offered = count / max(schedule_seconds, 1e-9)
         generators = self.generators
         while True:
-            raw, cpu, _ = drive(
+            raw, cpu = drive(
                 url, sut.protocol, servers, schedule, count, seed, generators, self.timeout, self.max_clients
             )
             stats = summarize(sut, load, offered, schedule_seconds, raw, cpu)

@@ -40,7 +40,7 @@ from edgepath.bench.schedule import parse
 
 LOWEST_US, HIGHEST_US = 1, 60_000_000
 PROTOCOLS = {"h3": CurlHttpVersion.V3ONLY, "h2": CurlHttpVersion.V2TLS, "h1": CurlHttpVersion.V1_1}
-WARM_REQUESTS = 16
+WARM_REQUESTS = {"h3": 16, "h2": 16, "h1": 64}  # h1: one connection per request in flight, so open more
 
 
 def new_histogram() -> HdrHistogram:
@@ -104,14 +104,17 @@ async def drive(
     max_clients: int = 256,
     timeout: float = 10.0,
     handshake: bool = False,
+    warm: int | None = None,
 ) -> Results:
-    """Send ``body`` to ``url`` at ``offsets`` (seconds after the start). ``handshake``: the stdin protocol."""
+    """Send ``body`` to ``url`` at ``offsets`` (seconds after the start). ``handshake``: the stdin protocol;
+    ``warm``: concurrent warm-up requests that open the connections (default by protocol)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
     results = Results(schedule_seconds=float(offsets[-1] - offsets[0]) if len(offsets) else 0.0)
     loop = asyncio.get_running_loop()  # loop.time() is time.monotonic(): comparable across processes
     headers = {"content-type": "application/json"}
     in_flight = 0
+    warm_count = min(max_clients, warm if warm is not None else WARM_REQUESTS[protocol])
     async with AsyncSession(http_version=PROTOCOLS[protocol], max_clients=max_clients, verify=False) as session:
 
         async def one(due: float) -> None:
@@ -131,7 +134,7 @@ async def drive(
                 results.finished = max(results.finished, loop.time())
 
         warm = await asyncio.gather(
-            *(session.post(url, data=body, headers=headers, timeout=timeout) for _ in range(WARM_REQUESTS)),
+            *(session.post(url, data=body, headers=headers, timeout=timeout) for _ in range(warm_count)),
             return_exceptions=True,
         )
         failed = [w for w in warm if isinstance(w, BaseException)]
