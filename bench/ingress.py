@@ -107,6 +107,7 @@ class RunStats:
     generators: int
     sustained: bool
     client_bound: str  # "" or why the client, not the server, was the limit
+    cores_busy: float  # servers + generators over the window, in cores (the machine has os.cpu_count())
     response_bytes_mean: float  # body bytes per answered request (the floors answer edgepath's)
     edge_internal: dict[str, float] = field(default_factory=dict)  # edgepath: its /health?latency window
     curve: list[tuple[float, float]] = field(default_factory=list)  # (percentile, latency us), accepted
@@ -339,6 +340,10 @@ def summarize(
         reasons.append(f"handle pool full on {capped} sends")
     if max(client_cores, default=0.0) >= CLIENT_CPU:
         reasons.append(f"generator at {max(client_cores):.2f} of a core")
+    cores_busy = sum(cpu.values()) / seconds + sum(client_cores)
+    cores = os.cpu_count() or 1
+    if reasons and cores_busy >= 0.9 * cores:
+        reasons.append(f"the machine's {cores} cores were full ({cores_busy:.1f} busy)")
     answered_rps = answered / seconds
     sustained = (
         not errors
@@ -375,6 +380,7 @@ def summarize(
         generators=len(raw),
         sustained=sustained,
         client_bound="; ".join(reasons),
+        cores_busy=cores_busy,
         response_bytes_mean=sum(p["response_bytes"] for p in raw) / max(answered, 1),
         curve=curve,
     )

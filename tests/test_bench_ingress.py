@@ -92,6 +92,14 @@ def test_client_bound_runs_say_why(kw: dict, reason: str) -> None:
     assert reason in s.client_bound
 
 
+def test_a_client_bound_run_on_full_cores_says_so() -> None:
+    cores = os.cpu_count() or 1
+    s = summarize(EDGE, "test", 1000.0, 1.0, [raw(lag_us=5000)], {"edge": float(cores)})
+    assert f"the machine's {cores} cores were full" in s.client_bound
+    assert s.cores_busy >= cores
+    assert "cores were full" not in stats(lag_us=5000).client_bound
+
+
 def test_generator_parts_send_the_whole_schedule_once() -> None:
     offsets = parse("poisson:500", 1001, seed=3)
     parts = [part_of(offsets, f"{i}/3") for i in range(3)]
