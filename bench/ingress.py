@@ -508,7 +508,7 @@ def run_ingress(
 ) -> dict:
     """Sweep every system's capacity, then measure each at a common load and at half its own capacity."""
     bench = bench or Bench()
-    suts = [system(s) for s in systems]
+    suts = sorted((system(s) for s in systems), key=lambda s: not s.name.startswith("edgepath-"))  # floors copy
     cert, key = _tls()
     report = _report_head()
     floor_body = 1024
@@ -545,7 +545,7 @@ def run_fixed(
     report = _report_head()
     floor_body = 1024
     with tempfile.TemporaryDirectory(prefix="edgepath-bench-") as tmp:
-        for sut in (system(s) for s in systems):
+        for sut in sorted((system(s) for s in systems), key=lambda s: not s.name.startswith("edgepath-")):
             with running(sut, Path(tmp), bench.slots, cert, key, floor_body) as (url, servers):
                 stats = bench.run(sut, url, servers, schedule, schedule, count, seed=7)
                 report["runs"].append(asdict(stats))
