@@ -508,7 +508,8 @@ def run_ingress(
 ) -> dict:
     """Sweep every system's capacity, then measure each at a common load and at half its own capacity."""
     bench = bench or Bench()
-    suts = sorted((system(s) for s in systems), key=lambda s: not s.name.startswith("edgepath-"))  # floors copy
+    # edgepath first: the floors answer its mean response size
+    suts = sorted((system(s) for s in systems), key=lambda s: not s.name.startswith("edgepath-"))
     cert, key = _tls()
     report = _report_head()
     floor_body = 1024
