@@ -1,4 +1,5 @@
-"""HTTP/3 adapter: aioquic events in, complete :class:`Request` objects out, responses back.
+"""HTTP/3 adapter: QUIC engine events in (aioquic or qh3, edge/quic_engine.py), complete :class:`Request`
+objects out, responses back.
 
 Only framing lives here: collecting a stream's headers and body, enforcing the body limit while it
 arrives (413 without waiting for the rest), noticing streams the client resets, and sending the
