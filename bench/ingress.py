@@ -53,7 +53,8 @@ PROTOCOL_NAMES = {"h3": "HTTP/3", "h1": "HTTP/1.1 over TLS"}
 _TICK = os.sysconf("SC_CLK_TCK")
 
 # A run is client-bound when the generator could not apply the schedule: sends issued late (p90 of the
-# lag above LAG_P90_US: behind schedule on more than a tenth of the sends, not a stray stall), its
+# lag above LAG_P90_US: behind schedule on more than a tenth of the sends, not a stray stall; asyncio's
+# timers wake up to 1 ms late by themselves, epoll's timeout being in milliseconds), its
 # handle pool full on more than CAPPED_SHARE of the sends, or one of its processes busy CLIENT_CPU of a core.
 LAG_P90_US = 2_000
 CAPPED_SHARE = 0.01
