@@ -70,7 +70,7 @@ class LocalWriter:
 
     def claim(self, slot: int) -> int:
         """FREE -> CLAIMED by CAS (claimers own FREE words); the generation claimed."""
-        from edgepath.dma.state import claim_word
+        from edgepath.dma.wire import claim_word
         from edgepath.native.abi import lib
 
         cur = self.pool.word(slot)
@@ -90,7 +90,7 @@ class LocalWriter:
 
     def ring(self, slot: int, generation: int, value: int | None = None) -> None:
         """Store the doorbell word last, with release (the loopback NIC's WRITE of it)."""
-        from edgepath.dma.state import doorbell_word
+        from edgepath.dma.wire import doorbell_word
         from edgepath.native.abi import lib
 
         lib.ep_store64(self._doorbells + slot, doorbell_word(slot, generation) if value is None else value)

@@ -97,7 +97,7 @@ def run_demo(
                 else:
                     t_submit[index] = t0
                 sent += 1
-            for index in agent.poll(timeout=1.0, spin=spin):
+            for index in [d.index for d in agent.poll(timeout=1.0, spin=spin) if d.final]:
                 t_end = lib.ep_now_ns()
                 req = agent.frames.requests[index]
                 res = agent.frames.results[index]

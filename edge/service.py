@@ -20,8 +20,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgepath.dma.wire import FINISHED, Sampling
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
+from edgepath.dpu.frame import write_sampling
 from edgepath.edge.http import (
     ROUTES,
     HttpCore,
@@ -225,6 +227,7 @@ class EdgeService:
         req["request_id"] = next(self._ids)
         req["token_count"] = n
         req["max_new_tokens"] = work.max_tokens
+        write_sampling(req, Sampling())
         req["t_receive_ns"] = ticket.request.t_receive_ns
         req["t_tokenized_ns"] = t0
         t1 = _now()
@@ -246,8 +249,9 @@ class EdgeService:
     def _on_completions(self) -> None:
         agent = self.agent
         while True:
-            for index in agent.poll(0):
-                self._finish(index)
+            for delivery in agent.poll(0):
+                if delivery.final:
+                    self._finish(delivery.index)
             if not self._cq.arm():
                 return
 
@@ -274,7 +278,7 @@ class EdgeService:
         request_id = int(req["request_id"])
         tokens: list[int] = []
         text = ""
-        if status == Status.OK and not ticket.cancelled:
+        if status in FINISHED and not ticket.cancelled:
             # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
             output = agent.frames.outputs[index, : min(int(result["output_count"]), int(req["max_new_tokens"]))]
             tokens = output.tolist()
@@ -284,7 +288,7 @@ class EdgeService:
         self.metrics.edge(edge_ns, _now())
         if ticket.cancelled:
             return
-        if status != Status.OK:
+        if status not in FINISHED:
             self._answer(ticket, self.core.failure(502, "slot_error", f"slot server answered status {status}"))
             return
         assert ticket.work is not None

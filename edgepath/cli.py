@@ -68,7 +68,7 @@ def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> No
 
 
 def cmd_slot_server(args: argparse.Namespace) -> int:
-    from edgepath.dma.handlers import load_handler
+    from edgepath.dma.handlers import HandlerConfig, load_handler
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
     from edgepath.dma.transports import make_transport
 
@@ -78,7 +78,12 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
         from edgepath.dma.gpu import require_device
 
         require_device()  # fail at once, before any transport is set up
-    handler = load_handler(args.handler)
+    handler = load_handler(
+        args.handler,
+        HandlerConfig(
+            slots, args.input_capacity, args.output_capacity, dict(args.handler_option), args.handler_deadline
+        ),
+    )
     config = SlotServerConfig(
         slots=slots,
         memory=memory,
@@ -87,6 +92,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
         lease=args.lease,
         spin=args.spin_us / 1e6,
         handler_deadline=args.handler_deadline,
+        stream_window=args.stream_window_ms / 1e3,
     )
     server = SlotServer(make_transport(args.transport, **_transport_options(args)), args.listen, handler, config)
     log.info(
@@ -227,6 +233,13 @@ def cmd_request(args: argparse.Namespace) -> int:
     return asyncio.run(request_main(args))
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -259,7 +272,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="spin this long on the completion queue before sleeping (lowest latency, burns a core)",
     )
-    p.add_argument("--handler", default="echo", help="'echo' or module:function")
+    p.add_argument(
+        "--handler",
+        default="echo",
+        help="the model side: echo, paced-echo (one token per --handler-option token_delay=SECONDS), llama "
+        "(options: see README), or module:attribute (a function, a generator function or a batch handler class)",
+    )
+    p.add_argument(
+        "--handler-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
+    p.add_argument(
+        "--stream-window-ms",
+        type=_non_negative_float,
+        default=2.0,
+        help="streamed tokens after the first are coalesced within this window (milliseconds)",
+    )
     p.set_defaults(func=cmd_slot_server)
 
     p = sub.add_parser("agent", help="claim slots and write requests for edges (a separate process)")

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from edgepath.dma.state import SlotWord, claim_word
+from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport
 from edgepath.dpu.agent import Agent
@@ -91,7 +91,7 @@ def drive_agent(cfg: dict) -> dict:
             counts["no_slot" if status == Status.NO_SLOT else "other"] += 1
             answered += 1
             agent.release(index)
-        for index in agent.poll(timeout=1.0):
+        for index in [d.index for d in agent.poll(timeout=1.0) if d.final]:
             res = agent.frames.results[index]
             if int(res["status"]) == Status.OK:
                 counts["ok"] += 1

@@ -49,3 +49,8 @@ def slot_states(address: str, slots: int, transport: str = "loopback", options: 
 
 def all_free(address: str, slots: int, transport: str = "loopback", options: dict | None = None) -> bool:
     return all(state == State.FREE for state in slot_states(address, slots, transport, options))
+
+
+def all_claimed(address: str, slots: int) -> bool:
+    """Every slot is taken (RUNNING), e.g. by requests that are still streaming."""
+    return all(state == State.RUNNING for state in slot_states(address, slots))

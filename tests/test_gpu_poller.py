@@ -25,7 +25,7 @@ from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import doorbell_word
+from edgepath.dma.wire import doorbell_word
 from edgepath.dma.transport import Access
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
