@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dma.wire import FINISHED
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import Status
@@ -87,7 +88,7 @@ class _Dispatcher:
     def _collect(self, index: int) -> tuple[int, list[int]]:
         res = self.agent.frames.results[index]
         out = self.agent.frames.outputs[index, : int(res["output_count"])].tolist()
-        code = 200 if int(res["status"]) == Status.OK else 500
+        code = 200 if int(res["status"]) in FINISHED else 500  # as the edge: OK, LENGTH, STOP, CANCELLED
         self.agent.release(index)
         return code, out
 
