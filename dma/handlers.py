@@ -339,11 +339,12 @@ def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
     raise HandlerError(f"{obj!r} is not a handler: expected a function, a generator function or a BatchHandler")
 
 
-def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
-    """A built-in (``echo``, ``paced-echo``, ``llama``) or ``package.module:attribute``; a clear error
-    for anything else."""
+def find_handler(spec: str) -> Callable[[HandlerConfig], BatchHandler]:
+    """What ``spec`` names -- a built-in (``echo``, ``paced-echo``, ``llama``) or
+    ``package.module:attribute`` -- resolved but not built (no model is loaded): a clear error for
+    anything else, so a command line can be checked before anything starts."""
     if spec in BUILTIN:
-        return BUILTIN[spec](config)
+        return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise HandlerError(f"unknown handler {spec!r}: use a built-in ({', '.join(BUILTIN)}) or 'module:attribute'")
@@ -354,4 +355,9 @@ def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
     obj = getattr(module, attr, None)
     if obj is None:
         raise HandlerError(f"handler {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return adapt(obj, config)
+    return lambda config: adapt(obj, config)
+
+
+def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
+    """The handler ``spec`` names (see :func:`find_handler`), built for ``config``."""
+    return find_handler(spec)(config)

@@ -4,15 +4,24 @@
 buckets cannot give: :class:`LatencyWindow` keeps two HDR histograms (current and previous
 interval) and rotates them, so a query covers between one and two intervals of samples.
 Time is passed in by the caller (nanoseconds, monotonic), never read here.
+
+The edge workers of one ``serve --workers N`` share their counters and histograms through
+prometheus_client's multiprocess files (the directory ``$PROMETHEUS_MULTIPROC_DIR``, set by ``serve``
+for its workers), so whichever worker answers ``/metrics`` shows the sum of all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 from hdrh.histogram import HdrHistogram
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _US_HIGHEST = 60_000_000  # one minute, in microseconds
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
@@ -81,9 +90,10 @@ class EdgeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.free_slots = Gauge("edgepath_free_slots", "Free slots on attached slot servers", registry=self.registry)
-        self.free_slots.set_function(free_slots)
+        self.free_slots = _FreeSlots(free_slots)
+        self.registry.register(self.free_slots)
         self.window = window or LatencyWindow()
+        self._shared_dir = os.environ.get(SHARED_DIR_ENV)
 
     def answered(self, route: str, status: int, total_ns: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -94,4 +104,19 @@ class EdgeMetrics:
         self.window.record(latency_ns / 1e3, now_ns)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self._shared_dir)
+        merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
+        return generate_latest(merged)
+
+
+class _FreeSlots:
+    """``edgepath_free_slots``, read when scraped (a collector, so it is never one of the shared files)."""
+
+    def __init__(self, read: Callable[[], float]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))

@@ -10,6 +10,7 @@ transmit per loop iteration.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -184,10 +185,22 @@ def server_configuration(certificate: str, private_key: str, engine: str = DEFAU
 
 
 async def serve_quic(
-    service: EdgeService, host: str, port: int, configuration: QuicConfiguration, engine: str = DEFAULT_ENGINE
+    service: EdgeService,
+    host: str,
+    port: int,
+    configuration: QuicConfiguration,
+    reuse_port: bool = False,
+    engine: str = DEFAULT_ENGINE,
 ) -> QuicServer:
-    """Listen with ``engine`` (``configuration`` must come from the same engine: server_configuration)."""
+    """The QUIC engine's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
+    the kernel keeps each client address on one worker). ``configuration`` must come from the same engine
+    (server_configuration)."""
     quic = load_engine(engine)
-    return await quic.serve(
-        host, port, configuration=configuration, create_protocol=partial(protocol_class(quic), service=service)
+    protocol = partial(protocol_class(quic), service=service)
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(
+        lambda: quic.QuicServer(configuration=configuration, create_protocol=protocol),
+        local_addr=(host, port),
+        reuse_port=reuse_port,
     )
+    return server

@@ -167,6 +167,7 @@ def _content_length(request: h11.Request) -> int | None:
     return None
 
 
-async def serve_tcp(service: EdgeService, host: str, port: int) -> asyncio.Server:
+async def serve_tcp(service: EdgeService, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+    """``reuse_port``: SO_REUSEPORT, so that several edge workers share the port (the kernel spreads connections)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(partial(EdgeHttp11Protocol, service), host, port)
+    return await loop.create_server(partial(EdgeHttp11Protocol, service), host, port, reuse_port=reuse_port)

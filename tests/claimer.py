@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport
+from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
