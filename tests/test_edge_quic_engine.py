@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from edgepath.cli import build_parser
+from edgepath.config import ServeOptions
 from edgepath.edge import quic_engine
 from edgepath.edge.quic import protocol_class
 from edgepath.edge.quic_engine import QuicEngineError, load_engine
@@ -53,3 +54,10 @@ def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
             load_engine("qh3")
     finally:
         load_engine.cache_clear()
+
+
+def test_serve_options_check_the_engine_and_hand_it_to_every_worker() -> None:
+    argv = ServeOptions(workers=2, quic_engine="qh3").worker_argv("/tmp/slots.sock")
+    assert argv[argv.index("--quic-engine") + 1] == "qh3"
+    with pytest.raises(ValueError, match=r"quic_engine must be one of aioquic, qh3, got 'quiche'"):
+        ServeOptions(quic_engine="quiche")
