@@ -20,9 +20,10 @@ import asyncio
 import collections
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -34,13 +35,14 @@ from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import Status
 
+Ids = Sequence[int] | np.ndarray  # token ids: a JSON list, or the tokenizer's array
 DEFAULT_MAX_BATCH = 10
 DEFAULT_WINDOW_MS = 10.0
 
 
 @dataclass(eq=False)
 class _Item:
-    ids: list[int]
+    ids: Ids
     max_tokens: int
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -67,7 +69,7 @@ class _Dispatcher:
         asyncio.get_running_loop().add_reader(cq.fileno(), self._on_completions)
         cq.arm()
 
-    def _dispatch(self, ids: list[int], max_tokens: int) -> tuple[int, asyncio.Future | None]:
+    def _dispatch(self, ids: Ids, max_tokens: int) -> tuple[int, asyncio.Future | None]:
         """Claim, write and ring: (slot, completion future), or (HTTP status, None) when it did not go out."""
         index = self.agent.acquire()
         if index is None:
@@ -100,7 +102,7 @@ class Direct(_Dispatcher):
         self._watch_completions()
         await asyncio.Event().wait()  # completions arrive through the reader; nothing else to do
 
-    async def submit(self, ids: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    async def submit(self, ids: Ids, max_tokens: int) -> tuple[int, list[int]]:
         index, fut = self._dispatch(ids, max_tokens)
         if fut is None:
             return index, []
@@ -119,7 +121,7 @@ class Batcher(_Dispatcher):
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._backlog: collections.deque[_Item] = collections.deque()  # got no slot: first in the next batch
 
-    async def submit(self, ids: list[int], max_tokens: int) -> tuple[int, list[int]]:
+    async def submit(self, ids: Ids, max_tokens: int) -> tuple[int, list[int]]:
         item = _Item(ids, max_tokens)
         await self.queue.put(item)
         return await item.future

@@ -436,8 +436,9 @@ def find_capacity(
     bench: Bench, sut: System, url: str, servers: Servers, start: float, seconds: float, max_rate: float, log: list
 ) -> dict:
     """Geometric sweep (x1.5): the highest offered rate sustained by the server with the client keeping up."""
-    rate, best, runs = start, 0.0, []
-    verdict = {"rps": 0.0, "bound": "none", "note": f"sustained up to the sweep's ceiling {max_rate:,.0f}/s"}
+    rate, best = start, 0.0
+    runs: list[dict] = []
+    verdict: dict = {"rps": 0.0, "bound": "none", "note": f"sustained up to the sweep's ceiling {max_rate:,.0f}/s"}
     while rate <= max_rate:
         count = max(100, int(rate * seconds))
         stats = bench.run(sut, url, servers, f"sweep {rate:,.0f}/s", f"poisson:{rate}", count, seed=len(runs))

@@ -43,6 +43,7 @@ class QuicEngine:
     DataReceived: type[Any]
     ProtocolNegotiated: type[Any]
     StreamReset: type[Any]
+    StopSendingReceived: type[Any]
     ConnectionTerminated: type[Any]
     configuration_defaults: tuple[tuple[str, Any], ...] = ()
 
@@ -81,6 +82,7 @@ def load_engine(name: str = DEFAULT_ENGINE) -> QuicEngine:
         DataReceived=h3_events.DataReceived,
         ProtocolNegotiated=events.ProtocolNegotiated,
         StreamReset=events.StreamReset,
+        StopSendingReceived=events.StopSendingReceived,
         ConnectionTerminated=events.ConnectionTerminated,
         configuration_defaults=_CONFIGURATION_DEFAULTS.get(name, ()),
     )
