@@ -191,9 +191,15 @@ async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | N
         return await serve_tcp(service, options.host, options.port, reuse_port=options.reuse_port)
     from edgepath.edge.quic import serve_quic, server_configuration
 
-    configuration = server_configuration(str(tls.certificate), str(tls.private_key))
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key), options.quic_engine)
     return await serve_quic(
-        service, options.host, options.port, configuration, reuse_port=options.reuse_port, retry=options.quic_retry
+        service,
+        options.host,
+        options.port,
+        configuration,
+        reuse_port=options.reuse_port,
+        retry=options.quic_retry,
+        engine=options.quic_engine,
     )
 
 

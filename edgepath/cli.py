@@ -13,8 +13,10 @@ from typing import Any, NoReturn
 
 from edgepath.config import (
     DATA_PATHS,
+    DEFAULT_QUIC_ENGINE,
     DEFAULT_SLOTS,
     EDGE_TRANSPORTS,
+    QUIC_ENGINES,
     SLOT_MEMORY,
     AgentServiceSettings,
     AgentSettings,
@@ -229,32 +231,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ingress(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from edgepath.bench.ingress import main
 
-    from edgepath.bench.ingress import SYSTEMS, rewrite_readme, run_fixed, run_ingress, table
-
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}: choose from {', '.join(SYSTEMS)}")
-    out = Path(args.out)
-    if args.schedule:
-        report = run_fixed(out, args.schedule, args.count, systems, slots=args.slots)
-    else:
-        report = run_ingress(
-            out,
-            systems,
-            seconds=args.seconds,
-            sweep_seconds=args.sweep_seconds,
-            slots=args.slots,
-            start_rate=args.start_rate,
-        )
-    text = table(report)
-    print(text)
-    print(f"report: {out / 'ingress.json'}, plot: {out / 'ingress.png'}")
-    if args.readme:
-        rewrite_readme(Path(args.readme), text, out / "ingress.png")
-    return 0
+    return main(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -294,6 +273,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             restart_window=args.restart_window,
             workers=args.workers,
             reuse_port=args.reuse_port,
+            quic_engine=args.quic_engine,
         )
     )
 
@@ -410,17 +390,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("ingress", help="open-loop HTTP latency: edgepath vs the QUIC floor vs queue-and-batch")
-    p.add_argument("--systems", default="edgepath,floor,baseline", help="comma-separated: edgepath, floor, baseline")
+    p = bench.add_parser(
+        "ingress", help="open-loop HTTP latency and server CPU per request: edgepath vs the QUIC floors vs FastAPI"
+    )
+    p.add_argument(
+        "--systems",
+        default="edgepath-aioquic,edgepath-qh3,floor-aioquic,floor-qh3,fastapi-batch,fastapi-direct",
+        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, floor-aioquic, floor-qh3, fastapi-batch, "
+        "fastapi-direct",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: one short low-rate run per system, no sweep")
     p.add_argument(
         "--schedule",
         default=None,
         help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
     )
     p.add_argument("--count", type=_positive_int, default=1000, help="requests for --schedule")
-    p.add_argument("--seconds", type=_positive_float, default=5.0, help="length of each measured run")
+    p.add_argument("--seconds", type=_positive_float, default=4.0, help="length of each measured run")
     p.add_argument("--sweep-seconds", type=_positive_float, default=2.0, help="length of each capacity-sweep step")
-    p.add_argument("--start-rate", type=_positive_float, default=100.0, help="first rate of the capacity sweep (req/s)")
+    p.add_argument("--start-rate", type=_positive_float, default=200.0, help="first rate of the sweep (req/s)")
+    p.add_argument("--max-rate", type=_positive_float, default=20_000.0, help="the sweep stops here (req/s)")
+    p.add_argument("--generators", type=_positive_int, default=1, help="load-generator processes to start with")
+    p.add_argument(
+        "--max-generators", type=_positive_int, default=2, help="a client-bound run is retried with more, up to this"
+    )
     p.add_argument("--slots", type=_positive_int, default=64)
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
@@ -430,6 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=EDGE_TRANSPORTS, default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=None, help="port (default 4433 for quic, 8080 for tcp)")
+    p.add_argument(
+        "--quic-engine",
+        choices=QUIC_ENGINES,
+        default=DEFAULT_QUIC_ENGINE,
+        help="QUIC engine for --transport quic: aioquic (default, the reference) or qh3 (pip install 'edgepath[qh3]')",
+    )
     p.add_argument(
         "--slot-server",
         default=None,

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
+from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
+
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
 SLOT_MEMORY = ("host", "gpu")
@@ -148,10 +151,13 @@ class ServeOptions:
     restart_window: float = 60.0  # ... seconds before serve gives up (exit 1)
     workers: int = 1  # > 1: that many edge processes (each with its own agent) share the port
     reuse_port: bool = False  # bind with SO_REUSEPORT: this edge is one of several workers on the port
+    quic_engine: str = DEFAULT_QUIC_ENGINE  # transport quic: aioquic (the reference) or qh3 (the [qh3] extra)
 
     def __post_init__(self) -> None:
         if self.transport not in EDGE_TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(EDGE_TRANSPORTS)}, got {self.transport!r}")
+        if self.quic_engine not in QUIC_ENGINES:
+            raise ValueError(f"quic_engine must be one of {', '.join(QUIC_ENGINES)}, got {self.quic_engine!r}")
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.workers > 1 and self.agent is not None:
@@ -183,6 +189,8 @@ class ServeOptions:
             "--port",
             str(self.port),
             "--reuse-port",
+            "--quic-engine",
+            self.quic_engine,
             "--slot-server",
             slot_server,
             *self.link.flags(),

@@ -13,6 +13,7 @@ import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.edge.client import H3Client, H3Response, h3_client
+from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
 from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
@@ -32,9 +33,21 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["XDG_STATE_HOME"] = old
 
 
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
-    options = ServeOptions(port=free_port(), slots=8, frames=64, input_capacity=INPUT_CAPACITY, output_capacity=64)
+@pytest.fixture(scope="module", params=ENGINES)
+def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
+    try:
+        load_engine(request.param)
+    except QuicEngineError as exc:
+        pytest.skip(str(exc))
+    options = ServeOptions(
+        port=free_port(),
+        slots=8,
+        frames=64,
+        input_capacity=INPUT_CAPACITY,
+        output_capacity=64,
+        quic_engine=request.param,
+    )
     with running_edge(options, tmp_path_factory.mktemp("edge")) as running:
         yield running
 

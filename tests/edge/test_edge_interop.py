@@ -12,16 +12,23 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
 from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+@pytest.fixture(scope="module", params=ENGINES)
+def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
+    try:
+        load_engine(request.param)
+    except QuicEngineError as exc:
+        pytest.skip(str(exc))
     old = os.environ.get("XDG_STATE_HOME")
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    options = ServeOptions(port=free_port(), slots=4, frames=16, quic_engine=request.param)
     try:
-        with running_edge(ServeOptions(port=free_port(), slots=4, frames=16), tmp_path_factory.mktemp("edge")) as e:
+        with running_edge(options, tmp_path_factory.mktemp("edge")) as e:
             yield e
     finally:
         if old is None:

@@ -38,7 +38,7 @@ def load(port: int, rate: float, seconds: float) -> subprocess.Popen[str]:
             sys.executable,
             "-m",
             "edgepath.bench.loadgen",
-            f"h3://127.0.0.1:{port}/v1/generate",
+            f"https://127.0.0.1:{port}/v1/generate",
             "--schedule",
             f"poisson:{rate}",
             "--count",
