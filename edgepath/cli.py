@@ -83,7 +83,7 @@ def _slots_spec(text: str) -> tuple[str, int | None]:
         kind, count = "host", text
     if kind not in SLOT_MEMORY or (sep and not count.isdigit()) or (count and int(count) <= 0):
         raise argparse.ArgumentTypeError(
-            f"expected N, KIND or KIND:N with KIND one of {', '.join(SLOT_MEMORY)} and N > 0, got {text!r}"
+            f"expected N, KIND or KIND:N (e.g. gpu:N) with KIND one of {', '.join(SLOT_MEMORY)} and N > 0, got {text!r}"
         )
     return kind, int(count) if count else None
 
