@@ -32,7 +32,7 @@ from edgepath.dma.wire import Sampling
 from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, lib
 
 if TYPE_CHECKING:
-    from edgepath.dma.gpu import DeviceSlots
+    from edgepath.dma.gpu import DeviceInfo, DeviceSlots
 
 log = logging.getLogger("edgepath.slot_server")
 
@@ -67,6 +67,24 @@ class SlotServerConfig:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
         if self.stream_window < 0:
             raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")
+
+
+def _require_write_ordering(device: DeviceInfo) -> None:
+    """Refuse a GPU that may show a NIC's doorbell before the request it rings for.
+
+    The kernel trusts a slot's data once its doorbell is visible; that holds for NIC writes into HBM
+    only if the device orders GPUDirect RDMA writes for its own readers (attribute >= 100, "owner").
+    Otherwise the writer would have to flush (an RDMA READ of the slot) before ringing, which agents do
+    not do yet (docs/GPU.md)."""
+    from edgepath.dma.gpu import GpuUnavailable
+
+    if device.rdma_writes_ordering < 100:
+        raise GpuUnavailable(
+            f"--slots gpu-device: device {device.index} ({device.name}) does not order GPUDirect RDMA writes "
+            f"(cudaDevAttrGPUDirectRDMAWritesOrdering = {device.rdma_writes_ordering}, needs >= 100), so a "
+            "doorbell could be seen before its request, and agents do not flush before ringing yet; "
+            "use --slots host with --data-path verbs"
+        )
 
 
 @dataclass
@@ -202,6 +220,7 @@ class SlotServer:
             cfg.gpu_device,
         )
         try:
+            _require_write_ordering(slots.poller.device)
             region = register(wire.POOL_REGION, slots, wire.POOL_ACCESS)
         except BaseException:
             slots.close()

@@ -119,7 +119,9 @@ class FakeCupy(types.ModuleType):
     uint64 = np.uint64
     int32 = np.int32
 
-    def __init__(self, twin: Any) -> None:
+    def __init__(self, twin: Any, rdma_writes_ordering: int = 100) -> None:
+        """``rdma_writes_ordering``: what the device reports for GPUDirect RDMA write ordering; 100
+        ("owner") by default, which the twin has: its NIC's writes are CPU stores, seen in order."""
         super().__init__("cupy")
         self._twin = twin
         self._blocks: dict[int, Any] = {}
@@ -185,7 +187,7 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def deviceGetAttribute(attr: int, index: int) -> int:
-                return 1 if attr == 19 else 0
+                return {19: 1, 118: rdma_writes_ordering}.get(attr, 0)
 
             @staticmethod
             def hostAlloc(nbytes: int, flags: int) -> int:

@@ -216,6 +216,24 @@ def test_a_failed_registration_frees_the_device_pool(fake: FakeCupy, tmp_path: P
         transport.close()
 
 
+def test_a_device_without_rdma_write_ordering_is_refused(
+    twin: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """[twin] A GPU that may show a doorbell before its request is refused (agents do not flush yet),
+    and the device memory it took is freed."""
+    fake = FakeCupy(twin, rdma_writes_ordering=0)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    transport = TwinNicTransport(fake)
+    try:
+        with pytest.raises(gpu.GpuUnavailable, match=r"WritesOrdering = 0, needs >= 100.*use --slots host"):
+            SlotServer(transport, str(tmp_path / "s.sock"), echo, SlotServerConfig(slots=2, memory="gpu-device"))
+        assert fake.device_blocks == {} and not (tmp_path / "s.sock").exists()
+    finally:
+        transport.close()
+
+
 # -- the verbs transport's registration of device memory (fake MR: no NIC here) -----------------------
 
 
