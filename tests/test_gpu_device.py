@@ -190,6 +190,48 @@ def test_device_slots_lease_expiry(serve: Callable[..., SlotServer]) -> None:
     assert int(lib.ep_load64(states)) >> 32 == claimed >> 32  # EXPIRE keeps the generation: a late bell is stale
 
 
+@pytest.mark.transport
+def test_device_slots_over_verbs_on_the_twin(
+    transport_name: str,
+    new_transport: Callable[[], Any],
+    new_address: Callable[[str], str],
+    fake: FakeCupy,
+) -> None:
+    """[twin + rxe] --slots gpu-device over the real verbs transport: the pool's memory is the twin's
+    "device memory" (host memory), registered through DeviceSlots.register_for_rdma -- dma-buf is
+    tried and fails (no cuda-bindings, no GPU), nvidia-peermem's ibv_reg_mr on the pointer then works
+    because the pointer is host memory here.  Agents claim (NIC CAS), write and ring over rxe; the twin
+    kernel hands over; results go back by RDMA WRITE from that memory, streamed ones included."""
+    if transport_name != "verbs":
+        pytest.skip("needs an RDMA device: runs in the soft-RoCE lane (tests/softroce/run, --transport verbs)")
+    cfg = SlotServerConfig(slots=4, input_capacity=CAP, output_capacity=CAP, memory="gpu-device", stream_window=0.0)
+    server = SlotServer(new_transport(), new_address("slot-server"), PacedEcho(0.0), cfg)
+    assert server.pool_mr.how == "nvidia-peermem"  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    agent = Agent(new_transport(), frames=4, input_capacity=CAP, output_capacity=CAP)
+    try:
+        agent.attach(server.address)
+        for i in range(40):
+            tokens = list(range(i, i + 2 + i % (CAP - 2)))
+            index = _send(agent, tokens, stream=i % 2 == 1)
+
+            def placed(d: Delivery, tokens: list[int] = tokens) -> None:
+                assert agent.frames.outputs[d.index, : d.count].tolist() == tokens[: d.count], d
+
+            got = _collect(agent, index, placed)
+            assert got and got[-1].final and got[-1].count == len(tokens), (i, server.stats)
+            assert int(agent.frames.results[index]["status"]) == Status.OK
+            agent.release(index)
+        assert server.stats.served == 40 and server.stats.progress_writes >= 20
+        assert _settle(lambda: _device_states(server) == [State.FREE] * 4)
+        assert server.poller.cuda.counters()["accepted"] == 40
+    finally:
+        server.stop()
+        thread.join(timeout=5)
+        server.close()
+
+
 def test_device_pool_is_refused_on_a_transport_without_register_device(fake: FakeCupy, tmp_path: Path) -> None:
     """Loopback agents cannot write GPU memory: refused before any GPU memory or listener is made."""
     transport = LoopbackTransport()
