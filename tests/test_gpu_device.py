@@ -212,7 +212,7 @@ def test_device_slots_over_verbs_on_the_twin(
     agent = Agent(new_transport(), frames=4, input_capacity=CAP, output_capacity=CAP)
     try:
         agent.attach(server.address)
-        for i in range(40):
+        for i in range(16):
             tokens = list(range(i, i + 2 + i % (CAP - 2)))
             index = _send(agent, tokens, stream=i % 2 == 1)
 
@@ -221,11 +221,12 @@ def test_device_slots_over_verbs_on_the_twin(
 
             got = _collect(agent, index, placed)
             assert got and got[-1].final and got[-1].count == len(tokens), (i, server.stats)
-            assert int(agent.frames.results[index]["status"]) == Status.OK
+            # paced-echo: max_new_tokens == len(tokens), so it stops at the output's end: LENGTH
+            assert int(agent.frames.results[index]["status"]) == Status.LENGTH
             agent.release(index)
-        assert server.stats.served == 40 and server.stats.progress_writes >= 20
+        assert server.stats.served == 16 and server.stats.progress_writes >= 8
         assert _settle(lambda: _device_states(server) == [State.FREE] * 4)
-        assert server.poller.cuda.counters()["accepted"] == 40
+        assert server.poller.cuda.counters()["accepted"] == 16
     finally:
         server.stop()
         thread.join(timeout=5)
