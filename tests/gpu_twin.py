@@ -4,7 +4,9 @@
 C11 atomics (``bench/gpu_host.c``, the same C ``gpu_check --dry-run`` runs) and run on a CPU thread;
 :class:`FakeCupy` stands in for the few cupy calls
 ``edgepath.dma.gpu`` makes (mapped host memory, a stream, a module, a launch), so ``GpuPoller``, the
-slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top.
+slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top;
+:class:`TwinNicTransport` lets agents write that "device memory" as a NIC would, so a ``--slots
+gpu-device`` slot server runs unchanged too.
 What this cannot show: device atomics and ordering over PCIe, the real launch, timing. The ``gpu``
 marker's runs on a GPU are for those.
 """
