@@ -190,7 +190,7 @@ class Agent:
             conn.close()
             raise
 
-    def revive(self, timeout: float = 1.0) -> list[ServerLink]:
+    def revive(self, timeout: float = 0.05) -> list[ServerLink]:
         """Re-attach to slot servers that went away (restarted, say); the links that came back.
 
         A revived server is a new pool (new epoch, new claimant id): nothing of the old one is

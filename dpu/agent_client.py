@@ -178,7 +178,7 @@ class AgentClient:
         self.inflight.clear()
         return lost
 
-    def revive(self, timeout: float = 1.0) -> list[AgentLink]:
+    def revive(self, timeout: float = 0.05) -> list[AgentLink]:
         """Connect to the agent again (a restarted one); its frames replace the old ones."""
         if self.links[0].alive:
             return []

@@ -32,7 +32,7 @@ from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.metrics import SHARED_DIR_ENV
-from edgepath.edge.service import EdgeService
+from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import load_tokenizer
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
@@ -156,7 +156,7 @@ async def _start_edge(
     """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse."""
     tokenizer = load_tokenizer(options.tokenizer)
     log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+    executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     service = build_edge(options, tokenizer, agent, keys, loop, executor)
     service.start()
@@ -192,7 +192,9 @@ async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | N
     from edgepath.edge.quic import serve_quic, server_configuration
 
     configuration = server_configuration(str(tls.certificate), str(tls.private_key))
-    return await serve_quic(service, options.host, options.port, configuration, reuse_port=options.reuse_port)
+    return await serve_quic(
+        service, options.host, options.port, configuration, reuse_port=options.reuse_port, retry=options.quic_retry
+    )
 
 
 def _named(option: str, address: str, connect: Callable[[str], T]) -> T:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgepath.config import AgentServiceSettings, AgentSettings, DataPath, ServeOptions, SlotServerSettings
@@ -172,8 +173,12 @@ def build_edge(
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys
     (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
+    import time
+
     from edgepath.edge.http import HttpCore, Limits
-    from edgepath.edge.service import EdgeService
+    from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
+    from edgepath.edge.openai_routes import CHAT, COMPLETIONS, OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
     link = agent.links[0]
     limits = Limits(
@@ -182,11 +187,31 @@ def build_edge(
         output_capacity=min(options.output_capacity, link.output_capacity),
         vocab_size=tokenizer.vocab_size,
     )
+    openai = OpenAIRoutes(
+        served_model_name(options, tokenizer),
+        limits.output_capacity,
+        tokenizer.vocab_size,
+        chat_support(tokenizer),
+        int(time.time()),
+    )
+    openai_format = formatter_factory(time.time)
     return EdgeService(
-        HttpCore(limits, keys),
+        HttpCore(limits, keys, openai),
         tokenizer,
         agent,
         loop,
         executor,
+        workers=TOKENIZER_WORKERS,
         request_timeout=options.request_timeout,
+        body_timeout=options.body_timeout,
+        formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
     )
+
+
+def served_model_name(options: ServeOptions, tokenizer: Tokenizer) -> str:
+    """The model id the OpenAI routes answer to: ``--served-model-name``, else the GGUF's file stem (or the
+    tokenizer's name when no model is served)."""
+    if options.served_model_name:
+        return options.served_model_name
+    path = getattr(tokenizer, "path", None)
+    return Path(path).stem if path else tokenizer.name

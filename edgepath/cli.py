@@ -287,6 +287,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             handler_options=tuple(args.handler_option),
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
+            body_timeout=args.body_timeout,
+            quic_retry=args.quic_retry,
             api_keys_file=args.api_keys_file,
             protect_ops=args.protect_ops,
             handler_deadline=args.handler_deadline,
@@ -496,9 +498,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
-        type=_non_negative_float,
+        type=_positive_float,
         default=60.0,
-        help="seconds a dispatched request may wait for its result before it is answered 504",
+        help="seconds a dispatched request may wait for its result (a stream: for its next tokens) before 504",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=5.0,
+        help="seconds a request may take to arrive complete (headers and body); then 408 and the stream is closed",
+    )
+    p.add_argument(
+        "--quic-retry",
+        action="store_true",
+        help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
     )
     p.add_argument(
         "--max-restarts",

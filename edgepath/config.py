@@ -139,12 +139,15 @@ class ServeOptions:
     output_capacity: int = 4096
     max_body: int = 1 << 20
     tokenizer: str | None = None
+    served_model_name: str | None = None  # the model id of the OpenAI routes (default: derived, see builder)
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
     handler_options: tuple[tuple[str, str], ...] = ()  # the started slot server's --handler-option KEY=VALUE
     slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
     request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
+    body_timeout: float = 5.0  # seconds a request may take to arrive complete (then 408)
+    quic_retry: bool = False  # QUIC address validation (Retry) before any connection state is kept
     api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
     protect_ops: bool = False  # /health and /metrics need a key too
     handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
@@ -200,6 +203,8 @@ class ServeOptions:
             str(self.max_body),
             "--request-timeout",
             repr(self.request_timeout),
+            "--body-timeout",
+            repr(self.body_timeout),
         ]
         for flag, value in (
             ("--tokenizer", self.tokenizer),
@@ -209,7 +214,8 @@ class ServeOptions:
         ):
             if value is not None:
                 argv += [flag, value]
-        return argv + (["--protect-ops"] if self.protect_ops else [])
+        flags = [flag for flag, on in (("--protect-ops", self.protect_ops), ("--quic-retry", self.quic_retry)) if on]
+        return argv + flags
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
         """The slot server ``serve`` starts, listening at ``listen``."""

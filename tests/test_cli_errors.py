@@ -27,7 +27,7 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--slots", "0"], ("--slots", "'0'", "positive integer")),
     (["serve", "--frames", "many"], ("--frames", "'many'", "positive integer")),
     (["serve", "--max-body", "-1"], ("--max-body", "'-1'", "positive integer")),
-    (["serve", "--request-timeout", "-5"], ("--request-timeout", "'-5'", ">= 0")),
+    (["serve", "--request-timeout", "-5"], ("--request-timeout", "'-5'", "> 0")),
     (["serve", "--gid-index", "-1"], ("--gid-index", "'-1'", ">= 0")),
     (["slot-server", "--lease", "0"], ("--lease", "'0'", "> 0")),
     (["serve", "--slot-spin-us", "nan"], ("--slot-spin-us", "'nan'", ">= 0")),
