@@ -313,7 +313,7 @@ class GpuPoller:
 
     def poll(self, max_entries: int = 256) -> list[tuple[int, int]]:
         """Slots the kernel moved to RUNNING since the last call: (slot, generation), in hand-off order."""
-        out = []
+        out: list[tuple[int, int]] = []
         ring = self._ring.ptr
         mask = self.ring_capacity - 1
         while len(out) < max_entries:
