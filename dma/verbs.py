@@ -154,6 +154,25 @@ class VerbsRegion(MemoryRegion):
         self.mr.close()
 
 
+class VerbsDeviceRegion(VerbsRegion):
+    """GPU memory registered with the PD (``--slots gpu-device``): the host cannot read it, so ``buf``
+    is empty; ``addr`` is where the MR's address space starts (a dma-buf MR's iova, or the device
+    pointer for nvidia-peermem), which is what peers and local work requests name."""
+
+    def __init__(self, name: str, length: int, access: Access, mr: Any, addr: int, how: str) -> None:
+        MemoryRegion.__init__(self, name=name, buf=np.empty(0, dtype=np.uint8), access=access)
+        self.mr = mr
+        self.addr = addr
+        self.length = length
+        self.lkey = int(mr.lkey)
+        self.rkey = int(mr.rkey)
+        self.how = how
+        self._keep = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "length": self.length}
+
+
 def _event(channel: Any, fd: int, timeout: float) -> Any | None:
     """The next rdma_cm event on ``channel`` (non-blocking fd), or None after ``timeout`` seconds."""
     from pyverbs.cmid import CMEvent
@@ -695,6 +714,19 @@ class VerbsTransport(Transport):
         if buffer.dtype != np.uint8 or buffer.nbytes != length or not buffer.flags.c_contiguous:
             raise ValueError(f"region {name!r}: buffer must be {length} contiguous bytes (uint8)")
         return self._register_buffer(name, buffer, access, keep=buffer, track=True)
+
+    def register_device(self, name: str, memory: Any, access: Access) -> VerbsDeviceRegion:
+        """Register GPU memory for peers to access as ``access`` allows: ``memory`` is a
+        :class:`edgepath.dma.gpu.DeviceSlots`, whose ``register_for_rdma`` tries dma-buf first and
+        nvidia-peermem as the logged fallback (``RdmaRegistrationError`` naming both reasons)."""
+        self.qp_access |= _ibv_access(access)
+        mr, how = memory.register_for_rdma(self.pd, _ibv_access(access))
+        # pyverbs' DmaBufMR registers with iova = its offset into the dma-buf; peermem, at the pointer.
+        addr = int(mr.offset) if how == "dma-buf" else int(memory.address)
+        region = VerbsDeviceRegion(name, int(memory.nbytes), access, mr, addr, how)
+        self._regions.append(region)
+        log.info("%s: %d bytes of GPU memory registered through %s", name, region.length, how)
+        return region
 
     def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> VerbsListener:
         listener = VerbsListener(self, address, _own(exports), info)

@@ -79,12 +79,14 @@ def _port(text: str) -> int:
 
 
 def _slots_spec(text: str) -> tuple[str, int | None]:
-    """``--slots``: a count (``64``), a memory kind (``host``, ``gpu``) or both (``gpu:64``)."""
+    """``--slots``: a count (``64``), a memory kind (``host``, ``gpu``, ``gpu-device``) or both (``gpu:64``)."""
     kind, sep, count = text.partition(":")
     if not sep and kind.isdigit():
         kind, count = "host", text
     if kind not in SLOT_MEMORY or (sep and not count.isdigit()) or (count and int(count) <= 0):
-        raise argparse.ArgumentTypeError(f"expected N, host, gpu, host:N or gpu:N (N > 0), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected N, KIND or KIND:N (e.g. gpu:N) with KIND one of {', '.join(SLOT_MEMORY)} and N > 0, got {text!r}"
+        )
     return kind, int(count) if count else None
 
 
@@ -316,9 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--slots",
         type=_slots_spec,
         default=("host", None),
-        metavar="{N,host,gpu,host:N,gpu:N}",
-        help=f"slot count (default {DEFAULT_SLOTS}) and/or where doorbells are polled: host (CPU poller, default) "
-        "or gpu (CUDA persistent poller over the pool mapped into the GPU; needs edgepath[gpu] and a CUDA device)",
+        metavar="{N,KIND,KIND:N}",
+        help=f"slot count (default {DEFAULT_SLOTS}) and/or where the pool lives and who polls it (KIND): host "
+        "(host memory, CPU poller, default), gpu (host memory mapped into the GPU, CUDA persistent poller; "
+        "with --data-path loopback) or gpu-device (GPU memory the NIC writes by GPUDirect RDMA, CUDA "
+        "persistent poller; with --data-path verbs); gpu and gpu-device need edgepath[gpu] and a CUDA device",
     )
     p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")

@@ -19,7 +19,7 @@ from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
-SLOT_MEMORY = ("host", "gpu")
+SLOT_MEMORY = ("host", "gpu", "gpu-device")  # the same as edgepath.dma.gpu.SLOT_MEMORY (a test checks)
 DEFAULT_SLOTS = 64
 
 
@@ -56,7 +56,9 @@ class SlotServerSettings:
 
     listen: str
     slots: int = DEFAULT_SLOTS
-    memory: str = "host"  # where doorbells are polled: host (CPU) or gpu (CUDA poller)
+    # host (CPU poller), gpu (host memory mapped into the GPU, CUDA poller) or gpu-device (GPU memory
+    # the NIC writes, CUDA poller); edgepath.dma.gpu.check_placement says which go with which data path
+    memory: str = "host"
     input_capacity: int = 4096
     output_capacity: int = 4096
     lease: float = 1.0
@@ -66,6 +68,11 @@ class SlotServerSettings:
     handler_deadline: float = 0.0
     stream_window_ms: float = 2.0  # streamed tokens after the first are coalesced within this window
     data_path: DataPath = field(default_factory=DataPath)
+
+    def __post_init__(self) -> None:
+        from edgepath.dma.gpu import check_placement
+
+        check_placement(self.data_path.kind, self.memory)
 
     def argv(self) -> list[str]:
         """``edgepath`` arguments that start exactly this slot server as its own process."""

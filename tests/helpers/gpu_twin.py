@@ -4,13 +4,18 @@
 C11 atomics (``bench/gpu_host.c``, the same C ``gpu_check --dry-run`` runs) and run on a CPU thread;
 :class:`FakeCupy` stands in for the few cupy calls
 ``edgepath.dma.gpu`` makes (mapped host memory, a stream, a module, a launch), so ``GpuPoller``, the
-slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top.
+slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top;
+:class:`TwinNicTransport` lets agents write that "device memory" as a NIC would, so a ``--slots
+gpu-device`` slot server runs unchanged too.
 What this cannot show: device atomics and ordering over PCIe, the real launch, timing. The ``gpu``
 marker's runs on a GPU are for those.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import shutil
 import subprocess
 import threading
@@ -21,6 +26,9 @@ from typing import Any
 
 import cffi
 import numpy as np
+
+from edgepath.dma.loopback import LoopbackRegion, LoopbackTransport, _Mapping
+from edgepath.dma.transport import Access, MemoryRegion
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
@@ -113,7 +121,9 @@ class FakeCupy(types.ModuleType):
     uint64 = np.uint64
     int32 = np.int32
 
-    def __init__(self, twin: Any) -> None:
+    def __init__(self, twin: Any, rdma_writes_ordering: int = 100) -> None:
+        """``rdma_writes_ordering``: what the device reports for GPUDirect RDMA write ordering; 100
+        ("owner") by default, which the twin has: its NIC's writes are CPU stores, seen in order."""
         super().__init__("cupy")
         self._twin = twin
         self._blocks: dict[int, Any] = {}
@@ -143,15 +153,24 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def malloc(nbytes: int) -> int:
-                """'Device' memory: host memory nobody maps but the twin kernel and the copies."""
-                block = ffi.new("char[]", nbytes)
-                address = int(ffi.cast("uintptr_t", block))
-                fake.device_blocks[address] = block
+                """'Device' memory: a memfd mapped here, touched only by the twin kernel, the copies and
+                the twin NIC (:class:`TwinNicTransport`, which hands the memfd to agents as a NIC
+                registration of device memory would let them write it)."""
+                fd = os.memfd_create("twin-device", os.MFD_CLOEXEC)
+                os.ftruncate(fd, nbytes)
+                mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+                view = ffi.from_buffer(mm)
+                address = int(ffi.cast("uintptr_t", view))
+                fake.device_blocks[address] = (fd, mm, view)
                 return address
 
             @staticmethod
             def free(address: int) -> None:
-                del fake.device_blocks[address]
+                fd, mm, view = fake.device_blocks.pop(address)
+                del view
+                with contextlib.suppress(BufferError):  # a twin NIC region may still map it
+                    mm.close()
+                os.close(fd)
 
             @staticmethod
             def memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
@@ -170,7 +189,7 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def deviceGetAttribute(attr: int, index: int) -> int:
-                return 1 if attr == 19 else 0
+                return {19: 1, 118: rdma_writes_ordering}.get(attr, 0)
 
             @staticmethod
             def hostAlloc(nbytes: int, flags: int) -> int:
@@ -221,6 +240,42 @@ class FakeCupy(types.ModuleType):
         array = np.full(n, STALE, dtype=dtype)
         self.pending_zeros.append(array)
         return array
+
+
+class TwinNicTransport(LoopbackTransport):
+    """The loopback transport plus the one capability ``--slots gpu-device`` needs of the verbs one:
+    ``register_device``, which here hands agents the twin's "device memory" (a memfd) as a NIC
+    registration of HBM would (VerbsTransport.register_device: dma-buf, else nvidia-peermem).  Agents
+    then claim, write and ring in that memory with their usual loopback CAS and stores, as a NIC's
+    atomics and WRITEs land in HBM; the slot server reads it only through DeviceSlots' copies."""
+
+    name = "twin-nic"
+
+    def __init__(self, cupy: FakeCupy) -> None:
+        super().__init__()
+        self._cupy = cupy
+
+    def register_device(self, name: str, memory: Any, access: Access) -> LoopbackRegion:
+        fd, _mm, _view = self._cupy.device_blocks[memory.address]
+        region = _DeviceRegion(name, fd, int(memory.nbytes), access)
+        self._regions.append(region)
+        return region
+
+
+class _DeviceRegion(LoopbackRegion):
+    """A loopback region over memory someone else allocated (the twin's device memfd)."""
+
+    def __init__(self, name: str, fd: int, length: int, access: Access) -> None:
+        self.fd = os.dup(fd)
+        self._map = _Mapping(self.fd, length)
+        self.ptr = self._map.ptr
+        MemoryRegion.__init__(self, name=name, buf=self._map.array, access=access)
+
+    def close(self) -> None:
+        """Idempotent: the slot server deregisters before freeing, the transport closes it again."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class LocalWriter:
