@@ -162,12 +162,74 @@ class GGUFTokenizer:
     def encode_into(self, text: str, out: np.ndarray, *, special: bool = False) -> int:
         """``llama_tokenize`` writing straight into ``out`` (int32, e.g. the registered frame);
         ``special``: parse control-token markers (only for text the server writes, never user text)."""
-        if out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"encode_into needs a writable contiguous int32 array, got {out.dtype}")
+        _check_frame(out)
+        return self._tokenize(text, out, add_special=True, special=special)
+
+    def _tokenize(self, text: str, out: np.ndarray, *, add_special: bool, special: bool) -> int:
         data = text.encode("utf-8")
         pointer = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        n = self._lib.llama_tokenize(self._vocab, data, len(data), pointer, len(out), True, special)
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), pointer, len(out), add_special, special)
         return -n if n < 0 else n  # negative: did not fit, nothing written, -n is the count
+
+    def encode_chat_into(
+        self, messages: list[dict[str, str]], out: np.ndarray, *, add_generation_prompt: bool = True
+    ) -> int:
+        """The model's chat template applied to ``messages``, tokenized into ``out``: the template's own
+        text with its markers parsed as control tokens, every message's content as plain text (a user
+        typing ``<|im_end|>`` cannot close their turn).  The count, as :meth:`encode_into` returns it
+        (when it exceeds ``len(out)``, ``out`` may hold a prefix of the ids).
+
+        Each content is tokenized on its own, so a content that starts or ends with whitespace may
+        split differently from tokenizing the whole rendered prompt (what llama.cpp's server does, with
+        markers parsed everywhere, user text included)."""
+        _check_frame(out)
+        n = 0
+        for i, (text, special) in enumerate(self.chat_segments(messages, add_generation_prompt)):
+            room = out[n:] if n < len(out) else out[:0]
+            count = self._tokenize(text, room, add_special=i == 0, special=special)
+            if count > len(room):  # keep counting how many it would take, writing nothing more
+                count = self._tokenize(text, np.empty(count, np.int32), add_special=i == 0, special=special)
+            n += count
+        return n
+
+    def chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order."""
+        import re
+
+        import jinja2.sandbox
+
+        if self.chat_template is None:
+            raise ValueError(f"{self.path} has no tokenizer.chat_template in its metadata")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+                raise ValueError(f"message {i} needs string 'role' and 'content', got {sorted(message)}")
+            if "\x00" in message["content"]:
+                raise ValueError(f"message {i}: content may not contain NUL characters")
+        contents = [m["content"] for m in messages]
+        marks = [f"\x00{i}\x00" for i in range(len(messages))]
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template refused the messages: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        rendered = env.from_string(self.chat_template).render(
+            messages=[{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+        pieces = re.split("\x00([0-9]+)\x00", rendered)
+        order = [int(x) for x in pieces[1::2]]
+        if sorted(order) != list(range(len(messages))):
+            raise ValueError("the chat template does not place each message's content exactly once")
+        segments = []
+        for k, template_text in enumerate(pieces[0::2]):
+            if template_text:
+                segments.append((template_text, True))
+            if k < len(order) and contents[order[k]]:
+                segments.append((contents[order[k]], False))
+        return segments
 
     def encode(self, text: str, *, special: bool = False) -> np.ndarray:
         out = np.empty(len(text) + 8, dtype=np.int32)  # a token covers at least one byte, most cover several
@@ -195,6 +257,11 @@ class GGUFTokenizer:
         if self._model:
             self._lib.llama_model_free(self._model)
             self._model = None
+
+
+def _check_frame(out: np.ndarray) -> None:
+    if out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"token ids go into a writable contiguous int32 array, got {out.dtype}")
 
 
 def default_tekken_path() -> Path:

@@ -113,11 +113,12 @@ class LlamaHandler:
         self.options = options
         self.slots = slots
         self.ctx_per_slot = options.ctx_per_slot
+        self._running: dict[int, _Sequence] = {}
+        self._ctx = None
         try:
             self._model = load_model(options.model, vocab_only=False)
         except ModelFileError as exc:
             raise HandlerError(f"llama: {exc}") from exc
-        self._ctx = None
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
@@ -156,7 +157,6 @@ class LlamaHandler:
         self._batch.seq_id = self._seq_ptrs
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.last_token_pointer = 0  # where the last llama_decode read its token ids (tests check it)
-        self._running: dict[int, _Sequence] = {}
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> LlamaHandler:
