@@ -218,6 +218,44 @@ def test_bad_token_id_fails_that_slot_only(handler: LlamaHandler, tok: GGUFToken
     assert handler.kv_positions(1) == 0
 
 
+class FailingDecode:
+    """llama_cpp with ``llama_decode`` failing once (as it does on an out-of-memory compute buffer):
+    isolates the handler's error path; everything else is the real library."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+        self.failed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def llama_decode(self, ctx: object, batch: object) -> int:
+        if not self.failed:
+            self.failed = True
+            return -3
+        return self._lib.llama_decode(ctx, batch)
+
+
+def test_model_error_fails_the_batch_slots_and_the_handler_keeps_serving(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    pool = Pool()
+    handler.add(pool.request(0, chat(tok, "Name a fruit."), 4), 0.0)
+    handler.step(0.0)
+    handler.add(pool.request(1, chat(tok, "Name a tree."), 4), 0.0)
+    real = handler._lib
+    handler._lib = FailingDecode(real)
+    try:
+        final = {e.slot: e for e in handler.step(0.0)}
+    finally:
+        handler._lib = real
+    assert final[0].status == Status.HANDLER_ERROR and final[0].count == 1
+    assert final[1] == Emit(1, 0, Status.HANDLER_ERROR)
+    assert handler.running == 0 and handler.kv_positions(0) == handler.kv_positions(1) == 0
+    handler.add(pool.request(1, chat(tok, "What is the capital of France?"), 12), 0.0)
+    assert "Paris" in text_of(tok, pool, drive(handler)[1])
+
+
 def test_prompt_longer_than_the_slot_context_is_refused(tok: GGUFTokenizer) -> None:
     config = HandlerConfig(1, 64, 8, {"ctx_per_slot": "32", "threads": "1"})
     assert LlamaHandler.max_prompt_tokens(config) == 32
