@@ -5,7 +5,7 @@ the same run (issue #13's target: 8 slots >= 2.5x one stream).  Prefill is exclu
 first runs its prompts in (untimed), then times decode steps until every slot has finished or
 ``--tokens`` tokens per slot are out.
 
-    python -m edgepath.bench.model_batching [--slots 8] [--tokens 64] [--rounds 3] [--threads 2]
+    python -m edgepath.bench.model_batching [--slots 8] [--tokens 64] [--rounds 3] [--threads 1]
 
 The figures depend on the machine and on what else runs on it: say where they were measured.
 """

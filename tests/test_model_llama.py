@@ -300,6 +300,7 @@ def test_sampling_is_seeded_per_slot(handler: LlamaHandler, tok: GGUFTokenizer) 
         ({"modle": "x.gguf"}, "unknown option(s) ['modle']; allowed: model="),
         ({"threads": "two"}, "threads must be an integer, got 'two'"),
         ({"ctx_per_slot": "8"}, "ctx_per_slot must be >= 16, got 8"),
+        ({"batch": "1"}, "batch must be >= 2, got 1"),
     ],
 )
 def test_bad_options_name_what_is_allowed(options: dict[str, str], message: str) -> None:
@@ -327,6 +328,11 @@ def test_truncated_gguf_is_corrupt(tmp_path: Path) -> None:
         path.write_bytes(f.read(1 << 16))
     with pytest.raises(HandlerError, match=f"model file {path} is corrupt or unsupported"):
         LlamaHandler.from_config(HandlerConfig(1, 16, 16, {"model": str(path)}))
+
+
+def test_batch_must_leave_room_for_prompts() -> None:
+    with pytest.raises(HandlerError, match=r"batch must be > slots \(4\).*got 4"):
+        LlamaHandler.from_config(HandlerConfig(4, 16, 16, {"batch": "4"}))
 
 
 def test_too_many_slots_for_llama_cpp() -> None:
