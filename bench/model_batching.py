@@ -43,8 +43,11 @@ def chat_prompt(tok: GGUFTokenizer, text: str) -> np.ndarray:
     return np.concatenate([head, tok.encode(text), tail]).astype(np.int32)
 
 
-def decode_rate(handler: LlamaHandler, prompts: list[np.ndarray], tokens: int, max_steps: int = 10_000) -> float:
-    """Decode tokens/s with ``len(prompts)`` slots running together (prefill untimed)."""
+def decode_rate(
+    handler: LlamaHandler, prompts: list[np.ndarray], tokens: int, max_steps: int = 10_000
+) -> tuple[float, float]:
+    """Decode tokens/s with ``len(prompts)`` slots running together (prefill untimed), and the mean
+    number of slots that produced a token per timed step (slots stop early on end-of-generation)."""
     inputs = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int32)
     outputs = np.zeros((len(prompts), tokens), dtype=np.int32)
     for slot, prompt in enumerate(prompts):
@@ -58,6 +61,7 @@ def decode_rate(handler: LlamaHandler, prompts: list[np.ndarray], tokens: int, m
             counts[emit.slot] = emit.count
         steps += 1
     start_total = sum(counts.values())
+    start_steps = steps
     start = time.perf_counter()
     while handler.wake_in(0.0) is not None and steps < max_steps:
         for emit in handler.step(0.0):
@@ -66,7 +70,8 @@ def decode_rate(handler: LlamaHandler, prompts: list[np.ndarray], tokens: int, m
     elapsed = time.perf_counter() - start
     if steps >= max_steps:
         raise RuntimeError(f"handler still running after {max_steps} steps")
-    return (sum(counts.values()) - start_total) / elapsed
+    produced = sum(counts.values()) - start_total
+    return produced / elapsed, produced / max(1, steps - start_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [chat_prompt(tok, PROMPTS[i % len(PROMPTS)]) for i in range(args.slots)]
     try:
         decode_rate(handler, prompts[:1], 8)  # warm-up: page the weights in, size llama.cpp's buffers
-        one, many = [], []
+        one, many, width = [], [], []
         for _ in range(args.rounds):  # interleaved, so a neighbour's load hits both alike
-            one.append(decode_rate(handler, prompts[:1], args.tokens))
-            many.append(decode_rate(handler, prompts, args.tokens))
+            one.append(decode_rate(handler, prompts[:1], args.tokens)[0])
+            rate, per_step = decode_rate(handler, prompts, args.tokens)
+            many.append(rate)
+            width.append(per_step)
     finally:
         handler.close()
         tok.close()
@@ -103,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         "one_stream_tok_s": statistics.median(one),
         f"{args.slots}_slots_tok_s": statistics.median(many),
         "ratio": statistics.median(many) / statistics.median(one),
+        "mean_slots_per_step": statistics.mean(width),
         "rounds": {"one": one, "many": many},
     }
     print(
         f"decode tokens/s, median of {args.rounds}: one stream {result['one_stream_tok_s']:.1f}, "
-        f"{args.slots} slots {result[f'{args.slots}_slots_tok_s']:.1f} aggregate -> {result['ratio']:.2f}x"
+        f"{args.slots} slots {result[f'{args.slots}_slots_tok_s']:.1f} aggregate -> {result['ratio']:.2f}x "
+        f"({result['mean_slots_per_step']:.1f} slots decoding per step on average)"
     )
     if args.json:
         with open(args.json, "w") as f:
