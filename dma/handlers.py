@@ -120,6 +120,8 @@ class FunctionHandler:
     ``deadline`` on a worker thread; one past its deadline is answered HANDLER_ERROR and keeps its
     slot until it returns."""
 
+    POLL = 0.001  # seconds between checks of worker-thread handlers
+
     def __init__(self, func: OneShot, deadline: float = 0.0, workers: int = 1) -> None:
         self.func = func
         self.deadline = deadline
@@ -130,6 +132,7 @@ class FunctionHandler:
         )
         self._running: dict[int, tuple[concurrent.futures.Future[Any], SlotRequest, float]] = {}
         self._overdue: dict[int, concurrent.futures.Future[Any]] = {}
+        self._poll_at = 0.0  # worker threads cannot wake the server: their futures are polled this often
 
     def _call(self, request: SlotRequest) -> Emit:
         try:
@@ -147,6 +150,7 @@ class FunctionHandler:
         return self._collect(now)
 
     def _collect(self, now: float) -> list[Emit]:
+        self._poll_at = now + self.POLL
         out = []
         for slot, (future, _, due) in list(self._running.items()):
             if future.done():
@@ -178,9 +182,7 @@ class FunctionHandler:
     def wake_in(self, now: float) -> float | None:
         if not self._running and not self._overdue:
             return None
-        if self._overdue:
-            return 0.005  # poll for overdue handlers returning
-        return max(0.0, min(min(due - now, 0.001) for _, _, due in self._running.values()))
+        return max(0.0, min([self._poll_at, *(due for _, _, due in self._running.values())]) - now)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -337,11 +339,12 @@ def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
     raise HandlerError(f"{obj!r} is not a handler: expected a function, a generator function or a BatchHandler")
 
 
-def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
-    """A built-in (``echo``, ``paced-echo``, ``llama``) or ``package.module:attribute``; a clear error
-    for anything else."""
+def find_handler(spec: str) -> Callable[[HandlerConfig], BatchHandler]:
+    """What ``spec`` names -- a built-in (``echo``, ``paced-echo``, ``llama``) or
+    ``package.module:attribute`` -- resolved but not built (no model is loaded): a clear error for
+    anything else, so a command line can be checked before anything starts."""
     if spec in BUILTIN:
-        return BUILTIN[spec](config)
+        return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise HandlerError(f"unknown handler {spec!r}: use a built-in ({', '.join(BUILTIN)}) or 'module:attribute'")
@@ -352,4 +355,9 @@ def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
     obj = getattr(module, attr, None)
     if obj is None:
         raise HandlerError(f"handler {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return adapt(obj, config)
+    return lambda config: adapt(obj, config)
+
+
+def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
+    """The handler ``spec`` names (see :func:`find_handler`), built for ``config``."""
+    return find_handler(spec)(config)

@@ -211,15 +211,15 @@ class Sampling:
     """Sampling parameters carried in the request header to the model side."""
 
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0 (a zeroed header) or 1: no nucleus cut
     top_k: int = 0  # 0: off
     seed: int = 0
 
     def check(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:
             raise RequestInvalid(f"temperature must be between 0 and 2, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestInvalid(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise RequestInvalid(f"top_p must be between 0 and 1 (0 or 1: off), got {self.top_p}")
         if not 0 <= self.top_k < 2**31:
             raise RequestInvalid(f"top_k must be a non-negative integer, got {self.top_k}")
         if not 0 <= self.seed < 2**64:

@@ -15,6 +15,7 @@ arrived, or its link died) -- so nothing of the old request can ever land in the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,8 +87,9 @@ class AgentPort(Protocol):
         """Frames lost with a slot server (or agent process) that went away: answer them 503."""
         ...
 
-    def revive(self) -> None:
-        """Reconnect what went away, if it is back."""
+    def revive(self, timeout: float = ...) -> Sequence[object]:
+        """Reconnect what went away, if it is back (waiting at most ``timeout`` seconds for each);
+        what came back."""
         ...
 
     def alive(self) -> bool:

@@ -117,7 +117,7 @@ struct ep_request_header {
     uint32_t top_k;            /* sampling: 0 = off */
     /* -- sampling parameters, read by the model side (second cache line) -- */
     float temperature;         /* 0 = greedy */
-    float top_p;               /* 1 = off */
+    float top_p;               /* 0 or 1 = off (a zeroed header means: no nucleus cut) */
     uint64_t seed;             /* sampling seed (per request) */
     uint32_t stream_window_us; /* coalesce streamed tokens within this window (0: server default) */
     uint32_t reserved32;

@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dma.transport import Access
 from edgepath.dma.transports import make_transport
+from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -91,7 +91,7 @@ def drive_agent(cfg: dict) -> dict:
             counts["no_slot" if status == Status.NO_SLOT else "other"] += 1
             answered += 1
             agent.release(index)
-        for index in agent.poll(timeout=1.0):
+        for index in [d.index for d in agent.poll(timeout=1.0) if d.final]:
             res = agent.frames.results[index]
             if int(res["status"]) == Status.OK:
                 counts["ok"] += 1
