@@ -6,7 +6,8 @@ fractions of that capacity, plus a burst of ``2 x slots`` requests at once.  Eve
 prompts and ``max_tokens`` and is bounded in requests and seconds.  Per run: time to first token
 p50/p99, inter-token latency p50/p99, aggregate streamed tokens/s, the share answered 429, and the
 time requests spent queued -- from the server's ``x-queued-ms`` header where it reports one, else
-estimated as TTFT minus that system's idle TTFT (marked ``~``).
+estimated as mean TTFT minus that system's idle TTFT (marked ``~``: an upper bound, since TTFT also
+grows when a batch shares the CPU).
 
     python -m edgepath.bench.model_compare [--systems llama-cpp-server,fastapi-batcher] [--requests 40]
 
@@ -85,7 +86,8 @@ SYSTEMS = [
         "edgepath",
         lambda s, port: [
             sys.executable, "-m", "edgepath.cli", "serve", "--transport", "tcp", "--host", "127.0.0.1",
-            "--port", str(port), "--slots", str(s.slots), "--handler", "llama",
+            "--port", str(port), "--slots", str(s.slots), "--input-capacity", str(s.ctx_per_slot),
+            "--output-capacity", str(s.ctx_per_slot), "--tokenizer", s.model, "--handler", "llama",
             "--handler-option", f"model={s.model}", "--handler-option", f"threads={s.threads}",
             "--handler-option", f"ctx_per_slot={s.ctx_per_slot}",
         ],
@@ -172,10 +174,13 @@ def _has_content(line: bytes) -> bool:
 
 
 # -- load -----------------------------------------------------------------------------------------------
+MODEL_ID = {"id": "default"}  # replaced by the first id the system under test lists in /v1/models
+
+
 def request_body(i: int, max_tokens: int) -> dict[str, Any]:
     question = QUESTIONS[i % len(QUESTIONS)]
     return {
-        "model": "default",
+        "model": MODEL_ID["id"],
         "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -264,6 +269,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def model_id(port: int) -> str:
+    """The first model id a server lists (edgepath refuses a name it does not serve)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+    await writer.drain()
+    response = await reader.read()
+    writer.close()
+    body = response.partition(b"\r\n\r\n")[2]
+    try:
+        return str(json.loads(body)["data"][0]["id"])
+    except (ValueError, KeyError, IndexError) as exc:
+        raise RuntimeError(f"/v1/models did not list a model: {body[:200]!r}") from exc
+
+
 async def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str, timeout: float) -> None:
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
@@ -291,10 +310,14 @@ async def run_system(system: System, setup: Setup, args: argparse.Namespace, log
     result: dict[str, Any] = {"system": system.name, "log": str(log_path), "runs": []}
     try:
         await wait_ready(proc, port, system.ready, args.start_timeout)
-        idle = await stream_chat(port, request_body(0, args.max_tokens), args.seconds + 60)
-        idle_ttft = idle.ttft
-        if idle_ttft is None:
-            raise RuntimeError(f"an idle request failed: HTTP {idle.status} {idle.error or ''}")
+        MODEL_ID["id"] = await model_id(port)
+        idle_ttfts = []
+        for i in range(3):  # one at a time: the system's TTFT with nothing else running
+            idle = await stream_chat(port, request_body(i, args.max_tokens), args.seconds + 60)
+            if idle.ttft is None:
+                raise RuntimeError(f"an idle request failed: HTTP {idle.status} {idle.error or ''}")
+            idle_ttfts.append(idle.ttft)
+        idle_ttft = statistics.median(idle_ttfts)
         capacity = await closed_loop(port, 2 * setup.slots, args.requests, args.max_tokens, args.seconds)
         result["capacity_rps"] = capacity
         result["idle_ttft_ms"] = idle_ttft * 1e3
@@ -320,7 +343,7 @@ async def run_system(system: System, setup: Setup, args: argparse.Namespace, log
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = "| system | load | ok/sent | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/s | 429 | queued ms |"
+    head = "| system | load | ok/sent | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/s | 429 | queued ms (~: bound) |"
     rows = [head, "|" + "---|" * 8]
 
     def f(x: float | None, digits: int = 0) -> str:
