@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -149,6 +149,7 @@ class GGUFTokenizer:
         self.path = path
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.chat_template: str | None = meta_str(self._model, "tokenizer.chat_template")
+        self._template: Any = None  # compiled on first use (edgepath.edge.chat.ChatTemplate)
         self.bos_token = self._special_text(lib.llama_vocab_bos(self._vocab))
         self.eos_token = self._special_text(lib.llama_vocab_eos(self._vocab))
 
@@ -193,42 +194,36 @@ class GGUFTokenizer:
         return n
 
     def chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
-        """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order."""
+        """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
+        rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content."""
         import re
 
-        import jinja2.sandbox
+        from edgepath.edge.chat import ChatMessage, ChatTemplate
 
         if self.chat_template is None:
             raise ValueError(f"{self.path} has no tokenizer.chat_template in its metadata")
+        if self._template is None:
+            origin = f"{self.path} (tokenizer.chat_template)"
+            self._template = ChatTemplate(
+                self.chat_template, bos_token=self.bos_token or "", eos_token=self.eos_token or "", origin=origin
+            )
         for i, message in enumerate(messages):
             if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
                 raise ValueError(f"message {i} needs string 'role' and 'content', got {sorted(message)}")
             if "\x00" in message["content"]:
                 raise ValueError(f"message {i}: content may not contain NUL characters")
-        contents = [m["content"] for m in messages]
-        marks = [f"\x00{i}\x00" for i in range(len(messages))]
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template refused the messages: {message}")
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        rendered = env.from_string(self.chat_template).render(
-            messages=[{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        marked = [ChatMessage(m["role"], f"\x00{i}\x00") for i, m in enumerate(messages)]
+        rendered = self._template.render(marked, add_generation_prompt=add_generation_prompt)
         pieces = re.split("\x00([0-9]+)\x00", rendered)
         order = [int(x) for x in pieces[1::2]]
         if sorted(order) != list(range(len(messages))):
-            raise ValueError("the chat template does not place each message's content exactly once")
+            raise ValueError(f"{self.path}: the chat template does not place each message's content exactly once")
         segments = []
         for k, template_text in enumerate(pieces[0::2]):
             if template_text:
                 segments.append((template_text, True))
-            if k < len(order) and contents[order[k]]:
-                segments.append((contents[order[k]], False))
+            if k < len(order) and messages[order[k]]["content"]:
+                segments.append((messages[order[k]]["content"], False))
         return segments
 
     def encode(self, text: str, *, special: bool = False) -> np.ndarray:
