@@ -97,13 +97,3 @@ def meta_str(model: Any, key: str) -> str | None:
         if n < size:
             return buf.raw[:n].decode("utf-8")
         size = n + 1
-
-
-def token_piece(lib: Any, vocab: Any, token: int, special: bool) -> bytes:
-    """The bytes of one token (``special``: render control tokens such as ``<|im_end|>`` too)."""
-    buf = ctypes.create_string_buffer(64)
-    n = lib.llama_token_to_piece(vocab, token, buf, 64, 0, special)
-    if n < 0:
-        buf = ctypes.create_string_buffer(-n)
-        n = lib.llama_token_to_piece(vocab, token, buf, -n, 0, special)
-    return buf.raw[:n]
