@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_twin import FakeCupy, TwinNicTransport, build_twin
+from helpers.gpu_twin import FakeCupy, TwinNicTransport, build_twin
 
 from edgepath import cli, config
 from edgepath.dma import gpu, slot_server, wire

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
-from edge_support import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.config import ServeOptions
 
