@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup-system
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q -e '.[test,bench,model]'  # model: llama.cpp builds (~5 min, cached after)
 	touch $@
 
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)

@@ -216,6 +216,7 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
         elif sut.name.startswith("edgepath-"):
             port = _free_port(socket.SOCK_DGRAM)
             args = ["--transport", "quic", "--quic-engine", str(sut.engine), "--port", str(port), "--slots", str(slots)]
+            args += ["--handler", "echo"]  # the ingress benchmark excludes model time
             servers.start("edge", [py, "-m", "edgepath", "serve", *args, *tls], "ready")
         else:
             address = str(workdir / f"slots-{time.monotonic_ns()}.sock")

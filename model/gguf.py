@@ -24,16 +24,22 @@ class ModelFileError(ValueError):
 def llama_cpp() -> Any:
     """The ``llama_cpp`` module, with llama.cpp's load chatter kept to warnings unless asked for.
 
-    llama-cpp-python prints every llama.cpp log line while its logger is unset (level NOTSET)."""
+    The low-level module alone leaves llama.cpp's own log callback in place, which prints every loader
+    line to stderr; ``llama_cpp._logger`` installs the callback that filters by the Python logger's level
+    (llama-cpp-python's high-level API imports it, the low-level one does not)."""
     try:
         import llama_cpp as lib
+        import llama_cpp._logger
     except ImportError as exc:
         raise ModelFileError(
             f"llama-cpp-python is not installed ({exc}); install the model extra: pip install -e '.[model]'"
         ) from exc
     quiet = logging.getLogger("llama-cpp-python")
     if quiet.level == logging.NOTSET:
-        quiet.setLevel(logging.WARNING)
+        # llama.cpp logs its loader dump at warning level; failures come back to us as NULL handles, which
+        # become errors that name the file, so only `edgepath -v` shows llama.cpp's own lines.
+        verbose = logging.getLogger("edgepath").getEffectiveLevel() <= logging.DEBUG
+        quiet.setLevel(logging.DEBUG if verbose else logging.CRITICAL)
     return lib
 
 

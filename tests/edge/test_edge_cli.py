@@ -29,7 +29,9 @@ def edgepath(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_serve_quic_and_request_cli(edgepath_process: Callable[..., Child], private_state: Path) -> None:
     port = str(free_port())
-    server = edgepath_process("serve", "--transport", "quic", "--port", port, "--slots", "4", timeout=60)
+    server = edgepath_process(
+        "serve", "--transport", "quic", "--port", port, "--slots", "4", "--handler", "echo", timeout=60
+    )
     assert (private_state / "edgepath" / "edge-cert.pem").is_file()  # self-signed, generated on first start
 
     done = edgepath("request", "--port", port, "Hello from the command line")
@@ -52,7 +54,9 @@ def test_request_to_nothing_is_a_clear_error() -> None:
 
 def test_serve_tcp_http11(edgepath_process: Callable[..., Child]) -> None:
     port = free_port(socket.SOCK_STREAM)
-    edgepath_process("serve", "--transport", "tcp", "--port", str(port), "--slots", "4", timeout=60)
+    edgepath_process(
+        "serve", "--transport", "tcp", "--port", str(port), "--slots", "4", "--handler", "echo", timeout=60
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("POST", "/v1/tokenize", body=json.dumps({"prompt": "over TCP"}))
     ids = json.loads(conn.getresponse().read())["tokens"]
@@ -85,6 +89,6 @@ def test_serve_tcp_http11(edgepath_process: Callable[..., Child]) -> None:
 def test_serve_on_a_busy_port_is_a_clear_error() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:
         busy.bind(("127.0.0.1", 0))
-        done = edgepath("serve", "--port", str(busy.getsockname()[1]), "--slots", "2")
+        done = edgepath("serve", "--port", str(busy.getsockname()[1]), "--slots", "2", "--handler", "echo")
     assert done.returncode == 2
     assert "cannot listen on 127.0.0.1" in done.stderr and "Address already in use" in done.stderr

@@ -62,7 +62,18 @@ def test_serve_over_the_data_path(transport_name: str, transport_options: dict, 
 @pytest.mark.transport
 def test_verbs_data_path_without_a_listen_address_is_a_clear_error() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "edgepath", "serve", "--data-path", "verbs", "--port", str(free_port())],
+        [
+            sys.executable,
+            "-m",
+            "edgepath",
+            "serve",
+            "--data-path",
+            "verbs",
+            "--handler",
+            "echo",
+            "--port",
+            str(free_port()),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
