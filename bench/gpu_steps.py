@@ -385,7 +385,7 @@ def step_baseline(args: argparse.Namespace) -> dict[str, Any]:
     g: Any = Twin(lib) if args.dry_run else Gpu()
     try:
         host, dev = g.pinned(3 * LINE)  # ping, pong, stop: one line each
-        out = {"quiet": quiet(args.core, args.dry_run)}
+        out: dict[str, Any] = {"quiet": quiet(args.core, args.dry_run)}
         stream = g.launch("ep_check_pingpong", 1, 32, (dev, dev + LINE, dev + 2 * LINE))
         n = args.iterations
         samples = np.zeros(n + 1000, dtype=np.uint64)
@@ -587,12 +587,13 @@ def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", marker]
     done = subprocess.run([*cmd, *files], capture_output=True, text=True, cwd=ROOT, timeout=args.timeout, check=False)
     lines = done.stdout.strip().splitlines()
-    out = {"files": files, "marker": marker, "exit": done.returncode, "summary": lines[-1] if lines else ""}
+    summary = lines[-1] if lines else ""
+    out: dict[str, Any] = {"files": files, "marker": marker, "exit": done.returncode, "summary": summary}
     out["tail"] = done.stdout[-3000:] + done.stderr[-1000:]
     if done.returncode != 0:
         raise StepFailed(f"{out['summary']}\n{out['tail']}")
-    if not args.dry_run and " passed" not in out["summary"]:
-        raise StepFailed(f"no GPU test passed on a GPU machine: {out['summary']}")
+    if not args.dry_run and " passed" not in summary:
+        raise StepFailed(f"no GPU test passed on a GPU machine: {summary}")
     return {**out, "gpu": NOT_RUN + " (the twin and CPU tests of those files ran)"} if args.dry_run else out
 
 
@@ -607,7 +608,7 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix="edgepath-echo-twin-"))
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         sys.modules["cupy"] = FakeCupy(build_twin(tmp))
-        gpu.build_poller = lambda arches: Path("host-twin")
+        gpu.build_poller = lambda *_: Path("host-twin")
     from edgepath.dpu.demo import run_demo
 
     out: dict[str, Any] = {}

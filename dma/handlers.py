@@ -348,7 +348,8 @@ def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
     """Turn a loaded object into a batch handler: a BatchHandler class or factory, a generator
     function, or a one-shot function."""
     if inspect.isclass(obj):
-        handler = obj.from_config(config) if hasattr(obj, "from_config") else obj(config)
+        factory: Callable[[HandlerConfig], Any] = getattr(obj, "from_config", obj)
+        handler = factory(config)
         if not isinstance(handler, BatchHandler):
             raise HandlerError(f"{obj.__name__} does not implement add/step/cancel/wake_in/close")
         return handler

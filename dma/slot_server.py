@@ -29,7 +29,7 @@ from edgepath.dma.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPo
 from edgepath.dma.pool import FrameLayout, SlotPool, reply_stride
 from edgepath.dma.transport import Completion, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import Sampling
-from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, lib
+from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, field_offset, lib
 
 if TYPE_CHECKING:
     from edgepath.dma.gpu import DeviceInfo, DeviceSlots
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgepath.slot_server")
 
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
-_PROGRESS_FIELD = RESULT_HEADER.fields["progress"][1]
+_PROGRESS_FIELD = field_offset(RESULT_HEADER, "progress")
 
 
 @dataclass
@@ -369,12 +369,12 @@ class SlotServer:
             window_us / 1e6 if window_us else self.config.stream_window,
         )
         self.running[slot] = run
-        out_cap = self.config.output_capacity if peer is None else min(
-            self.config.output_capacity, peer.layout.output_capacity
+        out_cap = (
+            self.config.output_capacity
+            if peer is None
+            else min(self.config.output_capacity, peer.layout.output_capacity)
         )
-        sampling = Sampling(
-            float(req["temperature"]), float(req["top_p"]), int(req["top_k"]), int(req["seed"])
-        )
+        sampling = Sampling(float(req["temperature"]), float(req["top_p"]), int(req["top_k"]), int(req["seed"]))
         problem = wire.request_problem(count, max_new, self.config.input_capacity, out_cap)
         if problem is None and peer is not None and reply_index >= peer.frames:
             problem = f"reply_index {reply_index} outside the agent's {peer.frames} frames"

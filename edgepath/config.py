@@ -216,15 +216,16 @@ class ServeOptions:
             "--handler",  # what the shared slot server runs decides the worker's tokenizer and limits
             self.handler,
         ]
-        for key, value in self.handler_options:
-            argv += ["--handler-option", f"{key}={value}"]
-        for flag, value in (
+        for key, option in self.handler_options:
+            argv += ["--handler-option", f"{key}={option}"]
+        optional: tuple[tuple[str, str | None], ...] = (
             ("--tokenizer", self.tokenizer),
             ("--served-model-name", self.served_model_name),
             ("--certificate", self.certificate),
             ("--private-key", self.private_key),
             ("--api-keys-file", self.api_keys_file),
-        ):
+        )
+        for flag, value in optional:
             if value is not None:
                 argv += [flag, value]
         flags = [flag for flag, on in (("--protect-ops", self.protect_ops), ("--quic-retry", self.quic_retry)) if on]

@@ -172,8 +172,18 @@ def serve_tcp(
         port = free_port(socket.SOCK_STREAM)
         listen = str(tmp_path / f"slots-{port}.sock")
         serve = edgepath_process(
-            "serve", "--transport", "tcp", "--port", str(port), "--slots", "4", "--handler", "echo",
-            "--slot-server-listen", listen, *extra
+            "serve",
+            "--transport",
+            "tcp",
+            "--port",
+            str(port),
+            "--slots",
+            "4",
+            "--handler",
+            "echo",
+            "--slot-server-listen",
+            listen,
+            *extra,
         )
         return serve, port
 
