@@ -193,6 +193,11 @@ class GGUFTokenizer:
             n += count
         return n
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` instead of the GGUF's own chat template (``serve --chat-template``)."""
+        self.chat_template = source
+        self._template = None
+
     def chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
         """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
         rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content."""

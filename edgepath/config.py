@@ -143,6 +143,7 @@ class ServeOptions:
     max_body: int = 1 << 20
     tokenizer: str | None = None
     served_model_name: str | None = None  # the model id of the OpenAI routes (default: derived, see builder)
+    chat_template: str | None = None  # a template file replacing the GGUF's own (chat completions)
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
@@ -221,6 +222,7 @@ class ServeOptions:
         optional: tuple[tuple[str, str | None], ...] = (
             ("--tokenizer", self.tokenizer),
             ("--served-model-name", self.served_model_name),
+            ("--chat-template", self.chat_template),
             ("--certificate", self.certificate),
             ("--private-key", self.private_key),
             ("--api-keys-file", self.api_keys_file),

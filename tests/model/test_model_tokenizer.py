@@ -149,3 +149,24 @@ def test_chat_counts_when_it_does_not_fit(tok: GGUFTokenizer) -> None:
 def test_chat_bad_messages_are_named(tok: GGUFTokenizer) -> None:
     with pytest.raises(ValueError, match="message 0 needs string 'role' and 'content'"):
         tok.encode_chat_into([{"role": "user"}], np.zeros(8, dtype=np.int32))
+
+
+def test_chat_template_flag_replaces_the_models_template_and_needs_a_gguf_tokenizer(tmp_path) -> None:
+    from edgepath.edge.serve import use_chat_template
+    from edgepath.edge.tokenizer import load_tokenizer
+    from edgepath.model.gguf import default_model_path
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
+    gguf = load_tokenizer(str(default_model_path()))
+    messages = [{"role": "user", "content": "hello there"}]
+    before = np.zeros(64, dtype=np.int32)
+    n_before = gguf.encode_chat_into(messages, before)
+    use_chat_template(gguf, str(template))
+    after = np.zeros(64, dtype=np.int32)
+    n_after = gguf.encode_chat_into(messages, after)
+    text = gguf.decode(after[:n_after])
+    assert "[user] hello there" in text and "[assistant]" in text and "<|im_start|>" not in text
+    assert (n_before, before[:n_before].tolist()) != (n_after, after[:n_after].tolist())
+    with pytest.raises(ValueError, match="GGUF tokenizer"):
+        use_chat_template(load_tokenizer(None), str(template))
