@@ -34,7 +34,7 @@ from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
-from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
