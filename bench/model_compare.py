@@ -536,7 +536,8 @@ def table(report: dict[str, Any]) -> str:
         f"{Path(setup['model']).name}, {setup['slots']} slots / batch, {setup['threads']} llama.cpp threads, "
         f"max_tokens {plan['max_tokens']}, at most {plan['requests']} requests and {plan['seconds']:g} s of "
         f"arrivals per run, seed {plan['seed']}. Capacity (closed loop, {2 * setup['slots']} clients): "
-        f"{capacities or 'none measured'}.",
+        f"{capacities or 'none measured'}."
+        + (" Smoke test (--quick): too few requests for figures to mean anything." if report["quick"] else ""),
         "",
         "| system | load | offered/s | answered/s | 429 % | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/s "
         "| queued ms |",
@@ -697,6 +698,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "command": cmd,
+        "quick": args.quick,
         "setup": asdict(setup),
         "plan": asdict(plan),
         "results": results,
