@@ -21,6 +21,7 @@ from edgepath.bench.model_compare import (
     _check,
     _has_content,
     add_arguments,
+    edge_latency_totals,
     main,
     percentile,
     ratios,
@@ -115,10 +116,25 @@ def test_bad_flags_are_named() -> None:
     assert _check(_parsed("--systems", "fastapi-batcher,edgepath"))[0] == ["edgepath", "fastapi-batcher"]
 
 
-def _run_row(load: str, ttft_p99: float | None, share: float | None = None) -> dict[str, Any]:
+def _run_row(load: str, ttft_ms: float | None, edge_ms: float | None = None) -> dict[str, Any]:
     row = summarize(load, [], idle_ttft=None)
-    row.update(ok=10, requests=10, ttft_p50_ms=ttft_p99, ttft_p99_ms=ttft_p99, edge_share_of_ttft_p50=share)
+    row.update(ok=10, requests=10, ttft_p50_ms=ttft_ms, ttft_p99_ms=ttft_ms, ttft_mean_ms=ttft_ms)
+    row["edge_latency_mean_ms"] = edge_ms
     return row
+
+
+def test_edge_latency_comes_from_the_metrics_histogram() -> None:
+    body = (
+        b"# HELP edgepath_edge_latency_seconds Request complete at the edge -> doorbell seen by the slot poller\n"
+        b"# TYPE edgepath_edge_latency_seconds histogram\n"
+        b'edgepath_edge_latency_seconds_bucket{le="0.001"} 3.0\n'
+        b"edgepath_edge_latency_seconds_count 4.0\n"
+        b"edgepath_edge_latency_seconds_sum 0.0025\n"
+        b"edgepath_edge_latency_seconds_created 1.7e+09\n"
+    )
+    assert edge_latency_totals(body) == (0.0025, 4.0)
+    with pytest.raises(RuntimeError, match="no edgepath_edge_latency_seconds"):
+        edge_latency_totals(b"edgepath_requests_total 3.0\n")
 
 
 def _report(results: list[dict[str, Any]], batching: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +153,7 @@ def _report(results: list[dict[str, Any]], batching: dict[str, Any]) -> dict[str
 
 
 def test_targets_are_judged_or_said_not_measured() -> None:
-    edge = {"system": "edgepath", "capacity_rps": 5.0, "runs": [_run_row("50% capacity", 100.0, 0.004)]}
+    edge = {"system": "edgepath", "capacity_rps": 5.0, "runs": [_run_row("50% capacity", 100.0, 0.4)]}
     llama = {"system": "llama-cpp-server", "capacity_rps": 2.0, "runs": [_run_row("50% capacity", 400.0)]}
     report = _report([edge, llama], {"ratio": 3.0, "slots": 8})
     assert [(r["value"], r["verdict"]) for r in report["ratios"]] == [
@@ -232,7 +248,7 @@ def test_quick_run_answers_on_every_system(tmp_path: Path) -> None:
             assert run["ok"] > 0 and run["ttft_p50_ms"] > 0 and run["tokens_per_s"] > 0, (result["system"], run)
     edge_runs = report["results"][0]["runs"]
     assert all(run["queued_ms"] is not None and not run["queued_estimated"] for run in edge_runs)
-    assert all(run["edge_ms_p50"] is not None for run in edge_runs)
+    assert all(run["edge_ms_p50"] is not None and run["edge_latency_mean_ms"] > 0 for run in edge_runs)
     assert report["batching"]["slots"] == 2 and report["batching"]["ratio"] > 0
     assert len(report["ratios"]) == 3 and all(r["value"] is not None for r in report["ratios"])
     content = readme.read_text()
