@@ -238,6 +238,12 @@ def cmd_bench_ingress(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    from edgepath.bench.model_compare import main
+
+    return main(args)
+
+
 #: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
 MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
 ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
@@ -463,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
     p.set_defaults(func=cmd_bench_ingress)
+    p = bench.add_parser(
+        "model", help="streamed chat load on the same GGUF: edgepath vs llama_cpp.server vs FastAPI + batcher"
+    )
+    from edgepath.bench.model_compare import add_arguments as add_model_arguments
+
+    add_model_arguments(p)
+    p.set_defaults(func=cmd_bench_model)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     p.add_argument("--transport", choices=EDGE_TRANSPORTS, default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
