@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from aioquic.asyncio.server import QuicServer
 
-from edgepath.dma.transports import make_transport
+from edgepath.dma.transport import make_transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.edge.auth import load_keys

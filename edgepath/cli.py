@@ -70,7 +70,7 @@ def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> No
 def cmd_slot_server(args: argparse.Namespace) -> int:
     from edgepath.dma.handlers import load_handler
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-    from edgepath.dma.transports import make_transport
+    from edgepath.dma.transport import make_transport
 
     memory, count = args.slots
     slots = count or DEFAULT_SLOTS
@@ -111,7 +111,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     from edgepath.dma.loopback import LoopbackTransport
     from edgepath.dma.transport import Access
-    from edgepath.dma.transports import make_transport
+    from edgepath.dma.transport import make_transport
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService
 

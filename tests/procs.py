@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgepath.dma.transports import make_transport
+from edgepath.dma.transport import make_transport
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import State
 

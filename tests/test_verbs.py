@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgepath.dma.transport import Access, Transport, TransportUnavailable
-from edgepath.dma.transports import make_transport
+from edgepath.dma.transport import make_transport
 
 pytestmark = pytest.mark.transport
 
