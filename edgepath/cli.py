@@ -110,8 +110,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from edgepath.dma.loopback import LoopbackTransport
-    from edgepath.dma.transport import Access
-    from edgepath.dma.transport import make_transport
+    from edgepath.dma.transport import Access, make_transport
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService
 

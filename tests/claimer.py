@@ -15,8 +15,7 @@ import time
 import numpy as np
 
 from edgepath.dma.state import SlotWord, claim_word
-from edgepath.dma.transport import Access
-from edgepath.dma.transport import make_transport
+from edgepath.dma.transport import Access, make_transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.dma.transport import Transport
-from edgepath.dma.transport import make_transport
+from edgepath.dma.transport import Transport, make_transport
 
 _ports = itertools.count(int(os.environ.get("EDGEPATH_TEST_PORT_BASE", "20000")))
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.dma.transport import Access, Transport, TransportUnavailable
-from edgepath.dma.transport import make_transport
+from edgepath.dma.transport import Access, Transport, TransportUnavailable, make_transport
 
 pytestmark = pytest.mark.transport
 
