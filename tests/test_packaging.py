@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from edgepath.native.build import verbs_headers_missing
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-VERBS_HEADERS = ("/usr/include/infiniband/verbs.h", "/usr/include/rdma/rdma_cma.h")
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -69,7 +70,7 @@ def test_a_built_wheel_installs_a_working_edgepath_outside_the_source_tree(tmp_p
     where, ok, has_verbs = _run([str(python), "-c", probe], outside, env).stdout.split()
     assert Path(where).is_relative_to(target), f"imported {where}, not the installed wheel"
     assert ok == "0"
-    assert has_verbs == str(all(Path(h).exists() for h in VERBS_HEADERS))
+    assert has_verbs == str(not verbs_headers_missing())  # built wherever rdma-core's headers are
 
     helped = _run([str(target / "bin" / "edgepath"), "--help"], outside, env)
     assert "usage: edgepath" in helped.stdout and "serve" in helped.stdout
