@@ -59,7 +59,7 @@ class Batcher:
     def _on_completions(self) -> None:
         cq = self.agent.transport.cq
         while True:
-            for index in self.agent.poll(timeout=0):
+            for index in [d.index for d in self.agent.poll(timeout=0) if d.final]:
                 fut = self._results.pop(index, None)
                 if fut is not None and not fut.done():
                     fut.set_result(index)

@@ -21,7 +21,7 @@ import pytest
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import SlotWord
+from edgepath.dma.wire import SlotWord
 from edgepath.dpu.agent import Agent, ServerLink
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State
@@ -120,7 +120,7 @@ def test_roundtrip(benchmark, slot_server_process, spin: bool) -> None:
 
     def roundtrip() -> None:
         assert agent.submit(0) is None
-        while not agent.poll(timeout=1.0, spin=poll_spin):
+        while not [d.index for d in agent.poll(timeout=1.0, spin=poll_spin) if d.final]:
             pass
         detect.append(int(res["t_ready_ns"]) - int(req["t_written_ns"]))
 

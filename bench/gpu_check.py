@@ -1,20 +1,25 @@
-"""The prepared GPU check: one command on a machine with a CUDA GPU, a JSON report, under 5 minutes.
+"""The GPU check: one command on a GPU machine, a report that always comes back.
 
-    python3 bench/gpu_check.py [--wheels .whl] [--out gpu_report.json]
+    python3 bench/gpu_check.py [--out DIR] [--dry-run]
 
-Steps (each recorded in the report; the first failure stops the run with a non-zero exit):
-  setup    (skipped with --no-setup) install the carried wheels (``--prepare`` fetches them, and can build
-           the cffi extension for the GPU image's Python, on a machine with PyPI), build that extension
-           unless carried, install edgepath editable; nothing from the network
-  device   a CUDA device through cupy; without one: exit 3 and "no GPU", nothing measured
-  compile  nvcc builds the poller fatbin for this device; cupy loads it eagerly
-  tests    pytest -m gpu (the GPU test subset)
-  (a)      host writes a 128-token request into a slot and rings its doorbell -> the kernel's hand-off is
-           seen by the host, >= 10k iterations: p50/p99 of doorbell->seen and write+doorbell->seen
-  (b)      end-to-end echo through a slot server with ``--slots gpu`` and an agent over loopback
+Each step runs in its own process with its own timeout (a sticky CUDA error or a kernel that never
+stops takes only its step), no step stops the run, and ``report.json`` is rewritten in ``--out``
+(default ``$OUT``, else the working directory) after every step.  The steps (bench/gpu_steps.py):
 
-The figure (a) is a round trip (host store -> kernel poll -> ring entry -> host load), so it bounds the
-one-way "kernel observes READY" time from above; the report says so.
+  build        the C host side (bench/gpu_host.c) and the poller fatbin: carried ones if present
+  probe        driver, clocks, PCIe link, device attributes (host-native atomics, dma-buf, GPUDirect RDMA)
+  smoke        cudaHostRegister of a memfd; exact system-scope atomic counts; GPU CAS next to CPU adds
+  baseline     bare ping-pong: a GPU thread echoes a pinned word, host loop in C (round trip)
+  poller_rtt   the poller's round trip timed in C, back-off 0 and 32 ns; in-kernel clock64 (one-way)
+  device_pool  the pool in device memory: claims, requests, doorbells in HBM, ids checked in place
+  gpu_tests    pytest -m gpu tests/test_gpu_poller.py (named: nothing else is collected)
+  echo         2,000 echo requests through a --slots gpu slot server and an agent, concurrency 1 and 8
+
+Needs on the GPU machine only Python 3.12, numpy, cupy-cuda13x, cuda-bindings, pytest; nvcc and gcc
+only if nothing was carried.  Installs nothing: ``--prepare`` (here, on a machine with PyPI) puts in
+``.gpu-carry/`` what the other machine lacks, and the steps find it there (docs/GPU.md lists it).
+``--dry-run`` runs every step's plumbing here, with a CPU thread in place of the GPU: GPU steps are
+marked "not run: no GPU", and no figure in a dry-run report is a GPU figure.
 """
 
 from __future__ import annotations
@@ -23,347 +28,193 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+import zipfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"doorbell_to_ready_p50_us": 5.0, "doorbell_to_ready_p99_us": 20.0}
-WHEELS = ("cffi", "pycparser")
-EXIT_FAILED, EXIT_NO_GPU = 1, 3
-_SETUP_ENV = "EDGEPATH_GPU_CHECK_SETUP"
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import gpu_steps  # noqa: E402  (a sibling script, not the edgepath package)
+
+ROOT = gpu_steps.ROOT
+CARRY = gpu_steps.CARRY
+ARCHES = ("90",)
+PACKAGES = {"edgepath": "edgepath", "edge": "edge", "dpu": "dpu", "dma": "dma", "native": "native", "bench": "bench"}
+# (step, timeout in seconds, needs the edgepath package): the timeouts add up to under 10 minutes.
+PLAN = (
+    ("probe", 45, False),
+    ("smoke", 45, False),
+    ("baseline", 45, False),
+    ("poller_rtt", 75, False),
+    ("device_pool", 45, False),
+    ("gpu_tests", 150, True),
+    ("echo", 120, True),
+)
 
 
-class CheckFailed(RuntimeError):
-    pass
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """Atomically: a reader (or a killed run) sees the previous report or this one, never half of one."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, out / "report.json")
 
 
-def percentiles(samples_ns: list[int]) -> dict[str, float]:
-    import numpy as np
-
-    us = np.asarray(samples_ns, dtype=np.float64) / 1000.0
-    return {
-        "n": len(us),
-        "p50_us": round(float(np.percentile(us, 50)), 3),
-        "p90_us": round(float(np.percentile(us, 90)), 3),
-        "p99_us": round(float(np.percentile(us, 99)), 3),
-        "p999_us": round(float(np.percentile(us, 99.9)), 3),
-        "max_us": round(float(us.max()), 3),
-    }
-
-
-class LocalWriter:
-    """Plays the agent on a pool in this process's memory: CAS claim, request write, doorbell last."""
-
-    def __init__(self, pool: Any, claimant: int = 1) -> None:
-        from edgepath.native.abi import ffi
-
-        self.pool = pool
-        self.claimant = claimant
-        self._states = ffi.cast("uint64_t *", ffi.from_buffer(pool.states))
-        self._doorbells = ffi.cast("uint64_t *", ffi.from_buffer(pool.doorbells))
-
-    def claim(self, slot: int) -> int:
-        """FREE -> CLAIMED by CAS (claimers own FREE words); the generation claimed."""
-        from edgepath.dma.state import claim_word
-        from edgepath.native.abi import lib
-
-        cur = self.pool.word(slot)
-        new = claim_word(cur, self.claimant)
-        if lib.ep_cas64(self._states + slot, cur, new) != cur:
-            raise CheckFailed(f"slot {slot} changed under the claim")
-        return new >> 32
-
-    def write(self, slot: int, generation: int, tokens: Any, request_id: int = 0) -> None:
-        req = self.pool.slots.requests[slot]
-        n = len(tokens)
-        self.pool.slots.tokens[slot, :n] = tokens
-        req["request_id"] = request_id
-        req["token_count"] = n
-        req["max_new_tokens"] = n
-        req["generation"] = generation
-
-    def ring(self, slot: int, generation: int, value: int | None = None) -> None:
-        """Store the doorbell word last, with release (the loopback NIC's WRITE of it)."""
-        from edgepath.dma.state import doorbell_word
-        from edgepath.native.abi import lib
-
-        lib.ep_store64(self._doorbells + slot, doorbell_word(slot, generation) if value is None else value)
-
-    def finish(self, slot: int, generation: int) -> None:
-        """RUNNING -> DONE -> FREE, as the model side does after the handler."""
-        from edgepath.native.abi import Event, ffi, lib
-
-        for event in (Event.COMPLETE, Event.RELEASE):
-            if lib.ep_apply(self._states + slot, event, generation, 0, ffi.NULL) != lib.EP_OK:
-                raise CheckFailed(f"slot {slot}: {event.name} refused on {self.pool.word(slot):#x}")
-
-
-def wait_handoff(poller: Any, timeout: float = 1.0) -> tuple[int, int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = poller.poll(1)
-        if got:
-            return got[0]
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"no hand-off from the GPU poller within {timeout} s (counters {poller.counters()})")
-
-
-def measure_doorbell(iterations: int, slots: int = 64, tokens: int = 128) -> dict[str, Any]:
-    """(a): write a ``tokens``-token request, ring, time until the host sees the kernel's hand-off."""
-    import numpy as np
-
-    from edgepath.dma.gpu import start_mapped_poller
-    from edgepath.dma.loopback import LoopbackTransport
-    from edgepath.dma.pool import SlotPool
-    from edgepath.dma.transport import Access
-    from edgepath.native.abi import State, lib
-
-    transport = LoopbackTransport()
-    try:
-        dims = SlotPool.layout_for(slots, tokens, tokens)
-        region = transport.register("pool", int(dims["total_size"]), Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
-        pool = SlotPool.create(region.buf, slots, tokens, tokens, 10**9, 1)
-        poller = start_mapped_poller(region.buf, slots)
-        try:
-            writer = LocalWriter(pool)
-            payload = np.random.default_rng(5).integers(0, 131072, size=(slots, tokens), dtype=np.int32)
-            ring_ns, write_ns = [], []
-            for i in range(iterations + 200):  # the first 200 warm up
-                slot = i % slots
-                gen = writer.claim(slot)
-                t0 = lib.ep_now_ns()
-                writer.write(slot, gen, payload[slot], i)
-                t1 = lib.ep_now_ns()
-                writer.ring(slot, gen)
-                got = wait_handoff(poller)
-                t2 = lib.ep_now_ns()
-                if got != (slot, gen) or pool.word(slot) & 0xFF != State.RUNNING:
-                    raise CheckFailed(f"hand-off {got} for slot {slot} gen {gen}, word {pool.word(slot):#x}")
-                writer.finish(slot, gen)
-                if i >= 200:
-                    ring_ns.append(t2 - t1)
-                    write_ns.append(t2 - t0)
-            counters = poller.counters()
-        finally:
-            poller.close()
-    finally:
-        transport.close()
-    return {
-        "what": "host stores a doorbell -> kernel sees it, CLAIMED->READY->RUNNING, ring entry -> host sees it "
-        "(a round trip: an upper bound of doorbell -> kernel observes READY)",
-        "placement": "mapped (loopback memfd, cudaHostRegister)",
-        "tokens": tokens,
-        "doorbell_to_handoff": percentiles(ring_ns),
-        "write_and_doorbell_to_handoff": percentiles(write_ns),
-        "kernel_counters": counters,
-    }
-
-
-def measure_echo(requests: int, tokens: int = 128) -> dict[str, Any]:
-    """(b): echo through a slot server polled by the GPU, an agent over loopback, one request at a time."""
-    from edgepath.dpu.demo import run_demo
-
-    out = {}
-    for concurrency in (1, 8):
-        report = run_demo(requests=requests, slots=8, concurrency=concurrency, tokens=tokens, memory="gpu")
-        out[f"concurrency_{concurrency}"] = {
-            "requests": report.requests,
-            "ok": report.ok,
-            "errors": report.errors,
-            "wrong_tokens": report.mismatches,
-            "slots_free_after": f"{report.slots_free_after}/{report.slots}",
-            "requests_per_s": round(report.requests / report.seconds, 1),
-            "stage_us": {k: dict(zip(("p50", "p99", "max"), v, strict=True)) for k, v in report.stage_us.items()},
-        }
-        if report.ok != requests or report.mismatches or report.slots_free_after != report.slots:
-            raise CheckFailed(f"echo through the GPU pool failed: {out[f'concurrency_{concurrency}']}")
-    return out
-
-
-def setup(wheels: Path | None) -> dict[str, Any]:
-    """Carried wheels, the native extension, edgepath editable: all offline."""
-    py = sys.executable
+def build(work: Path) -> dict[str, Any]:
+    """The host library and the fatbin: carried (``.gpu-carry/``) or built here."""
     done: dict[str, Any] = {}
-    if wheels is not None:
-        files = sorted(str(p) for p in wheels.glob("*.whl"))
-        if not files:
-            raise CheckFailed(f"no wheels in {wheels}")
-        _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *files])
-        done["wheels"] = [Path(f).name for f in files]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    if (ROOT / "native" / f"_core{suffix}").exists():
-        done["native"] = f"carried _core{suffix}"
+    carried = CARRY / gpu_steps.host_lib_name()
+    if carried.is_file():
+        done["host_lib"] = f"carried {carried.relative_to(ROOT)}"
+        os.environ[gpu_steps.HOST_LIB_ENV] = str(carried)
     else:
-        _run([py, str(ROOT / "native" / "build.py")])
-        done["native"] = f"built _core{suffix}"
-    _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(ROOT)])
+        stale = sorted(p.name for p in CARRY.glob("libgpucheck-*.so"))
+        built = gpu_steps.host_lib_build(work / carried.name)
+        done["host_lib"] = "built with gcc" + (f" (carried {stale} do not match these sources)" if stale else "")
+        os.environ[gpu_steps.HOST_LIB_ENV] = str(built)
+    cb = gpu_steps.cuda_build()
+    fatbin = CARRY / cb.fatbin_name(ARCHES)
+    if fatbin.is_file():
+        os.environ[cb.FATBIN_ENV] = str(fatbin)
+        done["fatbin"] = f"carried {fatbin.relative_to(ROOT)} (sm_{ARCHES[0]}, nvcc not needed)"
+    else:
+        done["fatbin"] = f"not carried ({fatbin.name}): the steps build it with nvcc for the device found"
     return done
 
 
-def _run(cmd: list[str], timeout: float = 180) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
-    if proc.returncode != 0:
-        raise CheckFailed(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    return proc.stdout
+def package_view(work: Path) -> Path:
+    """A folder where ``import edgepath.dma`` works without installing: symlinks to the repository's
+    folders under the package names pyproject.toml maps them to."""
+    view = work / "view" / "edgepath"
+    view.mkdir(parents=True)
+    for name in os.listdir(ROOT / "edgepath"):
+        (view / name).symlink_to(ROOT / "edgepath" / name)
+    for sub, folder in PACKAGES.items():
+        if sub != "edgepath":
+            (view / sub).symlink_to(ROOT / folder)
+    return view.parent
 
 
-def prepare(dest: Path, python: str | None) -> None:
-    """On a machine with PyPI (no GPU needed): the wheels the GPU image lacks, for its Python, and, with
-    ``python`` (an interpreter of that version), the cffi extension built for it into native/."""
-    version = "3.12"
-    if python:
-        version = _run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"]).strip()
-    platforms = [f"manylinux_2_{n}_x86_64" for n in (17, 27, 28)] + ["manylinux2014_x86_64"]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
-    cmd += ["--python-version", version, "--implementation", "cp"]
-    for p in platforms:
-        cmd += ["--platform", p]
-    _run([*cmd, *WHEELS])
-    if python:
-        with tempfile.TemporaryDirectory(prefix="edgepath-prep-") as tmp:
-            _run([python, "-m", "venv", tmp])
-            vpy = str(Path(tmp) / "bin" / "python")
-            _run([vpy, "-m", "pip", "install", "-q", "--no-deps", "setuptools", *map(str, dest.glob("*.whl"))])
-            _run([vpy, str(ROOT / "native" / "build.py")])
-    print(f"gpu_check: prepared for Python {version}: wheels in {dest}", file=sys.stderr)
+def step_env(view: Path) -> dict[str, str]:
+    """PYTHONPATH for the steps that import edgepath: the package view and the carried cffi/pycparser."""
+    paths = [str(view)]
+    if (CARRY / "site").is_dir():
+        paths.append(str(CARRY / "site"))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def run_tests() -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        check=False,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    result = {"exit": proc.returncode, "summary": summary, "tail": proc.stdout[-3000:] + proc.stderr[-1000:]}
-    if proc.returncode != 0:
-        raise CheckFailed(f"GPU tests failed: {summary}\n{result['tail']}")
-    if " skipped" in summary and " passed" not in summary:
-        raise CheckFailed(f"GPU tests were all skipped on a GPU machine: {result['tail']}")
+def run_step(name: str, timeout: int, env: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One step in its own process group, killed whole at its timeout; its JSON or what went wrong."""
+    result_path = work / f"{name}.json"
+    cmd = [sys.executable, str(HERE / "gpu_steps.py"), name, "--json", str(result_path)]
+    cmd += ["--iterations", str(args.iterations), "--requests", str(args.requests), "--timeout", str(timeout - 15)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        timed_out = True
+    seconds = round(time.monotonic() - t0, 2)
+    if timed_out:
+        return {"status": "timeout", "seconds": seconds, "error": f"killed after {timeout} s", "log": output[-3000:]}
+    if not result_path.is_file():
+        return {
+            "status": "failed",
+            "seconds": seconds,
+            "error": f"exit {proc.returncode}, no result",
+            "log": output[-3000:],
+        }
+    result = {**json.loads(result_path.read_text()), "seconds": seconds}
+    if output.strip():
+        result["log"] = output[-2000:]
     return result
+
+
+def prepare(python: str) -> None:
+    """Here, with PyPI: what the GPU machine lacks, into .gpu-carry/ (and native/_core for ``python``)."""
+    CARRY.mkdir(exist_ok=True)
+    gpu_steps.host_lib_build(CARRY / gpu_steps.host_lib_name())
+    cb = gpu_steps.cuda_build()
+    cb.build_poller(ARCHES, CARRY)
+    version = subprocess.check_output([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], text=True)
+    with tempfile.TemporaryDirectory(prefix="edgepath-prep-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp]
+        cmd += ["--python-version", version.strip(), "--implementation", "cp", "--platform", "manylinux2014_x86_64"]
+        subprocess.run([*cmd, "cffi", "pycparser"], check=True)
+        for wheel in Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(CARRY / "site")
+        venv = Path(tmp) / "venv"
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        vpy = str(venv / "bin" / "python")
+        subprocess.run([vpy, "-m", "pip", "install", "-q", "--no-deps", "setuptools", "numpy"], check=True)
+        env = {**os.environ, "PYTHONPATH": str(CARRY / "site")}
+        subprocess.run([vpy, str(ROOT / "native" / "build.py")], check=True, cwd=ROOT, env=env)
+    print(f"gpu_check: prepared {CARRY} and native/_core for Python {version.strip()}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("gpu_report.json"))
-    parser.add_argument("--wheels", type=Path, default=None, help="folder of wheels to install first (offline)")
-    parser.add_argument("--no-setup", action="store_true", help="edgepath is already installed and built here")
-    parser.add_argument("--iterations", type=int, default=10_000, help="(a) iterations, at least 10000")
-    parser.add_argument("--echo-requests", type=int, default=10_000)
-    parser.add_argument(
-        "--prepare", type=Path, default=None, help="on a machine with PyPI: put the GPU image's missing wheels here"
-    )
-    parser.add_argument("--python", default=None, help="with --prepare: that Python's version; build native/ for it")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")), help="default: $OUT, else .")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: every step's plumbing, a CPU thread as GPU")
+    parser.add_argument("--iterations", type=int, default=None, help="timed iterations (default 10000; dry run 500)")
+    parser.add_argument("--requests", type=int, default=None, help="echo requests (default 2000; dry run 200)")
+    parser.add_argument("--only", action="append", choices=[p[0] for p in PLAN], help="run only these steps")
+    parser.add_argument("--prepare", metavar="PYTHON", help="here: build .gpu-carry/ for that interpreter, and exit")
     args = parser.parse_args(argv)
-    if args.prepare is not None:
-        try:
-            prepare(args.prepare, args.python)
-        except CheckFailed as exc:
-            print(f"gpu_check: prepare failed: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+    if args.prepare:
+        prepare(args.prepare)
         return 0
-    if args.iterations < 10_000:
-        parser.error("--iterations must be at least 10000")
-
+    args.iterations = args.iterations or (500 if args.dry_run else 10_000)
+    args.requests = args.requests or (200 if args.dry_run else 2_000)
+    if args.iterations < 1 or args.requests < 1:
+        parser.error("--iterations and --requests must be at least 1")
     report: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
         "python": sys.version.split()[0],
-        "targets": TARGETS,
+        "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
+        "dry_run": args.dry_run,
         "steps": {},
     }
     begin = time.monotonic()
-    if not args.no_setup:
+    with tempfile.TemporaryDirectory(prefix="edgepath-gpu-check-") as tmp:
+        work = Path(tmp)
         try:
-            done = {**setup(args.wheels), "seconds": round(time.monotonic() - begin, 2)}
-        except CheckFailed as exc:
-            report["steps"]["setup"] = {"error": str(exc)}
-            report["result"] = "failed"
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
-            print(f"gpu_check: setup: FAILED; report in {args.out}", file=sys.stderr)
-            return EXIT_FAILED
-        print("gpu_check: setup: ok", file=sys.stderr)
-        # A fresh interpreter sees the editable install (its .pth is read at start-up only).
-        os.environ[_SETUP_ENV] = json.dumps(done)
-        again = ["--no-setup", "--out", str(args.out), "--iterations", str(args.iterations)]
-        os.execv(sys.executable, [sys.executable, __file__, *again, "--echo-requests", str(args.echo_requests)])
-    if _SETUP_ENV in os.environ:
-        report["steps"]["setup"] = json.loads(os.environ.pop(_SETUP_ENV))
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("device", _device),
-        ("compile", _compile),
-        ("tests", run_tests),
-        ("a_doorbell", lambda: measure_doorbell(args.iterations)),
-        ("b_echo", lambda: measure_echo(args.echo_requests)),
-    ]
-    code = 0
-    for name, step in steps:
-        t = time.monotonic()
-        try:
-            report["steps"][name] = step()
-        except CheckFailed as exc:
-            report["steps"][name] = {"error": str(exc)}
-            code = EXIT_FAILED
+            report["steps"]["build"] = {"status": "ok", **build(work)}
         except Exception as exc:
-            report["steps"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-            code = EXIT_NO_GPU if name == "device" and "GpuUnavailable" in type(exc).__name__ else EXIT_FAILED
-        report["steps"][name] = {"seconds": round(time.monotonic() - t, 2), **_as_dict(report["steps"][name])}
-        print(f"gpu_check: {name}: {'ok' if 'error' not in report['steps'][name] else 'FAILED'}", file=sys.stderr)
-        if code:
-            break
-    if code == 0:
-        a = report["steps"]["a_doorbell"]["doorbell_to_handoff"]
-        report["targets_met"] = {
-            "doorbell_to_ready_p50_us": a["p50_us"] <= TARGETS["doorbell_to_ready_p50_us"],
-            "doorbell_to_ready_p99_us": a["p99_us"] <= TARGETS["doorbell_to_ready_p99_us"],
-        }
+            report["steps"]["build"] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        write_report(report, args.out)
+        plain = dict(os.environ)
+        with_package = step_env(package_view(work))
+        for name, timeout, needs_package in PLAN:
+            if args.only and name not in args.only:
+                continue
+            result = run_step(name, timeout, with_package if needs_package else plain, args, work)
+            report["steps"][name] = result
+            report["seconds"] = round(time.monotonic() - begin, 1)
+            write_report(report, args.out)
+            print(f"gpu_check: {name}: {result['status']} ({result['seconds']} s)", file=sys.stderr)
+    statuses = [s["status"] for s in report["steps"].values()]
+    report["result"] = "ok" if all(s == "ok" for s in statuses) else "failed"
     report["seconds"] = round(time.monotonic() - begin, 1)
-    report["result"] = "ok" if code == 0 else ("no GPU" if code == EXIT_NO_GPU else "failed")
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if code == EXIT_NO_GPU:
-        print(f"gpu_check: no GPU: {report['steps']['device']['error']}", file=sys.stderr)
-    print(f"gpu_check: {report['result']}; report in {args.out}", file=sys.stderr)
-    return code
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {"value": value}
-
-
-def _device() -> dict[str, Any]:
-    from edgepath.dma.gpu import require_device
-
-    info = require_device()
-    return {
-        "name": info.name,
-        "compute_capability": info.compute_capability,
-        "host_native_atomics": info.host_native_atomics,
-        "gpudirect_rdma": info.gpudirect_rdma,
-        "rdma_writes_ordering": info.rdma_writes_ordering,
-        "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING"),
-    }
-
-
-def _compile() -> dict[str, Any]:
-    from edgepath.dma.gpu import load_cupy, require_device
-    from edgepath.native.cuda_build import build_poller
-
-    info = require_device()
-    t = time.monotonic()
-    fatbin = build_poller((info.compute_capability,))
-    cp = load_cupy()
-    module = cp.RawModule(path=str(fatbin))
-    module.get_function("ep_gpu_poller")
-    return {"fatbin": str(fatbin), "build_and_load_s": round(time.monotonic() - t, 2)}
+    write_report(report, args.out)
+    print(f"gpu_check: {report['result']}; report in {args.out / 'report.json'}", file=sys.stderr)
+    return 0 if report["result"] == "ok" else 1
 
 
 if __name__ == "__main__":

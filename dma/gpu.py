@@ -4,11 +4,14 @@ Placement (docs/GPU.md says why):
   * ``mapped``: the pool is the transport's registered host memory (the loopback memfd an agent in
     another process writes), page-locked and mapped into the GPU with ``cudaHostRegister``.  The kernel
     polls its doorbell words over PCIe with system-scope acquire loads; the host sees every word as is.
-  * ``device``: the pool in device memory (``DevicePool``), exported as a dma-buf for a NIC
-    (``register_for_rdma``): the NIC lane, where token data should never cross host memory.
+  * ``device`` (``--slots gpu-device``): the pool, its state words and doorbells in ``cudaMalloc``
+    memory (:func:`start_device_poller`), registered with the NIC through dma-buf
+    (:meth:`DeviceSlots.register_for_rdma`): the GPUDirect lane, where a NIC writes the ids straight into
+    HBM, the kernel polls them there and a model on the GPU reads them in place.
 Either way the layout is the one of ``edgepath_slot.h``, and the hand-off to the model side is a ring
-in mapped host memory.  Nothing here imports cupy until a GPU is asked for, so the base install (no
-cupy) imports this module fine and gets a clear :class:`GpuUnavailable` instead.
+in mapped host memory.  :func:`check_placement` says which data path goes with which placement.
+Nothing here imports cupy until a GPU is asked for, so the base install (no cupy) imports this module
+fine and gets a clear :class:`GpuUnavailable` instead.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,14 +29,39 @@ import numpy as np
 
 from edgepath.dma.pool import SlotPool
 from edgepath.native.abi import ffi, lib
-from edgepath.native.cuda_build import CudaBuildError, build_poller
+from edgepath.native.cuda_build import CudaBuildError, build_poller, ctrl_words
 
 log = logging.getLogger("edgepath.gpu")
 
-# ctrl words (edgepath_poller.cu's EP_CTRL_*).
-CTRL_STOP, CTRL_RUNNING, CTRL_ACCEPTED, CTRL_REJECTED, CTRL_EXPIRED, CTRL_LOST, CTRL_LOOPS = range(7)
-CTRL_WORDS = 8
-_CTRL_NAMES = ("accepted", "rejected", "expired", "lost")
+# ctrl words, read from edgepath_poller.h (EP_CTRL_*): one 64-byte line per kind of writer.
+_CTRL = ctrl_words()
+CTRL_STOP, CTRL_RUNNING, CTRL_LOOPS = _CTRL["STOP"], _CTRL["RUNNING"], _CTRL["LOOPS"]
+CTRL_WORDS = _CTRL["WORDS"]
+_COUNTERS = {
+    "accepted": _CTRL["ACCEPTED"],
+    "rejected": _CTRL["REJECTED"],
+    "expired": _CTRL["EXPIRED"],
+    "lost": _CTRL["LOST"],
+    "handoff_cycles_sum": _CTRL["HANDOFF_CYCLES"],
+    "handoff_cycles_max": _CTRL["HANDOFF_MAX"],
+}
+
+# Slot memory kinds (--slots KIND) and the data paths each can be written by.
+SLOT_MEMORY = ("host", "gpu", "gpu-device")
+_PLACEMENTS = {
+    ("loopback", "host"): None,
+    ("verbs", "host"): None,
+    ("loopback", "gpu"): None,
+    ("verbs", "gpu-device"): None,
+    ("loopback", "gpu-device"): (
+        "loopback agents write the pool with CPU stores into a shared memfd, and device memory cannot be "
+        "mapped into their processes; use --slots gpu (host memory mapped into the GPU) with loopback"
+    ),
+    ("verbs", "gpu"): (
+        "over verbs the NIC should write the ids straight into GPU memory (GPUDirect RDMA), not into host "
+        "memory the GPU then reads over PCIe; use --slots gpu-device with --data-path verbs"
+    ),
+}
 
 # cudaHostRegister flags (cuda_runtime_api.h; cupy names the cudaHostAlloc ones only).
 _HOST_REGISTER_PORTABLE = 1
@@ -47,9 +76,38 @@ class RdmaRegistrationError(RuntimeError):
     """GPU memory that cannot be registered with the NIC by dma-buf nor by nvidia-peermem."""
 
 
+def check_placement(data_path: str, memory: str) -> None:
+    """Refuse a data path and slot memory that do not go together, saying why and what does.
+
+    Possible: loopback or verbs with host memory; loopback with host memory mapped into the GPU
+    (``gpu``); verbs with device memory (``gpu-device``, GPUDirect RDMA)."""
+    if memory not in SLOT_MEMORY:
+        raise ValueError(f"slot memory {memory!r}: expected one of {', '.join(SLOT_MEMORY)}")
+    key = (data_path, memory)
+    if key not in _PLACEMENTS:
+        raise ValueError(f"data path {data_path!r}: expected loopback or verbs")
+    reason = _PLACEMENTS[key]
+    if reason is not None:
+        raise ValueError(f"--slots {memory} with --data-path {data_path} is not possible: {reason}")
+
+
 def load_cupy() -> ModuleType:
-    """cupy, with modules loaded eagerly: a lazily loaded kernel can deadlock behind the persistent one."""
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+    """cupy, with modules loaded eagerly: a lazily loaded kernel can deadlock behind the persistent one.
+
+    ``CUDA_MODULE_LOADING`` is read when CUDA initialises, so it is forced to EAGER before cupy is
+    first imported (an image that sets LAZY is overridden, with a warning); once cupy is imported under
+    another value it is too late, and that is refused."""
+    mode = os.environ.get("CUDA_MODULE_LOADING")
+    if mode != "EAGER":
+        if sys.modules.get("cupy") is not None:
+            raise GpuUnavailable(
+                f"--slots gpu: cupy was imported with CUDA_MODULE_LOADING={mode or 'unset (LAZY)'}; the persistent "
+                "poller needs EAGER module loading (a lazily loaded kernel can wait forever behind it): set "
+                "CUDA_MODULE_LOADING=EAGER before starting, or let edgepath import cupy first"
+            )
+        if mode is not None:
+            log.warning("CUDA_MODULE_LOADING=%s overridden to EAGER for the persistent GPU poller", mode)
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     try:
         import cupy
     except ImportError as exc:
@@ -173,15 +231,18 @@ class GpuPoller:
         except CudaBuildError as exc:
             raise GpuUnavailable(f"--slots gpu: {exc}") from exc
         cp.cuda.Device(device.index).use()
-        module = cp.RawModule(path=str(fatbin))
+        self.module = cp.RawModule(path=str(fatbin))
         # get_function loads the module now, before the persistent kernel occupies the GPU.
-        self._kernel = module.get_function("ep_gpu_poller")
+        self._kernel = self.module.get_function("ep_gpu_poller")
         self.ring_capacity = 1 << max(6, (slot_count - 1).bit_length())  # >= slots: the ring cannot overrun
         self._ctrl = _Pinned(cp, 8 * CTRL_WORDS)
         self._expire = _Pinned(cp, 8 * slot_count)
         self._ring = _Pinned(cp, 16 * self.ring_capacity)
         self._seen = cp.zeros(slot_count, dtype=cp.uint64)
         self._tail = cp.zeros(1, dtype=cp.uint64)
+        # cp.zeros runs on the legacy stream and the kernel on a non-blocking one that does not wait
+        # for it: without this, a block reused from cupy's pool could still hold a stale tail.
+        cp.cuda.runtime.deviceSynchronize()
         self._head = 0
         self._stream = cp.cuda.Stream(non_blocking=True)
         self._launched = False
@@ -257,15 +318,27 @@ class GpuPoller:
             self._head += 1
         return out
 
-    def request_expire(self, slot: int, word: int) -> None:
-        """Ask the kernel (the only writer of CLAIMED words) to expire ``slot`` if it still holds ``word``."""
+    def request_expire(self, slot: int, word: int) -> bool:
+        """Ask the kernel (the only writer of CLAIMED words) to expire ``slot`` if it still holds ``word``.
+
+        Written only while no request is pending (the kernel clears the entry once it decided), so a
+        request is never overwritten before the kernel saw it; False when one is pending (ask again
+        later)."""
+        if word == 0:
+            raise ValueError(f"slot {slot}: 0 is not a state word to expire (0 means no request)")
+        if lib.ep_load64(self._expire.ptr + slot) != 0:
+            return False
         lib.ep_store64(self._expire.ptr + slot, word)
+        return True
 
     def expire_pending(self, slot: int) -> bool:
         return lib.ep_load64(self._expire.ptr + slot) != 0
 
     def counters(self) -> dict[str, int]:
-        return {name: self._ctrl_word(CTRL_ACCEPTED + i) for i, name in enumerate(_CTRL_NAMES)}
+        """accepted / rejected / expired / lost doorbells and claims, and the kernel's own clock from a
+        doorbell's detection to its ring entry's publication (sum and max over accepted ones, in GPU
+        clock cycles)."""
+        return {name: self._ctrl_word(word) for name, word in _COUNTERS.items()}
 
     @property
     def running(self) -> bool:
@@ -273,28 +346,181 @@ class GpuPoller:
 
 
 class DevicePool:
-    """A slot pool in device memory (the NIC lane): same layout, initialised on the host and copied in.
+    """A slot pool in device memory: same layout, initialised in a pinned host mirror and copied in.
 
     Allocated with cudaMalloc on its own, rounded up to 2 MiB, so the host-page-aligned range a dma-buf
     export needs lies inside it (a block from cupy's memory pool could share pages with other arrays).
+    The mirror (``self.mirror``, a :class:`SlotPool` over pinned host memory) is where the host side
+    stages what it copies in and out; the device copy is the pool.
     """
 
     ALIGN = 2 << 20
 
-    def __init__(self, cp: ModuleType, slot_count: int, input_capacity: int, output_capacity: int, lease_ns: int):
+    def __init__(
+        self, cp: ModuleType, slot_count: int, input_capacity: int, output_capacity: int, lease_ns: int, epoch: int = 0
+    ) -> None:
         dims = SlotPool.layout_for(slot_count, input_capacity, output_capacity)
-        staging = np.zeros(int(dims["total_size"]), dtype=np.uint8)
-        self.header = SlotPool.create(staging, slot_count, input_capacity, output_capacity, lease_ns, 0)
         self._cp = cp
-        self.nbytes = int(staging.nbytes)
+        self.nbytes = int(dims["total_size"])
+        self._staging = _Pinned(cp, self.nbytes)
+        staging = np.frombuffer(ffi.buffer(self._staging.ptr, self.nbytes), dtype=np.uint8)
+        self.mirror = SlotPool.create(staging, slot_count, input_capacity, output_capacity, lease_ns, epoch)
         rt = cp.cuda.runtime
         self.address = int(rt.malloc(-(-self.nbytes // self.ALIGN) * self.ALIGN))
-        rt.memcpy(self.address, staging.ctypes.data, self.nbytes, rt.memcpyHostToDevice)
+        rt.memcpy(self.address, self._staging.host, self.nbytes, rt.memcpyHostToDevice)
 
     def close(self) -> None:
         if self.address:
             self._cp.cuda.runtime.free(self.address)
             self.address = 0
+        self._staging.close()
+
+
+def start_device_poller(
+    slot_count: int,
+    input_capacity: int,
+    output_capacity: int,
+    lease_ns: int,
+    epoch: int,
+    device: int = 0,
+    **options: Any,
+) -> DeviceSlots:
+    """A pool in device memory (``--slots gpu-device``) with the poller running over it in HBM."""
+    info = require_device(device)
+    cp = load_cupy()
+    cp.cuda.Device(device).use()
+    pool = DevicePool(cp, slot_count, input_capacity, output_capacity, lease_ns, epoch)
+    try:
+        poller = GpuPoller(pool.address, slot_count, info, **options)
+    except BaseException:
+        pool.close()
+        raise
+    slots = DeviceSlots(pool, poller)
+    try:
+        poller.start()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the start error is the one to report
+            slots.close()
+        raise
+    return slots
+
+
+class DeviceSlots:
+    """A device-memory slot pool and its poller: the poller's API, plus the host's access to slot memory
+    it cannot map.
+
+    The model side owns a slot from RUNNING to FREE (edgepath_poll.h), so it writes those state words
+    with plain release stores (:meth:`store_state`, a one-thread kernel on a side stream: one 8-byte
+    store, after the copies queued before it).  A model on the GPU reads a slot in place
+    (:meth:`tokens_address`); a host handler works on the mirror: :meth:`pull_request` copies a slot's
+    request part out, :meth:`push_result` copies its result part back.  Every copy runs on a
+    non-blocking side stream, so none waits behind the persistent kernel.
+    """
+
+    def __init__(self, pool: DevicePool, poller: GpuPoller) -> None:
+        self._pool = pool
+        self.poller = poller
+        self.mirror = pool.mirror
+        self.address = pool.address
+        self.nbytes = pool.nbytes
+        cp = load_cupy()
+        self._cp = cp
+        self._stream = cp.cuda.Stream(non_blocking=True)
+        self._store = poller.module.get_function("ep_gpu_store")
+        layout = self.mirror.layout
+        self._slots_offset = self.mirror.slots.offset
+        self._stride = layout.stride
+        self._result_offset = layout.result_offset
+
+    # -- the poller's API (what the slot server calls) -------------------------------
+    def poll(self, max_entries: int = 256) -> list[tuple[int, int]]:
+        return self.poller.poll(max_entries)
+
+    def request_expire(self, slot: int, word: int) -> bool:
+        return self.poller.request_expire(slot, word)
+
+    def expire_pending(self, slot: int) -> bool:
+        return self.poller.expire_pending(slot)
+
+    def counters(self) -> dict[str, int]:
+        return self.poller.counters()
+
+    @property
+    def running(self) -> bool:
+        return self.poller.running
+
+    def close(self) -> None:
+        try:
+            self.poller.close()
+        finally:
+            self._pool.close()
+
+    # -- slot memory on the device ---------------------------------------------------
+    def slot_offset(self, slot: int) -> int:
+        if not 0 <= slot < self.mirror.slot_count:
+            raise IndexError(f"slot {slot}: the pool has slots 0..{self.mirror.slot_count - 1}")
+        return self._slots_offset + slot * self._stride
+
+    def tokens_address(self, slot: int) -> int:
+        """The device address of ``slot``'s token ids: where a model on the GPU reads them in place."""
+        return self.address + self.slot_offset(slot) + int(self.mirror.slots.requests.dtype.itemsize)
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        self._cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, self._stream.ptr)
+        self._stream.synchronize()
+
+    def _host(self, offset: int) -> int:
+        return self._pool._staging.host + offset
+
+    def pull_request(self, slot: int) -> None:
+        """Copy ``slot``'s request header and tokens from the device into the mirror."""
+        off = self.slot_offset(slot)
+        rt = self._cp.cuda.runtime
+        self._copy(self._host(off), self.address + off, self._result_offset, rt.memcpyDeviceToHost)
+
+    def push_request(self, slot: int) -> None:
+        """Copy ``slot``'s request part from the mirror onto the device: what the NIC's data WRITE does
+        on the GPUDirect lane, for a writer on this host (tests, bench/gpu_check.py's stand-in agent)."""
+        off = self.slot_offset(slot)
+        rt = self._cp.cuda.runtime
+        self._copy(self.address + off, self._host(off), self._result_offset, rt.memcpyHostToDevice)
+
+    def push_result(self, slot: int) -> None:
+        """Copy ``slot``'s result header and output from the mirror onto the device."""
+        off = self.slot_offset(slot) + self._result_offset
+        rt = self._cp.cuda.runtime
+        self._copy(self.address + off, self._host(off), self._stride - self._result_offset, rt.memcpyHostToDevice)
+
+    def pull_states(self) -> np.ndarray:
+        """Copy every state word from the device into the mirror (lease scans); the mirror's array."""
+        off = self.mirror.states_offset
+        rt = self._cp.cuda.runtime
+        self._copy(self._host(off), self.address + off, self.mirror.states.nbytes, rt.memcpyDeviceToHost)
+        return self.mirror.states
+
+    def load_state(self, slot: int) -> int:
+        self.slot_offset(slot)
+        off = self.mirror.states_offset + 8 * slot
+        rt = self._cp.cuda.runtime
+        self._copy(self._host(off), self.address + off, 8, rt.memcpyDeviceToHost)
+        return int(self.mirror.states[slot])
+
+    def store_word(self, offset: int, value: int) -> None:
+        """One release store of a u64 at byte ``offset`` of the pool, after every copy queued before it."""
+        if offset % 8 or not 0 <= offset <= self.nbytes - 8:
+            raise ValueError(f"offset {offset}: expected a multiple of 8 in 0..{self.nbytes - 8}")
+        with self._stream:
+            self._store((1,), (1,), (np.uint64(self.address + offset), np.uint64(value)))
+        self._stream.synchronize()
+
+    def store_state(self, slot: int, word: int) -> None:
+        """The model side's RUNNING -> DONE -> FREE steps: it is the only writer of those words."""
+        self.slot_offset(slot)
+        self.store_word(self.mirror.states_offset + 8 * slot, word)
+
+    def register_for_rdma(self, pd: Any, access: int) -> tuple[Any, str]:
+        """Register the whole pool with the NIC (dma-buf, nvidia-peermem as the logged fallback)."""
+        return register_for_rdma(pd, self.address, self.nbytes, access, self.poller.device.index)
 
 
 def dmabuf_export(address: int, length: int, device: int = 0) -> tuple[int, int, int]:

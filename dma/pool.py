@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepath.dma.state import SlotWord
+from edgepath.dma.wire import STATE_MASK, SlotWord
 from edgepath.native.abi import (
     POOL_HEADER,
     REQUEST_HEADER,
@@ -163,6 +163,8 @@ class SlotPool:
         self.doorbells_offset = int(h["doorbells_offset"])
         self.states = buf[self.states_offset : self.states_offset + 8 * n].view(np.uint64)
         self.doorbells = buf[self.doorbells_offset : self.doorbells_offset + 8 * n].view(np.uint64)
+        self.cancels_offset = int(h["cancels_offset"])
+        self.cancels = buf[self.cancels_offset : self.cancels_offset + 8 * n].view(np.uint64)
         self.slots = FrameArray(buf, int(h["slots_offset"]), n, self.layout)
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.states))
 
@@ -208,7 +210,7 @@ class SlotPool:
         return SlotWord.unpack(self.word(slot))
 
     def count(self, state: State) -> int:
-        return int(np.count_nonzero((self.states & np.uint64(0xFF)) == int(state)))
+        return int(np.count_nonzero((self.states & np.uint64(STATE_MASK)) == int(state)))
 
     def free_count(self) -> int:
         return self.count(State.FREE)

@@ -1,21 +1,19 @@
-"""The reference slot server: owns the slot pool, polls doorbells, runs a handler in place.
+"""The reference slot server: owns the slot pool, polls doorbells, drives the model side.
 
 Loop (one thread; connection management on a second):
-  completions (doorbells) -> ep_accept_doorbells: CLAIMED -> READY, or rejected
-  each READY slot: READY -> RUNNING, handler on an in-place view, RUNNING -> DONE,
-  result written straight from the slot into the agent's reply frame,
-  DONE -> FREE, then a zero-length WRITE_WITH_IMM tells the agent (so an agent
-  that sees the result can claim the slot again at once).
+  wait on the completion queue (no longer than the handler's next step is due)
+  doorbells -> the poller (CPU or CUDA): CLAIMED -> READY -> RUNNING, the slot joins the handler
+  cancels  -> the handler drops the slot; it is answered CANCELLED
+  one handler step over every running slot -> new output tokens are streamed into the agent's reply
+  entry (WRITE of the tokens, then the progress word with WRITE_WITH_IMM), the first at once and
+  later ones coalesced within the stream window; a finished slot's whole result (header + output)
+  goes with one WRITE, the slot is freed (DONE -> FREE), then a zero-length WRITE_WITH_IMM tells the
+  agent -- so an agent that sees a result can claim the slot again at once.
   every ``scan_interval``: leases -- CLAIMED slots whose writer never rang are reclaimed.
-
-With ``memory="gpu"`` (``--slots gpu``) the CUDA poller (edgepath.dma.gpu) owns the doorbell side:
-it moves rung slots CLAIMED -> READY -> RUNNING and hands them over through a ring; the CQ is only
-a wake-up hint, and lease expiry is asked of the kernel, the one writer of CLAIMED words.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import selectors
@@ -23,23 +21,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
-from edgepath.dma.handlers import Handler, SlotRequest
+from edgepath.dma import wire
+from edgepath.dma.handlers import BatchHandler, Emit, HandlerConfig, OneShot, SlotRequest, adapt
+from edgepath.dma.pollers import GpuDoorbellPoller, HostPoller, Poller
 from edgepath.dma.pool import FrameLayout, SlotPool, reply_stride
-from edgepath.dma.transport import Access, Completion, Connection, RemoteRegion, Transport, TransportError
-from edgepath.native.abi import Event, State, Status, ffi, lib
-
-if TYPE_CHECKING:
-    from edgepath.dma.gpu import GpuPoller
+from edgepath.dma.transport import Completion, Connection, RemoteRegion, Transport, TransportError
+from edgepath.dma.wire import Sampling
+from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, lib
 
 log = logging.getLogger("edgepath.slot_server")
 
-REPLIES_REGION = "replies"
-POOL_REGION = "pool"
 SLOT_MEMORY = ("host", "gpu")
+_PROGRESS_FIELD = RESULT_HEADER.fields["progress"][1]
 
 
 @dataclass
@@ -53,7 +48,8 @@ class SlotServerConfig:
     memory: str = "host"  # where the doorbells are polled: "host" (CPU) or "gpu" (CUDA poller)
     gpu_device: int = 0
     handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
-    handler_deadline: float = 0.0  # > 0: handlers run on worker threads and are answered after this many seconds
+    handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
+    stream_window: float = 0.002  # seconds within which streamed tokens after the first are coalesced
 
     def __post_init__(self) -> None:
         if self.memory not in SLOT_MEMORY:
@@ -64,19 +60,24 @@ class SlotServerConfig:
             raise ValueError(f"handler deadline must be >= 0 seconds (0: none), got {self.handler_deadline}")
         if self.spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
+        if self.stream_window < 0:
+            raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")
 
 
 @dataclass
 class ServerStats:
-    served: int = 0
+    served: int = 0  # requests the handler finished (any final status but BAD_REQUEST)
     handler_errors: int = 0
     bad_requests: int = 0
     rejected_doorbells: int = 0
     expired_leases: int = 0
     results_dropped: int = 0
     deadline_exceeded: int = 0  # handlers answered HANDLER_ERROR at their deadline
-    quarantined: int = 0  # slots held (DONE) until their overdue handler returns
+    quarantined: int = 0  # slots held (DONE) until their handler lets go of them
     connections: int = 0
+    cancelled: int = 0  # running slots stopped by their requester
+    cancels_ignored: int = 0  # cancels for a slot that had already finished, or not the claimer's
+    progress_writes: int = 0  # streamed-output notifications sent
 
 
 @dataclass
@@ -93,22 +94,40 @@ class _Peer:
         return self.replies_offset + index * reply_stride(self.layout.output_capacity)
 
 
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A RUNNING slot between its start and its final result."""
+
+    slot: int
+    generation: int
+    peer: _Peer | None
+    reply_index: int
+    stream: bool
+    window: float
+    count: int = 0  # output tokens the handler has written
+    sent: int = 0  # output tokens announced to the agent
+    pushed_at: float = 0.0  # when the last progress went
+
+
 class SlotServer:
     """Owns a slot pool on ``transport`` and serves it with ``handler``."""
 
     def __init__(
-        self, transport: Transport, address: str, handler: Handler, config: SlotServerConfig | None = None
+        self,
+        transport: Transport,
+        address: str,
+        handler: BatchHandler | OneShot,
+        config: SlotServerConfig | None = None,
     ) -> None:
+        """``handler``: a batch handler, or anything :func:`~edgepath.dma.handlers.adapt` turns into one
+        (a one-shot function, a generator function)."""
         self.config = config or SlotServerConfig()
         self.transport = transport
-        self.handler = handler
         cfg = self.config
+        sizes = HandlerConfig(cfg.slots, cfg.input_capacity, cfg.output_capacity, {}, cfg.handler_deadline)
+        self.handler: BatchHandler = handler if isinstance(handler, BatchHandler) else adapt(handler, sizes)
         dims = SlotPool.layout_for(cfg.slots, cfg.input_capacity, cfg.output_capacity)
-        self.pool_mr = transport.register(
-            POOL_REGION,
-            int(dims["total_size"]),
-            Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ,
-        )
+        self.pool_mr = transport.register(wire.POOL_REGION, int(dims["total_size"]), wire.POOL_ACCESS)
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self.pool = SlotPool.create(
             self.pool_mr.buf,
@@ -118,26 +137,10 @@ class SlotServer:
             int(cfg.lease * 1e9),
             self.epoch,
         )
-        self._pool_ptr = ffi.cast("char *", ffi.from_buffer(self.pool_mr.buf))
-        self._states_ptr = ffi.cast("uint64_t *", self._pool_ptr + self.pool.states_offset)
-        self._seen_word = ffi.new("uint64_t[]", cfg.slots)
-        self._seen_ns = ffi.new("uint64_t[]", cfg.slots)
-        self._expired = ffi.new("uint32_t[]", cfg.slots)
-        self._ready_slots = ffi.new("uint32_t[]", 256)
-        self._ready_conns = ffi.new("uint32_t[]", 256)
-        self._rejected = ffi.new("int *")
-        self._lease_word = np.zeros(cfg.slots, dtype=np.uint64)
-        self._lease_ns = np.zeros(cfg.slots, dtype=np.int64)
+        self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
         self.peers: dict[int, _Peer] = {}
-        # Handlers with a deadline run on worker threads (lazily created, at most one per slot);
-        # an overdue one keeps its slot (DONE) until it returns.
-        self._workers = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="handler")
-            if cfg.handler_deadline > 0
-            else None
-        )
-        self._late: dict[int, concurrent.futures.Future] = {}
-        self._late_gen: dict[int, int] = {}
+        self.running: dict[int, _Running] = {}
+        self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go
         self._gone: list[int] = []
         self._lock = threading.Lock()
         self.stats = ServerStats()
@@ -147,15 +150,18 @@ class SlotServer:
         self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
         self._cm_thread: threading.Thread | None = None
         self.on_result: Callable[[int, int], None] | None = None
-        self.gpu: GpuPoller | None = None
+        self.poller: Poller
         if cfg.memory == "gpu":
             from edgepath.dma.gpu import start_mapped_poller
 
             try:
-                self.gpu = start_mapped_poller(self.pool_mr.buf, cfg.slots, cfg.gpu_device)
+                cuda = start_mapped_poller(self.pool_mr.buf, cfg.slots, cfg.gpu_device)
             except BaseException:
                 self.listener.close()
                 raise
+            self.poller = GpuDoorbellPoller(self.pool, cuda, cfg.handoff_wait)
+        else:
+            self.poller = HostPoller(self.pool)
 
     def _pool_info(self) -> dict[str, Any]:
         h = self.pool.header
@@ -169,6 +175,7 @@ class SlotServer:
                 "slot_stride",
                 "states_offset",
                 "doorbells_offset",
+                "cancels_offset",
                 "slots_offset",
                 "total_size",
                 "server_epoch",
@@ -181,11 +188,11 @@ class SlotServer:
         """Check the agent's reply-region description and register it before it is accepted."""
         info = conn.peer_info
         try:
-            layout = FrameLayout(int(info["input_capacity"]), int(info["output_capacity"]))
+            layout = FrameLayout(int(info[wire.INPUT_CAPACITY]), int(info[wire.OUTPUT_CAPACITY]))
             frames = int(info["frames"])
-            replies = conn.remote[REPLIES_REGION]
+            replies = conn.remote[wire.REPLIES_REGION]
             offset = int(info.get("replies_offset", 0))
-            replies.check(offset, frames * reply_stride(layout.output_capacity), Access.REMOTE_WRITE)
+            replies.check(offset, frames * reply_stride(layout.output_capacity), wire.REPLIES_ACCESS)
         except (KeyError, ValueError, TypeError, TransportError) as exc:
             raise ValueError(f"bad reply-region description: {exc}") from exc
         with self._lock:
@@ -213,71 +220,41 @@ class SlotServer:
         sel.close()
 
     def _reap_gone(self) -> None:
-        """Drop peers whose connection ended; their CLAIMED slots are reclaimed at once."""
+        """Drop peers whose connection ended: their CLAIMED slots are reclaimed at once and their
+        running slots are cancelled (nobody is left to read the output)."""
         with self._lock:
             gone, self._gone = self._gone, []
             peers = [self.peers.pop(cid) for cid in gone if cid in self.peers]
         for peer in peers:
-            for slot in range(self.pool.slot_count):
-                w = self.pool.word(slot)
-                mine = (w & 0xFF) == State.CLAIMED and ((w >> 8) & lib.EP_CLAIMANT_MAX) == peer.conn.conn_id
-                if not mine:
-                    continue
-                if self.gpu is not None:
-                    self.gpu.request_expire(slot, w)
-                elif lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, w >> 32, 0, ffi.NULL) == lib.EP_OK:
-                    self.stats.expired_leases += 1
+            self.poller.expire_claims_of(peer.conn.conn_id)
+            for run in [r for r in self.running.values() if r.peer is peer]:
+                run.peer = None
+                self._cancel_running(run)
             peer.conn.close()
 
     # -- data path ----------------------------------------------------------------
-    def process(self, completions: list[Completion], now_ns: int | None = None) -> int:
-        """Accept doorbells and run every slot they made READY. Returns how many ran."""
-        if not completions:
-            return 0
-        entries = ffi.new("uint64_t[]", [(c.conn_id << 32) | c.imm for c in completions])
-        ready = 0
-        for base in range(0, len(completions), 256):
-            n = min(256, len(completions) - base)
-            got = lib.ep_accept_doorbells(
-                self._pool_ptr,
-                entries + base,
-                n,
-                self._ready_slots,
-                self._ready_conns,
-                now_ns or lib.ep_now_ns(),
-                self._rejected,
-            )
-            self.stats.rejected_doorbells += self._rejected[0]
-            for i in range(got):
-                self._run(int(self._ready_slots[i]), int(self._ready_conns[i]))
-            ready += got
-        return ready
+    def process(self, completions: list[Completion], now: float | None = None) -> int:
+        """Handle one batch of completions: doorbells start slots, cancels stop them. Returns how many
+        slots started."""
+        now = time.monotonic() if now is None else now
+        doorbells = []
+        for c in completions:
+            if wire.is_cancel_imm(c.imm):
+                self._on_cancel(c.conn_id, c.imm)
+            else:
+                doorbells.append((c.conn_id << 32) | c.imm)
+        started = self.poller.started(doorbells, lib.ep_now_ns()) if doorbells or self._gpu else []
+        self.stats.rejected_doorbells = self.poller.rejected_doorbells
+        for slot, conn_id, gen in started:
+            self._start(slot, conn_id, gen, now)
+        return len(started)
 
-    def process_gpu(self, doorbells: int) -> int:
-        """Run the slots the GPU poller handed over; after ``doorbells`` wake-ups, wait a little for them."""
-        assert self.gpu is not None
-        deadline = time.monotonic() + (self.config.handoff_wait if doorbells else 0.0)
-        ran = 0
-        while True:
-            handed = self.gpu.poll()
-            for slot, gen in handed:
-                word = self.pool.word(slot)
-                if word >> 32 != gen or word & 0xFF != State.RUNNING:
-                    log.error("GPU handed over slot %d generation %d, but its word is %#x", slot, gen, word)
-                    continue
-                self.pool.slots.results[slot]["t_ready_ns"] = lib.ep_now_ns()
-                self._serve_slot(slot, (word >> 8) & lib.EP_CLAIMANT_MAX, gen)
-            ran += len(handed)
-            if ran >= doorbells or time.monotonic() >= deadline:
-                return ran
+    @property
+    def _gpu(self) -> bool:
+        return isinstance(self.poller, GpuDoorbellPoller)
 
-    def _run(self, slot: int, conn_id: int) -> None:
-        gen = self.pool.word(slot) >> 32
-        lib.ep_apply(self._states_ptr + slot, Event.START, gen, 0, ffi.NULL)
-        self._serve_slot(slot, conn_id, gen)
-
-    def _serve_slot(self, slot: int, conn_id: int, gen: int) -> None:
-        """The handler on a RUNNING slot, the result back to its agent, RUNNING -> DONE -> FREE."""
+    def _start(self, slot: int, conn_id: int, gen: int, now: float) -> None:
+        """A RUNNING slot: validate its request and hand it to the model side."""
         pool = self.pool
         req = pool.slots.requests[slot]
         res = pool.slots.results[slot]
@@ -285,149 +262,208 @@ class SlotServer:
         count = int(req["token_count"])
         max_new = int(req["max_new_tokens"])
         reply_index = int(req["reply_index"])
-        out_cap = (
-            self.config.output_capacity
-            if peer is None
-            else min(self.config.output_capacity, peer.layout.output_capacity)
-        )
         res["request_id"] = req["request_id"]
         res["generation"] = gen
         res["slot"] = slot
         res["t_start_ns"] = lib.ep_now_ns()
-        output_count = 0
-        if (
-            not 1 <= count <= self.config.input_capacity
-            or max_new > out_cap
-            or (peer is not None and reply_index >= peer.frames)
-        ):
-            status = Status.BAD_REQUEST
+        res["t_first_ns"] = 0
+        res["progress"] = wire.progress_word(gen, 0)
+        window_us = int(req["stream_window_us"])
+        run = _Running(
+            slot,
+            gen,
+            peer,
+            reply_index,
+            bool(int(req["flags"]) & wire.FLAG_STREAM),
+            window_us / 1e6 if window_us else self.config.stream_window,
+        )
+        self.running[slot] = run
+        out_cap = self.config.output_capacity if peer is None else min(
+            self.config.output_capacity, peer.layout.output_capacity
+        )
+        sampling = Sampling(
+            float(req["temperature"]), float(req["top_p"]), int(req["top_k"]), int(req["seed"])
+        )
+        problem = wire.request_problem(count, max_new, self.config.input_capacity, out_cap)
+        if problem is None and peer is not None and reply_index >= peer.frames:
+            problem = f"reply_index {reply_index} outside the agent's {peer.frames} frames"
+        if problem is None:
+            try:
+                sampling.check()
+            except wire.RequestInvalid as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning("slot %d: bad request: %s", slot, problem)
             self.stats.bad_requests += 1
-        else:
-            status, output_count = self._call_handler(slot, req, count, max_new, out_cap)
-        res["status"] = status
-        res["output_count"] = output_count
-        res["t_done_ns"] = lib.ep_now_ns()
-        lib.ep_apply(self._states_ptr + slot, Event.COMPLETE, gen, 0, ffi.NULL)
-        release = slot not in self._late
-        if peer is None or reply_index >= peer.frames:
-            # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
-            if release:
-                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
-            self.stats.results_dropped += 1
-        else:
-            self._push_result(peer, slot, reply_index, output_count, gen, release)
-        if not release:
-            self._late_gen[slot] = gen
-
-    def _call_handler(self, slot: int, req: Any, count: int, max_new: int, out_cap: int) -> tuple[Status, int]:
-        pool = self.pool
+            self._finish(run, Status.BAD_REQUEST, 0)
+            return
         request = SlotRequest(
             slot,
             int(req["request_id"]),
             max_new,
             int(req["flags"]),
             pool.slots.tokens[slot, :count],
-            pool.slots.outputs[slot, :out_cap],
+            pool.slots.outputs[slot, :max_new],
+            sampling,
         )
         try:
-            if self._workers is not None:
-                future = self._workers.submit(self.handler, request)
-                try:
-                    produced = future.result(timeout=self.config.handler_deadline)
-                except concurrent.futures.TimeoutError:
-                    # The handler still owns the slot's memory: answer now, free the slot when it returns.
-                    self._late[slot] = future
-                    self.stats.deadline_exceeded += 1
-                    self.stats.quarantined += 1
-                    log.warning("handler on slot %d missed its %.3f s deadline", slot, self.config.handler_deadline)
-                    return Status.HANDLER_ERROR, 0
-            else:
-                produced = self.handler(request)
-            if isinstance(produced, (int, np.integer)):
-                n = int(produced)
-                if not 0 <= n <= out_cap:
-                    raise ValueError(f"handler reported {n} output tokens, capacity is {out_cap}")
-            else:
-                values = np.asarray(produced, dtype=np.int32).ravel()
-                n = len(values)
-                if n > out_cap:
-                    raise ValueError(f"handler returned {n} tokens, capacity is {out_cap}")
-                request.output[:n] = values
+            emits = self.handler.add(request, now)
         except Exception:
-            log.exception("handler failed on slot %d (request %d)", slot, request.request_id)
-            self.stats.handler_errors += 1
-            return Status.HANDLER_ERROR, 0
-        self.stats.served += 1
-        return Status.OK, n
+            log.exception("handler refused slot %d (request %d)", slot, request.request_id)
+            emits = [Emit(slot, 0, Status.HANDLER_ERROR)]
+        self._apply(emits, now)
 
-    def _push_result(
-        self, peer: _Peer, slot: int, reply_index: int, output_count: int, gen: int, release: bool = True
-    ) -> None:
-        """Result straight from the slot into the agent's frame, free the slot (unless its handler is
-        overdue and still holds it), then notify."""
-        src = self.pool.slots.result_offset(slot)
+    def step(self, now: float | None = None) -> int:
+        """One handler step over the running slots; streams what it produced. Returns emits applied."""
+        now = time.monotonic() if now is None else now
+        try:
+            emits = self.handler.step(now)
+        except Exception:
+            log.exception("handler step failed: every running slot is answered HANDLER_ERROR")
+            emits = [Emit(slot, run.count, Status.HANDLER_ERROR) for slot, run in self.running.items()]
+            for run in list(self.running.values()):
+                self.handler.cancel(run.slot)
+        self._apply(emits, now)
+        return len(emits)
+
+    def _apply(self, emits: list[Emit], now: float) -> None:
+        for emit in emits:
+            run = self.running.get(emit.slot)
+            if run is None:
+                if emit.release and emit.slot in self._held:
+                    self._release_held(emit.slot)
+                continue
+            if emit.count > run.count:
+                if run.count == 0:
+                    self.pool.slots.results[run.slot]["t_first_ns"] = lib.ep_now_ns()
+                run.count = emit.count
+            if emit.status is not None:
+                if emit.status == Status.HANDLER_ERROR:
+                    self.stats.handler_errors += 1
+                    if not emit.release:
+                        self.stats.deadline_exceeded += 1
+                self._finish(run, emit.status, run.count, hold=not emit.release)
+            elif run.stream and run.count > run.sent and (run.sent == 0 or now - run.pushed_at >= run.window):
+                self._push_progress(run, now)
+
+    def flush(self, now: float) -> float | None:
+        """Send coalesced tokens whose window has passed; seconds until the next one is due (None: none)."""
+        due: float | None = None
+        for run in list(self.running.values()):
+            if not run.stream or run.count <= run.sent:
+                continue
+            wait = run.pushed_at + run.window - now
+            if wait <= 0:
+                self._push_progress(run, now)
+            else:
+                due = wait if due is None else min(due, wait)
+        return due
+
+    def _push_progress(self, run: _Running, now: float) -> None:
+        """New output tokens into the agent's reply entry, then the progress word with WRITE_WITH_IMM
+        (RC ordering places the tokens before the agent hears of them)."""
+        peer = run.peer
+        if peer is None:
+            return
+        res_off = self.pool.slots.result_offset(run.slot)
+        out_off = res_off + RESULT_HEADER.itemsize
+        self.pool.slots.results[run.slot]["progress"] = wire.progress_word(run.generation, run.count)
+        dst = peer.result_offset(run.reply_index)
+        try:
+            peer.conn.write_then_imm(
+                self.pool_mr,
+                out_off + 4 * run.sent,
+                peer.replies,
+                dst + RESULT_HEADER.itemsize + 4 * run.sent,
+                4 * (run.count - run.sent),
+                res_off + _PROGRESS_FIELD,
+                dst + _PROGRESS_FIELD,
+                8,
+                wire.progress_imm(run.reply_index),
+            )
+        except TransportError as exc:
+            log.warning("streamed output for slot %d lost: %s", run.slot, exc)
+            run.peer = None
+            self._cancel_running(run)
+            return
+        run.sent = run.count
+        run.pushed_at = now
+        self.stats.progress_writes += 1
+
+    def _on_cancel(self, conn_id: int, imm: int) -> None:
+        """A requester asked to stop a slot: honoured only for its own claim, in that generation."""
+        slot = wire.imm_slot(imm)
+        run = self.running.get(slot)
+        peer = self.peers.get(conn_id)
+        if (
+            run is None
+            or peer is None
+            or run.peer is not peer
+            or not wire.imm_generation_matches(imm, run.generation)
+            or wire.progress_generation(int(self.pool.cancels[slot])) != run.generation
+        ):
+            self.stats.cancels_ignored += 1
+            return
+        self._cancel_running(run)
+
+    def _cancel_running(self, run: _Running) -> None:
+        released = self.handler.cancel(run.slot)
+        self.stats.cancelled += 1
+        self._finish(run, Status.CANCELLED, run.count, hold=not released)
+
+    def _finish(self, run: _Running, status: Status, output_count: int, hold: bool = False) -> None:
+        """RUNNING -> DONE, the result back to its agent, DONE -> FREE (unless the handler still holds
+        the slot's memory: then it stays DONE until the handler lets go)."""
+        slot, gen = run.slot, run.generation
+        del self.running[slot]
+        res = self.pool.slots.results[slot]
+        res["status"] = status
+        res["output_count"] = output_count
+        res["progress"] = wire.progress_word(gen, output_count)
+        res["t_done_ns"] = lib.ep_now_ns()
+        if status in (Status.OK, Status.LENGTH, Status.STOP):
+            self.stats.served += 1
+        lib.ep_apply(self._states_ptr + slot, Event.COMPLETE, gen, 0, ffi.NULL)
+        if hold:
+            self._held[slot] = gen
+            self.stats.quarantined += 1
+        peer = run.peer
+        if peer is None or not 0 <= run.reply_index < peer.frames:
+            # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
+            if not hold:
+                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+            self.stats.results_dropped += 1
+            return
         try:
             peer.conn.write(
                 self.pool_mr,
-                src,
+                self.pool.slots.result_offset(slot),
                 peer.replies,
-                peer.result_offset(reply_index),
+                peer.result_offset(run.reply_index),
                 peer.layout.result_bytes(output_count),
             )
         except TransportError as exc:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
-            if release:
+            if not hold:
                 lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
             return
-        if release:
+        if not hold:
             lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
         try:
-            peer.conn.write_with_imm(self.pool_mr, 0, peer.replies, 0, 0, reply_index)
+            peer.conn.write_with_imm(self.pool_mr, 0, peer.replies, 0, 0, wire.final_imm(run.reply_index))
         except TransportError as exc:
             log.warning("result notification for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
 
-    def release_late(self) -> int:
-        """Free the slots whose overdue handlers have now returned (their output is discarded)."""
-        done = [slot for slot, future in self._late.items() if future.done()]
-        for slot in done:
-            del self._late[slot]
-            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, self._late_gen.pop(slot), 0, ffi.NULL)
-            self.stats.quarantined -= 1
-        return len(done)
+    def _release_held(self, slot: int) -> None:
+        lib.ep_apply(self._states_ptr + slot, Event.RELEASE, self._held.pop(slot), 0, ffi.NULL)
+        self.stats.quarantined -= 1
 
     def scan_leases(self, now_ns: int | None = None) -> int:
-        if self.gpu is not None:
-            return self._scan_leases_gpu(now_ns or lib.ep_now_ns())
-        n = lib.ep_scan_leases(
-            self._pool_ptr,
-            self._seen_word,
-            self._seen_ns,
-            now_ns or lib.ep_now_ns(),
-            self._expired,
-            self.pool.slot_count,
-        )
-        self.stats.expired_leases += n
+        n = self.poller.scan_leases(now_ns or lib.ep_now_ns())
+        self.stats.expired_leases = self.poller.expired_leases
         return n
-
-    def _scan_leases_gpu(self, now_ns: int) -> int:
-        """ep_scan_leases' rule (the lease runs from the first scan that saw the claim), but the expiry
-        itself is asked of the kernel. Returns how many expiries were asked for."""
-        assert self.gpu is not None
-        words = self.pool.states.copy()
-        claimed = (words & np.uint64(0xFF)) == State.CLAIMED
-        changed = words != self._lease_word
-        self._lease_ns[changed] = now_ns
-        self._lease_word[:] = words
-        due = np.flatnonzero(claimed & ~changed & (now_ns - self._lease_ns >= int(self.pool.header["lease_ns"])))
-        asked = 0
-        for slot in due:
-            if not self.gpu.expire_pending(int(slot)):
-                self.gpu.request_expire(int(slot), int(words[slot]))
-                asked += 1
-        self.stats.expired_leases = self.gpu.counters()["expired"]
-        return asked
 
     # -- lifecycle ------------------------------------------------------------------
     def start_connection_manager(self) -> None:
@@ -443,21 +479,36 @@ class SlotServer:
 
     def _serve(self, until: Callable[[], bool] | None) -> None:
         cfg = self.config
-        cq = self.transport.cq
         next_scan = time.monotonic()
         while not self._stop.is_set() and not (until and until()):
-            completions = cq.wait(cfg.scan_interval, spin=cfg.spin, max_entries=256)
-            if self.gpu is not None:
-                self.process_gpu(len(completions))
-            elif completions:
-                self.process(completions)
-            now = time.monotonic()
+            now = self.poll_once(cfg.scan_interval)
             if now >= next_scan:
                 self._reap_gone()
                 self.scan_leases()
-                if self._late:
-                    self.release_late()
                 next_scan = now + cfg.scan_interval
+
+    def poll_once(self, timeout: float) -> float:
+        """One turn of the loop: wait for completions (at most ``timeout``, and no longer than the handler's
+        next step or a coalesced stream is due), start and cancel slots, step the handler, flush streams.
+        Returns the time it ended (monotonic seconds)."""
+        now = time.monotonic()
+        wait = self.handler.wake_in(now)
+        due = self.flush(now)
+        for t in (wait, due):
+            if t is not None:
+                timeout = min(timeout, t)
+        if self._held:
+            timeout = min(timeout, self.config.scan_interval)
+        completions = self.transport.cq.wait(max(0.0, timeout), spin=self.config.spin, max_entries=256)
+        now = time.monotonic()
+        if completions or self._gpu:
+            self.process(completions, now)
+        wait = self.handler.wake_in(now)
+        if (wait is not None and wait <= 0) or self._held:
+            self.step(now)
+            now = time.monotonic()
+        self.flush(now)
+        return now
 
     def stop(self) -> None:
         self._stop.set()
@@ -470,13 +521,11 @@ class SlotServer:
         for peer in list(self.peers.values()):
             peer.conn.close()
         self.peers.clear()
-        if self._workers is not None:
-            self._workers.shutdown(wait=False, cancel_futures=True)
-        if self.gpu is not None:
+        self.handler.close()
+        if self._gpu:
             if not self._serving.acquire(timeout=5.0):
                 raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")
             try:
-                self.gpu.close()
-                self.gpu = None
+                self.poller.close()
             finally:
                 self._serving.release()

@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
-from edgepath.dma.slot_server import POOL_REGION, REPLIES_REGION
-from edgepath.dma.state import doorbell_imm
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
+from edgepath.dpu.port import Delivery, DeliveryStats
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, lib
 
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = REQUEST_HEADER.fields["doorbell"][1]
-_FREE_MASK = np.uint64(0xFF)
+_STATE_MASK = np.uint64(wire.STATE_MASK)
 
 
 class AgentError(RuntimeError):
@@ -55,6 +55,7 @@ class ServerLink:
     output_capacity: int
     states_offset: int
     doorbells_offset: int
+    cancels_offset: int
     slots_offset: int
     slot_stride: int
     epoch: int
@@ -76,7 +77,7 @@ class ServerLink:
     @property
     def free_hint(self) -> int:
         """Free slots as last seen (cached words), an ordering hint across servers."""
-        return int(np.count_nonzero((self.words & _FREE_MASK) == 0))
+        return int(np.count_nonzero((self.words & _STATE_MASK) == 0))
 
 
 @dataclass(slots=True)
@@ -84,9 +85,9 @@ class InFlight:
     link: ServerLink
     slot: int
     generation: int
-
-
-FRAMES_REGION = "frames"
+    count: int = 0  # output tokens delivered so far
+    cancelled: bool = False
+    abandoned: bool = False  # the caller gave up: deliver nothing, free the frame when the server lets go
 
 
 def _register(transport: Transport, name: str, size: int, access: Access, buffer: np.ndarray | None) -> MemoryRegion:
@@ -119,21 +120,27 @@ class Agent:
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
-        self.frames_mr: MemoryRegion = _register(transport, FRAMES_REGION, req_size, frames_access, frames_buffer)
+        self.frames_mr: MemoryRegion = _register(
+            transport, wire.REQUESTS_REGION, req_size, frames_access, frames_buffer
+        )
         self.replies_mr: MemoryRegion = _register(
-            transport, REPLIES_REGION, rep_size, Access.REMOTE_WRITE, replies_buffer
+            transport, wire.REPLIES_REGION, rep_size, wire.REPLIES_ACCESS, replies_buffer
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server
-        self.scratch_mr = transport.register(
-            "words", 8 * max_slots_per_server * max_servers + POOL_HEADER.itemsize, Access.NONE
-        )
+        # Cached state words of every server, then a cancel word to send from, then a pool header to read into.
+        words_size = 8 * max_slots_per_server * max_servers
+        self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
+        self._cancel_off = words_size
+        self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self.inflight: dict[int, InFlight] = {}
         self.max_servers = max_servers
+        self.delivery_stats = DeliveryStats()
         self._free_frames = list(range(frames - 1, -1, -1))
+        self._finals = np.zeros(frames, dtype=np.int64) - 1  # generation of each frame's last final result
         self._next_word = ffi.new("uint64_t *")
 
     # -- frames ---------------------------------------------------------------------
@@ -144,8 +151,17 @@ class Agent:
     def release(self, index: int) -> None:
         """Give a frame back once its result has been read (or it was refused)."""
         if index in self.inflight:
-            raise ValueError(f"frame {index} is still in flight")
+            raise ValueError(f"frame {index} is still in flight (abandon it instead)")
         self._free_frames.append(index)
+
+    def fileno(self) -> int:
+        return self.transport.cq.fileno()
+
+    def arm(self) -> bool:
+        return self.transport.cq.arm()
+
+    def alive(self) -> bool:
+        return any(link.alive for link in self.links)
 
     # -- attaching ------------------------------------------------------------------
     def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
@@ -160,8 +176,8 @@ class Agent:
     def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
         info = {
             "frames": self.frames.count,
-            "input_capacity": self.layout.input_capacity,
-            "output_capacity": self.layout.output_capacity,
+            wire.INPUT_CAPACITY: self.layout.input_capacity,
+            wire.OUTPUT_CAPACITY: self.layout.output_capacity,
             "replies_offset": 0,
         }
         try:
@@ -174,7 +190,7 @@ class Agent:
             conn.close()
             raise
 
-    def revive(self, timeout: float = 1.0) -> list[ServerLink]:
+    def revive(self, timeout: float = 0.05) -> list[ServerLink]:
         """Re-attach to slot servers that went away (restarted, say); the links that came back.
 
         A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
@@ -196,9 +212,9 @@ class Agent:
         return revived
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
-        pool = conn.remote.get(POOL_REGION)
+        pool = conn.remote.get(wire.POOL_REGION)
         if pool is None or Access.REMOTE_ATOMIC not in pool.access or Access.REMOTE_WRITE not in pool.access:
-            raise AgentError(f"{address}: peer exports no writable, atomic {POOL_REGION!r} region")
+            raise AgentError(f"{address}: peer exports no writable, atomic {wire.POOL_REGION!r} region")
         hdr_off = self.scratch_mr.buf.nbytes - POOL_HEADER.itemsize
         conn.read(self.scratch_mr, hdr_off, pool, 0, POOL_HEADER.itemsize)
         header = self.scratch_mr.buf[hdr_off : hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
@@ -224,6 +240,7 @@ class Agent:
             int(header["output_capacity"]),
             int(header["states_offset"]),
             int(header["doorbells_offset"]),
+            int(header["cancels_offset"]),
             int(header["slots_offset"]),
             int(header["slot_stride"]),
             int(header["server_epoch"]),
@@ -245,7 +262,7 @@ class Agent:
         link.conn.read(
             self.scratch_mr,
             link.words_offset,
-            link.conn.remote[POOL_REGION],
+            link.pool,
             link.states_offset,
             8 * link.slot_count,
         )
@@ -266,7 +283,7 @@ class Agent:
                 return desired >> 32
             link.stats.cas_failures += 1
             link.words[slot] = found
-            if found & 0xFF:
+            if not wire.is_free(found):
                 return None
             expected = found
         return None
@@ -302,13 +319,9 @@ class Agent:
         if index in self.inflight:
             return f"frame {index} is already in flight"
         req = self.frames.requests[index]
-        count = int(req["token_count"])
-        if not 1 <= count <= self.layout.input_capacity:
-            return f"token_count {count} outside 1..{self.layout.input_capacity}"
-        max_new = int(req["max_new_tokens"])
-        if not 0 <= max_new <= self.layout.output_capacity:
-            return f"max_new_tokens {max_new} outside 0..{self.layout.output_capacity}"
-        return None
+        return wire.request_problem(
+            int(req["token_count"]), int(req["max_new_tokens"]), self.layout.input_capacity, self.layout.output_capacity
+        )
 
     def submit(self, index: int) -> Status | None:
         """Send frame ``index``. None: in flight (its result arrives via :meth:`poll`);
@@ -355,7 +368,7 @@ class Agent:
             frame_off + _DOORBELL_FIELD,
             link.doorbells_offset + 8 * slot,
             8,
-            doorbell_imm(slot, gen),
+            wire.doorbell_imm(slot, gen),
         )
 
     def _link_down(self, link: ServerLink, exc: Exception) -> None:
@@ -363,28 +376,100 @@ class Agent:
             log.warning("slot server %s unavailable: %s", link.address, exc)
         link.alive = False
 
-    def complete(self, conn_id: int, reply_index: int) -> int | None:
-        """Account a result notification; the frame index it completes, or None if stale."""
-        flight = self.inflight.get(reply_index)
+    def deliver(self, conn_id: int, imm: int) -> Delivery | None:
+        """Account one completion from a slot server: streamed progress or a final result. Anything
+        that does not match a frame in flight there, in its generation, is counted and dropped."""
+        index = wire.imm_index(imm)
+        stats = self.delivery_stats
+        flight = self.inflight.get(index)
         link = self.by_conn.get(conn_id)
         if flight is None or link is None or flight.link is not link:
-            log.warning("ignoring result for frame %d from connection %d: not in flight there", reply_index, conn_id)
+            final_gen = int(self.frames.results[index]["generation"]) if 0 <= index < self.frames.count else -1
+            if not wire.is_progress_imm(imm) and 0 <= index < self.frames.count and final_gen == self._finals[index]:
+                stats.duplicates += 1
+                log.warning("duplicate result for frame %d (generation %d) ignored", index, final_gen)
+            else:
+                stats.unknown += 1
+                log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
             return None
-        if int(self.frames.results[reply_index]["generation"]) != flight.generation & 0xFFFFFFFF:
-            log.warning("ignoring stale result for frame %d", reply_index)
+        gen = flight.generation & 0xFFFFFFFF
+        result = self.frames.results[index]
+        if wire.is_progress_imm(imm):
+            word = int(result["progress"])
+            if wire.progress_generation(word) != gen:
+                stats.unknown += 1
+                return None
+            count = wire.progress_count(word)
+            if flight.abandoned or count <= flight.count:
+                stats.late += flight.abandoned
+                return None
+            flight.count = count
+            return Delivery(index, count, False)
+        if int(result["generation"]) != gen:
+            stats.unknown += 1
+            log.warning("ignoring stale result for frame %d", index)
             return None
-        del self.inflight[reply_index]
+        del self.inflight[index]
         link.inflight -= 1
+        self._finals[index] = gen
         # The server frees the slot before notifying: remember it as FREE in this generation.
-        link.words[flight.slot] = np.uint64((flight.generation << 32) & 0xFFFFFFFF00000000)
-        return reply_index
+        link.words[flight.slot] = np.uint64(wire.free_word(flight.generation))
+        if flight.abandoned:
+            stats.late += 1
+            self._free_frames.append(index)
+            return None
+        stats.delivered += 1
+        return Delivery(index, int(result["output_count"]), True)
+
+    def cancel(self, index: int) -> None:
+        """Write the slot's cancel word (its generation) and ring it: the slot server stops the handler at
+        its next step and answers CANCELLED (or the result already on its way arrives)."""
+        flight = self.inflight.get(index)
+        if flight is None or flight.cancelled:
+            return
+        flight.cancelled = True
+        link = flight.link
+        if not link.alive:
+            return
+        self._cancel_src[0] = wire.cancel_word(flight.generation)
+        try:
+            link.conn.write_with_imm(
+                self.scratch_mr,
+                self._cancel_off,
+                link.pool,
+                link.cancels_offset + 8 * flight.slot,
+                8,
+                wire.cancel_imm(flight.slot, flight.generation),
+            )
+        except TransportError as exc:
+            self._link_down(link, exc)
+
+    def abandon(self, index: int) -> None:
+        """Give up on frame ``index``: cancel its slot, deliver nothing more for it, and put the frame
+        back on the free list when its final result arrives (or its slot server is lost) -- never
+        before, so nothing of this request can land in the frame's next use."""
+        flight = self.inflight.get(index)
+        if flight is None:
+            raise ValueError(f"frame {index} is not in flight")
+        if flight.abandoned:
+            return
+        flight.abandoned = True
+        self.delivery_stats.abandoned += 1
+        self.cancel(index)
 
     def fail_link(self, link: ServerLink) -> list[int]:
-        """Mark ``link`` down; frames that were in flight there (now lost) are returned."""
+        """Mark ``link`` down; frames that were in flight there (now lost) are returned, except abandoned
+        ones, which go straight back to the free list."""
         link.alive = False
-        lost = [i for i, f in self.inflight.items() if f.link is link]
-        for i in lost:
+        lost = []
+        for i, flight in list(self.inflight.items()):
+            if flight.link is not link:
+                continue
             del self.inflight[i]
+            if flight.abandoned:
+                self._free_frames.append(i)
+            else:
+                lost.append(i)
         link.inflight = 0
         return lost
 
@@ -397,14 +482,15 @@ class Agent:
                 lost.extend(self.fail_link(link))
         return lost
 
-    def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[int]:
-        """Frames whose results have arrived (results are in ``frames.results`` / ``frames.outputs``)."""
-        done = []
+    def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[Delivery]:
+        """What arrived for frames in flight: streamed progress and final results (in ``frames.results`` /
+        ``frames.outputs``)."""
+        out = []
         for c in self.transport.cq.wait(timeout, spin=spin, max_entries=256):
-            index = self.complete(c.conn_id, c.imm)
-            if index is not None:
-                done.append(index)
-        return done
+            delivery = self.deliver(c.conn_id, c.imm)
+            if delivery is not None:
+                out.append(delivery)
+        return out
 
     def free_slots(self) -> tuple[int, int]:
         """(free slots on live servers, slots on all servers), read now: one RDMA READ of the state words per server."""

@@ -25,18 +25,15 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
-from edgepath.dma.slot_server import REPLIES_REGION
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
-from edgepath.dpu.agent import FRAMES_REGION, Agent
+from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_service")
 
-STATUS_REGION = "status"
 STATUS_INTERVAL = 0.1  # seconds between status refreshes (one state-word READ per slot server)
-EDGE_FRAMES_REGION = FRAMES_REGION  # requests: edges fill them, the agent sends from them
-EDGE_REPLIES_REGION = REPLIES_REGION  # replies: slot servers write them, edges read them
 
 
 def edge_regions(
@@ -46,8 +43,8 @@ def edge_regions(
     transport, for an agent that reaches slot servers over another one."""
     req_size, rep_size = AgentFrames.sizes(frames, FrameLayout(input_capacity, output_capacity))
     return (
-        transport.register(FRAMES_REGION, req_size, Access.REMOTE_WRITE),
-        transport.register(REPLIES_REGION, rep_size, Access.REMOTE_READ),
+        transport.register(wire.REQUESTS_REGION, req_size, Access.REMOTE_WRITE),
+        transport.register(wire.REPLIES_REGION, rep_size, Access.REMOTE_READ),
     )
 
 
@@ -91,12 +88,12 @@ class AgentService:
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
         # Free/total slots and liveness of the slot servers, refreshed by the serve loop, read by edges.
-        self.status_mr: MemoryRegion = edge_transport.register(STATUS_REGION, 64, Access.REMOTE_READ)
+        self.status_mr: MemoryRegion = edge_transport.register(wire.STATUS_REGION, 64, Access.REMOTE_READ)
         self._status = self.status_mr.buf[:24].view(np.uint64)
         self.listener: Listener = edge_transport.listen(
             address,
             [*regions, self.status_mr],
-            {"input_capacity": agent.layout.input_capacity, "output_capacity": agent.layout.output_capacity},
+            {wire.INPUT_CAPACITY: agent.layout.input_capacity, wire.OUTPUT_CAPACITY: agent.layout.output_capacity},
         )
         self.address = address
         self._stop = threading.Event()
@@ -111,7 +108,7 @@ class AgentService:
             edge = _Edge(conn, base, self.frames_per_edge)
             self.edges[conn.conn_id] = edge
             self._by_range[base // self.frames_per_edge] = edge
-        return {"frame_base": base, "frame_count": self.frames_per_edge}
+        return {wire.FRAME_BASE: base, wire.FRAME_COUNT: self.frames_per_edge}
 
     def _manage(self) -> None:
         """Edges come and go (slot servers are watched by the serve loop, which can revive them)."""
@@ -152,12 +149,16 @@ class AgentService:
     def _edge_of(self, index: int) -> _Edge | None:
         return self._by_range.get(index // self.frames_per_edge)
 
-    def _answer(self, index: int) -> None:
+    def _answer(self, index: int, final: bool = True) -> None:
+        """Tell the frame's edge that its result (``final``) or more streamed output arrived: the data is
+        already in the replies region it reads."""
         edge = self._edge_of(index)
         if edge is None:
             return  # the edge has gone; nothing to tell
+        local = index - edge.base
+        imm = wire.final_imm(local) if final else wire.progress_imm(local)
         try:
-            edge.conn.write_with_imm(self.notify_mr, 0, edge.conn.remote["completions"], 0, 0, index - edge.base)
+            edge.conn.write_with_imm(self.notify_mr, 0, edge.conn.remote[wire.COMPLETIONS_REGION], 0, 0, imm)
         except TransportError as exc:
             log.warning("could not answer frame %d: %s", index, exc)
 
@@ -178,18 +179,22 @@ class AgentService:
         edge = self.edges.get(conn_id)
         if edge is None:
             return
-        if not 0 <= imm < edge.count:
-            log.warning("edge %d named frame %d outside its range of %d", conn_id, imm, edge.count)
+        local = imm & ~wire.IMM_CANCEL
+        if not 0 <= local < edge.count:
+            log.warning("edge %d named frame %d outside its range of %d", conn_id, local, edge.count)
             return
-        index = edge.base + imm
+        index = edge.base + local
+        if imm & wire.IMM_CANCEL:
+            self.agent.cancel(index)  # the edge frees the frame when the final answer comes
+            return
         status = self.agent.submit(index)
         if status is not None:
             self._refuse(index, status)
 
     def _from_server(self, conn_id: int, imm: int) -> None:
-        index = self.agent.complete(conn_id, imm)
-        if index is not None:
-            self._answer(index)
+        delivery = self.agent.deliver(conn_id, imm)
+        if delivery is not None:
+            self._answer(delivery.index, delivery.final)
 
     def publish_status(self) -> None:
         """Re-attach slot servers that came back, then publish free/total slots and liveness."""

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepath.dma.handlers import echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dpu.agent import Agent
+from edgepath.builder import build_agent, build_slot_server, data_path_transport
+from edgepath.config import AgentSettings, DataPath, SlotServerSettings
 from edgepath.native.abi import Status, lib
 from edgepath.runtime import runtime_dir
 
@@ -51,23 +49,44 @@ def run_demo(
     tokens: int = 128,
     spin: float = 0.0,
     memory: str = "host",
+    data_path: DataPath | None = None,
+    slot_server_listen: str | None = None,
 ) -> DemoReport:
     """Push ``requests`` echo requests, ``concurrency`` at a time, through a fresh slot server
-    whose doorbells are polled by the CPU (``memory="host"``) or the CUDA poller (``"gpu"``)."""
+    whose doorbells are polled by the CPU (``memory="host"``) or the CUDA poller (``"gpu"``), over
+    ``data_path`` (loopback by default; verbs needs ``slot_server_listen``, an IP:PORT of the device)."""
     if concurrency > 256:
-        raise ValueError("concurrency must be at most 256")
-    address = str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
-    server = SlotServer(
-        LoopbackTransport(),
-        address,
-        echo,
-        SlotServerConfig(slots=slots, input_capacity=tokens, output_capacity=tokens, spin=spin, memory=memory),
+        raise ValueError(f"--concurrency must be at most 256, got {concurrency}")
+    data_path = data_path or DataPath()
+    if data_path.kind == "verbs" and not slot_server_listen:
+        raise ValueError("--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device)")
+    address = slot_server_listen or str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
+    server = build_slot_server(
+        SlotServerSettings(
+            listen=address,
+            slots=slots,
+            memory=memory,
+            input_capacity=tokens,
+            output_capacity=tokens,
+            spin_us=spin * 1e6,
+            data_path=data_path,
+        )
     )
     worker = threading.Thread(target=server.serve, name="slot-server", daemon=True)
     worker.start()
-    agent = Agent(LoopbackTransport(), frames=max(concurrency, 1), input_capacity=tokens, output_capacity=tokens)
+    agent_transport = data_path_transport(data_path)
     try:
-        link = agent.attach(address)
+        agent = build_agent(
+            AgentSettings(
+                slot_servers=(address,),
+                frames=max(concurrency, 1),
+                input_capacity=tokens,
+                output_capacity=tokens,
+                data_path=data_path,
+            ),
+            agent_transport,
+        )
+        link = agent.links[0]
         stamps = np.zeros((requests, len(STAGES)), dtype=np.int64)
         t_submit = {}
         ok = no_slot = errors = mismatches = sent = answered = 0
@@ -97,7 +116,7 @@ def run_demo(
                 else:
                     t_submit[index] = t0
                 sent += 1
-            for index in agent.poll(timeout=1.0, spin=spin):
+            for index in [d.index for d in agent.poll(timeout=1.0, spin=spin) if d.final]:
                 t_end = lib.ep_now_ns()
                 req = agent.frames.requests[index]
                 res = agent.frames.results[index]
@@ -150,5 +169,5 @@ def run_demo(
     finally:
         server.close()
         worker.join(timeout=2.0)
-        agent.transport.close()
+        agent_transport.close()
         server.transport.close()

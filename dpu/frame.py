@@ -11,37 +11,31 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgepath.dma.pool import FrameArray
+from edgepath.dma.pool import AgentFrames, FrameArray
+from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestInvalid, Sampling, request_problem
 from edgepath.native.abi import lib
 
-TOKEN_MIN = -(2**31)
-TOKEN_MAX = 2**31 - 1
+FrameError = RequestInvalid
 
 
-class FrameError(ValueError):
-    """A request that does not fit the frame format; the message says what is allowed."""
-
-
-def check_request(frames: FrameArray, index: int, token_count: int, max_new_tokens: int) -> None:
+def check_request(frames: FrameArray | AgentFrames, index: int, token_count: int, max_new_tokens: int) -> None:
     layout = frames.layout
     if not 0 <= index < frames.count:
         raise FrameError(f"frame index {index} is outside 0..{frames.count - 1}")
-    if token_count <= 0:
-        raise FrameError(f"a request needs at least 1 token, got {token_count}")
-    if token_count > layout.input_capacity:
-        raise FrameError(f"request has {token_count} tokens; a slot holds at most {layout.input_capacity}")
-    if not 0 <= max_new_tokens <= layout.output_capacity:
-        raise FrameError(f"max_new_tokens must be between 0 and {layout.output_capacity}, got {max_new_tokens}")
+    problem = request_problem(token_count, max_new_tokens, layout.input_capacity, layout.output_capacity)
+    if problem is not None:
+        raise FrameError(problem)
 
 
 def write_request(
-    frames: FrameArray,
+    frames: FrameArray | AgentFrames,
     index: int,
     tokens: Sequence[int] | np.ndarray,
     *,
     request_id: int,
     max_new_tokens: int,
     flags: int = 0,
+    sampling: Sampling | None = None,
     t_receive_ns: int = 0,
     t_tokenized_ns: int = 0,
 ) -> int:
@@ -57,8 +51,11 @@ def write_request(
         raise FrameError("token ids must fit in int32")
     if not 0 <= request_id < 2**64:
         raise FrameError(f"request_id must be an unsigned 64-bit integer, got {request_id}")
+    sampling = sampling or Sampling()
+    sampling.check()
     req = frames.requests[index]
     frames.tokens[index, :n] = ids
+    write_sampling(req, sampling)
     req["request_id"] = request_id
     req["token_count"] = n
     req["max_new_tokens"] = max_new_tokens
@@ -66,3 +63,11 @@ def write_request(
     req["t_receive_ns"] = t_receive_ns
     req["t_tokenized_ns"] = t_tokenized_ns or lib.ep_now_ns()
     return n
+
+
+def write_sampling(req: np.void, sampling: Sampling) -> None:
+    """Sampling parameters into a request header (the model side reads them from the slot)."""
+    req["temperature"] = sampling.temperature
+    req["top_p"] = sampling.top_p
+    req["top_k"] = sampling.top_k
+    req["seed"] = sampling.seed

@@ -69,7 +69,8 @@ class H3ClientProtocol(QuicConnectionProtocol):
             self._h3_event(h3_event)
 
     def _h3_event(self, event: H3Event) -> None:
-        pending = self._pending.get(getattr(event, "stream_id", -1))
+        stream_id = getattr(event, "stream_id", -1)
+        pending = self._pending.get(stream_id)
         if pending is None:
             return
         if isinstance(event, HeadersReceived):
@@ -81,7 +82,7 @@ class H3ClientProtocol(QuicConnectionProtocol):
         elif isinstance(event, DataReceived):
             pending.body += event.data
         if getattr(event, "stream_ended", False):
-            del self._pending[event.stream_id]
+            del self._pending[stream_id]
             if not pending.future.done():
                 pending.future.set_result(H3Response(pending.status, pending.headers, bytes(pending.body)))
 
@@ -119,14 +120,21 @@ class H3ClientProtocol(QuicConnectionProtocol):
         return len(self._pending)
 
     def reset(self, stream_id: int, error_code: int = 0x10C) -> None:
-        """Abandon a request mid-stream (RESET_STREAM), as a client that gives up would."""
+        """Abandon a request, as a client that gives up would: RESET_STREAM for what it was sending
+        and STOP_SENDING for the answer (the one a server sees once the request was complete)."""
         self._pending.pop(stream_id, None)
         self._quic.reset_stream(stream_id, error_code)
+        self._quic.stop_stream(stream_id, error_code)
         self.transmit()
 
-    def send_partial(self, method: str, authority: str, path: str, body: bytes) -> int:
-        """Send headers and part of a body without ending the stream (for reset tests)."""
+    def send_partial(
+        self, method: str, authority: str, path: str, body: bytes
+    ) -> tuple[int, asyncio.Future[H3Response]]:
+        """Send headers and part of a body without ending the stream, as a slow or hostile client
+        would; (stream id, future of whatever the server answers)."""
         stream_id = self._quic.get_next_available_stream_id()
+        future: asyncio.Future[H3Response] = self._loop.create_future()
+        self._pending[stream_id] = _Pending(future)
         self.h3.send_headers(
             stream_id,
             [
@@ -138,7 +146,7 @@ class H3ClientProtocol(QuicConnectionProtocol):
         )
         self.h3.send_data(stream_id, body, end_stream=False)
         self.transmit()
-        return stream_id
+        return stream_id, future
 
 
 class H3Client:

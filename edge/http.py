@@ -2,9 +2,11 @@
 
 Nothing here touches a socket, a thread or a clock: the QUIC and HTTP/1.1 adapters feed
 :class:`Request` objects in, and timestamps arrive as arguments.  :meth:`HttpCore.handle`
-answers what it can at once (health, metrics, every bad input) and turns a valid
-``/v1/generate`` or ``/v1/tokenize`` call into a :class:`Work` item; the service then
-tokenizes, admits and dispatches it and comes back here for the response bodies.
+answers what it can at once (every bad input) with a :class:`Response`, names the live-state
+routes (health, metrics) with a :class:`StateQuery`, and turns a valid ``/v1/generate`` or
+``/v1/tokenize`` call into a :class:`Work` item; the lifecycle then tokenizes, admits and
+dispatches it, and the route's :class:`Formatter` shapes what goes back (one document, or
+server-sent events as output arrives).
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
+
+from edgepath.dma.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 
 JSON = b"application/json"
 Headers = list[tuple[bytes, bytes]]
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
-STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "total")
+STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "first_token", "total")
 
 
 @dataclass(slots=True)
@@ -44,23 +49,95 @@ class Request:
 
 @dataclass(slots=True)
 class Response:
-    """A complete response.  ``events`` (server-sent events) are sent as separate body chunks."""
+    """A complete response (a streamed one is started, chunked and ended by the lifecycle instead)."""
 
     status: int
     headers: Headers
     body: bytes = b""
-    events: list[bytes] | None = None
 
 
 @dataclass(slots=True)
 class Work:
-    """A validated tokenize or generate call; the service tokenizes and (for generate) dispatches it."""
+    """A validated tokenize or generate call; the lifecycle tokenizes and (for generate) dispatches it.
+
+    ``route`` picks the formatter that shapes the answer; ``options`` holds what a route parsed
+    beyond the common fields (e.g. stop strings), for its formatter.
+    """
 
     kind: str  # "tokenize" | "generate"
     prompt: str | None
     tokens: list[int] | None
     max_tokens: int
     stream: bool
+    sampling: Sampling = field(default_factory=Sampling)
+    route: str = "/v1/generate"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StateQuery:
+    """A GET of a route whose answer needs live state the lifecycle owns (``/health``, ``/metrics``)."""
+
+    route: str
+    query: dict[str, list[str]]
+
+
+#: what :meth:`HttpCore.handle` returns
+Handled = Response | StateQuery | Work
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A generate request that finished on the model side: what its formatter needs for the last word.
+
+    ``tokens``: every output id (capped at the request's ``max_tokens``); ``first_token_ns``: receive
+    -> first output token (0 when there was none); ``status``: the result header's status name.
+    """
+
+    request_id: int
+    input_count: int
+    tokens: np.ndarray
+    status: str
+    first_token_ns: int
+
+
+class Formatter(Protocol):
+    """Shapes one route's answer, streamed or not; the lifecycle owns when each piece is sent.
+
+    A route (``/v1/generate`` here; OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` next)
+    gives one formatter per request, so it can keep per-request state (an incremental detokenizer,
+    stop strings).  ``tokens`` sees output as it arrives -- streamed requests, and whole ones when
+    ``watch`` is set (the model side is then asked for streamed output too); setting ``done`` there
+    ends the request early: the lifecycle answers with :meth:`end` (or :meth:`complete`) at once
+    and abandons the frame, which cancels the slot, so the model stops instead of running on.
+    """
+
+    watch: bool
+    done: bool
+
+    def complete(self, outcome: Outcome) -> Response:
+        """The whole answer of a non-streamed request."""
+        ...
+
+    def start(self) -> tuple[int, Headers]:
+        """Status and headers of a streamed answer."""
+        ...
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        """The event chunk for output tokens that just arrived."""
+        ...
+
+    def end(self, outcome: Outcome) -> bytes:
+        """The last chunk of a streamed answer."""
+        ...
+
+    def failure(self, error: HttpError) -> Response:
+        """A whole error answer (refused, failed, timed out) in this route's error shape."""
+        ...
+
+    def error(self, type_: str, message: str) -> bytes:
+        """The last chunk of a stream that failed after it had started."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +165,27 @@ class HttpError(Exception):
 ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/generate": ("POST",),
     "/v1/tokenize": ("POST",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/v1/models": ("GET",),
     "/health": ("GET",),
     "/metrics": ("GET",),
 }
 
 
 OPS_ROUTES = ("/health", "/metrics")
+#: routes answered in OpenAI's shapes (edgepath.edge.openai_routes)
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class OpenAIParser(Protocol):
+    """The OpenAI routes as the core needs them (implemented by edgepath.edge.openai_routes.OpenAIRoutes)."""
+
+    def models(self) -> Response: ...
+
+    def parse(self, path: str, body: bytes) -> Work | Response: ...
+
+    def error(self, exc: HttpError) -> Response: ...
 
 
 def error_response(exc: HttpError) -> Response:
@@ -121,20 +213,23 @@ def timing_headers(timings: dict[str, int]) -> Headers:
 class HttpCore:
     """Routing and validation of edgepath's HTTP API, independent of transport."""
 
-    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None) -> None:
+    def __init__(self, limits: Limits, api_keys: ApiKeys | None = None, openai: OpenAIParser | None = None) -> None:
         self.limits = limits
         self.api_keys = api_keys
+        self.openai = openai
 
     # -- entry ----------------------------------------------------------------------
-    def handle(self, request: Request) -> Response | Work | tuple[str, dict[str, list[str]]]:
-        """A final response, a :class:`Work` item, or ``(route, query)`` for health/metrics,
-        which need live state the service owns."""
+    def handle(self, request: Request) -> Handled:
+        """A final :class:`Response`, a :class:`Work` item, or a :class:`StateQuery` for
+        health/metrics, which need live state the lifecycle owns."""
         try:
             return self._route(request)
         except HttpError as exc:
+            if self.openai is not None and urlsplit(request.target).path in OPENAI_PATHS:
+                return self.openai.error(exc)
             return error_response(exc)
 
-    def _route(self, request: Request) -> Work | tuple[str, dict[str, list[str]]]:
+    def _route(self, request: Request) -> Handled:
         parts = urlsplit(request.target)
         self._authorize(parts.path, request.headers)
         methods = ROUTES.get(parts.path)
@@ -147,8 +242,16 @@ class HttpCore:
                 f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
                 [(b"allow", ", ".join(methods).encode())],
             )
+        if parts.path in OPENAI_PATHS:
+            if self.openai is None:
+                raise HttpError(404, "not_found", f"{parts.path} is not served here (no OpenAI routes configured)")
+            if request.method == "GET":
+                return self.openai.models()
+            if len(request.body) > self.limits.max_body:
+                raise self.too_large(len(request.body))
+            return self.openai.parse(parts.path, request.body)
         if request.method == "GET":
-            return parts.path, parse_qs(parts.query)
+            return StateQuery(parts.path, parse_qs(parts.query))
         if len(request.body) > self.limits.max_body:
             raise self.too_large(len(request.body))
         return self._parse_body(parts.path, request.body)
@@ -191,7 +294,7 @@ class HttpCore:
             raise HttpError(400, "invalid_request", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
         prompt, tokens = self._input(doc)
         max_tokens, stream = (self._max_tokens(doc), self._stream(doc)) if kind == "generate" else (0, False)
-        return Work(kind, prompt, tokens, max_tokens, stream)
+        return Work(kind, prompt, tokens, max_tokens, stream, route=path)
 
     def _input(self, doc: dict[str, Any]) -> tuple[str | None, list[int] | None]:
         has_prompt, has_tokens = "prompt" in doc, "tokens" in doc
@@ -245,33 +348,23 @@ class HttpCore:
     def tokenize_response(ids: Sequence[int]) -> Response:
         return json_response(200, {"tokens": list(ids), "count": len(ids)})
 
-    def no_slot(self) -> Response:
+    def no_slot(self) -> HttpError:
         """429 at once: nothing is queued, the client retries."""
-        return error_response(
-            HttpError(
-                429,
-                "no_slot",
-                "every slot is busy; this server does not queue requests, retry later",
-                [(b"retry-after", str(self.limits.retry_after_s).encode())],
-            )
+        return HttpError(
+            429,
+            "no_slot",
+            "every slot is busy; this server does not queue requests, retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
         )
 
-    @staticmethod
-    def failure(status: int, type_: str, message: str) -> Response:
-        return error_response(HttpError(status, type_, message))
-
-    @staticmethod
-    def generate_response(work: Work, request_id: int, input_count: int, output: Sequence[int], text: str) -> Response:
-        """200 with the output tokens: one JSON document, or server-sent events when ``stream``."""
-        summary = {"id": request_id, "input_count": input_count, "output_count": len(output)}
-        if not work.stream:
-            response = json_response(200, {**summary, "tokens": list(output), "text": text})
-        else:
-            events = [f"data: {json.dumps({'token': t})}\n\n".encode() for t in output]
-            events.append(f"event: done\ndata: {json.dumps({**summary, 'text': text})}\n\n".encode())
-            response = Response(200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")])
-            response.events = events
-        return response
+    def busy(self) -> HttpError:
+        """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
+        return HttpError(
+            429,
+            "tokenizer_busy",
+            "every tokenizer worker is busy with a large prompt; this server does not queue, retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
+        )
 
     @staticmethod
     def health_response(
@@ -302,3 +395,42 @@ def _json_type(value: object) -> str:
     return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}.get(
         type(value), "null"
     )
+
+
+class GenerateFormatter:
+    """``/v1/generate``: one JSON document, or one ``data: {"token": id}`` event per token then
+    ``event: done`` with the summary and the first-token time when streamed."""
+
+    def __init__(self, decode: Callable[[np.ndarray], str]) -> None:
+        self._decode = decode
+        self.watch: bool = False  # /v1/generate has no stop strings: the model decides when it is done
+        self.done: bool = False
+
+    @staticmethod
+    def _summary(outcome: Outcome) -> dict[str, Any]:
+        return {"id": outcome.request_id, "input_count": outcome.input_count, "output_count": len(outcome.tokens)}
+
+    def complete(self, outcome: Outcome) -> Response:
+        summary = self._summary(outcome)
+        return json_response(200, {**summary, "tokens": outcome.tokens.tolist(), "text": self._decode(outcome.tokens)})
+
+    def start(self) -> tuple[int, Headers]:
+        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        return b"".join(b'data: {"token": %d}\n\n' % t for t in ids.tolist())
+
+    def end(self, outcome: Outcome) -> bytes:
+        doc = {
+            **self._summary(outcome),
+            "text": self._decode(outcome.tokens),
+            "first_token_ms": round(outcome.first_token_ns / 1e6, 3),
+        }
+        return f"event: done\ndata: {json.dumps(doc)}\n\n".encode()
+
+    @staticmethod
+    def failure(error: HttpError) -> Response:
+        return error_response(error)
+
+    def error(self, type_: str, message: str) -> bytes:
+        return f"event: error\ndata: {json.dumps({'error': {'type': type_, 'message': message}})}\n\n".encode()

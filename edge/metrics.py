@@ -4,18 +4,32 @@
 buckets cannot give: :class:`LatencyWindow` keeps two HDR histograms (current and previous
 interval) and rotates them, so a query covers between one and two intervals of samples.
 Time is passed in by the caller (nanoseconds, monotonic), never read here.
+
+The edge workers of one ``serve --workers N`` share their counters and histograms through
+prometheus_client's multiprocess files (the directory ``$PROMETHEUS_MULTIPROC_DIR``, set by ``serve``
+for its workers), so whichever worker answers ``/metrics`` shows the sum of all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from hdrh.histogram import HdrHistogram
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from edgepath.dpu.port import DeliveryStats
+
+SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _US_HIGHEST = 60_000_000  # one minute, in microseconds
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
+# Token timing spans model speeds (a paced echo, a 135M model on 2 cores, a GPU): up to tens of seconds.
+_TOKEN_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0, 30.0)
 
 
 class LatencyWindow:
@@ -60,7 +74,12 @@ class EdgeMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, free_slots: Callable[[], float], window: LatencyWindow | None = None) -> None:
+    def __init__(
+        self,
+        free_slots: Callable[[], float],
+        delivery_stats: Callable[[], DeliveryStats],
+        window: LatencyWindow | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -81,9 +100,24 @@ class EdgeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.free_slots = Gauge("edgepath_free_slots", "Free slots on attached slot servers", registry=self.registry)
-        self.free_slots.set_function(free_slots)
+        self.first_token_latency = Histogram(
+            "edgepath_time_to_first_token_seconds",
+            "Request complete at the edge -> its first output token seen by the edge",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "edgepath_inter_token_latency_seconds",
+            "Time between output tokens seen by the edge (a delivery of k tokens counts k, spread evenly)",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.delivery_stats = _DeliveryCollector(delivery_stats)
+        self.registry.register(self.delivery_stats)
+        self.free_slots = _FreeSlots(free_slots)
+        self.registry.register(self.free_slots)
         self.window = window or LatencyWindow()
+        self._shared_dir = os.environ.get(SHARED_DIR_ENV)
 
     def answered(self, route: str, status: int, total_ns: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -93,5 +127,49 @@ class EdgeMetrics:
         self.edge_latency.observe(latency_ns / 1e9)
         self.window.record(latency_ns / 1e3, now_ns)
 
+    def first_token(self, latency_ns: int) -> None:
+        self.first_token_latency.observe(latency_ns / 1e9)
+
+    def inter_token(self, gap_ns: float, tokens: int) -> None:
+        """``tokens`` tokens arrived ``gap_ns`` apart each (one delivery after the previous one)."""
+        for _ in range(tokens):
+            self.inter_token_latency.observe(gap_ns / 1e9)
+
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self._shared_dir)
+        merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
+        merged.register(self.delivery_stats)  # the port of the worker that answers the scrape
+        return generate_latest(merged)
+
+
+class _FreeSlots:
+    """``edgepath_free_slots``, read when scraped (a collector, so it is never one of the shared files)."""
+
+    def __init__(self, read: Callable[[], float]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _DeliveryCollector:
+    """The port's exactly-once accounting, read at scrape time (the port owns the counts)."""
+
+    _HELP: ClassVar[dict[str, str]] = {
+        "delivered": "Final deliveries the agent port handed to the edge",
+        "duplicates": "A second final delivery for a frame already answered (must stay 0)",
+        "unknown": "Completions naming a frame not in flight, or another generation of it",
+        "abandoned": "Frames the edge gave up (deadline passed, client gone)",
+        "late": "Completions for abandoned frames, discarded by the generation fence",
+    }
+
+    def __init__(self, stats: Callable[[], DeliveryStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, help_text in self._HELP.items():
+            yield CounterMetricFamily(f"edgepath_port_{name}", help_text, value=getattr(stats, name))

@@ -1,32 +1,47 @@
 """HTTP/3 adapter: aioquic events in, complete :class:`Request` objects out, responses back.
 
 Only framing lives here: collecting a stream's headers and body, enforcing the body limit while it
-arrives (413 without waiting for the rest), noticing streams the client resets, and sending the
-response.  Everything else is :class:`~edgepath.edge.service.EdgeService`.  Responses produced while
-a datagram is being processed leave with that datagram's transmit; others are coalesced into one
-transmit per loop iteration.
+arrives (413 without waiting for the rest) and the body deadline (408 when a body does not complete
+within ``--body-timeout``), noticing streams the client resets, and sending the response -- whole,
+or streamed as the service produces it.  Everything else is
+:class:`~edgepath.edge.service.EdgeService`.  Responses produced while a datagram is being processed
+leave with that datagram's transmit; others are coalesced into one transmit per loop iteration.
+
+An early refusal follows RFC 9114 §4.1: the complete response is sent, then reading is aborted with
+H3_NO_ERROR (STOP_SENDING), so a client such as libcurl reads the 413/408 instead of a reset.
+
+Per-connection limits (aioquic's, not configurable there): at most 128 bidirectional streams open at
+once (MAX_STREAMS credit is granted again as streams finish), ``max_stream_data`` and ``max_data``
+flow-control windows of 1 MiB.  A stream holds no frame and no slot until its request is complete,
+and the body deadline bounds how long an incomplete one is kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio import serve as quic_serve
 from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, ProtocolNegotiated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    ProtocolNegotiated,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
-from edgepath.edge.http import Headers, Request, Response, error_response
+from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import EdgeService, Ticket
 from edgepath.native.abi import lib
 
 SERVER = b"edgepath"
-H3_REQUEST_CANCELLED = 0x10C
+H3_NO_ERROR = 0x100
 
 
 @dataclass(eq=False, slots=True)
@@ -35,15 +50,51 @@ class _Stream:
     target: str = ""
     headers: Headers = field(default_factory=list)
     body: bytearray = field(default_factory=bytearray)
-    answered: bool = False  # an early answer (413) went out; ignore the rest
+    answered: bool = False  # an early answer (413, 408) went out; ignore the rest
     ticket: Ticket | None = None
+    body_timer: asyncio.TimerHandle | None = None
 
 
-def response_headers(response: Response) -> Headers:
-    headers = [(b":status", str(response.status).encode()), (b"server", SERVER), *response.headers]
-    if response.events is None:
-        headers.append((b"content-length", str(len(response.body)).encode()))
-    return headers
+def response_headers(status: int, headers: Headers, length: int | None) -> Headers:
+    out = [(b":status", str(status).encode()), (b"server", SERVER), *headers]
+    if length is not None:
+        out.append((b"content-length", str(length).encode()))
+    return out
+
+
+class _StreamReply:
+    """One HTTP/3 request stream's way back (the service's :class:`~edgepath.edge.service.Reply`)."""
+
+    __slots__ = ("_protocol", "_stream_id")
+
+    def __init__(self, protocol: EdgeProtocol, stream_id: int) -> None:
+        self._protocol = protocol
+        self._stream_id = stream_id
+
+    def respond(self, response: Response) -> None:
+        h3 = self._protocol.sendable(self._stream_id, last=True)
+        if h3 is not None:
+            h3.send_headers(self._stream_id, response_headers(response.status, response.headers, len(response.body)))
+            h3.send_data(self._stream_id, response.body, end_stream=True)
+            self._protocol.schedule_transmit()
+
+    def start(self, status: int, headers: Headers) -> None:
+        h3 = self._protocol.sendable(self._stream_id, last=False)
+        if h3 is not None:
+            h3.send_headers(self._stream_id, response_headers(status, headers, None))
+            self._protocol.schedule_transmit()
+
+    def send(self, data: bytes) -> None:
+        h3 = self._protocol.sendable(self._stream_id, last=False)
+        if h3 is not None:
+            h3.send_data(self._stream_id, data, end_stream=False)
+            self._protocol.schedule_transmit()
+
+    def end(self, data: bytes) -> None:
+        h3 = self._protocol.sendable(self._stream_id, last=True)
+        if h3 is not None:
+            h3.send_data(self._stream_id, data, end_stream=True)
+            self._protocol.schedule_transmit()
 
 
 class EdgeProtocol(QuicConnectionProtocol):
@@ -74,7 +125,9 @@ class EdgeProtocol(QuicConnectionProtocol):
             self._arrival_ns = lib.ep_now_ns()
         if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
             self._h3 = H3Connection(self._quic)
-        if isinstance(event, StreamReset):
+        if isinstance(event, StreamReset | StopSendingReceived):
+            # RESET_STREAM: the client stopped sending (a request cut short); STOP_SENDING: it stopped
+            # reading -- how a client that sent its whole request walks away from the answer
             self._reset(event.stream_id)
         elif isinstance(event, ConnectionTerminated):
             self._terminated = True
@@ -98,54 +151,73 @@ class EdgeProtocol(QuicConnectionProtocol):
                         stream.headers.append((name, value))
                 length = _content_length(stream.headers)
                 if length is not None and length > self._service.core.limits.max_body:
-                    self._refuse_too_large(event.stream_id, stream, length)
+                    self._refuse_early(event.stream_id, stream, self._service.core.too_large(length))
+                elif not event.stream_ended:
+                    stream.body_timer = self._loop.call_later(
+                        self._service.body_timeout, self._body_late, event.stream_id
+                    )
         elif isinstance(event, DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None or stream.answered:
                 return
             stream.body += event.data
             if len(stream.body) > self._service.core.limits.max_body:
-                self._refuse_too_large(event.stream_id, stream, len(stream.body))
+                self._refuse_early(event.stream_id, stream, self._service.core.too_large(len(stream.body)))
                 return
         else:
             return
         if event.stream_ended and not stream.answered:
+            if stream.body_timer is not None:
+                stream.body_timer.cancel()
+                stream.body_timer = None
             request = Request(
                 stream.method, stream.target, stream.headers, bytes(stream.body), lib.ep_now_ns(), self._arrival_ns
             )
             stream.body = bytearray()
-            stream.ticket = self._service.handle(request, partial(self._send, event.stream_id))
+            stream.ticket = self._service.handle(request, _StreamReply(self, event.stream_id))
 
-    def _refuse_too_large(self, stream_id: int, stream: _Stream, size: int) -> None:
-        """413 as soon as the body is known to be too large; stop the client from sending the rest."""
+    def _body_late(self, stream_id: int) -> None:
+        """The body did not complete within ``--body-timeout``: 408, and stop reading the rest."""
+        stream = self._streams.get(stream_id)
+        if stream is not None and stream.ticket is None and not stream.answered:
+            stream.body_timer = None
+            timeout = self._service.body_timeout
+            self._refuse_early(
+                stream_id,
+                stream,
+                HttpError(408, "body_timeout", f"the request body did not complete within {timeout:g} s"),
+            )
+
+    def _refuse_early(self, stream_id: int, stream: _Stream, error: HttpError) -> None:
+        """Answer before the body is complete, then abort reading with H3_NO_ERROR (RFC 9114 §4.1)."""
         stream.answered = True
         stream.body = bytearray()
+        if stream.body_timer is not None:
+            stream.body_timer.cancel()
+            stream.body_timer = None
         request = Request(stream.method, stream.target, stream.headers, b"", lib.ep_now_ns())
-        self._service.refuse(
-            request, error_response(self._service.core.too_large(size)), partial(self._send, stream_id)
-        )
-        self._quic.stop_stream(stream_id, H3_REQUEST_CANCELLED)
+        self._service.refuse(request, error_response(error), _StreamReply(self, stream_id))
+        if not self._terminated:
+            self._quic.stop_stream(stream_id, H3_NO_ERROR)
 
     def _reset(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
-            self._service.metrics.resets.inc()
+            if stream.body_timer is not None:
+                stream.body_timer.cancel()
             if stream.ticket is not None:
-                stream.ticket.cancel()
+                stream.ticket.cancel()  # the lifecycle counts the reset and abandons what it holds
+            elif not stream.answered:
+                self._service.metrics.resets.inc()  # reset before the request was complete: nothing held
 
-    def _send(self, stream_id: int, response: Response) -> None:
-        stream = self._streams.pop(stream_id, None)
+    def sendable(self, stream_id: int, last: bool) -> H3Connection | None:
+        """The HTTP/3 connection if ``stream_id`` can still be answered (``last``: this ends it)."""
+        stream = self._streams.pop(stream_id, None) if last else self._streams.get(stream_id)
         if stream is None or self._h3 is None or self._terminated:
-            return  # reset by the client, or the connection is gone
-        h3 = self._h3
-        if response.events is None:
-            h3.send_headers(stream_id, response_headers(response))
-            h3.send_data(stream_id, response.body, end_stream=True)
-        else:
-            h3.send_headers(stream_id, response_headers(response))
-            for chunk in response.events:
-                h3.send_data(stream_id, chunk, end_stream=False)
-            h3.send_data(stream_id, b"", end_stream=True)
+            return None  # reset by the client, or the connection is gone
+        return self._h3
+
+    def schedule_transmit(self) -> None:
         if not self._receiving and not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -171,7 +243,24 @@ def server_configuration(certificate: str, private_key: str) -> QuicConfiguratio
     return config
 
 
-async def serve_quic(service: EdgeService, host: str, port: int, configuration: QuicConfiguration) -> QuicServer:
-    return await quic_serve(
-        host, port, configuration=configuration, create_protocol=partial(EdgeProtocol, service=service)
+async def serve_quic(
+    service: EdgeService,
+    host: str,
+    port: int,
+    configuration: QuicConfiguration,
+    reuse_port: bool = False,
+    retry: bool = False,
+) -> QuicServer:
+    """aioquic's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
+    the kernel keeps each client address on one worker).  ``retry``: validate client addresses with
+    a Retry round trip before any state is kept for them (RFC 9000 §8.1), against floods from
+    spoofed source addresses; costs one round trip."""
+    loop = asyncio.get_running_loop()
+    _, server = await loop.create_datagram_endpoint(
+        lambda: QuicServer(
+            configuration=configuration, create_protocol=partial(EdgeProtocol, service=service), retry=retry
+        ),
+        local_addr=(host, port),
+        reuse_port=reuse_port,
     )
+    return server

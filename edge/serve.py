@@ -1,9 +1,13 @@
-"""``edgepath serve``: edge + in-process agent + (unless given one) a local slot server, in one command.
+"""``edgepath serve``: edge + in-process agent + (unless given one) a supervised local slot server.
 
-The slot server runs as a child process on the loopback transport, exactly as it would run alone
-(``python -m edgepath slot-server``); the agent lives in the edge's process, so the edge writes token
-ids straight into the agent's registered frames.  The process prints ``ready <url>`` on stdout once
-it accepts requests, and stops everything it started on SIGINT/SIGTERM.
+The slot server runs as a child process, exactly as it would run alone (``edgepath slot-server``,
+its command line made from the same configuration), and is restarted with bounded back-off when it
+dies; the agent re-attaches to it where it listens.  The agent lives in the edge's process, so the
+edge writes token ids straight into the agent's registered frames.  The process prints
+``ready <url>`` on stdout once it accepts requests, and stops everything it started on SIGINT/SIGTERM.
+
+With ``--workers N`` this process only supervises: N edge processes (each this same command with its
+own in-process agent, on the shared port with SO_REUSEPORT) and the one slot server they all use.
 """
 
 from __future__ import annotations
@@ -11,216 +15,194 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import selectors
+import os
+import shutil
 import signal
-import subprocess
-import sys
+import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import TypeVar
 
 from aioquic.asyncio.server import QuicServer
 
-from edgepath.dma.transport import make_transport
+from edgepath.builder import build_agent, build_edge, data_path_transport
+from edgepath.config import ServeOptions
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
-from edgepath.edge.auth import load_keys
-from edgepath.edge.http import HttpCore, Limits
-from edgepath.edge.service import EdgeService
+from edgepath.edge.auth import ApiKeys, load_keys
+from edgepath.edge.metrics import SHARED_DIR_ENV
+from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
+from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
+T = TypeVar("T")
 
 
-@dataclass
-class ServeOptions:
-    transport: str = "quic"  # "quic" | "tcp"
-    host: str = "127.0.0.1"
-    port: int = 4433
-    slot_server: str | None = None  # address of an existing slot server; None: start one
-    agent: str | None = None  # address of an `edgepath agent` process to use instead of an in-process agent
-    data_path: str = "loopback"  # transport between the in-process agent and the slot server: loopback | verbs
-    device: str | None = None  # RDMA device for data_path verbs (e.g. rxe0)
-    gid_index: int | None = None
-    slot_server_listen: str | None = None  # where a started slot server listens (verbs: IP:PORT of the device)
-    slot_server_address: str | None = None  # where the started one listens
-    slots: int = 64
-    frames: int = 256
-    input_capacity: int = 4096
-    output_capacity: int = 4096
-    max_body: int = 1 << 20
-    tokenizer: str | None = None
-    certificate: str | None = None
-    private_key: str | None = None
-    handler: str = "echo"
-    slot_spin_us: float = 0.0  # the started slot server spins this long on its queue before sleeping
-    request_timeout: float = 60.0  # seconds a dispatched request may wait for its result (then 504)
-    api_keys_file: str | None = None  # one key per line; with $EDGEPATH_API_KEYS, enables x-api-key checks
-    protect_ops: bool = False  # /health and /metrics need a key too
-    handler_deadline: float = 0.0  # the started slot server's --handler-deadline (0: none)
+def check_listen(options: ServeOptions) -> None:
+    """Fail before anything starts when ``--host``/``--port`` cannot be listened on (in use, say);
+    the real bind later reports the same way if it loses a race for the port."""
+    kind = socket.SOCK_STREAM if options.transport == "tcp" else socket.SOCK_DGRAM
+    try:
+        infos = socket.getaddrinfo(options.host, options.port, type=kind)
+        with socket.socket(infos[0][0], kind) as probe:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+            if options.reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # the workers share the port
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise _cannot_listen(options, exc) from exc
 
 
-class SlotServerProcess:
-    """A ``python -m edgepath slot-server`` child; started, waited for, stopped."""
-
-    def __init__(self, options: ServeOptions, address: str) -> None:
-        self.address = address
-        cmd = [
-            sys.executable,
-            "-m",
-            "edgepath",
-            "slot-server",
-            "--listen",
-            address,
-            "--slots",
-            str(options.slots),
-            "--input-capacity",
-            str(options.input_capacity),
-            "--output-capacity",
-            str(options.output_capacity),
-            "--handler",
-            options.handler,
-            "--spin-us",
-            str(options.slot_spin_us),
-            "--handler-deadline",
-            str(options.handler_deadline),
-            *data_path_args(options),
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self._wait_ready(30.0)
-
-    def _wait_ready(self, timeout: float) -> None:
-        assert self.proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            line = self.proc.stdout.readline() if sel.select(timeout) else ""
-        if not line.startswith("ready"):
-            self.stop()
-            raise RuntimeError(f"slot server did not start (exit {self.proc.poll()}): {line.strip()!r}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
-
-def data_path_options(options: ServeOptions) -> dict[str, object]:
-    """Transport options of the agent <-> slot server hop."""
-    if options.data_path != "verbs":
-        return {}
-    return {k: v for k, v in (("device", options.device), ("gid_index", options.gid_index)) if v is not None}
-
-
-def data_path_args(options: ServeOptions) -> list[str]:
-    """The same choice as ``edgepath slot-server`` flags."""
-    args = ["--transport", options.data_path]
-    for flag, value in (("--device", options.device), ("--gid-index", options.gid_index)):
-        if options.data_path == "verbs" and value is not None:
-            args += [flag, str(value)]
-    return args
-
-
-def build_agent(options: ServeOptions, address: str) -> Agent:
-    agent = Agent(
-        make_transport(options.data_path, **data_path_options(options)),
-        frames=options.frames,
-        input_capacity=options.input_capacity,
-        output_capacity=options.output_capacity,
+def _cannot_listen(options: ServeOptions, exc: OSError) -> RuntimeError:
+    return RuntimeError(
+        f"--host {options.host} --port {options.port}: cannot listen on {options.host}:{options.port} "
+        f"({options.transport}): {exc.strerror or exc}; give a free port and an address of this machine"
     )
-    link = agent.attach(address)
-    log.info(
-        "agent attached to slot server %s: %d slots, %d input tokens each",
-        address,
-        link.slot_count,
-        link.input_capacity,
-    )
-    return agent
+
+
+def _slot_server_listen(options: ServeOptions) -> str:
+    from edgepath.runtime import runtime_dir
+
+    if options.slot_server_listen:
+        return options.slot_server_listen
+    if options.data_path == "verbs":
+        raise RuntimeError(
+            "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
+            "started slot server, or --slot-server ADDR of a running one"
+        )
+    return str(runtime_dir() / f"serve-{options.transport}-{options.port}.sock")
 
 
 async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None)."""
-    from edgepath.runtime import default_address, runtime_dir
-
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None); :class:`GaveUp` when a
+    started child (the slot server, or an edge worker) keeps dying."""
     loop = asyncio.get_running_loop()
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
-    tokenizer = load_tokenizer(options.tokenizer)
-    log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
-    child = None
-    if options.agent is not None:
-        address = options.agent
-    elif options.slot_server is None:
-        if options.data_path == "verbs" and not options.slot_server_listen:
-            raise RuntimeError(
-                "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
-                "started slot server, or --slot-server ADDR of a running one"
-            )
-        address = (
-            options.slot_server_listen
-            or options.slot_server_address
-            or str(runtime_dir() / f"serve-{options.transport}-{options.port}.sock")
-        )
-        child = SlotServerProcess(options, address)
-    else:
-        address = options.slot_server or default_address("slot-server")
-    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-    agent = None
-    try:
-        agent = AgentClient(address) if options.agent is not None else build_agent(options, address)
-        link = agent.links[0]
-        limits = Limits(
-            max_body=options.max_body,
-            input_capacity=min(options.input_capacity, link.input_capacity),
-            output_capacity=min(options.output_capacity, link.output_capacity),
-            vocab_size=tokenizer.vocab_size,
-        )
-        service = EdgeService(
-            HttpCore(limits, load_keys(options.api_keys_file, options.protect_ops)),
-            tokenizer,
-            agent,
-            loop,
-            executor,
-            request_timeout=options.request_timeout,
-        )
-        service.start()
-        try:
-            server = await _listen(options, service)
-        except OSError as exc:
-            raise RuntimeError(f"cannot listen on {options.host}:{options.port} ({options.transport}): {exc}") from exc
+    link = options.link
+    check_listen(options)
+    listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
+    keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    gave_up: list[str] = []
+
+    def give_up(message: str) -> None:  # called on a supervisor's thread
+        gave_up.append(message)
+        loop.call_soon_threadsafe(stop.set)
+
+    def supervisor(name: str, argv: list[str], env: dict[str, str] | None = None) -> Supervisor:
+        policy = RestartPolicy(max_restarts=options.max_restarts, window=options.restart_window)
+        made = Supervisor(name, argv, policy, give_up, env=env)
+        cleanup.callback(made.stop)
+        return made
+
+    with contextlib.ExitStack() as cleanup:
+        transport = None
+        if options.agent is None:
+            transport = data_path_transport(link)  # an unusable device fails here, before any child
+            cleanup.callback(transport.close)
+        slot_server = options.slot_server
+        if listen is not None:
+            slot_server = supervisor("slot server", options.slot_server_settings(listen).argv()).start().address
+            slot_server = slot_server or listen
+        if options.workers > 1:
+            assert slot_server is not None
+            tls = _tls(options)
+            if tls is not None:  # one certificate for all workers, made here once
+                options = replace(options, certificate=str(tls.certificate), private_key=str(tls.private_key))
+            env = dict(os.environ, **{SHARED_DIR_ENV: _shared_metrics_dir(options, cleanup)})
+            argv = options.worker_argv(slot_server)
+            workers = [supervisor(f"edge worker {i}", argv, env) for i in range(options.workers)]
+            await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))  # they start together
+            what = f"{options.workers} edge workers"
+        else:
+            if transport is None:
+                assert options.agent is not None
+                agent: Agent | AgentClient = _named("--agent", options.agent, AgentClient)
+                cleanup.callback(agent.transport.close)
+            else:
+                assert slot_server is not None
+                agent = _named(
+                    "--slot-server" if listen is None else "--slot-server-listen",
+                    slot_server,
+                    lambda a: build_agent(options.agent_settings(a), transport),
+                )
+            await _start_edge(options, agent, keys, loop, cleanup)
+            what = "edge"
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"
-        log.info("edge (%s) listening on %s", "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1", url)
+        protocol = "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1"
+        log.info("%s (%s) listening on %s", what, protocol, url)
         print(f"ready {url}", flush=True)
         if ready is not None:
             ready.set()
-        if stop is None:
-            stop = asyncio.Event()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        server.close()
-        service.stop()
-    finally:
-        executor.shutdown(wait=False, cancel_futures=True)
-        if agent is not None:
-            agent.transport.close()
-        if child is not None:
-            child.stop()
+    if gave_up:
+        raise GaveUp(gave_up[0])
 
 
-async def _listen(options: ServeOptions, service: EdgeService) -> asyncio.Server | QuicServer:
-    if options.transport == "tcp":
+async def _start_edge(
+    options: ServeOptions,
+    agent: Agent | AgentClient,
+    keys: ApiKeys | None,
+    loop: asyncio.AbstractEventLoop,
+    cleanup: contextlib.ExitStack,
+) -> None:
+    """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse."""
+    tokenizer = load_tokenizer(options.tokenizer)
+    log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
+    executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
+    cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
+    service = build_edge(options, tokenizer, agent, keys, loop, executor)
+    service.start()
+    cleanup.callback(service.stop)
+    tls = _tls(options)
+    try:
+        server = await _listen(options, service, tls)
+    except OSError as exc:
+        raise _cannot_listen(options, exc) from exc
+    cleanup.callback(server.close)
+
+
+def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:
+    """A fresh directory where the workers keep their metrics (one /metrics view), removed at the end."""
+    from edgepath.runtime import runtime_dir
+
+    path = runtime_dir() / f"serve-{options.transport}-{options.port}.metrics"
+    shutil.rmtree(path, ignore_errors=True)  # counts of an earlier run are not this one's
+    path.mkdir(mode=0o700)
+    cleanup.callback(shutil.rmtree, path, ignore_errors=True)
+    return str(path)
+
+
+def _tls(options: ServeOptions) -> TlsFiles | None:
+    return resolve(options.certificate, options.private_key) if options.transport == "quic" else None
+
+
+async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | None) -> asyncio.Server | QuicServer:
+    if tls is None:
         from edgepath.edge.tcp import serve_tcp
 
-        return await serve_tcp(service, options.host, options.port)
+        return await serve_tcp(service, options.host, options.port, reuse_port=options.reuse_port)
     from edgepath.edge.quic import serve_quic, server_configuration
-    from edgepath.edge.tls import resolve
 
-    tls = resolve(options.certificate, options.private_key)
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key))
     return await serve_quic(
-        service, options.host, options.port, server_configuration(str(tls.certificate), str(tls.private_key))
+        service, options.host, options.port, configuration, reuse_port=options.reuse_port, retry=options.quic_retry
     )
+
+
+def _named(option: str, address: str, connect: Callable[[str], T]) -> T:
+    """``connect(address)``; a failure names the option the address came from."""
+    try:
+        return connect(address)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(f"{option} {address}: {exc}") from exc
 
 
 def _host_for_url(host: str) -> str:

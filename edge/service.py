@@ -1,13 +1,11 @@
-"""The edge service: the one place where the HTTP core, the tokenizer and the agent meet.
+"""The edge service: the asyncio driver of the sans-I/O :class:`~edgepath.edge.lifecycle.EdgeLifecycle`.
 
-Both adapters (QUIC and HTTP/1.1) hand it complete :class:`Request` objects and a callback for
-the response.  Per request: route and validate (sans-I/O core) -> take an agent frame -> tokenize
-straight into it, the one write of the token ids into registered memory (inline, or on a worker
-thread for large prompts) -> ``agent.submit`` (CAS claim, RDMA WRITE, doorbell) -> answer from the
-completion-queue callback.
-No queue and no batcher anywhere: a request that cannot claim a frame and a slot right now is
-answered 429 right now.  Results are picked up on the event loop from the completion queue's
-eventfd, so no thread hand-off sits between the doorbell and the response.
+Both adapters (QUIC and HTTP/1.1) hand it complete :class:`Request` objects with a :class:`Reply`
+(the request's way back to its client).  This module only does what needs an event loop: it reads
+the clock, watches the agent port's file descriptor for deliveries, runs the periodic tick, runs
+large-prompt tokenization on the worker threads, and carries out the lifecycle's actions on the
+replies.  Deliveries are picked up on the event loop from the port's eventfd, so no thread
+hand-off sits between the doorbell and the response.
 """
 
 from __future__ import annotations
@@ -15,314 +13,183 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from edgepath.dpu.agent import Agent
-from edgepath.dpu.agent_client import AgentClient
-from edgepath.edge.http import (
-    ROUTES,
-    HttpCore,
-    HttpError,
-    Request,
-    Response,
-    Work,
-    error_response,
-    timing_headers,
+from edgepath.dpu.port import AgentPort
+from edgepath.edge.http import Headers, HttpCore, Request, Response
+from edgepath.edge.lifecycle import (
+    DEFAULT_FORMATTERS,
+    Action,
+    EdgeLifecycle,
+    EndStream,
+    FormatterFactory,
+    Respond,
+    SendChunk,
+    StartStream,
+    Tokenize,
 )
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
-from edgepath.native.abi import Status, lib
+from edgepath.edge.tokenizer import Tokenizer
+from edgepath.native.abi import lib
 
 log = logging.getLogger("edgepath.edge")
 
-Respond = Callable[[Response], None]
 _now = lib.ep_now_ns
 
+#: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
+TOKENIZER_WORKERS = 2
 
-@dataclass(eq=False, slots=True)
+
+class Reply(Protocol):
+    """How an adapter sends one request's answer: one complete response, or a stream."""
+
+    def respond(self, response: Response) -> None: ...
+
+    def start(self, status: int, headers: Headers) -> None: ...
+
+    def send(self, data: bytes) -> None: ...
+
+    def end(self, data: bytes) -> None: ...
+
+
 class Ticket:
-    """One request between arrival and response; ``cancel`` when the client gave up on it."""
+    """An adapter's handle on a request it passed in: ``cancel`` when the client went away."""
 
-    request: Request
-    respond: Respond
-    route: str
-    timings: dict[str, int] = field(default_factory=dict)
-    work: Work | None = None
-    frame: int | None = None  # the agent frame this request holds
-    t_dispatch_ns: int = 0  # when it went to the slot server
-    input_count: int = 0
-    cancelled: bool = False
+    __slots__ = ("_service", "rid")
+
+    def __init__(self, service: EdgeService, rid: int) -> None:
+        self._service = service
+        self.rid = rid
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self._service.client_gone(self.rid)
 
 
 class EdgeService:
-    """Turns requests into slot submissions and completions into responses, on one event loop."""
+    """Drives the edge lifecycle on one event loop."""
 
     def __init__(
         self,
         core: HttpCore,
         tokenizer: Tokenizer,
-        agent: Agent | AgentClient,
+        port: AgentPort,
         loop: asyncio.AbstractEventLoop,
         executor: Executor,
+        *,
+        workers: int,
         check_interval: float = 0.25,
         request_timeout: float = 60.0,
+        body_timeout: float = 5.0,
+        formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
     ) -> None:
+        if body_timeout <= 0:
+            raise ValueError(f"body timeout must be positive, got {body_timeout} s")
         self.core = core
         self.tokenizer = tokenizer
-        self.agent = agent
+        self.port = port
         self.loop = loop
         self.executor = executor
-        self.metrics = EdgeMetrics(lambda: self.agent.free_slots()[0])
-        self.inflight: dict[int, Ticket] = {}
-        self._ids = itertools.count(1)
+        self.body_timeout = body_timeout
+        self.metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+        self.lifecycle = EdgeLifecycle(
+            core,
+            tokenizer,
+            port,
+            self.metrics,
+            _now,
+            workers=workers,
+            request_timeout_ns=int(request_timeout * 1e9),
+            formatters=formatters,
+        )
+        self._replies: dict[int, Reply] = {}
+        self._rids = itertools.count(1)
         self._check_interval = check_interval
-        self._timeout_ns = int(request_timeout * 1e9)
         self._check_handle: asyncio.TimerHandle | None = None
-        self._cq = agent.transport.cq
 
-    # -- lifecycle ------------------------------------------------------------------------
+    # -- start / stop ----------------------------------------------------------------------------
     def start(self) -> None:
-        self.loop.add_reader(self._cq.fileno(), self._on_completions)
-        self._on_completions()  # arms the queue (and drains anything already there)
-        self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
+        self.loop.add_reader(self.port.fileno(), self._on_readable)
+        self._on_readable()  # arms the port (and drains anything already there)
+        self._check_handle = self.loop.call_later(self._check_interval, self._tick)
 
     def stop(self) -> None:
-        self.loop.remove_reader(self._cq.fileno())
+        self.loop.remove_reader(self.port.fileno())
         if self._check_handle is not None:
             self._check_handle.cancel()
 
-    # -- requests -------------------------------------------------------------------------
-    def handle(self, request: Request, respond: Respond) -> Ticket:
-        """Start answering ``request``; ``respond`` is called exactly once unless the ticket is cancelled."""
-        t0 = _now()
-        arrival = request.t_arrival_ns if request.t_arrival_ns is not None else request.t_receive_ns
-        ticket = Ticket(request, respond, "other", {"queue": t0 - arrival})
-        result = self.core.handle(request)
-        ticket.timings["parse"] = _now() - t0
-        if isinstance(result, Response):
-            ticket.route = _route_of(request)
-            self._answer(ticket, result)
-        elif isinstance(result, tuple):
-            ticket.route = result[0]
-            self._answer(ticket, self._state_response(*result))
-        else:
-            ticket.route = f"/v1/{result.kind}"
-            ticket.work = result
-            self._tokenize(ticket, result)
-        return ticket
+    @property
+    def pending(self) -> int:
+        """Requests not answered yet, or whose frame a tokenizer worker still holds."""
+        return len(self.lifecycle.tracked)
 
-    def refuse(self, request: Request, response: Response, respond: Respond) -> None:
-        """Answer an adapter's early refusal (e.g. 413 while the body is still arriving), counted like the rest."""
-        self._answer(Ticket(request, respond, _route_of(request)), response)
+    # -- events from adapters --------------------------------------------------------------------
+    def handle(self, request: Request, reply: Reply) -> Ticket:
+        """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled."""
+        rid = next(self._rids)
+        self._replies[rid] = reply
+        self._run(self.lifecycle.receive(rid, request, _now()))
+        return Ticket(self, rid)
 
-    def _state_response(self, route: str, query: dict[str, list[str]]) -> Response:
-        if route == "/metrics":
-            return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
-        free, total = self.agent.free_slots()
-        alive = any(link.alive for link in self.agent.links)
-        return self.core.health_response(
-            free, total, alive, query, lambda pct: self.metrics.window.percentile(pct, _now())
-        )
+    def refuse(self, request: Request, response: Response, reply: Reply) -> None:
+        """Answer an adapter's early refusal (413, 408), counted like the rest."""
+        rid = next(self._rids)
+        self._replies[rid] = reply
+        self._run(self.lifecycle.refuse(rid, request, response))
 
-    def _tokenize(self, ticket: Ticket, work: Work) -> None:
-        """Tokenize: /v1/tokenize into a fresh array; /v1/generate straight into a frame taken first
-        (no frame free: 429 before spending anything on the prompt)."""
-        if work.kind == "tokenize":
-            if work.prompt is None:
-                assert work.tokens is not None
-                self._answer(ticket, self.core.tokenize_response(work.tokens))
-            elif len(work.prompt) <= INLINE_CHARS:
-                t0 = _now()
-                try:
-                    ids = self.tokenizer.encode(work.prompt)
-                except Exception as exc:
-                    self._tokenizer_failed(ticket, exc)
-                    return
-                ticket.timings["tokenize"] = _now() - t0
-                self._answer(ticket, self.core.tokenize_response(ids.tolist()))
-            else:
-                t0 = _now()
-                future = self.loop.run_in_executor(self.executor, self.tokenizer.encode, work.prompt)
-                future.add_done_callback(lambda f: self._off_loop_done(ticket, f, t0))
-            return
-        index = self.agent.acquire()
-        if index is None:
-            self._answer(ticket, self.core.no_slot())
-            return
-        ticket.frame = index
-        out = self.agent.frames.tokens[index]  # registered memory: the ids are written here once
-        t0 = _now()
-        if work.prompt is None:
-            assert work.tokens is not None
-            n = len(work.tokens)
-            if n <= len(out):
-                out[:n] = work.tokens
-            self._tokenized(ticket, n, _now() - t0)
-        elif len(work.prompt) <= INLINE_CHARS:
-            try:
-                n = self.tokenizer.encode_into(work.prompt, out)
-            except Exception as exc:
-                self._tokenizer_failed(ticket, exc)
-                return
-            self._tokenized(ticket, n, _now() - t0)
-        else:
-            future = self.loop.run_in_executor(self.executor, self.tokenizer.encode_into, work.prompt, out)
-            future.add_done_callback(lambda f: self._off_loop_done(ticket, f, t0))
+    def client_gone(self, rid: int) -> None:
+        if self._replies.pop(rid, None) is not None:
+            self._run(self.lifecycle.client_gone(rid, _now()))
 
-    def _off_loop_done(self, ticket: Ticket, future: asyncio.Future[Any], t0: int) -> None:
-        """A worker thread finished tokenizing a large prompt (the event loop kept serving meanwhile)."""
-        tokenize_ns = _now() - t0
-        if ticket.cancelled:
-            self._drop_frame(ticket)
-            return
-        try:
-            result = future.result()
-        except Exception as exc:
-            self._tokenizer_failed(ticket, exc)
-            return
-        if ticket.frame is None:
-            ticket.timings["tokenize"] = tokenize_ns
-            self._answer(ticket, self.core.tokenize_response(result.tolist()))
-        else:
-            self._tokenized(ticket, int(result), tokenize_ns)
-
-    def _tokenizer_failed(self, ticket: Ticket, exc: Exception) -> None:
-        """A tokenizer exception answers its own request with 500; the server keeps serving."""
-        log.error("tokenizer failed on a %d-character prompt: %r", len((ticket.work and ticket.work.prompt) or ""), exc)
-        self._drop_frame(ticket)
-        self._answer(ticket, self.core.failure(500, "tokenizer_error", f"the tokenizer failed: {exc}"))
-
-    def _drop_frame(self, ticket: Ticket) -> None:
-        if ticket.frame is not None:
-            self.agent.release(ticket.frame)
-            ticket.frame = None
-
-    def _tokenized(self, ticket: Ticket, n: int, tokenize_ns: int) -> None:
-        ticket.timings["tokenize"] = tokenize_ns
-        ticket.input_count = n
-        try:
-            self.core.check_length(n)
-        except HttpError as exc:
-            self._drop_frame(ticket)
-            self._answer(ticket, error_response(exc))
-            return
-        self._dispatch(ticket, n)
-
-    def _dispatch(self, ticket: Ticket, n: int) -> None:
-        agent = self.agent
-        timings = ticket.timings
-        index = ticket.frame
-        work = ticket.work
-        assert index is not None and work is not None
-        t0 = _now()
-        req = agent.frames.requests[index]
-        req["request_id"] = next(self._ids)
-        req["token_count"] = n
-        req["max_new_tokens"] = work.max_tokens
-        req["t_receive_ns"] = ticket.request.t_receive_ns
-        req["t_tokenized_ns"] = t0
-        t1 = _now()
-        status = agent.submit(index)
-        t2 = _now()
-        timings["write"] = t1 - t0
-        if status is not None:
-            self._drop_frame(ticket)
-            timings["claim"] = t2 - t1
-            self._answer(ticket, self._refusal(status))
-            return
-        written = int(req["t_written_ns"])
-        timings["claim"] = written - t1
-        timings["doorbell"] = t2 - written
-        ticket.t_dispatch_ns = t2
-        self.inflight[index] = ticket
-
-    # -- completions ------------------------------------------------------------------------
-    def _on_completions(self) -> None:
-        agent = self.agent
+    # -- loop callbacks ----------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        port = self.port
         while True:
-            for index in agent.poll(0):
-                self._finish(index)
-            if not self._cq.arm():
+            deliveries = port.poll()
+            if deliveries:
+                self._run(self.lifecycle.deliveries(deliveries, _now()))
+            if not port.arm():
                 return
 
-    def _refusal(self, status: Status) -> Response:
-        """The answer to a request the data path refused before any slot ran it."""
-        if status == Status.NO_SLOT:
-            return self.core.no_slot()
-        if status == Status.UNAVAILABLE:
-            return self.core.failure(503, "unavailable", "no slot server is reachable")
-        return self.core.failure(400, "bad_request", "the data path refused this request")
+    def _tick(self) -> None:
+        self._run(self.lifecycle.tick(_now()))
+        self._check_handle = self.loop.call_later(self._check_interval, self._tick)
 
-    def _finish(self, index: int) -> None:
-        ticket = self.inflight.pop(index)
-        agent = self.agent
-        result = agent.frames.results[index]
-        req = agent.frames.requests[index]
-        status = int(result["status"])
-        if status in REFUSALS:  # an agent process answers its refusals through the completion queue
-            self._drop_frame(ticket)
-            if not ticket.cancelled:
-                self._answer(ticket, self._refusal(Status(status)))
-            return
-        edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
-        request_id = int(req["request_id"])
-        tokens: list[int] = []
-        text = ""
-        if status == Status.OK and not ticket.cancelled:
-            # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
-            output = agent.frames.outputs[index, : min(int(result["output_count"]), int(req["max_new_tokens"]))]
-            tokens = output.tolist()
-            text = self.tokenizer.decode(output)
-        self._drop_frame(ticket)
-        ticket.timings["edge"] = edge_ns
-        self.metrics.edge(edge_ns, _now())
-        if ticket.cancelled:
-            return
-        if status != Status.OK:
-            self._answer(ticket, self.core.failure(502, "slot_error", f"slot server answered status {status}"))
-            return
-        assert ticket.work is not None
-        self._answer(ticket, self.core.generate_response(ticket.work, request_id, ticket.input_count, tokens, text))
+    def _tokenize(self, action: Tokenize) -> None:
+        run = self.loop.run_in_executor
+        if action.messages is not None:
+            encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
+            future = run(self.executor, encode_chat, action.messages, action.out)
+        elif action.out is None:
+            future = run(self.executor, self.tokenizer.encode, action.prompt)
+        else:
+            future = run(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
+        future.add_done_callback(lambda f: self._tokenized(action.rid, f))
 
-    def _check_links(self) -> None:
-        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504;
-        a slot server that went away is re-attached as soon as it is back."""
-        if not all(link.alive for link in self.agent.links):
-            self.agent.revive(timeout=0.05)
-        for index in self.agent.check_links():
-            ticket = self.inflight.pop(index)
-            self._drop_frame(ticket)
-            if not ticket.cancelled:
-                self._answer(ticket, self.core.failure(503, "unavailable", "the slot server went away"))
-        now = _now()
-        for ticket in self.inflight.values():
-            if not ticket.cancelled and now - ticket.t_dispatch_ns > self._timeout_ns:
-                # The frame stays in flight (a late result may still be written into it) and is
-                # released when that result arrives; the client gets its one answer now.
-                self._answer(ticket, self.core.failure(504, "timeout", "no result from the slot server in time"))
-                ticket.cancel()
-        self._check_handle = self.loop.call_later(self._check_interval, self._check_links)
+    def _tokenized(self, rid: int, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():  # the executor shut down under it (the server is stopping)
+            outcome: Any = asyncio.CancelledError("tokenizer worker cancelled")
+        else:
+            outcome = future.exception() or future.result()
+        self._run(self.lifecycle.tokenized(rid, outcome, _now()))
 
-    def _answer(self, ticket: Ticket, response: Response) -> None:
-        total = _now() - ticket.request.t_receive_ns
-        ticket.timings["total"] = total
-        self.metrics.answered(ticket.route, response.status, total)
-        if ticket.cancelled:
-            return
-        response.headers += timing_headers(ticket.timings)
-        ticket.respond(response)
-
-
-REFUSALS = (Status.NO_SLOT, Status.UNAVAILABLE, Status.BAD_REQUEST)
-
-
-def _route_of(request: Request) -> str:
-    """The metrics label of a request: its path if it is one of the API's, else "other" (bounded cardinality)."""
-    path = request.target.split("?", 1)[0]
-    return path if path in ROUTES else "other"
+    # -- actions -------------------------------------------------------------------------------------
+    def _run(self, actions: list[Action]) -> None:
+        replies = self._replies
+        for action in actions:
+            match action:
+                case Tokenize():
+                    self._tokenize(action)
+                case Respond(rid, response):
+                    if (reply := replies.pop(rid, None)) is not None:
+                        reply.respond(response)
+                case StartStream(rid, status, headers):
+                    if (reply := replies.get(rid)) is not None:
+                        reply.start(status, headers)
+                case SendChunk(rid, data):
+                    if (reply := replies.get(rid)) is not None:
+                        reply.send(data)
+                case EndStream(rid, data):
+                    if (reply := replies.pop(rid, None)) is not None:
+                        reply.end(data)

@@ -2,7 +2,9 @@
 
 Same service, same responses as the QUIC adapter: h11 does the framing, this module only moves
 bytes and events.  One request at a time per connection (h11 pauses a pipelining client until the
-response is out); keep-alive is supported.
+response is out); keep-alive is supported.  A streamed answer goes out with chunked transfer
+coding, one chunk per event batch.  A request must be complete within ``--body-timeout`` of its
+first byte: 408 and the connection closed otherwise (it held no frame meanwhile).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from http import HTTPStatus
 
 import h11
 
-from edgepath.edge.http import HttpError, Request, Response, error_response
+from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import EdgeService, Ticket
 from edgepath.native.abi import lib
 
@@ -33,21 +35,42 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._ticket: Ticket | None = None
         self._busy = False  # a request is being answered; h11 holds later ones back
         self._arrival_ns: int | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_body_timer()
         if self._ticket is not None:
-            self._service.metrics.resets.inc()
             self._ticket.cancel()
+            self._ticket = None
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
         self._arrival_ns = lib.ep_now_ns()
+        if not self._busy and self._body_timer is None:
+            loop = asyncio.get_running_loop()
+            self._body_timer = loop.call_later(self._service.body_timeout, self._body_late)
         self._conn.receive_data(data)
         self._process()
+
+    def _stop_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_late(self) -> None:
+        """The request did not complete within ``--body-timeout`` of its first byte: 408, then close."""
+        self._body_timer = None
+        if self._busy or self._transport is None:
+            return
+        error = HttpError(408, "body_timeout", f"the request did not complete within {self._service.body_timeout:g} s")
+        if self._request is not None and self._conn.our_state is h11.SEND_RESPONSE:
+            self._refuse_early(error)
+        else:
+            self._raw_error(error)
 
     def eof_received(self) -> bool | None:
         self._conn.receive_data(b"")
@@ -79,6 +102,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                     self._too_large(len(self._body))
                     return
             elif isinstance(event, h11.EndOfMessage):
+                self._stop_body_timer()
                 self._dispatch()
 
     def _dispatch(self) -> None:
@@ -94,56 +118,75 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         )
         self._body = bytearray()
         self._busy = True
-        self._ticket = self._service.handle(request, self._send)
+        self._ticket = self._service.handle(request, self)
 
     def _too_large(self, size: int) -> None:
         """413 before the rest of the body arrives; the connection closes after it (the body is not read)."""
+        self._refuse_early(self._service.core.too_large(size))
+
+    def _refuse_early(self, error: HttpError) -> None:
         assert self._request is not None
+        self._stop_body_timer()
         request = Request(
             self._request.method.decode("ascii", "replace"), self._request.target.decode(), [], b"", lib.ep_now_ns()
         )
         self._busy = True
-        response = error_response(self._service.core.too_large(size))
+        response = error_response(error)
         response.headers.append((b"connection", b"close"))
-        self._service.refuse(request, response, self._send)
+        self._service.refuse(request, response, self)
 
     def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         """Framing h11 rejects: answer with its status if a response can still be sent, then close."""
-        assert self._transport is not None
-        if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            body = error_response(_framing_error(exc)).body
-            with contextlib.suppress(h11.LocalProtocolError):
-                self._transport.write(
-                    self._conn.send(
-                        h11.Response(
-                            status_code=exc.error_status_hint,
-                            reason=HTTPStatus(exc.error_status_hint).phrase.encode(),
-                            headers=[
-                                (b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close"),
-                            ],
-                        )
-                    )
-                    + self._conn.send(h11.Data(data=body))
-                    + self._conn.send(h11.EndOfMessage())
-                )
-        self._transport.close()
+        self._raw_error(_framing_error(exc))
 
-    def _send(self, response: Response) -> None:
+    def _raw_error(self, error: HttpError) -> None:
+        """An error answer outside a request h11 parsed (bad framing, headers never completed), then close."""
+        assert self._transport is not None
+        self._stop_body_timer()
+        body = error_response(error).body
+        head = (
+            f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\nserver: {SERVER.decode()}\r\n\r\n"
+        )
+        if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self._transport.write(head.encode() + body)
+        self._transport.close()
+        self._transport = None
+
+    # -- the service's Reply ------------------------------------------------------------------------
+    def respond(self, response: Response) -> None:
+        headers = [*response.headers, (b"content-length", str(len(response.body)).encode())]
+        if self._write_head(response.status, headers):
+            self._finish([self._conn.send(h11.Data(data=response.body))])
+
+    def start(self, status: int, headers: Headers) -> None:
+        self._write_head(status, headers)
+
+    def send(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(self._conn.send(h11.Data(data=data)))
+
+    def end(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._finish([self._conn.send(h11.Data(data=data))] if data else [])
+
+    def _write_head(self, status: int, headers: Headers) -> bool:
+        """Write the status line and headers (no content-length: h11 chunks the body); False if gone."""
+        transport = self._transport
+        if transport is None:
+            self._ticket = None
+            return False
+        reason = HTTPStatus(status).phrase.encode()
+        head = h11.Response(status_code=status, headers=[(b"server", SERVER), *headers], reason=reason)
+        transport.write(self._conn.send(head))
+        return True
+
+    def _finish(self, out: list[bytes]) -> None:
+        """The answer is complete: end the message, then read the next request or close."""
         self._ticket = None
         transport = self._transport
         if transport is None:
             return
-        headers = [(b"server", SERVER), *response.headers]
-        if response.events is None:
-            headers.append((b"content-length", str(len(response.body)).encode()))
-        reason = HTTPStatus(response.status).phrase.encode()
-        out = [self._conn.send(h11.Response(status_code=response.status, headers=headers, reason=reason))]
-        if response.events is None:
-            out.append(self._conn.send(h11.Data(data=response.body)))
-        else:
-            out.extend(self._conn.send(h11.Data(data=chunk)) for chunk in response.events)
         out.append(self._conn.send(h11.EndOfMessage()))
         transport.write(b"".join(out))
         self._busy = False
@@ -167,6 +210,7 @@ def _content_length(request: h11.Request) -> int | None:
     return None
 
 
-async def serve_tcp(service: EdgeService, host: str, port: int) -> asyncio.Server:
+async def serve_tcp(service: EdgeService, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+    """``reuse_port``: SO_REUSEPORT, so that several edge workers share the port (the kernel spreads connections)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(partial(EdgeHttp11Protocol, service), host, port)
+    return await loop.create_server(partial(EdgeHttp11Protocol, service), host, port, reuse_port=reuse_port)

@@ -4,21 +4,76 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
+from edgepath.config import (
+    DATA_PATHS,
+    DEFAULT_SLOTS,
+    EDGE_TRANSPORTS,
+    SLOT_MEMORY,
+    AgentServiceSettings,
+    AgentSettings,
+    DataPath,
+    ServeOptions,
+    SlotServerSettings,
+)
 from edgepath.runtime import default_address, setup_logging
+from edgepath.supervisor import GaveUp
 
 log = logging.getLogger("edgepath")
-DEFAULT_SLOTS = 64
+
+
+class _Parser(argparse.ArgumentParser):
+    """Mistakes on the command line are one line on stderr and exit status 2, never usage pages."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _number(text: str, zero_allowed: bool) -> float:
+    """A finite number > 0 (or >= 0): NaN, infinities and words are refused with what is allowed."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 if zero_allowed else value > 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, zero_allowed=True)
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, zero_allowed=False)
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
+    return int(text)
 
 
 def _slots_spec(text: str) -> tuple[str, int | None]:
@@ -26,33 +81,65 @@ def _slots_spec(text: str) -> tuple[str, int | None]:
     kind, sep, count = text.partition(":")
     if not sep and kind.isdigit():
         kind, count = "host", text
-    if kind not in ("host", "gpu"):
-        raise argparse.ArgumentTypeError(f"expected N, host, gpu, host:N or gpu:N, got {text!r}")
-    return kind, _positive_int(count) if count else None
+    if kind not in SLOT_MEMORY or (sep and not count.isdigit()) or (count and int(count) <= 0):
+        raise argparse.ArgumentTypeError(f"expected N, host, gpu, host:N or gpu:N (N > 0), got {text!r}")
+    return kind, int(count) if count else None
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def _readable_file(text: str) -> str:
+    path = Path(text)
+    if not path.is_file():
+        why = "is not a file" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (it {why})")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (no permission to read it)")
+    return text
 
 
-def _add_transport(p: argparse.ArgumentParser) -> None:
+def _handler_spec(text: str) -> str:
+    """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
+    starts, without building it (a model is loaded by the slot server, once)."""
+    from edgepath.dma.handlers import find_handler
+
+    try:
+        find_handler(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+class _Renamed(argparse.Action):
+    """An option that was renamed: one line naming the new one instead of a usage page."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        parser.error(self.new)
+
+
+def _add_data_path(p: argparse.ArgumentParser, renamed_transport: bool) -> None:
     p.add_argument(
-        "--transport",
-        choices=("loopback", "verbs"),
+        "--data-path",
+        choices=DATA_PATHS,
         default="loopback",
-        help="data-path transport (default: loopback, shared memory on this machine)",
+        help="the agent <-> slot-server link: loopback (shared memory on this machine, default) or verbs "
+        "(RDMA, e.g. soft-RoCE rxe0)",
     )
-    p.add_argument("--device", default=None, help="RDMA device for --transport verbs (e.g. rxe0)")
-    p.add_argument("--gid-index", type=int, default=None, help="GID index for --transport verbs")
+    p.add_argument("--device", default=None, help="RDMA device for --data-path verbs (e.g. rxe0)")
+    p.add_argument("--gid-index", type=_non_negative_int, default=None, help="GID index for --data-path verbs")
+    if renamed_transport:
+        p.add_argument(
+            "--transport",
+            action=_Renamed,
+            new="--transport is now --data-path (loopback|verbs): the agent <-> slot-server link; "
+            "--transport names the client-facing protocol of `edgepath serve` (quic|tcp)",
+        )
 
 
-def _transport_options(args: argparse.Namespace) -> dict[str, object]:
-    if args.transport == "verbs":
-        return {k: v for k, v in (("device", args.device), ("gid_index", args.gid_index)) if v is not None}
-    return {}
+def _data_path(args: argparse.Namespace) -> DataPath:
+    return DataPath(args.data_path, args.device, args.gid_index)
 
 
 def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> None:
@@ -68,36 +155,24 @@ def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> No
 
 
 def cmd_slot_server(args: argparse.Namespace) -> int:
-    from edgepath.dma.handlers import load_handler
-    from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-    from edgepath.dma.transport import make_transport
+    from edgepath.builder import build_slot_server
 
     memory, count = args.slots
-    slots = count or DEFAULT_SLOTS
-    if memory == "gpu":
-        from edgepath.dma.gpu import require_device
-
-        require_device()  # fail at once, before any transport is set up
-    handler = load_handler(args.handler)
-    config = SlotServerConfig(
-        slots=slots,
-        memory=memory,
-        input_capacity=args.input_capacity,
-        output_capacity=args.output_capacity,
-        lease=args.lease,
-        spin=args.spin_us / 1e6,
-        handler_deadline=args.handler_deadline,
-    )
-    server = SlotServer(make_transport(args.transport, **_transport_options(args)), args.listen, handler, config)
-    log.info(
-        "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
-        args.listen,
-        args.transport,
-        slots,
-        memory,
-        args.input_capacity,
-        args.output_capacity,
-        args.handler,
+    server = build_slot_server(
+        SlotServerSettings(
+            listen=args.listen,
+            slots=count or DEFAULT_SLOTS,
+            memory=memory,
+            input_capacity=args.input_capacity,
+            output_capacity=args.output_capacity,
+            lease=args.lease,
+            spin_us=args.spin_us,
+            handler=args.handler,
+            handler_options=tuple(args.handler_option),
+            handler_deadline=args.handler_deadline,
+            stream_window_ms=args.stream_window_ms,
+            data_path=_data_path(args),
+        )
     )
     print(f"ready {args.listen}", flush=True)
     try:
@@ -109,56 +184,28 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from edgepath.dma.loopback import LoopbackTransport
-    from edgepath.dma.transport import Access, make_transport
-    from edgepath.dpu.agent import Agent
-    from edgepath.dpu.agent_service import AgentService
+    from edgepath.builder import build_agent_service
 
-    transport = LoopbackTransport()  # edges reach the agent through shared memory, always
-    edge_frames = None
-    if args.transport == "loopback":
-        # Edges write requests into the agent's frames (shared memory): that region is exported to
-        # edges only, never to slot servers, which see just the replies region.
-        agent = Agent(
-            transport,
-            frames=args.frames,
-            input_capacity=args.input_capacity,
-            output_capacity=args.output_capacity,
-            frames_access=Access.REMOTE_WRITE,
+    service = build_agent_service(
+        AgentServiceSettings(
+            listen=args.listen,
+            agent=AgentSettings(
+                slot_servers=tuple(args.slot_server or [default_address("slot-server")]),
+                frames=args.frames,
+                input_capacity=args.input_capacity,
+                output_capacity=args.output_capacity,
+                data_path=_data_path(args),
+            ),
+            frames_per_edge=args.frames_per_edge,
+            spin_us=args.spin_us,
         )
-    else:
-        # Slot servers over RDMA: requests and replies live in shared memory that edges map, and the
-        # same pages are registered with the NIC (requests with no remote access at all), so the edge's
-        # one write of the tokens is what is sent and results land where the edge reads them.
-        from edgepath.dpu.agent_service import edge_regions
-
-        server_side = make_transport(args.transport, **_transport_options(args))
-        edge_frames = edge_regions(transport, args.frames, args.input_capacity, args.output_capacity)
-        agent = Agent(
-            server_side,
-            frames=args.frames,
-            input_capacity=args.input_capacity,
-            output_capacity=args.output_capacity,
-            frames_buffer=edge_frames[0].buf,
-            replies_buffer=edge_frames[1].buf,
-        )
-    for address in args.slot_server:
-        link = agent.attach(address)
-        log.info("attached to slot server %s: %d slots, claimant id %d", address, link.slot_count, link.claimant)
-    service = AgentService(
-        agent,
-        transport,
-        args.listen,
-        frames_per_edge=args.frames_per_edge,
-        spin=args.spin_us / 1e6,
-        edge_frames=edge_frames,
     )
     print(f"ready {args.listen}", flush=True)
     try:
         _run_until_signal(service.serve, service.stop)
     finally:
         service.close()
-        log.info("agent: %s", agent.describe())
+        log.info("agent: %s", service.agent.describe())
     return 0
 
 
@@ -171,6 +218,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         tokens=args.tokens,
         spin=args.spin_us / 1e6,
+        data_path=_data_path(args),
+        slot_server_listen=args.slot_server_listen,
     )
     print("edgepath demo: edge frames -> agent (CAS claim, write, doorbell) -> slot server (echo) -> result")
     for line in report.lines():
@@ -209,14 +258,16 @@ def cmd_bench_ingress(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from edgepath.edge.serve import ServeOptions, serve
+    from edgepath.edge.serve import serve
 
+    if (args.certificate is None) != (args.private_key is None):
+        raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
     return serve(
         ServeOptions(
             transport=args.transport,
             host=args.host,
             port=args.port if args.port is not None else (4433 if args.transport == "quic" else 8080),
-            slot_server=args.slot_server_address,
+            slot_server=args.slot_server,
             agent=args.agent,
             data_path=args.data_path,
             device=args.device,
@@ -231,11 +282,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             certificate=args.certificate,
             private_key=args.private_key,
             handler=args.handler,
+            handler_options=tuple(args.handler_option),
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
+            body_timeout=args.body_timeout,
+            quic_retry=args.quic_retry,
             api_keys_file=args.api_keys_file,
             protect_ops=args.protect_ops,
             handler_deadline=args.handler_deadline,
+            max_restarts=args.max_restarts,
+            restart_window=args.restart_window,
+            workers=args.workers,
+            reuse_port=args.reuse_port,
         )
     )
 
@@ -248,13 +306,31 @@ def cmd_request(args: argparse.Namespace) -> int:
     return asyncio.run(request_main(args))
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _add_handler_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--handler-option",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgepath", description=__doc__)
+    parser = _Parser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("slot-server", help="own a slot pool and serve it with a handler")
-    _add_transport(p)
+    _add_data_path(p, renamed_transport=True)
     p.add_argument("--listen", default=default_address("slot-server"), help="address agents connect to")
     p.add_argument(
         "--slots",
@@ -266,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
-    p.add_argument("--lease", type=float, default=1.0, help="seconds a claimed slot may wait for its doorbell")
+    p.add_argument(
+        "--lease", type=_positive_float, default=1.0, help="seconds a claimed slot may wait for its doorbell"
+    )
     p.add_argument(
         "--handler-deadline",
         type=_non_negative_float,
@@ -280,11 +358,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="spin this long on the completion queue before sleeping (lowest latency, burns a core)",
     )
-    p.add_argument("--handler", default="echo", help="'echo' or module:function")
+    p.add_argument(
+        "--handler",
+        type=_handler_spec,
+        default="echo",
+        help="the model side: echo, paced-echo (one token per --handler-option token_delay=SECONDS), llama "
+        "(options: see README), or module:attribute (a function, a generator function or a batch handler class)",
+    )
+    _add_handler_option(p)
+    p.add_argument(
+        "--stream-window-ms",
+        type=_non_negative_float,
+        default=2.0,
+        help="streamed tokens after the first are coalesced within this window (milliseconds)",
+    )
     p.set_defaults(func=cmd_slot_server)
 
     p = sub.add_parser("agent", help="claim slots and write requests for edges (a separate process)")
-    _add_transport(p)
+    _add_data_path(p, renamed_transport=True)
     p.add_argument(
         "--slot-server",
         action="append",
@@ -310,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=_positive_int, default=128, help="tokens per request")
     p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
+    _add_data_path(p, renamed_transport=True)
+    p.add_argument(
+        "--slot-server-listen",
+        default=None,
+        help="where the demo's slot server listens (--data-path verbs: IP:PORT of the RDMA device's netdev)",
+    )
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -321,21 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
     )
     p.add_argument("--count", type=_positive_int, default=1000, help="requests for --schedule")
-    p.add_argument("--seconds", type=float, default=5.0, help="length of each measured run")
-    p.add_argument("--sweep-seconds", type=float, default=2.0, help="length of each capacity-sweep step")
-    p.add_argument("--start-rate", type=float, default=100.0, help="first rate of the capacity sweep (req/s)")
+    p.add_argument("--seconds", type=_positive_float, default=5.0, help="length of each measured run")
+    p.add_argument("--sweep-seconds", type=_positive_float, default=2.0, help="length of each capacity-sweep step")
+    p.add_argument("--start-rate", type=_positive_float, default=100.0, help="first rate of the capacity sweep (req/s)")
     p.add_argument("--slots", type=_positive_int, default=64)
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
     p.set_defaults(func=cmd_bench_ingress)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
-    p.add_argument("--transport", choices=("quic", "tcp"), default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
+    p.add_argument("--transport", choices=EDGE_TRANSPORTS, default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default 4433 for quic, 8080 for tcp)")
+    p.add_argument("--port", type=_port, default=None, help="port (default 4433 for quic, 8080 for tcp)")
     p.add_argument(
         "--slot-server",
-        dest="slot_server_address",
         default=None,
         help="address of a running slot server (default: start one as a child process)",
     )
@@ -345,11 +441,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
     p.add_argument("--max-body", type=_positive_int, default=1 << 20, help="largest request body in bytes")
     p.add_argument(
-        "--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: Tekken from mistral-common)"
+        "--tokenizer",
+        type=_readable_file,
+        default=None,
+        help="a Hugging Face tokenizer.json (default: Tekken from mistral-common)",
     )
-    p.add_argument("--certificate", default=None, help="TLS certificate (PEM); default: a generated self-signed one")
-    p.add_argument("--private-key", default=None, help="TLS private key (PEM) for --certificate")
-    p.add_argument("--handler", default="echo", help="handler of the started slot server: 'echo' or module:function")
+    p.add_argument(
+        "--certificate",
+        type=_readable_file,
+        default=None,
+        help="TLS certificate (PEM); default: a generated self-signed one",
+    )
+    p.add_argument("--private-key", type=_readable_file, default=None, help="TLS private key (PEM) for --certificate")
+    p.add_argument(
+        "--handler",
+        type=_handler_spec,
+        default="echo",
+        help="handler of the started slot server (see edgepath slot-server --help)",
+    )
+    _add_handler_option(p)
     p.add_argument(
         "--slot-spin-us",
         type=_non_negative_float,
@@ -358,19 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-keys-file",
+        type=_readable_file,
         default=None,
         help="require an API key (x-api-key or Authorization: Bearer) from this file, one per line; "
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
     p.add_argument("--protect-ops", action="store_true", help="require a key for /health and /metrics too")
-    p.add_argument(
-        "--data-path",
-        choices=("loopback", "verbs"),
-        default="loopback",
-        help="transport between the agent and the slot server (verbs: RDMA, e.g. soft-RoCE rxe0)",
-    )
-    p.add_argument("--device", default=None, help="RDMA device for --data-path verbs (e.g. rxe0)")
-    p.add_argument("--gid-index", type=int, default=None, help="GID index for --data-path verbs")
+    _add_data_path(p, renamed_transport=False)
     p.add_argument(
         "--slot-server-listen",
         default=None,
@@ -390,23 +494,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
-        type=_non_negative_float,
+        type=_positive_float,
         default=60.0,
-        help="seconds a dispatched request may wait for its result before it is answered 504",
+        help="seconds a dispatched request may wait for its result (a stream: for its next tokens) before 504",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=5.0,
+        help="seconds a request may take to arrive complete (headers and body); then 408 and the stream is closed",
+    )
+    p.add_argument(
+        "--quic-retry",
+        action="store_true",
+        help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=5,
+        help="the started slot server is restarted (with back-off) when it dies; more deaths than this within "
+        "--restart-window is a crash loop: serve gives up and exits 1 (default 5)",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=_positive_float,
+        default=60.0,
+        help="seconds over which --max-restarts counts (default 60)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="edge processes sharing --port (SO_REUSEPORT), each with its own agent on the one slot server; "
+        "supervised like the slot server (default 1: the edge runs in this process)",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker by serve
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=4433)
+    p.add_argument("--port", type=_port, default=4433)
     p.add_argument("--max-tokens", type=_positive_int, default=None)
     p.add_argument("--stream", action="store_true", help="ask for server-sent events")
     p.add_argument("--tokenize", action="store_true", help="only tokenize (POST /v1/tokenize)")
-    p.add_argument("--cacert", default=None, help="CA file to verify the server (default: the local self-signed one)")
+    p.add_argument(
+        "--cacert",
+        type=_readable_file,
+        default=None,
+        help="CA file to verify the server (default: the local self-signed one)",
+    )
     p.add_argument("--insecure", action="store_true", help="do not verify the server's certificate")
     p.add_argument("--api-key", default=None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=_positive_float, default=30.0)
     p.set_defaults(func=cmd_request)
     return parser
 
@@ -414,11 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    if getattr(args, "slot_server", "unset") is None:
-        args.slot_server = [default_address("slot-server")]
     try:
         return int(args.func(args) or 0)
-    except (ValueError, RuntimeError) as exc:
+    except GaveUp as exc:
+        print(f"edgepath {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError, OSError) as exc:
         print(f"edgepath {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -40,6 +40,7 @@ _NUMPY_OF_C = {
     "int32_t": np.int32,
     "uint16_t": np.uint16,
     "uint8_t": np.uint8,
+    "float": np.float32,
 }
 
 
@@ -102,3 +103,6 @@ class Status(enum.IntEnum):
     BAD_REQUEST = lib.EP_STATUS_BAD_REQUEST
     NO_SLOT = lib.EP_STATUS_NO_SLOT
     UNAVAILABLE = lib.EP_STATUS_UNAVAILABLE
+    LENGTH = lib.EP_STATUS_LENGTH
+    STOP = lib.EP_STATUS_STOP
+    CANCELLED = lib.EP_STATUS_CANCELLED

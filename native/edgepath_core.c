@@ -125,7 +125,8 @@ int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output
     out->slot_stride = ep_frame_stride(input_capacity, output_capacity);
     out->states_offset = ALIGN_UP(sizeof(struct ep_pool_header));
     out->doorbells_offset = out->states_offset + ALIGN_UP((uint64_t)slot_count * 8u);
-    out->slots_offset = out->doorbells_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    out->cancels_offset = out->doorbells_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    out->slots_offset = out->cancels_offset + ALIGN_UP((uint64_t)slot_count * 8u);
     out->total_size = out->slots_offset + (uint64_t)slot_count * out->slot_stride;
     return EP_OK;
 }
@@ -152,7 +153,8 @@ int ep_pool_validate(const void *base, uint64_t size)
         return EP_POOL_E_VERSION;
     if (ep_pool_layout(h->slot_count, h->input_capacity, h->output_capacity, &expect) != EP_OK ||
         expect.slot_stride != h->slot_stride || expect.states_offset != h->states_offset ||
-        expect.doorbells_offset != h->doorbells_offset || expect.slots_offset != h->slots_offset ||
+        expect.doorbells_offset != h->doorbells_offset || expect.cancels_offset != h->cancels_offset ||
+        expect.slots_offset != h->slots_offset ||
         expect.total_size != h->total_size)
         return EP_POOL_E_LAYOUT;
     if (size < h->total_size)

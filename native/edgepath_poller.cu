@@ -13,8 +13,11 @@
  *   seen        u64[slot_count] in device memory: last doorbell value decided on
  *   expire_req  u64[slot_count] mapped host memory: host asks to expire a CLAIMED word
  *   ring        u64[2 * ring_capacity] mapped host memory: {seq, value} entries
- *   ctrl        u64[EP_CTRL_WORDS] mapped host memory: stop flag, counters
+ *   ctrl        u64[EP_CTRL_WORDS] mapped host memory: stop flag, counters (one line per writer)
  *   ring_tail   u64 in device memory: next ring position (kernel-only)
+ *
+ * Also here, so one fatbin carries every kernel bench/gpu_check.py needs: the model side's release
+ * store into a device-memory pool (ep_gpu_store), and the check's smoke and baseline kernels.
  *
  * Ordering: a slot's data is trusted only after its doorbell was loaded with
  * acquire at system scope (the writer stored the doorbell last, with release)
@@ -49,6 +52,11 @@ static __device__ __forceinline__ uint64_t ep_add(uint64_t *p, uint64_t v)
 {
     return sys(p).fetch_add(v, cuda::memory_order_relaxed);
 }
+static __device__ __forceinline__ void ep_max(uint64_t *p, uint64_t v)
+{
+    sys(p).fetch_max(v, cuda::memory_order_relaxed);
+}
+static __device__ __forceinline__ uint64_t ep_clock(void) { return (uint64_t)clock64(); }
 static __device__ __forceinline__ int ep_cas(uint64_t *p, uint64_t expected, uint64_t desired)
 {
     unsigned long long e = expected;
@@ -111,4 +119,51 @@ extern "C" __global__ void ep_gpu_step_table(const uint64_t *words, const int *e
     uint64_t out = 0;
     rc[i] = ep_step(words[i], events[i], generations[i], claimants[i], &out);
     next[i] = out;
+}
+
+/* One system-scope release store of `value` into `word` (a device-memory pool's state word, or a
+ * header/doorbell the check writes): launched on a side stream after the copies it must follow, so
+ * the word is published after them and in one 8-byte store, never torn by a copy engine. */
+extern "C" __global__ void ep_gpu_store(uint64_t *word, uint64_t value) { ep_st_rel(word, value); }
+
+/* Smoke: every thread adds 1 to *counter `n` times at system scope: the total must be exact. */
+extern "C" __global__ void ep_check_atomics(uint64_t *counter, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        ep_add(counter, 1u);
+}
+
+/* Smoke: one thread increments words[0] `n` times by CAS while a CPU thread increments words[1] (same
+ * cache line): neither may lose an update. */
+extern "C" __global__ void ep_check_cas(uint64_t *words, uint32_t n)
+{
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    for (uint32_t i = 0; i < n;) {
+        uint64_t cur = ep_ld_rlx(&words[0]);
+        if (ep_cas(&words[0], cur, cur + 1u))
+            i++;
+    }
+}
+
+/* Baseline: the bare cost of a GPU noticing a host store and answering, with no slot logic.  Thread 0
+ * polls ping (system scope) and echoes each new value into pong; when the host sets *stop to 1 it
+ * answers 2 there and returns (the stop latency of a bare kernel).  ping, pong and stop sit on
+ * separate lines (the host passes them so); nobody does a read-modify-write on any of them. */
+extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stop)
+{
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    uint64_t last = 0;
+    ep_st_rel(pong, 0u);
+    for (;;) {
+        uint64_t v = ep_ld_rlx(ping);
+        if (v != last) {
+            last = v;
+            ep_st_rel(pong, v);
+        } else if (ep_ld_rlx(stop)) {
+            ep_st_rel(stop, 2u);
+            return;
+        }
+    }
 }

@@ -13,29 +13,41 @@
  *   void ep_st_rlx(uint64_t *p, uint64_t v)    store, relaxed
  *   int ep_cas(uint64_t *p, uint64_t expected, uint64_t desired)   acq_rel CAS; 1 if swapped
  *   uint64_t ep_add(uint64_t *p, uint64_t v)   relaxed fetch-add; the old value
+ *   void ep_max(uint64_t *p, uint64_t v)       relaxed fetch-max
+ *   uint64_t ep_clock(void)                    a cycle counter of the poller (clock64 on the GPU)
  *
  * Memory the pass touches (pointers as the poller sees them):
  *   pool        the slot pool (edgepath_slot.h layout)
  *   seen        u64[slot_count], poller-private: the doorbell value last decided on
- *   expire_req  u64[slot_count], host-written: a CLAIMED word the host wants expired
+ *   expire_req  u64[slot_count], owned by value: the host writes a CLAIMED word it wants expired only
+ *               while the entry is 0, the poller stores 0 once it decided; so neither ever overwrites a
+ *               value the other wrote, and neither needs a read-modify-write on memory both write
  *   ring        u64[2 * capacity], host-read: {seq, value} hand-off entries
  *   ring_tail   u64, poller-private: next ring position
  *   ctrl        u64[EP_CTRL_WORDS], host-shared: stop flag, running flag, counters
+ *
+ * ctrl is laid out by writer, one 64-byte line each: the host's stop flag alone on line 0; the
+ * poller's plain stores (running, loops) on line 1; the poller's atomics (counters) on line 2.  On an
+ * x86 host a GPU atomic on mapped memory is not atomic with the CPU's accesses to the same line
+ * (cudaDevAttrHostNativeAtomicSupported is 0), so host-written and device-RMW words never share one.
  */
 #ifndef EDGEPATH_POLLER_H
 #define EDGEPATH_POLLER_H
 
 #include "edgepath_poll.h"
 
-/* ctrl words. */
-#define EP_CTRL_STOP 0     /* host sets non-zero: the poller returns */
-#define EP_CTRL_RUNNING 1  /* poller sets 1 once polling, 2 when it has stopped */
-#define EP_CTRL_ACCEPTED 2 /* doorbells accepted (CLAIMED -> READY -> RUNNING, handed over) */
-#define EP_CTRL_REJECTED 3 /* doorbells rejected */
-#define EP_CTRL_EXPIRED 4  /* claims expired on the host's request */
-#define EP_CTRL_LOST 5     /* a state CAS that found the word changed under it: an ownership rule broken */
-#define EP_CTRL_LOOPS 6    /* polling passes, for the host's liveness check */
-#define EP_CTRL_WORDS 8
+/* ctrl words (u64 indices; tests/test_gpu_poller_layout.py checks the lines). */
+#define EP_CTRL_LINE 8              /* u64 words per 64-byte line */
+#define EP_CTRL_STOP 0              /* line 0, host-written: non-zero makes the poller return */
+#define EP_CTRL_RUNNING 8           /* line 1, poller stores: 1 once polling, 2 when it has stopped */
+#define EP_CTRL_LOOPS 9             /* line 1: polling passes, for the host's liveness check */
+#define EP_CTRL_ACCEPTED 16         /* line 2, poller atomics: doorbells accepted and handed over */
+#define EP_CTRL_REJECTED 17         /* doorbells rejected */
+#define EP_CTRL_EXPIRED 18          /* claims expired on the host's request */
+#define EP_CTRL_LOST 19             /* a state CAS that found the word changed: an ownership rule broken */
+#define EP_CTRL_HANDOFF_CYCLES 20   /* sum over accepted doorbells of ep_clock() from detection to publish */
+#define EP_CTRL_HANDOFF_MAX 21      /* the largest of those */
+#define EP_CTRL_WORDS 24
 
 /* Apply `event` to the state word with one CAS; 1 (and *next set) if the word moved. */
 EP_PFN int ep_poller_apply(uint64_t *word, uint64_t cur, int event, uint32_t generation, uint64_t *next)
@@ -82,6 +94,7 @@ EP_PFN int ep_poller_slot(char *pool, const struct ep_pool_header *h, uint32_t s
     uint64_t expire = ep_ld_rlx(&expire_req[slot]);
     if (bell == seen[slot] && expire == 0)
         return 0;
+    uint64_t t_detect = ep_clock();
     /* The ordering step: everything below is read after the doorbell (stored last, with release)
      * under an acquire fence, so the claim's state word and request header are at least as new. */
     ep_fence_acq();
@@ -98,13 +111,16 @@ EP_PFN int ep_poller_slot(char *pool, const struct ep_pool_header *h, uint32_t s
             return 1;
         }
         ep_poller_hand_off(ring, mask, ring_tail, ep_ring_value(gen, slot));
+        t_detect = ep_clock() - t_detect;
         ep_add(&ctrl[EP_CTRL_ACCEPTED], 1u);
+        ep_add(&ctrl[EP_CTRL_HANDOFF_CYCLES], t_detect);
+        ep_max(&ctrl[EP_CTRL_HANDOFF_MAX], t_detect);
         return 1;
     case EP_POLL_REJECT:
         seen[slot] = bell;
         ep_add(&ctrl[EP_CTRL_REJECTED], 1u);
         return 1;
-    case EP_POLL_EXPIRE:
+    case EP_POLL_EXPIRE: /* the request is cleared with a plain store: the host writes only while it is 0 */
         ep_add(&ctrl[ep_poller_apply(&states[slot], state, EP_EV_EXPIRE, gen, &freed) ? EP_CTRL_EXPIRED
                                                                                        : EP_CTRL_LOST],
                1u);

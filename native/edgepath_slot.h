@@ -8,7 +8,7 @@
  * (an independent gcc-compiled offset dump).
  *
  * Pool memory (one registered region):
- *   [ep_pool_header][u64 state[slot_count]][u64 doorbell[slot_count]][slots...]
+ *   [ep_pool_header][u64 state[n]][u64 doorbell[n]][u64 cancel[n]][slots...]
  * each array starts on a 64-byte boundary; each slot is slot_stride bytes:
  *   [ep_request_header][int32 tokens[input_capacity]][ep_result_header][int32 output[output_capacity]]
  * A requester's reply region uses the same per-entry layout (a "frame"), so
@@ -22,7 +22,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 1
+#define EP_ABI_VERSION 2
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -52,12 +52,37 @@
 #define EP_DOORBELL_VALID 2147483648
 #define EP_SLOT_MAX 65535
 
+/*
+ * Immediates towards a slot server (32 bits): EP_IMM_CANCEL? | generation_low15 << 16 | slot.
+ * A doorbell has bit 31 clear; a cancel (the agent wrote cancel[slot] = generation << 32 | 1
+ * first, for a poller that cannot see a CQ) has it set.
+ */
+#define EP_IMM_CANCEL 2147483648
+#define EP_IMM_GEN_MASK 32767
+
+/*
+ * Immediates towards an agent (32 bits): kind (bits 30..31) | reply entry index (bits 0..29).
+ * PROGRESS: output tokens [0, count) of the entry are placed and the result header's `progress`
+ * word says so (generation << 32 | count).  FINAL: the whole result header is placed (status,
+ * counts, times) and nothing will be written into the entry for that generation again.
+ */
+#define EP_IMM_FINAL 0
+#define EP_IMM_PROGRESS 1073741824
+#define EP_IMM_KIND_MASK 3221225472
+#define EP_IMM_INDEX_MASK 1073741823
+
 /* Result status codes (ep_result_header.status). */
 #define EP_STATUS_OK 0
 #define EP_STATUS_HANDLER_ERROR 1
 #define EP_STATUS_BAD_REQUEST 2
 #define EP_STATUS_NO_SLOT 3
 #define EP_STATUS_UNAVAILABLE 4
+#define EP_STATUS_LENGTH 5       /* stopped at max_new_tokens */
+#define EP_STATUS_STOP 6         /* the model ended the sequence (end-of-sequence token) */
+#define EP_STATUS_CANCELLED 7    /* the requester cancelled; output so far is valid */
+
+/* Request flags. */
+#define EP_FLAG_STREAM 1         /* stream output tokens as they are produced */
 
 #define EP_ALIGN 64
 
@@ -74,7 +99,8 @@ struct ep_pool_header {
     uint64_t total_size;
     uint64_t server_epoch;     /* changes on every slot-server start */
     uint64_t lease_ns;         /* CLAIMED without doorbell for longer is reclaimed */
-    uint64_t reserved[6];
+    uint64_t cancels_offset;   /* u64 cancel[slot_count]: generation << 32 | 1, written by the claimer */
+    uint64_t reserved[5];
 };
 
 struct ep_request_header {
@@ -88,7 +114,14 @@ struct ep_request_header {
     uint64_t t_written_ns;
     uint64_t doorbell;         /* value rung into doorbell[slot] */
     uint32_t reply_index;      /* entry of the requester's reply region */
-    uint32_t reserved;
+    uint32_t top_k;            /* sampling: 0 = off */
+    /* -- sampling parameters, read by the model side (second cache line) -- */
+    float temperature;         /* 0 = greedy */
+    float top_p;               /* 0 or 1 = off (a zeroed header means: no nucleus cut) */
+    uint64_t seed;             /* sampling seed (per request) */
+    uint32_t stream_window_us; /* coalesce streamed tokens within this window (0: server default) */
+    uint32_t reserved32;
+    uint64_t reserved[5];
 };
 
 struct ep_result_header {
@@ -100,7 +133,8 @@ struct ep_result_header {
     uint64_t t_ready_ns;       /* poller saw the doorbell */
     uint64_t t_start_ns;       /* handler started */
     uint64_t t_done_ns;        /* handler finished */
-    uint64_t reserved[2];
+    uint64_t progress;         /* generation << 32 | output tokens placed so far */
+    uint64_t t_first_ns;       /* first output token produced (0: none) */
 };
 /* CDEF-END */
 
@@ -111,7 +145,7 @@ struct ep_result_header {
 #define EP_STATIC_ASSERT _Static_assert
 #endif
 EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 128, "ep_pool_header must be 128 bytes");
-EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 64, "ep_request_header must be 64 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 128, "ep_request_header must be 128 bytes");
 EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 64, "ep_result_header must be 64 bytes");
 
 #endif

@@ -29,10 +29,10 @@ EP_HD uint64_t ep_doorbell(uint32_t generation, uint32_t slot)
     return ((uint64_t)generation << 32) | (uint64_t)EP_DOORBELL_VALID | (slot & EP_SLOT_MAX);
 }
 
-/* 32-bit immediate of a doorbell (WRITE_WITH_IMM): generation's low 16 bits | slot. */
+/* 32-bit immediate of a doorbell (WRITE_WITH_IMM): generation's low 15 bits << 16 | slot (bit 31 clear). */
 EP_HD uint32_t ep_doorbell_imm(uint32_t generation, uint32_t slot)
 {
-    return ((generation & 0xffffu) << 16) | (slot & EP_SLOT_MAX);
+    return ((generation & EP_IMM_GEN_MASK) << 16) | (slot & EP_SLOT_MAX);
 }
 
 /*

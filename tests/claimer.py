@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from edgepath.dma.state import SlotWord, claim_word
 from edgepath.dma.transport import Access, make_transport
+from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -90,7 +90,7 @@ def drive_agent(cfg: dict) -> dict:
             counts["no_slot" if status == Status.NO_SLOT else "other"] += 1
             answered += 1
             agent.release(index)
-        for index in agent.poll(timeout=1.0):
+        for index in [d.index for d in agent.poll(timeout=1.0) if d.final]:
             res = agent.frames.results[index]
             if int(res["status"]) == Status.OK:
                 counts["ok"] += 1

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from edgepath.dma.transport import Transport, make_transport
+from edgepath.builder import data_path_transport
+from edgepath.children import Child
+from edgepath.config import DataPath
+from edgepath.dma.transport import Transport
 
 _ports = itertools.count(int(os.environ.get("EDGEPATH_TEST_PORT_BASE", "20000")))
 
@@ -40,7 +42,7 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def transport_options(request: pytest.FixtureRequest, transport_name: str) -> dict[str, object]:
+def transport_options(request: pytest.FixtureRequest, transport_name: str) -> dict[str, Any]:
     if transport_name == "verbs":
         return {
             "device": request.config.getoption("--rdma-device"),
@@ -50,21 +52,24 @@ def transport_options(request: pytest.FixtureRequest, transport_name: str) -> di
 
 
 @pytest.fixture(scope="session")
-def transport_cli_args(transport_name: str, transport_options: dict[str, object]) -> list[str]:
-    """The same choice as command-line flags, for tests that start edgepath processes."""
-    args = ["--transport", transport_name]
-    if transport_name == "verbs":
-        args += ["--device", str(transport_options["device"]), "--gid-index", str(transport_options["gid_index"])]
-    return args
+def data_path(transport_name: str, transport_options: dict[str, Any]) -> DataPath:
+    """The chosen transport as the agent <-> slot-server link of edgepath's commands."""
+    return DataPath(transport_name, **transport_options)
+
+
+@pytest.fixture(scope="session")
+def transport_cli_args(data_path: DataPath) -> list[str]:
+    """The same choice as command-line flags (``--data-path ...``), for tests that start edgepath processes."""
+    return data_path.flags()
 
 
 @pytest.fixture
-def new_transport(transport_name: str, transport_options: dict[str, object]) -> Iterator[Callable[[], Transport]]:
+def new_transport(transport_name: str, transport_options: dict[str, Any]) -> Iterator[Callable[[], Transport]]:
     """Factory of transport endpoints of the chosen kind; all are closed after the test."""
     made: list[Transport] = []
 
     def factory() -> Transport:
-        t = make_transport(transport_name, **transport_options)
+        t = data_path_transport(DataPath(transport_name, **transport_options))
         made.append(t)
         return t
 
@@ -87,39 +92,15 @@ def new_address(request: pytest.FixtureRequest, transport_name: str, tmp_path: P
 
 
 @pytest.fixture
-def edgepath_process() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """Start ``python -m edgepath ARGS`` and wait for its 'ready' line; all are stopped after the test."""
-    procs: list[subprocess.Popen[str]] = []
+def edgepath_process() -> Iterator[Callable[..., Child]]:
+    """Start ``edgepath ARGS`` and wait for its 'ready' line; all are stopped after the test."""
+    children: list[Child] = []
 
-    def start(*args: str, timeout: float = 30.0) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "edgepath", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        procs.append(proc)
-        line = _read_line(proc, timeout)
-        if not line.startswith("ready"):
-            proc.kill()
-            _, err = proc.communicate(timeout=5)
-            raise RuntimeError(f"edgepath {' '.join(args)} did not start: {line!r}\n{err}")
-        return proc
+    def start(*args: str, timeout: float = 30.0) -> Child:
+        child = Child.start(args, ready_timeout=timeout)
+        children.append(child)
+        return child
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-
-
-def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    import selectors
-
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            return ""
-    return proc.stdout.readline()
+    for child in children:
+        child.stop()

@@ -1,9 +1,8 @@
-"""Helpers for the edge tests: an in-process ``edgepath serve`` on its own thread, free ports, test handlers."""
+"""Helpers for the edge tests: an in-process ``edgepath serve`` on its own thread, test handlers."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,14 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
+from edgepath.config import ServeOptions
 from edgepath.dma.handlers import SlotRequest
-from edgepath.edge.serve import ServeOptions, run
-
-
-def free_port(kind: int = socket.SOCK_DGRAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from edgepath.edge.serve import run
 
 
 @dataclass
@@ -35,7 +30,8 @@ class RunningEdge:
 @contextmanager
 def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -> Iterator[RunningEdge]:
     """``serve`` (edge, agent, slot-server child) on a thread; stopped and joined on exit."""
-    options = replace(options, slot_server_address=str(tmp_path / f"slots-{options.port}.sock"))
+    if options.slot_server_listen is None:
+        options = replace(options, slot_server_listen=str(tmp_path / f"slots-{options.port}.sock"))
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     errors: list[BaseException] = []

@@ -1,9 +1,10 @@
 """A host twin of the CUDA poller, for running the GPU code paths on a machine without a GPU.
 
 ``edgepath_poller.h`` (the kernel's per-slot pass, ring hand-off included) is compiled with gcc and
-C11 atomics and run on a CPU thread; :class:`FakeCupy` stands in for the few cupy calls
+C11 atomics (``bench/gpu_host.c``, the same C ``gpu_check --dry-run`` runs) and run on a CPU thread;
+:class:`FakeCupy` stands in for the few cupy calls
 ``edgepath.dma.gpu`` makes (mapped host memory, a stream, a module, a launch), so ``GpuPoller``, the
-slot server's ``--slots gpu`` loop and ``bench/gpu_check.py``'s measurements run unchanged on top.
+slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top.
 What this cannot show: device atomics and ordering over PCIe, the real launch, timing. The ``gpu``
 marker's runs on a GPU are for those.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -20,63 +22,25 @@ from typing import Any
 import cffi
 import numpy as np
 
-NATIVE = Path(__file__).resolve().parent.parent / "native"
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+HOST_SOURCE = ROOT / "bench" / "gpu_host.c"  # the twin's C: edgepath_poller.h with C11 atomics
 
-_SOURCE = r"""
-#include <sched.h>
-#include <stdatomic.h>
-#include <stdint.h>
-#define A64(p) ((_Atomic uint64_t *)(p))
-static inline uint64_t ep_ld_acq(uint64_t *p) { return atomic_load_explicit(A64(p), memory_order_acquire); }
-static inline uint64_t ep_ld_rlx(uint64_t *p) { return atomic_load_explicit(A64(p), memory_order_relaxed); }
-static inline uint32_t ep_ld_rlx32(uint32_t *p)
-{
-    return atomic_load_explicit((_Atomic uint32_t *)p, memory_order_relaxed);
-}
-static inline void ep_fence_acq(void) { atomic_thread_fence(memory_order_acquire); }
-static inline void ep_st_rel(uint64_t *p, uint64_t v) { atomic_store_explicit(A64(p), v, memory_order_release); }
-static inline void ep_st_rlx(uint64_t *p, uint64_t v) { atomic_store_explicit(A64(p), v, memory_order_relaxed); }
-static inline uint64_t ep_add(uint64_t *p, uint64_t v)
-{
-    return atomic_fetch_add_explicit(A64(p), v, memory_order_relaxed);
-}
-static inline int ep_cas(uint64_t *p, uint64_t e, uint64_t d)
-{
-    return atomic_compare_exchange_strong_explicit(A64(p), &e, d, memory_order_acq_rel, memory_order_acquire);
-}
-#define EP_PFN static inline
-#include "edgepath_poller.h"
-
-/* ep_gpu_poller's loop with one thread doing every slot, and sched_yield for __nanosleep. */
-void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req, uint64_t *ring, uint32_t ring_capacity,
-                    uint64_t *ring_tail, uint64_t *ctrl)
-{
-    const struct ep_pool_header *h = (const struct ep_pool_header *)pool;
-    ep_st_rel(&ctrl[EP_CTRL_RUNNING], 1u);
-    while (!ep_ld_acq(&ctrl[EP_CTRL_STOP])) {
-        int worked = 0;
-        for (uint32_t slot = 0; slot < h->slot_count; slot++)
-            worked |= ep_poller_slot(pool, h, slot, seen, expire_req, ring, ring_capacity - 1u, ring_tail, ctrl);
-        if (!worked)
-            sched_yield();
-    }
-    ep_st_rel(&ctrl[EP_CTRL_RUNNING], 2u);
-}
-"""
 _CDEF = """void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req, uint64_t *ring, uint32_t ring_capacity,
                     uint64_t *ring_tail, uint64_t *ctrl);"""
 
+STALE = 0x5EE5_5EE5_5EE5_5EE5  # what a reused device block holds until the zeroing work has run
+
 
 def build_twin(out_dir: Path) -> Any:
-    """gcc-compile the twin into a shared library and open it (cffi ABI mode)."""
+    """gcc-compile the twin (bench/gpu_host.c, the kernel's per-slot pass) into a shared library and
+    open it (cffi ABI mode)."""
     gcc = shutil.which("gcc")
     if gcc is None:
         raise RuntimeError("gcc not found: cannot build the poller's host twin")
-    src = out_dir / "twin.c"
     lib_path = out_dir / "libeptwin.so"
-    src.write_text(_SOURCE)
     cmd = [gcc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{NATIVE}"]
-    subprocess.run([*cmd, str(src), "-o", str(lib_path)], check=True)
+    subprocess.run([*cmd, str(HOST_SOURCE), str(NATIVE / "edgepath_core.c"), "-o", str(lib_path)], check=True)
     ffi = cffi.FFI()
     ffi.cdef(_CDEF)
     return ffi, ffi.dlopen(str(lib_path))
@@ -93,6 +57,7 @@ class _Stream:
 
     def __init__(self, non_blocking: bool = False) -> None:
         self.thread: threading.Thread | None = None
+        self.ptr = id(self)
 
     def __enter__(self) -> _Stream:
         _Stream.current = self
@@ -108,6 +73,16 @@ class _Stream:
     def synchronize(self) -> None:
         if self.thread is not None:
             self.thread.join()
+
+
+class _Store:
+    """ep_gpu_store: one release store of a u64 (here at once; the real one runs on the stream)."""
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        from edgepath.native.abi import ffi, lib
+
+        address, value = args
+        lib.ep_store64(ffi.cast("uint64_t *", int(address)), int(value))
 
 
 class _Kernel:
@@ -143,6 +118,8 @@ class FakeCupy(types.ModuleType):
         self._twin = twin
         self._blocks: dict[int, Any] = {}
         self.registered: dict[int, int] = {}
+        self.device_blocks: dict[int, Any] = {}
+        self.pending_zeros: list[np.ndarray] = []
         ffi = cffi.FFI()
         fake = self
 
@@ -161,6 +138,35 @@ class FakeCupy(types.ModuleType):
             cudaDevAttrGPUDirectRDMAWritesOrdering = 118
             hostAllocPortable = 1
             hostAllocMapped = 2
+            memcpyHostToDevice = 1
+            memcpyDeviceToHost = 2
+
+            @staticmethod
+            def malloc(nbytes: int) -> int:
+                """'Device' memory: host memory nobody maps but the twin kernel and the copies."""
+                block = ffi.new("char[]", nbytes)
+                address = int(ffi.cast("uintptr_t", block))
+                fake.device_blocks[address] = block
+                return address
+
+            @staticmethod
+            def free(address: int) -> None:
+                del fake.device_blocks[address]
+
+            @staticmethod
+            def memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
+                ffi.memmove(ffi.cast("char *", dst), ffi.cast("char *", src), nbytes)
+
+            @staticmethod
+            def memcpyAsync(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+                ffi.memmove(ffi.cast("char *", dst), ffi.cast("char *", src), nbytes)
+
+            @staticmethod
+            def deviceSynchronize() -> None:
+                """The legacy stream's queued work (cp.zeros) is done now."""
+                for array in fake.pending_zeros:
+                    array[:] = 0
+                fake.pending_zeros.clear()
 
             @staticmethod
             def deviceGetAttribute(attr: int, index: int) -> int:
@@ -201,11 +207,75 @@ class FakeCupy(types.ModuleType):
                 self.path = path
 
             def get_function(self, name: str) -> Any:
-                return _Kernel(fake._twin) if name == "ep_gpu_poller" else None
+                kernels = {"ep_gpu_poller": lambda: _Kernel(fake._twin), "ep_gpu_store": _Store}
+                if name not in kernels:
+                    raise AttributeError(f"the twin has no kernel {name!r}")
+                return kernels[name]()
 
         self.cuda = types.SimpleNamespace(runtime=Runtime, Device=Device, Stream=_Stream)
         self.RawModule = lambda path: Module(path)
 
-    @staticmethod
-    def zeros(n: int, dtype: Any) -> np.ndarray:
-        return np.zeros(n, dtype=dtype)
+    def zeros(self, n: int, dtype: Any) -> np.ndarray:
+        """Like cupy's: zeroed by work queued on the legacy stream, so until a synchronisation the
+        block holds what it held before (a reused pool block: stale values)."""
+        array = np.full(n, STALE, dtype=dtype)
+        self.pending_zeros.append(array)
+        return array
+
+
+class LocalWriter:
+    """Plays the agent on a pool in this process's memory: CAS claim, request write, doorbell last."""
+
+    def __init__(self, pool: Any, claimant: int = 1) -> None:
+        from edgepath.native.abi import ffi
+
+        self.pool = pool
+        self.claimant = claimant
+        self._states = ffi.cast("uint64_t *", ffi.from_buffer(pool.states))
+        self._doorbells = ffi.cast("uint64_t *", ffi.from_buffer(pool.doorbells))
+
+    def claim(self, slot: int) -> int:
+        """FREE -> CLAIMED by CAS (claimers own FREE words); the generation claimed."""
+        from edgepath.dma.wire import claim_word
+        from edgepath.native.abi import lib
+
+        cur = self.pool.word(slot)
+        new = claim_word(cur, self.claimant)
+        if lib.ep_cas64(self._states + slot, cur, new) != cur:
+            raise AssertionError(f"slot {slot} changed under the claim")
+        return new >> 32
+
+    def write(self, slot: int, generation: int, tokens: Any, request_id: int = 0) -> None:
+        req = self.pool.slots.requests[slot]
+        n = len(tokens)
+        self.pool.slots.tokens[slot, :n] = tokens
+        req["request_id"] = request_id
+        req["token_count"] = n
+        req["max_new_tokens"] = n
+        req["generation"] = generation
+
+    def ring(self, slot: int, generation: int, value: int | None = None) -> None:
+        """Store the doorbell word last, with release (the loopback NIC's WRITE of it)."""
+        from edgepath.dma.wire import doorbell_word
+        from edgepath.native.abi import lib
+
+        lib.ep_store64(self._doorbells + slot, doorbell_word(slot, generation) if value is None else value)
+
+    def finish(self, slot: int, generation: int) -> None:
+        """RUNNING -> DONE -> FREE, as the model side does after the handler."""
+        from edgepath.native.abi import Event, ffi, lib
+
+        for event in (Event.COMPLETE, Event.RELEASE):
+            if lib.ep_apply(self._states + slot, event, generation, 0, ffi.NULL) != lib.EP_OK:
+                raise AssertionError(f"slot {slot}: {event.name} refused on {self.pool.word(slot):#x}")
+
+
+def wait_handoff(poller: Any, timeout: float = 1.0) -> tuple[int, int]:
+    """The next (slot, generation) the poller hands over, or AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = poller.poll(1)
+        if got:
+            return got[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no hand-off from the GPU poller within {timeout} s (counters {poller.counters()})")

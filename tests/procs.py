@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgepath.dma.transport import make_transport
+from edgepath.builder import data_path_transport
+from edgepath.config import DataPath
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import State
 
@@ -34,7 +35,7 @@ def slot_states(address: str, slots: int, transport: str = "loopback", options: 
     """The state (low byte of each state word) of every slot of the slot server at ``address``,
     read by a probe agent with one RDMA READ."""
     probe = Agent(
-        make_transport(transport, **(options or {})),
+        data_path_transport(DataPath(transport, **(options or {}))),
         frames=1,
         input_capacity=16,
         output_capacity=16,
@@ -49,3 +50,8 @@ def slot_states(address: str, slots: int, transport: str = "loopback", options: 
 
 def all_free(address: str, slots: int, transport: str = "loopback", options: dict | None = None) -> bool:
     return all(state == State.FREE for state in slot_states(address, slots, transport, options))
+
+
+def all_claimed(address: str, slots: int) -> bool:
+    """Every slot is taken (RUNNING), e.g. by requests that are still streaming."""
+    return all(state == State.RUNNING for state in slot_states(address, slots))

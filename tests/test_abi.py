@@ -74,4 +74,5 @@ def test_magic_spells_edgepool() -> None:
 def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
     assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
-    assert abi.POOL_HEADER.fields["reserved"][0].shape == (6,)
+    assert abi.POOL_HEADER.fields["reserved"][0].shape == (5,)
+    assert abi.REQUEST_HEADER.fields["temperature"][0] == np.dtype(np.float32)

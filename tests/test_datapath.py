@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from edgepath.dma.handlers import HandlerError, SlotRequest, echo, load_handler
+from edgepath.dma.handlers import BatchHandler, HandlerConfig, HandlerError, SlotRequest, echo, load_handler
 from edgepath.dma.pool import FrameArray, SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import claim_word, doorbell_imm, doorbell_word
 from edgepath.dma.transport import Access, Transport, TransportError
+from edgepath.dma.wire import claim_word, doorbell_imm, doorbell_word
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
@@ -50,7 +50,12 @@ def agent(new_transport: Callable[[], Transport]) -> Agent:
 
 
 def _serve_once(server: SlotServer, timeout: float = 5.0) -> int:
-    return server.process(server.transport.cq.wait(timeout))
+    """Start what the next completions ring, then turn the loop until those slots are answered."""
+    started = server.process(server.transport.cq.wait(timeout))
+    deadline = time.monotonic() + timeout
+    while server.running and time.monotonic() < deadline:
+        server.poll_once(0.01)
+    return started
 
 
 def _roundtrip(agent: Agent, server: SlotServer, tokens: list[int], request_id: int = 1) -> int:
@@ -59,7 +64,7 @@ def _roundtrip(agent: Agent, server: SlotServer, tokens: list[int], request_id: 
     write_request(agent.frames, index, tokens, request_id=request_id, max_new_tokens=CAP)
     assert agent.submit(index) is None
     assert _serve_once(server) == 1
-    assert agent.poll(timeout=5.0) == [index]
+    assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [index]
     return index
 
 
@@ -101,7 +106,8 @@ def test_no_free_slot_is_refused_at_once_and_deterministically(agent: Agent, mak
     served = 0
     while served < 2:
         served += _serve_once(server)
-    assert sorted(agent.poll(timeout=5.0) + agent.poll(timeout=0.5)) == sorted(held)
+    answered = [d.index for d in agent.poll(timeout=5.0) + agent.poll(timeout=0.5) if d.final]
+    assert sorted(answered) == sorted(held)
     assert agent.submit(i) is None  # a slot is free again: admitted
 
 
@@ -128,7 +134,7 @@ def test_frame_with_bad_counts_is_not_sent(agent: Agent, make_server) -> None:
     server = make_server()
     link = agent.attach(server.address)
     agent.frames.requests[0]["token_count"] = CAP + 1
-    assert agent.check_frame(0) == f"token_count {CAP + 1} outside 1..{CAP}"
+    assert agent.check_frame(0) == f"request has {CAP + 1} tokens; a slot holds at most {CAP}"
     assert agent.submit(0) == Status.BAD_REQUEST
     agent.frames.requests[0]["token_count"] = 0
     assert agent.submit(0) == Status.BAD_REQUEST
@@ -189,12 +195,12 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
     fake = new_transport()
     region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
     SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
-    region.buf[8:12].view(np.uint32)[0] = 2  # a slot server from a release with ABI version 2
+    region.buf[8:12].view(np.uint32)[0] = 3  # a slot server from a release with ABI version 3
     address = new_address("fake")
     listener = fake.listen(address, [region], {})
     accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
     accepted.start()
-    with pytest.raises(AgentError, match="ABI version 2, this agent speaks 1"):
+    with pytest.raises(AgentError, match="ABI version 3, this agent speaks 2"):
         agent.attach(address)
     accepted.join()
     listener.close()
@@ -202,13 +208,18 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
 
 
 def test_unknown_handlers_are_clear_errors() -> None:
-    assert load_handler("echo") is echo
+    config = HandlerConfig(2, CAP, CAP)
+    assert isinstance(load_handler("echo", config), BatchHandler)
     with pytest.raises(HandlerError, match="use a built-in"):
-        load_handler("nope")
+        load_handler("nope", config)
     with pytest.raises(HandlerError, match="cannot import module 'no_such_module'"):
-        load_handler("no_such_module:f")
-    with pytest.raises(HandlerError, match="has no callable 'nothing'"):
-        load_handler("json:nothing")
+        load_handler("no_such_module:f", config)
+    with pytest.raises(HandlerError, match="has no attribute 'nothing'"):
+        load_handler("json:nothing", config)
+    with pytest.raises(HandlerError, match="is not a handler"):
+        load_handler("math:pi", config)
+    with pytest.raises(HandlerError, match="token_delay"):
+        load_handler("paced-echo", HandlerConfig(2, CAP, CAP, {"delay": "1"}))
 
 
 def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
@@ -237,7 +248,7 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
         assert back.alive and back.epoch == second.epoch != first.epoch
         assert agent.submit(1) is None
         assert _serve_once(second) == 1
-        assert agent.poll(timeout=5.0) == [1]
+        assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [1]
         assert agent.frames.outputs[1, :1].tolist() == [3]
     finally:
         second.close()
@@ -264,7 +275,7 @@ def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_retu
     release.set()
     deadline = time.monotonic() + 10
     while server.stats.quarantined and time.monotonic() < deadline:
-        server.release_late()
+        server.poll_once(0.01)
     assert server.stats.quarantined == 0 and server.pool.free_count() == 2
 
 

@@ -66,7 +66,7 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
             assert client.submit(index) is None
             in_flight[index] = sent
             sent += 1
-        for index in client.poll(timeout=2.0):
+        for index in [d.index for d in client.poll(timeout=2.0) if d.final]:
             rid = in_flight.pop(index)
             res = client.frames.results[index]
             answers[rid] += 1
@@ -77,8 +77,10 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
                 mismatches += not np.array_equal(client.frames.outputs[index, :n], payload[rid])
             answered += 1
             client.release(index)
+    stats = client.delivery_stats
     client.close()
     assert answered == REQUESTS, f"only {answered} of {REQUESTS} answered"
+    assert (stats.delivered, stats.duplicates, stats.unknown, stats.late) == (REQUESTS, 0, 0, 0), stats
     assert (answers == 1).all(), "a request was answered more than once"
     assert set(np.unique(status_of)) <= {Status.OK, Status.NO_SLOT}
     assert (status_of == Status.OK).sum() > 0

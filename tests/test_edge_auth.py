@@ -11,7 +11,7 @@ from edge_support import free_port, running_edge
 
 from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.client import h3_client
-from edgepath.edge.http import HttpCore, Limits, Request, Response, Work
+from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
 from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
@@ -67,9 +67,11 @@ def test_unknown_paths_do_not_leak_past_the_key_check() -> None:
 
 
 def test_ops_routes_are_open_unless_protected() -> None:
-    assert handle(ApiKeys(["k"]), "/health", [], "GET") == ("/health", {})
+    assert handle(ApiKeys(["k"]), "/health", [], "GET") == StateQuery("/health", {})
     unauthorized(handle(ApiKeys(["k"], protect_ops=True), "/metrics", [], "GET"))
-    assert handle(ApiKeys(["k"], protect_ops=True), "/metrics", [(b"x-api-key", b"k")], "GET") == ("/metrics", {})
+    assert handle(ApiKeys(["k"], protect_ops=True), "/metrics", [(b"x-api-key", b"k")], "GET") == StateQuery(
+        "/metrics", {}
+    )
 
 
 def test_loading_keys(tmp_path: Path) -> None:

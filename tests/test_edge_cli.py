@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from edge_support import free_port
+
+from edgepath.children import Child, free_port
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +27,7 @@ def edgepath(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_serve_quic_and_request_cli(
-    edgepath_process: Callable[..., subprocess.Popen[str]], private_state: Path
-) -> None:
+def test_serve_quic_and_request_cli(edgepath_process: Callable[..., Child], private_state: Path) -> None:
     port = str(free_port())
     server = edgepath_process("serve", "--transport", "quic", "--port", port, "--slots", "4", timeout=60)
     assert (private_state / "edgepath" / "edge-cert.pem").is_file()  # self-signed, generated on first start
@@ -42,8 +41,7 @@ def test_serve_quic_and_request_cli(
     tokens = edgepath("request", "--port", port, "--tokenize", "Hello")
     assert tokens.returncode == 0 and '"count": 2' in tokens.stdout
 
-    server.terminate()
-    assert server.wait(timeout=30) == 0
+    assert server.stop(timeout=30) == 0  # SIGTERM: a clean stop
 
 
 def test_request_to_nothing_is_a_clear_error() -> None:
@@ -52,7 +50,7 @@ def test_request_to_nothing_is_a_clear_error() -> None:
     assert "cannot reach" in done.stderr
 
 
-def test_serve_tcp_http11(edgepath_process: Callable[..., subprocess.Popen[str]]) -> None:
+def test_serve_tcp_http11(edgepath_process: Callable[..., Child]) -> None:
     port = free_port(socket.SOCK_STREAM)
     edgepath_process("serve", "--transport", "tcp", "--port", str(port), "--slots", "4", timeout=60)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from edgepath.edge.http import (
+    GenerateFormatter,
+    Handled,
     HttpCore,
     HttpError,
     Limits,
+    Outcome,
     Request,
     Response,
+    StateQuery,
     Work,
+    error_response,
     server_timing,
     timing_headers,
 )
@@ -20,7 +26,7 @@ from edgepath.edge.http import (
 LIMITS = Limits(max_body=1024, input_capacity=16, output_capacity=32, vocab_size=1000)
 
 
-def call(method: str, target: str, body: bytes | str = b"") -> Response | Work | tuple[str, dict[str, list[str]]]:
+def call(method: str, target: str, body: bytes | str = b"") -> Handled:
     raw = body.encode() if isinstance(body, str) else body
     return HttpCore(LIMITS).handle(Request(method, target, [], raw, t_receive_ns=1))
 
@@ -45,12 +51,14 @@ def test_generate_tokens_and_default_max_tokens() -> None:
 
 
 def test_tokenize_becomes_work() -> None:
-    assert call("POST", "/v1/tokenize", '{"prompt": "x"}') == Work("tokenize", "x", None, 0, False)
+    assert call("POST", "/v1/tokenize", '{"prompt": "x"}') == Work(
+        "tokenize", "x", None, 0, False, route="/v1/tokenize"
+    )
 
 
 def test_health_and_metrics_are_routed_with_query() -> None:
-    assert call("GET", "/health?latency=99") == ("/health", {"latency": ["99"]})
-    assert call("GET", "/metrics") == ("/metrics", {})
+    assert call("GET", "/health?latency=99") == StateQuery("/health", {"latency": ["99"]})
+    assert call("GET", "/metrics") == StateQuery("/metrics", {})
 
 
 @pytest.mark.parametrize(
@@ -88,8 +96,8 @@ def test_health_and_metrics_are_routed_with_query() -> None:
 )
 def test_bad_input(method: str, target: str, body: str | bytes, status: int, type_: str) -> None:
     result = call(method, target, body)
-    if isinstance(result, tuple):  # /health validates its query with live state at hand
-        result = HttpCore.health_response(1, 2, True, result[1], lambda pct: (0.0, 0, 0.0))
+    if isinstance(result, StateQuery):  # /health validates its query with live state at hand
+        result = HttpCore.health_response(1, 2, True, result.query, lambda pct: (0.0, 0, 0.0))
     got_status, got_type, _ = error_of(result)
     assert (got_status, got_type) == (status, type_)
 
@@ -110,14 +118,16 @@ def test_prompt_too_long_reports_exact_count_and_limit() -> None:
 
 
 def test_no_slot_is_429_with_retry_after() -> None:
-    response = HttpCore(LIMITS).no_slot()
+    response = error_response(HttpCore(LIMITS).no_slot())
     status, type_, _ = error_of(response)
     assert (status, type_) == (429, "no_slot")
     assert dict(response.headers)[b"retry-after"] == b"1"
 
 
-def test_generate_response_json_and_sse() -> None:
-    plain = HttpCore.generate_response(Work("generate", "a", None, 4, False), 7, 3, [1, 2, 3], "abc")
+def test_generate_formatter_json_and_sse() -> None:
+    formatter = GenerateFormatter(lambda ids: "".join(chr(96 + int(i)) for i in ids))
+    outcome = Outcome(7, 3, np.array([1, 2, 3], np.int32), "OK", 2_500_000)
+    plain = formatter.complete(outcome)
     assert plain.status == 200 and json.loads(plain.body) == {
         "id": 7,
         "input_count": 3,
@@ -125,11 +135,20 @@ def test_generate_response_json_and_sse() -> None:
         "tokens": [1, 2, 3],
         "text": "abc",
     }
-    sse = HttpCore.generate_response(Work("generate", "a", None, 4, True), 7, 2, [5, 6], "xy")
-    assert dict(sse.headers)[b"content-type"] == b"text/event-stream"
-    assert sse.events is not None and len(sse.events) == 3
-    assert sse.events[0] == b'data: {"token": 5}\n\n'
-    assert sse.events[-1].startswith(b"event: done\n")
+    status, headers = formatter.start()
+    assert status == 200 and dict(headers)[b"content-type"] == b"text/event-stream"
+    assert formatter.tokens(np.array([5, 6], np.int32)) == b'data: {"token": 5}\n\ndata: {"token": 6}\n\n'
+    end = formatter.end(outcome)
+    assert end.startswith(b"event: done\ndata: ")
+    assert json.loads(end.split(b"data: ", 1)[1]) == {
+        "id": 7,
+        "input_count": 3,
+        "output_count": 3,
+        "text": "abc",
+        "first_token_ms": 2.5,
+    }
+    error = formatter.error("timeout", "too slow")
+    assert error == b'event: error\ndata: {"error": {"type": "timeout", "message": "too slow"}}\n\n'
 
 
 def test_health_reports_slots_and_percentile() -> None:

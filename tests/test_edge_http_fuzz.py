@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.edge.http import HttpCore, Limits, Request, Response, Work
+from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
 
 LIMITS = Limits(max_body=512, input_capacity=16, output_capacity=32, vocab_size=1000)
 CORE = HttpCore(LIMITS)
@@ -41,9 +41,8 @@ def test_the_core_always_answers_and_never_raises(method: str, target: str, body
         if result.kind == "generate":
             assert 1 <= result.max_tokens <= LIMITS.output_capacity
         return
-    if isinstance(result, tuple):
-        route, query = result
-        assert route in ("/health", "/metrics") and isinstance(query, dict)
+    if isinstance(result, StateQuery):
+        assert result.route in ("/health", "/metrics") and isinstance(result.query, dict)
         return
     assert isinstance(result, Response)
     assert result.status in (400, 404, 405, 413)

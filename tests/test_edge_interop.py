@@ -72,3 +72,60 @@ def test_ngtcp2_gtlsclient(edge: RunningEdge, tmp_path: Path) -> None:
     assert "[server-timing: queue;dur=" in log
     doc = json.loads((out / "generate").read_text())
     assert doc["text"] == "hello from ngtcp2" and doc["output_count"] == doc["input_count"] == len(doc["tokens"])
+
+
+@pytest.fixture(scope="module")
+def paced_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """A paced echo (one token every 5 ms) and a small body limit."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="paced-echo", max_body=4096)
+    try:
+        with running_edge(options, tmp_path_factory.mktemp("paced")) as e:
+            yield e
+    finally:
+        if old is None:
+            del os.environ["XDG_STATE_HOME"]
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+
+
+def test_curl_http3_reads_the_413_sent_before_the_body_is_complete(paced_edge: RunningEdge) -> None:
+    """RFC 9114 §4.1: the complete 413, then STOP_SENDING with H3_NO_ERROR -- libcurl reports the
+    response, not "stream reset by server (REQUEST_CANCELLED)"."""
+    from curl_cffi import CurlHttpVersion, requests
+
+    opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
+    base = f"https://localhost:{paced_edge.port}"
+    big = json.dumps({"prompt": "x" * 200_000}).encode()  # far past --max-body 4096, more than one flow window
+    refused = requests.post(f"{base}/v1/generate", data=big, **opts)
+    assert refused.http_version == 30
+    assert refused.status_code == 413 and refused.json()["error"]["type"] == "body_too_large"
+    after = requests.post(f"{base}/v1/generate", json={"prompt": "after"}, **opts)
+    assert after.status_code == 200 and after.json()["text"] == "after"
+
+
+def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: RunningEdge) -> None:
+    from curl_cffi import CurlHttpVersion, requests
+
+    opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
+    prompt = " ".join(f"word{i}" for i in range(40))  # ~80 tokens, 5 ms apart: a stream of several reads
+    chunks: list[bytes] = []
+    with requests.Session() as session:
+        response = session.post(
+            f"https://localhost:{paced_edge.port}/v1/generate",
+            json={"prompt": prompt, "stream": True},
+            stream=True,
+            **opts,
+        )
+        assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+        for chunk in response.iter_content():
+            chunks.append(chunk)
+        response.close()
+    data = b"".join(chunks)
+    tokens = [json.loads(line[6:])["token"] for line in data.split(b"\n") if line.startswith(b'data: {"token"')]
+    done = json.loads(data.split(b"event: done\ndata: ", 1)[1])
+    assert done["text"] == prompt and done["output_count"] == len(tokens) > 4
+    assert done["first_token_ms"] > 0
+    # the tokens came over time (paced), so libcurl read them in several pieces, the first before the end
+    assert len(chunks) > 1 and b"event: done" not in chunks[0]

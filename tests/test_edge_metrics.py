@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from edgepath.dpu.port import DeliveryStats
 from edgepath.edge.metrics import EdgeMetrics, LatencyWindow
 
 S = 1_000_000_000
@@ -29,7 +30,10 @@ def test_window_forgets_old_samples() -> None:
 
 
 def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
-    metrics = EdgeMetrics(lambda: 7)
+    stats = DeliveryStats(delivered=3, duplicates=0, unknown=1, abandoned=2, late=2)
+    metrics = EdgeMetrics(lambda: 7, lambda: stats)
+    metrics.first_token(3_000_000)
+    metrics.inter_token(400_000, 3)
     metrics.answered("/v1/generate", 200, 150_000)
     metrics.answered("/v1/generate", 429, 20_000)
     metrics.edge(120_000, now_ns=S)
@@ -40,3 +44,8 @@ def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
     assert 'edgepath_edge_latency_seconds_bucket{le="0.00015"} 1.0' in text
     assert "edgepath_free_slots 7.0" in text
     assert metrics.window.percentile(50, now_ns=S)[0] == 120
+    assert 'edgepath_time_to_first_token_seconds_bucket{le="0.0025"} 0.0' in text
+    assert 'edgepath_time_to_first_token_seconds_bucket{le="0.005"} 1.0' in text
+    assert 'edgepath_inter_token_latency_seconds_bucket{le="0.0005"} 3.0' in text
+    assert "edgepath_port_delivered_total 3.0" in text and "edgepath_port_duplicates_total 0.0" in text
+    assert "edgepath_port_unknown_total 1.0" in text and "edgepath_port_late_total 2.0" in text

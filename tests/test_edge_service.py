@@ -1,7 +1,8 @@
 """The edge service without a network: every request answered once, every frame given back.
 
-A real agent and a real slot server (echo, on a thread) over the loopback transport; requests are
-fed to :meth:`EdgeService.handle` directly, as the adapters do.
+A real agent and a real slot server (on a thread) over the loopback transport; requests are fed to
+:meth:`EdgeService.handle` directly with a recording reply, as the adapters do.  Nothing waits by
+time: tests wait for answers (events) or for states (frames free, nothing pending).
 """
 
 from __future__ import annotations
@@ -10,20 +11,22 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edgepath.dma.handlers import SlotRequest, echo
+from edgepath.dma.handlers import BatchHandler, PacedEcho, SlotRequest, echo
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import HttpCore, Limits, Request, Response
+from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tokenizer import INLINE_CHARS
 from edgepath.native.abi import lib
+
+CAP = 64
 
 
 class CountingTokenizer:
@@ -53,23 +56,53 @@ class CountingTokenizer:
 
 
 @dataclass
+class Recorded:
+    """A reply that records what the service sent, in order, and signals when the answer is complete."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    parts: list[tuple[str, object]] = field(default_factory=list)
+
+    def respond(self, response: Response) -> None:
+        self.parts.append(("respond", response))
+        self.done.set()
+
+    def start(self, status: int, headers: Headers) -> None:
+        self.parts.append(("start", status))
+
+    def send(self, data: bytes) -> None:
+        self.parts.append(("send", data))
+
+    def end(self, data: bytes) -> None:
+        self.parts.append(("end", data))
+        self.done.set()
+
+    @property
+    def response(self) -> Response:
+        (kind, response), *_ = self.parts
+        assert kind == "respond" and len(self.parts) == 1, self.parts
+        assert isinstance(response, Response)
+        return response
+
+
+@dataclass
 class Server:
     address: str
     server: SlotServer
-    gate: threading.Event  # the handler waits for it; set unless a test holds results back
+    gate: threading.Event  # the gated echo waits for it; set unless a test holds results back
 
 
-@pytest.fixture
-def slot_server(tmp_path: Path) -> Iterator[Server]:
+def start_server(tmp_path: Path, handler: object, stream_window: float = 0.0) -> Iterator[Server]:
     gate = threading.Event()
     gate.set()
+    if handler is None:
 
-    def gated_echo(request: SlotRequest) -> int:
-        gate.wait(30)
-        return echo(request)
+        def handler(request: SlotRequest) -> int:
+            gate.wait(30)
+            return echo(request)
 
     address = str(tmp_path / "slots.sock")
-    server = SlotServer(LoopbackTransport(), address, gated_echo, SlotServerConfig(slots=4, input_capacity=64))
+    config = SlotServerConfig(slots=4, input_capacity=CAP, output_capacity=CAP, stream_window=stream_window)
+    server = SlotServer(LoopbackTransport(), address, handler, config)  # type: ignore[arg-type]
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     yield Server(address, server, gate)
@@ -79,134 +112,184 @@ def slot_server(tmp_path: Path) -> Iterator[Server]:
     server.close()
 
 
-async def new_service(srv: Server, tokenizer: CountingTokenizer, frames: int, **options: float) -> EdgeService:
-    agent = Agent(LoopbackTransport(), frames=frames, input_capacity=64, output_capacity=64)
-    agent.attach(srv.address)
-    # attach() returns before the slot server's connection thread has admitted the agent, and a
-    # doorbell from a connection it has not admitted yet gets its result dropped (a data-path race,
-    # reported); wait for the admission so the first requests do not hit it.
-    for _ in range(5000):
-        if srv.server.stats.connections:
-            break
-        await asyncio.sleep(0.001)
+@pytest.fixture
+def slot_server(tmp_path: Path) -> Iterator[Server]:
+    yield from start_server(tmp_path, None)
+
+
+@pytest.fixture
+def paced_server(tmp_path: Path) -> Iterator[Server]:
+    handler: BatchHandler = PacedEcho(token_delay=0.02)
+    yield from start_server(tmp_path, handler)
+
+
+def new_service(
+    srv: Server, tokenizer: CountingTokenizer, frames: int, workers: int = 1, **options: float
+) -> EdgeService:
+    agent = Agent(LoopbackTransport(), frames=frames, input_capacity=CAP, output_capacity=CAP)
+    agent.attach(srv.address)  # returns once the slot server has admitted the agent
     service = EdgeService(
-        HttpCore(Limits(1 << 20, 64, 64, tokenizer.vocab_size)),
+        HttpCore(Limits(1 << 20, CAP, CAP, tokenizer.vocab_size)),
         tokenizer,
         agent,
         asyncio.get_running_loop(),
-        ThreadPoolExecutor(1),
+        ThreadPoolExecutor(workers),
+        workers=workers,
         **options,
     )
     service.start()
     return service
 
 
-def free_frames(agent: Agent) -> int:
+def free_frames(service: EdgeService) -> int:
+    port = service.port
     taken = []
-    while (index := agent.acquire()) is not None:
+    while (index := port.acquire()) is not None:
         taken.append(index)
     for index in taken:
-        agent.release(index)
+        port.release(index)
     return len(taken)
 
 
+async def until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Wait for a state (checked on every loop turn), failing after ``limit`` seconds with ``what``."""
+    async with asyncio.timeout(limit):
+        while not condition():
+            await asyncio.sleep(0.002)
+    assert condition(), what
+
+
 async def serve_requests(
-    srv: Server, tokenizer: CountingTokenizer, frames: int, requests: list[Request]
-) -> tuple[list[Response], EdgeService]:
-    service = await new_service(srv, tokenizer, frames)
-    answers: list[list[Response]] = [[] for _ in requests]
-    done = asyncio.Event()
-
-    def responder(i: int) -> Callable[[Response], None]:
-        def respond(response: Response) -> None:
-            answers[i].append(response)
-            if all(answers):
-                done.set()
-
-        return respond
-
-    for i, request in enumerate(requests):
-        service.handle(request, responder(i))
-    await asyncio.wait_for(done.wait(), 30)
-    await asyncio.sleep(0)  # anything answered twice would show up now
-    assert all(len(a) == 1 for a in answers), "every request is answered exactly once"
+    srv: Server, tokenizer: CountingTokenizer, frames: int, requests: list[Request], workers: int = 1
+) -> tuple[list[Recorded], EdgeService]:
+    service = new_service(srv, tokenizer, frames, workers)
+    replies = [Recorded() for _ in requests]
+    for request, reply in zip(requests, replies, strict=True):
+        service.handle(request, reply)
+    await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in replies)), 30)
+    await until(lambda: service.pending == 0, "the service holds nothing")
+    assert all(len([p for p in r.parts if p[0] in ("respond", "end")]) == 1 for r in replies), "answered once"
     service.stop()
-    return [a[0] for a in answers], service
+    return replies, service
 
 
-def generate(prompt: str) -> Request:
-    return Request("POST", "/v1/generate", [], f'{{"prompt": "{prompt}"}}'.encode(), lib.ep_now_ns())
+def generate(prompt: str, stream: bool = False) -> Request:
+    body = f'{{"prompt": "{prompt}", "stream": {"true" if stream else "false"}}}'.encode()
+    return Request("POST", "/v1/generate", [], body, lib.ep_now_ns())
 
 
 def test_more_requests_than_frames_are_refused_before_tokenizing(slot_server: Server) -> None:
     tokenizer = CountingTokenizer()
-    responses, service = asyncio.run(serve_requests(slot_server, tokenizer, 2, [generate(f"p{i}") for i in range(6)]))
-    statuses = [r.status for r in responses]
+    replies, service = asyncio.run(serve_requests(slot_server, tokenizer, 2, [generate(f"p{i}") for i in range(6)]))
+    statuses = [r.response.status for r in replies]
     assert statuses.count(200) == 2 and statuses.count(429) == 4
     assert tokenizer.calls == 2  # the refused ones never reached the tokenizer
-    assert free_frames(service.agent) == 2
+    assert free_frames(service) == 2
 
 
 def test_tokenizer_failure_is_a_500_and_the_frame_comes_back(slot_server: Server) -> None:
     tokenizer = CountingTokenizer()
     tokenizer.fail = True
     big = "x" * (INLINE_CHARS + 1)  # also the worker-thread path
-    responses, service = asyncio.run(serve_requests(slot_server, tokenizer, 4, [generate("small"), generate(big)]))
-    assert [r.status for r in responses] == [500, 500]
-    assert b"tokenizer exploded" in responses[0].body
-    assert free_frames(service.agent) == 4
+    replies, service = asyncio.run(serve_requests(slot_server, tokenizer, 4, [generate("small"), generate(big)]))
+    assert [r.response.status for r in replies] == [500, 500]
+    assert b"tokenizer exploded" in replies[0].response.body
+    assert free_frames(service) == 4
 
 
 def test_too_long_after_tokenizing_releases_the_frame(slot_server: Server) -> None:
-    responses, service = asyncio.run(
-        serve_requests(slot_server, CountingTokenizer(), 4, [generate("y" * 65), generate("y" * 64)])
-    )
-    assert [r.status for r in responses] == [400, 200]
-    assert b"65 tokens" in responses[0].body
-    assert free_frames(service.agent) == 4
+    requests = [generate("y" * (CAP + 1)), generate("y" * CAP)]
+    replies, service = asyncio.run(serve_requests(slot_server, CountingTokenizer(), 4, requests))
+    assert [r.response.status for r in replies] == [400, 200]
+    assert f"{CAP + 1} tokens".encode() in replies[0].response.body
+    assert free_frames(service) == 4
 
 
-def test_cancelled_requests_release_frames_without_answering(slot_server: Server) -> None:
-    async def go() -> tuple[list[Response], int]:
-        service = await new_service(slot_server, CountingTokenizer(), 4)
-        agent = service.agent
-        answered: list[Response] = []
-        tickets = [service.handle(generate(p), answered.append) for p in ("a" * 10, "b" * (INLINE_CHARS + 1))]
+def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(slot_server: Server) -> None:
+    big = [generate(f"{i}" + "q" * (CAP - 1) + " " * INLINE_CHARS) for i in range(6)]  # long text, fits no slot
+    replies, service = asyncio.run(serve_requests(slot_server, CountingTokenizer(), 8, big, workers=2))
+    kinds = [r.response.status for r in replies]
+    # the burst arrives in one loop turn: two workers take two prompts, the rest are refused at once
+    assert kinds[:2] == [400, 400] and kinds[2:] == [429] * 4
+    assert all(b"tokenizer_busy" in r.response.body for r in replies[2:])
+    assert free_frames(service) == 8
+
+
+def test_clients_gone_abandon_their_frames_and_get_nothing(slot_server: Server) -> None:
+    async def go() -> tuple[list[Recorded], Recorded, EdgeService]:
+        service = new_service(slot_server, CountingTokenizer(), 4)
+        gone = [Recorded(), Recorded()]
+        tickets = [
+            service.handle(generate(p), r) for p, r in zip(("a" * 10, "b" * (INLINE_CHARS + 1)), gone, strict=True)
+        ]
         for ticket in tickets:
             ticket.cancel()  # one in flight at the slot server, one on the tokenizer thread
-        last = asyncio.Event()
-        service.handle(generate("after"), lambda r: (answered.append(r), last.set()))
-        await asyncio.wait_for(last.wait(), 30)
-        for _ in range(200):  # the cancelled ones finish in the background
-            if not service.inflight and free_frames(agent) == 4:
-                break
-            await asyncio.sleep(0.01)
+        last = Recorded()
+        service.handle(generate("after"), last)
+        await asyncio.wait_for(last.done.wait(), 30)
+        await until(lambda: service.pending == 0 and free_frames(service) == 4, "every frame back")
         service.stop()
-        return answered, free_frames(agent)
+        return gone, last, service
 
-    answered, free = asyncio.run(go())
-    assert [r.status for r in answered] == [200]
-    assert free == 4
+    gone, last, service = asyncio.run(go())
+    assert [r.parts for r in gone] == [[], []]
+    assert last.response.status == 200
+    assert service.port.delivery_stats.abandoned == 1  # the in-flight one; the other never left the edge
 
 
-def test_a_request_without_result_in_time_gets_504_and_its_frame_back_later(slot_server: Server) -> None:
-    async def go() -> tuple[list[Response], int, int]:
-        service = await new_service(slot_server, CountingTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
+def test_a_request_without_result_in_time_gets_504_and_the_edge_holds_nothing(slot_server: Server) -> None:
+    async def go() -> tuple[Recorded, int, int, EdgeService]:
+        service = new_service(slot_server, CountingTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
         slot_server.gate.clear()  # the handler holds the result back
-        answered: list[Response] = []
-        first = asyncio.Event()
-        service.handle(generate("slow"), lambda r: (answered.append(r), first.set()))
-        await asyncio.wait_for(first.wait(), 30)
-        held = free_frames(service.agent)  # the frame stays out while a late result may still land in it
+        reply = Recorded()
+        service.handle(generate("slow"), reply)
+        await asyncio.wait_for(reply.done.wait(), 30)
+        pending = service.pending  # the edge forgot the request when it answered 504 ...
+        held = free_frames(service)  # ... and the port keeps the frame until the slot server lets go
         slot_server.gate.set()
-        for _ in range(3000):
-            if not service.inflight:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # a second answer would show up now
+        await until(lambda: free_frames(service) == 2, "the frame comes back when the late result is fenced off")
         service.stop()
-        return answered, held, free_frames(service.agent)
+        return reply, pending, held, service
 
-    answered, held, free = asyncio.run(go())
-    assert [r.status for r in answered] == [504]
-    assert held == 1 and free == 2
+    reply, pending, held, service = asyncio.run(go())
+    assert reply.response.status == 504
+    assert pending == 0 and held == 1
+    stats = service.port.delivery_stats
+    assert stats.abandoned == 1 and stats.duplicates == 0 and stats.unknown == 0
+
+
+def test_a_streamed_request_is_sent_as_the_tokens_arrive(paced_server: Server) -> None:
+    replies, service = asyncio.run(
+        serve_requests(paced_server, CountingTokenizer(), 4, [generate("streamed", stream=True), generate("whole")])
+    )
+    streamed, whole = replies
+    kinds = [kind for kind, _ in streamed.parts]
+    assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("send") >= 2  # paced: several deliveries
+    data = b"".join(part for kind, part in streamed.parts if kind in ("send", "end"))  # type: ignore[misc]
+    tokens = [int(line[len(b'data: {"token": ') : -1]) for line in data.split(b"\n") if line.startswith(b'data: {"t')]
+    assert "".join(map(chr, tokens)) == "streamed"
+    assert b'"first_token_ms"' in data and b"event: done" in data
+    assert whole.response.status == 200 and b'"text":"whole"' in whole.response.body
+    text = service.metrics.exposition().decode()
+    assert "edgepath_time_to_first_token_seconds_count 2.0" in text
+    assert free_frames(service) == 4
+
+
+def test_a_client_gone_mid_stream_stops_the_handler_and_frees_everything(paced_server: Server) -> None:
+    async def go() -> tuple[Recorded, EdgeService]:
+        service = new_service(paced_server, CountingTokenizer(), 4)
+        reply = Recorded()
+        ticket = service.handle(generate("z" * CAP, stream=True), reply)  # 64 tokens, 20 ms apart
+        await until(lambda: any(kind == "send" for kind, _ in reply.parts), "the first event")
+        ticket.cancel()
+        sent = len(reply.parts)
+        await until(lambda: free_frames(service) == 4, "the frame comes back once the slot is cancelled")
+        await until(lambda: service.port.free_slots() == (4, 4), "every slot FREE")
+        assert len(reply.parts) == sent  # nothing more went to the client that left
+        service.stop()
+        return reply, service
+
+    reply, service = asyncio.run(go())
+    assert not reply.done.is_set()
+    assert service.port.delivery_stats.abandoned == 1
+    assert paced_server.server.stats.cancelled == 1  # the handler was stopped, not run to its end

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.dma.state import TransitionRefused, step
+from edgepath.dma.wire import TransitionRefused, step
 from edgepath.native.abi import Event, State, StepError, ffi, lib
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"
@@ -70,7 +70,7 @@ def _raw_step(cur: int, event: int, generation: int, claimant: int) -> tuple[int
 
 def test_ep_step_equals_reference_exhaustively() -> None:
     """Every state x event x (generation match / mismatch / wrap) x claimant, through the shared C step:
-    ``edgepath.dma.state.step`` for the defined states and events, the raw entry point for the rest."""
+    ``edgepath.dma.wire.step`` for the defined states and events, the raw entry point for the rest."""
     checked = 0
     for st, ev, gen, who, claimant in itertools.product(STATES, EVENTS, GENERATIONS, [0, 5], CLAIMANTS):
         cur = word(gen, st, who)

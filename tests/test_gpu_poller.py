@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gpu_twin import FakeCupy, build_twin
+from gpu_twin import FakeCupy, LocalWriter, build_twin, wait_handoff
 
-from edgepath.bench.gpu_check import LocalWriter, wait_handoff
 from edgepath.dma import gpu
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dma.pollers import GpuDoorbellPoller
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.state import doorbell_word
 from edgepath.dma.transport import Access
+from edgepath.dma.wire import doorbell_word
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
 
@@ -51,6 +51,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     else:
         monkeypatch.setitem(sys.modules, "cupy", FakeCupy(request.getfixturevalue("twin")))
         monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+        monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     return request.param
 
 
@@ -88,6 +89,12 @@ def mapped(backend: str) -> Iterator[Any]:
     yield make
     for m in made:
         m.close()
+
+
+def _cuda(server: SlotServer) -> gpu.GpuPoller:
+    """The CUDA poller behind a ``memory="gpu"`` slot server's doorbell poller."""
+    assert isinstance(server.poller, GpuDoorbellPoller), server.poller
+    return server.poller.cuda
 
 
 def _settle(check: Any, timeout: float = 1.0) -> bool:
@@ -288,15 +295,15 @@ def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
             done: list[int] = []
             deadline = time.monotonic() + 10.0  # generous: a loaded 2-core CI machine runs three busy threads here
             while not done and time.monotonic() < deadline:
-                done = agent.poll(timeout=0.5)
-            assert done == [index], (i, server.stats, server.gpu and server.gpu.counters(), server.pool.states)
+                done = [d.index for d in agent.poll(timeout=0.5) if d.final]
+            assert done == [index], (i, server.stats, _cuda(server).counters(), server.pool.states)
             res = agent.frames.results[index]
             assert res["status"] == Status.OK and int(res["output_count"]) == n
             assert np.array_equal(agent.frames.outputs[index, :n], np.arange(i, i + n, dtype=np.int32))
             agent.release(index)
         assert server.stats.served == 300
         assert _settle(lambda: server.pool.free_count() == 4)
-        assert server.gpu is not None and server.gpu.counters()["accepted"] == 300
+        assert _cuda(server).counters()["accepted"] == 300
     finally:
         server.close()
         worker.join(timeout=5)
@@ -320,7 +327,7 @@ def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
         claimed = (((free >> 32) + 1) << 32) | (7 << 8) | State.CLAIMED
         assert lib.ep_cas64(states, free, claimed) == free
         assert _settle(lambda: server.pool.slot_word(0).state == State.FREE, timeout=3.0)
-        assert server.gpu is not None and server.gpu.counters()["expired"] == 1
+        assert _cuda(server).counters()["expired"] == 1
         assert lib.ep_apply(states, Event.EXPIRE, claimed >> 32, 0, ffi.NULL) == lib.EP_E_STATE
     finally:
         server.close()
@@ -332,19 +339,7 @@ def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
 def twin_backend(monkeypatch: pytest.MonkeyPatch, twin: Any) -> None:
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy(twin))
     monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
-
-
-def test_gpu_check_measurements_run_on_the_twin(twin_backend: None) -> None:
-    """bench/gpu_check.py's (a) and (b) code paths, end to end on the host twin (the figures mean nothing
-    here: a CPU thread plays the kernel; they are not reported anywhere)."""
-    from edgepath.bench import gpu_check
-
-    a = gpu_check.measure_doorbell(300, slots=8)
-    assert a["doorbell_to_handoff"]["n"] == 300
-    assert a["kernel_counters"]["accepted"] == 500 and a["kernel_counters"]["lost"] == 0
-    b = gpu_check.measure_echo(200, tokens=32)
-    for run in b.values():
-        assert run["ok"] == 200 and run["wrong_tokens"] == 0 and run["slots_free_after"] == "8/8"
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
 
 
 def test_twin_fakes_only_what_cupy_has(twin: Any) -> None:
@@ -378,9 +373,172 @@ def test_a_kernel_that_never_polls_is_an_error_and_cleans_up(twin: Any, monkeypa
 
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     monkeypatch.setattr(fake, "RawModule", lambda path: types.SimpleNamespace(get_function=lambda n: DeadKernel()))
     buf = np.zeros(SlotPool.layout_for(2, 8, 8)["total_size"], dtype=np.uint8)
     SlotPool.create(buf, 2, 8, 8, 10**9, 1)
     with pytest.raises(gpu.GpuUnavailable, match="exited at once"):
         gpu.start_mapped_poller(buf, 2)
     assert fake.registered == {} and fake._blocks == {}
+
+
+# -- fixes of issue #15, shown on the twin ------------------------------------------------------------
+
+
+def test_without_the_sync_before_launch_a_stale_tail_hides_every_handoff(
+    twin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The twin's cp.zeros leaves the old contents until a device synchronisation (as the legacy stream
+    does on a GPU): with the poller's sync the hand-off arrives; without it, it never does."""
+    fake = FakeCupy(twin)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    for synchronised in (True, False):
+        if not synchronised:
+            monkeypatch.setattr(fake.cuda.runtime, "deviceSynchronize", staticmethod(lambda: None))
+        m = Mapped(4)
+        try:
+            gen = m.writer.claim(0)
+            m.writer.write(0, gen, np.arange(4, dtype=np.int32))
+            m.writer.ring(0, gen)
+            if synchronised:
+                assert wait_handoff(m.poller) == (0, gen)
+            else:
+                with pytest.raises(AssertionError, match="no hand-off"):
+                    wait_handoff(m.poller, timeout=0.3)
+        finally:
+            m.close()
+
+
+def test_expire_request_is_written_only_while_none_is_pending(twin_backend: None) -> None:
+    """The host never overwrites a request the kernel has not decided on (it owns the entry only at 0)."""
+    buf = np.zeros(SlotPool.layout_for(2, 8, 8)["total_size"], dtype=np.uint8)
+    SlotPool.create(buf, 2, 8, 8, 10**9, 1)
+    poller = gpu.GpuPoller(buf.ctypes.data, 2, gpu.require_device())  # not started: nobody clears
+    try:
+        assert poller.request_expire(1, 0x1_0000_0101) is True
+        assert poller.request_expire(1, 0x2_0000_0101) is False
+        assert lib.ep_load64(poller._expire.ptr + 1) == 0x1_0000_0101 and poller.expire_pending(1)
+        with pytest.raises(ValueError, match="0 is not a state word"):
+            poller.request_expire(0, 0)
+    finally:
+        poller.close()
+
+
+def test_ctrl_host_and_device_words_live_on_separate_lines() -> None:
+    """The stop flag (host-written) shares its 64-byte line with no word the poller writes."""
+    from edgepath.native.cuda_build import ctrl_words
+
+    words = ctrl_words()
+    line = words.pop("LINE")
+    total = words.pop("WORDS")
+    assert line == 8 and total % line == 0
+    device_written = {k: v for k, v in words.items() if k != "STOP"}
+    assert all(v // line != words["STOP"] // line for v in device_written.values()), words
+    assert all(0 <= v < total for v in words.values())
+    assert words["STOP"] == gpu.CTRL_STOP and total == gpu.CTRL_WORDS
+
+
+def test_module_loading_is_forced_eager_or_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with pytest.raises(gpu.GpuUnavailable):  # no cupy here; what matters is the variable it left
+        gpu.load_cupy()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    assert "CUDA_MODULE_LOADING=LAZY overridden to EAGER" in caplog.text
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with pytest.raises(gpu.GpuUnavailable, match="imported with CUDA_MODULE_LOADING=LAZY"):
+        gpu.load_cupy()
+
+
+@pytest.mark.parametrize(
+    ("data_path", "memory", "error"),
+    [
+        ("loopback", "host", None),
+        ("verbs", "host", None),
+        ("loopback", "gpu", None),
+        ("verbs", "gpu-device", None),
+        ("loopback", "gpu-device", "use --slots gpu"),
+        ("verbs", "gpu", "use --slots gpu-device with --data-path verbs"),
+        ("verbs", "hbm", "expected one of host, gpu, gpu-device"),
+        ("tcp", "host", "expected loopback or verbs"),
+    ],
+)
+def test_placements(data_path: str, memory: str, error: str | None) -> None:
+    if error is None:
+        gpu.check_placement(data_path, memory)
+    else:
+        with pytest.raises(ValueError, match=error):
+            gpu.check_placement(data_path, memory)
+
+
+# -- the device-memory pool (--slots gpu-device) ----------------------------------------------------------
+
+
+def test_device_pool_round_trip(backend: str) -> None:
+    """A request written into device memory (as the NIC would), rung there, handed over by the kernel
+    polling HBM, read back, answered and freed by the model side: twin (host memory standing in for
+    HBM) and GPU."""
+    from edgepath.dma.wire import claim_word, step
+
+    slots = gpu.start_device_poller(4, 32, 16, 10**9, epoch=7)
+    try:
+        mirror = slots.mirror
+        assert int(mirror.header["server_epoch"]) == 7
+        for round_ in range(3):
+            for slot in range(4):
+                word = claim_word(slots.load_state(slot), 9)
+                slots.store_word(mirror.states_offset + 8 * slot, word)  # the NIC's CAS, uncontended here
+                gen = word >> 32
+                ids = np.arange(32, dtype=np.int32) + 100 * slot + round_
+                LocalWriter(mirror).write(slot, gen, ids, request_id=slot)
+                slots.push_request(slot)
+                slots.store_word(mirror.doorbells_offset + 8 * slot, doorbell_word(slot, gen))
+                assert wait_handoff(slots, timeout=2.0) == (slot, gen)
+                assert slots.load_state(slot) & 0xFF == State.RUNNING
+                mirror.slots.tokens[slot, :] = 0
+                slots.pull_request(slot)
+                assert list(mirror.slots.tokens[slot, :32]) == list(ids)
+                mirror.slots.outputs[slot, :16] = ids[:16]
+                slots.push_result(slot)
+                done = step(slots.load_state(slot), Event.COMPLETE, gen, 0)
+                slots.store_state(slot, done)
+                slots.store_state(slot, step(done, Event.RELEASE, gen, 0))
+                assert slots.load_state(slot) & 0xFF == State.FREE
+        assert slots.counters()["accepted"] == 12 and slots.counters()["lost"] == 0
+        assert slots.tokens_address(2) == slots.address + slots.slot_offset(2) + mirror.slots.requests.dtype.itemsize
+        with pytest.raises(IndexError, match=r"slots 0\.\.3"):
+            slots.slot_offset(4)
+    finally:
+        slots.close()
+
+
+def test_device_pool_registers_its_whole_range_for_rdma(twin_backend: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """register_for_rdma gets the pool's device range (fake pyverbs and a fake dma-buf export)."""
+    seen: dict[str, Any] = {}
+
+    class FakeDmaBufMR:
+        def __init__(self, pd: Any, length: int, access: int, dmabuf: int, offset: int) -> None:
+            seen.update(length=length, access=access, offset=offset)
+
+    pkg, mod = types.ModuleType("pyverbs"), types.ModuleType("pyverbs.mr")
+    mod.DmaBufMR = FakeDmaBufMR  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pyverbs", pkg)
+    monkeypatch.setitem(sys.modules, "pyverbs.mr", mod)
+
+    def export(address: int, length: int, device: int = 0) -> tuple[int, int, int]:
+        seen["export"] = (address, length)
+        return os.open(os.devnull, os.O_RDONLY), 0, length
+
+    monkeypatch.setattr(gpu, "dmabuf_export", export)
+    slots = gpu.start_device_poller(2, 8, 8, 10**9, epoch=1)
+    try:
+        mr, how = slots.register_for_rdma(object(), 7)
+        assert how == "dma-buf" and isinstance(mr, FakeDmaBufMR)
+        assert seen["export"] == (slots.address, slots.nbytes) and seen["length"] == slots.nbytes
+    finally:
+        slots.close()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edgepath.dma.pool import SlotPool
-from edgepath.dma.state import SlotWord, claim_word, doorbell_imm
+from edgepath.dma.wire import SlotWord, claim_word, doorbell_imm
 from edgepath.native.abi import State, ffi, lib
 
 LEASE_NS = 1_000_000

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgepath.dma.pool import PoolError, SlotPool
-from edgepath.dma.state import SlotWord, TransitionRefused, claim_word, doorbell_imm, doorbell_word, step
+from edgepath.dma.wire import SlotWord, TransitionRefused, claim_word, doorbell_imm, doorbell_word, step
 from edgepath.native.abi import Event, State, StepError, ffi, lib
 
 # The reference model: event -> (state it needs, state it leads to).

@@ -24,7 +24,7 @@ def test_verbs_without_the_device_fails_at_once_saying_what_to_use_instead() -> 
 
 def test_the_cli_refuses_verbs_without_the_device_and_names_the_alternative() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "edgepath", "slot-server", "--transport", "verbs", "--device", "nosuchdev0"],
+        [sys.executable, "-m", "edgepath", "slot-server", "--data-path", "verbs", "--device", "nosuchdev0"],
         capture_output=True,
         text=True,
         timeout=60,

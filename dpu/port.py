@@ -1,0 +1,101 @@
+"""The agent port: what an edge needs from an agent, whether in process or a separate process.
+
+:class:`edgepath.dpu.agent.Agent` (in process) and :class:`edgepath.dpu.agent_client.AgentClient`
+(an ``edgepath agent`` process over shared memory) both implement :class:`AgentPort`; the edge
+depends on this protocol only.
+
+A frame's life: ``acquire`` -> the caller writes the request (tokens, header fields) into
+``frames`` in place -> ``submit`` -> zero or more non-final :class:`Delivery` (streamed output,
+``frames.outputs[index, :count]`` is readable) -> exactly one final delivery (the result header in
+``frames.results[index]`` is complete) -> ``release``.  A caller that stops caring (client gone,
+deadline passed) calls ``abandon``: it gets no delivery for that frame again, and the agent gives
+the frame back to the free list itself once the slot server has let go of it (its final result
+arrived, or its link died) -- so nothing of the old request can ever land in the frame's next use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.native.abi import Status
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Output arrived for in-flight frame ``index``: ``count`` tokens are placed so far; ``final``:
+    the result header is complete (status, timings) and nothing more will come."""
+
+    index: int
+    count: int
+    final: bool
+
+
+@dataclass
+class DeliveryStats:
+    """Exactly-once accounting: completions that named a frame not (or no longer) in flight."""
+
+    delivered: int = 0  # final deliveries handed to the caller
+    duplicates: int = 0  # a second final for a frame already answered
+    unknown: int = 0  # a completion for a frame that was never in flight, or for another generation
+    abandoned: int = 0  # frames given up by the caller
+    late: int = 0  # completions for abandoned frames, discarded
+
+
+class AgentPort(Protocol):
+    frames: AgentFrames
+    layout: FrameLayout
+    delivery_stats: DeliveryStats
+
+    def fileno(self) -> int:
+        """Readable when deliveries may be waiting (after :meth:`arm`)."""
+        ...
+
+    def arm(self) -> bool:
+        """Ask for a wake-up on :meth:`fileno`; True if something is already waiting (poll again)."""
+        ...
+
+    def acquire(self) -> int | None:
+        """A frame to fill, or None when all are in use (the caller answers 429)."""
+        ...
+
+    def submit(self, index: int) -> Status | None:
+        """Send frame ``index``: None when in flight, else the refusal (NO_SLOT, UNAVAILABLE, BAD_REQUEST)."""
+        ...
+
+    def poll(self) -> list[Delivery]:
+        """What arrived since the last call, without waiting."""
+        ...
+
+    def cancel(self, index: int) -> None:
+        """Ask the slot running frame ``index`` to stop; its final delivery (CANCELLED, or a result that
+        was already on its way) still comes."""
+        ...
+
+    def abandon(self, index: int) -> None:
+        """Give up on in-flight frame ``index``: cancel it, deliver nothing more, and free the frame
+        once the slot server has let go of it."""
+        ...
+
+    def release(self, index: int) -> None:
+        """Give back a frame that is not in flight (answered, or never submitted)."""
+        ...
+
+    def check_links(self) -> list[int]:
+        """Frames lost with a slot server (or agent process) that went away: answer them 503."""
+        ...
+
+    def revive(self, timeout: float = ...) -> Sequence[object]:
+        """Reconnect what went away, if it is back (waiting at most ``timeout`` seconds for each);
+        what came back."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether any slot server is reachable."""
+        ...
+
+    def free_slots(self) -> tuple[int, int]:
+        """(free slots on live slot servers, all their slots)."""
+        ...

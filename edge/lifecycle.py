@@ -1,0 +1,549 @@
+"""The edge's request lifecycle, sans I/O: events and ``now`` in, actions out.
+
+A request is received -> routed and validated (:class:`~edgepath.edge.http.HttpCore`) -> given a
+frame of the agent port (none free: 429 before the prompt costs anything) -> tokenized straight
+into the frame (inline, or as a :class:`Tokenize` action for a worker thread when the prompt is
+large and a worker is free; all busy: 429, never a waiting line) -> submitted -> answered from the
+port's deliveries: one response, or a stream started at the first output, one event chunk per
+delivery and an end.  A request past its deadline (504) or whose client went away is abandoned on
+the port, which fences and frees the frame: the edge holds nothing for it afterwards.
+
+Nothing here reads a clock, opens a socket, starts a thread or waits: the driver
+(:class:`~edgepath.edge.service.EdgeService`) passes ``now`` with every event and carries out the
+returned actions; the port's calls never block.  Stage durations inside one event (tokenize,
+write, claim) are measured with the injected ``clock`` -- the one place fine-grained time is
+needed -- so a test can drive everything with a fake port and a fake clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from edgepath.dma import wire
+from edgepath.dpu.frame import write_sampling
+from edgepath.dpu.port import AgentPort, Delivery
+from edgepath.edge.http import (
+    ROUTES,
+    Formatter,
+    GenerateFormatter,
+    Headers,
+    HttpCore,
+    HttpError,
+    Outcome,
+    Request,
+    Response,
+    StateQuery,
+    Work,
+    error_response,
+    timing_headers,
+)
+from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
+from edgepath.native.abi import Status
+
+log = logging.getLogger("edgepath.edge")
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Respond:
+    """Send ``response`` as the one, complete answer to request ``rid``."""
+
+    rid: int
+    response: Response
+
+
+@dataclass(frozen=True, slots=True)
+class StartStream:
+    """Send the status and headers of a streamed answer (body chunks follow)."""
+
+    rid: int
+    status: int
+    headers: Headers
+
+
+@dataclass(frozen=True, slots=True)
+class SendChunk:
+    """Send one body chunk of a started stream."""
+
+    rid: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EndStream:
+    """Send the last chunk (maybe empty) and end the stream: the request's answer is complete."""
+
+    rid: int
+    data: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize:
+    """Encode ``prompt`` on a worker thread -- into ``out`` (a frame's registered token array) with
+    ``encode_into``, or into a fresh array with ``encode`` when ``out`` is None -- then report
+    the result (count, array, or the exception) with :meth:`EdgeLifecycle.tokenized`."""
+
+    rid: int
+    prompt: str | None
+    out: np.ndarray | None
+    messages: list[dict[str, str]] | None = None  # a chat, tokenized with the model's template instead
+
+
+Action = Respond | StartStream | SendChunk | EndStream | Tokenize
+
+#: the status a request is counted under in ``edgepath_requests_total`` when its client went away
+#: before the answer was complete (nginx's "client closed request"; nothing is sent)
+CLIENT_GONE = 499
+
+#: how a route's formatter is made for one request (``/v1/generate`` by default)
+FormatterFactory = Callable[[Work, Tokenizer], Formatter]
+DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {"/v1/generate": lambda work, tok: GenerateFormatter(tok.decode)}
+
+
+class Phase(Enum):
+    TOKENIZING = "tokenizing"  # a worker is encoding the prompt (into the frame, for generate)
+    IN_FLIGHT = "in flight"  # submitted; waiting for deliveries
+    STREAMING = "streaming"  # the stream is started; chunks go out as deliveries arrive
+
+
+@dataclass(eq=False, slots=True)
+class Tracked:
+    """One request the lifecycle still owes an answer or holds a frame for."""
+
+    rid: int
+    request: Request
+    route: str
+    work: Work
+    formatter: Formatter | None
+    phase: Phase
+    timings: dict[str, int] = field(default_factory=dict)
+    frame: int | None = None
+    request_id: int = 0
+    input_count: int = 0
+    sent: int = 0  # output tokens already forwarded to a streaming client
+    deadline_ns: int = 0
+    t_first_ns: int = 0  # first output token seen at the edge
+    t_last_ns: int = 0  # latest delivery that carried tokens
+    gone: bool = False  # the client went away while a worker held the frame
+
+
+class EdgeLifecycle:
+    """Request tracking, admission, deadlines, streaming and completion for one edge."""
+
+    def __init__(
+        self,
+        core: HttpCore,
+        tokenizer: Tokenizer,
+        port: AgentPort,
+        metrics: EdgeMetrics,
+        clock: Callable[[], int],
+        *,
+        workers: int,
+        request_timeout_ns: int,
+        formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"tokenizer workers must be at least 1, got {workers}")
+        if request_timeout_ns <= 0:
+            raise ValueError(f"request timeout must be positive, got {request_timeout_ns} ns")
+        self.core = core
+        self.tokenizer = tokenizer
+        self.port = port
+        self.metrics = metrics
+        self.clock = clock
+        self.workers = workers
+        self.busy_workers = 0
+        self.request_timeout_ns = request_timeout_ns
+        self.formatters = formatters
+        self.tracked: dict[int, Tracked] = {}
+        self.by_frame: dict[int, Tracked] = {}
+        self._request_ids = itertools.count(1)
+        self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
+
+    # -- events ----------------------------------------------------------------------------------
+    def receive(self, rid: int, request: Request, now: int) -> list[Action]:
+        """A complete request arrived (``rid``: the driver's key for its reply channel; ``now``: read
+        from the same monotonic clock as ``clock`` and the request's timestamps)."""
+        arrival = request.t_arrival_ns if request.t_arrival_ns is not None else request.t_receive_ns
+        timings = {"queue": now - arrival}
+        handled = self.core.handle(request)
+        timings["parse"] = self.clock() - now
+        if isinstance(handled, Response):
+            return [self._respond(rid, _route_of(request), request, timings, handled)]
+        if isinstance(handled, StateQuery):
+            return [self._respond(rid, handled.route, request, timings, self._state(handled, now))]
+        if handled.kind == "tokenize":
+            return self._tokenize_only(rid, request, handled, timings)
+        return self._generate(rid, request, handled, timings, now)
+
+    def refuse(self, rid: int, request: Request, response: Response) -> list[Action]:
+        """An adapter's early refusal (413 while the body arrives, 408 when it comes too slowly),
+        answered and counted like every other response."""
+        return [self._respond(rid, _route_of(request), request, {}, response)]
+
+    def tokenized(self, rid: int, result: int | np.ndarray | BaseException, now: int) -> list[Action]:
+        """A worker finished a :class:`Tokenize` action: the count written into the frame, the ids
+        (``/v1/tokenize``), or the exception the tokenizer raised."""
+        self.busy_workers -= 1
+        t = self.tracked.get(rid)
+        if t is None:
+            raise KeyError(f"tokenized() for request {rid}, which is not waiting for a tokenizer")
+        t.timings["tokenize"] = now - t.timings.pop("tokenize_start")
+        if t.gone:
+            self._forget(t)
+            if t.frame is not None:
+                self.port.release(t.frame)
+            self._count(t, CLIENT_GONE, now)
+            return []
+        if isinstance(result, BaseException):
+            return self._tokenizer_failed(t, result)
+        if isinstance(result, np.ndarray):
+            self._forget(t)
+            return [self._respond(rid, t.route, t.request, t.timings, self.core.tokenize_response(result.tolist()))]
+        return self._tokenized_into_frame(t, result, now)
+
+    def client_gone(self, rid: int, now: int) -> list[Action]:
+        """The client reset its stream, closed its connection or went away mid-stream: abandon the
+        frame (the port cancels the slot and frees the frame once the slot server let go of it)."""
+        t = self.tracked.get(rid)
+        if t is None:
+            return []  # answered already, or never tracked
+        self.metrics.resets.inc()
+        if t.phase is Phase.TOKENIZING:
+            t.gone = True  # a worker is writing into the frame: give it back when the worker is done
+            return []
+        self._forget(t)
+        if t.frame is not None:
+            self.port.abandon(t.frame)
+        self._count(t, CLIENT_GONE, now)
+        return []
+
+    def deliveries(self, deliveries: list[Delivery], now: int) -> list[Action]:
+        """Output from the port: stream what is new, answer what is final."""
+        actions: list[Action] = []
+        for delivery in deliveries:
+            t = self.by_frame.get(delivery.index)
+            if t is None:
+                self.unmatched += 1
+                log.error("delivery for frame %d, which no request holds: %s", delivery.index, delivery)
+                continue
+            if delivery.final:
+                actions += self._final(t, now)
+            else:
+                actions += self._progress(t, delivery.count, now)
+        return actions
+
+    def tick(self, now: int) -> list[Action]:
+        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504 (and
+        abandoned); a slot server that went away is re-attached as soon as it is back."""
+        port = self.port
+        actions: list[Action] = []
+        port.revive()  # a no-op while every link is up; one of several may be down while alive() is True
+        for index in port.check_links():
+            t = self.by_frame.get(index)
+            if t is None:
+                continue
+            self._forget(t)
+            port.release(index)
+            actions.append(self._fail(t, 503, "unavailable", "the slot server went away"))
+        for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
+            self._forget(t)
+            assert t.frame is not None
+            port.abandon(t.frame)
+            actions.append(self._fail(t, 504, "timeout", "no result from the slot server in time"))
+        return actions
+
+    # -- generate ----------------------------------------------------------------------------------
+    def _generate(self, rid: int, request: Request, work: Work, timings: dict[str, int], now: int) -> list[Action]:
+        route = work.route
+        factory = self.formatters.get(route)
+        if factory is None:
+            raise LookupError(f"no formatter for route {route!r}; have {sorted(self.formatters)}")
+        formatter = factory(work, self.tokenizer)
+        messages = work.options.get("messages")
+        size = len(work.prompt) if work.prompt is not None else sum(len(m["content"]) for m in messages or ())
+        large = size > INLINE_CHARS
+        if large and self.busy_workers >= self.workers:
+            return [self._respond(rid, route, request, timings, formatter.failure(self.core.busy()))]
+        frame = self.port.acquire()
+        if frame is None:
+            return [self._respond(rid, route, request, timings, formatter.failure(self.core.no_slot()))]
+        t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
+        self.tracked[rid] = t
+        out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
+        if messages is not None:  # a chat: the model's own template, tokenized straight into the frame
+            if large:
+                return [self._to_worker(t, None, out, messages)]
+            t0 = self.clock()
+            try:
+                n = self.tokenizer.encode_chat_into(messages, out)  # type: ignore[attr-defined]
+            except Exception as exc:
+                return self._tokenizer_failed(t, exc)
+            timings["tokenize"] = self.clock() - t0
+            return self._tokenized_into_frame(t, n, now)
+        if work.prompt is None:
+            assert work.tokens is not None
+            t0 = self.clock()
+            n = len(work.tokens)
+            if n <= len(out):
+                out[:n] = work.tokens
+            timings["tokenize"] = self.clock() - t0
+            return self._tokenized_into_frame(t, n, now)
+        if large:
+            return [self._to_worker(t, work.prompt, out)]
+        t0 = self.clock()
+        try:
+            n = self.tokenizer.encode_into(work.prompt, out)
+        except Exception as exc:
+            return self._tokenizer_failed(t, exc)
+        timings["tokenize"] = self.clock() - t0
+        return self._tokenized_into_frame(t, n, now)
+
+    def _tokenized_into_frame(self, t: Tracked, n: int, now: int) -> list[Action]:
+        assert t.frame is not None
+        t.input_count = n
+        try:
+            self.core.check_length(n)
+        except HttpError as exc:
+            self._forget(t)
+            self.port.release(t.frame)
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, exc))]
+        return self._submit(t, now)
+
+    def _submit(self, t: Tracked, now: int) -> list[Action]:
+        port, frame, work = self.port, t.frame, t.work
+        assert frame is not None
+        t0 = self.clock()
+        req = port.frames.requests[frame]
+        t.request_id = next(self._request_ids)
+        req["request_id"] = t.request_id
+        req["token_count"] = t.input_count
+        req["max_new_tokens"] = work.max_tokens
+        assert t.formatter is not None
+        req["flags"] = wire.FLAG_STREAM if work.stream or t.formatter.watch else 0
+        write_sampling(req, work.sampling)
+        req["t_receive_ns"] = t.request.t_receive_ns
+        req["t_tokenized_ns"] = t0
+        t1 = self.clock()
+        status = port.submit(frame)
+        t2 = self.clock()
+        t.timings["write"] = t1 - t0
+        if status is not None:
+            self._forget(t)
+            port.release(frame)
+            t.timings["claim"] = t2 - t1
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, self._refusal(status)))]
+        written = int(req["t_written_ns"])
+        t.timings["claim"] = written - t1
+        t.timings["doorbell"] = t2 - written
+        t.phase = Phase.IN_FLIGHT
+        t.deadline_ns = now + self.request_timeout_ns
+        self.by_frame[frame] = t
+        return []
+
+    def _progress(self, t: Tracked, count: int, now: int) -> list[Action]:
+        """A non-final delivery: ``count`` output tokens are placed so far."""
+        t.deadline_ns = now + self.request_timeout_ns  # a stream that keeps producing is alive
+        count = min(count, t.work.max_tokens)
+        if count <= t.sent:
+            return []
+        self._first_tokens(t, count - t.sent, now)
+        work, formatter, frame = t.work, t.formatter, t.frame
+        assert frame is not None and formatter is not None
+        if not (work.stream or formatter.watch):
+            t.sent = count  # counted for the first-token time; the answer goes out whole at the end
+            return []
+        ids = self.port.frames.outputs[frame, t.sent : count]
+        t.sent = count
+        data = formatter.tokens(ids)
+        actions: list[Action] = []
+        if work.stream:
+            if t.phase is not Phase.STREAMING:
+                actions.append(self._start(t))
+            if data:
+                actions.append(SendChunk(t.rid, data))
+        if formatter.done:
+            actions.append(self._stopped(t, now))
+        return actions
+
+    def _stopped(self, t: Tracked, now: int) -> Action:
+        """The formatter saw the end of the answer (a stop string) before the model did: answer with
+        what came so far and abandon the frame, which cancels the slot -- it stops costing model time."""
+        frame, formatter = t.frame, t.formatter
+        assert frame is not None and formatter is not None
+        self._forget(t)
+        tokens = np.array(self.port.frames.outputs[frame, : t.sent])
+        self.port.abandon(frame)
+        first_ns = t.t_first_ns - t.request.t_receive_ns
+        t.timings["first_token"] = first_ns
+        outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns)
+        if not t.work.stream:
+            return self._respond(t.rid, t.route, t.request, t.timings, formatter.complete(outcome))
+        self._count(t, 200, now)
+        return EndStream(t.rid, formatter.end(outcome))
+
+    def _first_tokens(self, t: Tracked, new: int, now: int) -> None:
+        """Time to first token and inter-token latency (a delivery of ``new`` tokens after a gap
+        counts as ``new`` tokens spaced evenly over it)."""
+        if t.t_first_ns == 0:
+            t.t_first_ns = now
+            self.metrics.first_token(now - t.request.t_receive_ns)
+        else:
+            self.metrics.inter_token((now - t.t_last_ns) / new, new)
+        t.t_last_ns = now
+
+    def _start(self, t: Tracked) -> StartStream:
+        assert t.formatter is not None
+        status, headers = t.formatter.start()
+        t.phase = Phase.STREAMING
+        return StartStream(t.rid, status, headers + timing_headers(t.timings))
+
+    def _final(self, t: Tracked, now: int) -> list[Action]:
+        port, frame = self.port, t.frame
+        assert frame is not None and t.formatter is not None
+        self._forget(t)
+        result = port.frames.results[frame]
+        status = int(result["status"])
+        if status in wire.REFUSALS:  # an agent process answers its refusals through the port
+            port.release(frame)
+            refusal = self._refusal(Status(status))
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
+        req = port.frames.requests[frame]
+        edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
+        t.timings["edge"] = edge_ns
+        self.metrics.edge(edge_ns, now)
+        if status not in wire.FINISHED:
+            port.release(frame)
+            return [self._fail(t, 502, "slot_error", f"slot server answered status {_status_name(status)}")]
+        # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
+        count = min(int(result["output_count"]), t.work.max_tokens)
+        tokens = np.array(port.frames.outputs[frame, :count])
+        model_first = int(result["t_first_ns"])
+        port.release(frame)
+        if count > t.sent:
+            self._first_tokens(t, count - t.sent, now)
+        # streamed: when the first token left the edge; whole: the model side's own first-token time
+        # when it reports one (same host clock), else when the edge first saw output
+        first_at = t.t_first_ns if t.work.stream else (model_first or t.t_first_ns)
+        first_ns = first_at - t.request.t_receive_ns if first_at else 0
+        if first_ns:
+            t.timings["first_token"] = first_ns
+        if not t.work.stream:
+            outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns)
+            return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
+        actions: list[Action] = []
+        if t.phase is not Phase.STREAMING:
+            actions.append(self._start(t))
+        last = t.formatter.tokens(tokens[t.sent :]) if count > t.sent else b""
+        name = Status.STOP.name if t.formatter.done else _status_name(status)
+        outcome = Outcome(t.request_id, t.input_count, tokens, name, first_ns)
+        self._count(t, 200, now)
+        actions.append(EndStream(t.rid, last + t.formatter.end(outcome)))
+        return actions
+
+    # -- tokenize only -------------------------------------------------------------------------------
+    def _tokenize_only(self, rid: int, request: Request, work: Work, timings: dict[str, int]) -> list[Action]:
+        route = "/v1/tokenize"
+        if work.prompt is None:
+            assert work.tokens is not None
+            return [self._respond(rid, route, request, timings, self.core.tokenize_response(work.tokens))]
+        if len(work.prompt) > INLINE_CHARS:
+            if self.busy_workers >= self.workers:
+                return [self._respond(rid, route, request, timings, error_response(self.core.busy()))]
+            t = Tracked(rid, request, route, work, None, Phase.TOKENIZING, timings)
+            self.tracked[rid] = t
+            return [self._to_worker(t, work.prompt, None)]
+        t0 = self.clock()
+        try:
+            ids = self.tokenizer.encode(work.prompt)
+        except Exception as exc:
+            return self._tokenizer_failed(Tracked(rid, request, route, work, None, Phase.TOKENIZING, timings), exc)
+        timings["tokenize"] = self.clock() - t0
+        return [self._respond(rid, route, request, timings, self.core.tokenize_response(ids.tolist()))]
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _to_worker(
+        self, t: Tracked, prompt: str | None, out: np.ndarray | None, messages: list[dict[str, str]] | None = None
+    ) -> Tokenize:
+        self.busy_workers += 1
+        t.timings["tokenize_start"] = self.clock()
+        return Tokenize(t.rid, prompt, out, messages)
+
+    def _tokenizer_failed(self, t: Tracked, exc: BaseException) -> list[Action]:
+        """A tokenizer exception answers its own request with 500 -- or 400 when the model's chat template
+        refused the messages (a ValueError); the server keeps serving."""
+        self._forget(t)
+        if t.frame is not None:
+            self.port.release(t.frame)
+        if "messages" in t.work.options and isinstance(exc, ValueError):
+            error = HttpError(400, "invalid_request", f"the chat could not be rendered: {exc}")
+        else:
+            log.error("tokenizer failed on a %d-character prompt: %r", len(t.work.prompt or ""), exc)
+            error = HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}")
+        failure = self._failure(t, error)
+        return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
+
+    def _refusal(self, status: Status) -> HttpError:
+        """The answer to a request the data path refused before any slot ran it."""
+        if status == Status.NO_SLOT:
+            return self.core.no_slot()
+        if status == Status.UNAVAILABLE:
+            return HttpError(503, "unavailable", "no slot server is reachable")
+        return HttpError(400, "bad_request", "the data path refused this request")
+
+    @staticmethod
+    def _failure(t: Tracked, error: HttpError) -> Response:
+        """An error answer in the route's shape (its formatter's), or edgepath's for /v1/tokenize."""
+        return t.formatter.failure(error) if t.formatter is not None else error_response(error)
+
+    def _fail(self, t: Tracked, status: int, type_: str, message: str) -> Action:
+        """An error answer: a response, or the error event that ends a stream already started."""
+        if t.phase is Phase.STREAMING:
+            assert t.formatter is not None
+            self._count(t, status, self.clock())
+            return EndStream(t.rid, t.formatter.error(type_, message))
+        failure = self._failure(t, HttpError(status, type_, message))
+        return self._respond(t.rid, t.route, t.request, t.timings, failure)
+
+    def _state(self, query: StateQuery, now: int) -> Response:
+        if query.route == "/metrics":
+            return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
+        free, total = self.port.free_slots()
+        return self.core.health_response(
+            free, total, self.port.alive(), query.query, lambda pct: self.metrics.window.percentile(pct, now)
+        )
+
+    def _forget(self, t: Tracked) -> None:
+        self.tracked.pop(t.rid, None)
+        if t.frame is not None and self.by_frame.get(t.frame) is t:
+            del self.by_frame[t.frame]
+
+    def _count(self, t: Tracked, status: int, now: int) -> None:
+        total = now - t.request.t_receive_ns
+        t.timings["total"] = total
+        self.metrics.answered(t.route, status, total)
+
+    def _respond(self, rid: int, route: str, request: Request, timings: dict[str, int], response: Response) -> Respond:
+        total = self.clock() - request.t_receive_ns
+        timings["total"] = total
+        self.metrics.answered(route, response.status, total)
+        response.headers += timing_headers(timings)
+        return Respond(rid, response)
+
+
+def _status_name(status: int) -> str:
+    return Status(status).name if status in Status._value2member_map_ else str(status)
+
+
+def _route_of(request: Request) -> str:
+    """The metrics label of a request: its path if it is one of the API's, else "other" (bounded cardinality)."""
+    path = request.target.split("?", 1)[0]
+    return path if path in ROUTES else "other"

@@ -1,0 +1,778 @@
+"""OpenAI-compatible API, sans-I/O: request validation, error bodies, response and stream builders.
+
+People point the ``openai`` client, LangChain, curl scripts and load testers at an OpenAI-compatible
+endpoint, so the shapes here follow the ``openai`` package's own types (``types/completion.py``,
+``types/chat/chat_completion.py``, ``types/chat/chat_completion_chunk.py``, ``types/model.py``).
+
+Nothing here touches a socket, a clock or a random source: the service passes the request id, the
+``created`` time and the token counts in, and sends the bytes that come back.  Options that would
+change the answer and that edgepath cannot honour (``n > 1``, ``logprobs``, tools, …) are refused
+with a 400 naming the option: a client must never get a silently different answer.  Unknown keys are
+ignored, as OpenAI-compatible servers commonly do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .chat import ChatMessage
+from .detokenize import Decoder, IncrementalDetokenizer
+from .stop import StopMatcher
+
+Kind = Literal["completion", "chat"]
+FinishReason = Literal["stop", "length"]
+Headers = list[tuple[bytes, bytes]]
+
+ROLES = ("system", "user", "assistant")
+MAX_STOPS = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers: Headers = list(headers or [])
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body(self) -> bytes:
+        return _dumps(self.payload())
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """400 ``invalid_request_error``: the request is malformed or asks for something not allowed."""
+    return OpenAIError(400, message, "invalid_request_error", param=param, code=code)
+
+
+def unsupported(param: str, value: Any, allowed: str) -> OpenAIError:
+    """400 for an option edgepath cannot honour without changing the answer."""
+    return invalid_request(
+        f"'{param}' = {_show(value)} is not supported by this server; allowed: {allowed}",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def prompt_too_long(kind: Kind, count: int, capacity: int) -> OpenAIError:
+    """400 once the prompt is tokenized and does not fit a slot (exact count and the limit)."""
+    return invalid_request(
+        f"the prompt is {count} tokens; this server's slots hold at most {capacity} prompt tokens",
+        param="prompt" if kind == "completion" else "messages",
+        code="context_length_exceeded",
+    )
+
+
+def authentication_error(presented: bool) -> OpenAIError:
+    """401: missing or wrong API key (OpenAI answers it as ``invalid_request_error``/``invalid_api_key``)."""
+    why = "is not valid" if presented else "is missing"
+    return OpenAIError(
+        401,
+        f"API key {why}: send it as 'Authorization: Bearer KEY' (the openai client's api_key) or 'x-api-key: KEY'",
+        "invalid_request_error",
+        code="invalid_api_key",
+        headers=[(b"www-authenticate", b"Bearer")],
+    )
+
+
+def model_not_found(model: str, available: Sequence[str]) -> OpenAIError:
+    """404 ``model_not_found``, naming the models this server does serve (as GET /v1/models lists them)."""
+    return OpenAIError(
+        404,
+        f"the model {model!r} does not exist on this server; available: {', '.join(map(repr, available))}",
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def unknown_url(method: str, path: str) -> OpenAIError:
+    """404 for a path this API does not have."""
+    return OpenAIError(
+        404,
+        f"Invalid URL ({method} {path}); this server has POST /v1/completions, POST /v1/chat/completions "
+        "and GET /v1/models",
+        "invalid_request_error",
+        code="unknown_url",
+    )
+
+
+def no_slot(retry_after_s: int) -> OpenAIError:
+    """429 at once when no slot can be claimed: nothing is queued; ``Retry-After`` says when to try again
+    (the ``openai`` client retries 429 by itself, honouring it)."""
+    return OpenAIError(
+        429,
+        "every slot is busy; this server does not queue requests, retry later",
+        "requests",
+        code="rate_limit_exceeded",
+        headers=[(b"retry-after", str(retry_after_s).encode())],
+    )
+
+
+def unavailable(message: str) -> OpenAIError:
+    """503: the model side cannot be reached."""
+    return OpenAIError(503, message, "server_error", code="service_unavailable")
+
+
+def server_error(message: str) -> OpenAIError:
+    """500: edgepath itself failed (the message says where)."""
+    return OpenAIError(500, message, "server_error", code="internal_error")
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAILimits:
+    """What a request may ask for on this server."""
+
+    max_tokens: int
+    """Most tokens one answer may have (the slot ABI's output capacity); also the default."""
+    vocab_size: int
+    """Token ids in a ``prompt`` given as ids must be below this."""
+    models: tuple[str, ...]
+    """Model names served (what ``GET /v1/models`` lists); ``model`` must be one of them."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
+            raise ValueError(f"OpenAILimits needs max_tokens >= 1, vocab_size >= 1 and a model name: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters, as they travel to the model side in the request header."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """A validated ``/v1/completions`` or ``/v1/chat/completions`` request.
+
+    Exactly one input is set: ``prompt`` (text), ``prompt_ids`` (token ids, completions only) or
+    ``messages`` (chat: render them with the model's chat template, :mod:`edgepath.edge.chat`)."""
+
+    kind: Kind
+    model: str
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+
+def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
+    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError`."""
+    doc = _document(body)
+    _refuse_unsupported(doc, "completion")
+    prompt, prompt_ids = _completion_prompt(doc, limits.vocab_size)
+    return _common(doc, "completion", limits, _max_tokens(doc, limits.max_tokens), prompt=prompt, prompt_ids=prompt_ids)
+
+
+def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
+    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
+    doc = _document(body)
+    _refuse_unsupported(doc, "chat")
+    messages = _messages(doc)
+    legacy = _max_tokens(doc, limits.max_tokens, "max_tokens")
+    current = _max_tokens(doc, limits.max_tokens, "max_completion_tokens")
+    if _given(doc, "max_tokens") and _given(doc, "max_completion_tokens") and legacy != current:
+        raise invalid_request(
+            f"'max_tokens' ({legacy}) and 'max_completion_tokens' ({current}) disagree; give one of them",
+            param="max_completion_tokens",
+            code="invalid_value",
+        )
+    max_tokens = current if _given(doc, "max_completion_tokens") else legacy
+    return _common(doc, "chat", limits, max_tokens, messages=messages)
+
+
+def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(body, Mapping):
+        return body
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid_request(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise invalid_request("the request body nests JSON too deeply to parse", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise invalid_request(f"the request body must be a JSON object, got {_json_type(doc)}", code="invalid_type")
+    return doc
+
+
+def _common(
+    doc: Mapping[str, Any],
+    kind: Kind,
+    limits: OpenAILimits,
+    max_tokens: int,
+    **inputs: Any,
+) -> OpenAIRequest:
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request(
+            f"'model' must be a non-empty string naming a served model, got {_show(model)}; "
+            f"available: {', '.join(map(repr, limits.models))}",
+            param="model",
+            code="missing_required_parameter" if model is None else "invalid_type",
+        )
+    if model not in limits.models:
+        raise model_not_found(model, limits.models)
+    stream = _optional_bool(doc, "stream", False)
+    return OpenAIRequest(
+        kind=kind,
+        model=model,
+        max_tokens=max_tokens,
+        sampling=Sampling(
+            temperature=_number(doc, "temperature", 1.0, 0.0, 2.0, low_open=False),
+            top_p=_number(doc, "top_p", 1.0, 0.0, 1.0, low_open=True),
+            seed=_seed(doc),
+        ),
+        stop=_stop(doc),
+        stream=stream,
+        include_usage=_include_usage(doc, stream),
+        **inputs,
+    )
+
+
+def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
+    """400 for every option that would change the answer in a way this server cannot deliver."""
+    for name in ("n", "best_of") if kind == "completion" else ("n",):
+        value = doc.get(name)
+        if value is not None and (type(value) is not int or value != 1):
+            raise unsupported(name, value, "1 (one choice per request)")
+    if kind == "completion":
+        if doc.get("logprobs") is not None:
+            raise unsupported("logprobs", doc["logprobs"], "null (log probabilities are not returned)")
+        if doc.get("echo") not in (None, False):
+            raise unsupported("echo", doc["echo"], "false")
+        if doc.get("suffix") not in (None, ""):
+            raise unsupported("suffix", doc["suffix"], "null (no insertion mode)")
+    else:
+        if doc.get("logprobs") not in (None, False):
+            raise unsupported("logprobs", doc["logprobs"], "false (log probabilities are not returned)")
+        if doc.get("top_logprobs") not in (None, 0):
+            raise unsupported("top_logprobs", doc["top_logprobs"], "null or 0")
+        for name in ("tools", "functions"):
+            if doc.get(name) not in (None, []):
+                raise unsupported(name, doc[name], "none (no tool or function calling)")
+        for name in ("tool_choice", "function_call"):
+            if doc.get(name) not in (None, "none"):
+                raise unsupported(name, doc[name], "'none' (no tool or function calling)")
+        fmt = doc.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise unsupported("response_format", fmt, '{"type": "text"}')
+        if doc.get("modalities") not in (None, ["text"]):
+            raise unsupported("modalities", doc["modalities"], '["text"]')
+        if doc.get("audio") is not None:
+            raise unsupported("audio", doc["audio"], "null (text only)")
+    if doc.get("logit_bias") not in (None, {}):
+        raise unsupported("logit_bias", doc["logit_bias"], "null or {}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = doc.get(name)
+        if value is not None and (not _is_number(value) or value != 0):
+            raise unsupported(name, value, "0")
+
+
+def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+    shape = "a string, a list with one string, a list of token ids, or a list with one list of token ids"
+    if "prompt" not in doc or doc["prompt"] is None:
+        raise invalid_request(f"'prompt' is required: {shape}", param="prompt", code="missing_required_parameter")
+    prompt = doc["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_request("'prompt' is empty", param="prompt", code="invalid_value")
+        _check_utf8(prompt, "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise invalid_request(
+                f"'prompt' holds token id {bad}; ids must be in 0..{vocab_size - 1}",
+                param="prompt",
+                code="invalid_value",
+            )
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise invalid_request(
+            f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request",
+            param="prompt",
+            code="unsupported_value",
+        )
+    raise invalid_request(f"'prompt' must be {shape}, got {_show(prompt)}", param="prompt", code="invalid_type")
+
+
+def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request(
+            f"'messages' must be a non-empty list of {{role, content}} objects, got {_show(messages)}",
+            param="messages",
+            code="missing_required_parameter" if messages is None else "invalid_type",
+        )
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _message(m: Any, where: str) -> ChatMessage:
+    if not isinstance(m, dict):
+        raise invalid_request(
+            f"'{where}' must be an object with 'role' and 'content', got {_json_type(m)}", param=where
+        )
+    role = m.get("role")
+    if role not in ROLES:
+        raise invalid_request(
+            f"'{where}.role' = {_show(role)} is not supported; allowed: {', '.join(ROLES)}",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    if m.get("tool_calls") not in (None, []) or m.get("function_call") is not None:
+        raise unsupported(f"{where}.tool_calls", m.get("tool_calls") or m.get("function_call"), "none")
+    content = m.get("content")
+    if isinstance(content, str):
+        _check_utf8(content, f"{where}.content")
+        return ChatMessage(role, content)
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise invalid_request(
+                    f'\'{where}.content[{j}]\' must be {{"type": "text", "text": str}}, got {_show(part)}; '
+                    "only text parts are supported",
+                    param=f"{where}.content[{j}]",
+                    code="invalid_value" if kind != "text" else "invalid_type",
+                )
+            _check_utf8(part["text"], f"{where}.content[{j}].text")
+            texts.append(part["text"])
+        # Several text parts are one message: joined by newlines, as vLLM does.
+        return ChatMessage(role, "\n".join(texts))
+    raise invalid_request(
+        f"'{where}.content' must be a string or a list of text parts, got {_show(content)}",
+        param=f"{where}.content",
+        code="invalid_type",
+    )
+
+
+def _max_tokens(doc: Mapping[str, Any], cap: int, name: str = "max_tokens") -> int:
+    value = doc.get(name)
+    if value is None:
+        return cap
+    if type(value) is not int or not 1 <= value <= cap:
+        raise invalid_request(
+            f"'{name}' must be an integer in 1..{cap} (this server's most tokens per answer), got {_show(value)}",
+            param=name,
+            code="invalid_value",
+        )
+    return value
+
+
+def _number(doc: Mapping[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool) -> float:
+    value = doc.get(name)
+    if value is None:
+        return default
+    in_range = _is_number(value) and (low < value if low_open else low <= value) and value <= high
+    if not in_range:
+        bracket = "(" if low_open else "["
+        raise invalid_request(
+            f"'{name}' must be a number in {bracket}{low:g}, {high:g}], got {_show(value)}",
+            param=name,
+            code="invalid_value",
+        )
+    return float(value)
+
+
+def _seed(doc: Mapping[str, Any]) -> int | None:
+    value = doc.get("seed")
+    if value is None:
+        return None
+    if type(value) is not int or not SEED_MIN <= value <= SEED_MAX:
+        raise invalid_request(
+            f"'seed' must be an integer in {SEED_MIN}..{SEED_MAX}, got {_show(value)}",
+            param="seed",
+            code="invalid_value",
+        )
+    return value
+
+
+def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
+    value = doc.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise invalid_request(
+            f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, got {_show(value)}",
+            param="stop",
+            code="invalid_value",
+        )
+    for s in stops:
+        _check_utf8(s, "stop")
+    return tuple(stops)
+
+
+def _include_usage(doc: Mapping[str, Any], stream: bool) -> bool:
+    options = doc.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid_request(
+            "'stream_options' is only allowed when 'stream' is true", param="stream_options", code="invalid_value"
+        )
+    if not isinstance(options, dict):
+        raise invalid_request(
+            f"'stream_options' must be an object, got {_json_type(options)}",
+            param="stream_options",
+            code="invalid_type",
+        )
+    return _optional_bool(options, "include_usage", False, where="stream_options.include_usage")
+
+
+def _optional_bool(doc: Mapping[str, Any], name: str, default: bool, *, where: str | None = None) -> bool:
+    value = doc.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        where = where or name
+        raise invalid_request(f"'{where}' must be true or false, got {_show(value)}", param=where, code="invalid_type")
+    return value
+
+
+def _check_utf8(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid_request(
+            f"'{where}' holds an unpaired surrogate escape, which is not valid UTF-8", param=where, code="invalid_value"
+        ) from None
+
+
+def _given(doc: Mapping[str, Any], name: str) -> bool:
+    return doc.get(name) is not None
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    """A short JSON rendering of a client's value for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Exact token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.completion_tokens < 0:
+            raise ValueError(f"token counts cannot be negative: {self}")
+
+    def payload(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def response_id(kind: Kind, request_id: int | str) -> str:
+    """``cmpl-…`` or ``chatcmpl-…`` from the edge's own request id (no randomness here)."""
+    rid = str(request_id)
+    if not rid or not all(c.isascii() and (c.isalnum() or c in "-_") for c in rid):
+        raise ValueError(f"request id must be non-empty letters, digits, '-' or '_', got {request_id!r}")
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{rid}"
+
+
+def text_completion(
+    request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
+) -> dict[str, Any]:
+    """A non-streamed ``text_completion`` object."""
+    return {
+        "id": response_id("completion", request_id),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": _finish(finish_reason)}],
+        "usage": usage.payload(),
+    }
+
+
+def chat_completion(
+    request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
+) -> dict[str, Any]:
+    """A non-streamed ``chat.completion`` object."""
+    return {
+        "id": response_id("chat", request_id),
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": _finish(finish_reason),
+            }
+        ],
+        "usage": usage.payload(),
+    }
+
+
+def completion_body(
+    request: OpenAIRequest, request_id: int | str, created: int, text: str, finish_reason: FinishReason, usage: Usage
+) -> bytes:
+    """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from."""
+    build = text_completion if request.kind == "completion" else chat_completion
+    return _dumps(build(request_id, created, request.model, text, finish_reason, usage))
+
+
+def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:
+    """The ``GET /v1/models`` body."""
+    return {
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": created, "owned_by": owned_by} for m in models],
+    }
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One server-sent event as OpenAI frames it: ``data: <json>`` and a blank line."""
+    return b"data: " + _dumps(payload) + b"\n\n"
+
+
+class StreamEncoder:
+    """The server-sent events of one streamed answer, in OpenAI's chunk shape.
+
+    Call :meth:`start` once, :meth:`text` for each text delta, :meth:`finish` once with the reason,
+    then :meth:`end` (the usage chunk when ``include_usage``, then ``data: [DONE]``).  Each returns
+    the bytes to send.  Chat streams open with a chunk carrying the ``assistant`` role; completion
+    streams have no such chunk (``start`` returns nothing for them).
+    """
+
+    def __init__(self, kind: Kind, request_id: int | str, created: int, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.id = response_id(kind, request_id)
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+        self._state = "new"
+
+    @classmethod
+    def for_request(cls, request: OpenAIRequest, request_id: int | str, created: int) -> StreamEncoder:
+        if not request.stream:
+            raise ValueError("StreamEncoder.for_request: the request did not ask for a stream")
+        return cls(request.kind, request_id, created, request.model, request.include_usage)
+
+    def start(self) -> bytes:
+        self._advance("new", "open")
+        if self.kind == "completion":
+            return b""
+        return sse_event(self._chunk({"role": "assistant", "content": ""}, None))
+
+    def text(self, delta: str) -> bytes:
+        """A text delta (empty deltas send nothing)."""
+        self._expect("open")
+        if not delta:
+            return b""
+        if self.kind == "completion":
+            return sse_event(self._chunk(delta, None))
+        return sse_event(self._chunk({"content": delta}, None))
+
+    def finish(self, finish_reason: FinishReason) -> bytes:
+        self._advance("open", "finished")
+        reason = _finish(finish_reason)
+        return sse_event(self._chunk("" if self.kind == "completion" else {}, reason))
+
+    def end(self, usage: Usage | None) -> bytes:
+        """The usage chunk (when the client asked for it: ``usage`` is then required) and ``[DONE]``."""
+        self._advance("finished", "ended")
+        if not self.include_usage:
+            return SSE_DONE
+        if usage is None:
+            raise ValueError("the client asked for stream_options.include_usage: end() needs the usage")
+        return sse_event(self._envelope([], usage.payload())) + SSE_DONE
+
+    def _chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+        if self.kind == "completion":
+            choice = {"text": delta, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope([choice], None)
+
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            # OpenAI: with include_usage every chunk has "usage", null except on the last one.
+            chunk["usage"] = usage
+        return chunk
+
+    def _advance(self, expected: str, new: str) -> None:
+        self._expect(expected)
+        self._state = new
+
+    def _expect(self, expected: str) -> None:
+        if self._state != expected:
+            raise RuntimeError(f"StreamEncoder: stream is {self._state!r}, this call needs {expected!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerStep:
+    """What :meth:`Answer.feed` gives back."""
+
+    data: bytes
+    """Bytes to send now: SSE events for a stream, nothing for a non-streamed answer."""
+    stopped: bool
+    """A stop string matched: cancel the slot, then call :meth:`Answer.finish` with ``"stop"``."""
+
+
+class Answer:
+    """One request's answer, from output token ids to the bytes a client receives.
+
+    Chains the pieces in the order the text needs them: :class:`IncrementalDetokenizer` (no broken
+    characters), :class:`StopMatcher` (no part of a stop string leaks, the answer ends before it),
+    then :class:`StreamEncoder` for ``stream: true`` or one JSON body at the end otherwise.
+    ``completion_tokens`` counts every id fed, i.e. what the model produced for this request,
+    including ids that arrived after a stop matched (they were generated before the cancel landed).
+    """
+
+    def __init__(
+        self, request: OpenAIRequest, tokenizer: Decoder, request_id: int | str, created: int, prompt_tokens: int
+    ) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.created = created
+        self.prompt_tokens = prompt_tokens
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopMatcher(request.stop)
+        self._stream = StreamEncoder.for_request(request, request_id, created) if request.stream else None
+        self._parts: list[str] = []
+        self._stopped = False
+        self._state = "new"
+
+    @property
+    def text(self) -> str:
+        """The answer's text released so far (all of it once finished)."""
+        return "".join(self._parts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._detok.token_count
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def start(self) -> bytes:
+        """The opening bytes of a stream (the chat role chunk), sent before the first token."""
+        self._expect("new")
+        self._state = "open"
+        return self._stream.start() if self._stream is not None else b""
+
+    def feed(self, ids: Sequence[int]) -> AnswerStep:
+        """The next output ids from the model side."""
+        self._expect("open")
+        delta = self._detok.feed(ids)
+        if self._stopped:
+            return AnswerStep(b"", True)
+        return self._release(delta)
+
+    def finish(self, reason: FinishReason) -> bytes:
+        """The model side ended (``"length"`` at max_tokens, ``"stop"`` at its end-of-sequence) or a stop
+        string matched (``"stop"``).  Returns the closing SSE events and ``[DONE]``, or the JSON body."""
+        self._expect("open")
+        if self._stopped and reason != "stop":
+            raise ValueError(f"a stop string matched, so the finish reason is 'stop', not {reason!r}")
+        self._state = "finished"
+        out = b""
+        if not self._stopped:
+            step = self._release(self._detok.flush())
+            out = step.data
+            if step.stopped:
+                reason = "stop"
+            else:
+                out += self._text(self._stop.flush())
+        usage = Usage(self.prompt_tokens, self.completion_tokens)
+        if self._stream is None:
+            return completion_body(self.request, self.request_id, self.created, self.text, reason, usage)
+        return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
+
+    def _release(self, delta: str) -> AnswerStep:
+        result = self._stop.feed(delta)
+        self._stopped = result.stopped
+        return AnswerStep(self._text(result.text), result.stopped)
+
+    def _text(self, text: str) -> bytes:
+        if text:
+            self._parts.append(text)
+        return self._stream.text(text) if self._stream is not None else b""
+
+    def _expect(self, state: str) -> None:
+        if self._state != state:
+            raise RuntimeError(f"Answer: it is {self._state!r}, this call needs {state!r}")
+
+
+def _finish(reason: str) -> str:
+    if reason not in ("stop", "length"):
+        raise ValueError(f"finish_reason must be 'stop' or 'length', got {reason!r}")
+    return reason
+
+
+def _dumps(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

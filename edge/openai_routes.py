@@ -1,0 +1,189 @@
+"""OpenAI's routes on the edge: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+The pure pieces live in :mod:`edgepath.edge.openai` (request validation, response and stream shapes,
+detokenizer, stop strings); this module binds them to the lifecycle: a body becomes a :class:`Work`
+item (sampling parameters travel to the model side in the request header, the chat is tokenized
+with the model's own template straight into the frame), and an :class:`OpenAIFormatter` turns
+output tokens into OpenAI's JSON or server-sent events.  Errors on these routes are in OpenAI's
+shape, so the ``openai`` client raises the exception a user expects (and retries 429 on its own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgepath.dma import wire
+from edgepath.edge import openai as oa
+from edgepath.edge.http import JSON, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.tokenizer import Tokenizer
+
+COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+OPENAI_ROUTES: dict[str, tuple[str, ...]] = {COMPLETIONS: ("POST",), CHAT: ("POST",), MODELS: ("GET",)}
+
+#: edgepath error types -> OpenAI error types (the ``code`` keeps edgepath's own name)
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    429: "requests",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "timeout",
+}
+
+
+def openai_error(exc: HttpError) -> Response:
+    """An edgepath error on an OpenAI route, in OpenAI's error shape."""
+    err = oa.OpenAIError(
+        exc.status, exc.message, _TYPES.get(exc.status, "server_error"), code=exc.type, headers=exc.headers
+    )
+    return _error_response(err)
+
+
+def _error_response(err: oa.OpenAIError) -> Response:
+    return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSupport:
+    """Whether chat completions can be served: the tokenizer must render the model's own template and
+    tokenize it straight into a frame (``encode_chat_into``)."""
+
+    available: bool
+    why_not: str = ""
+
+
+def chat_support(tokenizer: Tokenizer) -> ChatSupport:
+    if getattr(tokenizer, "encode_chat_into", None) is None:
+        return ChatSupport(False, f"{tokenizer.name} has no chat template; " + oa_chat_hint())
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ChatSupport(False, f"{tokenizer.name} carries no chat template; " + oa_chat_hint())
+    return ChatSupport(True)
+
+
+def oa_chat_hint() -> str:
+    return "serve a GGUF model (--model PATH.gguf) whose metadata has one, or pass --chat-template FILE with it"
+
+
+class OpenAIRoutes:
+    """Parses OpenAI requests into :class:`Work` for one served model."""
+
+    def __init__(self, model: str, max_tokens: int, vocab_size: int, chat: ChatSupport, created: int) -> None:
+        self.model = model
+        self.limits = oa.OpenAILimits(max_tokens=max_tokens, vocab_size=vocab_size, models=(model,))
+        self.chat = chat
+        self.created = created
+
+    def error(self, exc: HttpError) -> Response:
+        return openai_error(exc)
+
+    def models(self) -> Response:
+        body = json.dumps(oa.models_list([self.model], self.created), separators=(",", ":")).encode()
+        return Response(200, [(b"content-type", JSON)], body)
+
+    def parse(self, path: str, body: bytes) -> Work | Response:
+        """A :class:`Work` item, or the error response (OpenAI's shape) for a body that is refused."""
+        try:
+            if path == CHAT:
+                if not self.chat.available:
+                    raise oa.invalid_request(f"chat completions are not available: {self.chat.why_not}")
+                req = oa.parse_chat_request(body, self.limits)
+            else:
+                req = oa.parse_completion_request(body, self.limits)
+        except oa.OpenAIError as err:
+            return _error_response(err)
+        sampling = wire.Sampling(req.sampling.temperature, req.sampling.top_p, 0, (req.sampling.seed or 0) % 2**64)
+        options: dict[str, Any] = {"openai": req}
+        if req.messages is not None:
+            options["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+        tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
+        return Work("generate", req.prompt, tokens, req.max_tokens, req.stream, sampling, path, options)
+
+
+def _finish_reason(outcome: Outcome, max_tokens: int, stopped: bool) -> oa.FinishReason:
+    if stopped or outcome.status == "STOP":
+        return "stop"
+    if outcome.status == "LENGTH" or len(outcome.tokens) >= max_tokens:
+        return "length"
+    return "stop"
+
+
+class OpenAIFormatter:
+    """One OpenAI answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`): every output id goes
+    through :class:`~edgepath.edge.openai.Answer` once -- detokenized without broken characters, held back
+    while it could be the start of a stop string, cut at a stop string (``done``: the lifecycle then
+    cancels the slot)."""
+
+    def __init__(self, request: oa.OpenAIRequest, tokenizer: Tokenizer, request_id: str, created: int) -> None:
+        self.request = request
+        self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0)
+        self.watch = bool(request.stop)  # stop strings need the output as it is produced
+        self.done = False
+        self._fed = 0
+        self._open = False
+
+    def _opening(self) -> bytes:
+        if self._open:
+            return b""
+        self._open = True
+        return self.answer.start()
+
+    def _feed(self, ids: np.ndarray) -> bytes:
+        head = self._opening()
+        if self.answer.stopped or not len(ids):
+            self._fed += len(ids)
+            return head
+        step = self.answer.feed(ids.tolist())
+        self._fed += len(ids)
+        self.done = step.stopped
+        return head + step.data
+
+    def _close(self, outcome: Outcome) -> bytes:
+        self.answer.prompt_tokens = outcome.input_count
+        rest = self._feed(outcome.tokens[self._fed :])
+        reason = _finish_reason(outcome, self.request.max_tokens, self.answer.stopped)
+        return rest + self.answer.finish(reason)
+
+    def complete(self, outcome: Outcome) -> Response:
+        body = self._close(outcome)
+        headers: Headers = [(b"content-type", JSON)]
+        return Response(200, headers, body)
+
+    def start(self) -> tuple[int, Headers]:
+        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        data = self._feed(ids)
+        return data if self.request.stream else b""
+
+    def end(self, outcome: Outcome) -> bytes:
+        return self._close(outcome)
+
+    def failure(self, error: HttpError) -> Response:
+        return openai_error(error)
+
+    def error(self, type_: str, message: str) -> bytes:
+        status = 502 if type_ == "slot_error" else 503 if type_ == "unavailable" else 500
+        err = oa.OpenAIError(status, message, _TYPES.get(status, "server_error"), code=type_)
+        return oa.sse_event(err.payload()) + oa.SSE_DONE
+
+
+def formatter_factory(clock: Callable[[], float]) -> Callable[[Work, Tokenizer], OpenAIFormatter]:
+    """The lifecycle's formatter factory for the OpenAI routes; ``clock`` (wall seconds) stamps ``created``
+    -- it is the driver's, so the lifecycle itself reads no clock."""
+    ids = itertools.count(1)
+
+    def make(work: Work, tokenizer: Tokenizer) -> OpenAIFormatter:
+        return OpenAIFormatter(work.options["openai"], tokenizer, f"ep{next(ids)}", int(clock()))
+
+    return make

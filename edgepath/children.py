@@ -1,0 +1,177 @@
+"""Child ``edgepath`` processes: start one, wait for its ``ready ADDRESS`` line, stop it; a free port.
+
+Every edgepath command that listens prints ``ready ADDRESS`` on stdout once it accepts work.  This is
+the one place that starts such a command as a child (``serve`` for its slot server, the tests, the
+benchmarks), so a child that fails to start always reports the same way: what was run, how it ended,
+and the tail of what it wrote on stderr.  Both output streams are drained by threads for the child's
+whole life (a child never blocks on a full pipe); stderr is passed on to ours and its tail kept.
+A child runs in its own session: signals meant for its parent's process group (a terminal's Ctrl-C)
+reach the parent alone, which stops its children itself -- a supervisor never mistakes that for a crash.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+STDERR_TAIL_LINES = 20
+
+
+class ChildError(RuntimeError):
+    """A child did not start (or could not be stopped)."""
+
+
+def exit_reason(returncode: int) -> str:
+    """``exit code 3`` or ``killed by signal SIGKILL``: how a child ended, for logs and errors."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"killed by signal {name}"
+    return f"exit code {returncode}"
+
+
+def edgepath_argv(*args: str) -> list[str]:
+    """The command line of ``edgepath ARGS`` run by this interpreter."""
+    return [sys.executable, "-m", "edgepath", *args]
+
+
+def free_port(kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (UDP for QUIC by default, ``socket.SOCK_STREAM`` for TCP)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Child:
+    """A running ``edgepath`` command that has printed ``ready ADDRESS``."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, forward_stderr: bool) -> None:
+        self.proc = proc
+        self.name = name
+        self.address: str | None = None
+        self._ready = threading.Event()
+        self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        assert proc.stdout is not None and proc.stderr is not None
+        self._pumps = [
+            threading.Thread(target=self._pump_stdout, args=(proc.stdout,), name=f"{name}-stdout", daemon=True),
+            threading.Thread(
+                target=self._pump_stderr, args=(proc.stderr, forward_stderr), name=f"{name}-stderr", daemon=True
+            ),
+        ]
+        for pump in self._pumps:
+            pump.start()
+
+    @classmethod
+    def start(
+        cls,
+        args: Sequence[str],
+        *,
+        ready_timeout: float = 30.0,
+        env: Mapping[str, str] | None = None,
+        forward_stderr: bool = True,
+        argv: Sequence[str] | None = None,
+    ) -> Child:
+        """Run ``edgepath ARGS`` (or ``argv``, a whole command line that prints the same ready line)
+        and return once it is ready; :class:`ChildError` with its stderr tail when it is not within
+        ``ready_timeout`` seconds (the child is then stopped)."""
+        command = list(argv) if argv is not None else edgepath_argv(*args)
+        name = command[3] if argv is None and len(command) > 3 else os.path.basename(command[0])
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=None if env is None else dict(env),
+            start_new_session=True,  # a Ctrl-C reaches the parent only, which stops its children in order
+        )
+        child = cls(proc, name, forward_stderr)
+        child._await_ready(" ".join(command[1:] if argv is None else command), ready_timeout)
+        return child
+
+    def _await_ready(self, what: str, timeout: float) -> None:
+        closed = self._ready.wait(timeout)
+        if self.address is not None:
+            return
+        if closed:  # stdout ended without the line: the child is on its way out
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+        if self.proc.poll() is None:
+            self.stop()
+            how = f"printed no 'ready' line within {timeout:g} s"
+        else:
+            self._pumps[1].join(timeout=5.0)  # the whole of stderr, up to the exit
+            how = f"ended ({exit_reason(self.proc.returncode)}) before it was ready"
+        tail = self.stderr_tail()
+        raise ChildError(f"{self.name} did not start: {what!r} {how}" + (f"; its stderr ends:\n{tail}" if tail else ""))
+
+    def _pump_stdout(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").strip()
+            if self.address is None and line.startswith("ready "):
+                self.address = line.split(None, 1)[1]
+                self._ready.set()
+        self._ready.set()  # end of output: whoever waits for ready learns it will not come
+
+    def _pump_stderr(self, stream: IO[bytes], forward: bool) -> None:
+        for raw in stream:
+            self._tail.append(raw.decode(errors="replace").rstrip("\n"))
+            if forward:
+                try:
+                    os.write(2, raw)
+                except OSError:
+                    forward = False  # our own stderr is gone: keep draining, keep the tail
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr_tail(self) -> str:
+        """The last lines the child wrote on stderr."""
+        return "\n".join(self._tail)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The child's return code once it has ended (``subprocess.TimeoutExpired`` after ``timeout``);
+        what it wrote up to its end is then in :meth:`stderr_tail`."""
+        code = self.proc.wait(timeout)
+        self._join_pumps()
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL: the child gets no chance to clean up (what a crash looks like from outside)."""
+        self.proc.kill()
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it has not ended within ``timeout`` seconds; its return code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                try:
+                    self.proc.wait(5.0)
+                except subprocess.TimeoutExpired as exc:
+                    raise ChildError(f"{self.name} (pid {self.pid}) did not end after SIGKILL") from exc
+        self._join_pumps()
+        return self.proc.returncode
+
+    def _join_pumps(self) -> None:
+        for pump in self._pumps:
+            if pump is not threading.current_thread():
+                pump.join(timeout=1.0)

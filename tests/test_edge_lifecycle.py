@@ -1,0 +1,613 @@
+"""The edge lifecycle driven by hand: no event loop, no thread, no agent, no network.
+
+Events go in with an explicit ``now``; the actions that come out are checked.  The agent port is
+an in-memory double that keeps the AgentPort contract strictly (a frame is released only when it is
+held and not in flight, abandoned only when in flight) and lets a test play the slot server's part:
+write output into a frame's reply entry and hand out deliveries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgepath.dma import wire
+from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response
+from edgepath.edge.lifecycle import (
+    Action,
+    EdgeLifecycle,
+    EndStream,
+    Respond,
+    SendChunk,
+    StartStream,
+    Tokenize,
+)
+from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.tokenizer import INLINE_CHARS
+from edgepath.native.abi import Status
+
+INPUT, OUTPUT = 64, 64
+SECOND = 1_000_000_000
+TIMEOUT = 5 * SECOND
+
+
+class CharTokenizer:
+    """One id per character (code point % 1000); counts calls; can be told to fail."""
+
+    name = "chars"
+    vocab_size = 1000
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail = False
+
+    def encode(self, text: str) -> np.ndarray:
+        self.calls += 1
+        if self.fail:
+            raise ValueError("tokenizer exploded")
+        return np.array([ord(c) % 1000 for c in text], dtype=np.int32)
+
+    def encode_into(self, text: str, out: np.ndarray) -> int:
+        ids = self.encode(text)
+        if len(ids) <= len(out):
+            out[: len(ids)] = ids
+        return len(ids)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return "".join(chr(int(i)) for i in ids)
+
+
+class FakePort:
+    """An AgentPort double over real frame memory; the test plays the slot server."""
+
+    def __init__(self, frames: int = 4) -> None:
+        self.layout = FrameLayout(INPUT, OUTPUT)
+        req_bytes, rep_bytes = AgentFrames.sizes(frames, self.layout)
+        self.frames = AgentFrames(np.zeros(req_bytes, np.uint8), np.zeros(rep_bytes, np.uint8), frames, self.layout)
+        self.delivery_stats = DeliveryStats()
+        self.free = list(range(frames))
+        self.held: set[int] = set()
+        self.in_flight: set[int] = set()
+        self.abandoned: list[int] = []
+        self.submitted: list[int] = []
+        self.refuse_with: Status | None = None
+        self.lost: list[int] = []
+        self.up = True
+        self.revived = 0
+
+    def fileno(self) -> int:
+        raise AssertionError("the lifecycle never waits on the port")
+
+    def arm(self) -> bool:
+        raise AssertionError("the lifecycle never waits on the port")
+
+    def acquire(self) -> int | None:
+        if not self.free:
+            return None
+        index = self.free.pop(0)
+        self.held.add(index)
+        return index
+
+    def submit(self, index: int) -> Status | None:
+        assert index in self.held and index not in self.in_flight, f"submit of frame {index} not held"
+        if self.refuse_with is not None:
+            return self.refuse_with
+        self.frames.requests[index]["t_written_ns"] = 1
+        self.in_flight.add(index)
+        self.submitted.append(index)
+        return None
+
+    def poll(self) -> list[Delivery]:
+        raise AssertionError("the driver polls, not the lifecycle")
+
+    def cancel(self, index: int) -> None:
+        raise AssertionError("not used by the edge lifecycle")
+
+    def abandon(self, index: int) -> None:
+        assert index in self.in_flight, f"abandon of frame {index} not in flight"
+        self.in_flight.discard(index)
+        self.held.discard(index)
+        self.abandoned.append(index)
+        self.delivery_stats.abandoned += 1
+        self.free.append(index)  # the real port waits for the slot server to let go; same outcome here
+
+    def release(self, index: int) -> None:
+        assert index in self.held and index not in self.in_flight, f"release of frame {index} in flight or not held"
+        self.held.discard(index)
+        self.free.append(index)
+
+    def check_links(self) -> list[int]:
+        lost, self.lost = self.lost, []
+        for index in lost:
+            self.in_flight.discard(index)
+        return lost
+
+    def revive(self) -> None:
+        if not self.up:
+            self.revived += 1
+
+    def alive(self) -> bool:
+        return self.up
+
+    def free_slots(self) -> tuple[int, int]:
+        return 3, 8
+
+    # -- the slot server's part ------------------------------------------------------------------
+    def produce(self, index: int, tokens: list[int]) -> Delivery:
+        """Append output tokens to frame ``index`` (as streamed WRITEs would) and say so."""
+        assert index in self.in_flight
+        result = self.frames.results[index]
+        count = int(result["output_count"])
+        self.frames.outputs[index, count : count + len(tokens)] = tokens
+        result["output_count"] = count + len(tokens)
+        return Delivery(index, count + len(tokens), False)
+
+    def finish(self, index: int, status: Status = Status.OK, t_first_ns: int = 0) -> Delivery:
+        assert index in self.in_flight
+        result = self.frames.results[index]
+        result["status"] = int(status)
+        result["t_ready_ns"] = int(self.frames.requests[index]["t_receive_ns"]) + 1000
+        result["t_first_ns"] = t_first_ns
+        self.in_flight.discard(index)
+        self.delivery_stats.delivered += 1
+        return Delivery(index, int(result["output_count"]), True)
+
+
+class Clock:
+    """A fake monotonic clock: every read advances it by one microsecond."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        self.ns += 1000
+        return self.ns
+
+
+@pytest.fixture
+def port() -> FakePort:
+    return FakePort()
+
+
+@pytest.fixture
+def tokenizer() -> CharTokenizer:
+    return CharTokenizer()
+
+
+def lifecycle(port: FakePort, tokenizer: CharTokenizer, workers: int = 2) -> EdgeLifecycle:
+    metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    return EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=workers, request_timeout_ns=TIMEOUT)
+
+
+def generate(now: int = 0, **fields: object) -> Request:
+    body = json.dumps({"prompt": "hello", **fields}).encode()
+    return Request("POST", "/v1/generate", [], body, t_receive_ns=now)
+
+
+def only(actions: list[Action], kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def body(action: Action) -> dict:
+    assert isinstance(action, Respond), action
+    return json.loads(action.response.body)
+
+
+def sse(data: bytes) -> Iterator[tuple[str, dict]]:
+    """(event name, data document) of each server-sent event in ``data``."""
+    for block in data.decode().split("\n\n"):
+        if not block:
+            continue
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        yield lines.get("event", "message"), json.loads(lines["data"])
+
+
+def test_a_generate_request_is_written_into_its_frame_and_answered_from_the_final_delivery(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    assert edge.receive(1, generate(max_tokens=3), now=100) == []  # in flight: nothing to send yet
+    (frame,) = port.submitted
+    req = port.frames.requests[frame]
+    assert int(req["token_count"]) == 5 and int(req["max_new_tokens"]) == 3
+    assert int(req["flags"]) == 0  # not streamed
+    assert tokenizer.decode(port.frames.tokens[frame, :5]) == "hello"
+    port.produce(frame, [104, 105, 33, 33])  # a handler that wrote more than max_tokens
+    (action,) = edge.deliveries([port.finish(frame)], now=200)
+    doc = body(action)
+    assert action.rid == 1 and action.response.status == 200
+    assert doc["tokens"] == [104, 105, 33] and doc["text"] == "hi!"  # cut at max_tokens
+    assert (doc["input_count"], doc["output_count"]) == (5, 3)
+    assert dict(action.response.headers)[b"server-timing"].startswith(b"queue;dur=")
+    assert port.held == set() and edge.tracked == {} and edge.by_frame == {}
+
+
+def test_a_streamed_request_starts_at_its_first_output_and_sends_only_the_new_tokens(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(7, generate(now=1000, stream=True), now=1000)
+    (frame,) = port.submitted
+    assert int(port.frames.requests[frame]["flags"]) == wire.FLAG_STREAM
+    first = edge.deliveries([port.produce(frame, [10, 11])], now=5000)
+    assert [type(a) for a in first] == [StartStream, SendChunk]
+    start, chunk = first
+    assert start.status == 200 and (b"content-type", b"text/event-stream") in start.headers
+    assert list(sse(chunk.data)) == [("message", {"token": 10}), ("message", {"token": 11})]
+    assert edge.deliveries([Delivery(frame, 2, False)], now=6000) == []  # nothing new: nothing sent
+    (second,) = edge.deliveries([port.produce(frame, [12])], now=7000)
+    assert list(sse(second.data)) == [("message", {"token": 12})]
+    port.produce(frame, [13])  # arrives together with the final result
+    (end,) = edge.deliveries([port.finish(frame)], now=9000)
+    assert isinstance(end, EndStream) and end.rid == 7
+    events = list(sse(end.data))
+    assert events[0] == ("message", {"token": 13})
+    name, done = events[1]
+    assert name == "done" and done["output_count"] == 4 and done["text"] == "".join(map(chr, [10, 11, 12, 13]))
+    assert done["first_token_ms"] == 0.004  # receive at 1000 ns, first tokens seen at 5000 ns
+    assert port.held == set() and edge.tracked == {}
+
+
+def test_time_to_first_token_and_inter_token_latency_reach_the_metrics(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(stream=True), now=0)
+    (frame,) = port.submitted
+    edge.deliveries([port.produce(frame, [1])], now=2 * SECOND // 1000)
+    edge.deliveries([port.produce(frame, [2, 3])], now=6 * SECOND // 1000)
+    edge.deliveries([port.finish(frame)], now=7 * SECOND // 1000)
+    text = edge.metrics.exposition().decode()
+    assert "edgepath_time_to_first_token_seconds_count 1.0" in text
+    assert 'edgepath_time_to_first_token_seconds_bucket{le="0.0025"} 1.0' in text
+    assert "edgepath_inter_token_latency_seconds_count 2.0" in text  # 2 tokens, 4 ms apart -> 2 ms each
+    assert 'edgepath_inter_token_latency_seconds_bucket{le="0.001"} 0.0' in text
+    assert 'edgepath_inter_token_latency_seconds_bucket{le="0.0025"} 2.0' in text
+
+
+def test_non_streamed_answers_carry_the_first_token_time_in_server_timing(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(now=1000), now=1000)
+    (frame,) = port.submitted
+    port.produce(frame, [5])
+    (action,) = edge.deliveries([port.finish(frame, t_first_ns=3_001_000)], now=9_000_000)
+    assert b"first_token;dur=3.000" in dict(action.response.headers)[b"server-timing"]
+
+
+def test_no_free_frame_is_429_before_tokenizing(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    for rid in range(4):
+        assert edge.receive(rid, generate(), now=0) == []
+    (refused,) = edge.receive(9, generate(), now=0)
+    assert refused.response.status == 429 and (b"retry-after", b"1") in refused.response.headers
+    assert tokenizer.calls == 4
+
+
+def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer, workers=2)
+    big = "x" * (INLINE_CHARS + 1)
+    actions = [a for rid in range(4) for a in edge.receive(rid, generate(prompt=big), now=0)]
+    work = only(actions, Tokenize)
+    refused = only(actions, Respond)
+    assert [w.rid for w in work] == [0, 1] and all(w.out is not None for w in work)
+    assert [body(r)["error"]["type"] for r in refused] == ["tokenizer_busy", "tokenizer_busy"]
+    assert all(r.response.status == 429 for r in refused)
+    assert len(port.held) == 2  # the refused ones hold no frame: nothing waits in line
+    assert tokenizer.calls == 0  # the lifecycle never tokenizes a large prompt on the caller's thread
+    # a worker finishes (here: a prompt too long for the slot): its frame comes back, a worker is free again
+    n = tokenizer.encode_into(big, work[0].out)
+    (too_long,) = edge.tokenized(0, n, now=10)
+    assert too_long.response.status == 400 and port.submitted == [] and len(port.held) == 1
+    (again,) = edge.receive(5, generate(prompt=big), now=20)
+    assert isinstance(again, Tokenize) and again.rid == 5
+
+
+def test_large_prompt_tokenized_on_a_worker_is_submitted(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer, workers=1)
+    big = "y" * (INLINE_CHARS + 1)
+    (work,) = edge.receive(1, generate(prompt=big), now=0)
+    assert isinstance(work, Tokenize)
+    work.out[:3] = [1, 2, 3]  # a worker wrote 3 ids (a tokenizer that compresses well)
+    assert edge.tokenized(1, 3, now=50) == []
+    (frame,) = port.submitted
+    assert int(port.frames.requests[frame]["token_count"]) == 3
+    assert port.frames.tokens[frame, :3].tolist() == [1, 2, 3]
+
+
+def test_a_deadline_answers_504_and_abandons_the_frame(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(), now=0)
+    (frame,) = port.submitted
+    assert edge.tick(now=TIMEOUT) == []  # not yet past
+    (action,) = edge.tick(now=TIMEOUT + 1)
+    assert action.response.status == 504 and body(action)["error"]["type"] == "timeout"
+    assert port.abandoned == [frame] and edge.tracked == {} and edge.by_frame == {}
+    assert edge.tick(now=2 * TIMEOUT) == []  # answered once
+
+
+def test_a_stream_that_keeps_producing_is_not_timed_out_and_one_that_stalls_ends_with_an_error_event(
+    port, tokenizer
+) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(stream=True), now=0)
+    (frame,) = port.submitted
+    edge.deliveries([port.produce(frame, [1])], now=TIMEOUT - 1)
+    assert edge.tick(now=TIMEOUT + 1) == []
+    (end,) = edge.tick(now=2 * TIMEOUT)
+    assert isinstance(end, EndStream)
+    assert list(sse(end.data)) == [
+        ("error", {"error": {"type": "timeout", "message": "no result from the slot server in time"}})
+    ]
+    assert port.abandoned == [frame]
+
+
+def test_a_client_gone_in_flight_abandons_its_frame_and_gets_nothing(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(stream=True), now=0)
+    (frame,) = port.submitted
+    edge.deliveries([port.produce(frame, [1])], now=10)
+    assert edge.client_gone(1, now=20) == []
+    assert port.abandoned == [frame] and edge.tracked == {}
+    assert edge.client_gone(1, now=30) == []  # a second notice changes nothing
+    assert edge.tick(now=2 * TIMEOUT) == []
+    assert "edgepath_streams_reset_total 1.0" in edge.metrics.exposition().decode()
+
+
+def test_a_client_gone_while_a_worker_writes_into_the_frame_releases_it_after_the_worker(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer, workers=1)
+    (work,) = edge.receive(1, generate(prompt="z" * (INLINE_CHARS + 1)), now=0)
+    assert isinstance(work, Tokenize)
+    assert edge.client_gone(1, now=5) == []
+    assert len(port.held) == 1  # the worker may still be writing into it
+    assert edge.tokenized(1, 3, now=10) == []
+    assert port.held == set() and port.submitted == [] and edge.tracked == {}
+    assert edge.busy_workers == 0
+
+
+def test_frames_lost_with_the_slot_server_are_503_and_a_dead_server_is_revived(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(), now=0)
+    (frame,) = port.submitted
+    port.lost = [frame]
+    port.up = False
+    (action,) = edge.tick(now=10)
+    assert action.response.status == 503 and port.revived == 1
+    assert port.held == set() and edge.tracked == {}
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(Status.NO_SLOT, 429), (Status.UNAVAILABLE, 503), (Status.BAD_REQUEST, 400)]
+)
+def test_refusals_at_submit_and_through_the_port_release_the_frame(port, tokenizer, status, code) -> None:
+    edge = lifecycle(port, tokenizer)
+    port.refuse_with = status
+    (action,) = edge.receive(1, generate(), now=0)
+    assert action.response.status == code and port.held == set()
+    port.refuse_with = None
+    edge.receive(2, generate(), now=0)
+    (frame,) = port.submitted
+    (action,) = edge.deliveries([port.finish(frame, status)], now=10)  # an agent process refuses later
+    assert action.response.status == code and port.held == set()
+
+
+def test_a_handler_error_is_502_and_mid_stream_an_error_event(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(), now=0)
+    edge.receive(2, generate(stream=True), now=0)
+    plain, streamed = port.submitted
+    (action,) = edge.deliveries([port.finish(plain, Status.HANDLER_ERROR)], now=10)
+    assert action.response.status == 502 and "HANDLER_ERROR" in body(action)["error"]["message"]
+    edge.deliveries([port.produce(streamed, [1])], now=10)
+    (end,) = edge.deliveries([port.finish(streamed, Status.HANDLER_ERROR)], now=20)
+    assert isinstance(end, EndStream) and next(sse(end.data))[0] == "error"
+    assert port.held == set()
+
+
+def test_tokenizer_failure_and_too_long_prompts_give_the_frame_back(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    (long,) = edge.receive(1, generate(prompt="y" * (INPUT + 1)), now=0)
+    assert long.response.status == 400 and f"{INPUT + 1} tokens" in body(long)["error"]["message"]
+    tokenizer.fail = True
+    (failed,) = edge.receive(2, generate(), now=0)
+    assert failed.response.status == 500 and "tokenizer exploded" in body(failed)["error"]["message"]
+    (work,) = edge.receive(3, generate(prompt="w" * (INLINE_CHARS + 1)), now=0)
+    assert isinstance(work, Tokenize)
+    (failed_on_worker,) = edge.tokenized(3, ValueError("worker exploded"), now=5)
+    assert failed_on_worker.response.status == 500
+    assert port.held == set() and edge.busy_workers == 0
+
+
+def test_token_input_is_copied_into_the_frame_without_the_tokenizer(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    request = Request("POST", "/v1/generate", [], b'{"tokens": [7, 8, 9]}', t_receive_ns=0)
+    assert edge.receive(1, request, now=0) == []
+    (frame,) = port.submitted
+    assert port.frames.tokens[frame, :3].tolist() == [7, 8, 9] and tokenizer.calls == 0
+
+
+def test_tokenize_route_inline_and_on_a_worker(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer, workers=1)
+    tok = Request("POST", "/v1/tokenize", [], b'{"prompt": "ab"}', t_receive_ns=0)
+    (inline,) = edge.receive(1, tok, now=0)
+    assert body(inline) == {"tokens": [97, 98], "count": 2}
+    big = Request("POST", "/v1/tokenize", [], json.dumps({"prompt": "c" * (INLINE_CHARS + 1)}).encode(), 0)
+    (work,) = edge.receive(2, big, now=0)
+    assert isinstance(work, Tokenize) and work.out is None
+    (busy,) = edge.receive(3, big, now=0)
+    assert busy.response.status == 429
+    (done,) = edge.tokenized(2, np.array([1, 2], np.int32), now=5)
+    assert body(done) == {"tokens": [1, 2], "count": 2}
+    assert port.held == set()
+
+
+def test_health_and_metrics_read_live_state_including_the_ports_delivery_stats(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    (health,) = edge.receive(1, Request("GET", "/health?latency=99", [], b"", 0), now=0)
+    doc = body(health)
+    assert (doc["status"], doc["free_slots"], doc["total_slots"]) == ("ok", 3, 8) and "latency" in doc
+    port.up = False
+    (down,) = edge.receive(2, Request("GET", "/health", [], b"", 0), now=0)
+    assert down.response.status == 503
+    port.delivery_stats.duplicates = 2
+    port.delivery_stats.late = 5
+    (metrics,) = edge.receive(3, Request("GET", "/metrics", [], b"", 0), now=0)
+    text = metrics.response.body.decode()
+    assert "edgepath_port_duplicates_total 2.0" in text and "edgepath_port_late_total 5.0" in text
+    assert "edgepath_port_unknown_total 0.0" in text
+
+
+def test_early_refusals_are_answered_and_counted(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    (action,) = edge.refuse(1, generate(), Response(408, [], b"{}"))
+    assert action.response.status == 408
+    assert 'edgepath_requests_total{route="/v1/generate",status="408"} 1.0' in edge.metrics.exposition().decode()
+
+
+def test_bad_construction_is_refused_with_what_is_allowed(port, tokenizer) -> None:
+    metrics = EdgeMetrics(lambda: 0, lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, 1000))
+    with pytest.raises(ValueError, match="at least 1"):
+        EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=0, request_timeout_ns=1)
+    with pytest.raises(ValueError, match="must be positive"):
+        EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=0)
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("receive"), st.booleans(), st.booleans()),  # streamed?, large prompt?
+        st.tuples(st.just("produce"), st.integers(0, 3), st.integers(1, 3)),
+        st.tuples(
+            st.just("finish"), st.integers(0, 3), st.sampled_from([Status.OK, Status.LENGTH, Status.HANDLER_ERROR])
+        ),
+        st.tuples(st.just("gone"), st.integers(0, 12), st.just(0)),
+        st.tuples(st.just("worker"), st.integers(0, 1), st.just(0)),
+        st.tuples(st.just("tick"), st.integers(0, 2 * TIMEOUT), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=operations)
+def test_whatever_happens_every_request_is_answered_once_and_every_frame_comes_back(ops: list[tuple]) -> None:
+    port, tokenizer = FakePort(), CharTokenizer()
+    edge = lifecycle(port, tokenizer, workers=2)
+    answers: dict[int, list[str]] = {}
+    gone: set[int] = set()
+    workers: list[Tokenize] = []
+    now = 0
+
+    def record(actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Tokenize):
+                workers.append(action)
+                continue
+            seen = answers.setdefault(action.rid, [])
+            assert action.rid not in gone, f"{action} after the client went away"
+            assert not seen or seen[-1] not in ("respond", "end"), f"{action} after the answer was complete"
+            kind = {Respond: "respond", StartStream: "start", SendChunk: "chunk", EndStream: "end"}[type(action)]
+            assert kind in ("respond", "start") or (seen and seen[-1] in ("start", "chunk")), f"{kind} before start"
+            seen.append(kind)
+
+    rids = 0
+    for op, a, b in ops:
+        now += 1000
+        if op == "receive":
+            prompt = "p" * (INLINE_CHARS + 1) if b else "prompt"
+            record(edge.receive(rids, generate(now, prompt=prompt, stream=a), now))
+            answers.setdefault(rids, [])
+            rids += 1
+        elif op == "produce" and a in port.in_flight:
+            record(edge.deliveries([port.produce(a, list(range(1, b + 1)))], now))
+        elif op == "finish" and a in port.in_flight:
+            record(edge.deliveries([port.finish(a, b)], now))
+        elif op == "gone" and a < rids:
+            gone.add(a)
+            record(edge.client_gone(a, now))
+        elif op == "worker" and a < len(workers):
+            work = workers.pop(a)
+            if work.out is not None:
+                work.out[:2] = [1, 2]
+            record(edge.tokenized(work.rid, 2, now))
+        elif op == "tick":
+            now += a
+            record(edge.tick(now))
+    # the end: workers finish, the slot server answers what is in flight
+    for work in workers:
+        record(edge.tokenized(work.rid, 2, now))
+    for index in sorted(port.in_flight):
+        record(edge.deliveries([port.finish(index)], now))
+    for rid, seen in answers.items():
+        if rid not in gone:
+            assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
+            assert seen.count("respond") + seen.count("end") == 1
+    assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
+    assert edge.busy_workers == 0 and edge.unmatched == 0
+
+
+class StopAt(GenerateFormatter):
+    """A route whose answer ends at a given token (as a stop string would), watching whole answers too."""
+
+    def __init__(self, stop: int, tokenizer: CharTokenizer) -> None:
+        super().__init__(tokenizer.decode)
+        self.stop = stop
+        self.watch = True
+        self.seen: list[int] = []
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        for t in ids.tolist():
+            if not self.done:
+                self.seen.append(t)
+                self.done = t == self.stop
+        return super().tokens(ids)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_formatter_that_sees_the_end_answers_at_once_and_cancels_the_slot(port, tokenizer, stream) -> None:
+    formatters = {"/v1/generate": lambda work, tok: StopAt(33, tok)}
+    metrics = EdgeMetrics(lambda: 0, lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    edge = EdgeLifecycle(
+        core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT, formatters=formatters
+    )
+    edge.receive(1, generate(stream=stream), now=0)
+    (frame,) = port.submitted
+    assert int(port.frames.requests[frame]["flags"]) == wire.FLAG_STREAM  # watched: output comes as it is made
+    first = edge.deliveries([port.produce(frame, [104, 105])], now=10)
+    assert not any(isinstance(a, (Respond, EndStream)) for a in first)
+    actions = edge.deliveries([port.produce(frame, [33, 120])], now=20)  # the stop token, and one past it
+    assert port.abandoned == [frame] and edge.tracked == {}  # the slot is cancelled, the edge holds nothing
+    if stream:
+        assert isinstance(actions[-1], EndStream)
+        name, done = list(sse(actions[-1].data))[-1]
+        assert name == "done" and done["output_count"] == 4
+    else:
+        (answer,) = actions
+        assert body(answer)["tokens"] == [104, 105, 33, 120]
+
+
+class OtherShape(GenerateFormatter):
+    """A route with its own error shape (as OpenAI's routes have)."""
+
+    @staticmethod
+    def failure(error: HttpError) -> Response:
+        return Response(error.status, error.headers, json.dumps({"other": error.type}).encode())
+
+
+def test_errors_of_a_route_come_in_its_formatters_shape(port, tokenizer) -> None:
+    formatters = {"/v1/generate": lambda work, tok: OtherShape(tok.decode)}
+    metrics = EdgeMetrics(lambda: 0, lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    edge = EdgeLifecycle(
+        core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT, formatters=formatters
+    )
+    (too_long,) = edge.receive(1, generate(prompt="y" * (INPUT + 1)), now=0)
+    assert body(too_long) == {"other": "prompt_too_long"}
+    for rid in range(2, 6):
+        edge.receive(rid, generate(), now=0)
+    (no_frame,) = edge.receive(9, generate(), now=0)
+    assert body(no_frame) == {"other": "no_slot"} and (b"retry-after", b"1") in no_frame.response.headers
+    (timeout, *_) = edge.tick(now=2 * TIMEOUT)
+    assert body(timeout) == {"other": "timeout"}

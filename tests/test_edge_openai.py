@@ -1,0 +1,737 @@
+"""OpenAI-compatible API core: request validation, refused options, error shapes, response and stream
+builders.  Shapes are checked against the real ``openai`` client, fed our bytes through httpx's
+MockTransport (the transport is the only stand-in: the client's own parsing runs)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgepath.edge.chat import ChatMessage
+from edgepath.edge.openai import (
+    SSE_DONE,
+    Answer,
+    AnswerStep,
+    OpenAIError,
+    OpenAILimits,
+    OpenAIRequest,
+    Sampling,
+    StreamEncoder,
+    Usage,
+    authentication_error,
+    chat_completion,
+    completion_body,
+    model_not_found,
+    models_list,
+    no_slot,
+    parse_chat_request,
+    parse_completion_request,
+    prompt_too_long,
+    response_id,
+    server_error,
+    sse_event,
+    text_completion,
+    unavailable,
+    unknown_url,
+)
+
+MODEL = "smollm2-135m"
+LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
+
+
+def completion(**fields: Any) -> OpenAIRequest:
+    return parse_completion_request({"model": MODEL, "prompt": "hi", **fields}, LIMITS)
+
+
+def chat(**fields: Any) -> OpenAIRequest:
+    return parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}, LIMITS)
+
+
+def refused(parse: Any, **fields: Any) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        parse(**fields)
+    return info.value
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
+def test_minimal_completion_gets_the_defaults() -> None:
+    assert completion() == OpenAIRequest(
+        kind="completion", model=MODEL, max_tokens=256, sampling=Sampling(1.0, 1.0, None), prompt="hi"
+    )
+
+
+def test_full_completion_from_json_bytes() -> None:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": ["Once upon"],
+            "max_tokens": 32,
+            "temperature": 0,
+            "top_p": 0.9,
+            "seed": -7,
+            "stop": ["\n\n", "END"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "someone",
+            "n": 1,
+            "best_of": 1,
+            "echo": False,
+            "logprobs": None,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logit_bias": {},
+            "some_future_option": {"ignored": True},
+        }
+    ).encode()
+    req = parse_completion_request(body, LIMITS)
+    assert req == OpenAIRequest(
+        kind="completion",
+        model=MODEL,
+        max_tokens=32,
+        sampling=Sampling(temperature=0.0, top_p=0.9, seed=-7),
+        stop=("\n\n", "END"),
+        stream=True,
+        include_usage=True,
+        prompt="Once upon",
+    )
+    assert isinstance(req.sampling.temperature, float)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids"),
+    [
+        ("plain", "plain", None),
+        (["one"], "one", None),
+        ([5, 6, 999], None, (5, 6, 999)),
+        ([[0, 1]], None, (0, 1)),
+    ],
+)
+def test_completion_prompt_forms(prompt: Any, text: str | None, ids: tuple[int, ...] | None) -> None:
+    req = completion(prompt=prompt)
+    assert (req.prompt, req.prompt_ids) == (text, ids)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        (None, "'prompt' is required"),
+        ("", "'prompt' is empty"),
+        ([], "'prompt' must be"),
+        (["a", "b"], "holds 2 prompts; this server takes one prompt per request"),
+        ([[1], [2]], "holds 2 prompts"),
+        ([1, "a"], "'prompt' must be"),
+        ([True, 2], "'prompt' must be"),
+        ([1, 1000], "token id 1000; ids must be in 0..999"),
+        ([-1], "token id -1"),
+        ({"text": "x"}, "'prompt' must be"),
+        ("bad \udc80 surrogate", "unpaired surrogate"),
+    ],
+)
+def test_bad_completion_prompts(prompt: Any, needle: str) -> None:
+    err = refused(completion, prompt=prompt)
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", "prompt")
+    assert needle in err.message
+
+
+def test_missing_prompt_key() -> None:
+    with pytest.raises(OpenAIError, match="'prompt' is required") as info:
+        parse_completion_request({"model": MODEL}, LIMITS)
+    assert info.value.code == "missing_required_parameter"
+
+
+def test_chat_messages_string_and_text_parts() -> None:
+    req = chat(
+        messages=[
+            {"role": "system", "content": "Be brief.", "name": "ignored"},
+            {"role": "user", "content": [{"type": "text", "text": "Part one"}, {"type": "text", "text": "東京 🚀"}]},
+            {"role": "assistant", "content": "ok", "tool_calls": []},
+            {"role": "user", "content": ""},
+        ],
+        max_completion_tokens=10,
+    )
+    assert req.messages == (
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", "Part one\n東京 🚀"),
+        ChatMessage("assistant", "ok"),
+        ChatMessage("user", ""),
+    )
+    assert (req.kind, req.max_tokens, req.prompt, req.prompt_ids) == ("chat", 10, None, None)
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "needle"),
+    [
+        (None, "messages", "non-empty list"),
+        ([], "messages", "non-empty list"),
+        ("hi", "messages", "non-empty list"),
+        (["hi"], "messages[0]", "must be an object"),
+        ([{"role": "tool", "content": "x"}], "messages[0].role", "allowed: system, user, assistant"),
+        ([{"role": "developer", "content": "x"}], "messages[0].role", "allowed: system, user, assistant"),
+        ([{"content": "x"}], "messages[0].role", "null is not supported"),
+        ([{"role": "user"}], "messages[0].content", "string or a list of text parts"),
+        ([{"role": "user", "content": 3}], "messages[0].content", "string or a list of text parts"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}],
+            "messages[0].content[1]",
+            "only text parts are supported",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "only text parts"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+            "messages[1].tool_calls",
+            "not supported",
+        ),
+    ],
+)
+def test_bad_chat_messages_name_the_exact_place(messages: Any, param: str, needle: str) -> None:
+    err = refused(chat, messages=messages)
+    assert (err.status, err.param) == (400, param)
+    assert needle in err.message
+
+
+def test_max_tokens_bounds_and_the_chat_alias() -> None:
+    assert completion(max_tokens=1).max_tokens == 1
+    assert completion(max_tokens=None).max_tokens == 256
+    assert chat(max_tokens=20).max_tokens == 20
+    assert chat(max_tokens=20, max_completion_tokens=20).max_tokens == 20
+    err = refused(chat, max_tokens=20, max_completion_tokens=30)
+    assert err.param == "max_completion_tokens" and "disagree" in err.message
+    for bad in (0, 257, 1.0, True, "5", -1):
+        err = refused(completion, max_tokens=bad)
+        assert err.param == "max_tokens" and "1..256" in err.message
+    assert refused(chat, max_completion_tokens=0).param == "max_completion_tokens"
+
+
+def test_sampling_ranges() -> None:
+    assert chat(temperature=2, top_p=1, seed=0).sampling == Sampling(2.0, 1.0, 0)
+    assert chat(temperature=0.0, top_p=1e-9, seed=2**63 - 1).sampling == Sampling(0.0, 1e-9, 2**63 - 1)
+    for bad in (-0.1, 2.01, "1", True, [1]):
+        err = refused(chat, temperature=bad)
+        assert err.param == "temperature" and "[0, 2]" in err.message
+    for bad in (0, -0.5, 1.5, False):
+        err = refused(chat, top_p=bad)
+        assert err.param == "top_p" and "(0, 1]" in err.message
+    for bad in (2**63, -(2**63) - 1, 1.5, True, "7"):
+        assert refused(chat, seed=bad).param == "seed"
+
+
+def test_non_finite_numbers_are_refused() -> None:
+    body = b'{"model": "smollm2-135m", "prompt": "x", "temperature": NaN}'
+    with pytest.raises(OpenAIError, match="'temperature' must be a number") as info:
+        parse_completion_request(body, LIMITS)
+    assert info.value.param == "temperature"
+    with pytest.raises(OpenAIError, match="'top_p'"):
+        parse_completion_request(b'{"model": "smollm2-135m", "prompt": "x", "top_p": Infinity}', LIMITS)
+
+
+def test_stop_forms() -> None:
+    assert completion(stop="\n").stop == ("\n",)
+    assert completion(stop=["a", "b", "c", "d"]).stop == ("a", "b", "c", "d")
+    assert completion(stop=[]).stop == ()
+    assert completion(stop=None).stop == ()
+    for bad in ("", [""], ["a", "b", "c", "d", "e"], [1], {"a": 1}, ["ok", None]):
+        err = refused(completion, stop=bad)
+        assert err.param == "stop" and "at most 4 non-empty strings" in err.message
+
+
+def test_stream_and_stream_options() -> None:
+    assert chat(stream=True).include_usage is False
+    options = {"include_usage": False, "include_obfuscation": True}
+    assert chat(stream=True, stream_options=options).include_usage is False
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage is True
+    assert chat(stream=False, stream_options=None).stream is False
+    err = refused(chat, stream=False, stream_options={"include_usage": True})
+    assert err.param == "stream_options" and "only allowed when 'stream' is true" in err.message
+    assert refused(chat, stream="yes").param == "stream"
+    assert refused(chat, stream=True, stream_options=[1]).param == "stream_options"
+    err = refused(chat, stream=True, stream_options={"include_usage": "yes"})
+    assert err.param == "stream_options.include_usage"
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "value"),
+    [
+        ("completion", "n", 2),
+        ("completion", "n", 0),
+        ("chat", "n", 3),
+        ("completion", "best_of", 2),
+        ("completion", "logprobs", 0),
+        ("completion", "logprobs", 5),
+        ("completion", "echo", True),
+        ("completion", "suffix", "tail"),
+        ("chat", "logprobs", True),
+        ("chat", "top_logprobs", 2),
+        ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("chat", "functions", [{"name": "f"}]),
+        ("chat", "tool_choice", "auto"),
+        ("chat", "function_call", "auto"),
+        ("chat", "response_format", {"type": "json_object"}),
+        ("chat", "modalities", ["text", "audio"]),
+        ("chat", "audio", {"voice": "alloy", "format": "mp3"}),
+        ("completion", "logit_bias", {"50256": -100}),
+        ("chat", "logit_bias", {"1": 5}),
+        ("completion", "presence_penalty", 0.5),
+        ("chat", "frequency_penalty", -1),
+        ("chat", "presence_penalty", "0"),
+    ],
+)
+def test_options_that_change_the_answer_are_refused_by_name(kind: str, name: str, value: Any) -> None:
+    err = refused(completion if kind == "completion" else chat, **{name: value})
+    assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", name, "unsupported_parameter")
+    assert err.message.startswith(f"'{name}' = ")
+    assert "allowed:" in err.message
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        ("chat", {"n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none"}),
+        ("chat", {"response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "logit_bias": None}),
+        ("completion", {"best_of": 1, "echo": False, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0.0}),
+        ("chat", {"metadata": {"a": "b"}, "store": False, "user": "u", "parallel_tool_calls": True, "x-new": 1}),
+    ],
+)
+def test_harmless_values_of_those_options_and_unknown_keys_pass(kind: str, fields: dict[str, Any]) -> None:
+    req = (completion if kind == "completion" else chat)(**fields)
+    assert req.kind == kind
+
+
+def test_model_is_required_and_must_be_served() -> None:
+    with pytest.raises(OpenAIError) as info:
+        parse_chat_request({"messages": [{"role": "user", "content": "x"}]}, LIMITS)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, "model", "missing_required_parameter")
+    assert "'smollm2-135m', 'echo'" in err.message
+    err = refused(chat, model="gpt-4o")
+    assert (err.status, err.type, err.param, err.code) == (404, "invalid_request_error", "model", "model_not_found")
+    assert "'gpt-4o'" in err.message and "'echo'" in err.message
+    assert refused(chat, model=7).code == "invalid_type"
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"\xff\xfe{}", "not valid UTF-8 (byte 0)"),
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object, got array"),
+        (b"null", "must be a JSON object, got null"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests JSON too deeply"),
+    ],
+)
+def test_bad_bodies(body: bytes, needle: str) -> None:
+    for parse in (parse_completion_request, parse_chat_request):
+        with pytest.raises(OpenAIError) as info:
+            parse(body, LIMITS)
+        assert info.value.status == 400 and needle in info.value.message
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="OpenAILimits"):
+        OpenAILimits(max_tokens=0, vocab_size=10, models=("m",))
+    with pytest.raises(ValueError, match="OpenAILimits"):
+        OpenAILimits(max_tokens=1, vocab_size=10, models=())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+field_names = st.sampled_from(
+    [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "best_of",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "suffix",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(field_names, json_values, max_size=8), with_model=st.booleans())
+def test_any_json_object_is_accepted_or_refused_in_openai_shape(fields: dict[str, Any], with_model: bool) -> None:
+    if with_model:
+        fields["model"] = MODEL
+    for parse in (parse_completion_request, parse_chat_request):
+        try:
+            req = parse(fields, LIMITS)
+        except OpenAIError as err:
+            assert err.status in (400, 404)
+            assert set(err.payload()["error"]) == {"message", "type", "param", "code"}
+            json.loads(err.body())
+        else:
+            assert 1 <= req.max_tokens <= LIMITS.max_tokens
+            assert 0 <= req.sampling.temperature <= 2 and 0 < req.sampling.top_p <= 1
+            assert len(req.stop) <= 4 and all(req.stop)
+            assert [req.prompt, req.prompt_ids, req.messages].count(None) == 2
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+def test_error_builders_statuses_and_shapes() -> None:
+    cases = [
+        (authentication_error(False), 401, "invalid_request_error", "invalid_api_key", "is missing"),
+        (authentication_error(True), 401, "invalid_request_error", "invalid_api_key", "is not valid"),
+        (model_not_found("x", ["a"]), 404, "invalid_request_error", "model_not_found", "'x'"),
+        (unknown_url("GET", "/v2/x"), 404, "invalid_request_error", "unknown_url", "GET /v2/x"),
+        (no_slot(1), 429, "requests", "rate_limit_exceeded", "does not queue"),
+        (unavailable("no slot server"), 503, "server_error", "service_unavailable", "no slot server"),
+        (server_error("tokenizer failed"), 500, "server_error", "internal_error", "tokenizer failed"),
+        (prompt_too_long("chat", 900, 512), 400, "invalid_request_error", "context_length_exceeded", "900 tokens"),
+    ]
+    for err, status, type_, code, needle in cases:
+        body = json.loads(err.body())
+        assert list(body) == ["error"]
+        assert body["error"] == {"message": err.message, "type": type_, "param": err.param, "code": code}
+        assert err.status == status and needle in err.message
+    assert no_slot(2).headers == [(b"retry-after", b"2")]
+    assert authentication_error(False).headers == [(b"www-authenticate", b"Bearer")]
+    assert prompt_too_long("chat", 900, 512).param == "messages"
+    assert prompt_too_long("completion", 900, 512).param == "prompt"
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def test_ids_come_from_the_request_id() -> None:
+    assert response_id("completion", 42) == "cmpl-42"
+    assert response_id("chat", "a1-b_2") == "chatcmpl-a1-b_2"
+    for bad in ("", "a b", "x/y", "é"):
+        with pytest.raises(ValueError, match="request id"):
+            response_id("chat", bad)
+
+
+def test_text_completion_exact_shape() -> None:
+    assert text_completion(7, 1700000000, MODEL, "Hello 東京", "length", Usage(3, 4)) == {
+        "id": "cmpl-7",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": MODEL,
+        "system_fingerprint": None,
+        "choices": [{"text": "Hello 東京", "index": 0, "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+    }
+
+
+def test_chat_completion_exact_shape() -> None:
+    assert chat_completion(8, 1700000001, MODEL, "Hi!", "stop", Usage(10, 2)) == {
+        "id": "chatcmpl-8",
+        "object": "chat.completion",
+        "created": 1700000001,
+        "model": MODEL,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hi!", "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+    }
+    with pytest.raises(ValueError, match="finish_reason"):
+        chat_completion(8, 0, MODEL, "", "cancelled", Usage(0, 0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative"):
+        Usage(-1, 0)
+
+
+def test_models_list_and_sse_framing() -> None:
+    assert models_list([MODEL], 5) == {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": 5, "owned_by": "edgepath"}],
+    }
+    assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def events(stream: bytes) -> list[Any]:
+    """Parse SSE bytes: JSON payloads, and the string "[DONE]"."""
+    assert stream.endswith(b"\n\n")
+    out = []
+    for block in stream.decode().split("\n\n")[:-1]:
+        assert block.startswith("data: ") and "\n" not in block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def chat_stream(deltas: list[str], include_usage: bool, reason: str = "stop") -> bytes:
+    enc = StreamEncoder("chat", 9, 100, MODEL, include_usage)
+    return (
+        enc.start()
+        + b"".join(enc.text(d) for d in deltas)
+        + enc.finish(reason)  # type: ignore[arg-type]
+        + enc.end(Usage(5, len(deltas)))
+    )
+
+
+def test_chat_stream_chunks() -> None:
+    evs = events(chat_stream(["Hel", "", "lo 🚀"], include_usage=True))
+    assert evs[-1] == "[DONE]"
+    chunks = evs[:-1]
+    assert [c["object"] for c in chunks] == ["chat.completion.chunk"] * 5
+    assert {c["id"] for c in chunks} == {"chatcmpl-9"} and {c["created"] for c in chunks} == {100}
+    assert [c["choices"][0]["delta"] for c in chunks[:4]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hel"},
+        {"content": "lo 🚀"},
+        {},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:4]] == [None, None, None, "stop"]
+    assert [c["usage"] for c in chunks[:4]] == [None] * 4
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+    }
+
+
+def test_streams_without_usage_have_no_usage_key() -> None:
+    evs = events(chat_stream(["a"], include_usage=False, reason="length"))
+    assert evs[-1] == "[DONE]" and len(evs) == 4
+    assert all("usage" not in c for c in evs[:-1])
+    assert evs[2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream_chunks() -> None:
+    enc = StreamEncoder("completion", 3, 100, MODEL, include_usage=True)
+    assert enc.start() == b""
+    raw = enc.text("Once") + enc.text(" upon") + enc.finish("length") + enc.end(Usage(2, 2))
+    evs = events(raw)
+    assert evs[-1] == "[DONE]"
+    assert [c["object"] for c in evs[:-1]] == ["text_completion"] * 4
+    assert [c["choices"] for c in evs[:3]] == [
+        [{"text": "Once", "index": 0, "logprobs": None, "finish_reason": None}],
+        [{"text": " upon", "index": 0, "logprobs": None, "finish_reason": None}],
+        [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+    ]
+    assert evs[3]["choices"] == [] and evs[3]["usage"]["total_tokens"] == 4
+
+
+def test_stream_encoder_order_is_enforced() -> None:
+    enc = StreamEncoder("chat", 1, 0, MODEL, include_usage=True)
+    with pytest.raises(RuntimeError, match="needs 'open'"):
+        enc.text("early")
+    enc.start()
+    with pytest.raises(RuntimeError, match="needs 'new'"):
+        enc.start()
+    with pytest.raises(RuntimeError, match="needs 'finished'"):
+        enc.end(Usage(1, 1))
+    enc.finish("stop")
+    with pytest.raises(RuntimeError, match="needs 'open'"):
+        enc.text("late")
+    with pytest.raises(ValueError, match="needs the usage"):
+        enc.end(None)
+    with pytest.raises(ValueError, match="did not ask for a stream"):
+        StreamEncoder.for_request(chat(), 1, 0)
+    assert StreamEncoder.for_request(chat(stream=True), 1, 0).kind == "chat"
+
+
+@given(deltas=st.lists(st.text(st.characters(exclude_categories=("Cs",)), max_size=8), max_size=12))
+def test_streamed_content_concatenates_to_the_text(deltas: list[str]) -> None:
+    chunks = events(chat_stream(deltas, include_usage=False))[:-1]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == "".join(deltas)
+
+
+# -- the real openai client parses what we build ----------------------------------------------------------
+
+
+@pytest.fixture
+def client_for() -> Any:
+    openai = pytest.importorskip("openai")
+    # The HTTP library the installed openai is built on (httpx, or httpx2 in recent releases).
+    base = pytest.importorskip("openai._base_client")
+    httpx = getattr(base, "httpx2", None) or base.httpx
+
+    def make(status: int, body: bytes, content_type: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> Any:
+        def handler(request: Any) -> Any:
+            hdrs = [(b"content-type", content_type), *(headers or [])]
+            return httpx.Response(status, headers=hdrs, content=body)
+
+        return openai.OpenAI(
+            api_key="k",
+            base_url="http://edgepath.test/v1",
+            max_retries=0,
+            http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+        )
+
+    return make
+
+
+def test_openai_client_reads_non_streamed_answers(client_for: Any) -> None:
+    req = chat()
+    body = completion_body(req, 11, 1700000000, "Hi 東京", "stop", Usage(4, 3))
+    got = client_for(200, body, b"application/json").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert (got.id, got.choices[0].message.content, got.choices[0].finish_reason) == ("chatcmpl-11", "Hi 東京", "stop")
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (4, 3, 7)
+
+    body = completion_body(completion(), 12, 1700000000, "there", "length", Usage(2, 1))
+    got = client_for(200, body, b"application/json").completions.create(model=MODEL, prompt="hi")
+    assert (got.id, got.object, got.choices[0].text, got.choices[0].finish_reason) == (
+        "cmpl-12",
+        "text_completion",
+        "there",
+        "length",
+    )
+
+
+def test_openai_client_streams_chat_and_completions(client_for: Any) -> None:
+    raw = chat_stream(["Hel", "lo"], include_usage=True)
+    chunks = list(
+        client_for(200, raw, b"text/event-stream").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 7
+
+    enc = StreamEncoder("completion", 4, 0, MODEL, include_usage=False)
+    raw = enc.start() + enc.text("a") + enc.text("b") + enc.finish("stop") + enc.end(None)
+    chunks = list(client_for(200, raw, b"text/event-stream").completions.create(model=MODEL, prompt="x", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "ab"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_openai_client_lists_models(client_for: Any) -> None:
+    body = json.dumps(models_list([MODEL, "echo"], 1)).encode()
+    page = client_for(200, body, b"application/json").models.list()
+    assert [m.id for m in page] == [MODEL, "echo"]
+
+
+def test_openai_client_maps_our_errors(client_for: Any) -> None:
+    openai = pytest.importorskip("openai")
+    err = refused(chat, n=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client_for(err.status, err.body(), b"application/json").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
+        )
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "n")
+    busy = no_slot(1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        client_for(busy.status, busy.body(), b"application/json", busy.headers).completions.create(
+            model=MODEL, prompt="x"
+        )
+    assert limited.value.code == "rate_limit_exceeded"
+    missing = model_not_found("gpt-4o", [MODEL])
+    with pytest.raises(openai.NotFoundError):
+        client_for(missing.status, missing.body(), b"application/json").completions.create(model="gpt-4o", prompt="x")
+
+
+# -- a whole answer: ids -> text -> stop strings -> bytes -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tekken() -> Any:
+    from edgepath.edge.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+def answer_ids(tok: Any, text: str) -> list[int]:
+    return tok.encode(text)[1:].tolist()
+
+
+def run_answer(answer: Answer, ids: list[int], reason: str) -> tuple[bytes, list[AnswerStep]]:
+    out = answer.start()
+    steps = []
+    for i in ids:
+        step = answer.feed([i])
+        steps.append(step)
+        out += step.data
+        if step.stopped:
+            break
+    return out + answer.finish("stop" if answer.stopped else reason), steps  # type: ignore[arg-type]
+
+
+def test_streamed_chat_answer_stops_at_a_stop_string_spanning_tokens(tekken: Any) -> None:
+    req = chat(stream=True, stream_options={"include_usage": True}, stop=["\n\nUser:"])
+    ids = answer_ids(tekken, "Sure 🚀 東京!\n\nUser: and then more text")
+    answer = Answer(req, tekken, 21, 100, prompt_tokens=9)
+    raw, steps = run_answer(answer, ids, "length")
+    assert steps[-1].stopped and len(steps) < len(ids)
+    evs = events(raw)
+    assert evs[-1] == "[DONE]"
+    content = [c["choices"][0]["delta"].get("content") for c in evs[:-2]]
+    assert all("\ufffd" not in (c or "") for c in content)
+    assert "".join(c or "" for c in content) == "Sure 🚀 東京!" == answer.text
+    assert evs[-3]["choices"][0]["finish_reason"] == "stop"
+    assert evs[-2]["usage"] == {"prompt_tokens": 9, "completion_tokens": len(steps), "total_tokens": 9 + len(steps)}
+
+
+def test_non_streamed_completion_to_length(tekken: Any) -> None:
+    text = "Once upon a time, 東京 🚀"
+    ids = answer_ids(tekken, text)
+    answer = Answer(completion(stop=["never"]), tekken, 5, 100, prompt_tokens=3)
+    raw, steps = run_answer(answer, ids, "length")
+    assert all(s.data == b"" and not s.stopped for s in steps)
+    body = json.loads(raw)
+    assert body["choices"][0]["text"] == text and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
+
+
+def test_held_stop_prefix_is_released_at_the_end(tekken: Any) -> None:
+    answer = Answer(completion(stop=["END"], stream=True), tekken, 6, 100, prompt_tokens=1)
+    raw, _ = run_answer(answer, answer_ids(tekken, "the EN"), "stop")
+    evs = events(raw)
+    assert "".join(c["choices"][0]["text"] for c in evs[:-1]) == "the EN"
+    assert evs[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_ids_after_a_stop_are_counted_not_sent(tekken: Any) -> None:
+    answer = Answer(chat(stop="!"), tekken, 7, 100, prompt_tokens=2)
+    answer.start()
+    assert answer.feed(answer_ids(tekken, "Hi! there")).stopped
+    late = answer.feed(answer_ids(tekken, " more"))
+    assert late == AnswerStep(b"", True)
+    with pytest.raises(ValueError, match="finish reason is 'stop'"):
+        answer.finish("length")
+    body = json.loads(answer.finish("stop"))
+    assert body["choices"][0]["message"]["content"] == "Hi"
+    assert body["usage"]["completion_tokens"] == answer.completion_tokens == len(answer_ids(tekken, "Hi! there more"))
+    with pytest.raises(RuntimeError, match="needs 'open'"):
+        answer.feed([1])
+
+
+def test_openai_client_reads_a_whole_streamed_answer(client_for: Any, tekken: Any) -> None:
+    req = chat(stream=True, stream_options={"include_usage": True})
+    ids = answer_ids(tekken, "Streaming 👨\u200d👩\u200d👧 works.")
+    raw, _ = run_answer(Answer(req, tekken, 30, 100, prompt_tokens=4), ids, "length")
+    chunks = list(
+        client_for(200, raw, b"text/event-stream").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tekken.decode(ids)
+    assert chunks[-1].usage.completion_tokens == len(ids)

@@ -1,0 +1,311 @@
+"""Streamed results, cancellation and abandon through the data path (agent <-> slot server over a
+transport, the server's real loop on a thread): progress words, the generation fence, exactly-once
+accounting."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from edgepath.dma import wire
+from edgepath.dma.handlers import Emit, HandlerConfig, PacedEcho, SlotRequest, load_handler
+from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+from edgepath.dma.transport import Transport
+from edgepath.dpu.agent import Agent
+from edgepath.dpu.frame import write_request
+from edgepath.dpu.port import Delivery
+from edgepath.native.abi import Status
+
+pytestmark = pytest.mark.transport
+
+CAP = 64
+
+
+@dataclass
+class Running:
+    server: SlotServer
+    thread: threading.Thread
+
+
+@pytest.fixture
+def serve(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> Iterator[Callable[..., SlotServer]]:
+    started: list[Running] = []
+
+    def start(handler: object, slots: int = 2, **config: object) -> SlotServer:
+        cfg = SlotServerConfig(slots=slots, input_capacity=CAP, output_capacity=CAP, **config)
+        server = SlotServer(new_transport(), new_address("slot-server"), handler, cfg)  # type: ignore[arg-type]
+        thread = threading.Thread(target=server.serve, daemon=True)
+        thread.start()
+        started.append(Running(server, thread))
+        return server
+
+    yield start
+    for run in started:
+        run.server.stop()
+        run.thread.join(timeout=5)
+        run.server.close()
+
+
+@pytest.fixture
+def agent(new_transport: Callable[[], Transport]) -> Agent:
+    return Agent(
+        new_transport(), frames=4, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
+    )
+
+
+def paced(delay: float) -> PacedEcho:
+    return PacedEcho(delay)
+
+
+def send(agent: Agent, tokens: list[int], max_new: int = CAP, stream: bool = True) -> int:
+    index = agent.acquire()
+    assert index is not None
+    write_request(
+        agent.frames,
+        index,
+        tokens,
+        request_id=index + 1,
+        max_new_tokens=max_new,
+        flags=wire.FLAG_STREAM if stream else 0,
+    )
+    assert agent.submit(index) is None
+    return index
+
+
+def collect(agent: Agent, index: int, timeout: float = 10.0) -> list[Delivery]:
+    """Deliveries for ``index`` until its final one (bounded in time)."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (got and got[-1].final):
+        got += [d for d in agent.poll(timeout=0.5) if d.index == index]
+    return got
+
+
+def wait_free(server: SlotServer, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.pool.free_count() == server.pool.slot_count:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_tokens_stream_back_as_they_are_produced(agent: Agent, serve) -> None:
+    server = serve(paced(0.01), stream_window=0.0)
+    agent.attach(server.address)
+    tokens = list(range(100, 120))
+    index = send(agent, tokens)
+    got = collect(agent, index)
+    assert got[-1].final and got[-1].count == 20
+    progress = [d.count for d in got[:-1]]
+    assert progress == sorted(progress) and len(set(progress)) == len(progress)  # strictly growing
+    assert len(progress) >= 10  # one token per 10 ms with no coalescing window: many separate deliveries
+    assert progress[0] >= 1
+    result = agent.frames.results[index]
+    assert int(result["status"]) == Status.OK and int(result["output_count"]) == 20
+    assert agent.frames.outputs[index, :20].tolist() == tokens
+    assert int(result["t_first_ns"]) >= int(result["t_start_ns"]) > 0
+    agent.release(index)
+    assert wait_free(server)
+
+
+def test_a_coalescing_window_bounds_the_number_of_writes(agent: Agent, serve) -> None:
+    server = serve(paced(0.001), stream_window=0.05)
+    agent.attach(server.address)
+    index = send(agent, list(range(40)))
+    got = collect(agent, index)
+    assert got[-1].final and got[-1].count == 40
+    assert agent.frames.outputs[index, :40].tolist() == list(range(40))
+    # the first token goes at once; the other 39 (about 40 ms of output) share a few windows of 50 ms
+    assert 1 <= len(got) - 1 <= 4 and got[0].count == 1
+    assert server.stats.progress_writes == len(got) - 1
+
+
+def test_a_request_without_the_stream_flag_gets_only_its_final_result(agent: Agent, serve) -> None:
+    server = serve(paced(0.001))
+    agent.attach(server.address)
+    index = send(agent, [5, 6, 7], stream=False)
+    got = collect(agent, index)
+    assert [(d.count, d.final) for d in got] == [(3, True)]
+    assert server.stats.progress_writes == 0
+
+
+def test_max_new_tokens_stops_the_stream_with_length(agent: Agent, serve) -> None:
+    server = serve(paced(0.001))
+    agent.attach(server.address)
+    index = send(agent, list(range(30)), max_new=5)
+    got = collect(agent, index)
+    assert got[-1].count == 5 and int(agent.frames.results[index]["status"]) == Status.LENGTH
+
+
+class Recording(PacedEcho):
+    """Paced echo that records what it was asked to do (a test double of the model side)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.sampling: list[wire.Sampling] = []
+        self.cancelled: list[int] = []
+        self.produced: dict[int, int] = {}
+
+    def add(self, request: SlotRequest, now: float) -> list[Emit]:
+        self.sampling.append(request.sampling)
+        return super().add(request, now)
+
+    def step(self, now: float) -> list[Emit]:
+        emits = super().step(now)
+        for e in emits:
+            self.produced[e.slot] = e.count
+        return emits
+
+    def cancel(self, slot: int) -> bool:
+        self.cancelled.append(slot)
+        return super().cancel(slot)
+
+
+def test_cancel_stops_the_handler_and_frees_the_slot(agent: Agent, serve) -> None:
+    handler = Recording(0.02)
+    server = serve(handler, stream_window=0.0)
+    agent.attach(server.address)
+    index = send(agent, list(range(50)))
+    first = []
+    deadline = time.monotonic() + 10
+    while not first and time.monotonic() < deadline:
+        first = agent.poll(timeout=0.5)
+    assert first and not first[0].final
+    agent.cancel(index)
+    got = collect(agent, index)
+    final = got[-1]
+    assert final.final
+    result = agent.frames.results[index]
+    assert int(result["status"]) == Status.CANCELLED
+    assert 1 <= final.count < 50 and int(result["output_count"]) == final.count
+    assert handler.cancelled == [int(result["slot"])]
+    produced = handler.produced[int(result["slot"])]
+    time.sleep(0.1)  # five more token periods: a stopped handler produces nothing in them
+    assert handler.produced[int(result["slot"])] == produced
+    assert wait_free(server)
+    assert server.stats.cancelled == 1
+
+
+def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) -> None:
+    server = serve(paced(0.02), stream_window=0.0)
+    agent.attach(server.address)
+    index = send(agent, list(range(50)))
+    agent.abandon(index)
+    assert index in agent.inflight  # not reusable yet: the slot may still write into it
+    free_before = len(agent._free_frames)
+    deadline = time.monotonic() + 10
+    while index in agent.inflight and time.monotonic() < deadline:
+        assert all(d.index != index for d in agent.poll(timeout=0.2))  # nothing delivered for it
+    assert index not in agent.inflight
+    assert len(agent._free_frames) == free_before + 1  # handed back by the agent itself
+    assert agent.delivery_stats.abandoned == 1 and agent.delivery_stats.late >= 1
+    with pytest.raises(ValueError, match="not in flight"):
+        agent.abandon(index)
+    # the frame's next user gets only its own result
+    again = agent.acquire()
+    assert again is not None
+    write_request(agent.frames, again, [9, 8, 7], request_id=99, max_new_tokens=3, flags=wire.FLAG_STREAM)
+    assert agent.submit(again) is None
+    got = collect(agent, again)
+    assert got[-1].count == 3 and agent.frames.outputs[again, :3].tolist() == [9, 8, 7]
+    assert wait_free(server)
+
+
+def test_a_second_final_for_a_frame_is_counted_as_a_duplicate(agent: Agent, serve) -> None:
+    server = serve(paced(0.0))
+    link = agent.attach(server.address)
+    index = send(agent, [1, 2])
+    got = collect(agent, index)
+    assert got[-1].final
+    assert agent.deliver(link.conn.conn_id, wire.final_imm(index)) is None
+    assert agent.delivery_stats.duplicates == 1
+    assert agent.deliver(link.conn.conn_id, wire.final_imm(3)) is None  # never in flight
+    assert agent.delivery_stats.unknown == 1 and agent.delivery_stats.delivered == 1
+
+
+def test_a_cancel_for_someone_elses_slot_is_ignored(agent: Agent, serve, new_transport) -> None:
+    server = serve(paced(0.02), stream_window=0.0)
+    agent.attach(server.address)
+    other = Agent(
+        new_transport(), frames=2, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
+    )
+    other.attach(server.address)
+    index = send(agent, list(range(10)))
+    flight = agent.inflight[index]
+    # the other agent forges a cancel for our slot, in our generation
+    other._cancel_src[0] = wire.cancel_word(flight.generation)
+    olink = other.links[0]
+    olink.conn.write_with_imm(
+        other.scratch_mr,
+        other._cancel_off,
+        olink.pool,
+        olink.cancels_offset + 8 * flight.slot,
+        8,
+        wire.cancel_imm(flight.slot, flight.generation),
+    )
+    got = collect(agent, index)
+    assert int(agent.frames.results[index]["status"]) == Status.OK and got[-1].count == 10
+    assert server.stats.cancels_ignored == 1
+
+
+def test_sampling_parameters_reach_the_model_side(agent: Agent, serve) -> None:
+    handler = Recording(0.0)
+    server = serve(handler)
+    agent.attach(server.address)
+    index = agent.acquire()
+    assert index is not None
+    sampling = wire.Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=12345)
+    write_request(agent.frames, index, [1, 2, 3], request_id=1, max_new_tokens=3, sampling=sampling)
+    assert agent.submit(index) is None
+    collect(agent, index)
+    (seen,) = handler.sampling
+    assert seen.top_k == 40 and seen.seed == 12345
+    assert seen.temperature == pytest.approx(0.7) and seen.top_p == pytest.approx(0.9)
+
+
+def test_a_generator_handler_streams_what_it_yields(agent: Agent, serve) -> None:
+    def countdown(request: SlotRequest) -> Iterator[int]:
+        yield from range(int(request.tokens[0]), 0, -1)
+
+    server = serve(countdown, stream_window=0.0)
+    agent.attach(server.address)
+    index = send(agent, [6])
+    got = collect(agent, index)
+    assert got[-1].count == 6 and agent.frames.outputs[index, :6].tolist() == [6, 5, 4, 3, 2, 1]
+    assert len(got) > 1
+
+
+def test_attach_returns_only_once_the_server_has_admitted_the_agent(serve, new_transport) -> None:
+    """A request sent the moment attach() returns is answered (the server registered the connection first)."""
+    server = serve(paced(0.0), slots=4)
+    for _ in range(20):
+        agent = Agent(
+            new_transport(), frames=1, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
+        )
+        agent.attach(server.address)
+        index = send(agent, [4, 2], stream=False)
+        got = collect(agent, index, timeout=5.0)
+        assert got and got[-1].final, server.stats
+    assert server.stats.results_dropped == 0
+
+
+def test_paced_echo_is_a_batch_handler_with_a_clear_option_error() -> None:
+    handler = load_handler("paced-echo", HandlerConfig(1, 8, 8, {"token_delay": "0.5"}))
+    tokens = np.arange(3, dtype=np.int32)
+    out = np.zeros(3, dtype=np.int32)
+    assert handler.add(SlotRequest(0, 1, 3, 0, tokens, out), now=10.0) == []
+    assert handler.wake_in(10.0) == 0.0
+    assert handler.step(10.0) == [Emit(0, 1)]
+    assert handler.wake_in(10.1) == pytest.approx(0.4)
+    assert handler.step(10.2) == []
+    assert handler.step(11.0) == [Emit(0, 2)]
+    assert handler.step(11.5) == [Emit(0, 3, Status.LENGTH)]
+    assert out.tolist() == [0, 1, 2] and handler.wake_in(12.0) is None
