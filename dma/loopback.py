@@ -64,12 +64,6 @@ class _Mapping:
         self.array = np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset - start)
         self.ptr = ffi.cast("char *", ffi.from_buffer(self.mm)) + (offset - start)
 
-    def close(self) -> None:
-        self.ptr = None
-        self.array = None
-        with contextlib.suppress(BufferError):
-            self.mm.close()
-
 
 class LoopbackRegion(MemoryRegion):
     """A registered region: ``fd`` and ``offset`` say where peers map it (``fd`` is None for
@@ -252,8 +246,7 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
-        lib.ep_copy(remote.handle.ptr + remote_offset, local.ptr + local_offset, length)
+        lib.ep_copy(remote.handle.ptr + remote_offset, _local(local, local_offset, length), length)
         self.counters.writes += 1
         self.counters.bytes_written += length
 
@@ -268,10 +261,9 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
         rc = lib.ep_write_imm(
             remote.handle.ptr + remote_offset,
-            local.ptr + local_offset,
+            _local(local, local_offset, length),
             length,
             self._peer_cq.ptr,
             self._tag | (imm & 0xFFFFFFFF),
@@ -287,8 +279,7 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _READ)
-        _check_local(local, local_offset, length)
-        lib.ep_copy(local.ptr + local_offset, remote.handle.ptr + remote_offset, length)
+        lib.ep_copy(_local(local, local_offset, length), remote.handle.ptr + remote_offset, length)
         self.counters.reads += 1
         self.counters.bytes_read += length
 
@@ -324,11 +315,15 @@ class LoopbackConnection(Connection):
         self.transport._forget(self)
 
 
-def _check_local(local: MemoryRegion, offset: int, length: int) -> None:
+def _local(local: MemoryRegion, offset: int, length: int) -> Any:
+    """The C pointer to ``[offset, offset+length)`` of a region registered with this transport."""
+    if not isinstance(local, LoopbackRegion):
+        raise TransportError(f"region {local.name!r} was not registered with the loopback transport")
     if offset < 0 or length < 0 or offset + length > local.buf.nbytes:
         raise TransportError(
             f"local access [{offset}, {offset + length}) outside region {local.name!r} of {local.buf.nbytes} bytes"
         )
+    return local.ptr + offset
 
 
 class LoopbackListener(Listener):
@@ -401,7 +396,7 @@ class LoopbackTransport(Transport):
     name = "loopback"
 
     def __init__(self, cq_capacity: int = DEFAULT_CQ_CAPACITY) -> None:
-        self.cq = LoopbackCQ(cq_capacity)
+        self.cq: LoopbackCQ = LoopbackCQ(cq_capacity)
         self._ids = itertools.count(1)
         self.connections: dict[int, LoopbackConnection] = {}
         self._regions: list[LoopbackRegion] = []
