@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from edgepath.bench.edge_bench import prompt_of
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import HttpCore, Limits, Request, Work
@@ -16,6 +15,22 @@ from edgepath.edge.tokenizer import load_tokenizer
 
 TOKENS = 128
 ROUNDS = 5000
+
+
+def prompt_of(tokens: int) -> str:
+    """A text prompt that the default tokenizer turns into exactly ``tokens`` ids (BOS included)."""
+    tok = load_tokenizer()
+    text = ""
+    for i in range(tokens * 2):
+        candidate = f"{text} w{i}" if text else f"w{i}"
+        if len(tok.encode(candidate)) > tokens:
+            break
+        text = candidate
+    while len(tok.encode(text)) < tokens:
+        text += "."
+    if len(tok.encode(text)) != tokens:
+        raise RuntimeError(f"could not build a prompt of exactly {tokens} tokens")
+    return text
 
 
 @pytest.fixture(scope="module")

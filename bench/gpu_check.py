@@ -12,7 +12,7 @@ stops takes only its step), no step stops the run, and ``report.json`` is rewrit
   baseline     bare ping-pong: a GPU thread echoes a pinned word, host loop in C (round trip)
   poller_rtt   the poller's round trip timed in C, back-off 0 and 32 ns; in-kernel clock64 (one-way)
   device_pool  the pool in device memory: claims, requests, doorbells in HBM, ids checked in place
-  gpu_tests    pytest -m gpu tests/test_gpu_poller.py (named: nothing else is collected)
+  gpu_tests    pytest -m gpu tests/dma/test_gpu_poller.py (named: nothing else is collected)
   echo         2,000 echo requests through a --slots gpu slot server and an agent, concurrency 1 and 8
 
 Needs on the GPU machine only Python 3.12, numpy, cupy-cuda13x, cuda-bindings, pytest; nvcc and gcc

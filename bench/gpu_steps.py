@@ -385,7 +385,7 @@ def step_baseline(args: argparse.Namespace) -> dict[str, Any]:
     g: Any = Twin(lib) if args.dry_run else Gpu()
     try:
         host, dev = g.pinned(3 * LINE)  # ping, pong, stop: one line each
-        out = {"quiet": quiet(args.core, args.dry_run)}
+        out: dict[str, Any] = {"quiet": quiet(args.core, args.dry_run)}
         stream = g.launch("ep_check_pingpong", 1, 32, (dev, dev + LINE, dev + 2 * LINE))
         n = args.iterations
         samples = np.zeros(n + 1000, dtype=np.uint64)
@@ -580,19 +580,20 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
 def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
     """The GPU test file, named (no collection of the rest): on a GPU its gpu-marked tests, which must
     pass; in a dry run its twin tests."""
-    files = ["tests/test_gpu_poller.py"]  # the one file with gpu-marked tests
+    files = ["tests/dma/test_gpu_poller.py"]  # the one file with gpu-marked tests
     marker = "not gpu" if args.dry_run else "gpu"
     # -P: the working directory (the repository root, whose edgepath/ holds only part of the package)
     # must not shadow the package view on PYTHONPATH.
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", marker]
     done = subprocess.run([*cmd, *files], capture_output=True, text=True, cwd=ROOT, timeout=args.timeout, check=False)
     lines = done.stdout.strip().splitlines()
-    out = {"files": files, "marker": marker, "exit": done.returncode, "summary": lines[-1] if lines else ""}
+    summary = lines[-1] if lines else ""
+    out: dict[str, Any] = {"files": files, "marker": marker, "exit": done.returncode, "summary": summary}
     out["tail"] = done.stdout[-3000:] + done.stderr[-1000:]
     if done.returncode != 0:
         raise StepFailed(f"{out['summary']}\n{out['tail']}")
-    if not args.dry_run and " passed" not in out["summary"]:
-        raise StepFailed(f"no GPU test passed on a GPU machine: {out['summary']}")
+    if not args.dry_run and " passed" not in summary:
+        raise StepFailed(f"no GPU test passed on a GPU machine: {summary}")
     return {**out, "gpu": NOT_RUN + " (the twin and CPU tests of those files ran)"} if args.dry_run else out
 
 
@@ -600,14 +601,14 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
     """Echo requests through a --slots gpu slot server and an agent over loopback, concurrency 1 and 8."""
     if args.dry_run:  # the poller's host twin under the stand-in for cupy
         sys.path.insert(0, str(ROOT / "tests"))
-        from gpu_twin import FakeCupy, build_twin
+        from helpers.gpu_twin import FakeCupy, build_twin
 
         from edgepath.dma import gpu
 
         tmp = Path(tempfile.mkdtemp(prefix="edgepath-echo-twin-"))
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         sys.modules["cupy"] = FakeCupy(build_twin(tmp))
-        gpu.build_poller = lambda arches: Path("host-twin")
+        gpu.build_poller = lambda *_: Path("host-twin")
     from edgepath.dpu.demo import run_demo
 
     out: dict[str, Any] = {}

@@ -1,8 +1,8 @@
-"""The QUIC floor: a bare aioquic HTTP/3 server that answers every request with one fixed response.
+"""The QUIC floor: a bare HTTP/3 server (aioquic or qh3) that answers every request with one fixed response.
 
-No parsing, no tokenizer, no data path: what aioquic alone costs per request on this machine.
-``edgepath serve`` is compared against it in the same run (``bench/edge_bench.py``).
-Run: ``python -m edgepath.bench.h3_floor --port 4434 --certificate CERT --private-key KEY``.
+No parsing, no tokenizer, no data path: what the QUIC engine alone costs per request on this machine.
+``edgepath bench ingress`` compares ``edgepath serve`` on each engine against the same engine's floor.
+Run: ``python -m edgepath.bench.h3_floor --engine qh3 --port 4434 --certificate CERT --private-key KEY``.
 """
 
 from __future__ import annotations
@@ -12,13 +12,9 @@ import asyncio
 import logging
 import signal
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
-from aioquic.asyncio import QuicConnectionProtocol, serve
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ProtocolNegotiated, QuicEvent
+from edgepath.edge.quic_engine import DEFAULT_ENGINE, ENGINES, QuicEngine, load_engine
 
 
 def fixed_response(size: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
@@ -31,33 +27,43 @@ def fixed_response(size: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
     ], body
 
 
-class FloorProtocol(QuicConnectionProtocol):
+class FloorProtocol:
+    """One connection; mixed into the engine's ``QuicConnectionProtocol`` by :func:`floor_protocol`."""
+
+    engine: ClassVar[QuicEngine]
+
     def __init__(self, *args: Any, response: tuple[list[tuple[bytes, bytes]], bytes], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._h3: H3Connection | None = None
+        self._h3: Any = None
         self._headers, self._body = response
 
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._h3 = H3Connection(self._quic)
+    def quic_event_received(self, event: Any) -> None:
+        if isinstance(event, self.engine.ProtocolNegotiated) and event.alpn_protocol in self.engine.H3_ALPN:
+            self._h3 = self.engine.H3Connection(self._quic)  # type: ignore[attr-defined]
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
                 self._answer(h3_event)
 
-    def _answer(self, event: H3Event) -> None:
-        if isinstance(event, HeadersReceived | DataReceived) and event.stream_ended and self._h3 is not None:
+    def _answer(self, event: Any) -> None:
+        done = isinstance(event, self.engine.HeadersReceived | self.engine.DataReceived) and event.stream_ended
+        if done and self._h3 is not None:
             self._h3.send_headers(event.stream_id, self._headers)
             self._h3.send_data(event.stream_id, self._body, end_stream=True)
 
 
-async def main(port: int, certificate: str, private_key: str, body_bytes: int) -> None:
-    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+def floor_protocol(engine: QuicEngine) -> type:
+    return type(f"FloorProtocol_{engine.name}", (FloorProtocol, engine.QuicConnectionProtocol), {"engine": engine})
+
+
+async def main(port: int, certificate: str, private_key: str, body_bytes: int, engine_name: str) -> None:
+    engine = load_engine(engine_name)
+    config = engine.configuration(is_client=False)
     config.load_cert_chain(certificate, private_key)
-    server = await serve(
+    server = await engine.serve(
         "127.0.0.1",
         port,
         configuration=config,
-        create_protocol=partial(FloorProtocol, response=fixed_response(body_bytes)),
+        create_protocol=partial(floor_protocol(engine), response=fixed_response(body_bytes)),
     )
     print(f"ready https://127.0.0.1:{port}", flush=True)
     stop = asyncio.Event()
@@ -73,7 +79,8 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=4434)
     parser.add_argument("--certificate", required=True)
     parser.add_argument("--private-key", required=True)
+    parser.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE, help="QUIC engine")
     parser.add_argument("--body-bytes", type=int, default=64, help="size of the fixed response body")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(main(args.port, args.certificate, args.private_key, args.body_bytes))
+    asyncio.run(main(args.port, args.certificate, args.private_key, args.body_bytes, args.engine))

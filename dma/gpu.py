@@ -63,6 +63,12 @@ _PLACEMENTS = {
     ),
 }
 
+#: the combinations that work, for the one line a refused one gets
+WORKING = (
+    "the combinations that work: --data-path loopback with --slots host or gpu, "
+    "--data-path verbs with --slots host or gpu-device"
+)
+
 # cudaHostRegister flags (cuda_runtime_api.h; cupy names the cudaHostAlloc ones only).
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
@@ -88,10 +94,10 @@ def check_placement(data_path: str, memory: str) -> None:
         raise ValueError(f"data path {data_path!r}: expected loopback or verbs")
     reason = _PLACEMENTS[key]
     if reason is not None:
-        raise ValueError(f"--slots {memory} with --data-path {data_path} is not possible: {reason}")
+        raise ValueError(f"--slots {memory} with --data-path {data_path} is not possible: {reason} ({WORKING})")
 
 
-def load_cupy() -> ModuleType:
+def load_cupy(flag: str = "--slots gpu") -> ModuleType:
     """cupy, with modules loaded eagerly: a lazily loaded kernel can deadlock behind the persistent one.
 
     ``CUDA_MODULE_LOADING`` is read when CUDA initialises, so it is forced to EAGER before cupy is
@@ -101,7 +107,7 @@ def load_cupy() -> ModuleType:
     if mode != "EAGER":
         if sys.modules.get("cupy") is not None:
             raise GpuUnavailable(
-                f"--slots gpu: cupy was imported with CUDA_MODULE_LOADING={mode or 'unset (LAZY)'}; the persistent "
+                f"{flag}: cupy was imported with CUDA_MODULE_LOADING={mode or 'unset (LAZY)'}; the persistent "
                 "poller needs EAGER module loading (a lazily loaded kernel can wait forever behind it): set "
                 "CUDA_MODULE_LOADING=EAGER before starting, or let edgepath import cupy first"
             )
@@ -112,7 +118,7 @@ def load_cupy() -> ModuleType:
         import cupy
     except ImportError as exc:
         raise GpuUnavailable(
-            f"--slots gpu: cupy is not installed ({exc}); install edgepath[gpu] on a CUDA machine, or use --slots host"
+            f"{flag}: cupy is not installed ({exc}); install edgepath[gpu] on a CUDA machine, or use --slots host"
         ) from exc
     return cupy
 
@@ -129,19 +135,20 @@ class DeviceInfo:
     rdma_writes_ordering: int  # cudaGPUDirectRDMAWritesOrdering: 0 none, 100 owner, 200 all devices
 
 
-def require_device(index: int = 0) -> DeviceInfo:
-    """The CUDA device ``index``, or :class:`GpuUnavailable` saying why there is none."""
-    cp = load_cupy()
+def require_device(index: int = 0, flag: str = "--slots gpu") -> DeviceInfo:
+    """The CUDA device ``index``, or :class:`GpuUnavailable` saying why there is none (naming ``flag``,
+    the option that asked for a GPU)."""
+    cp = load_cupy(flag)
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy raises CUDARuntimeError, or a loader error when there is no driver at all
-        raise GpuUnavailable(f"--slots gpu: no CUDA device found (cupy: {exc}); use --slots host") from exc
+        raise GpuUnavailable(f"{flag}: no CUDA device found (cupy: {exc}); use --slots host") from exc
     if not 0 <= index < count:
-        raise GpuUnavailable(f"--slots gpu: no CUDA device {index} (found {count}); use --slots host")
+        raise GpuUnavailable(f"{flag}: no CUDA device {index} (found {count}); use --slots host")
     rt = cp.cuda.runtime
     props = rt.getDeviceProperties(index)
     if not rt.deviceGetAttribute(rt.cudaDevAttrCanMapHostMemory, index):
-        raise GpuUnavailable(f"--slots gpu: device {index} cannot map host memory; use --slots host")
+        raise GpuUnavailable(f"{flag}: device {index} cannot map host memory; use --slots host")
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     return DeviceInfo(
         index,
@@ -306,7 +313,7 @@ class GpuPoller:
 
     def poll(self, max_entries: int = 256) -> list[tuple[int, int]]:
         """Slots the kernel moved to RUNNING since the last call: (slot, generation), in hand-off order."""
-        out = []
+        out: list[tuple[int, int]] = []
         ring = self._ring.ptr
         mask = self.ring_capacity - 1
         while len(out) < max_entries:
@@ -386,7 +393,7 @@ def start_device_poller(
     **options: Any,
 ) -> DeviceSlots:
     """A pool in device memory (``--slots gpu-device``) with the poller running over it in HBM."""
-    info = require_device(device)
+    info = require_device(device, "--slots gpu-device")
     cp = load_cupy()
     cp.cuda.Device(device).use()
     pool = DevicePool(cp, slot_count, input_capacity, output_capacity, lease_ns, epoch)
@@ -485,11 +492,19 @@ class DeviceSlots:
         rt = self._cp.cuda.runtime
         self._copy(self.address + off, self._host(off), self._result_offset, rt.memcpyHostToDevice)
 
-    def push_result(self, slot: int) -> None:
-        """Copy ``slot``'s result header and output from the mirror onto the device."""
+    def push_result(self, slot: int, output_count: int | None = None) -> None:
+        """Copy ``slot``'s result header and output from the mirror onto the device: the first
+        ``output_count`` output tokens (None: the whole output area), so a streamed result copies what
+        it sends, not the slot's whole capacity."""
         off = self.slot_offset(slot) + self._result_offset
+        capacity = self.mirror.layout.output_capacity
+        if output_count is None:
+            output_count = capacity
+        elif not 0 <= output_count <= capacity:
+            raise ValueError(f"output_count {output_count}: expected 0..{capacity} (the slot's output capacity)")
+        nbytes = self.mirror.layout.result_bytes(output_count)
         rt = self._cp.cuda.runtime
-        self._copy(self.address + off, self._host(off), self._stride - self._result_offset, rt.memcpyHostToDevice)
+        self._copy(self.address + off, self._host(off), nbytes, rt.memcpyHostToDevice)
 
     def pull_states(self) -> np.ndarray:
         """Copy every state word from the device into the mirror (lease scans); the mirror's array."""
@@ -497,6 +512,14 @@ class DeviceSlots:
         rt = self._cp.cuda.runtime
         self._copy(self._host(off), self.address + off, self.mirror.states.nbytes, rt.memcpyDeviceToHost)
         return self.mirror.states
+
+    def load_word(self, offset: int) -> int:
+        """One u64 of the pool at byte ``offset``, copied from the device (e.g. a slot's cancel word)."""
+        if offset % 8 or not 0 <= offset <= self.nbytes - 8:
+            raise ValueError(f"offset {offset}: expected a multiple of 8 in 0..{self.nbytes - 8}")
+        rt = self._cp.cuda.runtime
+        self._copy(self._host(offset), self.address + offset, 8, rt.memcpyDeviceToHost)
+        return int(self.mirror.buf[offset : offset + 8].view(np.uint64)[0])
 
     def load_state(self, slot: int) -> int:
         self.slot_offset(slot)

@@ -21,6 +21,7 @@ import concurrent.futures
 import importlib
 import inspect
 import logging
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -264,14 +265,7 @@ class PacedEcho:
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> PacedEcho:
-        unknown = set(config.options) - {"token_delay"}
-        if unknown:
-            raise HandlerError(f"paced-echo: unknown option(s) {sorted(unknown)}; allowed: token_delay=SECONDS")
-        try:
-            delay = float(config.options.get("token_delay", "0.005"))
-        except ValueError as exc:
-            raise HandlerError(f"paced-echo: token_delay must be a number of seconds ({exc})") from exc
-        return cls(delay)
+        return cls(_seconds_option(config, "paced-echo", "token_delay", 0.005))
 
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
         total = min(len(request.tokens), len(request.output))
@@ -315,8 +309,36 @@ def _llama(config: HandlerConfig) -> BatchHandler:
     return LlamaHandler.from_config(config)
 
 
+def _seconds_option(config: HandlerConfig, handler: str, name: str, default: float) -> float:
+    """The one numeric option a built-in takes; any other option is an error naming the allowed one."""
+    unknown = set(config.options) - {name}
+    if unknown:
+        raise HandlerError(f"{handler}: unknown option(s) {sorted(unknown)}; allowed: {name}=SECONDS")
+    try:
+        value = float(config.options.get(name, default))
+    except ValueError as exc:
+        raise HandlerError(f"{handler}: {name} must be a number of seconds ({exc})") from exc
+    if not value >= 0:  # also refuses NaN
+        raise HandlerError(f"{handler}: {name} must be >= 0 seconds, got {value}")
+    return value
+
+
+def _echo(config: HandlerConfig) -> BatchHandler:
+    """Echo; with ``delay=SECONDS`` each request holds the server for that long first -- a stand-in for a
+    model with a known capacity (one request per delay, one at a time)."""
+    delay = _seconds_option(config, "echo", "delay", 0.0)
+    if not delay:
+        return FunctionHandler(echo, config.deadline, max(1, config.slots))
+
+    def delayed_echo(request: SlotRequest) -> int:
+        time.sleep(delay)
+        return echo(request)
+
+    return FunctionHandler(delayed_echo, config.deadline, max(1, config.slots))
+
+
 BUILTIN: dict[str, Callable[[HandlerConfig], BatchHandler]] = {
-    "echo": lambda config: FunctionHandler(echo, config.deadline, max(1, config.slots)),
+    "echo": _echo,
     "paced-echo": PacedEcho.from_config,
     "llama": _llama,
 }
@@ -326,7 +348,8 @@ def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
     """Turn a loaded object into a batch handler: a BatchHandler class or factory, a generator
     function, or a one-shot function."""
     if inspect.isclass(obj):
-        handler = obj.from_config(config) if hasattr(obj, "from_config") else obj(config)
+        factory: Callable[[HandlerConfig], Any] = getattr(obj, "from_config", obj)
+        handler = factory(config)
         if not isinstance(handler, BatchHandler):
             raise HandlerError(f"{obj.__name__} does not implement add/step/cancel/wake_in/close")
         return handler

@@ -20,6 +20,7 @@ from edgepath.dma.pool import SlotPool
 from edgepath.native.abi import Event, State, ffi, lib
 
 if TYPE_CHECKING:
+    from edgepath.dma.gpu import DeviceSlots
     from edgepath.dma.gpu import GpuPoller as CudaPoller
 
 log = logging.getLogger("edgepath.pollers")
@@ -109,7 +110,7 @@ class GpuDoorbellPoller:
     after doorbells the ring is watched for up to ``handoff_wait`` seconds.  Lease expiry is asked of
     the kernel (the one writer of CLAIMED words) with the same rule as ``ep_scan_leases``."""
 
-    def __init__(self, pool: SlotPool, cuda: CudaPoller, handoff_wait: float) -> None:
+    def __init__(self, pool: SlotPool, cuda: CudaPoller | DeviceSlots, handoff_wait: float) -> None:
         self.pool = pool
         self.cuda = cuda
         self.handoff_wait = handoff_wait
@@ -123,17 +124,29 @@ class GpuDoorbellPoller:
         deadline = time.monotonic() + (self.handoff_wait if doorbells else 0.0)
         while True:
             for slot, gen in self.cuda.poll():
-                word = self.pool.word(slot)
+                word = self._word(slot)
                 if wire.word_generation(word) != gen or wire.word_state(word) != State.RUNNING:
                     log.error("GPU handed over slot %d generation %d, but its word is %#x", slot, gen, word)
                     continue
                 self.pool.slots.results[slot]["t_ready_ns"] = lib.ep_now_ns()
+                self._handed_over(slot)
                 out.append((slot, wire.word_claimant(word), gen))
             if len(out) >= len(doorbells) or time.monotonic() >= deadline:
                 return out
 
+    def _word(self, slot: int) -> int:
+        """``slot``'s state word as it is now (mapped memory: read in place)."""
+        return self.pool.word(slot)
+
+    def _states(self) -> np.ndarray:
+        """Every state word as it is now (mapped memory: the pool's own array)."""
+        return self.pool.states
+
+    def _handed_over(self, slot: int) -> None:
+        """A slot just became the model side's (mapped memory: its request is readable in place)."""
+
     def scan_leases(self, now_ns: int) -> int:
-        words = self.pool.states.copy()
+        words = self._states().copy()
         claimed = (words & np.uint64(wire.STATE_MASK)) == State.CLAIMED
         changed = words != self._lease_word
         self._lease_ns[changed] = now_ns
@@ -150,7 +163,7 @@ class GpuDoorbellPoller:
     def expire_claims_of(self, claimant: int) -> int:
         n = 0
         for slot in range(self.pool.slot_count):
-            w = self.pool.word(slot)
+            w = self._word(slot)
             if wire.claimed_by(w, claimant):
                 self.cuda.request_expire(slot, w)
                 n += 1
@@ -158,3 +171,24 @@ class GpuDoorbellPoller:
 
     def close(self) -> None:
         self.cuda.close()
+
+
+class DeviceDoorbellPoller(GpuDoorbellPoller):
+    """The CUDA persistent kernel over a pool in device memory (``--slots gpu-device``, from
+    :func:`edgepath.dma.gpu.start_device_poller`).  The host cannot map that memory, so its view is
+    the pool's pinned mirror (``slots.mirror``, this poller's ``pool``): state words are copied out
+    before they are read (one word per hand-off, all of them per lease scan), and a handed-over slot's
+    request is copied into the mirror at once, before a host handler sees it."""
+
+    def __init__(self, slots: DeviceSlots, handoff_wait: float) -> None:
+        super().__init__(slots.mirror, slots, handoff_wait)
+        self.slots = slots
+
+    def _word(self, slot: int) -> int:
+        return self.slots.load_state(slot)
+
+    def _states(self) -> np.ndarray:
+        return self.slots.pull_states()
+
+    def _handed_over(self, slot: int) -> None:
+        self.slots.pull_request(slot)

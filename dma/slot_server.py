@@ -21,20 +21,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import BatchHandler, Emit, HandlerConfig, OneShot, SlotRequest, adapt
-from edgepath.dma.pollers import GpuDoorbellPoller, HostPoller, Poller
+from edgepath.dma.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
 from edgepath.dma.pool import FrameLayout, SlotPool, reply_stride
-from edgepath.dma.transport import Completion, Connection, RemoteRegion, Transport, TransportError
+from edgepath.dma.transport import Completion, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import Sampling
-from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, lib
+from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, field_offset, lib
+
+if TYPE_CHECKING:
+    from edgepath.dma.gpu import DeviceInfo, DeviceSlots
 
 log = logging.getLogger("edgepath.slot_server")
 
-SLOT_MEMORY = ("host", "gpu")
-_PROGRESS_FIELD = RESULT_HEADER.fields["progress"][1]
+SLOT_MEMORY = ("host", "gpu", "gpu-device")
+_PROGRESS_FIELD = field_offset(RESULT_HEADER, "progress")
 
 
 @dataclass
@@ -45,7 +48,9 @@ class SlotServerConfig:
     lease: float = 1.0  # seconds a CLAIMED slot may wait for its doorbell
     spin: float = 0.0  # seconds to spin on the CQ before sleeping
     scan_interval: float = 0.05
-    memory: str = "host"  # where the doorbells are polled: "host" (CPU) or "gpu" (CUDA poller)
+    # "host": host memory, CPU poller; "gpu": host memory mapped into the GPU, CUDA poller;
+    # "gpu-device": GPU memory registered with the NIC (transport.register_device), CUDA poller
+    memory: str = "host"
     gpu_device: int = 0
     handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
     handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
@@ -62,6 +67,24 @@ class SlotServerConfig:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
         if self.stream_window < 0:
             raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")
+
+
+def _require_write_ordering(device: DeviceInfo) -> None:
+    """Refuse a GPU that may show a NIC's doorbell before the request it rings for.
+
+    The kernel trusts a slot's data once its doorbell is visible; that holds for NIC writes into HBM
+    only if the device orders GPUDirect RDMA writes for its own readers (attribute >= 100, "owner").
+    Otherwise the writer would have to flush (an RDMA READ of the slot) before ringing, which agents do
+    not do yet (docs/GPU.md)."""
+    from edgepath.dma.gpu import GpuUnavailable
+
+    if device.rdma_writes_ordering < 100:
+        raise GpuUnavailable(
+            f"--slots gpu-device: device {device.index} ({device.name}) does not order GPUDirect RDMA writes "
+            f"(cudaDevAttrGPUDirectRDMAWritesOrdering = {device.rdma_writes_ordering}, needs >= 100), so a "
+            "doorbell could be seen before its request, and agents do not flush before ringing yet; "
+            "use --slots host with --data-path verbs"
+        )
 
 
 @dataclass
@@ -126,17 +149,23 @@ class SlotServer:
         cfg = self.config
         sizes = HandlerConfig(cfg.slots, cfg.input_capacity, cfg.output_capacity, {}, cfg.handler_deadline)
         self.handler: BatchHandler = handler if isinstance(handler, BatchHandler) else adapt(handler, sizes)
-        dims = SlotPool.layout_for(cfg.slots, cfg.input_capacity, cfg.output_capacity)
-        self.pool_mr = transport.register(wire.POOL_REGION, int(dims["total_size"]), wire.POOL_ACCESS)
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        self.pool = SlotPool.create(
-            self.pool_mr.buf,
-            cfg.slots,
-            cfg.input_capacity,
-            cfg.output_capacity,
-            int(cfg.lease * 1e9),
-            self.epoch,
-        )
+        #: the pool in GPU memory (``memory="gpu-device"``); then ``pool`` is its pinned host mirror
+        self.device_slots: DeviceSlots | None = None
+        self.pool_mr: MemoryRegion
+        if cfg.memory == "gpu-device":
+            self.pool_mr, self.pool = self._device_pool(transport, cfg)
+        else:
+            dims = SlotPool.layout_for(cfg.slots, cfg.input_capacity, cfg.output_capacity)
+            self.pool_mr = transport.register(wire.POOL_REGION, int(dims["total_size"]), wire.POOL_ACCESS)
+            self.pool = SlotPool.create(
+                self.pool_mr.buf,
+                cfg.slots,
+                cfg.input_capacity,
+                cfg.output_capacity,
+                int(cfg.lease * 1e9),
+                self.epoch,
+            )
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
         self.peers: dict[int, _Peer] = {}
         self.running: dict[int, _Running] = {}
@@ -144,14 +173,21 @@ class SlotServer:
         self._gone: list[int] = []
         self._lock = threading.Lock()
         self.stats = ServerStats()
-        self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
+        try:
+            self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
+        except BaseException:
+            if self.device_slots is not None:
+                self._close_device_pool(self.device_slots)
+            raise
         self.address = address
         self._stop = threading.Event()
         self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
         self._cm_thread: threading.Thread | None = None
         self.on_result: Callable[[int, int], None] | None = None
         self.poller: Poller
-        if cfg.memory == "gpu":
+        if self.device_slots is not None:
+            self.poller = DeviceDoorbellPoller(self.device_slots, cfg.handoff_wait)
+        elif cfg.memory == "gpu":
             from edgepath.dma.gpu import start_mapped_poller
 
             try:
@@ -162,6 +198,61 @@ class SlotServer:
             self.poller = GpuDoorbellPoller(self.pool, cuda, cfg.handoff_wait)
         else:
             self.poller = HostPoller(self.pool)
+
+    def _device_pool(self, transport: Transport, cfg: SlotServerConfig) -> tuple[MemoryRegion, SlotPool]:
+        """``--slots gpu-device``: the pool in GPU memory with the CUDA poller over it, registered with
+        the transport's NIC (``register_device``: dma-buf, else nvidia-peermem), so agents write the ids
+        straight into HBM; the host works on the pool's pinned mirror."""
+        register = getattr(transport, "register_device", None)
+        if register is None:
+            raise ValueError(
+                f"--slots gpu-device: the {transport.name} data path cannot let agents write GPU memory "
+                "(it has no register_device); use --data-path verbs (GPUDirect RDMA), or --slots gpu with loopback"
+            )
+        from edgepath.dma.gpu import start_device_poller
+
+        slots = start_device_poller(
+            cfg.slots,
+            cfg.input_capacity,
+            cfg.output_capacity,
+            int(cfg.lease * 1e9),
+            self.epoch,
+            cfg.gpu_device,
+        )
+        try:
+            _require_write_ordering(slots.poller.device)
+            region = register(wire.POOL_REGION, slots, wire.POOL_ACCESS)
+        except BaseException:
+            slots.close()
+            raise
+        self.device_slots = slots
+        return region, slots.mirror
+
+    def _close_device_pool(self, slots: DeviceSlots) -> None:
+        """Deregister the device pool from the NIC before its memory is freed (a region's close may run
+        again when the transport closes)."""
+        try:
+            self.pool_mr.close()  # type: ignore[attr-defined]
+        finally:
+            slots.close()
+
+    def _step_state(self, slot: int, event: Event, gen: int) -> None:
+        """One of the model side's own steps (RUNNING -> DONE -> FREE).  A device pool's word is stepped
+        in the mirror (current: read at hand-off and at every lease scan) and stored on the device."""
+        rc = lib.ep_apply(self._states_ptr + slot, event, gen, 0, ffi.NULL)
+        if self.device_slots is not None and rc == lib.EP_OK:
+            self.device_slots.store_state(slot, int(self.pool.states[slot]))
+
+    def _result_to_device(self, slot: int, output_count: int) -> None:
+        """A device pool's result header and first ``output_count`` tokens, copied from the mirror where
+        the host wrote them into the GPU memory the NIC sends them from (host and mapped pools: nothing)."""
+        if self.device_slots is not None:
+            self.device_slots.push_result(slot, output_count)
+
+    def _cancel_word(self, slot: int) -> int:
+        if self.device_slots is not None:
+            return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)
+        return int(self.pool.cancels[slot])
 
     def _pool_info(self) -> dict[str, Any]:
         h = self.pool.header
@@ -278,12 +369,12 @@ class SlotServer:
             window_us / 1e6 if window_us else self.config.stream_window,
         )
         self.running[slot] = run
-        out_cap = self.config.output_capacity if peer is None else min(
-            self.config.output_capacity, peer.layout.output_capacity
+        out_cap = (
+            self.config.output_capacity
+            if peer is None
+            else min(self.config.output_capacity, peer.layout.output_capacity)
         )
-        sampling = Sampling(
-            float(req["temperature"]), float(req["top_p"]), int(req["top_k"]), int(req["seed"])
-        )
+        sampling = Sampling(float(req["temperature"]), float(req["top_p"]), int(req["top_k"]), int(req["seed"]))
         problem = wire.request_problem(count, max_new, self.config.input_capacity, out_cap)
         if problem is None and peer is not None and reply_index >= peer.frames:
             problem = f"reply_index {reply_index} outside the agent's {peer.frames} frames"
@@ -368,6 +459,7 @@ class SlotServer:
         res_off = self.pool.slots.result_offset(run.slot)
         out_off = res_off + RESULT_HEADER.itemsize
         self.pool.slots.results[run.slot]["progress"] = wire.progress_word(run.generation, run.count)
+        self._result_to_device(run.slot, run.count)
         dst = peer.result_offset(run.reply_index)
         try:
             peer.conn.write_then_imm(
@@ -400,7 +492,7 @@ class SlotServer:
             or peer is None
             or run.peer is not peer
             or not wire.imm_generation_matches(imm, run.generation)
-            or wire.progress_generation(int(self.pool.cancels[slot])) != run.generation
+            or wire.progress_generation(self._cancel_word(slot)) != run.generation
         ):
             self.stats.cancels_ignored += 1
             return
@@ -423,7 +515,8 @@ class SlotServer:
         res["t_done_ns"] = lib.ep_now_ns()
         if status in (Status.OK, Status.LENGTH, Status.STOP):
             self.stats.served += 1
-        lib.ep_apply(self._states_ptr + slot, Event.COMPLETE, gen, 0, ffi.NULL)
+        self._result_to_device(slot, output_count)
+        self._step_state(slot, Event.COMPLETE, gen)
         if hold:
             self._held[slot] = gen
             self.stats.quarantined += 1
@@ -431,7 +524,7 @@ class SlotServer:
         if peer is None or not 0 <= run.reply_index < peer.frames:
             # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
             if not hold:
-                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+                self._step_state(slot, Event.RELEASE, gen)
             self.stats.results_dropped += 1
             return
         try:
@@ -446,10 +539,10 @@ class SlotServer:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
             if not hold:
-                lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+                self._step_state(slot, Event.RELEASE, gen)
             return
         if not hold:
-            lib.ep_apply(self._states_ptr + slot, Event.RELEASE, gen, 0, ffi.NULL)
+            self._step_state(slot, Event.RELEASE, gen)
         try:
             peer.conn.write_with_imm(self.pool_mr, 0, peer.replies, 0, 0, wire.final_imm(run.reply_index))
         except TransportError as exc:
@@ -457,7 +550,7 @@ class SlotServer:
             self.stats.results_dropped += 1
 
     def _release_held(self, slot: int) -> None:
-        lib.ep_apply(self._states_ptr + slot, Event.RELEASE, self._held.pop(slot), 0, ffi.NULL)
+        self._step_state(slot, Event.RELEASE, self._held.pop(slot))
         self.stats.quarantined -= 1
 
     def scan_leases(self, now_ns: int | None = None) -> int:
@@ -526,6 +619,9 @@ class SlotServer:
             if not self._serving.acquire(timeout=5.0):
                 raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")
             try:
-                self.poller.close()
+                if self.device_slots is not None:
+                    self._close_device_pool(self.device_slots)
+                else:
+                    self.poller.close()
             finally:
                 self._serving.release()

@@ -30,17 +30,28 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 from typing import Any
 
 import numpy as np
 
 from edgepath.dma.transport import Access, MemoryRegion, Transport, TransportUnavailable, check_buffer
-from edgepath.dma.verbs_datapath import VerbsConnection, VerbsCQ, VerbsRegion, ibv_access
+from edgepath.dma.verbs_datapath import VerbsConnection, VerbsCQ, VerbsDeviceRegion, VerbsRegion, ibv_access
 from edgepath.dma.verbs_setup import VerbsListener, connect
 from edgepath.dma.verbs_shim import comp_channel_handle, context_handle, cq_handle, srq_handle
 
-__all__ = ["NO_DEVICE", "VerbsCQ", "VerbsConnection", "VerbsListener", "VerbsRegion", "VerbsTransport"]
+__all__ = [
+    "NO_DEVICE",
+    "VerbsCQ",
+    "VerbsConnection",
+    "VerbsDeviceRegion",
+    "VerbsListener",
+    "VerbsRegion",
+    "VerbsTransport",
+]
+
+log = logging.getLogger("edgepath.verbs")
 
 NO_DEVICE = (
     "verbs transport: no RDMA device found ({why}); use --data-path loopback, or create a soft-RoCE device "
@@ -146,6 +157,19 @@ class VerbsTransport(Transport):
         else:
             region = VerbsRegion.register(self.pd, name, buffer, access, keep=buffer)
         self._regions.append(region)
+        return region
+
+    def register_device(self, name: str, memory: Any, access: Access) -> VerbsDeviceRegion:
+        """Register GPU memory for peers to access as ``access`` allows: ``memory`` is a
+        :class:`edgepath.dma.gpu.DeviceSlots`, whose ``register_for_rdma`` tries dma-buf first and
+        nvidia-peermem as the logged fallback (``RdmaRegistrationError`` naming both reasons)."""
+        self.qp_access |= ibv_access(access)
+        mr, how = memory.register_for_rdma(self.pd, ibv_access(access))
+        # pyverbs' DmaBufMR registers with iova = its offset into the dma-buf; peermem, at the pointer.
+        addr = int(mr.offset) if how == "dma-buf" else int(memory.address)
+        region = VerbsDeviceRegion(name, int(memory.nbytes), access, mr, addr, how)
+        self._regions.append(region)
+        log.info("%s: %d bytes of GPU memory registered through %s", name, region.length, how)
         return region
 
     def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> VerbsListener:

@@ -93,6 +93,25 @@ class VerbsRegion(MemoryRegion):
         self.mr.close()
 
 
+class VerbsDeviceRegion(VerbsRegion):
+    """GPU memory registered with the PD (``--slots gpu-device``): the host cannot read it, so ``buf``
+    is empty; ``addr`` is where the MR's address space starts (a dma-buf MR's iova, or the device
+    pointer for nvidia-peermem), which is what peers and local work requests name."""
+
+    def __init__(self, name: str, length: int, access: Access, mr: Any, addr: int, how: str) -> None:
+        MemoryRegion.__init__(self, name=name, buf=np.empty(0, dtype=np.uint8), access=access)
+        self.mr = mr
+        self.addr = addr
+        self.length = length
+        self.lkey = int(mr.lkey)
+        self.rkey = int(mr.rkey)
+        self.how = how
+        self._keep = None
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "length": self.length}
+
+
 def own_regions(regions: list[MemoryRegion]) -> list[VerbsRegion]:
     """``regions``, checked to be registered with a verbs transport."""
     owned = []

@@ -226,9 +226,7 @@ class Sampling:
             raise RequestInvalid(f"seed must be an unsigned 64-bit integer, got {self.seed}")
 
 
-def request_problem(
-    token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int
-) -> str | None:
+def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:
     """Why a request with these counts cannot go into a slot of these capacities (None: it can)."""
     if token_count <= 0:
         return f"a request needs at least 1 token, got {token_count}"

@@ -23,11 +23,11 @@ from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dpu.port import Delivery, DeliveryStats
-from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, lib
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
 
-_DOORBELL_FIELD = REQUEST_HEADER.fields["doorbell"][1]
+_DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
 _STATE_MASK = np.uint64(wire.STATE_MASK)
 
 

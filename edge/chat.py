@@ -50,7 +50,7 @@ class _GenerationTag(Extension):
     """``{% generation %}…{% endgeneration %}``: transformers' marker of assistant text (for training
     masks).  Templates that use it must still parse; rendering keeps the body unchanged."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a class-level set)
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno

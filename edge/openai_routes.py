@@ -72,7 +72,7 @@ def chat_support(tokenizer: Tokenizer) -> ChatSupport:
 
 
 def oa_chat_hint() -> str:
-    return "serve a GGUF model (--model PATH.gguf) whose metadata has one, or pass --chat-template FILE with it"
+    return "serve a GGUF model (--model PATH.gguf) whose metadata has one, or give it one with --chat-template FILE"
 
 
 class OpenAIRoutes:

@@ -1,4 +1,5 @@
-"""HTTP/3 adapter: aioquic events in, complete :class:`Request` objects out, responses back.
+"""HTTP/3 adapter: QUIC engine events in (aioquic or qh3, edge/quic_engine.py), complete :class:`Request`
+objects out, responses back.
 
 Only framing lives here: collecting a stream's headers and body, enforcing the body limit while it
 arrives (413 without waiting for the rest) and the body deadline (408 when a body does not complete
@@ -20,25 +21,23 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
-
-from aioquic.asyncio import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import (
-    ConnectionTerminated,
-    ProtocolNegotiated,
-    QuicEvent,
-    StopSendingReceived,
-    StreamReset,
-)
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
+from edgepath.edge.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.service import EdgeService, Ticket
 from edgepath.native.abi import lib
+
+if TYPE_CHECKING:  # the reference engine's types; qh3 keeps the same API
+    from aioquic.asyncio import QuicConnectionProtocol as _ProtocolBase
+    from aioquic.asyncio.server import QuicServer
+    from aioquic.h3.connection import H3Connection
+    from aioquic.h3.events import H3Event
+    from aioquic.quic.configuration import QuicConfiguration
+    from aioquic.quic.events import QuicEvent
+else:
+    _ProtocolBase = object  # the engine's QuicConnectionProtocol is mixed in by protocol_class()
 
 SERVER = b"edgepath"
 H3_NO_ERROR = 0x100
@@ -97,8 +96,10 @@ class _StreamReply:
             self._protocol.schedule_transmit()
 
 
-class EdgeProtocol(QuicConnectionProtocol):
-    """One QUIC connection carrying HTTP/3 requests to the edge service."""
+class EdgeProtocol(_ProtocolBase):
+    """One QUIC connection carrying HTTP/3 requests to the edge service (engine-neutral: see protocol_class)."""
+
+    engine: ClassVar[QuicEngine]
 
     def __init__(self, *args: Any, service: EdgeService, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -123,13 +124,13 @@ class EdgeProtocol(QuicConnectionProtocol):
             # Every request completed by this datagram is available to the edge from now on; the ones
             # handled after others in the same datagram show that wait in their queue time.
             self._arrival_ns = lib.ep_now_ns()
-        if isinstance(event, ProtocolNegotiated) and event.alpn_protocol in H3_ALPN:
-            self._h3 = H3Connection(self._quic)
-        if isinstance(event, StreamReset | StopSendingReceived):
+        if isinstance(event, self.engine.ProtocolNegotiated) and event.alpn_protocol in self.engine.H3_ALPN:
+            self._h3 = self.engine.H3Connection(self._quic)
+        if isinstance(event, self.engine.StreamReset | self.engine.StopSendingReceived):
             # RESET_STREAM: the client stopped sending (a request cut short); STOP_SENDING: it stopped
             # reading -- how a client that sent its whole request walks away from the answer
             self._reset(event.stream_id)
-        elif isinstance(event, ConnectionTerminated):
+        elif isinstance(event, self.engine.ConnectionTerminated):
             self._terminated = True
             for stream_id in list(self._streams):
                 self._reset(stream_id)
@@ -138,7 +139,7 @@ class EdgeProtocol(QuicConnectionProtocol):
                 self._h3_event(h3_event)
 
     def _h3_event(self, event: H3Event) -> None:
-        if isinstance(event, HeadersReceived):
+        if isinstance(event, self.engine.HeadersReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None:
                 stream = self._streams[event.stream_id] = _Stream()
@@ -156,7 +157,7 @@ class EdgeProtocol(QuicConnectionProtocol):
                     stream.body_timer = self._loop.call_later(
                         self._service.body_timeout, self._body_late, event.stream_id
                     )
-        elif isinstance(event, DataReceived):
+        elif isinstance(event, self.engine.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None or stream.answered:
                 return
@@ -237,8 +238,14 @@ def _content_length(headers: Headers) -> int | None:
     return None
 
 
-def server_configuration(certificate: str, private_key: str) -> QuicConfiguration:
-    config = QuicConfiguration(is_client=False, alpn_protocols=H3_ALPN)
+@cache
+def protocol_class(engine: QuicEngine) -> type[EdgeProtocol]:
+    """:class:`EdgeProtocol` on ``engine``'s ``QuicConnectionProtocol`` (one class per engine)."""
+    return type(f"EdgeProtocol_{engine.name}", (EdgeProtocol, engine.QuicConnectionProtocol), {"engine": engine})
+
+
+def server_configuration(certificate: str, private_key: str, engine: str = DEFAULT_ENGINE) -> QuicConfiguration:
+    config = load_engine(engine).configuration(is_client=False)
     config.load_cert_chain(certificate, private_key)
     return config
 
@@ -250,16 +257,18 @@ async def serve_quic(
     configuration: QuicConfiguration,
     reuse_port: bool = False,
     retry: bool = False,
+    engine: str = DEFAULT_ENGINE,
 ) -> QuicServer:
-    """aioquic's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
+    """The QUIC engine's ``serve()``, with SO_REUSEPORT when ``reuse_port`` (edge workers sharing one UDP port;
     the kernel keeps each client address on one worker).  ``retry``: validate client addresses with
     a Retry round trip before any state is kept for them (RFC 9000 §8.1), against floods from
-    spoofed source addresses; costs one round trip."""
+    spoofed source addresses; costs one round trip.  ``configuration`` must come from the same engine
+    (server_configuration)."""
+    quic = load_engine(engine)
+    protocol = partial(protocol_class(quic), service=service)
     loop = asyncio.get_running_loop()
     _, server = await loop.create_datagram_endpoint(
-        lambda: QuicServer(
-            configuration=configuration, create_protocol=partial(EdgeProtocol, service=service), retry=retry
-        ),
+        lambda: quic.QuicServer(configuration=configuration, create_protocol=protocol, retry=retry),
         local_addr=(host, port),
         reuse_port=reuse_port,
     )

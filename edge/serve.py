@@ -34,7 +34,7 @@ from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
-from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
@@ -155,6 +155,8 @@ async def _start_edge(
 ) -> None:
     """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse."""
     tokenizer = load_tokenizer(options.tokenizer)
+    if options.chat_template is not None:
+        use_chat_template(tokenizer, options.chat_template)
     log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
     executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
@@ -191,9 +193,15 @@ async def _listen(options: ServeOptions, service: EdgeService, tls: TlsFiles | N
         return await serve_tcp(service, options.host, options.port, reuse_port=options.reuse_port)
     from edgepath.edge.quic import serve_quic, server_configuration
 
-    configuration = server_configuration(str(tls.certificate), str(tls.private_key))
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key), options.quic_engine)
     return await serve_quic(
-        service, options.host, options.port, configuration, reuse_port=options.reuse_port, retry=options.quic_retry
+        service,
+        options.host,
+        options.port,
+        configuration,
+        reuse_port=options.reuse_port,
+        retry=options.quic_retry,
+        engine=options.quic_engine,
     )
 
 
@@ -213,3 +221,17 @@ def serve(options: ServeOptions) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run(options))
     return 0
+
+
+def use_chat_template(tokenizer: Tokenizer, path: str) -> None:
+    """``--chat-template FILE`` replaces the model's own template; chats are tokenized with the template's
+    markers as control tokens, which only the GGUF tokenizer can do (checked here, before serving)."""
+    from edgepath.edge.chat import load_chat_template
+
+    set_template = getattr(tokenizer, "set_chat_template", None)
+    if set_template is None:
+        raise ValueError(
+            f"--chat-template: {tokenizer.name} cannot tokenize a chat template's control tokens; "
+            "use it with a GGUF tokenizer (--model or --tokenizer PATH.gguf)"
+        )
+    set_template(load_chat_template(path).source)

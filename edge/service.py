@@ -161,10 +161,12 @@ class EdgeService:
         if action.messages is not None:
             encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
             future = run(self.executor, encode_chat, action.messages, action.out)
-        elif action.out is None:
-            future = run(self.executor, self.tokenizer.encode, action.prompt)
         else:
-            future = run(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
+            assert action.prompt is not None
+            if action.out is None:
+                future = run(self.executor, self.tokenizer.encode, action.prompt)
+            else:
+                future = run(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
         future.add_done_callback(lambda f: self._tokenized(action.rid, f))
 
     def _tokenized(self, rid: int, future: asyncio.Future[Any]) -> None:

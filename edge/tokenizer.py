@@ -8,9 +8,10 @@ GIL, so a large prompt can be encoded on a worker thread while the event loop ke
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -128,6 +129,141 @@ class HFTokenizer:
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
 
 
+class GGUFTokenizer:
+    """The model's own vocabulary, loaded from its GGUF by llama.cpp (vocabulary only, no weights), so
+    the edge produces exactly the ids the model side would.
+
+    User text is tokenized with ``parse_special`` off: someone typing ``<|im_start|>`` gets the ids of
+    those characters, never the control token (no prompt injection through look-alikes).  Only text the
+    server itself writes -- the chat template's own markers -- is tokenized with ``special=True``.
+    Special tokens the model's vocabulary asks for (BOS, for models that want it) are added.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from edgepath.model.gguf import llama_cpp, load_model, meta_str
+
+        self._lib = lib = llama_cpp()
+        self._model = load_model(path, vocab_only=True)
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.name = f"gguf:{path.name}"
+        self.path = path
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.chat_template: str | None = meta_str(self._model, "tokenizer.chat_template")
+        self._template: Any = None  # compiled on first use (edgepath.edge.chat.ChatTemplate)
+        self.bos_token = self._special_text(lib.llama_vocab_bos(self._vocab))
+        self.eos_token = self._special_text(lib.llama_vocab_eos(self._vocab))
+
+    def _special_text(self, token: int) -> str | None:
+        """The text of a control token (``<|im_end|>``), or None when the model has none (-1)."""
+        if token < 0:
+            return None
+        ids = np.array([token], dtype=np.int32)
+        return self._detokenize(ids, remove_special=False, unparse_special=True)
+
+    def encode_into(self, text: str, out: np.ndarray, *, special: bool = False) -> int:
+        """``llama_tokenize`` writing straight into ``out`` (int32, e.g. the registered frame);
+        ``special``: parse control-token markers (only for text the server writes, never user text)."""
+        _check_frame(out)
+        return self._tokenize(text, out, add_special=True, special=special)
+
+    def _tokenize(self, text: str, out: np.ndarray, *, add_special: bool, special: bool) -> int:
+        data = text.encode("utf-8")
+        pointer = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), pointer, len(out), add_special, special)
+        return -n if n < 0 else n  # negative: did not fit, nothing written, -n is the count
+
+    def encode_chat_into(
+        self, messages: list[dict[str, str]], out: np.ndarray, *, add_generation_prompt: bool = True
+    ) -> int:
+        """The model's chat template applied to ``messages``, tokenized into ``out``: the template's own
+        text with its markers parsed as control tokens, every message's content as plain text (a user
+        typing ``<|im_end|>`` cannot close their turn).  The count, as :meth:`encode_into` returns it
+        (when it exceeds ``len(out)``, ``out`` may hold a prefix of the ids).
+
+        Each content is tokenized on its own, so a content that starts or ends with whitespace may
+        split differently from tokenizing the whole rendered prompt (what llama.cpp's server does, with
+        markers parsed everywhere, user text included)."""
+        _check_frame(out)
+        n = 0
+        for i, (text, special) in enumerate(self.chat_segments(messages, add_generation_prompt)):
+            room = out[n:] if n < len(out) else out[:0]
+            count = self._tokenize(text, room, add_special=i == 0, special=special)
+            if count > len(room):  # keep counting how many it would take, writing nothing more
+                count = self._tokenize(text, np.empty(count, np.int32), add_special=i == 0, special=special)
+            n += count
+        return n
+
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` instead of the GGUF's own chat template (``serve --chat-template``)."""
+        self.chat_template = source
+        self._template = None
+
+    def chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
+        rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content."""
+        import re
+
+        from edgepath.edge.chat import ChatMessage, ChatTemplate
+
+        if self.chat_template is None:
+            raise ValueError(f"{self.path} has no tokenizer.chat_template in its metadata")
+        if self._template is None:
+            origin = f"{self.path} (tokenizer.chat_template)"
+            self._template = ChatTemplate(
+                self.chat_template, bos_token=self.bos_token or "", eos_token=self.eos_token or "", origin=origin
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+                raise ValueError(f"message {i} needs string 'role' and 'content', got {sorted(message)}")
+            if "\x00" in message["content"]:
+                raise ValueError(f"message {i}: content may not contain NUL characters")
+        marked = [ChatMessage(m["role"], f"\x00{i}\x00") for i, m in enumerate(messages)]
+        rendered = self._template.render(marked, add_generation_prompt=add_generation_prompt)
+        pieces = re.split("\x00([0-9]+)\x00", rendered)
+        order = [int(x) for x in pieces[1::2]]
+        if sorted(order) != list(range(len(messages))):
+            raise ValueError(f"{self.path}: the chat template does not place each message's content exactly once")
+        segments = []
+        for k, template_text in enumerate(pieces[0::2]):
+            if template_text:
+                segments.append((template_text, True))
+            if k < len(order) and messages[order[k]]["content"]:
+                segments.append((messages[order[k]]["content"], False))
+        return segments
+
+    def encode(self, text: str, *, special: bool = False) -> np.ndarray:
+        out = np.empty(len(text) + 8, dtype=np.int32)  # a token covers at least one byte, most cover several
+        n = self.encode_into(text, out, special=special)
+        if n > len(out):
+            out = np.empty(n, dtype=np.int32)
+            self.encode_into(text, out, special=special)
+        return out[:n].copy()
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of ``ids`` as a client sees it: BOS/EOS removed, control tokens not rendered."""
+        return self._detokenize(np.ascontiguousarray(ids, dtype=np.int32), remove_special=True, unparse_special=False)
+
+    def _detokenize(self, ids: np.ndarray, *, remove_special: bool, unparse_special: bool) -> str:
+        pointer = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        size = 8 * len(ids) + 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._lib.llama_detokenize(self._vocab, pointer, len(ids), buf, size, remove_special, unparse_special)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = -n
+
+    def close(self) -> None:
+        if self._model:
+            self._lib.llama_model_free(self._model)
+            self._model = None
+
+
+def _check_frame(out: np.ndarray) -> None:
+    if out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"token ids go into a writable contiguous int32 array, got {out.dtype}")
+
+
 def default_tekken_path() -> Path:
     import mistral_common
 
@@ -141,12 +277,15 @@ def default_tekken_path() -> Path:
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The default Tekken tokenizer, or the Hugging Face ``tokenizer.json`` (or Tekken json) at ``path``."""
+    """The default Tekken tokenizer, or the one at ``path``: a model's ``.gguf`` (its own vocabulary,
+    via llama.cpp), a Tekken json, or a Hugging Face ``tokenizer.json``."""
     if path is None:
         return TekkenTokenizer(default_tekken_path())
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file {p} does not exist")
+    if p.suffix == ".gguf":
+        return GGUFTokenizer(p)
     if p.name.startswith("tekken"):
         return TekkenTokenizer(p)
     return HFTokenizer(p)

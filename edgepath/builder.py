@@ -43,10 +43,10 @@ def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     from edgepath.dma.handlers import HandlerConfig, load_handler
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 
-    if settings.memory == "gpu":
+    if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
-        require_device()  # fail at once, before any transport is set up
+        require_device(flag=f"--slots {settings.memory}")  # fail at once, before any transport is set up
     handler = load_handler(
         settings.handler,
         HandlerConfig(

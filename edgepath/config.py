@@ -14,9 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
+from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
+
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
-SLOT_MEMORY = ("host", "gpu")
+SLOT_MEMORY = ("host", "gpu", "gpu-device")  # the same as edgepath.dma.gpu.SLOT_MEMORY (a test checks)
 DEFAULT_SLOTS = 64
 
 
@@ -53,7 +56,9 @@ class SlotServerSettings:
 
     listen: str
     slots: int = DEFAULT_SLOTS
-    memory: str = "host"  # where doorbells are polled: host (CPU) or gpu (CUDA poller)
+    # host (CPU poller), gpu (host memory mapped into the GPU, CUDA poller) or gpu-device (GPU memory
+    # the NIC writes, CUDA poller); edgepath.dma.gpu.check_placement says which go with which data path
+    memory: str = "host"
     input_capacity: int = 4096
     output_capacity: int = 4096
     lease: float = 1.0
@@ -63,6 +68,11 @@ class SlotServerSettings:
     handler_deadline: float = 0.0
     stream_window_ms: float = 2.0  # streamed tokens after the first are coalesced within this window
     data_path: DataPath = field(default_factory=DataPath)
+
+    def __post_init__(self) -> None:
+        from edgepath.dma.gpu import check_placement
+
+        check_placement(self.data_path.kind, self.memory)
 
     def argv(self) -> list[str]:
         """``edgepath`` arguments that start exactly this slot server as its own process."""
@@ -133,6 +143,7 @@ class ServeOptions:
     max_body: int = 1 << 20
     tokenizer: str | None = None
     served_model_name: str | None = None  # the model id of the OpenAI routes (default: derived, see builder)
+    chat_template: str | None = None  # a template file replacing the GGUF's own (chat completions)
     certificate: str | None = None
     private_key: str | None = None
     handler: str = "echo"
@@ -148,10 +159,13 @@ class ServeOptions:
     restart_window: float = 60.0  # ... seconds before serve gives up (exit 1)
     workers: int = 1  # > 1: that many edge processes (each with its own agent) share the port
     reuse_port: bool = False  # bind with SO_REUSEPORT: this edge is one of several workers on the port
+    quic_engine: str = DEFAULT_QUIC_ENGINE  # transport quic: aioquic (the reference) or qh3 (the [qh3] extra)
 
     def __post_init__(self) -> None:
         if self.transport not in EDGE_TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(EDGE_TRANSPORTS)}, got {self.transport!r}")
+        if self.quic_engine not in QUIC_ENGINES:
+            raise ValueError(f"quic_engine must be one of {', '.join(QUIC_ENGINES)}, got {self.quic_engine!r}")
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.workers > 1 and self.agent is not None:
@@ -183,6 +197,8 @@ class ServeOptions:
             "--port",
             str(self.port),
             "--reuse-port",
+            "--quic-engine",
+            self.quic_engine,
             "--slot-server",
             slot_server,
             *self.link.flags(),
@@ -198,13 +214,20 @@ class ServeOptions:
             repr(self.request_timeout),
             "--body-timeout",
             repr(self.body_timeout),
+            "--handler",  # what the shared slot server runs decides the worker's tokenizer and limits
+            self.handler,
         ]
-        for flag, value in (
+        for key, option in self.handler_options:
+            argv += ["--handler-option", f"{key}={option}"]
+        optional: tuple[tuple[str, str | None], ...] = (
             ("--tokenizer", self.tokenizer),
+            ("--served-model-name", self.served_model_name),
+            ("--chat-template", self.chat_template),
             ("--certificate", self.certificate),
             ("--private-key", self.private_key),
             ("--api-keys-file", self.api_keys_file),
-        ):
+        )
+        for flag, value in optional:
             if value is not None:
                 argv += [flag, value]
         flags = [flag for flag, on in (("--protect-ops", self.protect_ops), ("--quic-retry", self.quic_retry)) if on]

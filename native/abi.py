@@ -29,6 +29,7 @@ __all__ = [
     "Status",
     "StepError",
     "ffi",
+    "field_offset",
     "lib",
     "struct_dtype",
 ]
@@ -58,6 +59,14 @@ def struct_dtype(name: str) -> np.dtype:
         formats.append(fmt)
         offsets.append(field.offset)
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": ffi.sizeof(ctype)})
+
+
+def field_offset(dtype: np.dtype, name: str) -> int:
+    """Byte offset of field ``name`` in a struct dtype built by :func:`struct_dtype`."""
+    fields = dtype.fields
+    if fields is None or name not in fields:
+        raise KeyError(f"{dtype} has no field {name!r}")
+    return int(fields[name][1])
 
 
 POOL_HEADER = struct_dtype("ep_pool_header")

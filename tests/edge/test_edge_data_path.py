@@ -1,0 +1,182 @@
+"""``edgepath serve`` over the chosen data path: loopback here, RDMA verbs in the soft-RoCE lane
+(``--transport verbs``) -- HTTP/3 in, echo out, every slot FREE afterwards; and the zero-copy
+promise checked on the real edge path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.edge import free_port, running_edge
+from helpers.procs import all_free
+
+from edgepath.dma.handlers import echo
+from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+from edgepath.dma.transport import Transport
+from edgepath.dpu.agent import Agent
+from edgepath.edge.client import h3_client
+from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
+from edgepath.edge.serve import ServeOptions
+from edgepath.edge.service import EdgeService
+from edgepath.edge.tls import default_certificate
+from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
+from edgepath.native.abi import REQUEST_HEADER, lib
+
+
+@pytest.mark.transport
+def test_serve_over_the_data_path(transport_name: str, transport_options: dict, new_address, tmp_path: Path) -> None:
+    address = new_address("slot-server")
+    options = ServeOptions(
+        port=free_port(),
+        slots=4,
+        frames=16,
+        input_capacity=256,
+        output_capacity=256,
+        data_path=transport_name,
+        device=transport_options.get("device"),
+        gid_index=transport_options.get("gid_index"),
+        slot_server_listen=address,
+    )
+    with running_edge(options, tmp_path) as edge:
+
+        async def main() -> list[tuple[int, str]]:
+            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
+                replies = await asyncio.gather(*(c.generate(f"over {transport_name} #{i}") for i in range(8)))
+            return [(r.status, r.json()["text"] if r.status == 200 else "") for r in replies]
+
+        answers = asyncio.run(asyncio.wait_for(main(), 120))
+        assert all(status in (200, 429) for status, _ in answers)
+        ok = [(i, text) for i, (status, text) in enumerate(answers) if status == 200]
+        assert ok and all(text == f"over {transport_name} #{i}" for i, text in ok)
+        assert all_free(address, 4, transport_name, transport_options)
+
+
+@pytest.mark.transport
+def test_verbs_data_path_without_a_listen_address_is_a_clear_error() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgepath",
+            "serve",
+            "--data-path",
+            "verbs",
+            "--handler",
+            "echo",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--slot-server-listen IP:PORT" in out.stderr
+
+
+class RecordingTokenizer:
+    """The real default tokenizer, with a record of where each call put its ids (delegation, not a mock)."""
+
+    def __init__(self, real: Tokenizer) -> None:
+        self.real = real
+        self.name, self.vocab_size = real.name, real.vocab_size
+        self.into: list[np.ndarray] = []  # the ``out`` arrays encode_into wrote into
+        self.fresh = 0  # calls that produced ids in memory of their own
+
+    def encode_into(self, text: str, out: np.ndarray) -> int:
+        self.into.append(out)
+        return self.real.encode_into(text, out)
+
+    def encode(self, text: str) -> np.ndarray:
+        self.fresh += 1
+        return self.real.encode(text)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.real.decode(ids)
+
+
+class OneAnswer:
+    """A reply that keeps the one, unstreamed answer."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.body = b""
+
+    def respond(self, response: Response) -> None:
+        self.body = response.body
+        self.done.set()
+
+    def start(self, status: int, headers: Headers) -> None:
+        raise AssertionError("not a streamed request")
+
+    def send(self, data: bytes) -> None:
+        raise AssertionError("not a streamed request")
+
+    def end(self, data: bytes) -> None:
+        raise AssertionError("not a streamed request")
+
+
+@pytest.mark.transport
+def test_the_edge_writes_token_ids_once_and_only_into_the_registered_frame(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    """The real EdgeService, the real default tokenizer (Tekken) and a real agent: every prompt's ids
+    are produced by one tokenizer call whose output array *is* the frame's token area in the agent's
+    registered requests region -- no list, no staging array, no second write."""
+    tokenizer = RecordingTokenizer(load_tokenizer())
+    address = new_address("slot-server")
+    server = SlotServer(
+        new_transport(), address, echo, SlotServerConfig(slots=4, input_capacity=256, output_capacity=256)
+    )
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    prompts = ["zero copy at the edge", "Grüße aus 東京 🚀", "one more, " * 20]
+    try:
+        agent = Agent(new_transport(), frames=4, input_capacity=256, output_capacity=256)
+        agent.attach(address)
+        registered = agent.frames_mr.buf
+
+        async def main() -> list[dict]:
+            service = EdgeService(
+                HttpCore(Limits(1 << 20, 256, 256, tokenizer.vocab_size)),
+                tokenizer,
+                agent,
+                asyncio.get_running_loop(),
+                ThreadPoolExecutor(1),
+                workers=1,
+            )
+            service.start()
+            answers: list[dict] = []
+            for prompt in prompts:
+                reply = OneAnswer()
+                body = json.dumps({"prompt": prompt}).encode()
+                service.handle(Request("POST", "/v1/generate", [], body, lib.ep_now_ns()), reply)
+                await asyncio.wait_for(reply.done.wait(), 30)
+                answers.append(json.loads(reply.body))
+            service.stop()
+            return answers
+
+        answers = asyncio.run(main())
+    finally:
+        server.stop()
+        thread.join(timeout=5)
+        server.close()
+    assert tokenizer.fresh == 0, "a generate request's ids were produced outside the frame"
+    assert len(tokenizer.into) == len(prompts), "one tokenizer write per request"
+    frame_bytes = agent.frames.request_stride
+    for out, answer, prompt in zip(tokenizer.into, answers, prompts, strict=True):
+        assert np.shares_memory(out, registered), "the tokenizer wrote outside the registered region"
+        offset = out.__array_interface__["data"][0] - registered.__array_interface__["data"][0]
+        index, within = divmod(offset, frame_bytes)
+        assert 0 <= index < 4 and within == REQUEST_HEADER.itemsize and out.shape == (256,), "not a token area"
+        expected = tokenizer.real.encode(prompt)
+        assert answer["tokens"] == expected.tolist() and answer["text"] == prompt  # echoed from the slot
+        assert answer["input_count"] == len(expected)

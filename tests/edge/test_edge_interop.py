@@ -1,0 +1,138 @@
+"""Interop with non-Python HTTP/3 stacks: libcurl's (through curl_cffi) and ngtcp2's gtlsclient."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.edge import RunningEdge, free_port, running_edge
+
+from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
+from edgepath.edge.serve import ServeOptions
+from edgepath.edge.tls import default_certificate
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
+    try:
+        load_engine(request.param)
+    except QuicEngineError as exc:
+        pytest.skip(str(exc))
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    options = ServeOptions(port=free_port(), slots=4, frames=16, quic_engine=request.param)
+    try:
+        with running_edge(options, tmp_path_factory.mktemp("edge")) as e:
+            yield e
+    finally:
+        if old is None:
+            del os.environ["XDG_STATE_HOME"]
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+
+
+def test_curl_http3(edge: RunningEdge) -> None:
+    from curl_cffi import CurlHttpVersion, requests
+
+    base = f"https://localhost:{edge.port}"
+    opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
+    tokens = requests.post(f"{base}/v1/tokenize", json={"prompt": "hello from libcurl"}, **opts)
+    generate = requests.post(f"{base}/v1/generate", json={"prompt": "hello from libcurl"}, **opts)
+    missing = requests.get(f"{base}/nope", **opts)
+    bad = requests.post(f"{base}/v1/generate", data=b"{broken", **opts)
+    health = requests.get(f"{base}/health?latency=99", **opts)
+
+    assert generate.http_version == 30  # libcurl's CURL_HTTP_VERSION_3: the exchange really was HTTP/3
+    assert generate.status_code == 200
+    assert generate.json()["tokens"] == tokens.json()["tokens"]
+    assert generate.json()["text"] == "hello from libcurl"
+    assert "doorbell;dur=" in generate.headers["server-timing"]
+    assert generate.headers["x-queue-time"].endswith("us")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_json"
+    assert health.status_code == 200 and health.json()["latency"]["samples"] >= 1
+
+
+@pytest.mark.skipif(
+    shutil.which("gtlsclient") is None,
+    reason="gtlsclient not installed: apt-get install ngtcp2-client (scripts/setup-system installs it)",
+)
+def test_ngtcp2_gtlsclient(edge: RunningEdge, tmp_path: Path) -> None:
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"prompt": "hello from ngtcp2"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    url = f"https://localhost:{edge.port}/v1/generate"
+    cmd = ["gtlsclient", "--exit-on-all-streams-close", "-m", "POST", f"--data={body}", f"--download={out}"]
+    proc = subprocess.run(
+        [*cmd, "127.0.0.1", str(edge.port), url], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = proc.stdout + proc.stderr
+    assert "[:status: 200]" in log
+    assert "[server-timing: queue;dur=" in log
+    doc = json.loads((out / "generate").read_text())
+    assert doc["text"] == "hello from ngtcp2" and doc["output_count"] == doc["input_count"] == len(doc["tokens"])
+
+
+@pytest.fixture(scope="module")
+def paced_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """A paced echo (one token every 5 ms) and a small body limit."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="paced-echo", max_body=4096)
+    try:
+        with running_edge(options, tmp_path_factory.mktemp("paced")) as e:
+            yield e
+    finally:
+        if old is None:
+            del os.environ["XDG_STATE_HOME"]
+        else:
+            os.environ["XDG_STATE_HOME"] = old
+
+
+def test_curl_http3_reads_the_413_sent_before_the_body_is_complete(paced_edge: RunningEdge) -> None:
+    """RFC 9114 §4.1: the complete 413, then STOP_SENDING with H3_NO_ERROR -- libcurl reports the
+    response, not "stream reset by server (REQUEST_CANCELLED)"."""
+    from curl_cffi import CurlHttpVersion, requests
+
+    opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
+    base = f"https://localhost:{paced_edge.port}"
+    big = json.dumps({"prompt": "x" * 200_000}).encode()  # far past --max-body 4096, more than one flow window
+    refused = requests.post(f"{base}/v1/generate", data=big, **opts)
+    assert refused.http_version == 30
+    assert refused.status_code == 413 and refused.json()["error"]["type"] == "body_too_large"
+    after = requests.post(f"{base}/v1/generate", json={"prompt": "after"}, **opts)
+    assert after.status_code == 200 and after.json()["text"] == "after"
+
+
+def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: RunningEdge) -> None:
+    from curl_cffi import CurlHttpVersion, requests
+
+    opts = {"http_version": CurlHttpVersion.V3ONLY, "verify": str(default_certificate()), "timeout": 30}
+    prompt = " ".join(f"word{i}" for i in range(40))  # ~80 tokens, 5 ms apart: a stream of several reads
+    chunks: list[bytes] = []
+    with requests.Session() as session:
+        response = session.post(
+            f"https://localhost:{paced_edge.port}/v1/generate",
+            json={"prompt": prompt, "stream": True},
+            stream=True,
+            **opts,
+        )
+        assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+        for chunk in response.iter_content():
+            chunks.append(chunk)
+        response.close()
+    data = b"".join(chunks)
+    tokens = [json.loads(line[6:])["token"] for line in data.split(b"\n") if line.startswith(b'data: {"token"')]
+    done = json.loads(data.split(b"event: done\ndata: ", 1)[1])
+    assert done["text"] == prompt and done["output_count"] == len(tokens) > 4
+    assert done["first_token_ms"] > 0
+    # the tokens came over time (paced), so libcurl read them in several pieces, the first before the end
+    assert len(chunks) > 1 and b"event: done" not in chunks[0]

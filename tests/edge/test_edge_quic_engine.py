@@ -1,0 +1,63 @@
+"""``--quic-engine``: how the engine is chosen, and its errors.  The edge's HTTP/3 behaviour on each engine is
+tested by tests/test_edge_e2e.py and tests/test_edge_interop.py, whose edge fixtures run once per engine."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+
+from edgepath.cli import build_parser
+from edgepath.config import ServeOptions
+from edgepath.edge import quic_engine
+from edgepath.edge.quic import protocol_class
+from edgepath.edge.quic_engine import QuicEngineError, load_engine
+
+
+def _qh3_or_skip() -> None:
+    try:
+        load_engine("qh3")
+    except QuicEngineError as exc:
+        pytest.skip(f"qh3 cannot be imported here: {exc}")
+
+
+def test_protocol_class_is_one_per_engine_and_recognises_that_engines_events() -> None:
+    _qh3_or_skip()
+    aio, qh3 = load_engine("aioquic"), load_engine("qh3")
+    assert protocol_class(aio) is protocol_class(aio)
+    assert issubclass(protocol_class(qh3), qh3.QuicConnectionProtocol)
+    assert not issubclass(protocol_class(qh3), aio.QuicConnectionProtocol)
+    assert qh3.HeadersReceived is not aio.HeadersReceived  # why the adapter takes names from its engine
+
+
+def test_unknown_engine_is_refused_naming_the_choices() -> None:
+    with pytest.raises(QuicEngineError, match=r"unknown QUIC engine 'quiche': choose from aioquic, qh3"):
+        load_engine("quiche")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quic-engine", "quiche"])
+    assert build_parser().parse_args(["serve"]).quic_engine == "aioquic"
+
+
+def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def no_qh3(name: str, package: str | None = None) -> Any:
+        if name.split(".")[0] == "qh3":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, package)
+
+    load_engine.cache_clear()
+    monkeypatch.setattr(quic_engine.importlib, "import_module", no_qh3)
+    try:
+        with pytest.raises(QuicEngineError, match=r"edgepath\[qh3\]"):
+            load_engine("qh3")
+    finally:
+        load_engine.cache_clear()
+
+
+def test_serve_options_check_the_engine_and_hand_it_to_every_worker() -> None:
+    argv = ServeOptions(workers=2, quic_engine="qh3").worker_argv("/tmp/slots.sock")
+    assert argv[argv.index("--quic-engine") + 1] == "qh3"
+    with pytest.raises(ValueError, match=r"quic_engine must be one of aioquic, qh3, got 'quiche'"):
+        ServeOptions(quic_engine="quiche")

@@ -1,0 +1,66 @@
+"""Helpers for the edge tests: an in-process ``edgepath serve`` on its own thread, test handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
+from edgepath.config import ServeOptions
+from edgepath.edge.serve import run
+
+
+@dataclass
+class RunningEdge:
+    options: ServeOptions
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.options.port
+
+
+@contextmanager
+def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -> Iterator[RunningEdge]:
+    """``serve`` (edge, agent, slot-server child) on a thread; stopped and joined on exit."""
+    if options.slot_server_listen is None:
+        options = replace(options, slot_server_listen=str(tmp_path / f"slots-{options.port}.sock"))
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    errors: list[BaseException] = []
+    stop_box: list[asyncio.Event] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_box.append(stop)
+        started = asyncio.Event()
+        task = asyncio.ensure_future(run(options, started, stop))
+        waiter = asyncio.ensure_future(started.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        ready.set()
+        await task
+
+    def target() -> None:
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:
+            errors.append(exc)
+            ready.set()
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=target, name=f"edge-{options.port}", daemon=True)
+    thread.start()
+    if not ready.wait(timeout) or errors:
+        raise RuntimeError(f"edge did not start: {errors}")
+    try:
+        yield RunningEdge(options, loop, thread)
+    finally:
+        if stop_box and thread.is_alive():
+            loop.call_soon_threadsafe(stop_box[0].set)
+        thread.join(timeout=30)

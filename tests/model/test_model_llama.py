@@ -1,0 +1,383 @@
+"""The llama.cpp slot handler on the real SmolLM2 GGUF: batching, in-place prompt reads, release of KV
+cells, per-slot failures and bad configuration.
+
+A numpy buffer stands in for the slot pool's registered memory: the handler only ever sees views of it,
+exactly as the slot server hands them over.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
+
+from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest, load_handler
+from edgepath.dma.wire import Sampling
+from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.model.gguf import default_model_path
+from edgepath.model.llama import LlamaHandler
+from edgepath.native.abi import Status
+
+SLOTS = 4
+IN_CAP = 256
+OUT_CAP = 64
+# One thread: with the 2 CPUs shared by other jobs, llama.cpp's OpenMP barriers stall on a descheduled
+# second thread (a step takes ~8x longer).
+OPTIONS = {"threads": "1", "ctx_per_slot": "256", "chunk": "32"}
+
+
+def chat(tok: GGUFTokenizer, user: str) -> np.ndarray:
+    """The model's chat template around one user message, as the edge tokenizes it (a 135M model
+    answers to the point with this system message; with the template's default one it rambles)."""
+    frame = np.zeros(IN_CAP, dtype=np.int32)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": user}]
+    return frame[: tok.encode_chat_into(messages, frame)]
+
+
+class Pool:
+    """Slot memory: per slot an input area and an output area, int32, like the registered pool."""
+
+    def __init__(self, slots: int = SLOTS) -> None:
+        self.inputs = np.zeros((slots, IN_CAP), dtype=np.int32)
+        self.outputs = np.zeros((slots, OUT_CAP), dtype=np.int32)
+
+    def request(
+        self, slot: int, prompt: np.ndarray, max_new: int = OUT_CAP, sampling: Sampling | None = None
+    ) -> SlotRequest:
+        self.inputs[slot, : len(prompt)] = prompt
+        return SlotRequest(
+            slot=slot,
+            request_id=1000 + slot,
+            max_new_tokens=max_new,
+            flags=0,
+            tokens=self.inputs[slot, : len(prompt)],
+            output=self.outputs[slot, :max_new],
+            sampling=sampling or Sampling(),
+        )
+
+
+def drive(handler: LlamaHandler, max_steps: int = 400) -> dict[int, Emit]:
+    """Step until nothing runs (bounded); the final Emit per slot."""
+    final: dict[int, Emit] = {}
+    for _ in range(max_steps):
+        if handler.wake_in(0.0) is None:
+            return final
+        for emit in handler.step(0.0):
+            if emit.status is not None:
+                final[emit.slot] = emit
+    raise AssertionError(f"handler still running after {max_steps} steps")
+
+
+@pytest.fixture(scope="module")
+def tok() -> GGUFTokenizer:
+    return GGUFTokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def handler():
+    h = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, dict(OPTIONS)))
+    yield h
+    h.close()
+
+
+def text_of(tok: GGUFTokenizer, pool: Pool, emit: Emit) -> str:
+    return tok.decode(pool.outputs[emit.slot, : emit.count])
+
+
+def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:
+    h = load_handler("llama", HandlerConfig(2, IN_CAP, OUT_CAP, dict(OPTIONS)))
+    try:
+        assert isinstance(h, LlamaHandler)
+        pool = Pool(2)
+        assert h.add(pool.request(0, chat(tok, "What is the capital of France?"), 24), 0.0) == []
+        final = drive(h)
+        assert final[0].status in (Status.STOP, Status.LENGTH)
+        assert "Paris" in text_of(tok, pool, final[0])
+    finally:
+        h.close()
+
+
+def test_eog_stops_without_being_written(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    handler.add(pool.request(0, chat(tok, "What is 2+2? Answer with a number only."), OUT_CAP), 0.0)
+    final = drive(handler)
+    assert final[0].status == Status.STOP
+    assert 0 < final[0].count < OUT_CAP
+    written = pool.outputs[0, : final[0].count]
+    eog = [t for t in written.tolist() if handler._lib.llama_vocab_is_eog(handler._vocab, t)]
+    assert eog == []
+    assert handler.kv_positions(0) == 0
+
+
+def test_length_when_output_is_full(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    handler.add(pool.request(1, chat(tok, "Write a long story about a dragon."), 3), 0.0)
+    final = drive(handler)
+    assert final[1] == Emit(1, 3, Status.LENGTH)
+    assert handler.kv_positions(1) == 0
+
+
+def test_progress_is_reported_per_step_and_never_goes_back(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    for slot in range(SLOTS):
+        handler.add(pool.request(slot, chat(tok, f"Count to {slot + 3}."), 12), 0.0)
+    seen: dict[int, list[int]] = {slot: [] for slot in range(SLOTS)}
+    for _ in range(200):
+        if handler.wake_in(0.0) is None:
+            break
+        step = handler.step(0.0)
+        assert len({e.slot for e in step}) == len(step)  # at most one report per slot per step
+        for emit in step:
+            seen[emit.slot].append(emit.count)
+    for counts in seen.values():
+        assert counts == sorted(counts) and counts[-1] >= 1
+
+
+def test_batched_greedy_matches_each_prompt_alone(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    prompts = [chat(tok, q) for q in ("Name a fruit.", "What is 2+2?", "Name a color.", "Say yes.")]
+    alone = []
+    for prompt in prompts:
+        pool = Pool()
+        handler.add(pool.request(0, prompt, 8), 0.0)
+        final = drive(handler)
+        alone.append(pool.outputs[0, : final[0].count].tolist())
+    pool = Pool()
+    for slot, prompt in enumerate(prompts):
+        handler.add(pool.request(slot, prompt, 8), 0.0)
+    final = drive(handler)
+    together = [pool.outputs[slot, : final[slot].count].tolist() for slot in range(SLOTS)]
+    # The first tokens agree exactly; later ones may differ by float rounding across batch shapes.
+    assert [t[:2] for t in together] == [a[:2] for a in alone]
+
+
+def test_lone_prompt_is_decoded_straight_from_slot_memory(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    handler.add(pool.request(2, chat(tok, "Hi"), 2), 0.0)
+    handler.step(0.0)
+    start = pool.inputs[2].ctypes.data
+    assert start <= handler.last_token_pointer < start + pool.inputs[2].nbytes
+    drive(handler)
+
+
+def test_mixed_batch_reads_the_prompt_from_the_slot_when_it_decodes_it(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    """Slot 1's prompt is overwritten in slot memory after add() but before it is decoded: the model
+    answers the new prompt, so nothing was copied at add() time."""
+    first = chat(tok, "What is the capital of France?")
+    second = chat(tok, "What is the capital of Japan?")
+    assert len(first) == len(second)
+
+    def run(prompt: np.ndarray, overwrite: np.ndarray | None) -> list[int]:
+        pool = Pool()
+        handler.add(pool.request(0, chat(tok, "Tell me a joke."), 30), 0.0)
+        handler.step(0.0)  # slot 0 is decoding from here on
+        handler.add(pool.request(1, prompt, 6), 0.0)
+        if overwrite is not None:
+            pool.inputs[1, : len(overwrite)] = overwrite
+        handler.step(0.0)
+        assert handler.last_token_pointer == handler._tokens.ctypes.data  # a mixed batch
+        final = drive(handler)
+        return pool.outputs[1, : final[1].count].tolist()
+
+    france, japan = run(first, None), run(second, None)
+    assert france != japan
+    assert "Paris" in tok.decode(np.array(france)) and "Tokyo" in tok.decode(np.array(japan))
+    assert run(first, overwrite=second) == japan
+
+
+def test_cancel_clears_the_sequence_and_others_keep_running(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    handler.add(pool.request(0, chat(tok, "Tell me about the sea."), 40), 0.0)
+    handler.add(pool.request(3, chat(tok, "Tell me about the sky."), 40), 0.0)
+    for _ in range(6):
+        handler.step(0.0)
+    held = handler.kv_positions(3)
+    assert held > 0
+    assert handler.cancel(3) is True
+    assert handler.kv_positions(3) == 0
+    assert handler.kv_positions(0) > 0
+    final = drive(handler)
+    assert set(final) == {0} and final[0].count > 0
+
+
+def test_bad_token_id_fails_that_slot_only(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    good = chat(tok, "Name an animal.")
+    bad = good.copy()
+    bad[3] = handler.n_vocab + 7
+    handler.add(pool.request(0, good, 5), 0.0)
+    handler.add(pool.request(1, bad, 5), 0.0)
+    final = drive(handler)
+    assert final[1] == Emit(1, 0, Status.BAD_REQUEST)
+    assert final[0].status in (Status.LENGTH, Status.STOP) and final[0].count > 0
+    assert handler.kv_positions(1) == 0
+
+
+class FailingDecode:
+    """llama_cpp with ``llama_decode`` failing once (as it does on an out-of-memory compute buffer):
+    isolates the handler's error path; everything else is the real library."""
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+        self.failed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def llama_decode(self, ctx: object, batch: object) -> int:
+        if not self.failed:
+            self.failed = True
+            return -3
+        return self._lib.llama_decode(ctx, batch)
+
+
+def test_model_error_fails_the_batch_slots_and_the_handler_keeps_serving(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    pool = Pool()
+    handler.add(pool.request(0, chat(tok, "Name a fruit."), 4), 0.0)
+    handler.step(0.0)
+    handler.add(pool.request(1, chat(tok, "Name a tree."), 4), 0.0)
+    real = handler._lib
+    handler._lib = FailingDecode(real)
+    try:
+        final = {e.slot: e for e in handler.step(0.0)}
+    finally:
+        handler._lib = real
+    assert final[0].status == Status.HANDLER_ERROR and final[0].count == 1
+    assert final[1] == Emit(1, 0, Status.HANDLER_ERROR)
+    assert handler.running == 0 and handler.kv_positions(0) == handler.kv_positions(1) == 0
+    handler.add(pool.request(1, chat(tok, "What is the capital of France?"), 12), 0.0)
+    assert "Paris" in text_of(tok, pool, drive(handler)[1])
+
+
+def test_prompt_longer_than_the_slot_context_is_refused(tok: GGUFTokenizer) -> None:
+    config = HandlerConfig(1, 64, 8, {"ctx_per_slot": "32", "threads": "1"})
+    assert LlamaHandler.max_prompt_tokens(config) == 32
+    assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 16, 8, {"ctx_per_slot": "32"})) == 16
+    assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 300, 100, {})) == 300  # default: input + output
+    h = LlamaHandler.from_config(config)
+    try:
+        inputs = np.full(64, 42, dtype=np.int32)
+        outputs = np.zeros(8, dtype=np.int32)
+        too_long = SlotRequest(0, 1, 8, 0, inputs[:33], outputs)
+        assert h.add(too_long, 0.0) == [Emit(0, 0, Status.BAD_REQUEST)]
+        fits = SlotRequest(0, 2, 8, 0, inputs[:30], outputs)
+        assert h.add(fits, 0.0) == []
+        final = drive(h)
+        # 30 prompt positions + at most 3 outputs (the last one is never decoded): 32 positions used.
+        assert final[0] == Emit(0, 3, Status.LENGTH)
+    finally:
+        h.close()
+
+
+def test_max_new_tokens_zero_is_answered_at_once(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    pool = Pool()
+    assert handler.add(pool.request(0, chat(tok, "Hi"), 0), 0.0) == [Emit(0, 0, Status.LENGTH)]
+    assert handler.wake_in(0.0) is None
+
+
+def test_sampling_is_seeded_per_slot(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    prompt = chat(tok, "Write one word.")
+
+    def sample(seed: int) -> list[int]:
+        pool = Pool()
+        handler.add(pool.request(0, prompt, 10, Sampling(temperature=1.5, top_p=0.95, top_k=50, seed=seed)), 0.0)
+        final = drive(handler)
+        return pool.outputs[0, : final[0].count].tolist()
+
+    assert sample(7) == sample(7)
+    assert len({tuple(sample(seed)) for seed in range(1, 6)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"modle": "x.gguf"}, "unknown option(s) ['modle']; allowed: model="),
+        ({"threads": "two"}, "threads must be an integer, got 'two'"),
+        ({"ctx_per_slot": "8"}, "ctx_per_slot must be >= 16, got 8"),
+        ({"batch": "1"}, "batch must be >= 2, got 1"),
+    ],
+)
+def test_bad_options_name_what_is_allowed(options: dict[str, str], message: str) -> None:
+    with pytest.raises(HandlerError) as err:
+        LlamaHandler.from_config(HandlerConfig(1, 16, 16, options))
+    assert message in str(err.value)
+
+
+def test_missing_model_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(HandlerError, match=f"model file {path} does not exist"):
+        LlamaHandler.from_config(HandlerConfig(1, 16, 16, {"model": str(path)}))
+
+
+def test_non_gguf_file_names_the_path_and_magic(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 not a model")
+    with pytest.raises(HandlerError, match="is not a GGUF file"):
+        LlamaHandler.from_config(HandlerConfig(1, 16, 16, {"model": str(path)}))
+
+
+def test_truncated_gguf_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "truncated.gguf"
+    with default_model_path().open("rb") as f:
+        path.write_bytes(f.read(1 << 16))
+    with pytest.raises(HandlerError, match=f"model file {path} is corrupt or unsupported"):
+        LlamaHandler.from_config(HandlerConfig(1, 16, 16, {"model": str(path)}))
+
+
+def test_batch_must_leave_room_for_prompts() -> None:
+    with pytest.raises(HandlerError, match=r"batch must be > slots \(4\).*got 4"):
+        LlamaHandler.from_config(HandlerConfig(4, 16, 16, {"batch": "4"}))
+
+
+def test_too_many_slots_for_llama_cpp() -> None:
+    with pytest.raises(HandlerError, match="slots must be between 1 and 256"):
+        LlamaHandler.from_config(HandlerConfig(300, 16, 16, {}))
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_memory_flat_over_thousands_of_short_requests(tok: GGUFTokenizer) -> None:
+    slots = 8
+    handler = LlamaHandler.from_config(HandlerConfig(slots, 32, 2, {"threads": "1", "ctx_per_slot": "32"}))
+    inputs = np.zeros((slots, 32), dtype=np.int32)
+    outputs = np.zeros((slots, 2), dtype=np.int32)
+    prompt = tok.encode("Hi there")
+
+    def serve(n: int) -> None:
+        started = 0
+        free = list(range(slots))
+        for _ in range(10 * n):
+            while free and started < n:
+                slot = free.pop()
+                inputs[slot, : len(prompt)] = prompt
+                request = SlotRequest(slot, started, 2, 0, inputs[slot, : len(prompt)], outputs[slot])
+                free.extend(emit.slot for emit in handler.add(request, 0.0))
+                started += 1
+            if handler.wake_in(0.0) is None:
+                if started == n:
+                    return
+                continue
+            free.extend(e.slot for e in handler.step(0.0) if e.status is not None)
+        raise AssertionError(f"{n} requests not served in {10 * n} steps")
+
+    try:
+        serve(200)  # warm up: allocator pools and llama.cpp's graph buffers reach their size
+        before = rss_bytes()
+        serve(2000)
+        grown = rss_bytes() - before
+        assert grown < 8 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 2000 requests"
+        assert all(handler.kv_positions(slot) == 0 for slot in range(slots))
+    finally:
+        handler.close()
