@@ -9,7 +9,9 @@ NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
 
 .PHONY: run demo test test-fast lint build bench clean
 
-$(STAMP): pyproject.toml scripts/setup-system
+# The editable install builds the cffi extensions too (setup.py); $(NATIVE) rebuilds them in place
+# when a C source changes, without reinstalling.
+$(STAMP): pyproject.toml setup.py scripts/setup-system
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -46,4 +48,4 @@ lint: build
 	scripts/typecheck
 
 clean:
-	rm -rf $(VENV) $(NATIVE) native/_core*.so native/_verbs*.so
+	rm -rf $(VENV) $(NATIVE) native/_core*.so native/_verbs*.so build edgepath.egg-info

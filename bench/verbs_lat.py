@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.transport import Access
-from edgepath.dma.transports import make_transport
+from edgepath.dma.transport import Access, make_transport
 
 
 def _stats(samples: list[int]) -> dict[str, float]:

@@ -8,6 +8,11 @@ management (the rdma_cm role) is a Unix ``SOCK_SEQPACKET`` socket: each side
 sends the descriptors of the regions it exports, and nothing else, so a peer can
 only ever touch exported memory, with the access it was granted.  The socket
 stays open; its EOF is the disconnect event.
+
+Caller-owned memory (``register(..., buffer=)``) is registered in place.  It can
+be exported only when it lies inside memory this process got from a loopback
+registration (it is then shared through that memfd, at its offset): any other
+memory has no descriptor a peer could map, so exporting it is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import mmap
 import os
 import socket
+import weakref
 from typing import Any
 
 import numpy as np
@@ -34,6 +40,7 @@ from edgepath.dma.transport import (
     TransferCounters,
     Transport,
     TransportError,
+    check_buffer,
 )
 from edgepath.native.abi import ffi, lib
 
@@ -45,42 +52,72 @@ _MAX_FDS = 64
 _ATOMIC, _WRITE, _READ = int(Access.REMOTE_ATOMIC), int(Access.REMOTE_WRITE), int(Access.REMOTE_READ)
 
 
-def _map_fd(fd: int, length: int, writable: bool) -> mmap.mmap:
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=prot)
-
-
 class _Mapping:
-    """A shared mapping plus the cffi pointer the C primitives use."""
+    """A shared mapping of ``length`` bytes at ``offset`` of ``fd``, plus the cffi pointer the C
+    primitives use (mmap itself needs a page-aligned offset: the slack before is mapped, not shown)."""
 
-    def __init__(self, fd: int, length: int, writable: bool = True) -> None:
+    def __init__(self, fd: int, length: int, writable: bool = True, offset: int = 0) -> None:
         self.length = length
-        self.mm = _map_fd(fd, length, writable)
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
-        self.ptr = ffi.cast("char *", ffi.from_buffer(self.mm))
-
-    def close(self) -> None:
-        self.ptr = None
-        self.array = None
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.mm = mmap.mmap(fd, length + offset - start, flags=mmap.MAP_SHARED, prot=prot, offset=start)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset - start)
+        self.ptr = ffi.cast("char *", ffi.from_buffer(self.mm)) + (offset - start)
 
 
 class LoopbackRegion(MemoryRegion):
-    """A memfd-backed registered region."""
+    """A registered region: ``fd`` and ``offset`` say where peers map it (``fd`` is None for
+    caller-owned memory that is not shared memory: usable locally, never exported)."""
 
-    def __init__(self, name: str, length: int, access: Access) -> None:
-        self.fd = os.memfd_create(f"edgepath-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, length)
-        self._map = _Mapping(self.fd, length)
-        self.ptr = self._map.ptr
-        super().__init__(name=name, buf=self._map.array, access=access)
+    def __init__(self, name: str, buf: np.ndarray, access: Access, fd: int | None, offset: int = 0) -> None:
+        super().__init__(name=name, buf=buf, access=access)
+        self.fd = fd
+        self.offset = offset
+        self.ptr = ffi.cast("char *", ffi.from_buffer(buf))
+        self._map: _Mapping | None = None
+
+    @classmethod
+    def allocate(cls, name: str, length: int, access: Access) -> LoopbackRegion:
+        """Fresh shared memory: a memfd of ``length`` bytes, mapped here."""
+        fd = os.memfd_create(f"edgepath-{name}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, length)
+        mapping = _Mapping(fd, length)
+        region = cls(name, mapping.array, access, fd)
+        region._map = mapping
+        _SHARED.add(region)
+        return region
+
+    @classmethod
+    def wrap(cls, name: str, buffer: np.ndarray, access: Access) -> LoopbackRegion:
+        """``buffer`` in place, shared through the memfd of the loopback region it lies in, if any."""
+        start = int(buffer.ctypes.data)
+        for owner in list(_SHARED):
+            base = int(owner.buf.ctypes.data)
+            if owner.fd is not None and base <= start and start + buffer.nbytes <= base + owner.buf.nbytes:
+                return cls(name, buffer, access, os.dup(owner.fd), owner.offset + start - base)
+        return cls(name, buffer, access, None)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "length": self.buf.nbytes, "access": int(self.access)}
+        return {"name": self.name, "length": self.buf.nbytes, "access": int(self.access), "offset": self.offset}
+
+    def export_fd(self) -> int:
+        """The descriptor a peer maps this region by; refuses memory that has none."""
+        if self.fd is None:
+            raise TransportError(
+                f"region {self.name!r} wraps caller memory that is not loopback shared memory, so no peer can "
+                "map it: register it without buffer=, or with a view of a loopback-registered region"
+            )
+        return self.fd
 
     def close(self) -> None:
-        os.close(self.fd)
+        _SHARED.discard(self)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# Live regions that own shared memory: where register(buffer=) looks for a memfd to export by.
+_SHARED: weakref.WeakSet[LoopbackRegion] = weakref.WeakSet()
 
 
 class LoopbackCQ(CompletionQueue):
@@ -186,7 +223,7 @@ class LoopbackConnection(Connection):
         for desc, fd in zip(message["exports"], fds[2:], strict=True):
             access = Access(int(desc["access"]))
             writable = bool(access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
-            mapping = _Mapping(fd, int(desc["length"]), writable)
+            mapping = _Mapping(fd, int(desc["length"]), writable, int(desc.get("offset", 0)))
             os.close(fd)
             self._maps.append(mapping)
             self.remote[desc["name"]] = RemoteRegion(desc["name"], int(desc["length"]), access, mapping)
@@ -209,8 +246,7 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
-        lib.ep_copy(remote.handle.ptr + remote_offset, local.ptr + local_offset, length)
+        lib.ep_copy(remote.handle.ptr + remote_offset, _local(local, local_offset, length), length)
         self.counters.writes += 1
         self.counters.bytes_written += length
 
@@ -225,10 +261,9 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _WRITE)
-        _check_local(local, local_offset, length)
         rc = lib.ep_write_imm(
             remote.handle.ptr + remote_offset,
-            local.ptr + local_offset,
+            _local(local, local_offset, length),
             length,
             self._peer_cq.ptr,
             self._tag | (imm & 0xFFFFFFFF),
@@ -244,10 +279,15 @@ class LoopbackConnection(Connection):
     ) -> None:
         self._live()
         remote.check(remote_offset, length, _READ)
-        _check_local(local, local_offset, length)
-        lib.ep_copy(local.ptr + local_offset, remote.handle.ptr + remote_offset, length)
+        lib.ep_copy(_local(local, local_offset, length), remote.handle.ptr + remote_offset, length)
         self.counters.reads += 1
         self.counters.bytes_read += length
+
+    def local_view(self, remote: RemoteRegion) -> np.ndarray:
+        self._live()
+        if self.remote.get(remote.name) is not remote:
+            raise TransportError(f"remote region {remote.name!r} does not belong to connection {self.conn_id}")
+        return remote.handle.array
 
     # -- management ------------------------------------------------------------
     def fileno(self) -> int:
@@ -266,10 +306,6 @@ class LoopbackConnection(Connection):
             self._alive = False
         return self._alive
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
     def close(self) -> None:
         if self.sock.fileno() < 0:
             return
@@ -279,11 +315,15 @@ class LoopbackConnection(Connection):
         self.transport._forget(self)
 
 
-def _check_local(local: MemoryRegion, offset: int, length: int) -> None:
+def _local(local: MemoryRegion, offset: int, length: int) -> Any:
+    """The C pointer to ``[offset, offset+length)`` of a region registered with this transport."""
+    if not isinstance(local, LoopbackRegion):
+        raise TransportError(f"region {local.name!r} was not registered with the loopback transport")
     if offset < 0 or length < 0 or offset + length > local.buf.nbytes:
         raise TransportError(
             f"local access [{offset}, {offset + length}) outside region {local.name!r} of {local.buf.nbytes} bytes"
         )
+    return local.ptr + offset
 
 
 class LoopbackListener(Listener):
@@ -356,7 +396,7 @@ class LoopbackTransport(Transport):
     name = "loopback"
 
     def __init__(self, cq_capacity: int = DEFAULT_CQ_CAPACITY) -> None:
-        self.cq = LoopbackCQ(cq_capacity)
+        self.cq: LoopbackCQ = LoopbackCQ(cq_capacity)
         self._ids = itertools.count(1)
         self.connections: dict[int, LoopbackConnection] = {}
         self._regions: list[LoopbackRegion] = []
@@ -370,10 +410,14 @@ class LoopbackTransport(Transport):
     def _forget(self, conn: LoopbackConnection) -> None:
         self.connections.pop(conn.conn_id, None)
 
-    def register(self, name: str, length: int, access: Access) -> LoopbackRegion:
-        if length <= 0:
-            raise ValueError(f"region {name!r}: length must be positive, got {length}")
-        region = LoopbackRegion(name, length, access)
+    def register(self, name: str, length: int, access: Access, buffer: np.ndarray | None = None) -> LoopbackRegion:
+        if buffer is None:
+            if length <= 0:
+                raise ValueError(f"region {name!r}: length must be positive, got {length}")
+            region = LoopbackRegion.allocate(name, length, access)
+        else:
+            check_buffer(name, length, buffer)
+            region = LoopbackRegion.wrap(name, buffer, access)
         self._regions.append(region)
         return region
 
@@ -389,7 +433,7 @@ class LoopbackTransport(Transport):
         }
 
     def _hello_fds(self, exports: list[LoopbackRegion]) -> list[int]:
-        return [self.cq.mem_fd, self.cq.event_fd, *(r.fd for r in exports)]
+        return [self.cq.mem_fd, self.cq.event_fd, *(r.export_fd() for r in exports)]
 
     def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> LoopbackListener:
         return LoopbackListener(self, address, _own(exports), info)
@@ -426,7 +470,10 @@ class LoopbackTransport(Transport):
 
 
 def _own(exports: list[MemoryRegion]) -> list[LoopbackRegion]:
+    owned = []
     for region in exports:
         if not isinstance(region, LoopbackRegion):
             raise TransportError(f"region {region.name!r} was not registered with the loopback transport")
-    return list(exports)  # type: ignore[arg-type]
+        region.export_fd()
+        owned.append(region)
+    return owned

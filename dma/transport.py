@@ -57,7 +57,11 @@ class MemoryRegion:
 
 @dataclass(eq=False)
 class RemoteRegion:
-    """A peer's exported region as this side sees it: a name, a length, the access granted."""
+    """A peer's exported region as this side sees it: a name, a length, the access granted.
+
+    ``handle`` is the transport's own reference to the peer memory (a mapping on loopback, an
+    address and rkey on verbs): only the transport that made it reads it; callers go through the
+    :class:`Connection` operations or :meth:`Connection.local_view`."""
 
     name: str
     length: int
@@ -148,6 +152,13 @@ class Connection(abc.ABC):
         self.write_with_imm(local, bell_offset, remote, bell_remote_offset, bell_length, imm)
 
     @abc.abstractmethod
+    def local_view(self, remote: RemoteRegion) -> np.ndarray:
+        """All of ``remote`` as local uint8 memory, read-only unless the region grants REMOTE_WRITE or
+        REMOTE_ATOMIC: what a peer on the same machine reads without a round trip (an edge reading
+        its replies).  Raises TransportUnavailable where peer memory cannot be mapped (verbs: use
+        :meth:`read`)."""
+
+    @abc.abstractmethod
     def fileno(self) -> int:
         """A descriptor that turns readable when the connection has a management event."""
 
@@ -156,7 +167,9 @@ class Connection(abc.ABC):
         """Handle pending management events; False once the peer has gone."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Disconnect (the peer sees it through :meth:`check_alive`) and release the connection's
+        resources; its remote regions and local views must not be used afterwards.  Idempotent."""
 
 
 class CompletionQueue(abc.ABC):
@@ -181,6 +194,10 @@ class CompletionQueue(abc.ABC):
         and consume the pending one. True if completions are already waiting: poll again
         before sleeping, or one may be missed."""
 
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the queue; :meth:`Transport.close` calls it."""
+
 
 Admit = Callable[["Connection"], dict[str, Any]]
 
@@ -196,10 +213,12 @@ class Listener(abc.ABC):
         data does), and raising ValueError from it refuses the peer."""
 
     @abc.abstractmethod
-    def fileno(self) -> int: ...
+    def fileno(self) -> int:
+        """A descriptor that turns readable when a peer is waiting to be accepted."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop listening; connections already accepted stay up."""
 
 
 class Transport(abc.ABC):
@@ -209,16 +228,55 @@ class Transport(abc.ABC):
     cq: CompletionQueue
 
     @abc.abstractmethod
-    def register(self, name: str, length: int, access: Access) -> MemoryRegion:
-        """Allocate and register ``length`` bytes that peers may access as ``access`` allows."""
+    def register(self, name: str, length: int, access: Access, buffer: np.ndarray | None = None) -> MemoryRegion:
+        """Register ``length`` bytes that peers may access as ``access`` allows: freshly allocated,
+        or ``buffer`` (``length`` contiguous uint8 bytes owned by the caller, e.g. frames shared with
+        edges) in place, so that what the caller writes there is what peers see, with no copy.  A
+        transport raises TransportError where it cannot export such memory (see its docstring)."""
 
     @abc.abstractmethod
-    def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> Listener: ...
+    def listen(self, address: str, exports: list[MemoryRegion], info: dict[str, Any]) -> Listener:
+        """Accept connections at ``address``; each peer learns ``exports`` and ``info``."""
 
     @abc.abstractmethod
     def connect(
         self, address: str, exports: list[MemoryRegion], info: dict[str, Any], timeout: float = 5.0
-    ) -> Connection: ...
+    ) -> Connection:
+        """Connect to a listener; returns once the peer has admitted this side."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close every connection, listener, region and the completion queue of this endpoint."""
+
+
+def check_buffer(name: str, length: int, buffer: np.ndarray) -> None:
+    """Raise unless ``buffer`` can be registered in place as ``length`` bytes."""
+    if length <= 0:
+        raise ValueError(f"region {name!r}: length must be positive, got {length}")
+    if buffer.dtype != np.uint8 or buffer.nbytes != length or not buffer.flags.c_contiguous:
+        raise ValueError(
+            f"region {name!r}: buffer must be {length} C-contiguous uint8 bytes, got {buffer.nbytes} bytes "
+            f"of {buffer.dtype}{'' if buffer.flags.c_contiguous else ', not contiguous'}"
+        )
+
+
+#: The transports :func:`make_transport` knows, as ``--data-path`` names them.
+TRANSPORTS = ("loopback", "verbs")
+
+
+def make_transport(name: str, **options: Any) -> Transport:
+    """A transport endpoint by name; raises TransportUnavailable naming the alternative when it
+    cannot be had (never a silent fallback to another transport)."""
+    if name == "loopback":
+        from edgepath.dma.loopback import LoopbackTransport
+
+        return LoopbackTransport(**options)
+    if name == "verbs":
+        try:
+            from edgepath.dma.verbs import VerbsTransport
+        except ImportError as exc:
+            raise TransportUnavailable(
+                f"verbs transport: not available in this build ({exc}); use --data-path loopback"
+            ) from exc
+        return VerbsTransport(**options)
+    raise ValueError(f"unknown transport {name!r}: choose one of {', '.join(TRANSPORTS)}")

@@ -30,8 +30,7 @@ log = logging.getLogger("edgepath")
 def data_path_transport(data_path: DataPath) -> Transport:
     """A transport endpoint for the agent <-> slot-server link; when it cannot be had, an error that
     names the flags that chose it."""
-    from edgepath.dma.transport import TransportUnavailable
-    from edgepath.dma.transports import make_transport
+    from edgepath.dma.transport import TransportUnavailable, make_transport
 
     try:
         return make_transport(data_path.kind, **data_path.options())

@@ -1,10 +1,13 @@
-"""Build the cffi extension ``edgepath.native._core`` from the C sources in this folder.
+"""Build the cffi extensions ``edgepath.native._core`` (and ``_verbs``) from the C sources here.
 
 The cdef is cut out of the headers themselves (between the CDEF markers), so the
 Python view of the slot ABI cannot drift from the C one: cffi's API mode checks
 every declared struct field against the compiler's layout at build time.
 
-Run ``python -m edgepath.native.build`` (the Makefile does) after changing a C file.
+Two ways in, one definition: the build backend (setuptools, through ``setup.py``'s
+``cffi_modules``, see :func:`cffi_modules`) compiles them into every wheel and
+``pip install``; ``python -m edgepath.native.build`` (the Makefile runs it) rebuilds
+them in place, under the same file names, after a C file changes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ VERBS_HEADERS = ("edgepath_verbs.h",)
 VERBS_SOURCES = ("edgepath_verbs.c",)
 VERBS_MODULE = "edgepath.native._verbs"
 VERBS_NEEDS = ("/usr/include/infiniband/verbs.h", "/usr/include/rdma/rdma_cma.h")
+# Both ways of building give the extension the interpreter-specific name (_core.cpython-311-...so),
+# so the in-place rebuild replaces the one the editable install made instead of being shadowed by it.
+_COMMON = {"extra_compile_args": ["-O2", "-std=gnu11", "-Wall", "-Wextra"], "py_limited_api": False}
 _CDEF = re.compile(r"/\* CDEF-BEGIN \*/(.*?)/\* CDEF-END \*/", re.S)
+# setuptools insists on source paths relative to setup.py's folder (cffi runs this file there, as
+# module __cffi__); the in-place build compiles in a temporary folder, so it needs absolute ones.
+_FOR_SETUPTOOLS = __name__ == "__cffi__"
+
+
+def _sources(names: tuple[str, ...]) -> list[str]:
+    return [f"{HERE.name}/{s}" if _FOR_SETUPTOOLS else str(HERE / s) for s in names]
 
 
 def cdef_text(headers: tuple[str, ...] = HEADERS) -> str:
@@ -47,9 +60,9 @@ def make_ffi() -> cffi.FFI:
     ffi.set_source(
         MODULE,
         '#include "edgepath_core.h"\n',
-        sources=[str(HERE / s) for s in SOURCES],
+        sources=_sources(SOURCES),
         include_dirs=[str(HERE)],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+        **_COMMON,
     )
     return ffi
 
@@ -60,12 +73,36 @@ def make_verbs_ffi() -> cffi.FFI:
     ffi.set_source(
         VERBS_MODULE,
         '#include "edgepath_verbs.h"\n',
-        sources=[str(HERE / s) for s in VERBS_SOURCES],
+        sources=_sources(VERBS_SOURCES),
         include_dirs=[str(HERE)],
         libraries=["ibverbs", "rdmacm"],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+        **_COMMON,
     )
     return ffi
+
+
+def verbs_headers_missing() -> list[str]:
+    """The rdma-core headers the verbs extension needs that this machine lacks."""
+    return [h for h in VERBS_NEEDS if not Path(h).exists()]
+
+
+def _skip_verbs_notice(missing: list[str]) -> str:
+    return (
+        f"not building {VERBS_MODULE}: {', '.join(missing)} missing "
+        "(apt-get install libibverbs-dev librdmacm-dev); --data-path verbs will refuse to start"
+    )
+
+
+def cffi_modules(build_file: str) -> list[str]:
+    """setuptools' ``cffi_modules`` for ``build_file`` (this file, relative to setup.py): the core
+    extension always, the verbs one where rdma-core's headers exist (said out loud where not)."""
+    modules = [f"{build_file}:make_ffi"]
+    missing = verbs_headers_missing()
+    if missing:
+        print(_skip_verbs_notice(missing), file=sys.stderr)
+    else:
+        modules.append(f"{build_file}:make_verbs_ffi")
+    return modules
 
 
 def _compile(ffi: cffi.FFI) -> Path:
@@ -83,13 +120,9 @@ def build() -> Path:
 
 def build_verbs() -> Path | None:
     """The verbs extension, or None (said out loud) where the rdma-core headers are missing."""
-    missing = [h for h in VERBS_NEEDS if not Path(h).exists()]
+    missing = verbs_headers_missing()
     if missing:
-        print(
-            f"not building {VERBS_MODULE}: {', '.join(missing)} missing "
-            "(apt-get install libibverbs-dev librdmacm-dev); --transport verbs will refuse to start",
-            file=sys.stderr,
-        )
+        print(_skip_verbs_notice(missing), file=sys.stderr)
         return None
     return _compile(make_verbs_ffi())
 

@@ -284,7 +284,9 @@ def test_verbs_registers_device_memory_at_the_mrs_own_addresses(monkeypatch: pyt
     """A dma-buf MR's address space starts at its iova (pyverbs: its offset into the dma-buf); an
     nvidia-peermem MR's at the device pointer. Peers and local work requests must name those."""
     verbs = pytest.importorskip("edgepath.dma.verbs", reason="the verbs extension is not built here")
-    monkeypatch.setattr(verbs, "_ibv_access", lambda access: int(access) << 4)
+    from edgepath.dma import verbs_datapath
+
+    monkeypatch.setattr(verbs, "ibv_access", lambda access: int(access) << 4)
     transport = object.__new__(verbs.VerbsTransport)
     transport.pd, transport.qp_access, transport._regions = "pd", 0, []
     for how, addr in (("dma-buf", 0x40), ("nvidia-peermem", 0x7F00_0000_0000)):
@@ -305,9 +307,9 @@ def test_verbs_registers_device_memory_at_the_mrs_own_addresses(monkeypatch: pyt
             "addr": addr,
             "rkey": 22,
         }
-        assert verbs._local(region, 4000, 96) == (addr + 4000, 11)
-        with pytest.raises(verbs.TransportError, match="outside region 'pool' of 4096 bytes"):
-            verbs._local(region, 4000, 97)
+        assert verbs_datapath._local(region, 4000, 96) == (addr + 4000, 11)
+        with pytest.raises(verbs_datapath.TransportError, match="outside region 'pool' of 4096 bytes"):
+            verbs_datapath._local(region, 4000, 97)
         assert region.buf.nbytes == 0  # the host has no view of device memory
     assert len(transport._regions) == 2
 

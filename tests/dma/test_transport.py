@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError
+from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError, TransportUnavailable
 
 pytestmark = pytest.mark.transport
 
@@ -184,3 +184,92 @@ def test_closing_one_side_is_seen_by_the_other(pair: Pair) -> None:
     assert not pair.s_conn.check_alive()
     with pytest.raises(TransportError):
         pair.c_conn.write(pair.local, 0, pair.c_conn.remote["pool"], 0, 8)
+
+
+def _connect_to(
+    server: Transport, client: Transport, address: str, exports: list[MemoryRegion]
+) -> tuple[Any, Connection]:
+    listener = server.listen(address, exports, {})
+    box = _accept_in_thread(listener)
+    c_conn = client.connect(listener.address, [], {}, timeout=10.0)
+    box["thread"].join(10.0)
+    assert "error" not in box, box.get("error")
+    return listener, c_conn
+
+
+def test_a_caller_owned_buffer_is_registered_in_place_and_exported(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    server, client = new_transport(), new_transport()
+    owner = server.register("owner", 2 * SIZE, Access.NONE)
+    # An unaligned slice of memory registered with the transport: what the agent does with the frames
+    # its edges share (registered once for the edges, once in place for the slot servers).
+    inplace = server.register(
+        "inplace", SIZE, Access.REMOTE_READ | Access.REMOTE_WRITE, buffer=owner.buf[100 : 100 + SIZE]
+    )
+    assert inplace.buf.ctypes.data == owner.buf.ctypes.data + 100
+    local = client.register("local", SIZE, Access.NONE)
+    listener, conn = _connect_to(server, client, new_address("server"), [inplace])
+    local.buf[:16] = np.arange(16, dtype=np.uint8)
+    conn.write(local, 0, conn.remote["inplace"], 8, 16)
+    assert owner.buf[108:124].tolist() == list(range(16))  # landed in the caller's memory, no copy
+    owner.buf[100 + SIZE - 4 : 100 + SIZE] = 7
+    conn.read(local, 100, conn.remote["inplace"], SIZE - 4, 4)
+    assert local.buf[100:104].tolist() == [7] * 4
+    assert owner.buf[:100].sum() == 0 and owner.buf[100 + SIZE :].sum() == 0  # nothing outside the slice
+    listener.close()
+
+
+def test_register_refuses_a_buffer_that_does_not_fit_saying_what_it_needs(
+    new_transport: Callable[[], Transport],
+) -> None:
+    t = new_transport()
+    with pytest.raises(ValueError, match=r"'frames'.*64 C-contiguous uint8 bytes, got 32 bytes of uint8"):
+        t.register("frames", 64, Access.NONE, buffer=np.zeros(32, dtype=np.uint8))
+    with pytest.raises(ValueError, match="of int32"):
+        t.register("frames", 64, Access.NONE, buffer=np.zeros(16, dtype=np.int32))
+    with pytest.raises(ValueError, match="not contiguous"):
+        t.register("frames", 64, Access.NONE, buffer=np.zeros(128, dtype=np.uint8)[::2])
+    with pytest.raises(ValueError, match="length must be positive"):
+        t.register("frames", 0, Access.NONE)
+
+
+def test_memory_that_is_not_shared_is_usable_locally_and_exported_only_where_the_transport_can(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str], transport_name: str
+) -> None:
+    server, client = new_transport(), new_transport()
+    pool = server.register("pool", SIZE, Access.REMOTE_WRITE)
+    staging = client.register("staging", SIZE, Access.NONE, buffer=np.full(SIZE, 5, dtype=np.uint8))
+    listener, conn = _connect_to(server, client, new_address("server"), [pool])
+    conn.write(staging, 0, conn.remote["pool"], 0, 32)  # the local side of an operation: any memory will do
+    assert pool.buf[:32].tolist() == [5] * 32
+    plain = server.register("plain", SIZE, Access.REMOTE_WRITE, buffer=np.zeros(SIZE, dtype=np.uint8))
+    if transport_name == "loopback":  # shared memory is the only memory another process can map
+        with pytest.raises(TransportError, match="'plain' wraps caller memory that is not loopback shared memory"):
+            server.listen(new_address("other"), [plain], {})
+    else:  # a NIC reaches any registered memory
+        server.listen(new_address("other"), [plain], {}).close()
+    listener.close()
+
+
+def test_local_view_maps_the_peer_s_region_where_the_transport_can(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str], transport_name: str
+) -> None:
+    server, client = new_transport(), new_transport()
+    status = server.register("status", SIZE, Access.REMOTE_READ)
+    listener, conn = _connect_to(server, client, new_address("server"), [status])
+    if transport_name != "loopback":
+        with pytest.raises(TransportUnavailable, match=r"'status' is in the peer's memory.*Connection\.read"):
+            conn.local_view(conn.remote["status"])
+        listener.close()
+        return
+    view = conn.local_view(conn.remote["status"])
+    assert view.dtype == np.uint8 and view.nbytes == SIZE
+    status.buf[:8] = 3
+    assert view[:8].tolist() == [3] * 8  # the peer's memory itself, not a copy
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 1  # REMOTE_READ only: mapped read-only
+    conn.close()
+    with pytest.raises(TransportError, match="closed"):
+        conn.local_view(conn.remote["status"])
+    listener.close()

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.dma.transport import Access, Transport, TransportUnavailable
-from edgepath.dma.transports import make_transport
+from edgepath.dma.transport import Access, Transport, TransportUnavailable, make_transport
 
 pytestmark = pytest.mark.transport
 
 
 def test_verbs_without_the_device_fails_at_once_saying_what_to_use_instead() -> None:
-    with pytest.raises(TransportUnavailable, match=r"no RDMA device found.*--transport loopback"):
+    with pytest.raises(TransportUnavailable, match=r"no RDMA device found.*--data-path loopback"):
         make_transport("verbs", device="nosuchdev0", gid_index=1)
 
 
@@ -31,7 +30,7 @@ def test_the_cli_refuses_verbs_without_the_device_and_names_the_alternative() ->
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "no RDMA device found" in proc.stderr and "--transport loopback" in proc.stderr
+    assert "no RDMA device found" in proc.stderr and "--data-path loopback" in proc.stderr
     assert "ready" not in proc.stdout
 
 

@@ -28,7 +28,7 @@ import cffi
 import numpy as np
 
 from edgepath.dma.loopback import LoopbackRegion, LoopbackTransport, _Mapping
-from edgepath.dma.transport import Access, MemoryRegion
+from edgepath.dma.transport import Access
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
@@ -266,16 +266,9 @@ class _DeviceRegion(LoopbackRegion):
     """A loopback region over memory someone else allocated (the twin's device memfd)."""
 
     def __init__(self, name: str, fd: int, length: int, access: Access) -> None:
-        self.fd = os.dup(fd)
-        self._map = _Mapping(self.fd, length)
-        self.ptr = self._map.ptr
-        MemoryRegion.__init__(self, name=name, buf=self._map.array, access=access)
-
-    def close(self) -> None:
-        """Idempotent: the slot server deregisters before freeing, the transport closes it again."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        mapping = _Mapping(fd, length)
+        super().__init__(name, mapping.array, access, os.dup(fd))
+        self._map = mapping
 
 
 class LocalWriter:
