@@ -184,11 +184,11 @@ def build_app(handler: LlamaHandler, tok: GGUFTokenizer, batcher: Batcher, model
                 if full.endswith("\ufffd"):
                     continue  # a multi-byte character is not complete yet
                 delta, text = full[len(text) :], full
-                chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name}
-                chunk["choices"] = [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]
+                choices = [{"index": 0, "delta": {"content": delta}, "finish_reason": None}]
+                chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name, "choices": choices}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-            chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name}
-            chunk["choices"] = [{"index": 0, "delta": {}, "finish_reason": job.finish_reason}]
+            last = [{"index": 0, "delta": {}, "finish_reason": job.finish_reason}]
+            chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name, "choices": last}
             yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -90,12 +90,6 @@ class InFlight:
     abandoned: bool = False  # the caller gave up: deliver nothing, free the frame when the server lets go
 
 
-def _register(transport: Transport, name: str, size: int, access: Access, buffer: np.ndarray | None) -> MemoryRegion:
-    if buffer is None:
-        return transport.register(name, size, access)
-    return transport.register(name, size, access, buffer=buffer)  # type: ignore[call-arg]
-
-
 class Agent:
     """Claims slots on attached slot servers and moves frames into them."""
 
@@ -120,11 +114,11 @@ class Agent:
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
-        self.frames_mr: MemoryRegion = _register(
-            transport, wire.REQUESTS_REGION, req_size, frames_access, frames_buffer
+        self.frames_mr: MemoryRegion = transport.register(
+            wire.REQUESTS_REGION, req_size, frames_access, buffer=frames_buffer
         )
-        self.replies_mr: MemoryRegion = _register(
-            transport, wire.REPLIES_REGION, rep_size, wire.REPLIES_ACCESS, replies_buffer
+        self.replies_mr: MemoryRegion = transport.register(
+            wire.REPLIES_REGION, rep_size, wire.REPLIES_ACCESS, buffer=replies_buffer
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))

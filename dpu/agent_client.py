@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgepath.dma import wire
-from edgepath.dma.loopback import LoopbackConnection, LoopbackTransport
+from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.port import Delivery, DeliveryStats
@@ -66,15 +66,15 @@ class AgentClient:
                 f"and {wire.STATUS_REGION!r}"
             )
         info = conn.peer_info
-        self.conn: LoopbackConnection = conn
+        self.conn = conn
         self._region = region
-        self._status = status.handle.array[:24].view(np.uint64)
+        self._status = conn.local_view(status)[:24].view(np.uint64)
         self.layout = FrameLayout(int(info[wire.INPUT_CAPACITY]), int(info[wire.OUTPUT_CAPACITY]))
         count = int(info[wire.FRAME_COUNT])
         base = int(info[wire.FRAME_BASE])
         self.frames = AgentFrames(
-            region.handle.array,
-            replies.handle.array,
+            conn.local_view(region),
+            conn.local_view(replies),
             count,
             self.layout,
             requests_offset=base * request_stride(self.layout.input_capacity),
