@@ -274,7 +274,7 @@ class Agent:
             found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
             if found == expected:
                 link.words[slot] = desired
-                return desired >> 32
+                return wire.word_generation(desired)
             link.stats.cas_failures += 1
             link.words[slot] = found
             if not wire.is_free(found):
