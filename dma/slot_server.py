@@ -38,6 +38,9 @@ log = logging.getLogger("edgepath.slot_server")
 
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
 _PROGRESS_FIELD = field_offset(RESULT_HEADER, "progress")
+# A progress write places `progress` and the first-token time next to it (one 16-byte WRITE_WITH_IMM).
+_PROGRESS_BYTES = field_offset(RESULT_HEADER, "t_first_ns") + 8 - _PROGRESS_FIELD
+assert _PROGRESS_BYTES == 16, "ep_result_header: t_first_ns must follow progress"
 
 
 @dataclass
@@ -480,7 +483,7 @@ class SlotServer:
                 4 * (run.count - run.sent),
                 res_off + _PROGRESS_FIELD,
                 dst + _PROGRESS_FIELD,
-                8,
+                _PROGRESS_BYTES,
                 wire.progress_imm(run.reply_index),
             )
         except TransportError as exc:

@@ -27,7 +27,7 @@ JSON = b"application/json"
 Headers = list[tuple[bytes, bytes]]
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
-STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "first_token", "total")
+STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "return", "first_token", "total")
 
 
 @dataclass(slots=True)

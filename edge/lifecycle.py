@@ -367,6 +367,7 @@ class EdgeLifecycle:
         actions: list[Action] = []
         if work.stream:
             if t.phase is not Phase.STREAMING:
+                self._return_path(t, frame, now)
                 actions.append(self._start(t))
             if data:
                 actions.append(SendChunk(t.rid, data))
@@ -399,6 +400,14 @@ class EdgeLifecycle:
         else:
             self.metrics.inter_token((now - t.t_last_ns) / new, new)
         t.t_last_ns = now
+
+    def _return_path(self, t: Tracked, frame: int, now: int) -> None:
+        """The return path's cost for a stream's first token: the model side stamped when it produced it
+        (same host clock); ``now`` is when its event goes to the transport (in ``Server-Timing`` as ``return``)."""
+        produced = int(self.port.frames.results[frame]["t_first_ns"])
+        if 0 < produced <= now:
+            t.timings["return"] = now - produced
+            self.metrics.return_path(now - produced)
 
     def _start(self, t: Tracked) -> StartStream:
         assert t.formatter is not None

@@ -106,6 +106,12 @@ class EdgeMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )
+        self.return_path_latency = Histogram(
+            "edgepath_return_path_seconds",
+            "The model side produced a stream's first token -> the edge hands its event to the transport",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.inter_token_latency = Histogram(
             "edgepath_inter_token_latency_seconds",
             "Time between output tokens seen by the edge (a delivery of k tokens counts k, spread evenly)",
@@ -126,6 +132,9 @@ class EdgeMetrics:
     def edge(self, latency_ns: int, now_ns: int) -> None:
         self.edge_latency.observe(latency_ns / 1e9)
         self.window.record(latency_ns / 1e3, now_ns)
+
+    def return_path(self, latency_ns: int) -> None:
+        self.return_path_latency.observe(latency_ns / 1e9)
 
     def first_token(self, latency_ns: int) -> None:
         self.first_token_latency.observe(latency_ns / 1e9)

@@ -244,6 +244,12 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_bench_stream(args: argparse.Namespace) -> int:
+    from edgepath.bench.stream import main
+
+    return main(args)
+
+
 #: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
 MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
 ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
@@ -476,6 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_arguments(p)
     p.set_defaults(func=cmd_bench_model)
+    p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
+    from edgepath.bench.stream import add_arguments as add_stream_arguments
+
+    add_stream_arguments(p)
+    p.set_defaults(func=cmd_bench_stream)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     p.add_argument("--transport", choices=EDGE_TRANSPORTS, default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")

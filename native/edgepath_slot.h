@@ -134,7 +134,7 @@ struct ep_result_header {
     uint64_t t_start_ns;       /* handler started */
     uint64_t t_done_ns;        /* handler finished */
     uint64_t progress;         /* generation << 32 | output tokens placed so far */
-    uint64_t t_first_ns;       /* first output token produced (0: none) */
+    uint64_t t_first_ns;       /* first output token produced (0: none); sent with every progress word */
 };
 /* CDEF-END */
 

@@ -126,6 +126,9 @@ def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: Runnin
             **opts,
         )
         assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream"
+        # the return path of the first token (model side produced it -> its event handed to QUIC)
+        timing = dict(part.split(";dur=") for part in response.headers["server-timing"].split(", "))
+        assert 0 < float(timing["return"]) < 1000
         for chunk in response.iter_content():
             chunks.append(chunk)
         response.close()
