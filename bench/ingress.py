@@ -45,6 +45,7 @@ from hdrh.histogram import HdrHistogram
 
 from edgepath.bench.loadgen import new_histogram
 from edgepath.bench.schedule import parse
+from edgepath.children import free_port
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 MAX_TOKENS = 128
@@ -115,12 +116,6 @@ class RunStats:
 
 
 # --- server processes and their CPU -------------------------------------------------------------
-
-
-def _free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -210,11 +205,11 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
     servers = Servers()
     try:
         if sut.name.startswith("floor-"):
-            port = _free_port(socket.SOCK_DGRAM)
+            port = free_port(socket.SOCK_DGRAM)
             args = ["--engine", str(sut.engine), "--port", str(port), "--body-bytes", str(floor_body), *tls]
             servers.start("floor", [py, "-m", "edgepath.bench.h3_floor", *args], "ready")
         elif sut.name.startswith("edgepath-"):
-            port = _free_port(socket.SOCK_DGRAM)
+            port = free_port(socket.SOCK_DGRAM)
             args = ["--transport", "quic", "--quic-engine", str(sut.engine), "--port", str(port), "--slots", str(slots)]
             args += ["--handler", "echo"]  # the ingress benchmark excludes model time
             servers.start("edge", [py, "-m", "edgepath", "serve", *args, *tls], "ready")
@@ -222,7 +217,7 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
             address = str(workdir / f"slots-{time.monotonic_ns()}.sock")
             slot_server = [py, "-m", "edgepath", "slot-server", "--listen", address, "--slots", str(slots)]
             servers.start("slot-server", slot_server, "ready")
-            port = _free_port(socket.SOCK_STREAM)
+            port = free_port(socket.SOCK_STREAM)
             mode = sut.name.removeprefix("fastapi-")
             args = ["--port", str(port), "--slot-server", address, "--mode", mode, *tls]
             servers.start("fastapi", [py, "-m", "edgepath.bench.baseline", *args], None)

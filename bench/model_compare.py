@@ -57,6 +57,8 @@ from typing import Any
 
 import h11
 
+from edgepath.children import free_port
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colours of the rainbow.",
@@ -336,12 +338,6 @@ def _ms(seconds: float | None) -> float | None:
 
 
 # -- running a system -------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def model_id(port: int) -> str:
     """The first model id a server lists (edgepath refuses a name it does not serve)."""
     body = await get(port, "/v1/models")
@@ -420,7 +416,7 @@ async def run_system(
     ``overload_rps``: the rate of the ``2 x slots`` load, set by edgepath's idle request duration
     (edgepath's own result returns it as ``overload_rps``); None when edgepath did not get that far,
     and the load is left out."""
-    port = free_port()
+    port = free_port(socket.SOCK_STREAM)
     log_path = log_dir / f"{system.name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(system.command(setup, port), stdout=log, stderr=subprocess.STDOUT)
