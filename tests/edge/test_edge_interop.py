@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -24,17 +23,11 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         load_engine(request.param)
     except QuicEngineError as exc:
         pytest.skip(str(exc))
-    old = os.environ.get("XDG_STATE_HOME")
-    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     options = ServeOptions(port=free_port(), slots=4, frames=16, quic_engine=request.param)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
         with running_edge(options, tmp_path_factory.mktemp("edge")) as e:
             yield e
-    finally:
-        if old is None:
-            del os.environ["XDG_STATE_HOME"]
-        else:
-            os.environ["XDG_STATE_HOME"] = old
 
 
 def test_curl_http3(edge: RunningEdge) -> None:
@@ -84,17 +77,11 @@ def test_ngtcp2_gtlsclient(edge: RunningEdge, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def paced_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """A paced echo (one token every 5 ms) and a small body limit."""
-    old = os.environ.get("XDG_STATE_HOME")
-    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     options = ServeOptions(port=free_port(), slots=4, frames=16, handler="paced-echo", max_body=4096)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
         with running_edge(options, tmp_path_factory.mktemp("paced")) as e:
             yield e
-    finally:
-        if old is None:
-            del os.environ["XDG_STATE_HOME"]
-        else:
-            os.environ["XDG_STATE_HOME"] = old
 
 
 def test_curl_http3_reads_the_413_sent_before_the_body_is_complete(paced_edge: RunningEdge) -> None:

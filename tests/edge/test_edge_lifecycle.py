@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers.tokenizers import CharTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,32 +37,6 @@ from edgepath.native.abi import Status
 INPUT, OUTPUT = 64, 64
 SECOND = 1_000_000_000
 TIMEOUT = 5 * SECOND
-
-
-class CharTokenizer:
-    """One id per character (code point % 1000); counts calls; can be told to fail."""
-
-    name = "chars"
-    vocab_size = 1000
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.fail = False
-
-    def encode(self, text: str) -> np.ndarray:
-        self.calls += 1
-        if self.fail:
-            raise ValueError("tokenizer exploded")
-        return np.array([ord(c) % 1000 for c in text], dtype=np.int32)
-
-    def encode_into(self, text: str, out: np.ndarray) -> int:
-        ids = self.encode(text)
-        if len(ids) <= len(out):
-            out[: len(ids)] = ids
-        return len(ids)
-
-    def decode(self, ids: np.ndarray) -> str:
-        return "".join(chr(int(i)) for i in ids)
 
 
 class FakePort:

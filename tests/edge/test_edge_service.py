@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
+from helpers.tokenizers import CharTokenizer
 
 from edgepath.dma.handlers import BatchHandler, PacedEcho, SlotRequest, echo
 from edgepath.dma.loopback import LoopbackTransport
@@ -27,32 +27,6 @@ from edgepath.edge.tokenizer import INLINE_CHARS
 from edgepath.native.abi import lib
 
 CAP = 64
-
-
-class CountingTokenizer:
-    """One id per character (id = code point % 1000); counts calls; can be told to fail."""
-
-    name = "test"
-    vocab_size = 1000
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.fail = False
-
-    def encode(self, text: str) -> np.ndarray:
-        self.calls += 1
-        if self.fail:
-            raise ValueError("tokenizer exploded")
-        return np.array([ord(c) % 1000 for c in text], dtype=np.int32)
-
-    def encode_into(self, text: str, out: np.ndarray) -> int:
-        ids = self.encode(text)
-        if len(ids) <= len(out):
-            out[: len(ids)] = ids
-        return len(ids)
-
-    def decode(self, ids: np.ndarray) -> str:
-        return "".join(chr(int(i)) for i in ids)
 
 
 @dataclass
@@ -123,9 +97,7 @@ def paced_server(tmp_path: Path) -> Iterator[Server]:
     yield from start_server(tmp_path, handler)
 
 
-def new_service(
-    srv: Server, tokenizer: CountingTokenizer, frames: int, workers: int = 1, **options: float
-) -> EdgeService:
+def new_service(srv: Server, tokenizer: CharTokenizer, frames: int, workers: int = 1, **options: float) -> EdgeService:
     agent = Agent(LoopbackTransport(), frames=frames, input_capacity=CAP, output_capacity=CAP)
     agent.attach(srv.address)  # returns once the slot server has admitted the agent
     service = EdgeService(
@@ -160,7 +132,7 @@ async def until(condition: Callable[[], bool], what: str, limit: float = 30.0) -
 
 
 async def serve_requests(
-    srv: Server, tokenizer: CountingTokenizer, frames: int, requests: list[Request], workers: int = 1
+    srv: Server, tokenizer: CharTokenizer, frames: int, requests: list[Request], workers: int = 1
 ) -> tuple[list[Recorded], EdgeService]:
     service = new_service(srv, tokenizer, frames, workers)
     replies = [Recorded() for _ in requests]
@@ -179,7 +151,7 @@ def generate(prompt: str, stream: bool = False) -> Request:
 
 
 def test_more_requests_than_frames_are_refused_before_tokenizing(slot_server: Server) -> None:
-    tokenizer = CountingTokenizer()
+    tokenizer = CharTokenizer()
     replies, service = asyncio.run(serve_requests(slot_server, tokenizer, 2, [generate(f"p{i}") for i in range(6)]))
     statuses = [r.response.status for r in replies]
     assert statuses.count(200) == 2 and statuses.count(429) == 4
@@ -188,7 +160,7 @@ def test_more_requests_than_frames_are_refused_before_tokenizing(slot_server: Se
 
 
 def test_tokenizer_failure_is_a_500_and_the_frame_comes_back(slot_server: Server) -> None:
-    tokenizer = CountingTokenizer()
+    tokenizer = CharTokenizer()
     tokenizer.fail = True
     big = "x" * (INLINE_CHARS + 1)  # also the worker-thread path
     replies, service = asyncio.run(serve_requests(slot_server, tokenizer, 4, [generate("small"), generate(big)]))
@@ -199,7 +171,7 @@ def test_tokenizer_failure_is_a_500_and_the_frame_comes_back(slot_server: Server
 
 def test_too_long_after_tokenizing_releases_the_frame(slot_server: Server) -> None:
     requests = [generate("y" * (CAP + 1)), generate("y" * CAP)]
-    replies, service = asyncio.run(serve_requests(slot_server, CountingTokenizer(), 4, requests))
+    replies, service = asyncio.run(serve_requests(slot_server, CharTokenizer(), 4, requests))
     assert [r.response.status for r in replies] == [400, 200]
     assert f"{CAP + 1} tokens".encode() in replies[0].response.body
     assert free_frames(service) == 4
@@ -207,7 +179,7 @@ def test_too_long_after_tokenizing_releases_the_frame(slot_server: Server) -> No
 
 def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(slot_server: Server) -> None:
     big = [generate(f"{i}" + "q" * (CAP - 1) + " " * INLINE_CHARS) for i in range(6)]  # long text, fits no slot
-    replies, service = asyncio.run(serve_requests(slot_server, CountingTokenizer(), 8, big, workers=2))
+    replies, service = asyncio.run(serve_requests(slot_server, CharTokenizer(), 8, big, workers=2))
     kinds = [r.response.status for r in replies]
     # the burst arrives in one loop turn: two workers take two prompts, the rest are refused at once
     assert kinds[:2] == [400, 400] and kinds[2:] == [429] * 4
@@ -217,7 +189,7 @@ def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(slo
 
 def test_clients_gone_abandon_their_frames_and_get_nothing(slot_server: Server) -> None:
     async def go() -> tuple[list[Recorded], Recorded, EdgeService]:
-        service = new_service(slot_server, CountingTokenizer(), 4)
+        service = new_service(slot_server, CharTokenizer(), 4)
         gone = [Recorded(), Recorded()]
         tickets = [
             service.handle(generate(p), r) for p, r in zip(("a" * 10, "b" * (INLINE_CHARS + 1)), gone, strict=True)
@@ -239,7 +211,7 @@ def test_clients_gone_abandon_their_frames_and_get_nothing(slot_server: Server) 
 
 def test_a_request_without_result_in_time_gets_504_and_the_edge_holds_nothing(slot_server: Server) -> None:
     async def go() -> tuple[Recorded, int, int, EdgeService]:
-        service = new_service(slot_server, CountingTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
+        service = new_service(slot_server, CharTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
         slot_server.gate.clear()  # the handler holds the result back
         reply = Recorded()
         service.handle(generate("slow"), reply)
@@ -260,7 +232,7 @@ def test_a_request_without_result_in_time_gets_504_and_the_edge_holds_nothing(sl
 
 def test_a_streamed_request_is_sent_as_the_tokens_arrive(paced_server: Server) -> None:
     replies, service = asyncio.run(
-        serve_requests(paced_server, CountingTokenizer(), 4, [generate("streamed", stream=True), generate("whole")])
+        serve_requests(paced_server, CharTokenizer(), 4, [generate("streamed", stream=True), generate("whole")])
     )
     streamed, whole = replies
     kinds = [kind for kind, _ in streamed.parts]
@@ -277,7 +249,7 @@ def test_a_streamed_request_is_sent_as_the_tokens_arrive(paced_server: Server) -
 
 def test_a_client_gone_mid_stream_stops_the_handler_and_frees_everything(paced_server: Server) -> None:
     async def go() -> tuple[Recorded, EdgeService]:
-        service = new_service(paced_server, CountingTokenizer(), 4)
+        service = new_service(paced_server, CharTokenizer(), 4)
         reply = Recorded()
         ticket = service.handle(generate("z" * CAP, stream=True), reply)  # 64 tokens, 20 ms apart
         await until(lambda: any(kind == "send" for kind, _ in reply.parts), "the first event")
