@@ -250,6 +250,12 @@ def cmd_bench_stream(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_bench_edge_cpu(args: argparse.Namespace) -> int:
+    from edgepath.bench.edge_cpu import main
+
+    return main(args)
+
+
 #: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
 MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
 ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
@@ -487,6 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stream_arguments(p)
     p.set_defaults(func=cmd_bench_stream)
+    p = bench.add_parser(
+        "edge-cpu", help="the edge process's CPU per request without the QUIC engine (echo slot server, closed loop)"
+    )
+    from edgepath.bench.edge_cpu import add_arguments as add_edge_cpu_arguments
+
+    add_edge_cpu_arguments(p)
+    p.set_defaults(func=cmd_bench_edge_cpu)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     p.add_argument("--transport", choices=EDGE_TRANSPORTS, default="quic", help="quic: HTTP/3 (default); tcp: HTTP/1.1")
