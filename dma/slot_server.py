@@ -170,15 +170,8 @@ class SlotServer:
                 self.epoch,
             )
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
-        # The hot path reads and writes headers through C pointers (a numpy field access costs ~10x more).
-        base = ffi.cast("char *", ffi.from_buffer(self.pool.buf))
-        slots = self.pool.slots
-        self._req_hdr = [
-            ffi.cast("struct ep_request_header *", base + slots.frame_offset(i)) for i in range(self.pool.slot_count)
-        ]
-        self._res_hdr = [
-            ffi.cast("struct ep_result_header *", base + slots.result_offset(i)) for i in range(self.pool.slot_count)
-        ]
+        self._req_hdr = self.pool.slots.request_headers
+        self._res_hdr = self.pool.slots.result_headers
         self.peers: dict[int, _Peer] = {}
         self.running: dict[int, _Running] = {}
         self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go

@@ -134,7 +134,7 @@ class Agent:
         self.max_servers = max_servers
         self.delivery_stats = DeliveryStats()
         self._free_frames = list(range(frames - 1, -1, -1))
-        self._finals = np.zeros(frames, dtype=np.int64) - 1  # generation of each frame's last final result
+        self._finals = [-1] * frames  # generation of each frame's last final result
         self._next_word = ffi.new("uint64_t *")
 
     # -- frames ---------------------------------------------------------------------
@@ -265,7 +265,8 @@ class Agent:
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
         """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
         offset = link.states_offset + 8 * slot
-        expected = int(link.words[slot])
+        words = link.words_ptr
+        expected = int(words[slot])
         for _ in range(2):  # second try only when the slot was FREE in a newer generation
             if lib.ep_step_word(expected, Event.CLAIM, 0, link.claimant, self._next_word) != lib.EP_OK:
                 return None
@@ -273,10 +274,10 @@ class Agent:
             link.stats.cas_attempts += 1
             found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
             if found == expected:
-                link.words[slot] = desired
+                words[slot] = desired
                 return wire.word_generation(desired)
             link.stats.cas_failures += 1
-            link.words[slot] = found
+            words[slot] = found
             if not wire.is_free(found):
                 return None
             expected = found
@@ -312,9 +313,9 @@ class Agent:
             return f"frame index {index} outside 0..{self.frames.count - 1}"
         if index in self.inflight:
             return f"frame {index} is already in flight"
-        req = self.frames.requests[index]
+        req = self.frames.request_headers[index]
         return wire.request_problem(
-            int(req["token_count"]), int(req["max_new_tokens"]), self.layout.input_capacity, self.layout.output_capacity
+            req.token_count, req.max_new_tokens, self.layout.input_capacity, self.layout.output_capacity
         )
 
     def submit(self, index: int) -> Status | None:
@@ -322,7 +323,7 @@ class Agent:
         otherwise the immediate outcome: NO_SLOT, UNAVAILABLE (no live server) or BAD_REQUEST."""
         if self.check_frame(index) is not None:
             return Status.BAD_REQUEST
-        count = int(self.frames.requests[index]["token_count"])
+        count = self.frames.request_headers[index].token_count
         live = [link for link in self.links if link.alive and count <= link.input_capacity]
         if not live:
             return Status.UNAVAILABLE if not any(link.alive for link in self.links) else Status.BAD_REQUEST
@@ -378,7 +379,7 @@ class Agent:
         flight = self.inflight.get(index)
         link = self.by_conn.get(conn_id)
         if flight is None or link is None or flight.link is not link:
-            final_gen = int(self.frames.results[index]["generation"]) if 0 <= index < self.frames.count else -1
+            final_gen = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
             if not wire.is_progress_imm(imm) and 0 <= index < self.frames.count and final_gen == self._finals[index]:
                 stats.duplicates += 1
                 log.warning("duplicate result for frame %d (generation %d) ignored", index, final_gen)
@@ -387,9 +388,9 @@ class Agent:
                 log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
             return None
         gen = flight.generation & 0xFFFFFFFF
-        result = self.frames.results[index]
+        result = self.frames.result_headers[index]
         if wire.is_progress_imm(imm):
-            word = int(result["progress"])
+            word = result.progress
             if wire.progress_generation(word) != gen:
                 stats.unknown += 1
                 return None
@@ -399,7 +400,7 @@ class Agent:
                 return None
             flight.count = count
             return Delivery(index, count, False)
-        if int(result["generation"]) != gen:
+        if result.generation != gen:
             stats.unknown += 1
             log.warning("ignoring stale result for frame %d", index)
             return None
@@ -407,13 +408,13 @@ class Agent:
         link.inflight -= 1
         self._finals[index] = gen
         # The server frees the slot before notifying: remember it as FREE in this generation.
-        link.words[flight.slot] = np.uint64(wire.free_word(flight.generation))
+        link.words_ptr[flight.slot] = wire.free_word(flight.generation)
         if flight.abandoned:
             stats.late += 1
             self._free_frames.append(index)
             return None
         stats.delivered += 1
-        return Delivery(index, int(result["output_count"]), True)
+        return Delivery(index, result.output_count, True)
 
     def cancel(self, index: int) -> None:
         """Write the slot's cancel word (its generation) and ring it: the slot server stops the handler at

@@ -151,7 +151,7 @@ class AgentClient:
                 log.warning("ignoring an answer for frame %d: not in flight", index)
                 continue
             if wire.is_progress_imm(c.imm):
-                count = wire.progress_count(int(self.frames.results[index]["progress"]))
+                count = wire.progress_count(self.frames.result_headers[index].progress)
                 if not flight.abandoned and count > flight.count:
                     flight.count = count
                     out.append(Delivery(index, count, False))
@@ -163,7 +163,7 @@ class AgentClient:
                 self._free.append(index)
                 continue
             stats.delivered += 1
-            out.append(Delivery(index, int(self.frames.results[index]["output_count"]), True))
+            out.append(Delivery(index, self.frames.result_headers[index].output_count, True))
         return out
 
     def check_links(self) -> list[int]:

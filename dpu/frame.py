@@ -8,6 +8,7 @@ assignment into the frame's token area — the single CPU write of the data path
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,21 +54,40 @@ def write_request(
         raise FrameError(f"request_id must be an unsigned 64-bit integer, got {request_id}")
     sampling = sampling or Sampling()
     sampling.check()
-    req = frames.requests[index]
     frames.tokens[index, :n] = ids
-    write_sampling(req, sampling)
-    req["request_id"] = request_id
-    req["token_count"] = n
-    req["max_new_tokens"] = max_new_tokens
-    req["flags"] = flags
-    req["t_receive_ns"] = t_receive_ns
-    req["t_tokenized_ns"] = t_tokenized_ns or lib.ep_now_ns()
+    write_header(
+        frames.request_headers[index],
+        request_id=request_id,
+        token_count=n,
+        max_new_tokens=max_new_tokens,
+        flags=flags,
+        sampling=sampling,
+        t_receive_ns=t_receive_ns,
+        t_tokenized_ns=t_tokenized_ns or lib.ep_now_ns(),
+    )
     return n
 
 
-def write_sampling(req: np.void, sampling: Sampling) -> None:
-    """Sampling parameters into a request header (the model side reads them from the slot)."""
-    req["temperature"] = sampling.temperature
-    req["top_p"] = sampling.top_p
-    req["top_k"] = sampling.top_k
-    req["seed"] = sampling.seed
+def write_header(
+    req: Any,
+    *,
+    request_id: int,
+    token_count: int,
+    max_new_tokens: int,
+    flags: int,
+    sampling: Sampling,
+    t_receive_ns: int,
+    t_tokenized_ns: int,
+) -> None:
+    """The writer's fields of a request header (``req``: a frame's ``struct ep_request_header *``, from
+    ``frames.request_headers``), values already checked; the agent stamps the rest when it sends."""
+    req.request_id = request_id
+    req.token_count = token_count
+    req.max_new_tokens = max_new_tokens
+    req.flags = flags
+    req.temperature = sampling.temperature
+    req.top_p = sampling.top_p
+    req.top_k = sampling.top_k
+    req.seed = sampling.seed
+    req.t_receive_ns = t_receive_ns
+    req.t_tokenized_ns = t_tokenized_ns

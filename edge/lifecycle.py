@@ -26,7 +26,7 @@ from enum import Enum
 import numpy as np
 
 from edgepath.dma import wire
-from edgepath.dpu.frame import write_sampling
+from edgepath.dpu.frame import write_header
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.http import (
     ROUTES,
@@ -322,16 +322,19 @@ class EdgeLifecycle:
         port, frame, work = self.port, t.frame, t.work
         assert frame is not None
         t0 = self.clock()
-        req = port.frames.requests[frame]
+        req = port.frames.request_headers[frame]
         t.request_id = next(self._request_ids)
-        req["request_id"] = t.request_id
-        req["token_count"] = t.input_count
-        req["max_new_tokens"] = work.max_tokens
         assert t.formatter is not None
-        req["flags"] = wire.FLAG_STREAM if work.stream or t.formatter.watch else 0
-        write_sampling(req, work.sampling)
-        req["t_receive_ns"] = t.request.t_receive_ns
-        req["t_tokenized_ns"] = t0
+        write_header(
+            req,
+            request_id=t.request_id,
+            token_count=t.input_count,
+            max_new_tokens=work.max_tokens,
+            flags=wire.FLAG_STREAM if work.stream or t.formatter.watch else 0,
+            sampling=work.sampling,
+            t_receive_ns=t.request.t_receive_ns,
+            t_tokenized_ns=t0,
+        )
         t1 = self.clock()
         status = port.submit(frame)
         t2 = self.clock()
@@ -341,7 +344,7 @@ class EdgeLifecycle:
             port.release(frame)
             t.timings["claim"] = t2 - t1
             return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, self._refusal(status)))]
-        written = int(req["t_written_ns"])
+        written = req.t_written_ns
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
         t.phase = Phase.IN_FLIGHT
@@ -404,7 +407,7 @@ class EdgeLifecycle:
     def _return_path(self, t: Tracked, frame: int, now: int) -> None:
         """The return path's cost for a stream's first token: the model side stamped when it produced it
         (same host clock); ``now`` is when its event goes to the transport (in ``Server-Timing`` as ``return``)."""
-        produced = int(self.port.frames.results[frame]["t_first_ns"])
+        produced = self.port.frames.result_headers[frame].t_first_ns
         if 0 < produced <= now:
             t.timings["return"] = now - produced
             self.metrics.return_path(now - produced)
@@ -419,23 +422,22 @@ class EdgeLifecycle:
         port, frame = self.port, t.frame
         assert frame is not None and t.formatter is not None
         self._forget(t)
-        result = port.frames.results[frame]
-        status = int(result["status"])
+        result = port.frames.result_headers[frame]
+        status = result.status
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
             port.release(frame)
             refusal = self._refusal(Status(status))
             return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
-        req = port.frames.requests[frame]
-        edge_ns = int(result["t_ready_ns"]) - int(req["t_receive_ns"])
+        edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns
         self.metrics.edge(edge_ns, now)
         if status not in wire.FINISHED:
             port.release(frame)
             return [self._fail(t, 502, "slot_error", f"slot server answered status {_status_name(status)}")]
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
-        count = min(int(result["output_count"]), t.work.max_tokens)
+        count = min(result.output_count, t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
-        model_first = int(result["t_first_ns"])
+        model_first = result.t_first_ns
         port.release(frame)
         if count > t.sent:
             self._first_tokens(t, count - t.sent, now)
