@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
+import orjson
 
 from edgepath.dma.wire import Sampling
 from edgepath.edge.auth import ApiKeys
@@ -194,12 +195,21 @@ def error_response(exc: HttpError) -> Response:
 
 
 def json_response(status: int, payload: dict[str, Any]) -> Response:
-    return Response(status, [(b"content-type", JSON)], json.dumps(payload, separators=(",", ":")).encode())
+    """A JSON answer, compact and UTF-8; numpy arrays (token ids) are written as arrays without a list copy."""
+    body = orjson.dumps(payload, default=_as_list, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(status, [(b"content-type", JSON)], body)
+
+
+def _as_list(value: Any) -> Any:
+    """What orjson cannot write itself: a numpy array that is not contiguous, as a list."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def server_timing(timings: dict[str, int]) -> bytes:
     """``Server-Timing`` value (milliseconds, as the header's ``dur`` wants) of the stages measured."""
-    return ", ".join(f"{k};dur={timings[k] / 1e6:.3f}" for k in STAGES if k in timings).encode()
+    return ", ".join([f"{k};dur={timings[k] / 1e6:.3f}" for k in STAGES if k in timings]).encode()
 
 
 def timing_headers(timings: dict[str, int]) -> Headers:
@@ -412,7 +422,7 @@ class GenerateFormatter:
 
     def complete(self, outcome: Outcome) -> Response:
         summary = self._summary(outcome)
-        return json_response(200, {**summary, "tokens": outcome.tokens.tolist(), "text": self._decode(outcome.tokens)})
+        return json_response(200, {**summary, "tokens": outcome.tokens, "text": self._decode(outcome.tokens)})
 
     def start(self) -> tuple[int, Headers]:
         return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]

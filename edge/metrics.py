@@ -124,10 +124,17 @@ class EdgeMetrics:
         self.registry.register(self.free_slots)
         self.window = window or LatencyWindow()
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
+        self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def answered(self, route: str, status: int, total_ns: int) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.total_latency.labels(route).observe(total_ns / 1e9)
+        children = self._answered.get((route, status))
+        if children is None:  # labels() looks the child up under a lock: once per (route, status)
+            children = self._answered[route, status] = (
+                self.requests.labels(route, str(status)),
+                self.total_latency.labels(route),
+            )
+        children[0].inc()
+        children[1].observe(total_ns / 1e9)
 
     def edge(self, latency_ns: int, now_ns: int) -> None:
         self.edge_latency.observe(latency_ns / 1e9)

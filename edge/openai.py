@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 from .chat import ChatMessage
 from .detokenize import Decoder, IncrementalDetokenizer
 from .stop import StopMatcher
@@ -775,4 +777,5 @@ def _finish(reason: str) -> str:
 
 
 def _dumps(payload: Mapping[str, Any]) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """Compact UTF-8 JSON (orjson: the responses and stream chunks are on every request's path)."""
+    return orjson.dumps(payload)
