@@ -4,6 +4,8 @@ Systems (each started fresh, on loopback; those with a slot server use the same 
 
   edgepath-aioquic  ``edgepath serve --transport quic`` (HTTP/3 on aioquic, the reference engine);
   edgepath-qh3      the same with ``--quic-engine qh3``;
+  edgepath-aioquic-w2  ``serve --workers 2``: two edge processes on one UDP port (SO_REUSEPORT), each with
+                    its own agent on the one slot server (each worker's CPU is reported on its own);
   floor-aioquic     bare aioquic HTTP/3 server answering a fixed body of edgepath's mean response size;
   floor-qh3         the same on qh3;
   fastapi-batch     uvicorn + FastAPI over TLS (HTTP/1.1) + asyncio.Queue + dynamic batcher (Ray Serve's
@@ -49,7 +51,15 @@ from edgepath.children import free_port
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 MAX_TOKENS = 128
-SYSTEMS = ("edgepath-aioquic", "edgepath-qh3", "floor-aioquic", "floor-qh3", "fastapi-batch", "fastapi-direct")
+SYSTEMS = (
+    "edgepath-aioquic",
+    "edgepath-qh3",
+    "edgepath-aioquic-w2",
+    "floor-aioquic",
+    "floor-qh3",
+    "fastapi-batch",
+    "fastapi-direct",
+)
 PROTOCOL_NAMES = {"h3": "HTTP/3", "h1": "HTTP/1.1 over TLS"}
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -72,13 +82,17 @@ class System:
     name: str
     protocol: str  # loadgen protocol: h3 | h1
     engine: str | None  # QUIC engine for h3 systems
+    workers: int = 1  # edgepath: `serve --workers N` (edgepath-ENGINE-wN)
 
 
 def system(name: str) -> System:
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
-    if name.startswith(("edgepath-", "floor-")):
-        return System(name, "h3", name.split("-", 1)[1])
+    if name.startswith("edgepath-"):
+        engine, _, workers = name.removeprefix("edgepath-").partition("-w")
+        return System(name, "h3", engine, int(workers or 1))
+    if name.startswith("floor-"):
+        return System(name, "h3", name.removeprefix("floor-"))
     return System(name, "h1", None)
 
 
@@ -138,6 +152,8 @@ def _role(pid: int, default: str) -> str:
         return "slot-server"
     if b"agent" in cmdline:
         return "agent"
+    if b"--reuse-port" in cmdline:
+        return "edge-worker"  # one of `serve --workers N`'s edges (numbered by Servers.pids)
     return default
 
 
@@ -172,8 +188,12 @@ class Servers:
             if proc.poll() is not None:
                 raise RuntimeError(f"{role} process {proc.args!r} exited with {proc.returncode} during the benchmark")
             out[proc.pid] = role
-            for child in _descendants(proc.pid):
+            workers = 0
+            for child in sorted(_descendants(proc.pid)):
                 out[child] = _role(child, role)
+                if out[child] == "edge-worker":  # each worker's CPU on its own: shows how the kernel spread them
+                    workers += 1
+                    out[child] = f"edge-worker-{workers}"
         return out
 
     def stop(self) -> None:
@@ -211,7 +231,7 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
         elif sut.name.startswith("edgepath-"):
             port = free_port(socket.SOCK_DGRAM)
             args = ["--transport", "quic", "--quic-engine", str(sut.engine), "--port", str(port), "--slots", str(slots)]
-            args += ["--handler", "echo"]  # the ingress benchmark excludes model time
+            args += ["--handler", "echo", "--workers", str(sut.workers)]  # the ingress benchmark excludes model time
             servers.start("edge", [py, "-m", "edgepath", "serve", *args, *tls], "ready")
         else:
             address = str(workdir / f"slots-{time.monotonic_ns()}.sock")
@@ -254,12 +274,14 @@ def drive(
     generators: int,
     timeout: float,
     max_clients: int,
+    connections: int = 1,
 ) -> tuple[list[dict], dict[str, float]]:
     """Run one schedule with ``generators`` loadgen processes; returns their results and the servers' CPU
     seconds by role over the measured window."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS})
     common = [url, "--protocol", protocol, "--schedule", schedule, "--count", str(count), "--seed", str(seed)]
     common += ["--body", body, "--timeout", str(timeout), "--max-clients", str(max_clients), "--handshake"]
+    common += ["--connections", str(connections)]
     with ExitStack() as stack:
         # stderr to files, so a chatty generator can never block on a full pipe
         errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(generators)]
@@ -392,6 +414,7 @@ class Bench:
     generators: int = 1
     max_generators: int = 2
     max_clients: int = 256
+    connections: int = 4  # HTTP/3 connections per generator process (h1 opens one per request in flight)
 
     def run(self, sut: System, url: str, servers: Servers, load: str, schedule: str, count: int, seed: int) -> RunStats:
         """One run; a client-bound one is repeated with one more generator process while allowed."""
@@ -401,7 +424,16 @@ class Bench:
         generators = self.generators
         while True:
             raw, cpu = drive(
-                url, sut.protocol, servers, schedule, count, seed, generators, self.timeout, self.max_clients
+                url,
+                sut.protocol,
+                servers,
+                schedule,
+                count,
+                seed,
+                generators,
+                self.timeout,
+                self.max_clients,
+                self.connections if sut.protocol == "h3" else 1,
             )
             stats = summarize(sut, load, offered, schedule_seconds, raw, cpu)
             if not stats.client_bound or generators >= self.max_generators:
@@ -619,6 +651,18 @@ def ratios(report: dict) -> list[dict]:
                     "load": load,
                 }
             )
+    caps = report.get("capacity", {})
+    one, two = caps.get("edgepath-aioquic"), caps.get("edgepath-aioquic-w2")
+    if one and two and one["rps"] and two["rps"]:
+        bound = "" if two["bound"] == "server" else f"; a lower bound: {two['note']}"
+        rows.append(
+            {
+                "what": f"capacity, `serve --workers 2` ÷ one worker, aioquic{bound}",
+                "value": two["rps"] / one["rps"],
+                "target": "> 1 where cores are free",
+                "load": "capacity sweep",
+            }
+        )
     for r in report["runs"]:
         if r["load"] == "50% of own capacity" and r["system"].startswith("edgepath-"):
             rows.append(

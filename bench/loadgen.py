@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -105,19 +106,30 @@ async def drive(
     timeout: float = 10.0,
     handshake: bool = False,
     warm: int | None = None,
+    connections: int = 1,
 ) -> Results:
     """Send ``body`` to ``url`` at ``offsets`` (seconds after the start). ``handshake``: the stdin protocol;
-    ``warm``: concurrent warm-up requests that open the connections (default by protocol)."""
+    ``warm``: concurrent warm-up requests that open the connections (default by protocol); ``connections``:
+    client sessions, each with its own connection pool, taking the requests in turn -- several clients'
+    connections, as an edge sees them (and what lets SO_REUSEPORT spread them over edge workers)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}: choose from {', '.join(PROTOCOLS)}")
+    if connections < 1:
+        raise ValueError(f"connections must be at least 1, got {connections}")
     results = Results(schedule_seconds=float(offsets[-1] - offsets[0]) if len(offsets) else 0.0)
     loop = asyncio.get_running_loop()  # loop.time() is time.monotonic(): comparable across processes
     headers = {"content-type": "application/json"}
     in_flight = 0
     warm_count = min(max_clients, warm if warm is not None else WARM_REQUESTS[protocol])
-    async with AsyncSession(http_version=PROTOCOLS[protocol], max_clients=max_clients, verify=False) as session:
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [
+            await stack.enter_async_context(
+                AsyncSession(http_version=PROTOCOLS[protocol], max_clients=max_clients, verify=False)
+            )
+            for _ in range(connections)
+        ]
 
-        async def one(due: float) -> None:
+        async def one(session: AsyncSession, due: float) -> None:
             nonlocal in_flight
             try:
                 response = await session.post(url, data=body, headers=headers, timeout=timeout)
@@ -132,8 +144,9 @@ async def drive(
                 in_flight -= 1
                 results.finished = max(results.finished, loop.time())
 
+        per_session = -(-warm_count // connections)
         warmed = await asyncio.gather(
-            *(session.post(url, data=body, headers=headers, timeout=timeout) for _ in range(warm_count)),
+            *(s.post(url, data=body, headers=headers, timeout=timeout) for s in sessions for _ in range(per_session)),
             return_exceptions=True,
         )
         failed = [w for w in warmed if isinstance(w, BaseException)]
@@ -147,7 +160,7 @@ async def drive(
         results.start = start
         tasks = []
         cpu0 = _cpu()
-        for off in offsets:
+        for i, off in enumerate(offsets):
             due = start + float(off)
             delay = due - loop.time()
             if delay > 0:
@@ -157,7 +170,7 @@ async def drive(
                 results.capped += 1
             in_flight += 1  # counted at issue: a burst of late sends has not started running yet
             results.sent += 1
-            tasks.append(asyncio.ensure_future(one(due)))
+            tasks.append(asyncio.ensure_future(one(sessions[i % connections], due)))
         if tasks:
             await asyncio.wait(tasks)
         results.cpu_seconds = _cpu() - cpu0
@@ -188,10 +201,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-clients", type=int, default=256, help="curl handles, i.e. requests in flight at most")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--handshake", action="store_true", help="print 'warm', read the start time from stdin")
+    parser.add_argument("--connections", type=int, default=1, help="client sessions taking the requests in turn")
     args = parser.parse_args(argv)
     offsets = part_of(parse(args.schedule, args.count, args.seed), args.part)
     results = asyncio.run(
-        drive(args.url, offsets, args.body.encode(), args.protocol, args.max_clients, args.timeout, args.handshake)
+        drive(
+            args.url,
+            offsets,
+            args.body.encode(),
+            args.protocol,
+            args.max_clients,
+            args.timeout,
+            args.handshake,
+            connections=args.connections,
+        )
     )
     if not args.handshake:
         print(json.dumps(results.to_json()))

@@ -152,9 +152,7 @@ class LoopbackCQ(CompletionQueue):
         return self.event_fd
 
     def arm(self) -> bool:
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self.event_fd)
-        return bool(lib.ep_cq_arm(self._map.ptr))
+        return bool(lib.ep_cq_rearm(self._map.ptr, self.event_fd))
 
     def close(self) -> None:
         os.close(self.event_fd)

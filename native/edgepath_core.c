@@ -275,6 +275,12 @@ static void drain_eventfd(int efd)
         ;
 }
 
+int ep_cq_rearm(void *ring, int efd)
+{
+    drain_eventfd(efd);
+    return ep_cq_arm(ring);
+}
+
 int ep_cq_wait(void *ring, int efd, uint64_t *out, int max, int64_t timeout_ns, int64_t spin_ns)
 {
     struct ep_cq *q = ring;

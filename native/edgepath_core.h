@@ -43,6 +43,9 @@ int ep_cq_init(void *ring, uint32_t capacity);
 int ep_cq_push(void *ring, uint64_t value, int efd);
 int ep_cq_poll(void *ring, uint64_t *out, int max);
 int ep_cq_arm(void *ring);
+/* Drain the consumer's eventfd (non-blocking), then arm: what a consumer does before it sleeps on
+   the eventfd again.  1 if an entry is already waiting (poll again instead of sleeping). */
+int ep_cq_rearm(void *ring, int efd);
 int ep_cq_wait(void *ring, int efd, uint64_t *out, int max, int64_t timeout_ns, int64_t spin_ns);
 
 /* Loopback WRITE_WITH_IMM: copy then post the completion (conn << 32 | imm). */

@@ -112,6 +112,9 @@ def test_unknown_system_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match="choose from edgepath-aioquic"):
         system("edgepath")
     assert system("fastapi-direct").protocol == "h1" and system("floor-qh3").engine == "qh3"
+    workers = system("edgepath-aioquic-w2")
+    assert (workers.protocol, workers.engine, workers.workers) == ("h3", "aioquic", 2)
+    assert system("edgepath-qh3").workers == 1
 
 
 def _run(name: str, load: str, edge_cpu: float, other_cpu: float, spread: float) -> dict:
@@ -144,7 +147,10 @@ def test_ratios_compare_cpu_per_request_at_the_same_load_and_the_table_shows_eve
         "machine": {"cpu": "x86_64", "cores": 2, "python": "3.11", "loadavg_start": [0.1, 0.1, 0.1]},
         "client": "libcurl",
         "started": "now",
-        "capacity": {"edgepath-aioquic": {"rps": 1000.0, "bound": "server", "note": ""}},
+        "capacity": {
+            "edgepath-aioquic": {"rps": 1000.0, "bound": "server", "note": ""},
+            "edgepath-aioquic-w2": {"rps": 1500.0, "bound": "client", "note": "client-bound at 2,250 req/s (cpu)"},
+        },
         "runs": [
             _run("edgepath-aioquic", load, 500.0, 60.0, 400.0),
             _run("floor-aioquic", load, 400.0, 0.0, 300.0),
@@ -159,6 +165,8 @@ def test_ratios_compare_cpu_per_request_at_the_same_load_and_the_table_shows_eve
         260 / 400
     )
     assert rows["edgepath-aioquic P99-P50 at half capacity (ms)"]["value"] == pytest.approx(1.2)
+    workers = "capacity, `serve --workers 2` ÷ one worker, aioquic; a lower bound: client-bound at 2,250 req/s (cpu)"
+    assert rows[workers]["value"] == pytest.approx(1.5)
     text = table(report)
     assert "edge 500 + slot-server 60 = 560" in text and text.count("| same offered load |") == 3
 
@@ -190,6 +198,7 @@ def test_quick_run_reaches_every_system_and_writes_the_report(tmp_path: Path) ->
     roles = {
         "edgepath-aioquic": {"edge", "slot-server"},
         "edgepath-qh3": {"edge", "slot-server"},
+        "edgepath-aioquic-w2": {"edge", "edge-worker-1", "edge-worker-2", "slot-server"},
         "floor-aioquic": {"floor"},
         "floor-qh3": {"floor"},
         "fastapi-batch": {"fastapi", "slot-server"},
@@ -202,7 +211,9 @@ def test_quick_run_reaches_every_system_and_writes_the_report(tmp_path: Path) ->
         assert r["generators"] == 1 and isinstance(r["client_bound"], str) and isinstance(r["sustained"], bool)
     for r in report["runs"]:
         inside = r["edge_internal"]  # the edge's /health?latency window, read after its run
-        if r["system"].startswith("edgepath-"):
+        if r["system"] == "edgepath-aioquic-w2":  # the window of the worker that answered /health: its share
+            assert 0 < inside["samples"] and inside["p99_us"] >= inside["p50_us"] > 0, r
+        elif r["system"].startswith("edgepath-"):
             assert inside["samples"] >= r["ok"] and inside["p99_us"] >= inside["p50_us"] > 0, r
         else:
             assert inside == {}, r
