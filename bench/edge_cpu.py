@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ class _Reply:
 
 
 class _Done:
-    def __init__(self, loop: asyncio.AbstractEventLoop, send: object, total: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, send: Callable[[], None], total: int) -> None:
         self.loop = loop
         self.send = send
         self.total = total

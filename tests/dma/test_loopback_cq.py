@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from edgepath.dma.loopback import LoopbackCQ
@@ -59,3 +60,37 @@ def test_arm_reports_pending_entries_so_an_event_loop_never_misses_one() -> None
     _push(cq, 5)  # armed: this push writes the eventfd
     assert cq.arm() is True
     assert [c.imm for c in cq.poll()] == [5]
+
+
+def _eventfd_count(cq: LoopbackCQ) -> int:
+    try:
+        return os.eventfd_read(cq.event_fd)
+    except BlockingIOError:
+        return 0
+
+
+def test_a_push_makes_a_system_call_only_for_a_consumer_that_armed_before_sleeping() -> None:
+    """The doorbell's cost on the hot path: while the consumer is awake (not armed) a push is a store
+    into shared memory and no eventfd write; once armed, the first push wakes it and the next ones
+    (until it re-arms) do not write again."""
+    cq = LoopbackCQ(8)
+    _push(cq, 1)
+    assert _eventfd_count(cq) == 0
+    assert cq.arm() is True  # re-arming sees the pending entry: poll instead of sleeping
+    assert [c.imm for c in cq.poll()] == [1]
+    assert cq.arm() is False
+    _push(cq, 2)
+    _push(cq, 3)
+    assert _eventfd_count(cq) == 1  # one wake for the two pushes
+    _push(cq, 4)
+    assert _eventfd_count(cq) == 0
+    assert [c.imm for c in cq.poll()] == [2, 3, 4]
+
+
+def test_rearming_drains_a_wake_that_was_already_consumed() -> None:
+    cq = LoopbackCQ(8)
+    assert cq.arm() is False
+    _push(cq, 7)  # writes the eventfd
+    assert [c.imm for c in cq.poll()] == [7]
+    assert cq.arm() is False  # the stale wake is drained: an event loop does not spin on it
+    assert _eventfd_count(cq) == 0
