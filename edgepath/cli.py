@@ -458,9 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--systems",
-        default="edgepath-aioquic,edgepath-qh3,floor-aioquic,floor-qh3,fastapi-batch,fastapi-direct",
-        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, floor-aioquic, floor-qh3, fastapi-batch, "
-        "fastapi-direct",
+        default=None,
+        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, edgepath-aioquic-w2, floor-aioquic, floor-qh3, "
+        "fastapi-batch, fastapi-direct (default: all)",
     )
     p.add_argument("--quick", action="store_true", help="smoke test: one short low-rate run per system, no sweep")
     p.add_argument(

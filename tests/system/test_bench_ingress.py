@@ -222,3 +222,15 @@ def test_quick_run_reaches_every_system_and_writes_the_report(tmp_path: Path) ->
     assert abs(floor["response_bytes_mean"] - edge["response_bytes_mean"]) <= 2  # the floor answers edge's size
     assert (out / "ingress.png").stat().st_size > 0
     assert all(f"| {name} |" in done.stdout for name in SYSTEMS)
+
+
+def test_the_command_runs_every_system_by_default_and_its_help_names_them_all() -> None:
+    from edgepath.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "ingress"])
+    assert args.systems is None  # bench.ingress.main takes every system
+    bench = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["bench"]  # type: ignore[union-attr]
+    ingress = next(a for a in bench._subparsers._group_actions if a.dest == "bench").choices["ingress"]  # type: ignore[union-attr]
+    text = ingress.format_help().replace("\n", " ").replace(" ", "")
+    assert all(name.replace("-", "") in text.replace("-", "") for name in SYSTEMS)
