@@ -5,8 +5,10 @@ service (parse, route, tokenize into the frame, claim, write, doorbell), an echo
 own process answers over the loopback data path, and the delivery is formatted into the response
 that an adapter would send.  The load is closed (``--concurrency`` requests always in flight) and
 bounded in count; this process's CPU (user + system, from /proc/self/stat) is read around the
-measured requests only, after a warm-up.  ``--profile FILE`` writes a cProfile of the measured part
-(slower; its times are for finding the hot spots, not for the figure).
+measured requests only, after a warm-up.  After ``--runs`` measured runs, one more run is profiled
+(cProfile) and its time is split into the stages below: the shares say where the time goes (cProfile
+inflates Python-heavy parts, so the figure is the unprofiled runs' median, never the profiled one).
+``--readme`` rewrites the README's ``bench:edge-cpu`` block; ``--profile FILE`` keeps the profile.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import asyncio
 import cProfile
 import json
 import os
+import platform
+import pstats
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -23,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgepath.bench.report import rewrite_block
 from edgepath.children import Child
 from edgepath.config import ServeOptions
 from edgepath.edge.http import Headers, Request, Response
@@ -123,7 +129,10 @@ async def _drive(service: object, requests: int, concurrency: int, profile: cPro
     return EdgeCpu(requests, concurrency, seconds, 1e6 * cpu / requests, done.statuses)
 
 
-async def measure(requests: int, concurrency: int, warmup: int, profile_path: str | None) -> EdgeCpu:
+async def measure(
+    requests: int, concurrency: int, warmup: int, runs: int, profile: bool
+) -> tuple[list[EdgeCpu], cProfile.Profile | None]:
+    """``runs`` measured runs, then (``profile``) one profiled run, on one edge and one slot server."""
     from edgepath.builder import build_agent, build_edge, data_path_transport
 
     with tempfile.TemporaryDirectory(prefix="edgepath-edge-cpu-") as tmp:
@@ -139,11 +148,11 @@ async def measure(requests: int, concurrency: int, warmup: int, profile_path: st
             service.start()
             try:
                 await _drive(service, warmup, concurrency, None)
-                profile = cProfile.Profile() if profile_path else None
-                result = await _drive(service, requests, concurrency, profile)
-                if profile is not None and profile_path:
-                    profile.dump_stats(profile_path)
-                return result
+                results = [await _drive(service, requests, concurrency, None) for _ in range(runs)]
+                profiler = cProfile.Profile() if profile else None
+                if profiler is not None:
+                    await _drive(service, requests, concurrency, profiler)
+                return results, profiler
             finally:
                 service.stop()
         finally:
@@ -152,24 +161,83 @@ async def measure(requests: int, concurrency: int, warmup: int, profile_path: st
             child.stop()
 
 
+def _cumulative(stats: dict, path: str, name: str) -> float:
+    return sum(v[3] for (file, _, func), v in stats.items() if func == name and file.endswith(path))
+
+
+def _own(stats: dict, name: str) -> float:
+    return sum(v[2] for (_, _, func), v in stats.items() if name in func)
+
+
+def breakdown(profiler: cProfile.Profile) -> list[tuple[float, str]]:
+    """Shares of the profiled run's time by stage (the rest: the lifecycle, the service and the event loop)."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    total = max(v[3] for v in stats.values())
+    doorbell = _own(stats, "ep_write_imm")
+    stages = [
+        (_cumulative(stats, "edge/tokenizer.py", "encode_into"), "tokenizing the prompt into the frame"),
+        (_cumulative(stats, "dpu/agent.py", "submit") - doorbell, "claim + send in Python (`Agent.submit`)"),
+        (
+            sum(_cumulative(stats, "edge/metrics.py", n) for n in ("answered", "edge", "first_token")),
+            "metrics (prometheus_client, the HDR window of `/health?latency`)",
+        ),
+        (_cumulative(stats, "edge/http.py", "handle"), "parse + route (`HttpCore.handle`)"),
+        (doorbell, "the doorbell: eventfd write to a sleeping slot-server poller (none while it is awake)"),
+        (_cumulative(stats, "edge/tokenizer.py", "decode"), "detokenizing the answer's `text`"),
+        (_cumulative(stats, "dpu/agent.py", "poll"), "taking deliveries (CQ poll, `Agent.deliver`)"),
+        (_own(stats, "orjson"), "the answer's JSON (orjson)"),
+    ]
+    rows = [(100 * t / total, what) for t, what in stages]
+    rows.append((100 - sum(share for share, _ in rows), "the rest: lifecycle, service, event loop"))
+    return rows
+
+
+def table(results: list[EdgeCpu], shares: list[tuple[float, str]] | None, command: str) -> str:
+    cpu = [r.cpu_us_per_request for r in results]
+    rate = statistics.median(r.requests / r.seconds for r in results)
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f} "
+        f"at the end (`{command}`): **{statistics.median(cpu):.0f} µs** of the edge process's CPU per request "
+        f"(median of {len(cpu)} runs: {', '.join(f'{c:.0f}' for c in cpu)}), {results[0].requests:,} requests "
+        f"each, {results[0].concurrency} in flight, {rate:,.0f} requests/s.",
+    ]
+    if shares:
+        lines += ["", "| share of a profiled run | stage |", "|---:|---|"]
+        lines += [f"| {share:.1f}% | {what} |" for share, what in shares]
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=20_000, help="measured requests (default 20,000)")
+    p.add_argument("--requests", type=int, default=10_000, help="measured requests per run (default 10,000)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3; the figure is their median)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
-    p.add_argument("--profile", default=None, help="write a cProfile of the measured requests here")
-    p.add_argument("--json", default=None, help="write the result here as JSON")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
+    p.add_argument("--readme", default=None, help="rewrite this README's edge-cpu block (between its markers)")
 
 
 def main(args: argparse.Namespace) -> int:
     """``edgepath bench edge-cpu``."""
-    for name in ("requests", "concurrency"):
+    for name in ("requests", "concurrency", "runs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    result = asyncio.run(measure(args.requests, args.concurrency, args.warmup, args.profile))
-    print(result.line())
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.__dict__, indent=1))
-    if set(result.statuses) != {200}:
-        print(f"not every request was answered 200: {result.statuses}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more, got {args.warmup}")
+    profile = not args.no_profile
+    results, profiler = asyncio.run(measure(args.requests, args.concurrency, args.warmup, args.runs, profile))
+    for result in results:
+        print(result.line())
+    if profiler is not None and args.profile:
+        profiler.dump_stats(args.profile)
+    command = f"edgepath bench edge-cpu --requests {args.requests} --runs {args.runs}"
+    text = table(results, breakdown(profiler) if profiler is not None else None, command)
+    print(text)
+    bad = [r.statuses for r in results if set(r.statuses) != {200}]
+    if bad:
+        print(f"not every request was answered 200: {bad}")
         return 1
+    if args.readme:
+        rewrite_block(Path(args.readme), "edge-cpu", text)
     return 0

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import subprocess
@@ -46,6 +45,7 @@ from typing import IO
 from hdrh.histogram import HdrHistogram
 
 from edgepath.bench.loadgen import new_histogram
+from edgepath.bench.report import rewrite_block
 from edgepath.bench.schedule import parse
 from edgepath.children import free_port
 
@@ -775,12 +775,7 @@ def rewrite_readme(readme: Path, text: str, png: Path) -> None:
     target = readme.parent / "docs" / "ingress.png"
     target.parent.mkdir(exist_ok=True)
     shutil.copyfile(png, target)
-    block = f"{INGRESS_BEGIN}\n{text}\n\n![latency percentiles](docs/ingress.png)\n{INGRESS_END}"
-    pattern = re.compile(re.escape(INGRESS_BEGIN) + ".*?" + re.escape(INGRESS_END), re.S)
-    content = readme.read_text()
-    if not pattern.search(content):
-        raise SystemExit(f"{readme}: no {INGRESS_BEGIN} ... {INGRESS_END} block to rewrite")
-    readme.write_text(pattern.sub(lambda _: block, content))
+    rewrite_block(readme, "ingress", f"{text}\n\n![latency percentiles](docs/ingress.png)")
 
 
 QUICK_SCHEDULE, QUICK_COUNT = "poisson:100", 100

@@ -57,6 +57,7 @@ from typing import Any
 
 import h11
 
+from edgepath.bench.report import rewrite_block
 from edgepath.children import free_port
 
 QUESTIONS = [
@@ -637,15 +638,12 @@ MODEL_BEGIN, MODEL_END = "<!-- bench:model:begin -->", "<!-- bench:model:end -->
 
 def rewrite_readme(readme: Path, text: str, png: Path) -> None:
     """Replace the README's model block with ``text`` and the plot (copied to docs/ next to the README)."""
-    content = readme.read_text()
-    pattern = re.compile(re.escape(MODEL_BEGIN) + ".*?" + re.escape(MODEL_END), re.S)
-    if not pattern.search(content):
+    if MODEL_BEGIN not in readme.read_text():  # before the plot is copied
         raise SystemExit(f"{readme}: no {MODEL_BEGIN} ... {MODEL_END} block to rewrite")
     target = readme.parent / "docs" / "model.png"
     target.parent.mkdir(exist_ok=True)
     shutil.copyfile(png, target)
-    block = f"{MODEL_BEGIN}\n{text}\n\n![time to first token](docs/model.png)\n{MODEL_END}"
-    readme.write_text(pattern.sub(lambda _: block, content))
+    rewrite_block(readme, "model", f"{text}\n\n![time to first token](docs/model.png)")
 
 
 # -- the command ----------------------------------------------------------------------------------------

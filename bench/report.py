@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-BEGIN, END = "<!-- bench:datapath:begin -->", "<!-- bench:datapath:end -->"
 TARGETS = {
     "test_parse": "—",
     "test_tokenize": "—",
@@ -77,12 +76,15 @@ def table(report: dict) -> str:
     return "\n".join(lines + extra)
 
 
-def rewrite(readme: Path, block: str) -> None:
-    text = readme.read_text()
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} block to rewrite")
-    readme.write_text(pattern.sub(lambda _: f"{BEGIN}\n{block}\n{END}", text))
+def rewrite_block(readme: Path, name: str, text: str) -> None:
+    """Replace what is between the README's ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``
+    with ``text``: every performance table there is written by its command, never by hand."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    content = readme.read_text()
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(content):
+        raise SystemExit(f"{readme}: no {begin} ... {end} block to rewrite")
+    readme.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", content))
 
 
 def main() -> None:
@@ -93,7 +95,7 @@ def main() -> None:
     block = table(json.loads(args.json.read_text()))
     print(block)
     if args.readme:
-        rewrite(args.readme, block)
+        rewrite_block(args.readme, "datapath", block)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ from typing import Any
 import h11
 import numpy as np
 
+from edgepath.bench.report import rewrite_block
 from edgepath.children import Child, free_port
 
-BEGIN, END = "<!-- bench:stream:begin -->", "<!-- bench:stream:end -->"
 PROMPT = " ".join(f"word{i}" for i in range(12))  # ~25 tokens with Tekken: a stream of that many events
 
 
@@ -156,9 +156,5 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     if args.readme is not None:
-        content = args.readme.read_text()
-        pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
-        if not pattern.search(content):
-            raise ValueError(f"{args.readme}: no {BEGIN} ... {END} block to rewrite")
-        args.readme.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", content))
+        rewrite_block(args.readme, "stream", text)
     return 0 if all(r["ok"] for r in rows) else 1

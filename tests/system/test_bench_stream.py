@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.bench.stream import BEGIN, END, add_arguments, main
+from edgepath.bench.stream import add_arguments, main
+
+BEGIN, END = "<!-- bench:stream:begin -->", "<!-- bench:stream:end -->"
 
 pytestmark = pytest.mark.slow
 
