@@ -550,7 +550,9 @@ def run_ingress(
                 report["capacity"][sut.name] = verdict
                 if sut.name.startswith("edgepath-") and verdict["sweep"]:
                     floor_body = int(verdict["sweep"][0]["response_bytes_mean"]) or floor_body
-        capacities = [v["rps"] for v in report["capacity"].values() if v["rps"]]
+        # The common load compares one-process edges with the baselines; `--workers` systems run at it but do not
+        # set it (on a machine whose cores the load generator shares, more workers can lower what is measurable).
+        capacities = [v["rps"] for name, v in report["capacity"].items() if v["rps"] and system(name).workers == 1]
         common = 0.5 * min(capacities) if capacities else start_rate  # none found: the sweep's first rate
         report["common_rps"] = common
         for sut in suts:
@@ -653,12 +655,15 @@ def ratios(report: dict) -> list[dict]:
             )
     caps = report.get("capacity", {})
     one, two = caps.get("edgepath-aioquic"), caps.get("edgepath-aioquic-w2")
-    if one and two and one["rps"] and two["rps"]:
-        bound = "" if two["bound"] == "server" else f"; a lower bound: {two['note']}"
+    if one and two:
+        # A ratio means something only when both sweeps ended at the server; a client-bound one is a lower bound
+        # of a capacity, and a ratio of lower bounds is not a ratio of capacities.
+        measured = one["bound"] == two["bound"] == "server" and one["rps"] > 0
         rows.append(
             {
-                "what": f"capacity, `serve --workers 2` ÷ one worker, aioquic{bound}",
-                "value": two["rps"] / one["rps"],
+                "what": "capacity, `serve --workers 2` ÷ one worker, aioquic"
+                + ("" if measured else f": not measurable here (one worker: {one['note']}; two: {two['note']})"),
+                "value": two["rps"] / one["rps"] if measured else None,
                 "target": "> 1 where cores are free",
                 "load": "capacity sweep",
             }
@@ -760,7 +765,7 @@ def table(report: dict) -> str:
     if report["ratios"]:
         lines += ["", "| comparison (at the load named) | value | target |", "|---|---:|---|"]
         for row in report["ratios"]:
-            value = f"{row['value']:.2f}"
+            value = "—" if row["value"] is None else f"{row['value']:.2f}"
             if "p99" in row:
                 value += f" / {row['p99']:.2f} / {row['spread']:.2f}"
             lines.append(f"| {row['what']} ({row['load']}) | {value} | {row.get('target', '')} |")
