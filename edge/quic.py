@@ -153,7 +153,7 @@ class EdgeProtocol(_ProtocolBase):
             # handled after others in the same datagram show that wait in their queue time.
             self._arrival_ns = lib.ep_now_ns()
         if isinstance(event, self.engine.ProtocolNegotiated) and event.alpn_protocol in self.engine.H3_ALPN:
-            self._h3 = self.engine.H3Connection(self._quic)
+            self._h3 = self.engine.server_h3(self._quic)
         if isinstance(event, self.engine.StreamReset | self.engine.StopSendingReceived):
             # RESET_STREAM: the client stopped sending (a request cut short); STOP_SENDING: it stopped
             # reading -- how a client that sent its whole request walks away from the answer

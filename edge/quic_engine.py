@@ -53,6 +53,41 @@ class QuicEngine:
             is_client=is_client, alpn_protocols=list(self.H3_ALPN), **dict(self.configuration_defaults)
         )
 
+    def server_h3(self, quic: Any) -> Any:
+        """The server's HTTP/3 connection over ``quic``, encoding header fields without QPACK's dynamic table.
+
+        edgepath's answers carry values that are new on every response (``Server-Timing``, ``X-Queue-Time``);
+        with a dynamic table the encoder inserts each one on its encoder stream and the client acknowledges
+        each field section on its decoder stream -- frames both ways for entries never used again.  Literal
+        field lines cost a few bytes per repeated header instead (RFC 9204 allows an encoder to use less
+        dynamic table than the peer's decoder offers).  The engines keep the encoder in ``_encoder``
+        (checked here, on both)."""
+        h3 = self.H3Connection(quic)
+        if not hasattr(h3, "_encoder"):
+            raise QuicEngineError(
+                f"{self.name}: its H3Connection has no _encoder (an engine version edgepath does not know)"
+            )
+        h3._encoder = _LiteralEncoder(h3._encoder)
+        return h3
+
+
+class _LiteralEncoder:
+    """A QPACK encoder told that the dynamic table has no room, whatever the peer's SETTINGS offer."""
+
+    _NO_TABLE = ("max_table_capacity", "dyn_table_capacity", "blocked_streams")
+
+    def __init__(self, encoder: Any) -> None:
+        self._encoder = encoder
+
+    def apply_settings(self, **settings: int) -> bytes:
+        return self._encoder.apply_settings(**{k: 0 if k in self._NO_TABLE else v for k, v in settings.items()})
+
+    def encode(self, stream_id: int, headers: Any) -> tuple[bytes, bytes]:
+        return self._encoder.encode(stream_id, headers)
+
+    def feed_decoder(self, data: bytes) -> Any:
+        return self._encoder.feed_decoder(data)
+
 
 @cache
 def load_engine(name: str = DEFAULT_ENGINE) -> QuicEngine:

@@ -12,7 +12,7 @@ from edgepath.cli import build_parser
 from edgepath.config import ServeOptions
 from edgepath.edge import quic_engine
 from edgepath.edge.quic import protocol_class
-from edgepath.edge.quic_engine import QuicEngineError, load_engine
+from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
 
 
 def _qh3_or_skip() -> None:
@@ -61,3 +61,29 @@ def test_serve_options_check_the_engine_and_hand_it_to_every_worker() -> None:
     assert argv[argv.index("--quic-engine") + 1] == "qh3"
     with pytest.raises(ValueError, match=r"quic_engine must be one of aioquic, qh3, got 'quiche'"):
         ServeOptions(quic_engine="quiche")
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_the_servers_http3_encodes_header_fields_without_the_dynamic_table(name: str) -> None:
+    """Per-request values (Server-Timing) would each be inserted on the encoder stream and acknowledged by the
+    client; the edge's encoder writes literals whatever table the peer's SETTINGS offer."""
+    if name == "qh3":
+        _qh3_or_skip()
+    engine = load_engine(name)
+    connection = importlib.import_module(f"{name}.quic.connection").QuicConnection
+    offered = {"max_table_capacity": 4096, "blocked_streams": 16}
+    if name == "qh3":
+        offered["dyn_table_capacity"] = 4096
+
+    def encoder_stream_bytes(h3: object) -> int:
+        encoder = h3._encoder  # type: ignore[attr-defined]
+        encoder.apply_settings(**offered)
+        sent = 0
+        for i in range(20):
+            headers = [(b":status", b"200"), (b"server", b"edgepath"), (b"server-timing", f"queue;dur={i}".encode())]
+            sent += len(encoder.encode(4 * i, headers)[0])
+        return sent
+
+    quic = engine.configuration(is_client=True)
+    assert encoder_stream_bytes(engine.H3Connection(connection(configuration=quic))) > 0  # what it replaces
+    assert encoder_stream_bytes(engine.server_h3(connection(configuration=quic))) == 0
