@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgepath.bench.report import rewrite_block
+from edgepath.bench.readme import rewrite_block
 from edgepath.children import Child
 from edgepath.config import ServeOptions
 from edgepath.edge.http import Headers, Request, Response
@@ -208,18 +208,8 @@ def table(results: list[EdgeCpu], shares: list[tuple[float, str]] | None, comman
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=10_000, help="measured requests per run (default 10,000)")
-    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3; the figure is their median)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
-    p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
-    p.add_argument("--readme", default=None, help="rewrite this README's edge-cpu block (between its markers)")
-
-
 def main(args: argparse.Namespace) -> int:
-    """``edgepath bench edge-cpu``."""
+    """``edgepath bench edge-cpu`` (arguments defined in edgepath/cli.py)."""
     for name in ("requests", "concurrency", "runs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")

@@ -45,7 +45,7 @@ from typing import IO
 from hdrh.histogram import HdrHistogram
 
 from edgepath.bench.loadgen import new_histogram
-from edgepath.bench.report import rewrite_block
+from edgepath.bench.readme import rewrite_block
 from edgepath.bench.schedule import parse
 from edgepath.children import free_port
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import h11
 
-from edgepath.bench.report import rewrite_block
+from edgepath.bench.readme import rewrite_block
 from edgepath.children import free_port
 
 QUESTIONS = [

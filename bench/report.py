@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 from pathlib import Path
 
 import numpy as np
+
+from edgepath.bench.readme import rewrite_block
 
 TARGETS = {
     "test_parse": "—",
@@ -74,17 +75,6 @@ def table(report: dict) -> str:
                 target = "p50 ≤ 10" if "spin" in name else "—"
             extra.append(f"| {label} | {e[f'{key}_us_p50']:.1f} | {e[f'{key}_us_p99']:.1f} | | | {target} |")
     return "\n".join(lines + extra)
-
-
-def rewrite_block(readme: Path, name: str, text: str) -> None:
-    """Replace what is between the README's ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->``
-    with ``text``: every performance table there is written by its command, never by hand."""
-    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
-    content = readme.read_text()
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    if not pattern.search(content):
-        raise SystemExit(f"{readme}: no {begin} ... {end} block to rewrite")
-    readme.write_text(pattern.sub(lambda _: f"{begin}\n{text}\n{end}", content))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import h11
 import numpy as np
 
-from edgepath.bench.report import rewrite_block
+from edgepath.bench.readme import rewrite_block
 from edgepath.children import Child, free_port
 
 PROMPT = " ".join(f"word{i}" for i in range(12))  # ~25 tokens with Tekken: a stream of that many events

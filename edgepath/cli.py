@@ -496,9 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser(
         "edge-cpu", help="the edge process's CPU per request without the QUIC engine (echo slot server, closed loop)"
     )
-    from edgepath.bench.edge_cpu import add_arguments as add_edge_cpu_arguments
-
-    add_edge_cpu_arguments(p)
+    # defined here, not in bench/edge_cpu.py: importing that module (the edge, numpy) would slow every command
+    p.add_argument("--requests", type=int, default=10_000, help="measured requests per run (default 10,000)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3; the figure is their median)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
+    p.add_argument("--readme", default=None, help="rewrite this README's edge-cpu block (between its markers)")
     p.set_defaults(func=cmd_bench_edge_cpu)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")

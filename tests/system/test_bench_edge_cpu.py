@@ -3,13 +3,13 @@ README block its profiled run writes."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from pathlib import Path
 
 import pytest
 
-from edgepath.bench.edge_cpu import add_arguments, breakdown, main, measure, table
+from edgepath.bench.edge_cpu import breakdown, main, measure, table
+from edgepath.cli import build_parser
 
 
 def test_runs_every_request_to_a_200_and_splits_the_profiled_time_by_stage(tmp_path: Path) -> None:
@@ -32,12 +32,12 @@ def test_runs_every_request_to_a_200_and_splits_the_profiled_time_by_stage(tmp_p
 def test_the_command_rewrites_its_readme_block_and_refuses_bad_counts(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- bench:edge-cpu:begin -->\nold\n<!-- bench:edge-cpu:end -->\nafter\n")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--requests", "200", "--runs", "1", "--warmup", "20", "--readme", str(readme)])
+    parser = build_parser()
+    command = ["bench", "edge-cpu", "--requests", "200", "--runs", "1", "--warmup", "20", "--readme", str(readme)]
+    args = parser.parse_args(command)
     assert main(args) == 0
     content = readme.read_text()
     assert "old" not in content and "| share of a profiled run | stage |" in content
     assert content.startswith("before\n") and content.endswith("<!-- bench:edge-cpu:end -->\nafter\n")
     with pytest.raises(ValueError, match="--runs must be at least 1"):
-        main(parser.parse_args(["--runs", "0"]))
+        main(parser.parse_args(["bench", "edge-cpu", "--runs", "0"]))
