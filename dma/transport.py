@@ -258,25 +258,3 @@ def check_buffer(name: str, length: int, buffer: np.ndarray) -> None:
             f"region {name!r}: buffer must be {length} C-contiguous uint8 bytes, got {buffer.nbytes} bytes "
             f"of {buffer.dtype}{'' if buffer.flags.c_contiguous else ', not contiguous'}"
         )
-
-
-#: The transports :func:`make_transport` knows, as ``--data-path`` names them.
-TRANSPORTS = ("loopback", "verbs")
-
-
-def make_transport(name: str, **options: Any) -> Transport:
-    """A transport endpoint by name; raises TransportUnavailable naming the alternative when it
-    cannot be had (never a silent fallback to another transport)."""
-    if name == "loopback":
-        from edgepath.dma.loopback import LoopbackTransport
-
-        return LoopbackTransport(**options)
-    if name == "verbs":
-        try:
-            from edgepath.dma.verbs import VerbsTransport
-        except ImportError as exc:
-            raise TransportUnavailable(
-                f"verbs transport: not available in this build ({exc}); use --data-path loopback"
-            ) from exc
-        return VerbsTransport(**options)
-    raise ValueError(f"unknown transport {name!r}: choose one of {', '.join(TRANSPORTS)}")

@@ -30,7 +30,8 @@ log = logging.getLogger("edgepath")
 def data_path_transport(data_path: DataPath) -> Transport:
     """A transport endpoint for the agent <-> slot-server link; when it cannot be had, an error that
     names the flags that chose it."""
-    from edgepath.dma.transport import TransportUnavailable, make_transport
+    from edgepath.dma.registry import make_transport
+    from edgepath.dma.transport import TransportUnavailable
 
     try:
         return make_transport(data_path.kind, **data_path.options())
@@ -40,8 +41,9 @@ def data_path_transport(data_path: DataPath) -> Transport:
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.handlers import HandlerConfig, load_handler
+    from edgepath.dma.handlers import HandlerConfig
     from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+    from edgepath.handlers import load_handler
 
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device

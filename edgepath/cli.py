@@ -103,7 +103,7 @@ def _readable_file(text: str) -> str:
 def _handler_spec(text: str) -> str:
     """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
     starts, without building it (a model is loaded by the slot server, once)."""
-    from edgepath.dma.handlers import find_handler
+    from edgepath.handlers import find_handler
 
     try:
         find_handler(text)
@@ -214,7 +214,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from edgepath.dpu.demo import run_demo
+    from edgepath.demo import run_demo
 
     report = run_demo(
         requests=args.requests,

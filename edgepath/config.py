@@ -38,7 +38,7 @@ class DataPath:
             raise ValueError(f"--device and --gid-index are for --data-path verbs, not {self.kind}")
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`edgepath.dma.transport.make_transport`."""
+        """Keyword arguments of :func:`edgepath.dma.registry.make_transport`."""
         return {k: v for k, v in (("device", self.device), ("gid_index", self.gid_index)) if v is not None}
 
     def flags(self) -> list[str]:

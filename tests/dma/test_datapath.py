@@ -10,13 +10,14 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from edgepath.dma.handlers import BatchHandler, HandlerConfig, HandlerError, SlotRequest, echo, load_handler
+from edgepath.dma.handlers import BatchHandler, HandlerConfig, HandlerError, SlotRequest, echo
 from edgepath.dma.pool import FrameArray, SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access, Transport, TransportError
 from edgepath.dma.wire import claim_word, doorbell_imm, doorbell_word
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
+from edgepath.handlers import load_handler
 from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
 
 pytestmark = pytest.mark.transport

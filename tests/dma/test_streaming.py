@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from edgepath.dma import wire
-from edgepath.dma.handlers import Emit, HandlerConfig, PacedEcho, SlotRequest, load_handler
+from edgepath.dma.handlers import Emit, HandlerConfig, PacedEcho, SlotRequest
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.port import Delivery
+from edgepath.handlers import load_handler
 from edgepath.native.abi import Status
 
 pytestmark = pytest.mark.transport
