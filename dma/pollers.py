@@ -147,7 +147,7 @@ class GpuDoorbellPoller:
 
     def scan_leases(self, now_ns: int) -> int:
         words = self._states().copy()
-        claimed = (words & np.uint64(wire.STATE_MASK)) == State.CLAIMED
+        claimed = wire.in_state(words, State.CLAIMED)
         changed = words != self._lease_word
         self._lease_ns[changed] = now_ns
         self._lease_word[:] = words

@@ -10,10 +10,11 @@ registered MR, GPU-mapped memory): they never copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from edgepath.dma.wire import STATE_MASK, SlotWord
+from edgepath.dma.wire import RequestHeader, ResultHeader, SlotWord, in_state
 from edgepath.native.abi import (
     POOL_HEADER,
     REQUEST_HEADER,
@@ -22,6 +23,8 @@ from edgepath.native.abi import (
     ffi,
     lib,
 )
+
+_V = TypeVar("_V", RequestHeader, ResultHeader)
 
 
 class PoolError(ValueError):
@@ -57,13 +60,14 @@ class FrameLayout:
         return RESULT_HEADER.itemsize + 4 * output_count
 
 
-def header_pointers(rows: np.ndarray, offset: int, ctype: str) -> list:
-    """A C pointer (``ctype``, e.g. ``struct ep_request_header *``) to byte ``offset`` of each row of
-    ``rows``: the hot path reads and writes headers through these, a numpy structured field access
-    costing about ten times more.  They point into ``rows``' memory, which their owner keeps alive."""
+def header_views(rows: np.ndarray, offset: int, view: type[_V]) -> list[_V]:
+    """A typed header view (:class:`~edgepath.dma.wire.RequestHeader` or ``ResultHeader``) of byte
+    ``offset`` of each row of ``rows``: the hot path reads and writes headers through these, a numpy
+    structured field access costing about ten times more.  They point into ``rows``' memory, which
+    their owner keeps alive."""
     base = int(rows.__array_interface__["data"][0]) + offset
     stride = int(rows.strides[0])
-    return [ffi.cast(ctype, base + i * stride) for i in range(rows.shape[0])]
+    return [view.at(base + i * stride) for i in range(rows.shape[0])]
 
 
 class FrameArray:
@@ -87,8 +91,8 @@ class FrameArray:
         self.results = raw[:, res : res + RESULT_HEADER.itemsize].view(RESULT_HEADER).reshape(count)
         out0 = res + RESULT_HEADER.itemsize
         self.outputs = raw[:, out0 : out0 + 4 * layout.output_capacity].view(np.int32)
-        self.request_headers = header_pointers(raw, 0, "struct ep_request_header *")
-        self.result_headers = header_pointers(raw, res, "struct ep_result_header *")
+        self.request_headers = header_views(raw, 0, RequestHeader)
+        self.result_headers = header_views(raw, res, ResultHeader)
 
     def frame_offset(self, index: int) -> int:
         """Byte offset of frame ``index`` within the underlying buffer."""
@@ -139,8 +143,8 @@ class AgentFrames:
         self.outputs = rep[:, RESULT_HEADER.itemsize : RESULT_HEADER.itemsize + 4 * layout.output_capacity].view(
             np.int32
         )
-        self.request_headers = header_pointers(req, 0, "struct ep_request_header *")
-        self.result_headers = header_pointers(rep, 0, "struct ep_result_header *")
+        self.request_headers = header_views(req, 0, RequestHeader)
+        self.result_headers = header_views(rep, 0, ResultHeader)
 
     @staticmethod
     def sizes(count: int, layout: FrameLayout) -> tuple[int, int]:
@@ -223,7 +227,7 @@ class SlotPool:
         return SlotWord.unpack(self.word(slot))
 
     def count(self, state: State) -> int:
-        return int(np.count_nonzero((self.states & np.uint64(STATE_MASK)) == int(state)))
+        return int(np.count_nonzero(in_state(self.states, state)))
 
     def free_count(self) -> int:
         return self.count(State.FREE)

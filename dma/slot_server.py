@@ -28,7 +28,6 @@ from edgepath.dma.handlers import BatchHandler, Emit, HandlerConfig, OneShot, Sl
 from edgepath.dma.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
 from edgepath.dma.pool import FrameLayout, SlotPool, reply_stride
 from edgepath.dma.transport import Completion, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
-from edgepath.dma.wire import Sampling
 from edgepath.native.abi import RESULT_HEADER, Event, Status, ffi, field_offset, lib
 
 if TYPE_CHECKING:
@@ -282,17 +281,17 @@ class SlotServer:
     # -- connection management (its own thread) ---------------------------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
         """Check the agent's reply-region description and register it before it is accepted."""
-        info = conn.peer_info
         try:
-            layout = FrameLayout(int(info[wire.INPUT_CAPACITY]), int(info[wire.OUTPUT_CAPACITY]))
-            frames = int(info["frames"])
+            hello = wire.AgentHello.parse(conn.peer_info)
+            layout = FrameLayout(hello.input_capacity, hello.output_capacity)
             replies = conn.remote[wire.REPLIES_REGION]
-            offset = int(info.get("replies_offset", 0))
-            replies.check(offset, frames * reply_stride(layout.output_capacity), wire.REPLIES_ACCESS)
-        except (KeyError, ValueError, TypeError, TransportError) as exc:
+            replies.check(
+                hello.replies_offset, hello.frames * reply_stride(layout.output_capacity), wire.REPLIES_ACCESS
+            )
+        except (KeyError, ValueError, TransportError) as exc:
             raise ValueError(f"bad reply-region description: {exc}") from exc
         with self._lock:
-            self.peers[conn.conn_id] = _Peer(conn, replies, layout, frames, offset)
+            self.peers[conn.conn_id] = _Peer(conn, replies, layout, hello.frames, hello.replies_offset)
             self.stats.connections += 1
         return {}
 
@@ -338,7 +337,7 @@ class SlotServer:
             if wire.is_cancel_imm(c.imm):
                 self._on_cancel(c.conn_id, c.imm)
             else:
-                doorbells.append((c.conn_id << 32) | c.imm)
+                doorbells.append(wire.doorbell_entry(c.conn_id, c.imm))
         started = self.poller.started(doorbells, lib.ep_now_ns()) if doorbells or self._gpu else []
         self.stats.rejected_doorbells = self.poller.rejected_doorbells
         for slot, conn_id, gen in started:
@@ -353,34 +352,20 @@ class SlotServer:
         """A RUNNING slot: validate its request and hand it to the model side."""
         pool = self.pool
         req = self._req_hdr[slot]
-        res = self._res_hdr[slot]
         peer = self.peers.get(conn_id)
         count = req.token_count
         max_new = req.max_new_tokens
         reply_index = req.reply_index
-        flags = req.flags
-        res.request_id = req.request_id
-        res.generation = gen
-        res.slot = slot
-        res.t_start_ns = lib.ep_now_ns()
-        res.t_first_ns = 0
-        res.progress = wire.progress_word(gen, 0)
-        window_us = req.stream_window_us
-        run = _Running(
-            slot,
-            gen,
-            peer,
-            reply_index,
-            bool(flags & wire.FLAG_STREAM),
-            window_us / 1e6 if window_us else self.config.stream_window,
-        )
+        request_id = req.request_id
+        self._res_hdr[slot].begin(request_id, gen, slot, lib.ep_now_ns())
+        run = _Running(slot, gen, peer, reply_index, req.stream, req.stream_window(self.config.stream_window))
         self.running[slot] = run
         out_cap = (
             self.config.output_capacity
             if peer is None
             else min(self.config.output_capacity, peer.layout.output_capacity)
         )
-        sampling = Sampling(req.temperature, req.top_p, req.top_k, req.seed)
+        sampling = req.sampling()
         problem = wire.request_problem(count, max_new, self.config.input_capacity, out_cap)
         if problem is None and peer is not None and reply_index >= peer.frames:
             problem = f"reply_index {reply_index} outside the agent's {peer.frames} frames"
@@ -396,9 +381,9 @@ class SlotServer:
             return
         request = SlotRequest(
             slot,
-            req.request_id,
+            request_id,
             max_new,
-            flags,
+            req.flags,
             pool.slots.tokens[slot, :count],
             pool.slots.outputs[slot, :max_new],
             sampling,
@@ -432,7 +417,7 @@ class SlotServer:
                 continue
             if emit.count > run.count:
                 if run.count == 0:
-                    self._res_hdr[run.slot].t_first_ns = lib.ep_now_ns()
+                    self._res_hdr[run.slot].first_token(lib.ep_now_ns())
                 run.count = emit.count
             if emit.status is not None:
                 if emit.status == Status.HANDLER_ERROR:
@@ -464,7 +449,7 @@ class SlotServer:
             return
         res_off = self.pool.slots.result_offset(run.slot)
         out_off = res_off + RESULT_HEADER.itemsize
-        self._res_hdr[run.slot].progress = wire.progress_word(run.generation, run.count)
+        self._res_hdr[run.slot].placed(run.generation, run.count)
         self._result_to_device(run.slot, run.count)
         dst = peer.result_offset(run.reply_index)
         try:
@@ -514,11 +499,7 @@ class SlotServer:
         the slot's memory: then it stays DONE until the handler lets go)."""
         slot, gen = run.slot, run.generation
         del self.running[slot]
-        res = self._res_hdr[slot]
-        res.status = status
-        res.output_count = output_count
-        res.progress = wire.progress_word(gen, output_count)
-        res.t_done_ns = lib.ep_now_ns()
+        self._res_hdr[slot].end(gen, status, output_count, lib.ep_now_ns())
         if status in (Status.OK, Status.LENGTH, Status.STOP):
             self.stats.served += 1
         self._result_to_device(slot, output_count)

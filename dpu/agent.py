@@ -22,13 +22,13 @@ import numpy as np
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
+from edgepath.dma.wire import claim_next
 from edgepath.dpu.port import Delivery, DeliveryStats
-from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, field_offset, lib
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
-_STATE_MASK = np.uint64(wire.STATE_MASK)
 
 
 class AgentError(RuntimeError):
@@ -77,7 +77,7 @@ class ServerLink:
     @property
     def free_hint(self) -> int:
         """Free slots as last seen (cached words), an ordering hint across servers."""
-        return int(np.count_nonzero((self.words & _STATE_MASK) == 0))
+        return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
 
 
 @dataclass(slots=True)
@@ -121,7 +121,6 @@ class Agent:
             wire.REPLIES_REGION, rep_size, wire.REPLIES_ACCESS, buffer=replies_buffer
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
-        self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server
         # Cached state words of every server, then a cancel word to send from, then a pool header to read into.
         words_size = 8 * max_slots_per_server * max_servers
@@ -135,7 +134,6 @@ class Agent:
         self.delivery_stats = DeliveryStats()
         self._free_frames = list(range(frames - 1, -1, -1))
         self._finals = [-1] * frames  # generation of each frame's last final result
-        self._next_word = ffi.new("uint64_t *")
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -168,12 +166,7 @@ class Agent:
         return link
 
     def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
-        info = {
-            "frames": self.frames.count,
-            wire.INPUT_CAPACITY: self.layout.input_capacity,
-            wire.OUTPUT_CAPACITY: self.layout.output_capacity,
-            "replies_offset": 0,
-        }
+        info = wire.AgentHello(self.frames.count, self.layout.input_capacity, self.layout.output_capacity).info()
         try:
             conn = self.transport.connect(address, [self.replies_mr], info, timeout=timeout)
         except TransportError as exc:
@@ -268,9 +261,9 @@ class Agent:
         words = link.words_ptr
         expected = int(words[slot])
         for _ in range(2):  # second try only when the slot was FREE in a newer generation
-            if lib.ep_step_word(expected, Event.CLAIM, 0, link.claimant, self._next_word) != lib.EP_OK:
+            desired = claim_next(expected, link.claimant)
+            if not desired:
                 return None
-            desired = int(self._next_word[0])
             link.stats.cas_attempts += 1
             found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
             if found == expected:
@@ -350,7 +343,7 @@ class Agent:
 
     def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
         frame_off = self.frames.frame_offset(index)
-        lib.ep_request_stamp(self._frames_ptr + frame_off, gen & 0xFFFFFFFF, slot, index)
+        self.frames.request_headers[index].stamp(gen, slot, index)
         pool = link.pool
         self.inflight[index] = InFlight(link, slot, gen)
         link.inflight += 1
@@ -387,14 +380,13 @@ class Agent:
                 stats.unknown += 1
                 log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
             return None
-        gen = flight.generation & 0xFFFFFFFF
+        gen = flight.generation
         result = self.frames.result_headers[index]
         if wire.is_progress_imm(imm):
-            word = result.progress
-            if wire.progress_generation(word) != gen:
+            count = result.placed_for(gen)
+            if count is None:
                 stats.unknown += 1
                 return None
-            count = wire.progress_count(word)
             if flight.abandoned or count <= flight.count:
                 stats.late += flight.abandoned
                 return None

@@ -55,7 +55,7 @@ class AgentClient:
         self._connect(timeout)
 
     def _connect(self, timeout: float) -> None:
-        conn = self.transport.connect(self.address, [self._completions], {"role": "edge"}, timeout=timeout)
+        conn = self.transport.connect(self.address, [self._completions], wire.edge_hello(), timeout=timeout)
         region = conn.remote.get(wire.REQUESTS_REGION)
         replies = conn.remote.get(wire.REPLIES_REGION)
         status = conn.remote.get(wire.STATUS_REGION)
@@ -65,13 +65,16 @@ class AgentClient:
                 f"{self.address}: the agent must export {wire.REQUESTS_REGION!r}, {wire.REPLIES_REGION!r} "
                 f"and {wire.STATUS_REGION!r}"
             )
-        info = conn.peer_info
+        try:
+            grant = wire.EdgeGrant.parse(conn.peer_info)
+        except wire.InfoInvalid as exc:
+            conn.close()
+            raise TransportError(f"{self.address}: not an agent's answer ({exc})") from exc
         self.conn = conn
         self._region = region
-        self._status = conn.local_view(status)[:24].view(np.uint64)
-        self.layout = FrameLayout(int(info[wire.INPUT_CAPACITY]), int(info[wire.OUTPUT_CAPACITY]))
-        count = int(info[wire.FRAME_COUNT])
-        base = int(info[wire.FRAME_BASE])
+        self._status = wire.AgentStatus(conn.local_view(status))
+        self.layout = FrameLayout(grant.input_capacity, grant.output_capacity)
+        count, base = grant.frame_count, grant.frame_base
         self.frames = AgentFrames(
             conn.local_view(region),
             conn.local_view(replies),
@@ -117,14 +120,14 @@ class AgentClient:
         if not self.links[0].alive:
             return Status.UNAVAILABLE
         self.inflight[index] = _Flight()
-        if not self._post(index):
+        if not self._post(wire.submit_imm(index)):
             del self.inflight[index]
             return Status.UNAVAILABLE
         return None
 
     def cancel(self, index: int) -> None:
         if index in self.inflight and self.links[0].alive:
-            self._post(wire.IMM_CANCEL | index)
+            self._post(wire.edge_cancel_imm(index))
 
     def abandon(self, index: int) -> None:
         """Cancel, deliver nothing more, and take the frame back when the agent's final answer for it comes
@@ -195,7 +198,7 @@ class AgentClient:
         """(free, total) slots on the agent's live slot servers, as the agent last published them."""
         if not self.links[0].alive:
             return 0, 0
-        free, total, _ = (int(v) for v in self._status)
+        free, total, _ = self._status.read()
         return free, total
 
     def close(self) -> None:

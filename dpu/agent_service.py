@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
@@ -88,12 +86,14 @@ class AgentService:
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
         # Free/total slots and liveness of the slot servers, refreshed by the serve loop, read by edges.
-        self.status_mr: MemoryRegion = edge_transport.register(wire.STATUS_REGION, 64, Access.REMOTE_READ)
-        self._status = self.status_mr.buf[:24].view(np.uint64)
+        self.status_mr: MemoryRegion = edge_transport.register(
+            wire.STATUS_REGION, wire.STATUS_BYTES, Access.REMOTE_READ
+        )
+        self._status = wire.AgentStatus(self.status_mr.buf)
         self.listener: Listener = edge_transport.listen(
             address,
             [*regions, self.status_mr],
-            {wire.INPUT_CAPACITY: agent.layout.input_capacity, wire.OUTPUT_CAPACITY: agent.layout.output_capacity},
+            wire.EdgeGrant.capacities(agent.layout.input_capacity, agent.layout.output_capacity),
         )
         self.address = address
         self._stop = threading.Event()
@@ -101,6 +101,8 @@ class AgentService:
     # -- edges come and go -----------------------------------------------------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
         """Give a new edge a frame range of its own (refused when none is left)."""
+        if not wire.is_edge_hello(conn.peer_info):
+            raise ValueError(f"not an edge (connection data {conn.peer_info}): only edges connect to an agent process")
         with self._lock:
             if not self._free_ranges:
                 raise ValueError("no free frame range for another edge")
@@ -108,7 +110,7 @@ class AgentService:
             edge = _Edge(conn, base, self.frames_per_edge)
             self.edges[conn.conn_id] = edge
             self._by_range[base // self.frames_per_edge] = edge
-        return {wire.FRAME_BASE: base, wire.FRAME_COUNT: self.frames_per_edge}
+        return wire.EdgeGrant.frames(base, self.frames_per_edge)
 
     def _manage(self) -> None:
         """Edges come and go (slot servers are watched by the serve loop, which can revive them)."""
@@ -163,9 +165,7 @@ class AgentService:
             log.warning("could not answer frame %d: %s", index, exc)
 
     def _refuse(self, index: int, status: Status) -> None:
-        res = self.agent.frames.results[index]
-        res["status"] = status
-        res["output_count"] = 0
+        self.agent.frames.result_headers[index].refuse(status)
         self._answer(index)
 
     def handle(self, conn_id: int, imm: int) -> None:
@@ -179,12 +179,12 @@ class AgentService:
         edge = self.edges.get(conn_id)
         if edge is None:
             return
-        local = imm & ~wire.IMM_CANCEL
+        local = wire.edge_imm_frame(imm)
         if not 0 <= local < edge.count:
             log.warning("edge %d named frame %d outside its range of %d", conn_id, local, edge.count)
             return
         index = edge.base + local
-        if imm & wire.IMM_CANCEL:
+        if wire.is_cancel_imm(imm):
             self.agent.cancel(index)  # the edge frees the frame when the final answer comes
             return
         status = self.agent.submit(index)
@@ -202,7 +202,7 @@ class AgentService:
         if not all(link.alive for link in agent.links):
             agent.revive(timeout=0.05)
         free, total = agent.free_slots()
-        self._status[:] = (free, total, int(any(link.alive for link in agent.links)))
+        self._status.publish(free, total, agent.alive())
 
     def serve(self) -> None:
         threading.Thread(target=self._manage, name="agent-cm", daemon=True).start()

@@ -8,12 +8,11 @@ assignment into the frame's token area — the single CPU write of the data path
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from edgepath.dma.pool import AgentFrames, FrameArray
-from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestInvalid, Sampling, request_problem
+from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestHeader, RequestInvalid, Sampling, request_problem
 from edgepath.native.abi import lib
 
 FrameError = RequestInvalid
@@ -69,7 +68,7 @@ def write_request(
 
 
 def write_header(
-    req: Any,
+    req: RequestHeader,
     *,
     request_id: int,
     token_count: int,
@@ -79,15 +78,6 @@ def write_header(
     t_receive_ns: int,
     t_tokenized_ns: int,
 ) -> None:
-    """The writer's fields of a request header (``req``: a frame's ``struct ep_request_header *``, from
-    ``frames.request_headers``), values already checked; the agent stamps the rest when it sends."""
-    req.request_id = request_id
-    req.token_count = token_count
-    req.max_new_tokens = max_new_tokens
-    req.flags = flags
-    req.temperature = sampling.temperature
-    req.top_p = sampling.top_p
-    req.top_k = sampling.top_k
-    req.seed = sampling.seed
-    req.t_receive_ns = t_receive_ns
-    req.t_tokenized_ns = t_tokenized_ns
+    """The writer's fields of a request header (``req``: a frame's view, from ``frames.request_headers``),
+    values already checked; the agent stamps the rest when it sends."""
+    req.fill(request_id, token_count, max_new_tokens, flags, sampling, t_receive_ns, t_tokenized_ns)

@@ -30,6 +30,12 @@ int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant
     return ep_step(cur, event, generation, claimant, next);
 }
 
+uint64_t ep_claim_next(uint64_t cur, uint32_t claimant)
+{
+    uint64_t next;
+    return ep_step(cur, EP_EV_CLAIM, 0, claimant, &next) == EP_OK ? next : 0;
+}
+
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot)
 {
     return ep_doorbell(generation, slot);

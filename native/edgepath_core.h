@@ -13,6 +13,9 @@ uint64_t ep_now_ns(void);
 
 /* State machine (edgepath_step.h) exposed to Python, and applied atomically. */
 int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant, uint64_t *next);
+/* The word a claimer CASes in for `cur` (ep_step's CLAIM), or 0 when `cur` cannot be claimed (a claimed
+   word is never 0: its state is CLAIMED). */
+uint64_t ep_claim_next(uint64_t cur, uint32_t claimant);
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot);
 uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot);
 int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev);
