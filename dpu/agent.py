@@ -21,6 +21,7 @@ import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
 from edgepath.dpu.port import Delivery, DeliveryStats
@@ -97,8 +98,8 @@ class Agent:
         self,
         transport: Transport,
         frames: int = 256,
-        input_capacity: int = 4096,
-        output_capacity: int = 4096,
+        input_capacity: int = DEFAULT_CAPACITY,
+        output_capacity: int = DEFAULT_CAPACITY,
         max_servers: int = 8,
         max_slots_per_server: int = 65536,
         frames_buffer: np.ndarray | None = None,

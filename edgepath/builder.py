@@ -41,35 +41,15 @@ def data_path_transport(data_path: DataPath) -> Transport:
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.handlers import HandlerConfig
-    from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+    from edgepath.dma.slot_server import SlotServer, handler_config
     from edgepath.handlers import load_handler
 
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
         require_device(flag=f"--slots {settings.memory}")  # fail at once, before any transport is set up
-    handler = load_handler(
-        settings.handler,
-        HandlerConfig(
-            settings.slots,
-            settings.input_capacity,
-            settings.output_capacity,
-            dict(settings.handler_options),
-            settings.handler_deadline,
-        ),
-    )
-    config = SlotServerConfig(
-        slots=settings.slots,
-        memory=settings.memory,
-        input_capacity=settings.input_capacity,
-        output_capacity=settings.output_capacity,
-        lease=settings.lease,
-        spin=settings.spin_us / 1e6,
-        handler_deadline=settings.handler_deadline,
-        stream_window=settings.stream_window_ms / 1e3,
-    )
-    server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, config)
+    handler = load_handler(settings.handler, handler_config(settings, dict(settings.handler_options)))
+    server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, settings)
     log.info(
         "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
         settings.listen,

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from edgepath.config import (
     DATA_PATHS,
+    DEFAULT_CAPACITY,
     DEFAULT_QUIC_ENGINE,
     DEFAULT_SLOTS,
     EDGE_TRANSPORTS,
@@ -170,11 +171,11 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
             input_capacity=args.input_capacity,
             output_capacity=args.output_capacity,
             lease=args.lease,
-            spin_us=args.spin_us,
+            spin=args.spin_us / 1e6,
             handler=args.handler,
             handler_options=tuple(args.handler_option),
             handler_deadline=args.handler_deadline,
-            stream_window_ms=args.stream_window_ms,
+            stream_window=args.stream_window_ms / 1e3,
             data_path=_data_path(args),
         )
     )
@@ -258,7 +259,7 @@ def cmd_bench_edge_cpu(args: argparse.Namespace) -> int:
 
 #: serve's sizes when it serves a model on this kind of machine (slots x (input + output) KV-cache cells)
 MODEL_SIZES = {"slots": 8, "input_capacity": 1024, "output_capacity": 512}
-ECHO_SIZES = {"slots": 64, "input_capacity": 4096, "output_capacity": 4096}
+ECHO_SIZES = {"slots": DEFAULT_SLOTS, "input_capacity": DEFAULT_CAPACITY, "output_capacity": DEFAULT_CAPACITY}
 
 
 def _model_choice(args: argparse.Namespace) -> tuple[str, tuple[tuple[str, str], ...], str | None, dict[str, int]]:
@@ -383,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with --data-path loopback) or gpu-device (GPU memory the NIC writes by GPUDirect RDMA, CUDA "
         "persistent poller; with --data-path verbs); gpu and gpu-device need edgepath[gpu] and a CUDA device",
     )
-    p.add_argument("--input-capacity", type=_positive_int, default=4096, help="tokens per slot")
-    p.add_argument("--output-capacity", type=_positive_int, default=4096, help="output tokens per slot")
+    p.add_argument("--input-capacity", type=_positive_int, default=DEFAULT_CAPACITY, help="tokens per slot")
+    p.add_argument("--output-capacity", type=_positive_int, default=DEFAULT_CAPACITY, help="output tokens per slot")
     p.add_argument(
         "--lease", type=_positive_float, default=1.0, help="seconds a claimed slot may wait for its doorbell"
     )
@@ -428,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=default_address("agent"), help="address edges connect to")
     p.add_argument("--frames", type=_positive_int, default=1024)
     p.add_argument("--frames-per-edge", type=_positive_int, default=256)
-    p.add_argument("--input-capacity", type=_positive_int, default=4096)
-    p.add_argument("--output-capacity", type=_positive_int, default=4096)
+    p.add_argument("--input-capacity", type=_positive_int, default=DEFAULT_CAPACITY)
+    p.add_argument("--output-capacity", type=_positive_int, default=DEFAULT_CAPACITY)
     p.add_argument("--spin-us", type=_non_negative_float, default=0.0)
     p.set_defaults(func=cmd_agent)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
+from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
-SLOT_MEMORY = ("host", "gpu", "gpu-device")  # the same as edgepath.dma.gpu.SLOT_MEMORY (a test checks)
-DEFAULT_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -50,26 +50,19 @@ class DataPath:
         return flags
 
 
-@dataclass(frozen=True)
-class SlotServerSettings:
-    """An ``edgepath slot-server``: a slot pool served by a handler."""
+@dataclass(frozen=True, kw_only=True)
+class SlotServerSettings(SlotServerConfig):
+    """An ``edgepath slot-server``: the slot server's own configuration (pool, loop; durations in seconds,
+    :class:`~edgepath.dma.slot_config.SlotServerConfig`), and where it listens, which handler it runs and
+    over which data path.  ``memory``: edgepath.dma.gpu.check_placement says which go with which data path."""
 
     listen: str
-    slots: int = DEFAULT_SLOTS
-    # host (CPU poller), gpu (host memory mapped into the GPU, CUDA poller) or gpu-device (GPU memory
-    # the NIC writes, CUDA poller); edgepath.dma.gpu.check_placement says which go with which data path
-    memory: str = "host"
-    input_capacity: int = 4096
-    output_capacity: int = 4096
-    lease: float = 1.0
-    spin_us: float = 0.0
     handler: str = "echo"
     handler_options: tuple[tuple[str, str], ...] = ()  # --handler-option KEY=VALUE, in order
-    handler_deadline: float = 0.0
-    stream_window_ms: float = 2.0  # streamed tokens after the first are coalesced within this window
     data_path: DataPath = field(default_factory=DataPath)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         from edgepath.dma.gpu import check_placement
 
         check_placement(self.data_path.kind, self.memory)
@@ -89,16 +82,21 @@ class SlotServerSettings:
             "--lease",
             repr(self.lease),
             "--spin-us",
-            repr(self.spin_us),
+            _units(self.spin, 1e6),
             "--handler",
             self.handler,
             *(arg for key, value in self.handler_options for arg in ("--handler-option", f"{key}={value}")),
             "--handler-deadline",
             repr(self.handler_deadline),
             "--stream-window-ms",
-            repr(self.stream_window_ms),
+            _units(self.stream_window, 1e3),
             *self.data_path.flags(),
         ]
+
+
+def _units(seconds: float, per_second: float) -> str:
+    """``seconds`` in a flag's unit (micro-, milliseconds), as short as it is exact to 12 digits."""
+    return f"{seconds * per_second:.12g}"
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,8 @@ class AgentSettings:
 
     slot_servers: tuple[str, ...]
     frames: int = 1024
-    input_capacity: int = 4096
-    output_capacity: int = 4096
+    input_capacity: int = DEFAULT_CAPACITY
+    output_capacity: int = DEFAULT_CAPACITY
     data_path: DataPath = field(default_factory=DataPath)
 
 
@@ -138,8 +136,8 @@ class ServeOptions:
     slot_server_listen: str | None = None  # where the started slot server listens (verbs: IP:PORT)
     slots: int = DEFAULT_SLOTS
     frames: int = 256
-    input_capacity: int = 4096
-    output_capacity: int = 4096
+    input_capacity: int = DEFAULT_CAPACITY
+    output_capacity: int = DEFAULT_CAPACITY
     max_body: int = 1 << 20
     tokenizer: str | None = None
     served_model_name: str | None = None  # the model id of the OpenAI routes (default: derived, see builder)
@@ -240,7 +238,7 @@ class ServeOptions:
             slots=self.slots,
             input_capacity=self.input_capacity,
             output_capacity=self.output_capacity,
-            spin_us=self.slot_spin_us,
+            spin=self.slot_spin_us / 1e6,
             handler=self.handler,
             handler_options=self.handler_options,
             handler_deadline=self.handler_deadline,

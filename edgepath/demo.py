@@ -68,7 +68,7 @@ def run_demo(
             memory=memory,
             input_capacity=tokens,
             output_capacity=tokens,
-            spin_us=spin * 1e6,
+            spin=spin,
             data_path=data_path,
         )
     )

@@ -18,11 +18,11 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
         input_capacity=300,
         output_capacity=200,
         lease=0.25,
-        spin_us=12.5,
+        spin=12.5e-6,
         handler="paced-echo",
         handler_options=(("token_delay", "0.01"), ("note", "a=b")),
         handler_deadline=1.5,
-        stream_window_ms=0.5,
+        stream_window=0.5e-3,
         data_path=DataPath("verbs", "rxe0", 1),
     )
     args = build_parser().parse_args(settings.argv())
