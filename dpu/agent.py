@@ -24,7 +24,8 @@ from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
-from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.dpu.frame_book import Flight, FrameBook
+from edgepath.dpu.port import Delivery
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
@@ -81,14 +82,14 @@ class ServerLink:
         return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
 
 
-@dataclass(slots=True)
-class InFlight:
+@dataclass(slots=True, kw_only=True)
+class InFlight(Flight):
+    """A frame sent to a slot server: where it runs, in which generation."""
+
     link: ServerLink
     slot: int
     generation: int
-    count: int = 0  # output tokens delivered so far
     cancelled: bool = False
-    abandoned: bool = False  # the caller gave up: deliver nothing, free the frame when the server lets go
 
 
 class Agent:
@@ -130,22 +131,28 @@ class Agent:
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
-        self.inflight: dict[int, InFlight] = {}
         self.max_servers = max_servers
-        self.delivery_stats = DeliveryStats()
-        self._free_frames = list(range(frames - 1, -1, -1))
-        self._finals = [-1] * frames  # generation of each frame's last final result
+        self.book: FrameBook[InFlight] = FrameBook(frames)
+        self.inflight = self.book.inflight
+        self.delivery_stats = self.book.stats
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
         """A frame index the caller may fill (tokens, request header), or None if all are taken."""
-        return self._free_frames.pop() if self._free_frames else None
+        return self.book.acquire()
 
     def release(self, index: int) -> None:
         """Give a frame back once its result has been read (or it was refused)."""
-        if index in self.inflight:
-            raise ValueError(f"frame {index} is still in flight (abandon it instead)")
-        self._free_frames.append(index)
+        self.book.release(index)
+
+    def capacity(self) -> FrameLayout:
+        """The largest request and answer the first slot server takes in these frames."""
+        if not self.links:
+            return self.layout
+        link = self.links[0]
+        return FrameLayout(
+            min(self.layout.input_capacity, link.input_capacity), min(self.layout.output_capacity, link.output_capacity)
+        )
 
     def fileno(self) -> int:
         return self.transport.cq.fileno()
@@ -335,6 +342,8 @@ class Agent:
             try:
                 self._send(link, index, slot, gen, count)
             except TransportError as exc:
+                self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
+                link.inflight -= 1
                 self._link_down(link, exc)
                 return Status.UNAVAILABLE
             return None
@@ -346,7 +355,7 @@ class Agent:
         frame_off = self.frames.frame_offset(index)
         self.frames.request_headers[index].stamp(gen, slot, index)
         pool = link.pool
-        self.inflight[index] = InFlight(link, slot, gen)
+        self.book.sent(index, InFlight(link=link, slot=slot, generation=gen))
         link.inflight += 1
         link.conn.write_then_imm(
             self.frames_mr,
@@ -369,45 +378,31 @@ class Agent:
         """Account one completion from a slot server: streamed progress or a final result. Anything
         that does not match a frame in flight there, in its generation, is counted and dropped."""
         index = wire.imm_index(imm)
-        stats = self.delivery_stats
-        flight = self.inflight.get(index)
+        book = self.book
+        flight = book.inflight.get(index)
         link = self.by_conn.get(conn_id)
+        progress = wire.is_progress_imm(imm)
         if flight is None or link is None or flight.link is not link:
-            final_gen = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
-            if not wire.is_progress_imm(imm) and 0 <= index < self.frames.count and final_gen == self._finals[index]:
-                stats.duplicates += 1
-                log.warning("duplicate result for frame %d (generation %d) ignored", index, final_gen)
-            else:
-                stats.unknown += 1
-                log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
+            answered = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
+            book.stray(index, not progress, answered)
+            log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
             return None
         gen = flight.generation
         result = self.frames.result_headers[index]
-        if wire.is_progress_imm(imm):
+        if progress:
             count = result.placed_for(gen)
             if count is None:
-                stats.unknown += 1
+                book.unknown()
                 return None
-            if flight.abandoned or count <= flight.count:
-                stats.late += flight.abandoned
-                return None
-            flight.count = count
-            return Delivery(index, count, False)
+            return book.progress(index, count)
         if result.generation != gen:
-            stats.unknown += 1
+            book.unknown()
             log.warning("ignoring stale result for frame %d", index)
             return None
-        del self.inflight[index]
         link.inflight -= 1
-        self._finals[index] = gen
         # The server frees the slot before notifying: remember it as FREE in this generation.
-        link.words_ptr[flight.slot] = wire.free_word(flight.generation)
-        if flight.abandoned:
-            stats.late += 1
-            self._free_frames.append(index)
-            return None
-        stats.delivered += 1
-        return Delivery(index, result.output_count, True)
+        link.words_ptr[flight.slot] = wire.free_word(gen)
+        return book.final(index, result.output_count, gen)
 
     def cancel(self, index: int) -> None:
         """Write the slot's cancel word (its generation) and ring it: the slot server stops the handler at
@@ -436,30 +431,15 @@ class Agent:
         """Give up on frame ``index``: cancel its slot, deliver nothing more for it, and put the frame
         back on the free list when its final result arrives (or its slot server is lost) -- never
         before, so nothing of this request can land in the frame's next use."""
-        flight = self.inflight.get(index)
-        if flight is None:
-            raise ValueError(f"frame {index} is not in flight")
-        if flight.abandoned:
-            return
-        flight.abandoned = True
-        self.delivery_stats.abandoned += 1
-        self.cancel(index)
+        if self.book.abandon(index) is not None:
+            self.cancel(index)
 
     def fail_link(self, link: ServerLink) -> list[int]:
         """Mark ``link`` down; frames that were in flight there (now lost) are returned, except abandoned
         ones, which go straight back to the free list."""
         link.alive = False
-        lost = []
-        for i, flight in list(self.inflight.items()):
-            if flight.link is not link:
-                continue
-            del self.inflight[i]
-            if flight.abandoned:
-                self._free_frames.append(i)
-            else:
-                lost.append(i)
         link.inflight = 0
-        return lost
+        return self.book.lose(lambda flight: flight.link is link)
 
     def check_links(self) -> list[int]:
         """Handle connection events; frames lost with a slot server that went away are returned."""

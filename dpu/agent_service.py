@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import select
-import selectors
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from edgepath.dma import wire
+from edgepath.dma.connections import ConnectionManager
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
 from edgepath.dpu.agent import Agent
@@ -82,7 +82,6 @@ class AgentService:
         self._free_ranges = list(range(agent.frames.count // frames_per_edge - 1, -1, -1))
         self.edges: dict[int, _Edge] = {}
         self._by_range: dict[int, _Edge] = {}
-        self._gone: list[int] = []
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
         # Free/total slots and liveness of the slot servers, refreshed by the serve loop, read by edges.
@@ -96,6 +95,7 @@ class AgentService:
             wire.EdgeGrant.capacities(agent.layout.input_capacity, agent.layout.output_capacity),
         )
         self.address = address
+        self.connections = ConnectionManager(self.listener, self._admit, "agent-cm")
         self._stop = threading.Event()
 
     # -- edges come and go -----------------------------------------------------------
@@ -112,33 +112,10 @@ class AgentService:
             self._by_range[base // self.frames_per_edge] = edge
         return wire.EdgeGrant.frames(base, self.frames_per_edge)
 
-    def _manage(self) -> None:
-        """Edges come and go (slot servers are watched by the serve loop, which can revive them)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener.fileno(), selectors.EVENT_READ, None)
-        while not self._stop.is_set():
-            for key, _ in sel.select(timeout=0.1):
-                if key.data is None:
-                    self._accept(sel)
-                elif not key.data.conn.check_alive():
-                    sel.unregister(key.fd)
-                    with self._lock:
-                        self._gone.append(key.data.conn.conn_id)
-        sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        try:
-            conn = self.listener.accept(timeout=1.0, admit=self._admit)
-        except (OSError, TransportError, ValueError) as exc:
-            log.warning("edge connection refused: %s", exc)
-            return
-        if conn is not None:
-            sel.register(conn.fileno(), selectors.EVENT_READ, self.edges[conn.conn_id])
-
     def _reap(self) -> None:
-        with self._lock:
-            gone, self._gone = self._gone, []
-        for cid in gone:
+        """Edges that went away give their frame range back (slot servers are watched by the serve loop,
+        which can revive them)."""
+        for cid in self.connections.gone():
             edge = self.edges.pop(cid, None)
             if edge is None:
                 continue
@@ -205,7 +182,7 @@ class AgentService:
         self._status.publish(free, total, agent.alive())
 
     def serve(self) -> None:
-        threading.Thread(target=self._manage, name="agent-cm", daemon=True).start()
+        self.connections.start()
         if self.agent.transport is not self.transport:
             self._serve_two()
             return
@@ -218,7 +195,7 @@ class AgentService:
 
     def _housekeeping(self, next_status: float) -> float:
         """Reap what went away; every STATUS_INTERVAL check links and publish status. Returns the next time."""
-        if self._gone:
+        if self.connections.pending():
             self._reap()
         now = time.monotonic()
         if now >= next_status:
@@ -258,4 +235,5 @@ class AgentService:
 
     def close(self) -> None:
         self.stop()
+        self.connections.stop()
         self.listener.close()

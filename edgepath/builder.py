@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from edgepath.dma.slot_server import SlotServer
     from edgepath.dma.transport import Transport
     from edgepath.dpu.agent import Agent
-    from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
+    from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tokenizer import Tokenizer
@@ -147,7 +147,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
 def build_edge(
     options: ServeOptions,
     tokenizer: Tokenizer,
-    agent: Agent | AgentClient,
+    agent: AgentPort,
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
@@ -161,11 +161,11 @@ def build_edge(
     from edgepath.edge.openai_routes import CHAT, COMPLETIONS, OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
-    link = agent.links[0]
+    upstream = agent.capacity()
     limits = Limits(
         max_body=options.max_body,
-        input_capacity=min(options.input_capacity, link.input_capacity),
-        output_capacity=min(options.output_capacity, link.output_capacity),
+        input_capacity=min(options.input_capacity, upstream.input_capacity),
+        output_capacity=min(options.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
     )
     openai = OpenAIRoutes(

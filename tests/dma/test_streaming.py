@@ -207,12 +207,12 @@ def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) 
     index = send(agent, list(range(50)))
     agent.abandon(index)
     assert index in agent.inflight  # not reusable yet: the slot may still write into it
-    free_before = len(agent._free_frames)
+    free_before = len(agent.book._free)
     deadline = time.monotonic() + 10
     while index in agent.inflight and time.monotonic() < deadline:
         assert all(d.index != index for d in agent.poll(timeout=0.2))  # nothing delivered for it
     assert index not in agent.inflight
-    assert len(agent._free_frames) == free_before + 1  # handed back by the agent itself
+    assert len(agent.book._free) == free_before + 1  # handed back by the agent itself
     assert agent.delivery_stats.abandoned == 1 and agent.delivery_stats.late >= 1
     with pytest.raises(ValueError, match="not in flight"):
         agent.abandon(index)
