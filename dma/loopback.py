@@ -155,8 +155,11 @@ class LoopbackCQ(CompletionQueue):
         return bool(lib.ep_cq_rearm(self._map.ptr, self.event_fd))
 
     def close(self) -> None:
-        os.close(self.event_fd)
-        os.close(self.mem_fd)
+        """Idempotent: a descriptor closed twice could be another one's by then."""
+        for fd in (self.event_fd, self.mem_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.event_fd = self.mem_fd = -1
 
 
 class _PeerCQ:
@@ -460,11 +463,13 @@ class LoopbackTransport(Transport):
         return conn
 
     def close(self) -> None:
+        """Idempotent."""
         for conn in list(self.connections.values()):
             conn.close()
         self.cq.close()
         for region in self._regions:
             region.close()
+        self._regions.clear()
 
 
 def _own(exports: list[MemoryRegion]) -> list[LoopbackRegion]:
