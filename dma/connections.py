@@ -70,8 +70,9 @@ class ConnectionManager:
             log.warning("%s: connection refused: %s", self.name, exc)
             return None
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Stop accepting and watching (connections already accepted stay up)."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop accepting and watching, and close the listener (connections already accepted stay up)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
+        self.listener.close()

@@ -406,8 +406,7 @@ class SlotServer:
 
     def close(self) -> None:
         self.stop()
-        self.connections.stop()
-        self.listener.close()
+        self.connections.close()
         for peer in list(self.peers.values()):
             peer.conn.close()
         self.peers.clear()

@@ -235,5 +235,4 @@ class AgentService:
 
     def close(self) -> None:
         self.stop()
-        self.connections.stop()
-        self.listener.close()
+        self.connections.close()

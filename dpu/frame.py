@@ -54,30 +54,11 @@ def write_request(
     sampling = sampling or Sampling()
     sampling.check()
     frames.tokens[index, :n] = ids
-    write_header(
-        frames.request_headers[index],
-        request_id=request_id,
-        token_count=n,
-        max_new_tokens=max_new_tokens,
-        flags=flags,
-        sampling=sampling,
-        t_receive_ns=t_receive_ns,
-        t_tokenized_ns=t_tokenized_ns or lib.ep_now_ns(),
-    )
+    t_tokenized_ns = t_tokenized_ns or lib.ep_now_ns()
+    frames.request_headers[index].fill(request_id, n, max_new_tokens, flags, sampling, t_receive_ns, t_tokenized_ns)
     return n
 
 
-def write_header(
-    req: RequestHeader,
-    *,
-    request_id: int,
-    token_count: int,
-    max_new_tokens: int,
-    flags: int,
-    sampling: Sampling,
-    t_receive_ns: int,
-    t_tokenized_ns: int,
-) -> None:
-    """The writer's fields of a request header (``req``: a frame's view, from ``frames.request_headers``),
-    values already checked; the agent stamps the rest when it sends."""
-    req.fill(request_id, token_count, max_new_tokens, flags, sampling, t_receive_ns, t_tokenized_ns)
+#: the writer's fields of a request header (``req``: a frame's view, from ``frames.request_headers``), values
+#: already checked; the agent stamps the rest when it sends -- ``write_header(req, request_id=..., ...)``
+write_header = RequestHeader.fill
