@@ -118,11 +118,15 @@ class Connection(abc.ABC):
     def _closed(self) -> None:
         raise TransportError(f"connection {self.conn_id} is closed")
 
-    def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
-        """Atomic CAS on a remote u64; returns the value found (== expected on success)."""
+    def _check(self, remote: RemoteRegion, offset: int, length: int, need: int) -> None:
+        """The connection is open, and ``remote`` grants ``need`` on ``[offset, offset + length)``."""
         if not self._alive:
             self._closed()
-        remote.check(offset, 8, _ATOMIC)
+        remote.check(offset, length, need)
+
+    def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
+        """Atomic CAS on a remote u64; returns the value found (== expected on success)."""
+        self._check(remote, offset, 8, _ATOMIC)
         if offset & 7:
             raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
         found = self._cas(remote, offset, expected, desired)
@@ -133,9 +137,7 @@ class Connection(abc.ABC):
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         """RDMA WRITE; returns once the data is placed (the send completion)."""
-        if not self._alive:
-            self._closed()
-        remote.check(remote_offset, length, _WRITE)
+        self._check(remote, remote_offset, length, _WRITE)
         self._put(local, local_offset, remote, remote_offset, length, None)
         self._wrote(1, length)
 
@@ -143,9 +145,7 @@ class Connection(abc.ABC):
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int, imm: int
     ) -> None:
         """RDMA WRITE_WITH_IMM: the data, then a completion carrying ``imm`` on the peer's CQ."""
-        if not self._alive:
-            self._closed()
-        remote.check(remote_offset, length, _WRITE)
+        self._check(remote, remote_offset, length, _WRITE)
         self._put(local, local_offset, remote, remote_offset, length, imm & 0xFFFFFFFF)
         self._wrote(1, length)
 
@@ -153,9 +153,7 @@ class Connection(abc.ABC):
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         """RDMA READ into local memory."""
-        if not self._alive:
-            self._closed()
-        remote.check(remote_offset, length, _READ)
+        self._check(remote, remote_offset, length, _READ)
         self._get(local, local_offset, remote, remote_offset, length)
         counters = self.counters
         counters.reads += 1
@@ -176,9 +174,7 @@ class Connection(abc.ABC):
         """A WRITE, then a WRITE_WITH_IMM (the doorbell) from the same local region to the same remote
         one; RC ordering places the data before the doorbell's completion.  A transport may post both
         at once and wait for the second only (verbs does: one round trip instead of two)."""
-        if not self._alive:
-            self._closed()
-        remote.check(remote_offset, length, _WRITE)
+        self._check(remote, remote_offset, length, _WRITE)
         remote.check(bell_remote_offset, bell_length, _WRITE)
         bell = (bell_offset, bell_remote_offset, bell_length)
         self._put_then_imm(local, local_offset, remote, remote_offset, length, bell, imm & 0xFFFFFFFF)

@@ -374,12 +374,12 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     request_id: int
     token_count: int
     max_new_tokens: int
-    flags: int
-    generation: int
-    t_receive_ns: int
-    t_tokenized_ns: int
-    t_written_ns: int
-    doorbell: int
+    flags: int  # FLAG_STREAM: stream the output
+    generation: int  # the claim's generation, stamped by the agent
+    t_receive_ns: int  # CLOCK_MONOTONIC, at the edge: the request arrived ...
+    t_tokenized_ns: int  # ... its ids are in the frame ...
+    t_written_ns: int  # ... the agent sends it
+    doorbell: int  # the word rung into doorbell[slot] (doorbell_word)
     reply_index: int
     top_k: int
     temperature: float
@@ -437,12 +437,12 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     request_id: int
     generation: int
     slot: int
-    status: int
+    status: int  # a Status
     output_count: int
-    t_ready_ns: int
-    t_start_ns: int
-    t_done_ns: int
-    progress: int
+    t_ready_ns: int  # CLOCK_MONOTONIC, at the slot server: the poller saw the doorbell ...
+    t_start_ns: int  # ... the handler started ...
+    t_done_ns: int  # ... it finished
+    progress: int  # progress_word(generation, tokens placed so far): see placed_for
     t_first_ns: int
 
     def begin(self, request_id: int, generation: int, slot: int, t_start_ns: int) -> None:

@@ -39,11 +39,13 @@ class AgentError(RuntimeError):
 
 @dataclass
 class ClaimStats:
-    claims: int = 0
-    cas_attempts: int = 0
-    cas_failures: int = 0
-    refreshes: int = 0
-    no_slot: int = 0
+    """How claims on one slot server went (``Agent.describe``)."""
+
+    claims: int = 0  # slots claimed
+    cas_attempts: int = 0  # remote CAS sent (a claim that found its cached word stale may need two)
+    cas_failures: int = 0  # CAS that found another word than the cached one (the cache learns it)
+    refreshes: int = 0  # RDMA READs of the server's state words
+    no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
 
 
 @dataclass(eq=False)
