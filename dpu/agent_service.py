@@ -61,8 +61,8 @@ class AgentService:
         agent: Agent,
         edge_transport: Transport,
         address: str,
-        frames_per_edge: int = 64,
-        spin: float = 0.0,
+        frames_per_edge: int = 64,  # each edge gets a range of the agent's frames this long
+        spin: float = 0.0,  # seconds the loop spins on its queues before it sleeps
         edge_frames: tuple[MemoryRegion, MemoryRegion] | None = None,
     ) -> None:
         """``edge_frames``: when the agent reaches slot servers over another transport (verbs), the
