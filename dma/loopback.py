@@ -243,6 +243,13 @@ class LoopbackConnection(Connection):
         if rc != lib.EP_OK:
             raise TransportError(f"peer completion queue overrun on connection {self.conn_id}")
 
+    def _put_then_imm(
+        self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, bell: tuple[int, int, int], imm: int
+    ) -> None:
+        """The data copied in place, then the doorbell with its completion (one Python call fewer)."""
+        lib.ep_copy(remote.handle.ptr + ro, _local(local, lo, n), n)
+        self._put(local, bell[0], remote, bell[1], bell[2], imm)
+
     def _get(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int) -> None:
         lib.ep_copy(_local(local, lo, n), remote.handle.ptr + ro, n)
 

@@ -3,8 +3,8 @@
 Admission checks what the agent says about its replies region (:class:`~edgepath.dma.wire.AgentHello`)
 against the region it exports.  Where each write of a result goes -- streamed tokens and the progress
 word, the final header + output, the notification -- is computed here from the two layouts (the slot's
-result part in the pool, the agent's reply entry) as plain offsets (:func:`progress_writes`,
-:func:`final_write`), and :class:`AgentPeer`'s three sends hand them to the connection.
+result part in the pool, the agent's reply entry) as plain offsets (:meth:`AgentPeer.entry`,
+:func:`progress_writes`), and :class:`AgentPeer`'s three sends hand them to the connection.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ def progress_writes(result: int, entry: int, sent: int, count: int) -> tuple[Wri
     return tokens, Write(result + _PROGRESS_FIELD, entry + _PROGRESS_FIELD, _PROGRESS_BYTES)
 
 
-def final_write(result: int, entry: int, output_count: int) -> Write:
-    """The whole result: header and the first ``output_count`` output tokens, in one WRITE."""
-    return Write(result, entry, _HEADER + 4 * output_count)
-
-
 @dataclass(eq=False)
 class AgentPeer:
     """An agent connection and its replies region: ``frames`` entries of ``[result header][output]``."""
@@ -53,6 +48,9 @@ class AgentPeer:
     layout: FrameLayout
     frames: int
     replies_offset: int
+
+    def __post_init__(self) -> None:
+        self._stride = reply_stride(self.layout.output_capacity)
 
     @classmethod
     def admit(cls, conn: Connection) -> AgentPeer:
@@ -73,7 +71,7 @@ class AgentPeer:
 
     def entry(self, index: int) -> int:
         """Byte offset of reply entry ``index`` in the replies region."""
-        return self.replies_offset + index * reply_stride(self.layout.output_capacity)
+        return self.replies_offset + index * self._stride
 
     # -- the result write-back (each raises TransportError when the agent is gone) -------------------
     def send_progress(self, pool: MemoryRegion, result: int, index: int, sent: int, count: int) -> None:
@@ -93,9 +91,9 @@ class AgentPeer:
         )
 
     def send_final(self, pool: MemoryRegion, result: int, index: int, output_count: int) -> None:
-        """The whole result into the reply entry (the agent is told by :meth:`notify_final`)."""
-        w = final_write(result, self.entry(index), output_count)
-        self.conn.write(pool, w.local, self.replies, w.remote, w.length)
+        """The whole result -- header and the first ``output_count`` output tokens -- into the reply entry, in
+        one WRITE (the agent is told by :meth:`notify_final`)."""
+        self.conn.write(pool, result, self.replies, self.entry(index), _HEADER + 4 * output_count)
 
     def notify_final(self, pool: MemoryRegion, index: int) -> None:
         """A zero-length WRITE_WITH_IMM: entry ``index`` holds its final result."""

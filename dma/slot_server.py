@@ -35,6 +35,7 @@ from edgepath.dma.peers import AgentPeer
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
 from edgepath.dma.streams import OutputStream
 from edgepath.dma.transport import Completion, Connection, Transport, TransportError
+from edgepath.dma.wire import RequestHeader
 from edgepath.native.abi import Event, Status, lib
 
 log = logging.getLogger("edgepath.slot_server")
@@ -65,15 +66,14 @@ class ServerStats:
     progress_writes: int = 0  # streamed-output notifications sent
 
 
-@dataclass(eq=False, slots=True)
-class _Running:
-    """A RUNNING slot between its start and its final result."""
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Running(OutputStream):
+    """A RUNNING slot between its start and its final result, and its output as its agent heard of it."""
 
     slot: int
     generation: int
     peer: AgentPeer | None
     reply_index: int
-    out: OutputStream
 
 
 class SlotServer:
@@ -177,10 +177,9 @@ class SlotServer:
             self._start(slot, conn_id, gen, now)
         return len(started)
 
-    def _problem(self, slot: int, peer: AgentPeer | None) -> str | None:
-        """Why the request in ``slot`` cannot run (None: it can): the slot server checks what any writer
-        put there, the agent's checks notwithstanding."""
-        req = self._req_hdr[slot]
+    def _problem(self, req: RequestHeader, sampling: wire.Sampling, peer: AgentPeer | None) -> str | None:
+        """Why the request in a slot cannot run (None: it can): the slot server checks what any writer put
+        there, the agent's checks notwithstanding."""
         out_cap = self.config.output_capacity
         if peer is not None:
             out_cap = min(out_cap, peer.layout.output_capacity)
@@ -189,7 +188,7 @@ class SlotServer:
         problem = wire.request_problem(req.token_count, req.max_new_tokens, self.config.input_capacity, out_cap)
         if problem is None:
             try:
-                req.sampling().check()
+                sampling.check()
             except wire.RequestInvalid as exc:
                 problem = str(exc)
         return problem
@@ -200,9 +199,17 @@ class SlotServer:
         peer = self.peers.get(conn_id)
         request_id = req.request_id
         self._res_hdr[slot].begin(request_id, gen, slot, lib.ep_now_ns())
-        out = OutputStream(req.stream, req.stream_window(self.config.stream_window))
-        run = self.running[slot] = _Running(slot, gen, peer, req.reply_index, out)
-        problem = self._problem(slot, peer)
+        window = req.streaming(self.config.stream_window)
+        run = self.running[slot] = _Running(
+            stream=window is not None,
+            window=window or 0.0,
+            slot=slot,
+            generation=gen,
+            peer=peer,
+            reply_index=req.reply_index,
+        )
+        sampling = req.sampling()
+        problem = self._problem(req, sampling, peer)
         if problem is not None:
             log.warning("slot %d: bad request: %s", slot, problem)
             self.stats.bad_requests += 1
@@ -217,7 +224,7 @@ class SlotServer:
             req.flags,
             slots.tokens[slot, : req.token_count],
             slots.outputs[slot, :max_new],
-            req.sampling(),
+            sampling,
         )
         try:
             emits = self.handler.add(request, now)
@@ -233,7 +240,7 @@ class SlotServer:
             emits = self.handler.step(now)
         except Exception:
             log.exception("handler step failed: every running slot is answered HANDLER_ERROR")
-            emits = [Emit(slot, run.out.count, Status.HANDLER_ERROR) for slot, run in self.running.items()]
+            emits = [Emit(slot, run.count, Status.HANDLER_ERROR) for slot, run in self.running.items()]
             for run in list(self.running.values()):
                 self.handler.cancel(run.slot)
         self._apply(emits, now)
@@ -246,23 +253,22 @@ class SlotServer:
                 if emit.release and emit.slot in self._held:
                     self._release_held(emit.slot)
                 continue
-            out = run.out
-            if out.produced(emit.count):
+            if run.produced(emit.count):
                 self._res_hdr[run.slot].first_token(lib.ep_now_ns())
             if emit.status is not None:
                 if emit.status == Status.HANDLER_ERROR:
                     self.stats.handler_errors += 1
                     if not emit.release:
                         self.stats.deadline_exceeded += 1
-                self._finish(run, emit.status, out.count, hold=not emit.release)
-            elif out.due(now):
+                self._finish(run, emit.status, run.count, hold=not emit.release)
+            elif run.due(now):
                 self._push_progress(run, now)
 
     def flush(self, now: float) -> float | None:
         """Send coalesced tokens whose window has passed; seconds until the next one is due (None: none)."""
         due: float | None = None
         for run in list(self.running.values()):
-            wait = run.out.wait(now)
+            wait = run.wait(now)
             if wait is None:
                 continue
             if wait <= 0:
@@ -276,19 +282,18 @@ class SlotServer:
         peer = run.peer
         if peer is None:
             return
-        out = run.out
-        self._res_hdr[run.slot].placed(run.generation, out.count)
-        self.memory.publish_result(run.slot, out.count)
+        self._res_hdr[run.slot].placed(run.generation, run.count)
+        self.memory.publish_result(run.slot, run.count)
         try:
             peer.send_progress(
-                self.pool_mr, self.pool.slots.result_offset(run.slot), run.reply_index, out.sent, out.count
+                self.pool_mr, self.pool.slots.result_offset(run.slot), run.reply_index, run.sent, run.count
             )
         except TransportError as exc:
             log.warning("streamed output for slot %d lost: %s", run.slot, exc)
             run.peer = None
             self._cancel_running(run)
             return
-        out.pushed(now)
+        run.pushed(now)
         self.stats.progress_writes += 1
 
     def _on_cancel(self, conn_id: int, imm: int) -> None:
@@ -310,7 +315,7 @@ class SlotServer:
     def _cancel_running(self, run: _Running) -> None:
         released = self.handler.cancel(run.slot)
         self.stats.cancelled += 1
-        self._finish(run, Status.CANCELLED, run.out.count, hold=not released)
+        self._finish(run, Status.CANCELLED, run.count, hold=not released)
 
     def _finish(self, run: _Running, status: Status, output_count: int, hold: bool = False) -> None:
         """RUNNING -> DONE, the result back to its agent, DONE -> FREE (unless the handler still holds

@@ -139,7 +139,9 @@ class Connection(abc.ABC):
         """RDMA WRITE; returns once the data is placed (the send completion)."""
         self._check(remote, remote_offset, length, _WRITE)
         self._put(local, local_offset, remote, remote_offset, length, None)
-        self._wrote(1, length)
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
 
     def write_with_imm(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int, imm: int
@@ -147,7 +149,9 @@ class Connection(abc.ABC):
         """RDMA WRITE_WITH_IMM: the data, then a completion carrying ``imm`` on the peer's CQ."""
         self._check(remote, remote_offset, length, _WRITE)
         self._put(local, local_offset, remote, remote_offset, length, imm & 0xFFFFFFFF)
-        self._wrote(1, length)
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
 
     def read(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
@@ -178,12 +182,9 @@ class Connection(abc.ABC):
         remote.check(bell_remote_offset, bell_length, _WRITE)
         bell = (bell_offset, bell_remote_offset, bell_length)
         self._put_then_imm(local, local_offset, remote, remote_offset, length, bell, imm & 0xFFFFFFFF)
-        self._wrote(2, length + bell_length)
-
-    def _wrote(self, writes: int, nbytes: int) -> None:
         counters = self.counters
-        counters.writes += writes
-        counters.bytes_written += nbytes
+        counters.writes += 2
+        counters.bytes_written += length + bell_length
 
     # -- what a transport implements (arguments checked already) -------------------------------------
     @abc.abstractmethod

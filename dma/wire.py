@@ -416,14 +416,14 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         word that rings for it, the reply entry, the time."""
         lib.ep_request_stamp(self._p, generation & 0xFFFFFFFF, slot, reply_index)
 
-    @property
-    def stream(self) -> bool:
-        return bool(self._p.flags & FLAG_STREAM)
-
-    def stream_window(self, default: float) -> float:
-        """Seconds within which streamed tokens after the first are coalesced (``default``: not given)."""
-        us = self._p.stream_window_us
-        return us / 1e6 if us else default
+    def streaming(self, default_window: float) -> float | None:
+        """None: the request wants only its final result; else the seconds within which its streamed tokens
+        after the first are coalesced (``default_window`` when the request names none)."""
+        p = self._p
+        if not p.flags & FLAG_STREAM:
+            return None
+        us = p.stream_window_us
+        return us / 1e6 if us else default_window
 
     def sampling(self) -> Sampling:
         p = self._p

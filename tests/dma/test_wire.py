@@ -37,9 +37,11 @@ def test_views_read_and_write_the_frame_memory_in_place() -> None:
     assert (int(row["request_id"]), int(row["token_count"]), int(row["generation"])) == (11, 3, 5)
     assert int(row["doorbell"]) == wire.doorbell_word(3, 5) and int(row["reply_index"]) == 1
     assert req.sampling() == wire.Sampling(0.5, pytest.approx(0.9), 40, 7)
-    assert req.stream and req.stream_window(0.002) == 0.002
+    assert req.streaming(0.002) == 0.002
     row["stream_window_us"] = 500
-    assert req.stream_window(0.002) == 0.0005
+    assert req.streaming(0.002) == 0.0005
+    row["flags"] = 0
+    assert req.streaming(0.002) is None
 
     res.begin(11, 5, 3, 1000)
     assert res.placed_for(5) == 0 and res.placed_for(4) is None
