@@ -65,10 +65,6 @@ class AgentPeer:
             raise ValueError(f"bad reply-region description: {exc}") from exc
         return cls(conn, replies, layout, hello.frames, hello.replies_offset)
 
-    def holds(self, index: int) -> bool:
-        """Whether ``index`` names one of the agent's reply entries."""
-        return 0 <= index < self.frames
-
     def entry(self, index: int) -> int:
         """Byte offset of reply entry ``index`` in the replies region."""
         return self.replies_offset + index * self._stride

@@ -183,7 +183,7 @@ class SlotServer:
         out_cap = self.config.output_capacity
         if peer is not None:
             out_cap = min(out_cap, peer.layout.output_capacity)
-            if not peer.holds(req.reply_index):
+            if not 0 <= req.reply_index < peer.frames:
                 return f"reply_index {req.reply_index} outside the agent's {peer.frames} frames"
         problem = wire.request_problem(req.token_count, req.max_new_tokens, self.config.input_capacity, out_cap)
         if problem is None:
@@ -198,7 +198,7 @@ class SlotServer:
         req = self._req_hdr[slot]
         peer = self.peers.get(conn_id)
         request_id = req.request_id
-        self._res_hdr[slot].begin(request_id, gen, slot, lib.ep_now_ns())
+        self._res_hdr[slot].begin(request_id, gen, slot)
         window = req.streaming(self.config.stream_window)
         run = self.running[slot] = _Running(
             stream=window is not None,
@@ -322,7 +322,7 @@ class SlotServer:
         the slot's memory: then it stays DONE until the handler lets go)."""
         slot, gen, memory = run.slot, run.generation, self.memory
         del self.running[slot]
-        self._res_hdr[slot].end(gen, status, output_count, lib.ep_now_ns())
+        self._res_hdr[slot].end(gen, status, output_count)
         if status in (Status.OK, Status.LENGTH, Status.STOP):
             self.stats.served += 1
         memory.publish_result(slot, output_count)
@@ -331,7 +331,7 @@ class SlotServer:
             self._held[slot] = gen
             self.stats.quarantined += 1
         peer = run.peer
-        if peer is None or not peer.holds(run.reply_index):
+        if peer is None or not 0 <= run.reply_index < peer.frames:
             # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
             if not hold:
                 memory.step(slot, Event.RELEASE, gen)

@@ -399,17 +399,19 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         t_tokenized_ns: int,
     ) -> None:
         """The writer's fields (values already checked); the agent stamps the rest when it sends."""
-        p = self._p
-        p.request_id = request_id
-        p.token_count = token_count
-        p.max_new_tokens = max_new_tokens
-        p.flags = flags
-        p.temperature = sampling.temperature
-        p.top_p = sampling.top_p
-        p.top_k = sampling.top_k
-        p.seed = sampling.seed
-        p.t_receive_ns = t_receive_ns
-        p.t_tokenized_ns = t_tokenized_ns
+        lib.ep_request_fill(
+            self._p,
+            request_id,
+            token_count,
+            max_new_tokens,
+            flags,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.seed,
+            t_receive_ns,
+            t_tokenized_ns,
+        )
 
     def stamp(self, generation: int, slot: int, reply_index: int) -> None:
         """What a claim decides, just before the request is written: the generation claimed, the doorbell
@@ -445,15 +447,9 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     progress: int  # progress_word(generation, tokens placed so far): see placed_for
     t_first_ns: int
 
-    def begin(self, request_id: int, generation: int, slot: int, t_start_ns: int) -> None:
-        """A slot starts running a request: whose it is, nothing produced yet."""
-        p = self._p
-        p.request_id = request_id
-        p.generation = generation
-        p.slot = slot
-        p.t_start_ns = t_start_ns
-        p.t_first_ns = 0
-        p.progress = progress_word(generation, 0)
+    def begin(self, request_id: int, generation: int, slot: int) -> None:
+        """A slot starts running a request: whose it is, when (now), nothing produced yet."""
+        lib.ep_result_begin(self._p, request_id, generation & 0xFFFFFFFF, slot)
 
     def first_token(self, t_first_ns: int) -> None:
         """When the first output token was produced (sent with every progress word)."""
@@ -463,13 +459,9 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         """``count`` output tokens of ``generation`` are placed (the progress word)."""
         self._p.progress = progress_word(generation, count)
 
-    def end(self, generation: int, status: int, output_count: int, t_done_ns: int) -> None:
-        """The final result: how it ended, how many tokens, when."""
-        p = self._p
-        p.status = status
-        p.output_count = output_count
-        p.progress = progress_word(generation, output_count)
-        p.t_done_ns = t_done_ns
+    def end(self, generation: int, status: int, output_count: int) -> None:
+        """The final result: how it ended, how many tokens, when (now)."""
+        lib.ep_result_end(self._p, generation & 0xFFFFFFFF, status, output_count)
 
     def refuse(self, status: int) -> None:
         """An answer without a slot (NO_SLOT, UNAVAILABLE, BAD_REQUEST), written by an agent process."""
