@@ -377,20 +377,42 @@ def test_twin_fakes_only_what_cupy_has() -> None:
 
 @pytest.mark.gpu
 def test_zeros_follow_the_current_stream(device: gpu.DeviceInfo) -> None:
-    """What the twin assumes of cupy and GpuPoller relies on: cp.zeros inside ``with stream`` queues its
-    memset on that stream, so a kernel launched there after it reads zeros (checked by reading back on
-    the same stream, right after a kernel that filled the block on another one)."""
+    """What GpuPoller relies on (and the twin models): cp.zeros inside ``with stream`` queues its memset on
+    that stream, behind the stream's earlier work, and cupy's pool hands a freed block back to the same
+    stream with its old contents.  A kernel that waits for a host flag holds the stream; until it is let
+    go, another stream reads the old values in the zeroed array."""
     cp = gpu.load_cupy()
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        a = cp.zeros(1 << 20, dtype=cp.uint64)
-        stream.synchronize()
-        a.fill(7)
-        del a
-        b = cp.zeros(1 << 20, dtype=cp.uint64)  # cupy's pool may hand back the same block, on this stream
-        total = int(b.sum())
+    rt = cp.cuda.runtime
+    kernel = cp.RawModule(path=str(gpu.build_poller((device.compute_capability,)))).get_function("ep_check_pingpong")
+    flags = gpu._Pinned(cp, 4 * 64)  # ping, pong (+ stamp), stop: one line each
+    stream, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    n = 1 << 16
+    seen = np.zeros(n, dtype=np.uint64)
+    stop = flags.ptr + 16  # the stop flag's line (u64 index 16 = byte 128)
+    try:
+        with stream:
+            a = cp.full(n, 7, dtype=cp.uint64)
+            stream.synchronize()
+            block = a.data.ptr
+            del a  # back to this stream's free list, contents kept
+            d = flags.device
+            kernel((1,), (32,), (np.uint64(d), np.uint64(d + 64), np.uint64(d + 72), np.uint64(d + 128)))
+            b = cp.zeros(n, dtype=cp.uint64)  # queued behind the waiting kernel
+        assert b.data.ptr == block, "cupy's pool did not hand the freed block back to its stream"
+        rt.memcpyAsync(seen.ctypes.data, b.data.ptr, b.nbytes, rt.memcpyDeviceToHost, other.ptr)
+        other.synchronize()
+        assert (seen == 7).all()  # the memset has not run: it waits on its stream
+    finally:
+        lib.ep_store64(stop, 1)
+        deadline = time.monotonic() + 5
+        while not stream.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert stream.done, "the waiting kernel did not return after its stop flag"
     stream.synchronize()
-    assert total == 0
+    rt.memcpyAsync(seen.ctypes.data, b.data.ptr, b.nbytes, rt.memcpyDeviceToHost, other.ptr)
+    other.synchronize()
+    assert (seen == 0).all()
+    flags.close()
 
 
 def test_a_kernel_that_never_polls_is_an_error_and_cleans_up(twin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
