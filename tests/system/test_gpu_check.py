@@ -127,7 +127,7 @@ def test_clock_calibration_recovers_a_known_offset() -> None:
     by half the legs' difference at most, which its uncertainty (half the fastest round trip) covers."""
     steps = _bench("gpu_steps")
     rng = np.random.default_rng(1)
-    offset, n = 1_700_000_000_000_000_000, 2000
+    offset, n = 1_700_000_000_000_000_123, 2000  # as %globaltimer - CLOCK_MONOTONIC: not a float64
     t0 = np.cumsum(rng.integers(1_000, 3_000, n)) + 10**12
     there = rng.integers(600, 900, n) + (rng.random(n) < 0.05) * rng.integers(0, 20_000, n)  # host -> GPU
     back = rng.integers(400, 700, n)  # GPU -> host
@@ -135,9 +135,12 @@ def test_clock_calibration_recovers_a_known_offset() -> None:
     got = steps.calibration(samples)
     assert abs(got["offset_ns"] - offset) <= got["uncertainty_ns"]
     assert got["min_round_trip_ns"] == int((there + back).min())
+    symmetric = samples.copy()
+    symmetric[:, 1] = t0 + 2 * there
+    assert steps.calibration(symmetric)["offset_ns"] == offset  # exact: integer arithmetic, no float rounding
     later = {**got, "offset_ns": got["offset_ns"] + 100, "at_host_ns": got["at_host_ns"] + 10**9}
     mid = steps.offset_at(got, later, np.array([got["at_host_ns"] + 5 * 10**8], dtype=np.int64))
-    assert mid[0] == pytest.approx(got["offset_ns"] + 50)
+    assert mid.dtype == np.int64 and mid[0] == got["offset_ns"] + 50
 
 
 def test_host_atomic_capabilities_are_decoded_by_name() -> None:
