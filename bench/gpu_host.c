@@ -80,47 +80,16 @@ void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req, uint64_t *
     ep_st_rel(&ctrl[EP_CTRL_RUNNING], 2u);
 }
 
-/* ep_check_pingpong's loop on a CPU thread (gpu_check --dry-run's stand-in for the GPU). */
+/* The check's probe kernels on a CPU thread (gpu_check --dry-run's stand-ins): the same bodies. */
+static inline void ep_idle(void) { sched_yield(); }
+#include "edgepath_poller_checks.h"
+
 void ep_twin_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stamp, uint64_t *stop)
 {
-    uint64_t last = 0;
-    ep_st_rel(pong, 0u);
-    for (;;) {
-        uint64_t v = ep_ld_acq(ping);
-        if (v != last) {
-            uint64_t t = ep_timer_ns();
-            last = v;
-            ep_st_rlx(stamp, t);
-            ep_st_rel(pong, v);
-        } else if (ep_ld_acq(stop)) {
-            ep_st_rel(stop, 2u);
-            return;
-        } else {
-            sched_yield();
-        }
-    }
+    ep_check_pingpong_body(ping, pong, stamp, stop);
 }
 
-/* ep_check_cas on a CPU thread: flag 1, wait for go (at most 5 s, else flag 3), `n` CAS increments of
- * words[0], flag 2. */
-void ep_twin_cas(uint64_t *words, uint64_t *flag, uint64_t *go, uint32_t n)
-{
-    ep_st_rel(flag, 1u);
-    uint64_t t0 = ep_timer_ns();
-    while (!ep_ld_acq(go)) {
-        if (ep_timer_ns() - t0 > 5000000000ull) {
-            ep_st_rel(flag, 3u);
-            return;
-        }
-        sched_yield();
-    }
-    for (uint32_t i = 0; i < n;) {
-        uint64_t cur = ep_ld_rlx(&words[0]);
-        if (ep_cas(&words[0], cur, cur + 1u))
-            i++;
-    }
-    ep_st_rel(flag, 2u);
-}
+void ep_twin_cas(uint64_t *words, uint64_t *flag, uint64_t *go, uint32_t n) { ep_check_cas_body(words, flag, go, n); }
 
 /* ep_check_atomics' total on one CPU thread: `n` adds. */
 void ep_twin_atomics(uint64_t *counter, uint32_t n)
@@ -129,26 +98,9 @@ void ep_twin_atomics(uint64_t *counter, uint32_t n)
         ep_add(counter, 1u);
 }
 
-/* ep_check_timer on a CPU thread (CLOCK_MONOTONIC for both clocks). */
 void ep_twin_timer(uint64_t *out, uint64_t window_ns, uint64_t max_reads)
 {
-    uint64_t c0 = ep_clock(), g0 = ep_timer_ns(), last = g0, steps = 0, min_step = UINT64_MAX, reads = 0;
-    while (last - g0 < window_ns && reads < max_reads) {
-        uint64_t g = ep_timer_ns();
-        reads++;
-        if (g != last) {
-            steps++;
-            if (g - last < min_step)
-                min_step = g - last;
-            last = g;
-        }
-    }
-    uint64_t c1 = ep_clock();
-    out[0] = min_step;
-    out[1] = steps;
-    out[2] = last - g0;
-    out[3] = c1 - c0;
-    out[4] = reads;
+    ep_check_timer_body(out, window_ns, max_reads);
 }
 
 /* -- pools, without Python knowing the header's layout ------------------------------------------ */

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "edgepath_poller.cu"
-HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h")
+HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h", "edgepath_poller_checks.h")
 DEFAULT_ARCHES = ("80", "90")
 FATBIN_ENV = "EDGEPATH_POLLER_FATBIN"
 _NVCC_FALLBACKS = ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")

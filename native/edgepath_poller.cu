@@ -151,79 +151,25 @@ extern "C" __global__ void ep_check_atomics(uint64_t *counter, uint32_t n)
         ep_add(counter, 1u);
 }
 
-/* Smoke: one thread increments words[0] `n` times by CAS while a CPU thread increments words[1] (same
- * cache line): neither may lose an update.  The two loops overlap by construction: the kernel says 1 in
- * *flag, waits (at most 5 s, else it says 3 and returns) until the host, already adding, sets *go, runs
- * its CAS loop and says 2; the host adds until it reads 2 (bench/gpu_host.c ep_chk_add_while_running).
- * flag and go are on lines of their own. */
+/* The check's probe kernels: the bodies are shared with the host twin (edgepath_poller_checks.h); one
+ * thread runs each. */
+static __device__ __forceinline__ void ep_idle(void) {}
+#include "edgepath_poller_checks.h"
+
 extern "C" __global__ void ep_check_cas(uint64_t *words, uint64_t *flag, uint64_t *go, uint32_t n)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    ep_st_rel(flag, 1u);
-    uint64_t t0 = ep_timer_ns();
-    while (!ep_ld_rlx(go)) {
-        if (ep_timer_ns() - t0 > 5000000000ull) {
-            ep_st_rel(flag, 3u);
-            return;
-        }
-    }
-    for (uint32_t i = 0; i < n;) {
-        uint64_t cur = ep_ld_rlx(&words[0]);
-        if (ep_cas(&words[0], cur, cur + 1u))
-            i++;
-    }
-    ep_st_rel(flag, 2u);
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_cas_body(words, flag, go, n);
 }
 
-/* The global timer's resolution and the SM's actual clock: thread 0 reads %globaltimer until `window_ns`
- * passed (at most `max_reads` reads) and clock64 around it.  out: smallest step of the timer seen, the
- * number of steps, ns elapsed, cycles elapsed, reads made. */
 extern "C" __global__ void ep_check_timer(uint64_t *out, uint64_t window_ns, uint64_t max_reads)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    uint64_t c0 = ep_clock(), g0 = ep_timer_ns(), last = g0, steps = 0, min_step = ~0ull, reads = 0;
-    while (last - g0 < window_ns && reads < max_reads) {
-        uint64_t g = ep_timer_ns();
-        reads++;
-        if (g != last) {
-            steps++;
-            if (g - last < min_step)
-                min_step = g - last;
-            last = g;
-        }
-    }
-    uint64_t c1 = ep_clock();
-    out[0] = min_step;
-    out[1] = steps;
-    out[2] = last - g0;
-    out[3] = c1 - c0;
-    out[4] = reads;
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_timer_body(out, window_ns, max_reads);
 }
 
-/* Baseline: the bare cost of a GPU noticing a host store and answering, with no slot logic.  Thread 0
- * polls ping (system scope) and, for each new value, stores the global timer at that moment into *stamp,
- * then echoes the value into pong (release: the stamp is visible first).  The host's clock read before
- * its store and after the echo bracket the stamp: that calibrates %globaltimer against the host clock.
- * When the host sets *stop to 1 the kernel answers 2 there and returns (a bare kernel's stop latency).
- * ping, pong (+ stamp) and stop sit on separate lines; nobody does a read-modify-write on any of them. */
 extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stamp, uint64_t *stop)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    uint64_t last = 0;
-    ep_st_rel(pong, 0u);
-    for (;;) {
-        uint64_t v = ep_ld_rlx(ping);
-        if (v != last) {
-            uint64_t t = ep_timer_ns();
-            last = v;
-            ep_st_rlx(stamp, t);
-            ep_st_rel(pong, v);
-        } else if (ep_ld_rlx(stop)) {
-            ep_st_rel(stop, 2u);
-            return;
-        }
-    }
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_pingpong_body(ping, pong, stamp, stop);
 }
