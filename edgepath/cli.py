@@ -295,7 +295,7 @@ def _model_choice(args: argparse.Namespace) -> tuple[str, tuple[tuple[str, str],
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from edgepath.edge.serve import serve
+    from edgepath.serve import serve
 
     if (args.certificate is None) != (args.private_key is None):
         raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")

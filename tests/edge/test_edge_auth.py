@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers.edge import free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.auth import ApiKeys, load_keys
 from edgepath.edge.client import h3_client
 from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 LIMITS = Limits(max_body=1024, input_capacity=16, output_capacity=32, vocab_size=1000)

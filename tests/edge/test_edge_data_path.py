@@ -18,13 +18,13 @@ import pytest
 from helpers.edge import free_port, running_edge
 from helpers.procs import all_free
 
+from edgepath.config import ServeOptions
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.edge.client import h3_client
 from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tls import default_certificate
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Client, H3Response, h3_client
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 INPUT_CAPACITY = 64

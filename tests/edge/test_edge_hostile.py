@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Response, h3_client
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 BODY_TIMEOUT = 0.5

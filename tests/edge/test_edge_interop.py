@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 

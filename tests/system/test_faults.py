@@ -16,8 +16,8 @@ import pytest
 from helpers.edge import free_port, running_edge
 from helpers.procs import all_claimed, all_free
 
+from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Client, h3_client
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow
