@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from edgepath.dma.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.chat import ChatMessage
-from edgepath.edge.http import HttpCore, HttpError, Limits, Request
+from edgepath.edge.http import HttpCore, HttpError, Limits, Request, body_too_large
 from edgepath.edge.openai import (
     SSE_DONE,
     Answer,
@@ -412,7 +412,7 @@ def test_every_error_on_the_openai_routes_is_one_of_openais() -> None:
     cases = [
         (OpenAIError.of(core.no_slot()), 429, "requests", "no_slot", "does not queue"),
         (OpenAIError.of(core.busy()), 429, "requests", "tokenizer_busy", "tokenizer worker"),
-        (OpenAIError.of(core.too_large(100)), 413, "invalid_request_error", "body_too_large", "100 bytes"),
+        (OpenAIError.of(body_too_large(100, 64)), 413, "invalid_request_error", "body_too_large", "100 bytes"),
         (OpenAIError.of(too_long.value), 400, "invalid_request_error", "prompt_too_long", "9 tokens"),
         (
             OpenAIError.of(HttpError(500, "tokenizer_error", "it broke")),
@@ -450,10 +450,10 @@ def test_the_core_answers_openai_paths_in_openais_shape_and_its_own_paths_in_edg
     key = [(b"x-api-key", b"k")]
     wrong_method = core.handle(Request("GET", "/v1/chat/completions", key, b"", 0))
     assert wrong_method.status == 405 and json.loads(wrong_method.body)["error"]["code"] == "method_not_allowed"
-    big = core.refusal("/v1/completions?x=1", core.too_large(100))  # an adapter's early 413 on an OpenAI route
+    big = core.refusal("/v1/completions?x=1", body_too_large(100, 64))  # an adapter's early 413 on an OpenAI route
     assert json.loads(big.body)["error"]["type"] == "invalid_request_error"
-    own = core.refusal("/v1/generate", core.too_large(100))
-    assert json.loads(own.body) == {"error": {"type": "body_too_large", "message": core.too_large(100).message}}
+    own = core.refusal("/v1/generate", body_too_large(100, 64))
+    assert json.loads(own.body) == {"error": {"type": "body_too_large", "message": body_too_large(100, 64).message}}
 
 
 # -- responses ------------------------------------------------------------------------------------------
