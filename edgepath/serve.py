@@ -69,7 +69,7 @@ def _slot_server_listen(options: ServeOptions) -> str:
 
     if options.slot_server_listen:
         return options.slot_server_listen
-    if options.data_path == "verbs":
+    if options.data_path.kind == "verbs":
         raise RuntimeError(
             "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
             "started slot server, or --slot-server ADDR of a running one"
@@ -82,7 +82,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     started child (the slot server, or an edge worker) keeps dying."""
     loop = asyncio.get_running_loop()
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
-    link = options.link
+    options = options.resolved()  # the model found and checked before anything starts
     check_listen(options)
     listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
     keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
@@ -105,7 +105,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     with contextlib.ExitStack() as cleanup:
         transport = None
         if options.agent is None:
-            transport = data_path_transport(link)  # an unusable device fails here, before any child
+            transport = data_path_transport(options.data_path)  # an unusable device fails here, before any child
             cleanup.callback(transport.close)
         slot_server = options.slot_server
         if listen is not None:

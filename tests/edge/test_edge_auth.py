@@ -93,7 +93,7 @@ def test_loading_keys(tmp_path: Path) -> None:
 def test_over_quic_a_missing_key_is_401_and_a_good_one_is_served(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("k-123\n")
-    options = ServeOptions(port=free_port(), slots=2, frames=4, api_keys_file=str(keys))
+    options = ServeOptions(port=free_port(), slots=2, frames=4, handler="echo", api_keys_file=str(keys))
     with running_edge(options, tmp_path) as edge:
 
         async def main() -> tuple[int, int, int]:

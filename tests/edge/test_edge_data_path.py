@@ -18,7 +18,7 @@ import pytest
 from helpers.edge import free_port, running_edge
 from helpers.procs import all_free
 
-from edgepath.config import ServeOptions
+from edgepath.config import DataPath, ServeOptions
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Transport
@@ -32,7 +32,9 @@ from edgepath.native.abi import REQUEST_HEADER, lib
 
 
 @pytest.mark.transport
-def test_serve_over_the_data_path(transport_name: str, transport_options: dict, new_address, tmp_path: Path) -> None:
+def test_serve_over_the_data_path(
+    transport_name: str, transport_options: dict, data_path: DataPath, new_address, tmp_path: Path
+) -> None:
     address = new_address("slot-server")
     options = ServeOptions(
         port=free_port(),
@@ -40,9 +42,8 @@ def test_serve_over_the_data_path(transport_name: str, transport_options: dict, 
         frames=16,
         input_capacity=256,
         output_capacity=256,
-        data_path=transport_name,
-        device=transport_options.get("device"),
-        gid_index=transport_options.get("gid_index"),
+        handler="echo",
+        data_path=data_path,
         slot_server_listen=address,
     )
     with running_edge(options, tmp_path) as edge:

@@ -46,6 +46,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         frames=64,
         input_capacity=INPUT_CAPACITY,
         output_capacity=64,
+        handler="echo",
         quic_engine=request.param,
     )
     with running_edge(options, tmp_path_factory.mktemp("edge")) as running:
@@ -308,7 +309,7 @@ def test_existing_slot_server_and_its_loss(
     when it is back, the edge re-attaches and serves again without a restart."""
     address = str(tmp_path / "slots.sock")
     slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
-    options = ServeOptions(port=free_port(), slot_server=address, frames=16)
+    options = ServeOptions(port=free_port(), slot_server=address, frames=16, handler="echo")
     with running_edge(options, tmp_path_factory.mktemp("attached")) as edge:
 
         async def before(c: H3Client) -> tuple[H3Response, H3Response]:

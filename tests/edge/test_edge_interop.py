@@ -23,7 +23,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         load_engine(request.param)
     except QuicEngineError as exc:
         pytest.skip(str(exc))
-    options = ServeOptions(port=free_port(), slots=4, frames=16, quic_engine=request.param)
+    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="echo", quic_engine=request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
         with running_edge(options, tmp_path_factory.mktemp("edge")) as e:
