@@ -17,6 +17,8 @@ from edgepath.edge.client import H3Client, H3Response, h3_client
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
 from edgepath.edge.tls import default_certificate
 
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
 INPUT_CAPACITY = 64
 
 

@@ -15,6 +15,8 @@ from edgepath.config import ServeOptions
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
 from edgepath.edge.tls import default_certificate
 
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
 
 @pytest.fixture(scope="module", params=ENGINES)
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:

@@ -18,6 +18,8 @@ from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Response, h3_client
 from edgepath.edge.tls import default_certificate
 
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
 BODY_TIMEOUT = 0.5
 
 
