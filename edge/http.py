@@ -387,21 +387,17 @@ class HttpCore:
 
     def no_slot(self) -> HttpError:
         """429 at once: nothing is queued, the client retries."""
-        return HttpError(
-            429,
-            "no_slot",
-            "every slot is busy; this server does not queue requests, retry later",
-            [(b"retry-after", str(self.limits.retry_after_s).encode())],
-        )
+        return self._retry_later("no_slot", "every slot is busy; this server does not queue requests")
 
     def busy(self) -> HttpError:
         """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
-        return HttpError(
-            429,
-            "tokenizer_busy",
-            "every tokenizer worker is busy with a large prompt; this server does not queue, retry later",
-            [(b"retry-after", str(self.limits.retry_after_s).encode())],
+        return self._retry_later(
+            "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue"
         )
+
+    def _retry_later(self, type_: str, why: str) -> HttpError:
+        retry_after = [(b"retry-after", str(self.limits.retry_after_s).encode())]
+        return HttpError(429, type_, f"{why}, retry later", retry_after)
 
     @staticmethod
     def health_response(

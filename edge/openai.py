@@ -490,35 +490,32 @@ def text_completion(
     request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed ``text_completion`` object."""
-    return {
-        "id": response_id("completion", request_id),
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": _finish(finish_reason)}],
-        "usage": usage.payload(),
-    }
+    return _whole("completion", request_id, created, model, text, finish_reason, usage)
 
 
 def chat_completion(
     request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed ``chat.completion`` object."""
+    return _whole("chat", request_id, created, model, text, finish_reason, usage)
+
+
+def _whole(
+    kind: Kind, request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
+) -> dict[str, Any]:
+    reason = _finish(finish_reason)
+    if kind == "completion":
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+    else:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
     return {
-        "id": response_id("chat", request_id),
-        "object": "chat.completion",
+        "id": response_id(kind, request_id),
+        "object": "text_completion" if kind == "completion" else "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": _finish(finish_reason),
-            }
-        ],
+        "choices": [choice],
         "usage": usage.payload(),
     }
 
@@ -527,8 +524,7 @@ def completion_body(
     request: OpenAIRequest, request_id: int | str, created: int, text: str, finish_reason: FinishReason, usage: Usage
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from."""
-    build = text_completion if request.kind == "completion" else chat_completion
-    return _dumps(build(request_id, created, request.model, text, finish_reason, usage))
+    return _dumps(_whole(request.kind, request_id, created, request.model, text, finish_reason, usage))
 
 
 def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:

@@ -70,18 +70,23 @@ def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> No
     serve()
 
 
+def _serve_until_signal(server: Any, listen: str, report: Callable[[], str]) -> int:
+    """Print the ready line, serve until SIGINT/SIGTERM, close; ``report`` is logged at the end."""
+    print(f"ready {listen}", flush=True)
+    try:
+        _run_until_signal(server.serve, server.stop)
+    finally:
+        server.close()
+        log.info("%s", report())
+    return 0
+
+
 def cmd_slot_server(args: argparse.Namespace) -> int:
     from edgepath.builder import build_slot_server
 
     settings = from_args(SlotServerSettings, args)
     server = build_slot_server(settings)
-    print(f"ready {settings.listen}", flush=True)
-    try:
-        _run_until_signal(server.serve, server.stop)
-    finally:
-        server.close()
-        log.info("stats: %s", server.stats)
-    return 0
+    return _serve_until_signal(server, settings.listen, lambda: f"stats: {server.stats}")
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -89,13 +94,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     settings = from_args(AgentServiceSettings, args)
     service = build_agent_service(settings)
-    print(f"ready {settings.listen}", flush=True)
-    try:
-        _run_until_signal(service.serve, service.stop)
-    finally:
-        service.close()
-        log.info("agent: %s", service.agent.describe())
-    return 0
+    return _serve_until_signal(service, settings.listen, lambda: f"agent: {service.agent.describe()}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -13,9 +13,9 @@ an edge (quic | tcp); ``data_path`` is the agent <-> slot-server link (loopback 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
@@ -56,6 +56,19 @@ class Sizes:
 #: output) KV-cache cells), or the data path alone (echo handlers)
 MODEL_SIZES = Sizes(8, 1024, 512)
 ECHO_SIZES = Sizes(DEFAULT_SLOTS, DEFAULT_CAPACITY, DEFAULT_CAPACITY)
+
+
+def _handler_options() -> Any:
+    """``--handler-option KEY=VALUE``, repeatable: the handler's options, in order."""
+    return option(
+        (),
+        name="--handler-option",
+        type=key_value,
+        text=key_value_text,
+        repeat=True,
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
 
 
 @dataclass(frozen=True)
@@ -124,15 +137,7 @@ class SlotServerSettings:
         "llama (options: see README), or module:attribute (a function, a generator function or a batch handler "
         "class)",
     )
-    handler_options: tuple[tuple[str, str], ...] = option(
-        (),
-        name="--handler-option",
-        type=key_value,
-        text=key_value_text,
-        repeat=True,
-        metavar="KEY=VALUE",
-        help="an option for the handler (repeat for several)",
-    )
+    handler_options: tuple[tuple[str, str], ...] = _handler_options()
     handler_deadline: float = option(
         0.0,
         type=non_negative_float,
@@ -180,6 +185,9 @@ class AgentServiceSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     frames_per_edge: int = option(256, type=positive_int, help="frames one edge may hold (default %(default)s)")
     spin_us: float = option(0.0, type=non_negative_float, help="spin this long on the completion queue before sleeping")
+
+
+Filled = TypeVar("Filled", SlotServerSettings, AgentSettings)  # what ServeOptions makes for its parts
 
 
 @dataclass(frozen=True)
@@ -259,15 +267,7 @@ class ServeOptions:
         help="handler of the started slot server (default: llama, the model; echo for ingress benchmarks that "
         "must exclude model time; see edgepath slot-server --help); the edge's tokenizer and limits follow it",
     )
-    handler_options: tuple[tuple[str, str], ...] = option(
-        (),
-        name="--handler-option",
-        type=key_value,
-        text=key_value_text,
-        repeat=True,
-        metavar="KEY=VALUE",
-        help="an option for the handler (repeat for several)",
-    )
+    handler_options: tuple[tuple[str, str], ...] = _handler_options()
     slot_spin_us: float = option(
         0.0,
         type=non_negative_float,
@@ -389,13 +389,8 @@ class ServeOptions:
         return replace(self, model=str(model), handler_options=options, tokenizer=self.tokenizer or str(model))
 
     def agent_settings(self, slot_server: str) -> AgentSettings:
-        return AgentSettings(
-            slot_servers=(slot_server,),
-            frames=self.frames,
-            input_capacity=self.input_capacity,
-            output_capacity=self.output_capacity,
-            data_path=self.data_path,
-        )
+        """The in-process agent of this edge, attached to ``slot_server``."""
+        return self._fill(AgentSettings, slot_servers=(slot_server,))
 
     def worker_argv(self, slot_server: str) -> list[str]:
         """``edgepath`` arguments of one edge worker: this edge, on the shared port (SO_REUSEPORT), with
@@ -406,14 +401,11 @@ class ServeOptions:
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
         """The slot server ``serve`` starts, listening at ``listen``."""
-        return SlotServerSettings(
-            listen=listen,
-            slots=self.slots,
-            input_capacity=self.input_capacity,
-            output_capacity=self.output_capacity,
-            spin_us=self.slot_spin_us,
-            handler=self.handler,
-            handler_options=self.handler_options,
-            handler_deadline=self.handler_deadline,
-            data_path=self.data_path,
-        )
+        return self._fill(SlotServerSettings, listen=listen, spin_us=self.slot_spin_us)
+
+    def _fill(self, cls: type[Filled], **given: Any) -> Filled:
+        """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the
+        sizes, frames, handler, its options and deadline, the data path), and ``given``; the rest keep the
+        defaults of ``cls``."""
+        shared = {f.name for f in fields(cls)} & {f.name for f in fields(self)}
+        return cls(**{name: getattr(self, name) for name in shared - given.keys()}, **given)

@@ -175,8 +175,8 @@ def _once(action: argparse.Action, parser: argparse.ArgumentParser, namespace: a
     given.add(action.dest)
 
 
-class StoreOnce(argparse._StoreAction):
-    """argparse's ``store``, refusing a second occurrence instead of keeping the last one silently."""
+class _Once(argparse.Action):
+    """Refuses a second occurrence of its option instead of keeping the last one silently."""
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
@@ -185,14 +185,12 @@ class StoreOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option)
 
 
-class StoreTrueOnce(argparse._StoreTrueAction):
-    """argparse's ``store_true``, refusing a second occurrence."""
+class StoreOnce(_Once, argparse._StoreAction):
+    """argparse's ``store``, given at most once."""
 
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
-    ) -> None:
-        _once(self, parser, namespace)
-        super().__call__(parser, namespace, values, option)
+
+class StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    """argparse's ``store_true``, given at most once."""
 
 
 def once_only(parser: argparse.ArgumentParser) -> None:

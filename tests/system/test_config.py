@@ -207,3 +207,35 @@ def test_a_configuration_field_without_an_option_is_refused_when_the_parser_is_b
 
     with pytest.raises(TypeError, match=r"Half.forgotten is not a command-line option"):
         add_options(argparse.ArgumentParser(), Half)
+
+
+def test_serve_fills_its_slot_server_and_agent_by_name(tmp_path: Path) -> None:
+    options = ServeOptions(
+        slots=3,
+        frames=9,
+        input_capacity=70,
+        output_capacity=30,
+        handler="paced-echo",
+        handler_options=(("token_delay", "0.1"),),
+        handler_deadline=2.0,
+        slot_spin_us=4.0,
+        data_path=DataPath("verbs", "rxe0"),
+    )
+    assert options.slot_server_settings("10.0.0.1:1") == SlotServerSettings(
+        listen="10.0.0.1:1",
+        slots=3,
+        input_capacity=70,
+        output_capacity=30,
+        spin_us=4.0,
+        handler="paced-echo",
+        handler_options=(("token_delay", "0.1"),),
+        handler_deadline=2.0,
+        data_path=DataPath("verbs", "rxe0"),
+    )
+    assert options.agent_settings("10.0.0.1:1") == AgentSettings(
+        slot_servers=("10.0.0.1:1",),
+        frames=9,
+        input_capacity=70,
+        output_capacity=30,
+        data_path=DataPath("verbs", "rxe0"),
+    )
