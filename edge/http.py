@@ -25,6 +25,7 @@ from edgepath.dma.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 
 JSON = b"application/json"
+SERVER = b"edgepath"  # the Server header of every answer, over either adapter
 Headers = list[tuple[bytes, bytes]]
 
 # The API's paths; what each allows and who answers it is the route table, ROUTES.

@@ -31,7 +31,7 @@ from functools import cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepath.edge.body import IncomingBody
-from edgepath.edge.http import Headers, HttpError, Request, Response
+from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response
 from edgepath.edge.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
@@ -46,7 +46,6 @@ if TYPE_CHECKING:  # the reference engine's types; qh3 keeps the same API
 else:
     _ProtocolBase = object  # the engine's QuicConnectionProtocol is mixed in by protocol_class()
 
-SERVER = b"edgepath"
 H3_NO_ERROR = 0x100
 #: at most this long after a datagram that completed a request, its transmit happens even with no answer
 #: yet (the engines' ACK delay: no ACK is due earlier; flow-control credit waits at most this long)

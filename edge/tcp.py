@@ -16,11 +16,9 @@ from http import HTTPStatus
 import h11
 
 from edgepath.edge.body import IncomingBody
-from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
+from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
-
-SERVER = b"edgepath"
 
 
 class EdgeHttp11Protocol(asyncio.Protocol):

@@ -105,6 +105,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
         flag = item.flag
         kwargs: dict[str, Any] = {"help": flag.help}
         if flag.switch:
+            if item.default is not False:
+                raise TypeError(f"{cls.__name__}.{item.field}: a switch is off unless given (default False)")
             kwargs["action"] = "store_true"
         else:
             kwargs.update(type=flag.type, choices=flag.choices, metavar=flag.metavar)

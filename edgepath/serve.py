@@ -35,6 +35,7 @@ from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
+from edgepath.runtime import runtime_dir
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
@@ -65,8 +66,6 @@ def _cannot_listen(options: ServeOptions, exc: OSError) -> RuntimeError:
 
 
 def _slot_server_listen(options: ServeOptions) -> str:
-    from edgepath.runtime import runtime_dir
-
     if options.slot_server_listen:
         return options.slot_server_listen
     if options.data_path.kind == "verbs":
@@ -173,8 +172,6 @@ async def _start_edge(
 
 def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:
     """A fresh directory where the workers keep their metrics (one /metrics view), removed at the end."""
-    from edgepath.runtime import runtime_dir
-
     path = runtime_dir() / f"serve-{options.transport}-{options.port}.metrics"
     shutil.rmtree(path, ignore_errors=True)  # counts of an earlier run are not this one's
     path.mkdir(mode=0o700)
