@@ -139,7 +139,7 @@ async def measure(
         listen = str(Path(tmp) / "slots.sock")
         options = ServeOptions(handler="echo", slots=max(64, 2 * concurrency), frames=max(256, 4 * concurrency))
         child = Child.start(options.slot_server_settings(listen).argv())
-        transport = data_path_transport(options.link)
+        transport = data_path_transport(options.data_path)
         executor = ThreadPoolExecutor(max_workers=2)
         try:
             agent = build_agent(options.agent_settings(child.address or listen), transport)

@@ -174,9 +174,9 @@ def build_edge(
     (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
     import time
 
-    from edgepath.edge.http import HttpCore, Limits
+    from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
-    from edgepath.edge.openai_routes import CHAT, COMPLETIONS, OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
     link = agent.links[0]
