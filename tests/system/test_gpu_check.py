@@ -55,7 +55,8 @@ def _check(out: Path, *args: str, env: dict[str, str] | None = None) -> subproce
 
 
 def test_dry_run_report_is_complete_and_labelled(tmp_path: Path) -> None:
-    """A dry run says so at the top, in its result, in every step's status (but the build's, which is real) and on every figure."""
+    """A dry run says so at the top, in its result, in every step's status (but the build's, which is real)
+    and on every figure."""
     _no_gpu()
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     done = _check(tmp_path, "--dry-run", "--iterations", "50", "--requests", "20", env=env)
