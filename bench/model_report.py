@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from edgepath.bench.model_compare import EDGEPATH, LLAMA_SERVER
+from edgepath.bench.model_compare import CLIENT_BOUND_CPU, CLIENT_BOUND_LAG, EDGEPATH, LLAMA_SERVER
 from edgepath.bench.readme import rewrite_block
 
 PHASES = {
@@ -55,6 +55,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _figure(row: dict[str, Any] | None, key: str) -> float | None:
+    return None if row is None else row[key]
+
+
 #: (name, phase, figure, goal): edgepath's figure over llama-server's, from the issue's targets.
 VERSUS = (
     ("output tokens/s at concurrency = slots", "concurrent", "output_tok_s", ">=1.0"),
@@ -71,30 +75,30 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     for threads in report["threads"]:
         for name, phase, figure, goal in VERSUS:
             ours, theirs = find(report, EDGEPATH, threads, phase), find(report, LLAMA_SERVER, threads, phase)
-            value = _ratio(ours and ours[figure], theirs and theirs[figure])
+            value = _ratio(_figure(ours, figure), _figure(theirs, figure))
             rows.append(
                 {
                     "threads": threads,
                     "name": f"{name}, {EDGEPATH} / {LLAMA_SERVER}",
                     "goal": goal,
                     "value": value,
-                    "ours": ours and ours[figure],
-                    "theirs": theirs and theirs[figure],
+                    "ours": _figure(ours, figure),
+                    "theirs": _figure(theirs, figure),
                     "answered": f"{_answered(ours)} vs {_answered(theirs)}",
                     "verdict": _judge(value, goal, f"needs a {phase} phase of both", ours, theirs),
                 }
             )
         warm = find(report, EDGEPATH, threads, "prefix-seq-warm")
         cold = find(report, EDGEPATH, threads, "prefix-seq-cold")
-        value = _ratio(warm and warm["ttft_p50_ms"], cold and cold["ttft_p50_ms"])
+        value = _ratio(_figure(warm, "ttft_p50_ms"), _figure(cold, "ttft_p50_ms"))
         rows.append(
             {
                 "threads": threads,
                 "name": f"shared prefix: {EDGEPATH} warm TTFT p50 / its cold TTFT",
                 "goal": "<=0.1",
                 "value": value,
-                "ours": warm and warm["ttft_p50_ms"],
-                "theirs": cold and cold["ttft_p50_ms"],
+                "ours": _figure(warm, "ttft_p50_ms"),
+                "theirs": _figure(cold, "ttft_p50_ms"),
                 "answered": f"{_answered(warm)} vs {_answered(cold)}",
                 "verdict": _judge(value, "<=0.1", f"needs the shared-prefix phases of {EDGEPATH}", warm, cold),
             }
@@ -207,7 +211,9 @@ def table(report: dict[str, Any]) -> str:
         "streamed content chunks. Server CPU: utime + stime of every server process over the phase, per answered "
         "request. There is no queue-time column: edgepath's `x-queue-time` covers the edge's event loop, not the "
         "wait behind a `llama_decode` step, so it did not measure what a batcher's queue wait measures; TTFT "
-        f"includes every wait. client-bound: the load generator sent > {50} ms late (p99) or used > 80% of a core.",
+        "includes every wait. Edge stages: edgepath's own Server-Timing, request in to the slot server's doorbell. "
+        f"client-bound: the load generator sent > {CLIENT_BOUND_LAG * 1e3:g} ms late (p99) or used > "
+        f"{CLIENT_BOUND_CPU:.0%} of a core.",
     ]
     return "\n".join(lines)
 
@@ -222,6 +228,8 @@ def _row(system: str, row: dict[str, Any]) -> str:
         notes.append(f"{row['cached_tokens_mean']:.0f} prompt tokens cached per request")
     if row["tokens_per_chunk"] is not None and row["tokens_per_chunk"] > 1.05:
         notes.append(f"{row['tokens_per_chunk']:.2f} tokens per chunk")
+    if row["edge_ms_p50"] is not None:
+        notes.append(f"edge stages {row['edge_ms_p50']:.1f} ms p50")
     if row["client_bound"]:
         notes.append("client-bound")
     answered = f"{row['ok']}/{row['requests']}" + (f" ({row['refused_share']:.0%} 429)" if row["refused_429"] else "")

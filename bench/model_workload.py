@@ -46,23 +46,23 @@ REASONS = (
     "to meet the new safety rules", "because the numbers did not add up",
 )  # fmt: skip
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
-UNITS = ("hours", "days", "crates", "litres", "metres", "visitors", "orders", "euros", "kilograms", "pages")
+UNITS = ("crates", "litres", "metres", "visitors", "orders", "kilograms", "pages", "boxes", "forms", "calls")
 TEMPLATES = (
     "On {day}, {name} {verb} {thing} at {place} {reason}.",
-    "{name} says {thing} took {number} {unit} longer than planned.",
+    "{name} says {thing} took {number} hours longer than planned.",
     "At {place}, {thing} is still waiting for {name} to sign it off.",
     "We agreed that {name} will look at {thing} again by {day}.",
     "{name} and {other} disagreed about {thing}; {other} thinks it can wait until {day}.",
-    "The team {verb} {thing} {reason}, which cost about {number} {unit}.",
-    "Nobody at {place} had {verb} {thing} for {number} {unit}.",
+    "The team {verb} {thing} {reason}, which cost about {number} euros.",
+    "Nobody at {place} had {verb} {thing} for {number} days.",
     "A visitor asked why {thing} was {verb} on {day}, and {name} explained it was {reason}.",
     "{name} counted {number} {unit} at {place} on {day}, fewer than last month.",
     "If {thing} is not {verb} by {day}, {name} will call the supplier.",
     "The note from {place} says {thing} was {verb} {reason}.",
-    "{other} wants {thing} {verb} before anyone touches the {unit} at {place}.",
+    "{other} wants {thing} {verb} before anyone else at {place} touches it.",
     "By {day} evening {name} had {verb} {thing} and sent photos to {other}.",
     "Two people at {place} reported problems with {thing} this week.",
-    "{name} suggested we stop ordering {unit} for {thing} until {day}.",
+    "{name} suggested we stop ordering parts for {thing} until {day}.",
     "It is still unclear who {verb} {thing} at {place}; {name} will ask around.",
 )  # fmt: skip
 KINDS = ("meeting notes", "a field report", "a support ticket", "a shift log", "an incident summary", "a travel log")
@@ -110,8 +110,8 @@ def sentence(rng: random.Random) -> str:
 
 
 def text_of(rng: random.Random, tokens: int, count: Counter, head: str = "") -> str:
-    """``head`` then sentences, in paragraphs of 3-6, until the text holds about ``tokens`` tokens (at
-    least that many, counted sentence by sentence; the server's ``usage`` gives the exact prompt length)."""
+    """``head`` then sentences, in paragraphs of 3-6, until they count ``tokens`` tokens (counted sentence
+    by sentence: the whole text's count is within a few tokens of it; servers report the exact one)."""
     paragraphs: list[list[str]] = [[head] if head else []]
     total = count(head) if head else 0
     left = rng.randint(3, 6)
@@ -121,7 +121,7 @@ def text_of(rng: random.Random, tokens: int, count: Counter, head: str = "") -> 
             left = rng.randint(3, 6)
         line = sentence(rng)
         paragraphs[-1].append(line)
-        total += count(line) + 1  # + the space or line break that joins it
+        total += count(line)
         left -= 1
     return "\n\n".join(" ".join(p) for p in paragraphs if p)
 
@@ -151,7 +151,7 @@ class Workload:
         for _ in range(n):
             target = log_uniform(rng, self.low, self.high)
             instruction = rng.choice(INSTRUCTIONS)
-            head = f"Here are {rng.choice(KINDS)} from {rng.choice(PLACES)}."
+            head = f"The following is {rng.choice(KINDS)} from {rng.choice(PLACES)}."
             body = text_of(rng, max(1, target - self.count(instruction) - 2), self.count, head)
             out.append([{"role": "user", "content": f"{body}\n\n{instruction}"}])
         return out
