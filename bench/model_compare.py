@@ -717,7 +717,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fractions, the same arrivals; own: each system its own capacity's",
     )
     p.add_argument("--requests", type=int, default=40, help="requests of each Poisson phase at most")
-    p.add_argument("--seconds", type=float, default=60.0, help="no request of a phase is started after this long")
+    p.add_argument("--seconds", type=float, default=90.0, help="no request of a phase is started after this long")
     p.add_argument("--prefix-tokens", type=int, default=450, help="tokens of the shared system prompt")
     p.add_argument("--prefix-chats", type=int, default=6, help="chats of the sequential shared-prefix phase")
     p.add_argument("--prefix-concurrent", type=int, default=None, help="warm chats at concurrency = slots (2 x slots)")

@@ -6,7 +6,7 @@ about it ("Summarise ...", "List ...").  Its length in tokens (the model's own t
 log-uniformly from a range (128-1,024 by default: short chats are common, long ones exist), and the
 text grows sentence by sentence until it reaches that length.  Every phase seeds its own generator
 (``seed``, phase name), so no two phases share a document and no prompt cache is fed by an earlier
-phase: the only text common to all requests is what the chat template itself adds.
+phase: what all requests have in common is the chat template's own text and a few opening words.
 
 The shared-prefix workload is different on purpose: chats that all start with the same long system
 prompt (a company's assistant instructions, ~450 tokens), each followed by its own short question.
