@@ -43,16 +43,21 @@ def _answered(row: dict[str, Any] | None) -> str:
     return f"{row['ok']}/{row['requests']}" + (f" ({row['refused_429']} refused)" if row["refused_429"] else "")
 
 
-def _judge(value: float | None, goal: str, why_not: str, *rows: dict[str, Any] | None) -> str:
-    if value is None:
-        return f"not measured: {why_not}"
-    bound = value >= float(goal[2:]) if goal.startswith(">=") else value <= float(goal[2:])
+def _judge(
+    ours: float | None, theirs: float | None, goal: str, why_not: str, *rows: dict[str, Any] | None
+) -> tuple[float | None, str]:
+    """``ours / theirs`` against ``goal`` (``>=X`` or ``<=X``): the ratio and the verdict, or why there is none."""
+    if ours is None or theirs is None:
+        return None, f"not measured: {why_not}"
+    at_least = goal.startswith(">=")
+    if theirs == 0:
+        if ours == 0:
+            return None, "no ratio: both are 0"
+        return None, ("met" if at_least else "missed") + " (the other is 0)"
+    value = ours / theirs
+    met = value >= float(goal[2:]) if at_least else value <= float(goal[2:])
     client = any(row is not None and row["client_bound"] for row in rows)
-    return ("met" if bound else "missed") + (" (client-bound phase)" if client else "")
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
+    return value, ("met" if met else "missed") + (" (client-bound phase)" if client else "")
 
 
 def _figure(row: dict[str, Any] | None, key: str) -> float | None:
@@ -75,7 +80,9 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     for threads in report["threads"]:
         for name, phase, figure, goal in VERSUS:
             ours, theirs = find(report, EDGEPATH, threads, phase), find(report, LLAMA_SERVER, threads, phase)
-            value = _ratio(_figure(ours, figure), _figure(theirs, figure))
+            value, verdict = _judge(
+                _figure(ours, figure), _figure(theirs, figure), goal, f"needs a {phase} phase of both", ours, theirs
+            )
             rows.append(
                 {
                     "threads": threads,
@@ -85,12 +92,13 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                     "ours": _figure(ours, figure),
                     "theirs": _figure(theirs, figure),
                     "answered": f"{_answered(ours)} vs {_answered(theirs)}",
-                    "verdict": _judge(value, goal, f"needs a {phase} phase of both", ours, theirs),
+                    "verdict": verdict,
                 }
             )
         warm = find(report, EDGEPATH, threads, "prefix-seq-warm")
         cold = find(report, EDGEPATH, threads, "prefix-seq-cold")
-        value = _ratio(_figure(warm, "ttft_p50_ms"), _figure(cold, "ttft_p50_ms"))
+        why = f"needs the shared-prefix phases of {EDGEPATH}"
+        value, verdict = _judge(_figure(warm, "ttft_p50_ms"), _figure(cold, "ttft_p50_ms"), "<=0.1", why, warm, cold)
         rows.append(
             {
                 "threads": threads,
@@ -100,13 +108,13 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "ours": _figure(warm, "ttft_p50_ms"),
                 "theirs": _figure(cold, "ttft_p50_ms"),
                 "answered": f"{_answered(warm)} vs {_answered(cold)}",
-                "verdict": _judge(value, "<=0.1", f"needs the shared-prefix phases of {EDGEPATH}", warm, cold),
+                "verdict": verdict,
             }
         )
     for batch in report.get("batching", []):
         ours, theirs = batch.get("edgepath", {}), batch.get("llama-batched-bench", {})
-        value = _ratio(ours.get("many"), theirs.get("many"))
         why = ours.get("error") or theirs.get("error") or "no figures"
+        value, verdict = _judge(ours.get("many"), theirs.get("many"), ">=0.95", why)
         rows.append(
             {
                 "threads": str(batch["threads"]),
@@ -116,7 +124,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "ours": ours.get("many"),
                 "theirs": theirs.get("many"),
                 "answered": "-",
-                "verdict": _judge(value, ">=0.95", why),
+                "verdict": verdict,
             }
         )
     return rows
@@ -248,7 +256,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     settings = report["threads"]
-    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False, sharey="row")
     for col, threads in enumerate(settings):
         results = [r for r in report["results"] if r["threads"] == threads and r["phases"]]
         phases = list(dict.fromkeys(row["phase"] for r in results for row in r["phases"]))

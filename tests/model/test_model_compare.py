@@ -301,6 +301,12 @@ def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
         "decode tokens/s at 8 sequences": (0.952, "met"),
     }
     assert judged["goodput at 200% of capacity"]["answered"] == "7/10 (3 refused) vs 4/4"
+    none_good = {**PEER, "poisson-200": {"goodput_rps": 0.0}}
+    (goodput,) = [t for t in _report(EDGE, none_good)["targets"] if t["name"].startswith("goodput")]
+    assert (goodput["value"], goodput["verdict"]) == (None, "met (the other is 0)")
+    (goodput,) = [t for t in _report({**EDGE, "poisson-200": {"goodput_rps": 0.0}}, none_good)["targets"]
+                  if t["name"].startswith("goodput")]  # fmt: skip
+    assert goodput["verdict"] == "no ratio: both are 0"
 
 
 def test_targets_without_the_peer_say_why_they_were_not_measured() -> None:

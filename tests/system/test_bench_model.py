@@ -88,7 +88,7 @@ def test_a_quick_comparison_against_llama_server(tmp_path: Path) -> None:
     assert peer["reference"] and ours["rate_basis_rps"] == peer["capacity_rps"]  # the same arrivals for both
     warm = next(row for row in peer["phases"] if row["phase"] == "prefix-seq-warm")
     assert warm["cached_tokens_mean"] >= 200  # llama-server reused the shared system prompt, as it reports
-    assert all(t["value"] is not None for t in report["targets"]), report["targets"]
+    assert not [t for t in report["targets"] if t["verdict"].startswith("not measured")], report["targets"]
     (batching,) = report["batching"]
     assert batching["edgepath"]["many"] > 0 and batching["llama-batched-bench"]["many"] > 0
     _well_formed(readme.split(MODEL_BEGIN)[1].split(MODEL_END)[0])
