@@ -104,7 +104,7 @@ def require(version: str | None = None) -> Binaries:
         version = version or installed_version()
         raise BuildError(
             f"llama-server for {PACKAGE} {version} is not built (looked in {cache_root(version)}): run "
-            f"`{BUILD_COMMAND}` (about 6 minutes on 2 cores), or `edgepath bench model --build-llama-server`"
+            f"`{BUILD_COMMAND}` (about 6 minutes on 2 idle cores); `edgepath bench model` builds it unless --no-build"
         )
     return found
 

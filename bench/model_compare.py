@@ -728,7 +728,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds a system may take to start serving")
     p.add_argument("--seed", type=int, default=1, help="prompts and arrival times (the same for every system)")
     p.add_argument(
-        "--quick", action="store_true", help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+        "--quick",
+        action="store_true",
+        help="smoke test, for every one of these flags not given: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
     )
     p.add_argument("--out", default="out/model_compare", help="folder for results.json, model.png and server logs")
     p.add_argument("--readme", default=None, help="rewrite this README's model block (between its markers)")
@@ -820,8 +822,10 @@ def machine() -> str:
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Every thread setting x every chosen system, then the batching phase; the report results.json holds."""
     if args.quick:
+        defaults = _defaults()
         for key, value in QUICK.items():
-            setattr(args, key, value)
+            if getattr(args, key) == defaults[key]:  # a flag given on the command line wins
+                setattr(args, key, value)
     checked = _check(args)
     if args.model is None:
         from edgepath.model.gguf import default_model_path
@@ -915,11 +919,15 @@ def _save(report: dict[str, Any], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(report, indent=2))
 
 
+def _defaults() -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
 def command_line(args: argparse.Namespace) -> str:
     """``edgepath bench model`` and the flags that differ from their defaults: how to run it again."""
-    defaults = argparse.ArgumentParser()
-    add_arguments(defaults)
-    base = vars(defaults.parse_args([]))
+    base = _defaults()
     words = ["edgepath", "bench", "model"]
     for key, value in vars(args).items():
         if key not in base or value == base[key]:
