@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
     p.set_defaults(func=cmd_bench_ingress)
     p = bench.add_parser(
-        "model", help="streamed chat load on the same GGUF: edgepath vs llama_cpp.server vs FastAPI + batcher"
+        "model", help="streamed chat load on the same GGUF, phase by phase: edgepath vs llama.cpp's own llama-server"
     )
     from edgepath.bench.model_compare import add_arguments as add_model_arguments
 
