@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgepath.bench.proc import cpu_seconds
 from edgepath.bench.readme import rewrite_block
 from edgepath.children import Child
 from edgepath.config import ServeOptions
@@ -37,13 +38,6 @@ from edgepath.native.abi import lib
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 MAX_TOKENS = 128
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds() -> float:
-    """This process's user + system CPU, as /proc counts it (what the ingress benchmark reads for servers)."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 @dataclass
@@ -139,7 +133,7 @@ async def measure(
         listen = str(Path(tmp) / "slots.sock")
         options = ServeOptions(handler="echo", slots=max(64, 2 * concurrency), frames=max(256, 4 * concurrency))
         child = Child.start(options.slot_server_settings(listen).argv())
-        transport = data_path_transport(options.link)
+        transport = data_path_transport(options.data_path)
         executor = ThreadPoolExecutor(max_workers=2)
         try:
             agent = build_agent(options.agent_settings(child.address or listen), transport)

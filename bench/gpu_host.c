@@ -6,8 +6,9 @@
  * runs in place of the GPU.  Built with gcc together with native/edgepath_core.c (pool layout);
  * needs neither Python headers nor cffi, so one build serves every Python (loaded with ctypes).
  *
- * Clocks: CLOCK_MONOTONIC nanoseconds on the host; ep_clock() of the twin is the same clock, so its
- * "cycles" are nanoseconds (the GPU's are clock64 cycles).
+ * Clocks: CLOCK_MONOTONIC nanoseconds on the host; ep_clock() and ep_timer_ns() of the twin are the same
+ * clock, so its "cycles" are nanoseconds and its timer needs no calibration (the GPU's are clock64 cycles
+ * and %globaltimer, which bench/gpu_steps.py calibrates against the host clock with the ping-pong).
  */
 #include <sched.h>
 #include <stdatomic.h>
@@ -50,6 +51,7 @@ static inline uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 static inline uint64_t ep_clock(void) { return now_ns(); }
+static inline uint64_t ep_timer_ns(void) { return now_ns(); }
 #define EP_PFN static inline
 #include "edgepath_poller.h"
 
@@ -61,6 +63,8 @@ void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req, uint64_t *
 {
     const struct ep_pool_header *h = (const struct ep_pool_header *)pool;
     uint64_t passes = 0;
+    ep_st_rlx(&ctrl[EP_CTRL_CLOCK_START], ep_clock());
+    ep_st_rlx(&ctrl[EP_CTRL_TIMER_START], ep_timer_ns());
     ep_st_rel(&ctrl[EP_CTRL_RUNNING], 1u);
     while (!ep_ld_acq(&ctrl[EP_CTRL_STOP])) {
         int worked = 0;
@@ -71,26 +75,32 @@ void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req, uint64_t *
         if (!worked)
             sched_yield();
     }
+    ep_st_rlx(&ctrl[EP_CTRL_CLOCK_STOP], ep_clock());
+    ep_st_rlx(&ctrl[EP_CTRL_TIMER_STOP], ep_timer_ns());
     ep_st_rel(&ctrl[EP_CTRL_RUNNING], 2u);
 }
 
-/* ep_check_pingpong's loop on a CPU thread (gpu_check --dry-run's stand-in for the GPU). */
-void ep_twin_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stop)
+/* The check's probe kernels on a CPU thread (gpu_check --dry-run's stand-ins): the same bodies. */
+static inline void ep_idle(void) { sched_yield(); }
+#include "edgepath_poller_checks.h"
+
+void ep_twin_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stamp, uint64_t *stop)
 {
-    uint64_t last = 0;
-    ep_st_rel(pong, 0u);
-    for (;;) {
-        uint64_t v = ep_ld_acq(ping);
-        if (v != last) {
-            last = v;
-            ep_st_rel(pong, v);
-        } else if (ep_ld_acq(stop)) {
-            ep_st_rel(stop, 2u);
-            return;
-        } else {
-            sched_yield();
-        }
-    }
+    ep_check_pingpong_body(ping, pong, stamp, stop);
+}
+
+void ep_twin_cas(uint64_t *words, uint64_t *flag, uint64_t *go, uint32_t n) { ep_check_cas_body(words, flag, go, n); }
+
+/* ep_check_atomics' total on one CPU thread: `n` adds. */
+void ep_twin_atomics(uint64_t *counter, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        ep_add(counter, 1u);
+}
+
+void ep_twin_timer(uint64_t *out, uint64_t window_ns, uint64_t max_reads)
+{
+    ep_check_timer_body(out, window_ns, max_reads);
 }
 
 /* -- pools, without Python knowing the header's layout ------------------------------------------ */
@@ -168,9 +178,12 @@ uint64_t ep_chk_write_request(char *pool, uint32_t slot, uint32_t generation, ui
 
 #define SPIN_CHECK 4096u /* spins between clock reads while waiting */
 
-/* Bare ping-pong: store i+1 into ping, spin until pong says i+1.  samples[i] = that round trip (ns).
- * Returns n, or -(i+1) when round trip i did not come back within timeout_ns. */
-int64_t ep_chk_pingpong(uint64_t *ping, uint64_t *pong, uint32_t n, uint64_t *samples, uint64_t timeout_ns)
+/* Bare ping-pong and clock calibration: store i+1 into ping, spin until pong says i+1.  Per round trip
+ * three words in samples: the host clock before the store, the host clock once the echo was seen, and
+ * the kernel's timer when it saw the store (*stamp).  Returns n, or -(i+1) when round trip i did not
+ * come back within timeout_ns. */
+int64_t ep_chk_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stamp, uint32_t n, uint64_t *samples,
+                        uint64_t timeout_ns)
 {
     for (uint32_t i = 0; i < n; i++) {
         uint64_t v = (uint64_t)i + 1u, t0 = now_ns(), spins = 0;
@@ -179,7 +192,10 @@ int64_t ep_chk_pingpong(uint64_t *ping, uint64_t *pong, uint32_t n, uint64_t *sa
             if (++spins % SPIN_CHECK == 0 && now_ns() - t0 > timeout_ns)
                 return -(int64_t)(i + 1u);
         }
-        samples[i] = now_ns() - t0;
+        uint64_t t1 = now_ns();
+        samples[3u * i] = t0;
+        samples[3u * i + 1u] = t1;
+        samples[3u * i + 2u] = ep_ld_rlx(stamp);
     }
     return n;
 }
@@ -188,10 +204,14 @@ int64_t ep_chk_pingpong(uint64_t *ping, uint64_t *pong, uint32_t n, uint64_t *sa
  * The poller's round trip, as the agent and the model side see it, with the pool in host memory the
  * poller maps: claim (CAS FREE -> CLAIMED), write header + `tokens` ids, ring the doorbell (release),
  * spin on the hand-off ring until the entry comes, check it and the RUNNING word, then RUNNING -> DONE
- * -> FREE.  samples[2i] = doorbell -> hand-off seen, samples[2i+1] = write + doorbell -> hand-off seen
- * (ns, round trips).  `head` is the host's ring position, kept across calls.  Returns n, or -(i+1)
- * with a message in err when iteration i failed.
+ * -> FREE.  Per iteration EP_CHK_SAMPLE words in samples: the host clock before the write, just before
+ * the doorbell's store and once the entry was seen, then the entry's detection time (the poller's timer)
+ * and its in-kernel cycles.  `head` is the host's ring position, kept across calls.  Returns n, or
+ * -(i+1) with a message in err when iteration i failed.
  */
+#define EP_CHK_SAMPLE 5u
+uint32_t ep_chk_sample_words(void) { return EP_CHK_SAMPLE; }
+
 int64_t ep_chk_poller_rtt(char *pool, uint64_t *ring, uint32_t ring_capacity, uint64_t *head, uint32_t n,
                           uint32_t tokens, uint64_t *samples, uint64_t timeout_ns, char *err, size_t errlen)
 {
@@ -216,8 +236,8 @@ int64_t ep_chk_poller_rtt(char *pool, uint64_t *ring, uint32_t ring_capacity, ui
         uint64_t bell = ep_chk_write_request(pool, slot, gen, i, tokens);
         uint64_t t1 = now_ns(), spins = 0;
         ep_st_rel(&doorbells[slot], bell);
-        uint64_t *entry = ring + 2u * (uint32_t)(*head & mask);
-        while (ep_ld_acq(&entry[0]) != *head + 1u) {
+        uint64_t *entry = ring + EP_RING_WORDS * (uint32_t)(*head & mask);
+        while (ep_ld_acq(&entry[EP_RING_SEQ]) != *head + 1u) {
             if (++spins % SPIN_CHECK == 0 && now_ns() - t1 > timeout_ns) {
                 snprintf(err, errlen, "iteration %u: no hand-off of slot %u within %llu ns (word %#llx)", i, slot,
                          (unsigned long long)timeout_ns, (unsigned long long)ep_ld_acq(&states[slot]));
@@ -225,15 +245,19 @@ int64_t ep_chk_poller_rtt(char *pool, uint64_t *ring, uint32_t ring_capacity, ui
             }
         }
         uint64_t t2 = now_ns();
-        uint64_t value = ep_ld_rlx(&entry[1]), word = ep_ld_acq(&states[slot]);
+        uint64_t value = ep_ld_rlx(&entry[EP_RING_VALUE]), word = ep_ld_acq(&states[slot]);
+        uint64_t *sample = samples + EP_CHK_SAMPLE * i;
         *head += 1u;
         if (value != ep_ring_value(gen, slot) || ep_word_state(word) != EP_RUNNING) {
             snprintf(err, errlen, "iteration %u: hand-off %#llx for slot %u gen %u, word %#llx", i,
                      (unsigned long long)value, slot, gen, (unsigned long long)word);
             return -(int64_t)(i + 1u);
         }
-        samples[2u * i] = t2 - t1;
-        samples[2u * i + 1u] = t2 - t0;
+        sample[0] = t0;
+        sample[1] = t1;
+        sample[2] = t2;
+        sample[3] = ep_ld_rlx(&entry[EP_RING_DETECT_NS]);
+        sample[4] = ep_ld_rlx(&entry[EP_RING_CYCLES]);
         uint64_t done = ep_chk_step(word, EP_EV_COMPLETE), freed = done ? ep_chk_step(done, EP_EV_RELEASE) : 0u;
         if (freed == 0) {
             snprintf(err, errlen, "iteration %u: slot %u cannot go RUNNING -> DONE -> FREE", i, slot);
@@ -244,11 +268,27 @@ int64_t ep_chk_poller_rtt(char *pool, uint64_t *ring, uint32_t ring_capacity, ui
     return n;
 }
 
-/* Smoke: `n` atomic increments of *word (the CPU's half of the CAS-neighbour test). */
-void ep_chk_increment(uint64_t *word, uint32_t n)
+/* Smoke, the CPU's half of the CAS-neighbour test: wait until the kernel says it started (*flag 1), add
+ * 1 to *word once, let the kernel go (*go), and keep adding until it says it finished (*flag 2): every
+ * GPU CAS runs while the CPU is in its add loop.  Returns the adds made, -1 if the kernel did not start
+ * or finish within timeout_ns, -2 if it gave up waiting for go. */
+int64_t ep_chk_add_while_running(uint64_t *word, uint64_t *flag, uint64_t *go, uint64_t timeout_ns)
 {
-    for (uint32_t i = 0; i < n; i++)
+    uint64_t t0 = now_ns(), spins = 0, state;
+    int64_t adds = 0;
+    while (ep_ld_acq(flag) == 0u) {
+        if (++spins % SPIN_CHECK == 0 && now_ns() - t0 > timeout_ns)
+            return -1;
+    }
+    ep_add(word, 1u);
+    adds++;
+    ep_st_rel(go, 1u);
+    while ((state = ep_ld_acq(flag)) == 1u) {
         ep_add(word, 1u);
+        if (++adds % SPIN_CHECK == 0 && now_ns() - t0 > timeout_ns)
+            return -1;
+    }
+    return state == 2u ? adds : -2;
 }
 
 /* Stop latency: set *stop, spin until *running reads 2 (the poller's "stopped"; the ping-pong kernel

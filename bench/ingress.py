@@ -45,6 +45,7 @@ from typing import IO
 from hdrh.histogram import HdrHistogram
 
 from edgepath.bench.loadgen import new_histogram
+from edgepath.bench.proc import cpu_seconds, descendants
 from edgepath.bench.readme import rewrite_block
 from edgepath.bench.schedule import parse
 from edgepath.children import free_port
@@ -61,7 +62,6 @@ SYSTEMS = (
     "fastapi-direct",
 )
 PROTOCOL_NAMES = {"h3": "HTTP/3", "h1": "HTTP/1.1 over TLS"}
-_TICK = os.sysconf("SC_CLK_TCK")
 
 # A run is client-bound when the generator could not apply the schedule: sends issued late (p90 of the
 # lag above LAG_P90_US: behind schedule on more than a tenth of the sends, not a stray stall; asyncio's
@@ -132,20 +132,6 @@ class RunStats:
 # --- server processes and their CPU -------------------------------------------------------------
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` so far (fields 14 and 15 of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            out += [int(child), *_descendants(int(child))]
-    return out
-
-
 def _role(pid: int, default: str) -> str:
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     if b"slot-server" in cmdline:
@@ -189,7 +175,7 @@ class Servers:
                 raise RuntimeError(f"{role} process {proc.args!r} exited with {proc.returncode} during the benchmark")
             out[proc.pid] = role
             workers = 0
-            for child in sorted(_descendants(proc.pid)):
+            for child in sorted(descendants(proc.pid)):
                 out[child] = _role(child, role)
                 if out[child] == "edge-worker":  # each worker's CPU on its own: shows how the kernel spread them
                     workers += 1
@@ -251,7 +237,7 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
 
 
 def _cpu(pids: dict[int, str]) -> dict[int, float]:
-    return {pid: _cpu_seconds(pid) for pid in pids}
+    return {pid: cpu_seconds(pid) for pid in pids}
 
 
 def _readline(proc: subprocess.Popen[str], stderr: IO[str], what: str) -> str:

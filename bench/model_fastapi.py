@@ -189,7 +189,12 @@ def build_app(handler: LlamaHandler, tok: GGUFTokenizer, batcher: Batcher, model
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
             last = [{"index": 0, "delta": {}, "finish_reason": job.finish_reason}]
             chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name, "choices": last}
-            yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}
+                chunk = {"id": ident, "object": "chat.completion.chunk", "model": model_name, "choices": []}
+                yield f"data: {json.dumps(chunk | {'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
@@ -206,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="largest batch (also the engine's sequence count)")
     parser.add_argument("--max-wait", type=float, default=0.01, help="seconds to wait for a batch to fill")
     parser.add_argument("--queue", type=int, default=64, help="requests that may wait; more get 429")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the handler's)")
     parser.add_argument("--ctx-per-slot", type=int, default=1024)
     args = parser.parse_args(argv)
-    options = {"threads": str(args.threads), "ctx_per_slot": str(args.ctx_per_slot)}
+    options = {"ctx_per_slot": str(args.ctx_per_slot)}
+    if args.threads is not None:
+        options["threads"] = str(args.threads)
     if args.model:
         options["model"] = args.model
     handler = LlamaHandler.from_config(HandlerConfig(args.batch, args.ctx_per_slot, 4096, options))

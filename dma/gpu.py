@@ -17,10 +17,13 @@ fine and gets a clear :class:`GpuUnavailable` instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -29,7 +32,7 @@ import numpy as np
 
 from edgepath.dma.pool import SlotPool
 from edgepath.native.abi import ffi, lib
-from edgepath.native.cuda_build import CudaBuildError, build_poller, ctrl_words
+from edgepath.native.cuda_build import CudaBuildError, build_poller, ctrl_words, ring_words
 
 log = logging.getLogger("edgepath.gpu")
 
@@ -45,6 +48,8 @@ _COUNTERS = {
     "handoff_cycles_sum": _CTRL["HANDOFF_CYCLES"],
     "handoff_cycles_max": _CTRL["HANDOFF_MAX"],
 }
+# hand-off ring entries, read from edgepath_poller.h (EP_RING_*): {seq, value, detect_ns, cycles}
+_RING = ring_words()
 
 # Slot memory kinds (--slots KIND) and the data paths each can be written by.
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
@@ -80,6 +85,47 @@ class GpuUnavailable(RuntimeError):
 
 class RdmaRegistrationError(RuntimeError):
     """GPU memory that cannot be registered with the NIC by dma-buf nor by nvidia-peermem."""
+
+
+class PollerStuck(RuntimeError):
+    """The poller kernel did not stop: its memory is left allocated (freeing would wait for it forever)."""
+
+
+#: what a poller that did not stop may still read or write: kept referenced, never freed or reused
+_LEAKED: list[Any] = []
+# cudaFree, cudaFreeHost and cudaHostUnregister wait for every kernel running on the device, which for a
+# persistent poller is forever: while any poller of this process runs, frees wait here, and run once
+# the last one has stopped.
+_RUNNING: set[Any] = set()
+_DEFERRED: list[Callable[[], None]] = []
+_FREE_LOCK = threading.Lock()
+
+
+def leaked() -> int:
+    """How many pollers (with their memory) were left running because they did not stop."""
+    return len(_LEAKED)
+
+
+def _free_when_idle(free: Callable[[], None]) -> None:
+    """Run ``free`` now if no poller kernel of this process runs, else once the last one stopped."""
+    with _FREE_LOCK:
+        _DEFERRED.append(free)
+        if _RUNNING:
+            return
+        due = _DEFERRED[:]
+        _DEFERRED.clear()
+    for f in due:
+        f()
+
+
+def _poller_running(poller: Any, running: bool) -> None:
+    with _FREE_LOCK:
+        (_RUNNING.add if running else _RUNNING.discard)(poller)
+        due = [] if _RUNNING else _DEFERRED[:]
+        if not _RUNNING:
+            _DEFERRED.clear()
+    for f in due:
+        f()
 
 
 def check_placement(data_path: str, memory: str) -> None:
@@ -178,7 +224,7 @@ class _Pinned:
 
     def close(self) -> None:
         if self.host:
-            self._cp.cuda.runtime.freeHost(self.host)
+            _free_when_idle(functools.partial(self._cp.cuda.runtime.freeHost, self.host))
             self.host = 0
 
 
@@ -204,7 +250,7 @@ def start_mapped_poller(buf: np.ndarray, slot_count: int, device: int = 0, **opt
         poller.start()
     except BaseException:
         if poller is None:
-            cp.cuda.runtime.hostUnregister(buf.ctypes.data)
+            _free_when_idle(functools.partial(cp.cuda.runtime.hostUnregister, buf.ctypes.data))
         else:
             with contextlib.suppress(Exception):  # the start error is the one to report
                 poller.close()
@@ -226,6 +272,7 @@ class GpuPoller:
         device: DeviceInfo,
         min_sleep_ns: int = 32,
         max_sleep_ns: int = 256,
+        stop_timeout: float = 5.0,
     ) -> None:
         cp = load_cupy()
         self._cp = cp
@@ -233,6 +280,7 @@ class GpuPoller:
         self.slot_count = slot_count
         self.pool_address = pool_address
         self.min_sleep_ns, self.max_sleep_ns = min_sleep_ns, max_sleep_ns
+        self.stop_timeout = stop_timeout
         try:
             fatbin = build_poller((device.compute_capability,))
         except CudaBuildError as exc:
@@ -244,14 +292,16 @@ class GpuPoller:
         self.ring_capacity = 1 << max(6, (slot_count - 1).bit_length())  # >= slots: the ring cannot overrun
         self._ctrl = _Pinned(cp, 8 * CTRL_WORDS)
         self._expire = _Pinned(cp, 8 * slot_count)
-        self._ring = _Pinned(cp, 16 * self.ring_capacity)
-        self._seen = cp.zeros(slot_count, dtype=cp.uint64)
-        self._tail = cp.zeros(1, dtype=cp.uint64)
-        # cp.zeros runs on the legacy stream and the kernel on a non-blocking one that does not wait
-        # for it: without this, a block reused from cupy's pool could still hold a stale tail.
-        cp.cuda.runtime.deviceSynchronize()
-        self._head = 0
+        self._ring = _Pinned(cp, 8 * _RING["WORDS"] * self.ring_capacity)
+        # The kernel's private words are zeroed on its own stream, ahead of its launch there: stream order,
+        # not a device-wide synchronisation (which would wait forever for any other persistent kernel in
+        # the process).  cp.zeros queues its memset on the current stream, and cupy's pool hands a block
+        # back to the stream that freed it, so a reused block is zeroed before this kernel reads it.
         self._stream = cp.cuda.Stream(non_blocking=True)
+        with self._stream:
+            self._seen = cp.zeros(slot_count, dtype=cp.uint64)
+            self._tail = cp.zeros(1, dtype=cp.uint64)
+        self._head = 0
         self._launched = False
         self._unmap: int | None = None
 
@@ -277,6 +327,7 @@ class GpuPoller:
         with self._stream:
             self._kernel((1,), (threads,), args)
         self._launched = True
+        _poller_running(self, True)
         deadline = time.monotonic() + timeout
         while self._ctrl_word(CTRL_RUNNING) != 1:
             if self._stream.done:
@@ -286,25 +337,39 @@ class GpuPoller:
                 raise GpuUnavailable(f"--slots gpu: the poller kernel did not start within {timeout:.0f} s")
             time.sleep(0.001)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Set the stop flag (mapped memory: no copy queued behind the running kernel) and wait for it."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Set the stop flag (mapped memory: no copy queued behind the running kernel) and wait for the
+        kernel to end, checking the deadline before anything blocks: a kernel that does not stop is a
+        :class:`PollerStuck` (and this poller's memory is kept: see :meth:`close`), never a hang."""
         if not self._launched:
             return
+        timeout = self.stop_timeout if timeout is None else timeout
         lib.ep_store64(self._ctrl.ptr + CTRL_STOP, 1)
         deadline = time.monotonic() + timeout
         while not self._stream.done:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"GPU poller did not stop within {timeout:.0f} s")
+                raise PollerStuck(
+                    f"GPU poller did not stop within {timeout:g} s (running word {self._ctrl_word(CTRL_RUNNING)}); "
+                    "its memory is left allocated: freeing it would wait for the kernel forever"
+                )
             time.sleep(0.001)
-        self._stream.synchronize()
         self._launched = False
+        _poller_running(self, False)
+        self._stream.synchronize()  # the kernel ended: returns at once, raising its error if it had one
 
     def close(self) -> None:
-        self.stop()
+        """Stop the kernel, then free what it used.  If it does not stop, nothing is freed or unmapped:
+        the memory stays referenced for the life of the process and :class:`PollerStuck` is raised."""
+        try:
+            self.stop()
+        except PollerStuck:
+            _LEAKED.append(self)
+            log.error("GPU poller left running and its memory leaked: it did not stop")
+            raise
         for block in (self._ring, self._expire, self._ctrl):
             block.close()
         if self._unmap is not None:
-            self._cp.cuda.runtime.hostUnregister(self._unmap)
+            _free_when_idle(functools.partial(self._cp.cuda.runtime.hostUnregister, self._unmap))
             self._unmap = None
 
     # -- host end ------------------------------------------------------------------
@@ -316,11 +381,12 @@ class GpuPoller:
         out: list[tuple[int, int]] = []
         ring = self._ring.ptr
         mask = self.ring_capacity - 1
+        width, seq, val = _RING["WORDS"], _RING["SEQ"], _RING["VALUE"]
         while len(out) < max_entries:
-            i = 2 * (self._head & mask)
-            if lib.ep_load64(ring + i) != self._head + 1:
+            i = width * (self._head & mask)
+            if lib.ep_load64(ring + i + seq) != self._head + 1:
                 break
-            value = int(lib.ep_load64(ring + i + 1))
+            value = int(lib.ep_load64(ring + i + val))
             out.append((value & 0xFFFF, value >> 32))
             self._head += 1
         return out
@@ -378,7 +444,7 @@ class DevicePool:
 
     def close(self) -> None:
         if self.address:
-            self._cp.cuda.runtime.free(self.address)
+            _free_when_idle(functools.partial(self._cp.cuda.runtime.free, self.address))
             self.address = 0
         self._staging.close()
 
@@ -457,10 +523,14 @@ class DeviceSlots:
         return self.poller.running
 
     def close(self) -> None:
+        """Stop the kernel, then free the device pool; a kernel that did not stop keeps its pool (freeing
+        device memory waits for every running kernel: it would hang)."""
         try:
             self.poller.close()
-        finally:
-            self._pool.close()
+        except PollerStuck:
+            _LEAKED.append(self._pool)
+            raise
+        self._pool.close()
 
     # -- slot memory on the device ---------------------------------------------------
     def slot_offset(self, slot: int) -> int:

@@ -25,7 +25,13 @@ from edgepath.dma.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 
 JSON = b"application/json"
+SERVER = b"edgepath"  # the Server header of every answer, over either adapter
 Headers = list[tuple[bytes, bytes]]
+
+# The API's paths; what each allows and who answers it is the route table, ROUTES.
+GENERATE, TOKENIZE = "/v1/generate", "/v1/tokenize"
+COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+HEALTH, METRICS = "/health", "/metrics"
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
 STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "return", "first_token", "total")
@@ -71,7 +77,7 @@ class Work:
     max_tokens: int
     stream: bool
     sampling: Sampling = field(default_factory=Sampling)
-    route: str = "/v1/generate"
+    route: str = GENERATE
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -136,7 +142,7 @@ class Formatter(Protocol):
         """A whole error answer (refused, failed, timed out) in this route's error shape."""
         ...
 
-    def error(self, type_: str, message: str) -> bytes:
+    def error(self, error: HttpError) -> bytes:
         """The last chunk of a stream that failed after it had started."""
         ...
 
@@ -163,20 +169,32 @@ class HttpError(Exception):
         self.headers = headers or []
 
 
-ROUTES: dict[str, tuple[str, ...]] = {
-    "/v1/generate": ("POST",),
-    "/v1/tokenize": ("POST",),
-    "/v1/completions": ("POST",),
-    "/v1/chat/completions": ("POST",),
-    "/v1/models": ("GET",),
-    "/health": ("GET",),
-    "/metrics": ("GET",),
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One path of the API: the methods it allows and who answers it -- ``edgepath`` (the core parses the
+    body), ``openai`` (the OpenAI routes, answered in OpenAI's shapes, errors included) or ``ops`` (live
+    state from the lifecycle; open without an API key unless ``--protect-ops``)."""
+
+    methods: tuple[str, ...]
+    api: str
+
+
+#: the one route table: routing, ``Allow``, authentication, error shapes and metric labels all read it
+ROUTES: dict[str, Route] = {
+    GENERATE: Route(("POST",), "edgepath"),
+    TOKENIZE: Route(("POST",), "edgepath"),
+    COMPLETIONS: Route(("POST",), "openai"),
+    CHAT: Route(("POST",), "openai"),
+    MODELS: Route(("GET",), "openai"),
+    HEALTH: Route(("GET",), "ops"),
+    METRICS: Route(("GET",), "ops"),
 }
 
 
-OPS_ROUTES = ("/health", "/metrics")
-#: routes answered in OpenAI's shapes (edgepath.edge.openai_routes)
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+def api_of(path: str) -> str | None:
+    """Who answers ``path`` (see :class:`Route`); None for a path the API does not have."""
+    route = ROUTES.get(path)
+    return route.api if route is not None else None
 
 
 class OpenAIParser(Protocol):
@@ -189,8 +207,18 @@ class OpenAIParser(Protocol):
     def error(self, exc: HttpError) -> Response: ...
 
 
+def body_too_large(size: int, limit: int) -> HttpError:
+    """413 for a body of ``size`` bytes (the adapters send it as soon as a body grows past ``limit``)."""
+    return HttpError(413, "body_too_large", f"request body is {size} bytes; the limit is {limit}")
+
+
+def _error_payload(exc: HttpError) -> dict[str, Any]:
+    return {"error": {"type": exc.type, "message": exc.message}}
+
+
 def error_response(exc: HttpError) -> Response:
-    body = json.dumps({"error": {"type": exc.type, "message": exc.message}}).encode()
+    """An error in edgepath's own shape, ``{"error": {"type", "message"}}`` (OpenAI's routes have theirs)."""
+    body = json.dumps(_error_payload(exc)).encode()
     return Response(exc.status, [(b"content-type", JSON), *exc.headers], body)
 
 
@@ -235,16 +263,22 @@ class HttpCore:
         try:
             return self._route(request)
         except HttpError as exc:
-            if self.openai is not None and urlsplit(request.target).path in OPENAI_PATHS:
-                return self.openai.error(exc)
-            return error_response(exc)
+            return self.refusal(request.target, exc)
+
+    def refusal(self, target: str, exc: HttpError) -> Response:
+        """The error answer to a request for ``target``, in the shape of the API that path belongs to
+        (OpenAI's on the OpenAI routes, edgepath's elsewhere)."""
+        if self.openai is not None and api_of(urlsplit(target).path) == "openai":
+            return self.openai.error(exc)
+        return error_response(exc)
 
     def _route(self, request: Request) -> Handled:
         parts = urlsplit(request.target)
         self._authorize(parts.path, request.headers)
-        methods = ROUTES.get(parts.path)
-        if methods is None:
-            raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST /v1/generate")
+        route = ROUTES.get(parts.path)
+        if route is None:
+            raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST {GENERATE}")
+        methods = route.methods
         if request.method not in methods:
             raise HttpError(
                 405,
@@ -252,25 +286,23 @@ class HttpCore:
                 f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
                 [(b"allow", ", ".join(methods).encode())],
             )
-        if parts.path in OPENAI_PATHS:
+        if len(request.body) > self.limits.max_body:  # the adapters refuse it while it arrives: seldom seen here
+            raise body_too_large(len(request.body), self.limits.max_body)
+        if route.api == "openai":
             if self.openai is None:
                 raise HttpError(404, "not_found", f"{parts.path} is not served here (no OpenAI routes configured)")
             if request.method == "GET":
                 return self.openai.models()
-            if len(request.body) > self.limits.max_body:
-                raise self.too_large(len(request.body))
             return self.openai.parse(parts.path, request.body)
-        if request.method == "GET":
+        if route.api == "ops":
             return StateQuery(parts.path, parse_qs(parts.query))
-        if len(request.body) > self.limits.max_body:
-            raise self.too_large(len(request.body))
         return self._parse_body(parts.path, request.body)
 
     def _authorize(self, path: str, headers: Headers) -> None:
         """401 unless the request carries a valid key (when keys are configured). Unknown paths
         are checked too, so an unauthenticated client learns nothing about the routes."""
         keys = self.api_keys
-        if keys is None or (path in OPS_ROUTES and not keys.protect_ops):
+        if keys is None or (api_of(path) == "ops" and not keys.protect_ops):
             return
         presented = keys.presented(headers)
         if not keys.allows(presented):
@@ -281,10 +313,6 @@ class HttpCore:
                 f"API key {why}: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
                 [(b"www-authenticate", b"Bearer")],
             )
-
-    def too_large(self, size: int) -> HttpError:
-        """413 for a body of ``size`` bytes (adapters use it as soon as a body grows past the limit)."""
-        return HttpError(413, "body_too_large", f"request body is {size} bytes; the limit is {self.limits.max_body}")
 
     def _parse_body(self, path: str, body: bytes) -> Work:
         try:
@@ -297,7 +325,7 @@ class HttpCore:
             raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
-        kind = "generate" if path == "/v1/generate" else "tokenize"
+        kind = "generate" if path == GENERATE else "tokenize"
         allowed = {"prompt", "tokens"} | ({"max_tokens", "stream"} if kind == "generate" else set())
         unknown = sorted(set(doc) - allowed)
         if unknown:
@@ -313,7 +341,7 @@ class HttpCore:
         if has_prompt:
             prompt = doc["prompt"]
             if not isinstance(prompt, str):
-                raise HttpError(400, "invalid_request", f"'prompt' must be a string, got {_json_type(prompt)}")
+                raise HttpError(400, "invalid_request", f"'prompt' must be a string, got {json_type(prompt)}")
             if not prompt:
                 raise HttpError(400, "invalid_request", "'prompt' is empty")
             try:
@@ -340,7 +368,7 @@ class HttpCore:
     def _stream(doc: dict[str, Any]) -> bool:
         value = doc.get("stream", False)
         if not isinstance(value, bool):
-            raise HttpError(400, "invalid_request", f"'stream' must be true or false, got {_json_type(value)}")
+            raise HttpError(400, "invalid_request", f"'stream' must be true or false, got {json_type(value)}")
         return value
 
     # -- after tokenization ---------------------------------------------------------------
@@ -360,21 +388,17 @@ class HttpCore:
 
     def no_slot(self) -> HttpError:
         """429 at once: nothing is queued, the client retries."""
-        return HttpError(
-            429,
-            "no_slot",
-            "every slot is busy; this server does not queue requests, retry later",
-            [(b"retry-after", str(self.limits.retry_after_s).encode())],
-        )
+        return self._retry_later("no_slot", "every slot is busy; this server does not queue requests")
 
     def busy(self) -> HttpError:
         """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
-        return HttpError(
-            429,
-            "tokenizer_busy",
-            "every tokenizer worker is busy with a large prompt; this server does not queue, retry later",
-            [(b"retry-after", str(self.limits.retry_after_s).encode())],
+        return self._retry_later(
+            "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue"
         )
+
+    def _retry_later(self, type_: str, why: str) -> HttpError:
+        retry_after = [(b"retry-after", str(self.limits.retry_after_s).encode())]
+        return HttpError(429, type_, f"{why}, retry later", retry_after)
 
     @staticmethod
     def health_response(
@@ -401,10 +425,14 @@ class HttpCore:
         return json_response(200 if alive else 503, payload)
 
 
-def _json_type(value: object) -> str:
-    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}.get(
-        type(value), "null"
-    )
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for error messages (``got array``)."""
+    if value is None:
+        return "null"
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
 
 
 class GenerateFormatter:
@@ -442,5 +470,5 @@ class GenerateFormatter:
     def failure(error: HttpError) -> Response:
         return error_response(error)
 
-    def error(self, type_: str, message: str) -> bytes:
-        return f"event: error\ndata: {json.dumps({'error': {'type': type_, 'message': message}})}\n\n".encode()
+    def error(self, error: HttpError) -> bytes:
+        return f"event: error\ndata: {json.dumps(_error_payload(error))}\n\n".encode()

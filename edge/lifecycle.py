@@ -29,7 +29,10 @@ from edgepath.dma import wire
 from edgepath.dpu.frame import write_header
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.http import (
+    GENERATE,
+    METRICS,
     ROUTES,
+    TOKENIZE,
     Formatter,
     GenerateFormatter,
     Headers,
@@ -105,7 +108,7 @@ CLIENT_GONE = 499
 
 #: how a route's formatter is made for one request (``/v1/generate`` by default)
 FormatterFactory = Callable[[Work, Tokenizer], Formatter]
-DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {"/v1/generate": lambda work, tok: GenerateFormatter(tok.decode)}
+DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
 
 
 class Phase(Enum):
@@ -253,12 +256,12 @@ class EdgeLifecycle:
                 continue
             self._forget(t)
             port.release(index)
-            actions.append(self._fail(t, 503, "unavailable", "the slot server went away"))
+            actions.append(self._fail(t, HttpError(503, "unavailable", "the slot server went away")))
         for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
             self._forget(t)
             assert t.frame is not None
             port.abandon(t.frame)
-            actions.append(self._fail(t, 504, "timeout", "no result from the slot server in time"))
+            actions.append(self._fail(t, HttpError(504, "timeout", "no result from the slot server in time")))
         return actions
 
     # -- generate ----------------------------------------------------------------------------------
@@ -433,7 +436,7 @@ class EdgeLifecycle:
         self.metrics.edge(edge_ns, now)
         if status not in wire.FINISHED:
             port.release(frame)
-            return [self._fail(t, 502, "slot_error", f"slot server answered status {_status_name(status)}")]
+            return [self._fail(t, HttpError(502, "slot_error", f"slot server answered status {_status_name(status)}"))]
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
         count = min(result.output_count, t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
@@ -462,7 +465,7 @@ class EdgeLifecycle:
 
     # -- tokenize only -------------------------------------------------------------------------------
     def _tokenize_only(self, rid: int, request: Request, work: Work, timings: dict[str, int]) -> list[Action]:
-        route = "/v1/tokenize"
+        route = TOKENIZE
         if work.prompt is None:
             assert work.tokens is not None
             return [self._respond(rid, route, request, timings, self.core.tokenize_response(work.tokens))]
@@ -515,17 +518,16 @@ class EdgeLifecycle:
         """An error answer in the route's shape (its formatter's), or edgepath's for /v1/tokenize."""
         return t.formatter.failure(error) if t.formatter is not None else error_response(error)
 
-    def _fail(self, t: Tracked, status: int, type_: str, message: str) -> Action:
+    def _fail(self, t: Tracked, error: HttpError) -> Action:
         """An error answer: a response, or the error event that ends a stream already started."""
         if t.phase is Phase.STREAMING:
             assert t.formatter is not None
-            self._count(t, status, self.clock())
-            return EndStream(t.rid, t.formatter.error(type_, message))
-        failure = self._failure(t, HttpError(status, type_, message))
-        return self._respond(t.rid, t.route, t.request, t.timings, failure)
+            self._count(t, error.status, self.clock())
+            return EndStream(t.rid, t.formatter.error(error))
+        return self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, error))
 
     def _state(self, query: StateQuery, now: int) -> Response:
-        if query.route == "/metrics":
+        if query.route == METRICS:
             return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
         free, total = self.port.free_slots()
         return self.core.health_response(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import ClassVar
 
 from hdrh.histogram import HdrHistogram
@@ -87,36 +88,25 @@ class EdgeMetrics:
         self.resets = Counter(
             "edgepath_streams_reset", "Requests whose stream the client reset before the answer", registry=self.registry
         )
-        self.edge_latency = Histogram(
-            "edgepath_edge_latency_seconds",
-            "Request complete at the edge -> doorbell seen by the slot poller",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        latency = partial(Histogram, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        token_time = partial(Histogram, buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.edge_latency = latency(
+            "edgepath_edge_latency_seconds", "Request complete at the edge -> doorbell seen by the slot poller"
         )
-        self.total_latency = Histogram(
-            "edgepath_request_seconds",
-            "Request complete at the edge -> response ready",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.total_latency = latency(
+            "edgepath_request_seconds", "Request complete at the edge -> response ready", ["route"]
         )
-        self.first_token_latency = Histogram(
+        self.first_token_latency = token_time(
             "edgepath_time_to_first_token_seconds",
             "Request complete at the edge -> its first output token seen by the edge",
-            buckets=_TOKEN_BUCKETS,
-            registry=self.registry,
         )
-        self.return_path_latency = Histogram(
+        self.return_path_latency = latency(
             "edgepath_return_path_seconds",
             "The model side produced a stream's first token -> the edge hands its event to the transport",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = token_time(
             "edgepath_inter_token_latency_seconds",
             "Time between output tokens seen by the edge (a delivery of k tokens counts k, spread evenly)",
-            buckets=_TOKEN_BUCKETS,
-            registry=self.registry,
         )
         self.delivery_stats = _DeliveryCollector(delivery_stats)
         self.registry.register(self.delivery_stats)

@@ -21,13 +21,14 @@ from typing import Any, Literal
 
 import orjson
 
-from .chat import ChatMessage
-from .detokenize import Decoder, IncrementalDetokenizer
-from .stop import StopMatcher
+from edgepath.dma.wire import Sampling
+from edgepath.edge.chat import ChatMessage
+from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
+from edgepath.edge.http import Headers, HttpError, json_type
+from edgepath.edge.stop import StopMatcher
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
-Headers = list[tuple[bytes, bytes]]
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
@@ -37,27 +38,44 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 # -- errors ---------------------------------------------------------------------------------------------
 
+#: OpenAI's error ``type`` for each status this server answers with (the ``code`` is the error's own name)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    429: "requests",
+    500: "server_error",
+    502: "server_error",
+    503: "server_error",
+    504: "timeout",
+}
+
 
 class OpenAIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+    Every error on the OpenAI routes is one of these -- the routes' own validation and, through
+    :meth:`of`, every refusal or failure of the edge (429 ``no_slot``, 504 ``timeout``, ...) -- so the
+    ``type`` always follows from the status by one table, :data:`ERROR_TYPES`."""
 
     def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: Headers | None = None,
+        self, status: int, code: str | None, message: str, *, param: str | None = None, headers: Headers | None = None
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type_
+        self.type = ERROR_TYPES.get(status, "server_error")
         self.param = param
         self.code = code
         self.headers: Headers = list(headers or [])
+
+    @classmethod
+    def of(cls, exc: HttpError) -> OpenAIError:
+        """The edge's error ``exc`` in OpenAI's shape; ``code`` keeps its name (``no_slot``, ``timeout``)."""
+        return cls(exc.status, exc.type, exc.message, headers=exc.headers)
 
     def payload(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -65,10 +83,14 @@ class OpenAIError(Exception):
     def body(self) -> bytes:
         return _dumps(self.payload())
 
+    def event(self) -> bytes:
+        """The end of a stream that failed after it had started: the error as an event, then ``[DONE]``."""
+        return sse_event(self.payload()) + SSE_DONE
+
 
 def invalid_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
     """400 ``invalid_request_error``: the request is malformed or asks for something not allowed."""
-    return OpenAIError(400, message, "invalid_request_error", param=param, code=code)
+    return OpenAIError(400, code, message, param=param)
 
 
 def unsupported(param: str, value: Any, allowed: str) -> OpenAIError:
@@ -80,69 +102,14 @@ def unsupported(param: str, value: Any, allowed: str) -> OpenAIError:
     )
 
 
-def prompt_too_long(kind: Kind, count: int, capacity: int) -> OpenAIError:
-    """400 once the prompt is tokenized and does not fit a slot (exact count and the limit)."""
-    return invalid_request(
-        f"the prompt is {count} tokens; this server's slots hold at most {capacity} prompt tokens",
-        param="prompt" if kind == "completion" else "messages",
-        code="context_length_exceeded",
-    )
-
-
-def authentication_error(presented: bool) -> OpenAIError:
-    """401: missing or wrong API key (OpenAI answers it as ``invalid_request_error``/``invalid_api_key``)."""
-    why = "is not valid" if presented else "is missing"
-    return OpenAIError(
-        401,
-        f"API key {why}: send it as 'Authorization: Bearer KEY' (the openai client's api_key) or 'x-api-key: KEY'",
-        "invalid_request_error",
-        code="invalid_api_key",
-        headers=[(b"www-authenticate", b"Bearer")],
-    )
-
-
 def model_not_found(model: str, available: Sequence[str]) -> OpenAIError:
     """404 ``model_not_found``, naming the models this server does serve (as GET /v1/models lists them)."""
     return OpenAIError(
         404,
+        "model_not_found",
         f"the model {model!r} does not exist on this server; available: {', '.join(map(repr, available))}",
-        "invalid_request_error",
         param="model",
-        code="model_not_found",
     )
-
-
-def unknown_url(method: str, path: str) -> OpenAIError:
-    """404 for a path this API does not have."""
-    return OpenAIError(
-        404,
-        f"Invalid URL ({method} {path}); this server has POST /v1/completions, POST /v1/chat/completions "
-        "and GET /v1/models",
-        "invalid_request_error",
-        code="unknown_url",
-    )
-
-
-def no_slot(retry_after_s: int) -> OpenAIError:
-    """429 at once when no slot can be claimed: nothing is queued; ``Retry-After`` says when to try again
-    (the ``openai`` client retries 429 by itself, honouring it)."""
-    return OpenAIError(
-        429,
-        "every slot is busy; this server does not queue requests, retry later",
-        "requests",
-        code="rate_limit_exceeded",
-        headers=[(b"retry-after", str(retry_after_s).encode())],
-    )
-
-
-def unavailable(message: str) -> OpenAIError:
-    """503: the model side cannot be reached."""
-    return OpenAIError(503, message, "server_error", code="service_unavailable")
-
-
-def server_error(message: str) -> OpenAIError:
-    """500: edgepath itself failed (the message says where)."""
-    return OpenAIError(500, message, "server_error", code="internal_error")
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -165,15 +132,6 @@ class OpenAILimits:
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    """Sampling parameters, as they travel to the model side in the request header."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     """A validated ``/v1/completions`` or ``/v1/chat/completions`` request.
 
@@ -183,7 +141,7 @@ class OpenAIRequest:
     kind: Kind
     model: str
     max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: Sampling = field(default_factory=Sampling)  # as it travels in the request header
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -231,7 +189,7 @@ def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     except RecursionError:
         raise invalid_request("the request body nests JSON too deeply to parse", code="invalid_json") from None
     if not isinstance(doc, dict):
-        raise invalid_request(f"the request body must be a JSON object, got {_json_type(doc)}", code="invalid_type")
+        raise invalid_request(f"the request body must be a JSON object, got {json_type(doc)}", code="invalid_type")
     return doc
 
 
@@ -351,9 +309,7 @@ def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
 
 def _message(m: Any, where: str) -> ChatMessage:
     if not isinstance(m, dict):
-        raise invalid_request(
-            f"'{where}' must be an object with 'role' and 'content', got {_json_type(m)}", param=where
-        )
+        raise invalid_request(f"'{where}' must be an object with 'role' and 'content', got {json_type(m)}", param=where)
     role = m.get("role")
     if role not in ROLES:
         raise invalid_request(
@@ -417,17 +373,18 @@ def _number(doc: Mapping[str, Any], name: str, default: float, low: float, high:
     return float(value)
 
 
-def _seed(doc: Mapping[str, Any]) -> int | None:
+def _seed(doc: Mapping[str, Any]) -> int:
+    """OpenAI's seed (an int64) as the request header carries it: its two's-complement u64; none given: 0."""
     value = doc.get("seed")
     if value is None:
-        return None
+        return 0
     if type(value) is not int or not SEED_MIN <= value <= SEED_MAX:
         raise invalid_request(
             f"'seed' must be an integer in {SEED_MIN}..{SEED_MAX}, got {_show(value)}",
             param="seed",
             code="invalid_value",
         )
-    return value
+    return value % 2**64
 
 
 def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
@@ -456,7 +413,7 @@ def _include_usage(doc: Mapping[str, Any], stream: bool) -> bool:
         )
     if not isinstance(options, dict):
         raise invalid_request(
-            f"'stream_options' must be an object, got {_json_type(options)}",
+            f"'stream_options' must be an object, got {json_type(options)}",
             param="stream_options",
             code="invalid_type",
         )
@@ -488,11 +445,6 @@ def _given(doc: Mapping[str, Any], name: str) -> bool:
 
 def _is_number(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _show(value: Any) -> str:
@@ -538,35 +490,32 @@ def text_completion(
     request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed ``text_completion`` object."""
-    return {
-        "id": response_id("completion", request_id),
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": _finish(finish_reason)}],
-        "usage": usage.payload(),
-    }
+    return _whole("completion", request_id, created, model, text, finish_reason, usage)
 
 
 def chat_completion(
     request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed ``chat.completion`` object."""
+    return _whole("chat", request_id, created, model, text, finish_reason, usage)
+
+
+def _whole(
+    kind: Kind, request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
+) -> dict[str, Any]:
+    reason = _finish(finish_reason)
+    if kind == "completion":
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+    else:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
     return {
-        "id": response_id("chat", request_id),
-        "object": "chat.completion",
+        "id": response_id(kind, request_id),
+        "object": "text_completion" if kind == "completion" else "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": _finish(finish_reason),
-            }
-        ],
+        "choices": [choice],
         "usage": usage.payload(),
     }
 
@@ -575,8 +524,7 @@ def completion_body(
     request: OpenAIRequest, request_id: int | str, created: int, text: str, finish_reason: FinishReason, usage: Usage
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from."""
-    build = text_completion if request.kind == "completion" else chat_completion
-    return _dumps(build(request_id, created, request.model, text, finish_reason, usage))
+    return _dumps(_whole(request.kind, request_id, created, request.model, text, finish_reason, usage))
 
 
 def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:

@@ -18,36 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma import wire
 from edgepath.edge import openai as oa
-from edgepath.edge.http import JSON, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.http import CHAT, JSON, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.tokenizer import Tokenizer
-
-COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
-OPENAI_ROUTES: dict[str, tuple[str, ...]] = {COMPLETIONS: ("POST",), CHAT: ("POST",), MODELS: ("GET",)}
-
-#: edgepath error types -> OpenAI error types (the ``code`` keeps edgepath's own name)
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    408: "timeout",
-    413: "invalid_request_error",
-    429: "requests",
-    500: "server_error",
-    502: "server_error",
-    503: "server_error",
-    504: "timeout",
-}
 
 
 def openai_error(exc: HttpError) -> Response:
     """An edgepath error on an OpenAI route, in OpenAI's error shape."""
-    err = oa.OpenAIError(
-        exc.status, exc.message, _TYPES.get(exc.status, "server_error"), code=exc.type, headers=exc.headers
-    )
-    return _error_response(err)
+    return _error_response(oa.OpenAIError.of(exc))
 
 
 def _error_response(err: oa.OpenAIError) -> Response:
@@ -102,12 +80,11 @@ class OpenAIRoutes:
                 req = oa.parse_completion_request(body, self.limits)
         except oa.OpenAIError as err:
             return _error_response(err)
-        sampling = wire.Sampling(req.sampling.temperature, req.sampling.top_p, 0, (req.sampling.seed or 0) % 2**64)
         options: dict[str, Any] = {"openai": req}
         if req.messages is not None:
             options["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
-        return Work("generate", req.prompt, tokens, req.max_tokens, req.stream, sampling, path, options)
+        return Work("generate", req.prompt, tokens, req.max_tokens, req.stream, req.sampling, path, options)
 
 
 def _finish_reason(outcome: Outcome, max_tokens: int, stopped: bool) -> oa.FinishReason:
@@ -172,10 +149,8 @@ class OpenAIFormatter:
     def failure(self, error: HttpError) -> Response:
         return openai_error(error)
 
-    def error(self, type_: str, message: str) -> bytes:
-        status = 502 if type_ == "slot_error" else 503 if type_ == "unavailable" else 500
-        err = oa.OpenAIError(status, message, _TYPES.get(status, "server_error"), code=type_)
-        return oa.sse_event(err.payload()) + oa.SSE_DONE
+    def error(self, error: HttpError) -> bytes:
+        return oa.OpenAIError.of(error).event()
 
 
 def formatter_factory(clock: Callable[[], float]) -> Callable[[Work, Tokenizer], OpenAIFormatter]:

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
+from edgepath.edge.body import IncomingBody
+from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response
 from edgepath.edge.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
-from edgepath.edge.service import EdgeService, Ticket
+from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
 
 if TYPE_CHECKING:  # the reference engine's types; qh3 keeps the same API
@@ -45,7 +46,6 @@ if TYPE_CHECKING:  # the reference engine's types; qh3 keeps the same API
 else:
     _ProtocolBase = object  # the engine's QuicConnectionProtocol is mixed in by protocol_class()
 
-SERVER = b"edgepath"
 H3_NO_ERROR = 0x100
 #: at most this long after a datagram that completed a request, its transmit happens even with no answer
 #: yet (the engines' ACK delay: no ACK is due earlier; flow-control credit waits at most this long)
@@ -57,10 +57,9 @@ class _Stream:
     method: str = ""
     target: str = ""
     headers: Headers = field(default_factory=list)
-    body: bytearray = field(default_factory=bytearray)
+    body: IncomingBody | None = None  # while a request that did not end with its headers arrives
     answered: bool = False  # an early answer (413, 408) went out; ignore the rest
     ticket: Ticket | None = None
-    body_timer: asyncio.TimerHandle | None = None
 
 
 def response_headers(status: int, headers: Headers, length: int | None) -> Headers:
@@ -110,7 +109,7 @@ class EdgeProtocol(_ProtocolBase):
 
     engine: ClassVar[QuicEngine]
 
-    def __init__(self, *args: Any, service: EdgeService, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, service: Intake, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._service = service
         self._h3: H3Connection | None = None
@@ -178,67 +177,56 @@ class EdgeProtocol(_ProtocolBase):
                         stream.target = value.decode("ascii", "replace")
                     elif not name.startswith(b":"):
                         stream.headers.append((name, value))
-                length = _content_length(stream.headers)
-                if length is not None and length > self._service.core.limits.max_body:
-                    self._refuse_early(event.stream_id, stream, self._service.core.too_large(length))
+                limits = self._service.body
+                error = limits.declared(stream.headers)
+                if error is not None:
+                    self._refuse_early(event.stream_id, stream, error)
                 elif not event.stream_ended:
-                    stream.body_timer = self._loop.call_later(
-                        self._service.body_timeout, self._body_late, event.stream_id
-                    )
+                    stream.body = limits.start(self._loop, partial(self._body_late, event.stream_id))
         elif isinstance(event, self.engine.DataReceived):
             stream = self._streams.get(event.stream_id)
-            if stream is None or stream.answered:
+            if stream is None or stream.answered or stream.body is None:
                 return
-            stream.body += event.data
-            if len(stream.body) > self._service.core.limits.max_body:
-                self._refuse_early(event.stream_id, stream, self._service.core.too_large(len(stream.body)))
+            error = stream.body.add(event.data)
+            if error is not None:
+                self._refuse_early(event.stream_id, stream, error)
                 return
         else:
             return
         if event.stream_ended and not stream.answered:
-            if stream.body_timer is not None:
-                stream.body_timer.cancel()
-                stream.body_timer = None
-            request = Request(
-                stream.method, stream.target, stream.headers, bytes(stream.body), lib.ep_now_ns(), self._arrival_ns
-            )
-            stream.body = bytearray()
+            body = b""
+            if stream.body is not None:
+                body, stream.body = stream.body.close(), None
+            request = Request(stream.method, stream.target, stream.headers, body, lib.ep_now_ns(), self._arrival_ns)
             self._completed = True
             stream.ticket = self._service.handle(request, _StreamReply(self, event.stream_id))
 
     def _body_late(self, stream_id: int) -> None:
-        """The body did not complete within ``--body-timeout``: 408, and stop reading the rest."""
+        """The request did not complete within ``--body-timeout``: 408, and stop reading the rest."""
         stream = self._streams.get(stream_id)
         if stream is not None and stream.ticket is None and not stream.answered:
-            stream.body_timer = None
-            timeout = self._service.body_timeout
-            self._refuse_early(
-                stream_id,
-                stream,
-                HttpError(408, "body_timeout", f"the request body did not complete within {timeout:g} s"),
-            )
+            self._refuse_early(stream_id, stream, self._service.body.late())
 
     def _refuse_early(self, stream_id: int, stream: _Stream, error: HttpError) -> None:
         """Answer before the body is complete, then abort reading with H3_NO_ERROR (RFC 9114 §4.1)."""
         stream.answered = True
-        stream.body = bytearray()
-        if stream.body_timer is not None:
-            stream.body_timer.cancel()
-            stream.body_timer = None
+        if stream.body is not None:
+            stream.body.close()
+            stream.body = None
         request = Request(stream.method, stream.target, stream.headers, b"", lib.ep_now_ns())
-        self._service.refuse(request, error_response(error), _StreamReply(self, stream_id))
+        self._service.refuse(request, error, _StreamReply(self, stream_id))
         if not self._terminated:
             self._quic.stop_stream(stream_id, H3_NO_ERROR)
 
     def _reset(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
-            if stream.body_timer is not None:
-                stream.body_timer.cancel()
+            if stream.body is not None:
+                stream.body.close()
             if stream.ticket is not None:
                 stream.ticket.cancel()  # the lifecycle counts the reset and abandons what it holds
             elif not stream.answered:
-                self._service.metrics.resets.inc()  # reset before the request was complete: nothing held
+                self._service.reset_early()  # reset before the request was complete: nothing held
 
     def sendable(self, stream_id: int, last: bool) -> H3Connection | None:
         """The HTTP/3 connection if ``stream_id`` can still be answered (``last``: this ends it)."""
@@ -259,16 +247,6 @@ class EdgeProtocol(_ProtocolBase):
         self.transmit()
 
 
-def _content_length(headers: Headers) -> int | None:
-    for name, value in headers:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
 @cache
 def protocol_class(engine: QuicEngine) -> type[EdgeProtocol]:
     """:class:`EdgeProtocol` on ``engine``'s ``QuicConnectionProtocol`` (one class per engine)."""
@@ -282,7 +260,7 @@ def server_configuration(certificate: str, private_key: str, engine: str = DEFAU
 
 
 async def serve_quic(
-    service: EdgeService,
+    service: Intake,
     host: str,
     port: int,
     configuration: QuicConfiguration,

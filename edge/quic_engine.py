@@ -23,6 +23,17 @@ _EXTRAS = {"qh3": "pip install 'edgepath[qh3]'"}
 _CONFIGURATION_DEFAULTS: dict[str, tuple[tuple[str, Any], ...]] = {"qh3": (("max_datagram_frame_size", 65536),)}
 
 
+#: where each name of :class:`QuicEngine` lives in an engine's package (the same on both)
+_LAYOUT = {
+    "asyncio": ("QuicConnectionProtocol", "serve", "connect"),
+    "asyncio.server": ("QuicServer",),
+    "h3.connection": ("H3Connection", "H3_ALPN"),
+    "h3.events": ("HeadersReceived", "DataReceived"),
+    "quic.configuration": ("QuicConfiguration",),
+    "quic.events": ("ProtocolNegotiated", "StreamReset", "StopSendingReceived", "ConnectionTerminated"),
+}
+
+
 class QuicEngineError(RuntimeError):
     """The requested engine is unknown or not installed."""
 
@@ -95,29 +106,10 @@ def load_engine(name: str = DEFAULT_ENGINE) -> QuicEngine:
     if name not in ENGINES:
         raise QuicEngineError(f"unknown QUIC engine {name!r}: choose from {', '.join(ENGINES)}")
     try:
-        aio = importlib.import_module(f"{name}.asyncio")
-        server = importlib.import_module(f"{name}.asyncio.server")
-        h3 = importlib.import_module(f"{name}.h3.connection")
-        h3_events = importlib.import_module(f"{name}.h3.events")
-        config = importlib.import_module(f"{name}.quic.configuration")
-        events = importlib.import_module(f"{name}.quic.events")
+        modules = {module: importlib.import_module(f"{name}.{module}") for module in _LAYOUT}
     except ImportError as exc:
         hint = _EXTRAS.get(name, f"pip install {name}")
         raise QuicEngineError(f"QUIC engine {name!r} is not installed ({exc}); install it with: {hint}") from exc
-    return QuicEngine(
-        name=name,
-        QuicConnectionProtocol=aio.QuicConnectionProtocol,
-        QuicServer=server.QuicServer,
-        serve=aio.serve,
-        connect=aio.connect,
-        QuicConfiguration=config.QuicConfiguration,
-        H3Connection=h3.H3Connection,
-        H3_ALPN=tuple(h3.H3_ALPN),
-        HeadersReceived=h3_events.HeadersReceived,
-        DataReceived=h3_events.DataReceived,
-        ProtocolNegotiated=events.ProtocolNegotiated,
-        StreamReset=events.StreamReset,
-        StopSendingReceived=events.StopSendingReceived,
-        ConnectionTerminated=events.ConnectionTerminated,
-        configuration_defaults=_CONFIGURATION_DEFAULTS.get(name, ()),
-    )
+    names = {attr: getattr(modules[module], attr) for module, attrs in _LAYOUT.items() for attr in attrs}
+    names["H3_ALPN"] = tuple(names["H3_ALPN"])
+    return QuicEngine(name=name, configuration_defaults=_CONFIGURATION_DEFAULTS.get(name, ()), **names)

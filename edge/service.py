@@ -18,7 +18,8 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
-from edgepath.edge.http import Headers, HttpCore, Request, Response
+from edgepath.edge.body import BodyLimits
+from edgepath.edge.http import Headers, HttpCore, HttpError, Request, Response
 from edgepath.edge.lifecycle import (
     DEFAULT_FORMATTERS,
     Action,
@@ -54,6 +55,25 @@ class Reply(Protocol):
     def end(self, data: bytes) -> None: ...
 
 
+class Intake(Protocol):
+    """What an HTTP adapter sees of the edge (:class:`EdgeService` is one): the body limits it applies
+    while a request arrives, and where complete requests, early refusals and early resets go."""
+
+    body: BodyLimits
+
+    def handle(self, request: Request, reply: Reply) -> Ticket:
+        """Answer a complete request through ``reply``; cancel the ticket when its client goes away."""
+        ...
+
+    def refuse(self, request: Request, error: HttpError, reply: Reply) -> None:
+        """Answer a request the adapter refused before it was complete (413, 408), in its route's shape."""
+        ...
+
+    def reset_early(self) -> None:
+        """A client reset a request before it was complete (nothing was held for it; it is counted)."""
+        ...
+
+
 class Ticket:
     """An adapter's handle on a request it passed in: ``cancel`` when the client went away."""
 
@@ -68,7 +88,7 @@ class Ticket:
 
 
 class EdgeService:
-    """Drives the edge lifecycle on one event loop."""
+    """Drives the edge lifecycle on one event loop; the adapters' :class:`Intake`."""
 
     def __init__(
         self,
@@ -84,14 +104,12 @@ class EdgeService:
         body_timeout: float = 5.0,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
     ) -> None:
-        if body_timeout <= 0:
-            raise ValueError(f"body timeout must be positive, got {body_timeout} s")
         self.core = core
         self.tokenizer = tokenizer
         self.port = port
         self.loop = loop
         self.executor = executor
-        self.body_timeout = body_timeout
+        self.body = BodyLimits(core.limits.max_body, body_timeout)
         self.metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
         self.lifecycle = EdgeLifecycle(
             core,
@@ -132,11 +150,14 @@ class EdgeService:
         self._run(self.lifecycle.receive(rid, request, _now()))
         return Ticket(self, rid)
 
-    def refuse(self, request: Request, response: Response, reply: Reply) -> None:
-        """Answer an adapter's early refusal (413, 408), counted like the rest."""
+    def refuse(self, request: Request, error: HttpError, reply: Reply) -> None:
+        """Answer an adapter's early refusal (413, 408) in its route's shape, counted like the rest."""
         rid = next(self._rids)
         self._replies[rid] = reply
-        self._run(self.lifecycle.refuse(rid, request, response))
+        self._run(self.lifecycle.refuse(rid, request, self.core.refusal(request.target, error)))
+
+    def reset_early(self) -> None:
+        self.metrics.resets.inc()
 
     def client_gone(self, rid: int) -> None:
         if self._replies.pop(rid, None) is not None:

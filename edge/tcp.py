@@ -10,39 +10,37 @@ first byte: 408 and the connection closed otherwise (it held no frame meanwhile)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from functools import partial
 from http import HTTPStatus
 
 import h11
 
-from edgepath.edge.http import Headers, HttpError, Request, Response, error_response
-from edgepath.edge.service import EdgeService, Ticket
+from edgepath.edge.body import IncomingBody
+from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response, error_response
+from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
-
-SERVER = b"edgepath"
 
 
 class EdgeHttp11Protocol(asyncio.Protocol):
     """One TCP connection speaking HTTP/1.1 to the edge service."""
 
-    def __init__(self, service: EdgeService) -> None:
+    def __init__(self, service: Intake) -> None:
         self._service = service
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
         self._transport: asyncio.Transport | None = None
         self._request: h11.Request | None = None
-        self._body = bytearray()
+        self._body: IncomingBody | None = None  # from a request's first byte until it is complete
         self._ticket: Ticket | None = None
         self._busy = False  # a request is being answered; h11 holds later ones back
+        self._closing = False  # the answer being sent is the connection's last (an early refusal)
         self._arrival_ns: int | None = None
-        self._body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_body_timer()
+        self._drop_body()
         if self._ticket is not None:
             self._ticket.cancel()
             self._ticket = None
@@ -50,23 +48,21 @@ class EdgeHttp11Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._arrival_ns = lib.ep_now_ns()
-        if not self._busy and self._body_timer is None:
-            loop = asyncio.get_running_loop()
-            self._body_timer = loop.call_later(self._service.body_timeout, self._body_late)
+        if not self._busy and self._body is None:
+            self._body = self._service.body.start(asyncio.get_running_loop(), self._body_late)
         self._conn.receive_data(data)
         self._process()
 
-    def _stop_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+    def _drop_body(self) -> None:
+        if self._body is not None:
+            self._body.close()
+            self._body = None
 
     def _body_late(self) -> None:
         """The request did not complete within ``--body-timeout`` of its first byte: 408, then close."""
-        self._body_timer = None
         if self._busy or self._transport is None:
             return
-        error = HttpError(408, "body_timeout", f"the request did not complete within {self._service.body_timeout:g} s")
+        error = self._service.body.late()
         if self._request is not None and self._conn.our_state is h11.SEND_RESPONSE:
             self._refuse_early(error)
         else:
@@ -91,49 +87,50 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                 return
             if isinstance(event, h11.Request):
                 self._request = event
-                self._body = bytearray()
-                length = _content_length(event)
-                if length is not None and length > self._service.core.limits.max_body:
-                    self._too_large(length)
-                    return
+                if self._body is None:  # a pipelined request h11 held back: it starts now
+                    self._body = self._service.body.start(asyncio.get_running_loop(), self._body_late)
+                error = self._service.body.declared(event.headers)
             elif isinstance(event, h11.Data):
-                self._body += event.data
-                if len(self._body) > self._service.core.limits.max_body:
-                    self._too_large(len(self._body))
-                    return
+                assert self._body is not None  # opened with the request
+                error = self._body.add(event.data)
             elif isinstance(event, h11.EndOfMessage):
-                self._stop_body_timer()
                 self._dispatch()
+                continue
+            else:
+                continue
+            if error is not None:
+                self._refuse_early(error)
+                return
 
     def _dispatch(self) -> None:
-        assert self._request is not None
+        assert self._request is not None and self._body is not None
         req = self._request
         request = Request(
             req.method.decode("ascii", "replace"),
             req.target.decode("ascii", "replace"),
             list(req.headers),
-            bytes(self._body),
+            self._body.close(),
             lib.ep_now_ns(),
             self._arrival_ns,  # the latest read; a pipelined request held back by h11 arrived earlier
         )
-        self._body = bytearray()
+        self._body = None
         self._busy = True
         self._ticket = self._service.handle(request, self)
 
-    def _too_large(self, size: int) -> None:
-        """413 before the rest of the body arrives; the connection closes after it (the body is not read)."""
-        self._refuse_early(self._service.core.too_large(size))
-
     def _refuse_early(self, error: HttpError) -> None:
+        """413 before the rest of the body arrives, 408 when it comes too slowly; the connection closes after
+        the answer (the rest of the body is not read)."""
         assert self._request is not None
-        self._stop_body_timer()
+        self._drop_body()
         request = Request(
-            self._request.method.decode("ascii", "replace"), self._request.target.decode(), [], b"", lib.ep_now_ns()
+            self._request.method.decode("ascii", "replace"),
+            self._request.target.decode("ascii", "replace"),
+            [],
+            b"",
+            lib.ep_now_ns(),
         )
-        self._busy = True
-        response = error_response(error)
-        response.headers.append((b"connection", b"close"))
-        self._service.refuse(request, response, self)
+        self._busy = self._closing = True
+        self._service.refuse(request, error, self)
 
     def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         """Framing h11 rejects: answer with its status if a response can still be sent, then close."""
@@ -142,7 +139,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
     def _raw_error(self, error: HttpError) -> None:
         """An error answer outside a request h11 parsed (bad framing, headers never completed), then close."""
         assert self._transport is not None
-        self._stop_body_timer()
+        self._drop_body()
         body = error_response(error).body
         head = (
             f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
@@ -156,6 +153,8 @@ class EdgeHttp11Protocol(asyncio.Protocol):
     # -- the service's Reply ------------------------------------------------------------------------
     def respond(self, response: Response) -> None:
         headers = [*response.headers, (b"content-length", str(len(response.body)).encode())]
+        if self._closing:
+            headers.append((b"connection", b"close"))
         if self._write_head(response.status, headers):
             self._finish([self._conn.send(h11.Data(data=response.body))])
 
@@ -202,15 +201,7 @@ def _framing_error(exc: h11.RemoteProtocolError) -> HttpError:
     return HttpError(exc.error_status_hint, "bad_http", f"malformed HTTP/1.1 request: {exc}")
 
 
-def _content_length(request: h11.Request) -> int | None:
-    for name, value in request.headers:
-        if name == b"content-length":
-            with contextlib.suppress(ValueError):
-                return int(value)
-    return None
-
-
-async def serve_tcp(service: EdgeService, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+async def serve_tcp(service: Intake, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
     """``reuse_port``: SO_REUSEPORT, so that several edge workers share the port (the kernel spreads connections)."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(partial(EdgeHttp11Protocol, service), host, port, reuse_port=reuse_port)

@@ -20,14 +20,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-log = logging.getLogger("edgepath.tls")
-
 
 @dataclass(frozen=True)
 class TlsFiles:
+    """The certificate and key an edge serves with; ``self_signed``: generated here, to be pinned by clients."""
+
     certificate: Path
     private_key: Path
     self_signed: bool
+
+
+log = logging.getLogger("edgepath.tls")
 
 
 def state_dir() -> Path:

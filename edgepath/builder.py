@@ -47,7 +47,7 @@ def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
-        require_device(flag=f"--slots {settings.memory}")  # fail at once, before any transport is set up
+        require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
     handler = load_handler(settings.handler, handler_config(settings, dict(settings.handler_options)))
     server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, settings)
     log.info(
@@ -156,9 +156,9 @@ def build_edge(
     (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
     import time
 
-    from edgepath.edge.http import HttpCore, Limits
+    from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
-    from edgepath.edge.openai_routes import CHAT, COMPLETIONS, OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
     upstream = agent.capacity()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "edgepath_poller.cu"
-HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h")
+HEADERS = ("edgepath_slot.h", "edgepath_step.h", "edgepath_poll.h", "edgepath_poller.h", "edgepath_poller_checks.h")
 DEFAULT_ARCHES = ("80", "90")
 FATBIN_ENV = "EDGEPATH_POLLER_FATBIN"
 _NVCC_FALLBACKS = ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
@@ -127,13 +127,23 @@ def build_poller(arches: tuple[str, ...] = DEFAULT_ARCHES, out_dir: Path | None 
     return target
 
 
-def ctrl_words(header: Path = HERE / "edgepath_poller.h") -> dict[str, int]:
-    """The ``EP_CTRL_*`` word indices of the poller's control block, read from the header the kernel
-    includes (one source of truth): ``{"STOP": 0, "RUNNING": 8, ...}``."""
-    found = re.findall(r"^#define EP_CTRL_(\w+)\s+(\d+)", header.read_text(), re.MULTILINE)
+def header_words(prefix: str, header: Path = HERE / "edgepath_poller.h") -> dict[str, int]:
+    """The ``EP_<prefix>_*`` numbers of ``header`` (the one the kernel includes: one source of truth),
+    e.g. ``header_words("CTRL") == {"STOP": 0, "RUNNING": 8, ...}``."""
+    found = re.findall(rf"^#define EP_{prefix}_(\w+)\s+(\d+)", header.read_text(), re.MULTILINE)
     if not found:
-        raise CudaBuildError(f"no EP_CTRL_* definitions in {header}")
+        raise CudaBuildError(f"no EP_{prefix}_* definitions in {header}")
     return {name: int(value) for name, value in found}
+
+
+def ctrl_words() -> dict[str, int]:
+    """The ``EP_CTRL_*`` word indices of the poller's control block (one 64-byte line per writer)."""
+    return header_words("CTRL")
+
+
+def ring_words() -> dict[str, int]:
+    """The ``EP_RING_*`` layout of a hand-off ring entry: ``WORDS`` per entry and each word's index."""
+    return header_words("RING")
 
 
 def main(argv: list[str]) -> None:

@@ -12,7 +12,7 @@
  *               (loopback lane) or device memory registered via dma-buf (NIC lane)
  *   seen        u64[slot_count] in device memory: last doorbell value decided on
  *   expire_req  u64[slot_count] mapped host memory: host asks to expire a CLAIMED word
- *   ring        u64[2 * ring_capacity] mapped host memory: {seq, value} entries
+ *   ring        u64[EP_RING_WORDS * ring_capacity] mapped host memory: {seq, value, detect_ns, cycles}
  *   ctrl        u64[EP_CTRL_WORDS] mapped host memory: stop flag, counters (one line per writer)
  *   ring_tail   u64 in device memory: next ring position (kernel-only)
  *
@@ -57,6 +57,21 @@ static __device__ __forceinline__ void ep_max(uint64_t *p, uint64_t v)
     sys(p).fetch_max(v, cuda::memory_order_relaxed);
 }
 static __device__ __forceinline__ uint64_t ep_clock(void) { return (uint64_t)clock64(); }
+/* The GPU's global nanosecond timer: one clock for every SM, which the host calibrates against its own
+ * (bench/gpu_check.py's ping-pong), so a doorbell's detection can be put on the host's time line. */
+static __device__ __forceinline__ uint64_t ep_timer_ns(void)
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* Thread 0 at start and stop: its SM's cycle counter and the global timer, so the host can tell the
+ * clock the SM actually ran at (cycles / ns over the run). */
+static __device__ __forceinline__ void ep_stamp_clocks(uint64_t *ctrl, int clock_word, int timer_word)
+{
+    ep_st_rlx(&ctrl[clock_word], ep_clock());
+    ep_st_rlx(&ctrl[timer_word], ep_timer_ns());
+}
 static __device__ __forceinline__ int ep_cas(uint64_t *p, uint64_t expected, uint64_t desired)
 {
     unsigned long long e = expected;
@@ -79,6 +94,7 @@ extern "C" __global__ void ep_gpu_poller(char *pool, uint64_t *seen, uint64_t *e
     __shared__ ep_pool_header h;
     if (threadIdx.x == 0) {
         h = *reinterpret_cast<const ep_pool_header *>(pool);
+        ep_stamp_clocks(ctrl, EP_CTRL_CLOCK_START, EP_CTRL_TIMER_START);
         ep_st_rel(&ctrl[EP_CTRL_RUNNING], 1u);
     }
     __syncthreads();
@@ -104,8 +120,10 @@ extern "C" __global__ void ep_gpu_poller(char *pool, uint64_t *seen, uint64_t *e
             sleep_ns = sleep_ns * 2u > max_sleep_ns ? max_sleep_ns : (sleep_ns ? sleep_ns * 2u : 0u);
         }
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
+        ep_stamp_clocks(ctrl, EP_CTRL_CLOCK_STOP, EP_CTRL_TIMER_STOP);
         ep_st_rel(&ctrl[EP_CTRL_RUNNING], 2u);
+    }
 }
 
 /* ep_step evaluated on the device for a table of inputs: the GPU tests compare it
@@ -133,37 +151,25 @@ extern "C" __global__ void ep_check_atomics(uint64_t *counter, uint32_t n)
         ep_add(counter, 1u);
 }
 
-/* Smoke: one thread increments words[0] `n` times by CAS while a CPU thread increments words[1] (same
- * cache line): neither may lose an update. */
-extern "C" __global__ void ep_check_cas(uint64_t *words, uint32_t n)
+/* The check's probe kernels: the bodies are shared with the host twin (edgepath_poller_checks.h); one
+ * thread runs each. */
+static __device__ __forceinline__ void ep_idle(void) {}
+#include "edgepath_poller_checks.h"
+
+extern "C" __global__ void ep_check_cas(uint64_t *words, uint64_t *flag, uint64_t *go, uint32_t n)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    for (uint32_t i = 0; i < n;) {
-        uint64_t cur = ep_ld_rlx(&words[0]);
-        if (ep_cas(&words[0], cur, cur + 1u))
-            i++;
-    }
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_cas_body(words, flag, go, n);
 }
 
-/* Baseline: the bare cost of a GPU noticing a host store and answering, with no slot logic.  Thread 0
- * polls ping (system scope) and echoes each new value into pong; when the host sets *stop to 1 it
- * answers 2 there and returns (the stop latency of a bare kernel).  ping, pong and stop sit on
- * separate lines (the host passes them so); nobody does a read-modify-write on any of them. */
-extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stop)
+extern "C" __global__ void ep_check_timer(uint64_t *out, uint64_t window_ns, uint64_t max_reads)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0)
-        return;
-    uint64_t last = 0;
-    ep_st_rel(pong, 0u);
-    for (;;) {
-        uint64_t v = ep_ld_rlx(ping);
-        if (v != last) {
-            last = v;
-            ep_st_rel(pong, v);
-        } else if (ep_ld_rlx(stop)) {
-            ep_st_rel(stop, 2u);
-            return;
-        }
-    }
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_timer_body(out, window_ns, max_reads);
+}
+
+extern "C" __global__ void ep_check_pingpong(uint64_t *ping, uint64_t *pong, uint64_t *stamp, uint64_t *stop)
+{
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+        ep_check_pingpong_body(ping, pong, stamp, stop);
 }

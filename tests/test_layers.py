@@ -13,8 +13,6 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 #: folder -> the import package it is (pyproject's package-dir) and the layer it belongs to
@@ -36,12 +34,6 @@ ALLOWED = {
     "model": {"dma", "native"},
     "edge": {"dpu", "model", "dma", "native"},  # model: the GGUF reader behind the model's own tokenizer
     "app": {"edge", "dpu", "model", "dma", "native"},
-}
-
-#: files that still import upwards because another branch moves them; the test fails once a file here
-#: is gone, so the entry cannot outlive the move
-PENDING_MOVES = {
-    "edge/serve.py": "moves to edgepath/serve.py (branch house-edge)",
 }
 
 
@@ -106,9 +98,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_package_level_import_cycle() -> None:
     graph: dict[str, set[str]] = defaultdict(set)
-    for (src, dst), where in _cross_layer_imports().items():
-        if any(w.split(":")[0] not in PENDING_MOVES for w in where):
-            graph[src].add(dst)
+    for src, dst in _cross_layer_imports():
+        graph[src].add(dst)
     assert _cycles(graph) == [], f"package-level import cycles: {_cycles(graph)}"
 
 
@@ -118,7 +109,6 @@ def test_every_import_runs_down_the_layers() -> None:
         for (src, dst), found in sorted(_cross_layer_imports().items())
         if dst not in ALLOWED[src]
         for where in found
-        if where.split(":")[0] not in PENDING_MOVES
     ]
     assert wrong == [], "imports against the layering (" + ", ".join(f"{k}<-{v}" for k, v in ALLOWED.items()) + ")"
 
@@ -129,15 +119,8 @@ def test_nothing_below_the_app_layer_imports_it() -> None:
         for (src, dst), found in _cross_layer_imports().items()
         if dst == "app" and src != "app"
         for where in found
-        if where.split(":")[0] not in PENDING_MOVES
     ]
     assert upward == []
-
-
-@pytest.mark.parametrize("path", sorted(PENDING_MOVES))
-def test_pending_moves_are_still_pending(path: str) -> None:
-    """An exemption above must go when its file has moved."""
-    assert (ROOT / path).exists(), f"{path} has moved: remove it from PENDING_MOVES"
 
 
 def test_the_scan_sees_imports_of_every_kind(tmp_path: Path) -> None:

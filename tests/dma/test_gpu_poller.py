@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.gpu_twin import FakeCupy, LocalWriter, build_twin, wait_handoff
+from helpers.gpu_twin import STALE, FakeCupy, LocalWriter, TwinWouldHang, build_twin, wait_handoff
 
 from edgepath.dma import gpu
 from edgepath.dma.handlers import echo
@@ -26,7 +26,7 @@ from edgepath.dma.pollers import GpuDoorbellPoller
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access
-from edgepath.dma.wire import doorbell_word
+from edgepath.dma.wire import claim_word, doorbell_word, step
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
 
@@ -36,6 +36,13 @@ def _real_device() -> gpu.DeviceInfo:
         return gpu.require_device()
     except gpu.GpuUnavailable as exc:
         pytest.skip(f"no GPU: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _no_poller_left_running() -> None:
+    """A poller that did not stop (an earlier failure) makes every later free wait for it: fail fast."""
+    if gpu.leaked():
+        pytest.fail(f"{gpu.leaked()} GPU poller(s) from an earlier test did not stop: freeing memory would hang")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +161,8 @@ def test_doorbell_is_handed_over_running(mapped: Any) -> None:
     assert m.pool.slot_word(3).state == State.RUNNING
     m.writer.finish(3, gen)
     assert m.pool.slot_word(3).state == State.FREE
-    assert m.poller.counters()["accepted"] == 1
+    # the kernel counts after it publishes the hand-off: the host can see the entry first
+    assert _settle(lambda: m.poller.counters()["accepted"] == 1), m.poller.counters()
     assert m.poller.counters()["lost"] == 0
 
 
@@ -209,7 +217,7 @@ def test_all_slots_many_rounds_through_the_ring(mapped: Any) -> None:
         assert sorted(got) == sorted(gens.items())
         for slot, gen in got:
             m.writer.finish(slot, gen)
-    assert m.poller.counters()["accepted"] == 256 * 12
+    assert _settle(lambda: m.poller.counters()["accepted"] == 256 * 12), m.poller.counters()
     assert m.poller.counters()["lost"] == 0
 
 
@@ -222,34 +230,37 @@ def test_stop_is_clean_and_prompt(mapped: Any) -> None:
     assert lib.ep_load64(m.poller._ctrl.ptr + gpu.CTRL_RUNNING) == 2
 
 
-@pytest.mark.gpu
-def test_poller_over_device_memory(device: gpu.DeviceInfo) -> None:
-    """The same kernel over a pool in device memory (the NIC lane's placement), written with cudaMemcpy."""
+def test_poller_over_device_memory(backend: str) -> None:
+    """The same kernel over a pool in device memory (the NIC lane's placement), its words written with
+    plain cudaMemcpy calls on the legacy stream while the kernel runs on its own non-blocking stream."""
     cp = gpu.load_cupy()
-    pool = gpu.DevicePool(cp, 8, 32, 32, 10**9)
-    poller = gpu.GpuPoller(pool.address, 8, device)
-    poller.start()
     rt = cp.cuda.runtime
+    pool = gpu.DevicePool(cp, 8, 32, 32, 10**9)
+    poller = gpu.GpuPoller(pool.address, 8, gpu.require_device())
+    word = np.zeros(1, dtype=np.uint64)
+
+    def poke(offset: int, value: int) -> None:
+        word[0] = value
+        rt.memcpy(pool.address + offset, word.ctypes.data, 8, rt.memcpyHostToDevice)
+
+    def peek(offset: int) -> int:
+        rt.memcpy(word.ctypes.data, pool.address + offset, 8, rt.memcpyDeviceToHost)
+        return int(word[0])
+
     try:
-        h = pool.header
-        slot = 5
-        word = np.zeros(1, dtype=np.uint64)
-
-        def poke(offset: int, value: int) -> None:
-            word[0] = value
-            rt.memcpy(pool.address + offset, word.ctypes.data, 8, rt.memcpyHostToDevice)
-
-        def peek(offset: int) -> int:
-            rt.memcpy(word.ctypes.data, pool.address + offset, 8, rt.memcpyDeviceToHost)
-            return int(word[0])
-
-        claimed = (1 << 32) | (9 << 8) | State.CLAIMED
-        req = h.slots.frame_offset(slot)
-        poke(h.states_offset + 8 * slot, claimed)
-        poke(req + 16, 1 << 32)  # request header: flags = 0, generation = 1
-        poke(h.doorbells_offset + 8 * slot, doorbell_word(slot, 1))
-        assert wait_handoff(poller) == (slot, 1)
-        assert peek(h.states_offset + 8 * slot) == (1 << 32) | (9 << 8) | State.RUNNING
+        poller.start()
+        m, slot = pool.mirror, 5
+        state_at = m.states_offset + 8 * slot
+        claimed = claim_word(peek(state_at), 9)
+        gen = claimed >> 32
+        poke(state_at, claimed)
+        req = m.slots.requests[slot]
+        req["request_id"], req["token_count"], req["max_new_tokens"], req["generation"] = 1, 4, 4, gen
+        at, size = m.slots.frame_offset(slot), m.slots.requests.dtype.itemsize
+        rt.memcpy(pool.address + at, m.buf[at : at + size].ctypes.data, size, rt.memcpyHostToDevice)
+        poke(m.doorbells_offset + 8 * slot, doorbell_word(slot, gen))
+        assert wait_handoff(poller, timeout=2.0) == (slot, gen)
+        assert peek(state_at) == step(step(claimed, Event.DOORBELL, gen, 0), Event.START, gen, 0)
     finally:
         poller.close()
         pool.close()
@@ -303,7 +314,7 @@ def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
             agent.release(index)
         assert server.stats.served == 300
         assert _settle(lambda: server.pool.free_count() == 4)
-        assert _cuda(server).counters()["accepted"] == 300
+        assert _settle(lambda: _cuda(server).counters()["accepted"] == 300), _cuda(server).counters()
     finally:
         server.close()
         worker.join(timeout=5)
@@ -327,7 +338,7 @@ def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
         claimed = (((free >> 32) + 1) << 32) | (7 << 8) | State.CLAIMED
         assert lib.ep_cas64(states, free, claimed) == free
         assert _settle(lambda: server.pool.slot_word(0).state == State.FREE, timeout=3.0)
-        assert _cuda(server).counters()["expired"] == 1
+        assert _settle(lambda: _cuda(server).counters()["expired"] == 1), _cuda(server).counters()
         assert lib.ep_apply(states, Event.EXPIRE, claimed >> 32, 0, ffi.NULL) == lib.EP_E_STATE
     finally:
         server.close()
@@ -342,23 +353,66 @@ def twin_backend(monkeypatch: pytest.MonkeyPatch, twin: Any) -> None:
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
 
 
-def test_twin_fakes_only_what_cupy_has(twin: Any) -> None:
-    """The stand-in must not make up cupy API: every name it offers exists in the real cupy."""
+@pytest.mark.gpu
+def test_twin_fakes_only_what_cupy_has() -> None:
+    """The stand-in must not make up cupy API: every name it offers exists in the real cupy, with the
+    same value for constants.  Needs cupy, not a device: gpu_check's gpu_tests step runs it there."""
     cupy = pytest.importorskip("cupy", reason="cupy not installed (edgepath[gpu] extra): cannot compare the stand-in")
-    fake = FakeCupy(twin)
+    fake = FakeCupy(None)
     names = [n for n in vars(fake.cuda.runtime) if not n.startswith("_")]
     assert "pointerGetAttributes" in names and "hostRegister" in names
     missing = [n for n in names if not hasattr(cupy.cuda.runtime, n)]
     assert not missing, f"FakeCupy offers runtime calls cupy does not have: {missing}"
     for n in ("Device", "Stream"):
         assert hasattr(cupy.cuda, n)
-    assert hasattr(cupy, "RawModule") and hasattr(cupy, "zeros")
+    assert hasattr(cupy, "RawModule") and hasattr(cupy, "zeros") and hasattr(cupy, "uint64")
     assert hasattr(cupy.cuda.Stream, "done") and hasattr(cupy.cuda.Stream, "synchronize")
+    assert hasattr(cupy.cuda.Stream, "ptr") and hasattr(cupy.cuda.Stream, "__enter__")
     assert hasattr(cupy.cuda.runtime.PointerAttributes, "devicePointer")
     for n in names:
         real = getattr(cupy.cuda.runtime, n)
         if isinstance(real, int):
             assert getattr(fake.cuda.runtime, n) == real, n
+
+
+@pytest.mark.gpu
+def test_zeros_follow_the_current_stream(device: gpu.DeviceInfo) -> None:
+    """What GpuPoller relies on (and the twin models): cp.zeros inside ``with stream`` queues its memset on
+    that stream, behind the stream's earlier work, and cupy's pool hands a freed block back to the same
+    stream with its old contents.  A kernel that waits for a host flag holds the stream; until it is let
+    go, another stream reads the old values in the zeroed array."""
+    cp = gpu.load_cupy()
+    rt = cp.cuda.runtime
+    kernel = cp.RawModule(path=str(gpu.build_poller((device.compute_capability,)))).get_function("ep_check_pingpong")
+    flags = gpu._Pinned(cp, 4 * 64)  # ping, pong (+ stamp), stop: one line each
+    stream, other = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    n = 1 << 16
+    seen = np.zeros(n, dtype=np.uint64)
+    stop = flags.ptr + 16  # the stop flag's line (u64 index 16 = byte 128)
+    try:
+        with stream:
+            a = cp.full(n, 7, dtype=cp.uint64)
+            stream.synchronize()
+            block = a.data.ptr
+            del a  # back to this stream's free list, contents kept
+            d = flags.device
+            kernel((1,), (32,), (np.uint64(d), np.uint64(d + 64), np.uint64(d + 72), np.uint64(d + 128)))
+            b = cp.zeros(n, dtype=cp.uint64)  # queued behind the waiting kernel
+        assert b.data.ptr == block, "cupy's pool did not hand the freed block back to its stream"
+        rt.memcpyAsync(seen.ctypes.data, b.data.ptr, b.nbytes, rt.memcpyDeviceToHost, other.ptr)
+        other.synchronize()
+        assert (seen == 7).all()  # the memset has not run: it waits on its stream
+    finally:
+        lib.ep_store64(stop, 1)
+        deadline = time.monotonic() + 5
+        while not stream.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert stream.done, "the waiting kernel did not return after its stop flag"
+    stream.synchronize()
+    rt.memcpyAsync(seen.ctypes.data, b.data.ptr, b.nbytes, rt.memcpyDeviceToHost, other.ptr)
+    other.synchronize()
+    assert (seen == 0).all()
+    flags.close()
 
 
 def test_a_kernel_that_never_polls_is_an_error_and_cleans_up(twin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -382,33 +436,100 @@ def test_a_kernel_that_never_polls_is_an_error_and_cleans_up(twin: Any, monkeypa
     assert fake.registered == {} and fake._blocks == {}
 
 
-# -- fixes of issue #15, shown on the twin ------------------------------------------------------------
+# -- fixes of issues #15 and #23, shown on the twin ----------------------------------------------------
 
 
-def test_without_the_sync_before_launch_a_stale_tail_hides_every_handoff(
-    twin: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The twin's cp.zeros leaves the old contents until a device synchronisation (as the legacy stream
-    does on a GPU): with the poller's sync the hand-off arrives; without it, it never does."""
+def test_private_words_are_zeroed_in_stream_order(twin: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's private words are zeroed on its own stream, ahead of its launch: a second poller starts
+    while the first runs (a device synchronisation before the launch would wait for the first forever:
+    the twin raises TwinWouldHang), and both hand over.  Zeroed on the legacy stream instead, with no
+    synchronisation, a reused block's stale tail hides every hand-off: the ordering is what matters."""
     fake = FakeCupy(twin)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
-    for synchronised in (True, False):
-        if not synchronised:
-            monkeypatch.setattr(fake.cuda.runtime, "deviceSynchronize", staticmethod(lambda: None))
-        m = Mapped(4)
+    with pytest.raises(TwinWouldHang):  # what a device-wide synchronisation does beside a running poller
+        first = Mapped(4)
         try:
+            fake.cuda.runtime.deviceSynchronize()
+        finally:
+            first.close()
+    first, second = Mapped(4), Mapped(4)  # the second starts while the first runs
+    try:
+        for m in (first, second):
             gen = m.writer.claim(0)
             m.writer.write(0, gen, np.arange(4, dtype=np.int32))
             m.writer.ring(0, gen)
-            if synchronised:
-                assert wait_handoff(m.poller) == (0, gen)
-            else:
-                with pytest.raises(AssertionError, match="no hand-off"):
-                    wait_handoff(m.poller, timeout=0.3)
-        finally:
-            m.close()
+            assert wait_handoff(m.poller) == (0, gen)
+    finally:
+        second.close()  # its frees wait for the first poller (a free would wait for its kernel)
+        first.close()
+    assert fake._blocks == {} and fake.registered == {}  # and run once the last poller stopped
+
+    def zeros_on_the_legacy_stream(n: int, dtype: Any) -> np.ndarray:
+        array = np.full(n, STALE, dtype=dtype)
+        fake.pending_zeros.append(array)  # done at the next device synchronisation, which never comes
+        return array
+
+    monkeypatch.setattr(fake, "zeros", zeros_on_the_legacy_stream)
+    m = Mapped(4)
+    try:
+        gen = m.writer.claim(0)
+        m.writer.write(0, gen, np.arange(4, dtype=np.int32))
+        m.writer.ring(0, gen)
+        with pytest.raises(AssertionError, match="no hand-off"):
+            wait_handoff(m.poller, timeout=0.3)
+    finally:
+        m.close()
+
+
+class _Stubborn:
+    """A poller kernel that reports RUNNING and then ignores the stop flag until ``release`` is set."""
+
+    def __init__(self, fake: FakeCupy) -> None:
+        self.fake, self.release = fake, threading.Event()
+
+    def __call__(self, grid: Any, block: Any, args: Any) -> None:
+        running = ffi.cast("uint64_t *", int(args[6])) + gpu.CTRL_RUNNING
+        stream = self.fake.cuda.Stream.current
+
+        def run() -> None:
+            lib.ep_store64(running, 1)
+            self.release.wait()
+
+        stream.thread = threading.Thread(target=run, daemon=True)
+        stream.thread.start()
+        self.fake.launched.append(stream)
+
+
+@pytest.mark.parametrize("placement", ["mapped", "device"])
+def test_a_poller_that_does_not_stop_keeps_its_memory(
+    twin: Any, monkeypatch: pytest.MonkeyPatch, placement: str
+) -> None:
+    """Stop before free: a kernel that does not stop is a PollerStuck, and nothing it may touch is freed or
+    unmapped (on a GPU a free would wait for it forever; the twin would raise TwinWouldHang instead)."""
+    fake = FakeCupy(twin)
+    kernel = _Stubborn(fake)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(gpu, "build_poller", lambda arches: Path("host-twin"))
+    for name, empty in (("_LEAKED", []), ("_RUNNING", set()), ("_DEFERRED", [])):  # this test's own books
+        monkeypatch.setattr(gpu, name, empty)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    monkeypatch.setattr(fake, "RawModule", lambda path: types.SimpleNamespace(get_function=lambda n: kernel))
+    try:
+        if placement == "mapped":
+            buf = np.zeros(SlotPool.layout_for(2, 8, 8)["total_size"], dtype=np.uint8)
+            SlotPool.create(buf, 2, 8, 8, 10**9, 1)
+            poller: Any = gpu.start_mapped_poller(buf, 2, stop_timeout=0.2)
+        else:
+            poller = gpu.start_device_poller(2, 8, 8, 10**9, epoch=1, stop_timeout=0.2)
+        blocks, mapped, device = dict(fake._blocks), dict(fake.registered), dict(fake.device_blocks)
+        with pytest.raises(gpu.PollerStuck, match=r"did not stop within 0\.2 s"):
+            poller.close()
+        assert fake._blocks == blocks and fake.registered == mapped and fake.device_blocks == device
+        assert gpu.leaked() >= 1
+    finally:
+        kernel.release.set()
 
 
 def test_expire_request_is_written_only_while_none_is_pending(twin_backend: None) -> None:
@@ -509,7 +630,8 @@ def test_device_pool_round_trip(backend: str) -> None:
                 slots.store_state(slot, done)
                 slots.store_state(slot, step(done, Event.RELEASE, gen, 0))
                 assert slots.load_state(slot) & 0xFF == State.FREE
-        assert slots.counters()["accepted"] == 12 and slots.counters()["lost"] == 0
+        assert _settle(lambda: slots.counters()["accepted"] == 12), slots.counters()
+        assert slots.counters()["lost"] == 0
         assert slots.tokens_address(2) == slots.address + slots.slot_offset(2) + mirror.slots.requests.dtype.itemsize
         with pytest.raises(IndexError, match=r"slots 0\.\.3"):
             slots.slot_offset(4)

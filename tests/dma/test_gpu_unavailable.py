@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from edgepath import cli
+from edgepath.config import DEFAULT_SLOTS, SlotServerSettings
 from edgepath.dma import gpu
 from edgepath.dma.slot_server import SlotServerConfig
+from edgepath.options import from_args
 
 
 def _fake_cupy(get_device_count: Any) -> types.ModuleType:
@@ -75,7 +77,8 @@ def test_slots_option_takes_count_and_or_memory(text: str, parsed: tuple[str, in
 
 
 def test_slots_default_is_host() -> None:
-    assert cli.build_parser().parse_args(["slot-server"]).slots == ("host", None)
+    settings = from_args(SlotServerSettings, cli.build_parser().parse_args(["slot-server"]))
+    assert (settings.memory, settings.slots) == ("host", DEFAULT_SLOTS)
 
 
 @pytest.mark.parametrize("text", ["tpu", "gpu:0", "0", "gpu:x", ""])

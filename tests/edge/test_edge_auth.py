@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
-from helpers.edge import free_port, running_edge
 
 from edgepath.edge.auth import ApiKeys, load_keys
-from edgepath.edge.client import h3_client
 from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
-from edgepath.edge.serve import ServeOptions
-from edgepath.edge.tls import default_certificate
 
 LIMITS = Limits(max_body=1024, input_capacity=16, output_capacity=32, vocab_size=1000)
 BODY = b'{"prompt": "hi"}'
@@ -88,23 +83,3 @@ def test_loading_keys(tmp_path: Path) -> None:
         load_keys(str(tmp_path / "missing"), environ={})
     with pytest.raises(ValueError, match="--protect-ops needs API keys"):
         load_keys(None, protect_ops=True, environ={})
-
-
-def test_over_quic_a_missing_key_is_401_and_a_good_one_is_served(tmp_path: Path) -> None:
-    keys = tmp_path / "keys"
-    keys.write_text("k-123\n")
-    options = ServeOptions(port=free_port(), slots=2, frames=4, api_keys_file=str(keys))
-    with running_edge(options, tmp_path) as edge:
-
-        async def main() -> tuple[int, int, int]:
-            statuses = []
-            for key in (None, "nope", "k-123"):
-                async with h3_client(
-                    "127.0.0.1", edge.port, str(default_certificate()), server_name="localhost", api_key=key
-                ) as c:
-                    statuses.append((await c.generate("hello")).status)
-            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
-                statuses.append((await c.request("GET", "/health")).status)
-            return tuple(statuses)
-
-        assert asyncio.run(asyncio.wait_for(main(), 60)) == (401, 401, 200, 200)

@@ -1,85 +1,26 @@
-"""``edgepath serve`` over the chosen data path: loopback here, RDMA verbs in the soft-RoCE lane
-(``--transport verbs``) -- HTTP/3 in, echo out, every slot FREE afterwards; and the zero-copy
-promise checked on the real edge path."""
+"""The zero-copy promise checked on the real edge path, over the chosen data path (loopback here, RDMA
+verbs in the soft-RoCE lane, ``--transport verbs``); ``edgepath serve`` over it end to end is in
+tests/system/test_serve_data_path.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.edge import free_port, running_edge
-from helpers.procs import all_free
 
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
-from edgepath.edge.client import h3_client
 from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.service import EdgeService
-from edgepath.edge.tls import default_certificate
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
 from edgepath.native.abi import REQUEST_HEADER, lib
-
-
-@pytest.mark.transport
-def test_serve_over_the_data_path(transport_name: str, transport_options: dict, new_address, tmp_path: Path) -> None:
-    address = new_address("slot-server")
-    options = ServeOptions(
-        port=free_port(),
-        slots=4,
-        frames=16,
-        input_capacity=256,
-        output_capacity=256,
-        data_path=transport_name,
-        device=transport_options.get("device"),
-        gid_index=transport_options.get("gid_index"),
-        slot_server_listen=address,
-    )
-    with running_edge(options, tmp_path) as edge:
-
-        async def main() -> list[tuple[int, str]]:
-            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
-                replies = await asyncio.gather(*(c.generate(f"over {transport_name} #{i}") for i in range(8)))
-            return [(r.status, r.json()["text"] if r.status == 200 else "") for r in replies]
-
-        answers = asyncio.run(asyncio.wait_for(main(), 120))
-        assert all(status in (200, 429) for status, _ in answers)
-        ok = [(i, text) for i, (status, text) in enumerate(answers) if status == 200]
-        assert ok and all(text == f"over {transport_name} #{i}" for i, text in ok)
-        assert all_free(address, 4, transport_name, transport_options)
-
-
-@pytest.mark.transport
-def test_verbs_data_path_without_a_listen_address_is_a_clear_error() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "edgepath",
-            "serve",
-            "--data-path",
-            "verbs",
-            "--handler",
-            "echo",
-            "--port",
-            str(free_port()),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2
-    assert "--slot-server-listen IP:PORT" in out.stderr
 
 
 class RecordingTokenizer:

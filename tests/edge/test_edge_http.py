@@ -147,7 +147,7 @@ def test_generate_formatter_json_and_sse() -> None:
         "text": "abc",
         "first_token_ms": 2.5,
     }
-    error = formatter.error("timeout", "too slow")
+    error = formatter.error(HttpError(504, "timeout", "too slow"))
     assert error == b'event: error\ndata: {"error": {"type": "timeout", "message": "too slow"}}\n\n'
 
 

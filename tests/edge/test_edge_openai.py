@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgepath.dma.wire import Sampling
+from edgepath.edge.auth import ApiKeys
 from edgepath.edge.chat import ChatMessage
+from edgepath.edge.http import HttpCore, HttpError, Limits, Request, body_too_large
 from edgepath.edge.openai import (
     SSE_DONE,
     Answer,
@@ -19,25 +22,20 @@ from edgepath.edge.openai import (
     OpenAIError,
     OpenAILimits,
     OpenAIRequest,
-    Sampling,
     StreamEncoder,
     Usage,
-    authentication_error,
     chat_completion,
     completion_body,
+    invalid_request,
     model_not_found,
     models_list,
-    no_slot,
     parse_chat_request,
     parse_completion_request,
-    prompt_too_long,
     response_id,
-    server_error,
     sse_event,
     text_completion,
-    unavailable,
-    unknown_url,
 )
+from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
 
 MODEL = "smollm2-135m"
 LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
@@ -62,7 +60,7 @@ def refused(parse: Any, **fields: Any) -> OpenAIError:
 
 def test_minimal_completion_gets_the_defaults() -> None:
     assert completion() == OpenAIRequest(
-        kind="completion", model=MODEL, max_tokens=256, sampling=Sampling(1.0, 1.0, None), prompt="hi"
+        kind="completion", model=MODEL, max_tokens=256, sampling=Sampling(temperature=1.0, top_p=1.0), prompt="hi"
     )
 
 
@@ -94,7 +92,7 @@ def test_full_completion_from_json_bytes() -> None:
         kind="completion",
         model=MODEL,
         max_tokens=32,
-        sampling=Sampling(temperature=0.0, top_p=0.9, seed=-7),
+        sampling=Sampling(temperature=0.0, top_p=0.9, seed=2**64 - 7),  # int64 -7 as the header's u64
         stop=("\n\n", "END"),
         stream=True,
         include_usage=True,
@@ -209,8 +207,9 @@ def test_max_tokens_bounds_and_the_chat_alias() -> None:
 
 
 def test_sampling_ranges() -> None:
-    assert chat(temperature=2, top_p=1, seed=0).sampling == Sampling(2.0, 1.0, 0)
-    assert chat(temperature=0.0, top_p=1e-9, seed=2**63 - 1).sampling == Sampling(0.0, 1e-9, 2**63 - 1)
+    assert chat(temperature=2, top_p=1, seed=0).sampling == Sampling(temperature=2.0, top_p=1.0, seed=0)
+    assert chat(temperature=0.0, top_p=1e-9, seed=2**63 - 1).sampling == Sampling(0.0, 1e-9, seed=2**63 - 1)
+    assert chat(seed=-(2**63)).sampling.seed == 2**63  # the most negative int64, as the header's u64
     for bad in (-0.1, 2.01, "1", True, [1]):
         err = refused(chat, temperature=bad)
         assert err.param == "temperature" and "[0, 2]" in err.message
@@ -394,26 +393,67 @@ def test_any_json_object_is_accepted_or_refused_in_openai_shape(fields: dict[str
 # -- errors ---------------------------------------------------------------------------------------------
 
 
-def test_error_builders_statuses_and_shapes() -> None:
+SERVED = "echo"
+
+
+def openai_core(keys: ApiKeys | None = None) -> HttpCore:
+    """The HTTP core with the OpenAI routes, as ``serve`` builds it."""
+    limits = Limits(max_body=64, input_capacity=8, output_capacity=8, vocab_size=100)
+    return HttpCore(limits, keys, OpenAIRoutes(SERVED, 8, 100, ChatSupport(False, "no template"), 0))
+
+
+def test_every_error_on_the_openai_routes_is_one_of_openais() -> None:
+    """One error path: the routes' own validation and every refusal or failure of the edge (the same errors
+    /v1/generate answers in edgepath's shape) are OpenAI errors whose type follows from the status and whose
+    code is the error's own name."""
+    core = openai_core()
+    with pytest.raises(HttpError) as too_long:
+        core.check_length(9)
     cases = [
-        (authentication_error(False), 401, "invalid_request_error", "invalid_api_key", "is missing"),
-        (authentication_error(True), 401, "invalid_request_error", "invalid_api_key", "is not valid"),
+        (OpenAIError.of(core.no_slot()), 429, "requests", "no_slot", "does not queue"),
+        (OpenAIError.of(core.busy()), 429, "requests", "tokenizer_busy", "tokenizer worker"),
+        (OpenAIError.of(body_too_large(100, 64)), 413, "invalid_request_error", "body_too_large", "100 bytes"),
+        (OpenAIError.of(too_long.value), 400, "invalid_request_error", "prompt_too_long", "9 tokens"),
+        (
+            OpenAIError.of(HttpError(500, "tokenizer_error", "it broke")),
+            500,
+            "server_error",
+            "tokenizer_error",
+            "broke",
+        ),
+        (OpenAIError.of(HttpError(502, "slot_error", "status X")), 502, "server_error", "slot_error", "status X"),
+        (OpenAIError.of(HttpError(503, "unavailable", "gone")), 503, "server_error", "unavailable", "gone"),
+        (OpenAIError.of(HttpError(504, "timeout", "late")), 504, "timeout", "timeout", "late"),
         (model_not_found("x", ["a"]), 404, "invalid_request_error", "model_not_found", "'x'"),
-        (unknown_url("GET", "/v2/x"), 404, "invalid_request_error", "unknown_url", "GET /v2/x"),
-        (no_slot(1), 429, "requests", "rate_limit_exceeded", "does not queue"),
-        (unavailable("no slot server"), 503, "server_error", "service_unavailable", "no slot server"),
-        (server_error("tokenizer failed"), 500, "server_error", "internal_error", "tokenizer failed"),
-        (prompt_too_long("chat", 900, 512), 400, "invalid_request_error", "context_length_exceeded", "900 tokens"),
+        (invalid_request("no", param="p", code="invalid_value"), 400, "invalid_request_error", "invalid_value", "no"),
     ]
     for err, status, type_, code, needle in cases:
         body = json.loads(err.body())
         assert list(body) == ["error"]
         assert body["error"] == {"message": err.message, "type": type_, "param": err.param, "code": code}
         assert err.status == status and needle in err.message
-    assert no_slot(2).headers == [(b"retry-after", b"2")]
-    assert authentication_error(False).headers == [(b"www-authenticate", b"Bearer")]
-    assert prompt_too_long("chat", 900, 512).param == "messages"
-    assert prompt_too_long("completion", 900, 512).param == "prompt"
+    assert OpenAIError.of(core.no_slot()).headers == [(b"retry-after", b"1")]
+    stream_end = OpenAIError.of(HttpError(502, "slot_error", "status X")).event()
+    assert stream_end.endswith(SSE_DONE) and json.loads(stream_end[6 : -len(SSE_DONE)])["error"]["code"] == "slot_error"
+
+
+def test_the_core_answers_openai_paths_in_openais_shape_and_its_own_paths_in_edgepaths() -> None:
+    core = openai_core(ApiKeys(["k"]))
+    denied = core.handle(Request("POST", "/v1/completions", [], b"{}", 0))
+    assert denied.status == 401 and (b"www-authenticate", b"Bearer") in denied.headers
+    assert json.loads(denied.body)["error"] == {
+        "message": "API key is missing: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
+        "type": "authentication_error",
+        "param": None,
+        "code": "unauthorized",
+    }
+    key = [(b"x-api-key", b"k")]
+    wrong_method = core.handle(Request("GET", "/v1/chat/completions", key, b"", 0))
+    assert wrong_method.status == 405 and json.loads(wrong_method.body)["error"]["code"] == "method_not_allowed"
+    big = core.refusal("/v1/completions?x=1", body_too_large(100, 64))  # an adapter's early 413 on an OpenAI route
+    assert json.loads(big.body)["error"]["type"] == "invalid_request_error"
+    own = core.refusal("/v1/generate", body_too_large(100, 64))
+    assert json.loads(own.body) == {"error": {"type": "body_too_large", "message": body_too_large(100, 64).message}}
 
 
 # -- responses ------------------------------------------------------------------------------------------
@@ -638,12 +678,12 @@ def test_openai_client_maps_our_errors(client_for: Any) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
         )
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "n")
-    busy = no_slot(1)
+    busy = OpenAIError.of(openai_core().no_slot())  # what the server answers when no slot is free
     with pytest.raises(openai.RateLimitError) as limited:
         client_for(busy.status, busy.body(), b"application/json", busy.headers).completions.create(
             model=MODEL, prompt="x"
         )
-    assert limited.value.code == "rate_limit_exceeded"
+    assert limited.value.code == "no_slot"
     missing = model_not_found("gpt-4o", [MODEL])
     with pytest.raises(openai.NotFoundError):
         client_for(missing.status, missing.body(), b"application/json").completions.create(model="gpt-4o", prompt="x")

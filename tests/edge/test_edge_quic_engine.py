@@ -1,5 +1,6 @@
-"""``--quic-engine``: how the engine is chosen, and its errors.  The edge's HTTP/3 behaviour on each engine is
-tested by tests/test_edge_e2e.py and tests/test_edge_interop.py, whose edge fixtures run once per engine."""
+"""``--quic-engine``: how the engine is chosen, and its errors.  The edge's HTTP/3 behaviour on each engine
+is tested by tests/system/test_edge_e2e.py and tests/system/test_edge_interop.py, whose edge fixtures run
+once per engine."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
 from edgepath.config import ServeOptions
-from edgepath.edge.serve import run
+from edgepath.serve import run
 
 
 @dataclass

@@ -7,6 +7,10 @@ C11 atomics (``bench/gpu_host.c``, the same C ``gpu_check --dry-run`` runs) and 
 slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top;
 :class:`TwinNicTransport` lets agents write that "device memory" as a NIC would, so a ``--slots
 gpu-device`` slot server runs unchanged too.
+The stand-in also keeps two GPU behaviours that have bitten: work queued on a stream (``cp.zeros``'
+memset) is done only when that stream's later work runs or the device synchronises, and a device-wide
+synchronisation or a free (cudaDeviceSynchronize, cudaFree, cudaFreeHost, cudaHostUnregister) waits for
+every running kernel, which for a persistent poller is forever: here it raises :class:`TwinWouldHang`.
 What this cannot show: device atomics and ordering over PCIe, the real launch, timing. The ``gpu``
 marker's runs on a GPU are for those.
 """
@@ -40,6 +44,10 @@ _CDEF = """void ep_twin_poller(char *pool, uint64_t *seen, uint64_t *expire_req,
 STALE = 0x5EE5_5EE5_5EE5_5EE5  # what a reused device block holds until the zeroing work has run
 
 
+class TwinWouldHang(AssertionError):
+    """A call that on a GPU waits for every running kernel (a persistent poller: forever)."""
+
+
 def build_twin(out_dir: Path) -> Any:
     """gcc-compile the twin (bench/gpu_host.c, the kernel's per-slot pass) into a shared library and
     open it (cffi ABI mode)."""
@@ -61,11 +69,14 @@ def _address(arg: Any) -> int:
 
 
 class _Stream:
+    """A stream: the work queued on it (zeroing) and at most one kernel, a CPU thread."""
+
     current: _Stream | None = None
 
     def __init__(self, non_blocking: bool = False) -> None:
         self.thread: threading.Thread | None = None
         self.ptr = id(self)
+        self.pending: list[np.ndarray] = []
 
     def __enter__(self) -> _Stream:
         _Stream.current = self
@@ -82,6 +93,12 @@ class _Stream:
         if self.thread is not None:
             self.thread.join()
 
+    def run_pending(self) -> None:
+        """Work queued on this stream before a launch on it runs first (stream order)."""
+        for array in self.pending:
+            array[:] = 0
+        self.pending.clear()
+
 
 class _Store:
     """ep_gpu_store: one release store of a u64 (here at once; the real one runs on the stream)."""
@@ -94,11 +111,15 @@ class _Store:
 
 
 class _Kernel:
-    def __init__(self, twin: Any) -> None:
+    def __init__(self, twin: Any, fake: FakeCupy) -> None:
         self._ffi, self._lib = twin
+        self._fake = fake
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
         pool, seen, expire, ring, capacity, tail, ctrl, _min_sleep, _max_sleep = args
+        stream = _Stream.current
+        assert stream is not None, "the poller must be launched on its own stream"
+        stream.run_pending()
         ptr = self._ffi.cast
         call_args = (
             ptr("char *", _address(pool)),
@@ -109,10 +130,9 @@ class _Kernel:
             ptr("uint64_t *", _address(tail)),
             ptr("uint64_t *", _address(ctrl)),
         )
-        stream = _Stream.current
-        assert stream is not None, "the poller must be launched on its own stream"
         stream.thread = threading.Thread(target=self._lib.ep_twin_poller, args=call_args, daemon=True)
         stream.thread.start()
+        self._fake.launched.append(stream)
 
 
 class FakeCupy(types.ModuleType):
@@ -129,9 +149,17 @@ class FakeCupy(types.ModuleType):
         self._blocks: dict[int, Any] = {}
         self.registered: dict[int, int] = {}
         self.device_blocks: dict[int, Any] = {}
-        self.pending_zeros: list[np.ndarray] = []
+        self.pending_zeros: list[np.ndarray] = []  # queued on any stream: a device synchronisation runs them
+        self.launched: list[_Stream] = []
         ffi = cffi.FFI()
         fake = self
+
+        def no_kernel_running(call: str) -> None:
+            running = [s for s in fake.launched if not s.done]
+            if running:
+                raise TwinWouldHang(
+                    f"{call} while {len(running)} poller kernel(s) run: on a GPU it waits for them, forever"
+                )
 
         class Runtime:
             @staticmethod
@@ -166,6 +194,7 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def free(address: int) -> None:
+                no_kernel_running("cudaFree")
                 fd, mm, view = fake.device_blocks.pop(address)
                 del view
                 with contextlib.suppress(BufferError):  # a twin NIC region may still map it
@@ -182,7 +211,8 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def deviceSynchronize() -> None:
-                """The legacy stream's queued work (cp.zeros) is done now."""
+                """Every stream's queued work (cp.zeros) is done now; it waits for running kernels too."""
+                no_kernel_running("cudaDeviceSynchronize")
                 for array in fake.pending_zeros:
                     array[:] = 0
                 fake.pending_zeros.clear()
@@ -200,6 +230,7 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def freeHost(address: int) -> None:
+                no_kernel_running("cudaFreeHost")
                 del fake._blocks[address]
 
             @staticmethod
@@ -212,6 +243,7 @@ class FakeCupy(types.ModuleType):
 
             @staticmethod
             def hostUnregister(address: int) -> None:
+                no_kernel_running("cudaHostUnregister")
                 del fake.registered[address]
 
         class Device:
@@ -226,7 +258,7 @@ class FakeCupy(types.ModuleType):
                 self.path = path
 
             def get_function(self, name: str) -> Any:
-                kernels = {"ep_gpu_poller": lambda: _Kernel(fake._twin), "ep_gpu_store": _Store}
+                kernels = {"ep_gpu_poller": lambda: _Kernel(fake._twin, fake), "ep_gpu_store": _Store}
                 if name not in kernels:
                     raise AttributeError(f"the twin has no kernel {name!r}")
                 return kernels[name]()
@@ -235,9 +267,12 @@ class FakeCupy(types.ModuleType):
         self.RawModule = lambda path: Module(path)
 
     def zeros(self, n: int, dtype: Any) -> np.ndarray:
-        """Like cupy's: zeroed by work queued on the legacy stream, so until a synchronisation the
-        block holds what it held before (a reused pool block: stale values)."""
+        """Like cupy's: zeroed by work queued on the current stream (the legacy one outside ``with
+        stream``), so until that stream's next launch or a device synchronisation the block holds what
+        it held before (a reused pool block: stale values)."""
         array = np.full(n, STALE, dtype=dtype)
+        if _Stream.current is not None:
+            _Stream.current.pending.append(array)
         self.pending_zeros.append(array)
         return array
 

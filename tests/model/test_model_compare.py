@@ -1,44 +1,86 @@
-"""The comparison harness's own logic: SSE parsing, the figures it derives, and the baseline batcher."""
+"""The comparison harness's own logic: SSE parsing, the figures and targets it derives, its workload, the
+llama-server build helper's refusals, and the baseline batcher.  The real runs are in
+tests/system/test_bench_model.py."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import shutil
+import io
+import re
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from edgepath.bench import llama_server
 from edgepath.bench.model_compare import (
-    MODEL_BEGIN,
-    MODEL_END,
     SYSTEMS,
     Outcome,
     Setup,
+    Slo,
+    Window,
     _check,
-    _has_content,
     add_arguments,
-    edge_latency_totals,
-    main,
+    command_line,
     percentile,
-    ratios,
+    read_event,
     read_headers,
-    rewrite_readme,
     summarize,
-    table,
+    threads_reported,
 )
+from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_readme, table, targets
+from edgepath.bench.model_workload import Workload, log_uniform
 
 
-def test_only_content_chunks_count_as_tokens() -> None:
-    assert _has_content(b'data: {"choices": [{"delta": {"content": "Hi"}}]}')
-    assert not _has_content(b'data: {"choices": [{"delta": {"role": "assistant"}}]}')
-    assert not _has_content(b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}')
-    assert not _has_content(b"data: [DONE]")
-    assert not _has_content(b": ping - 2026-01-01")
-    assert not _has_content(b"data: {not json")
+def words(text: str) -> int:
+    """A stand-in token count for the workload's unit tests (the real runs use the model's tokenizer)."""
+    return len(text.split())
+
+
+WINDOW = Window(wall_s=2.0, server_cpu_s=0.5, client_cpu_s=0.1, loadavg_1m=1.0)
+
+
+# -- streamed answers --------------------------------------------------------------------------------------
+def test_content_chunks_usage_and_cache_figures_are_read_from_the_events() -> None:
+    out = Outcome(status=200)
+    read_event(out, b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": null}', 1.0)
+    read_event(out, b'data: {"choices": [{"delta": {"content": "Hi"}}], "usage": null}', 1.5)
+    read_event(out, b'data: {"choices": [{"delta": {}, "finish_reason": "stop"}]}', 1.6)
+    read_event(out, b": ping - 2026-01-01", 1.7)
+    read_event(out, b"data: {not json", 1.7)
+    read_event(out, b"data: [1, 2]", 1.7)
+    assert out.chunks == [1.5] and out.completion_tokens is None
+    usage = b'{"prompt_tokens": 300, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 280}}'
+    read_event(out, b'data: {"choices": [], "usage": ' + usage + b"}", 1.8)
+    read_event(out, b"data: [DONE]", 1.9)
+    assert (out.completion_tokens, out.prompt_tokens, out.cached_tokens, out.tokens) == (7, 300, 280, 7)
+    # llama-server without a cached_tokens field: its own timings say how many prompt tokens it reused
+    other = Outcome(status=200)
+    read_event(other, b'data: {"choices": [], "usage": {"completion_tokens": 3}, "timings": {"cache_n": 41}}', 1.0)
+    assert other.cached_tokens == 41 and other.tokens == 3
+
+
+def test_edge_stages_come_from_server_timing() -> None:
+    out = Outcome()
+    stages = b"queue;dur=0.010, parse;dur=0.020, tokenize;dur=0.300, write;dur=0.004, claim;dur=0.001, "
+    read_headers(out, [(b"server-timing", stages + b"doorbell;dur=0.005, edge;dur=150.000")])
+    assert out.edge_ms == pytest.approx(0.340)  # edge (t_ready - t_receive) holds model time: not an edge stage
+    other = Outcome()
+    read_headers(other, [(b"server-timing", b"app;dur=3.0"), (b"x-queued-ms", b"4.5")])
+    assert other.edge_ms is None
+
+
+def test_a_request_meets_the_slo_only_when_answered_soon_and_streamed_fast() -> None:
+    slo = Slo(ttft_s=2.0, itl_p50_s=0.1)
+    assert Outcome(status=200, sent=0.0, chunks=[1.0, 1.05, 1.1]).met(slo)
+    assert Outcome(status=200, sent=0.0, chunks=[1.0]).met(slo)  # one chunk: no gap to miss
+    assert not Outcome(status=200, sent=0.0, chunks=[2.5, 2.55]).met(slo)  # first token too late
+    assert not Outcome(status=200, sent=0.0, chunks=[1.0, 1.2, 1.4, 1.45]).met(slo)  # median gap 200 ms
+    assert not Outcome(status=429, sent=0.0).met(slo)
+    assert not Outcome(status=200, sent=0.0, chunks=[0.5], error="timed out after 5 s").met(slo)
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -47,126 +89,255 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([float(x) for x in range(1, 101)], 99) == 99.0
 
 
-def test_summary_figures() -> None:
-    ok = Outcome(status=200, sent=0.0, chunks=[0.5, 0.6, 0.8], queued_ms=None)
-    late = Outcome(status=200, sent=1.0, chunks=[2.0, 2.1], queued_ms=None, lag=0.01)
-    refused = Outcome(status=429, sent=1.5)
-    broken = Outcome(status=0, sent=1.6, error="timed out after 5 s")
-    row = summarize("test", [ok, late, refused, broken], idle_ttft=0.5, rate=2.0)
-    assert (row["requests"], row["ok"], row["rejected_429_share"]) == (4, 2, 0.25)
-    assert row["errors"] == ["timed out after 5 s"] and row["not_finished"] == 1
-    assert row["offered_rps"] == pytest.approx(3 / 1.6) and row["answered_rps"] == pytest.approx(2 / 2.1)
-    assert row["rate_rps"] == 2.0 and row["client_bound"] is False
-    assert row["edge_ms_p50"] is None and row["edge_share_of_ttft_p50"] is None
-    assert row["ttft_p50_ms"] == pytest.approx(500.0)
-    assert row["ttft_p99_ms"] == pytest.approx(1000.0)
-    assert row["tokens_per_s"] == pytest.approx(5 / 2.1)
-    # No server report: the queueing is estimated from TTFT above the idle TTFT, and marked so.
-    assert row["queued_estimated"] is True and row["queued_ms"] == pytest.approx(250.0)
-    reported = summarize("test", [Outcome(status=200, sent=0.0, chunks=[0.1], queued_ms=12.0)], idle_ttft=0.05)
-    assert reported["queued_ms"] == 12.0 and reported["queued_estimated"] is False
+def test_summary_counts_refusals_against_goodput_and_keeps_latency_over_answers() -> None:
+    fast = Outcome(status=200, sent=0.0, done=1.0, chunks=[0.5, 0.55, 0.6], completion_tokens=4)
+    slow = Outcome(status=200, sent=1.0, done=4.0, chunks=[3.5, 3.6], prompt_tokens=200, cached_tokens=150)
+    refused = Outcome(status=429, sent=1.5, done=1.51)
+    broken = Outcome(status=0, sent=1.6, done=3.0, error="timed out after 5 s")
+    row = summarize("test", [fast, slow, refused, broken], WINDOW, Slo(), rate=2.0)
+    assert (row["requests"], row["ok"], row["refused_429"], row["not_finished"]) == (4, 2, 1, 1)
+    assert row["refused_share"] == 0.25 and row["errors"] == ["timed out after 5 s"]
+    assert row["ttft_p50_ms"] == pytest.approx(500.0) and row["ttft_p99_ms"] == pytest.approx(2500.0)
+    assert row["output_tokens"] == 4 + 2  # usage where the server sent it, else the chunks
+    assert row["tokens_per_chunk"] == pytest.approx(6 / 5)
+    assert row["span_s"] == pytest.approx(4.0) and row["output_tok_s"] == pytest.approx(6 / 4.0)
+    assert row["goodput_share"] == 0.25 and row["goodput_rps"] == pytest.approx(1 / 4.0)  # only `fast` met it
+    assert row["server_cpu_ms_per_request"] == pytest.approx(250.0)  # per answered request
+    assert row["cached_tokens_mean"] == 150 and row["prompt_tokens_p50"] == 200
+    assert row["rate_rps"] == 2.0 and row["client_bound"] is False and row["client_cpu_share"] == pytest.approx(0.05)
 
 
-def test_edge_stages_and_queue_time_come_from_the_servers_headers() -> None:
-    out = Outcome(status=200, sent=0.0, chunks=[0.2])
-    read_headers(
-        out,
-        [
-            (b"server-timing", b"queue;dur=0.010, parse;dur=0.020, tokenize;dur=0.300, write;dur=0.004, "
-             b"claim;dur=0.001, doorbell;dur=0.005, edge;dur=150.000, first_token;dur=190.000"),
-            (b"x-queue-time", b"10.0us"),
-        ],
-    )  # fmt: skip
-    # The edge's own stages only: edge (t_ready - t_receive) and first_token hold model time.
-    assert out.edge_ms == pytest.approx(0.340)
-    assert out.queued_ms == pytest.approx(0.010)
-    row = summarize("test", [out], idle_ttft=None)
-    assert row["edge_share_of_ttft_p50"] == pytest.approx(0.340 / 200.0)
-    assert row["queued_ms"] == pytest.approx(0.010) and row["queued_estimated"] is False
-    other = Outcome()
-    read_headers(other, [(b"server-timing", b"app;dur=3.0"), (b"x-queued-ms", b"4.5")])
-    assert other.edge_ms is None and other.queued_ms == 4.5
-    with pytest.raises(ValueError, match="x-queue-time"):
-        read_headers(Outcome(), [(b"x-queue-time", b"10ms")])
+def test_late_sends_or_a_busy_client_mark_a_phase_client_bound() -> None:
+    late = [Outcome(status=200, sent=float(i), done=i + 0.2, chunks=[i + 0.1], lag=0.2) for i in range(3)]
+    assert summarize("test", late, WINDOW, Slo())["client_bound"] is True
+    busy = Window(wall_s=1.0, server_cpu_s=0.1, client_cpu_s=0.9, loadavg_1m=1.0)
+    on_time = [Outcome(status=200, sent=0.0, done=0.2, chunks=[0.1])]
+    assert summarize("test", on_time, busy, Slo())["client_bound"] is True
+    assert summarize("test", on_time, WINDOW, Slo())["client_bound"] is False
 
 
-def test_late_sends_mark_a_run_client_bound() -> None:
-    late = [Outcome(status=200, sent=float(i), chunks=[i + 0.1], lag=0.2) for i in range(3)]
-    assert summarize("test", late, idle_ttft=None)["client_bound"] is True
-
-
+# -- flags -------------------------------------------------------------------------------------------------
 def _parsed(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def test_bad_flags_are_named() -> None:
-    with pytest.raises(ValueError, match=r"unknown .*vllm.*choose from"):
-        _check(_parsed("--systems", "edgepath,vllm"))
-    with pytest.raises(ValueError, match="include edgepath"):
-        _check(_parsed("--systems", "llama-cpp-server"))
-    with pytest.raises(ValueError, match="--loads"):
-        _check(_parsed("--loads", "0.5,x"))
-    with pytest.raises(ValueError, match="--loads"):
-        _check(_parsed("--loads", "0"))
-    with pytest.raises(ValueError, match="--max-tokens must be >= 2"):
-        _check(_parsed("--max-tokens", "1"))
-    # edgepath runs first whatever the order given: its idle requests set the 2x-slots rate
-    assert _check(_parsed("--systems", "fastapi-batcher,edgepath"))[0] == ["edgepath", "fastapi-batcher"]
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--systems", "edgepath,vllm"), r"unknown \['vllm'\]; choose from llama-server, edgepath"),
+        (("--systems", "llama-server"), "include edgepath"),
+        (("--threads", "1,two"), "integer >= 1 or 'default', got 'two'"),
+        (("--threads", "0"), "integer >= 1 or 'default', got '0'"),
+        (("--threads", "2,default,2"), "repeated"),
+        (("--loads", "0.5,x"), "--loads must be comma-separated numbers"),
+        (("--loads", "0,1"), r"in \(0, 4\]"),
+        (("--prompt-tokens", "512-128"), "LOW-HIGH with 16 <= LOW <= HIGH"),
+        (("--prompt-tokens", "300"), "LOW-HIGH"),
+        (("--handler-option", "chunk"), "expected KEY=VALUE, got 'chunk'"),
+        (("--handler-option", "threads=2"), "set it with --threads"),
+        (("--handler-option", "ctx_per_slot=64"), "set it with --ctx-per-slot"),
+        (("--prefix-chats", "1"), "a cold chat, then warm ones"),
+        (("--max-tokens", "1"), "--max-tokens must be >= 2"),
+        (("--slots", "0"), "--slots must be >= 1"),
+        (("--ctx-per-slot", "512"), r"cannot hold the longest chat .* give >= 1216"),
+    ],
+)
+def test_bad_flags_are_named_with_what_is_allowed(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _check(_parsed(*argv))
 
 
-def _run_row(load: str, ttft_ms: float | None, edge_ms: float | None = None) -> dict[str, Any]:
-    row = summarize(load, [], idle_ttft=None)
-    row.update(ok=10, requests=10, ttft_p50_ms=ttft_ms, ttft_p99_ms=ttft_ms, ttft_mean_ms=ttft_ms)
-    row["edge_latency_mean_ms"] = edge_ms
+def test_flags_become_the_plan() -> None:
+    checked = _check(_parsed("--systems", "fastapi-batcher,edgepath,llama-server", "--threads", "2,default"))
+    assert checked.systems == ["llama-server", "edgepath", "fastapi-batcher"]  # the reference runs first
+    assert checked.threads == [2, None] and checked.fractions == (0.5, 1.0, 2.0)
+    assert checked.prompt_range == (128, 1024)
+    checked = _check(_parsed("--handler-option", "prefill_budget=64", "--handler-option", "x=y=z"))
+    assert checked.handler_options == ("prefill_budget=64", "x=y=z")
+
+
+def test_the_command_line_names_what_differs_from_the_defaults() -> None:
+    args = _parsed("--systems", "edgepath", "--threads", "2", "--handler-option", "a=1", "--no-batching", "--quick")
+    args.func = print  # what the edgepath CLI adds is not a flag of this command
+    assert command_line(args) == (
+        "edgepath bench model --systems edgepath --threads 2 --handler-option a=1 --no-batching --quick"
+    )
+    assert command_line(_parsed()) == "edgepath bench model"
+
+
+def test_every_system_serves_the_same_model_slots_and_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = llama_server.Binaries(Path("/cache/llama.cpp-0.3.36"), "0.3.36")
+    monkeypatch.setattr(llama_server, "require", lambda version=None: built)  # no build needed to read a command
+    setup = Setup("/m.gguf", 8, 1216, 64, ("prefill_budget=64",))
+    for system in SYSTEMS.values():
+        default, pinned = system.command(setup, 8123, None), system.command(setup, 8123, 3)
+        assert "8123" in default and "/m.gguf" in default, system.name
+
+        def threads(argv: list[str]) -> list[str]:
+            return [a for a in argv if a == "3" or a.endswith("=3")]
+
+        assert threads(pinned) and not threads(default), system.name  # a default leaves the threads to the system
+    server = SYSTEMS["llama-server"].command(setup, 8123, 3)
+    assert server[0] == "/cache/llama.cpp-0.3.36/bin/llama-server"
+    assert server[server.index("-np") + 1] == "8" and server[server.index("-c") + 1] == str(8 * 1216)
+    assert server[server.index("-t") + 1] == server[server.index("-tb") + 1] == "3"
+    edge = " ".join(SYSTEMS["edgepath"].command(setup, 8123, 3))
+    assert "--slots 8" in edge and "threads=3" in edge and "ctx_per_slot=1216" in edge
+    assert "--handler-option prefill_budget=64" in edge
+
+
+def test_the_thread_count_a_system_reported_is_read_from_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("load_tensors: ...\ncommon_init_result: llama threadpool init, n_threads = 2\n")
+    assert threads_reported(SYSTEMS["llama-server"], log) == 2
+    log.write_text("edgepath.model.llama INFO llama: m.gguf, 8 slots x 512 positions, 1 threads, batch 40\n")
+    assert threads_reported(SYSTEMS["edgepath"], log) == 1
+    assert threads_reported(SYSTEMS["llama-cpp-python"], log) is None  # it does not log one
+
+
+# -- the workload ------------------------------------------------------------------------------------------
+def test_prompts_are_deterministic_distinct_per_phase_and_of_the_drawn_length() -> None:
+    workload = Workload(words, seed=7, low=128, high=1024)
+    lone = workload.chats("lone", 6)
+    assert lone == Workload(words, seed=7).chats("lone", 6)
+    assert lone != Workload(words, seed=8).chats("lone", 6)
+    texts = [chat[0]["content"] for chat in lone + workload.chats("concurrent", 6)]
+    assert len(set(texts)) == len(texts)
+    first_sentences = {text.split(". ")[1] for text in texts}
+    assert len(first_sentences) > len(texts) // 2  # documents differ from their start, not only in the middle
+    for text in texts:
+        assert 128 <= words(text) <= 1024 + 60, words(text)  # at least the drawn length, one sentence more at most
+    lengths = [words(chat[0]["content"]) for chat in workload.chats("spread", 40)]
+    assert min(lengths) < 300 and max(lengths) > 500  # drawn over the range, not one size
+
+
+def test_log_uniform_lengths_stay_in_their_range() -> None:
+    rng = __import__("random").Random(3)
+    draws = [log_uniform(rng, 128, 1024) for _ in range(2000)]
+    assert min(draws) >= 128 and max(draws) <= 1024
+    assert 0.4 < sum(d < 362 for d in draws) / len(draws) < 0.6  # the geometric middle splits them
+    with pytest.raises(ValueError, match="low <= high"):
+        Workload(words, low=300, high=200)
+
+
+def test_shared_prefix_chats_share_the_system_prompt_and_nothing_across_phases() -> None:
+    workload = Workload(words, seed=1)
+    sequential, concurrent = workload.shared_prefix("sequential", 6), workload.shared_prefix("concurrent", 6)
+    systems = {chat[0]["content"] for chat in sequential}
+    assert len(systems) == 1 and 450 <= words(next(iter(systems))) <= 520
+    assert len({chat[1]["content"] for chat in sequential}) == 6  # each its own question
+    assert sequential[0][0]["content"] != concurrent[0][0]["content"]
+    a, b = sequential[0][0]["content"], concurrent[0][0]["content"]
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert common < 60  # the assistant's opening words at most: no cache carries over between phases
+
+
+# -- the report --------------------------------------------------------------------------------------------
+def _row(phase: str, **figures: Any) -> dict[str, Any]:
+    outcomes = [Outcome(status=200, sent=0.0, done=1.0, chunks=[0.4, 0.45])] * 4
+    row = summarize(phase, outcomes, WINDOW, Slo())
+    row.update(figures)
     return row
 
 
-def test_edge_latency_comes_from_the_metrics_histogram() -> None:
-    body = (
-        b"# HELP edgepath_edge_latency_seconds Request complete at the edge -> doorbell seen by the slot poller\n"
-        b"# TYPE edgepath_edge_latency_seconds histogram\n"
-        b'edgepath_edge_latency_seconds_bucket{le="0.001"} 3.0\n'
-        b"edgepath_edge_latency_seconds_count 4.0\n"
-        b"edgepath_edge_latency_seconds_sum 0.0025\n"
-        b"edgepath_edge_latency_seconds_created 1.7e+09\n"
-    )
-    assert edge_latency_totals(body) == (0.0025, 4.0)
-    with pytest.raises(RuntimeError, match="no edgepath_edge_latency_seconds"):
-        edge_latency_totals(b"edgepath_requests_total 3.0\n")
-
-
-def _report(results: list[dict[str, Any]], batching: dict[str, Any]) -> dict[str, Any]:
+def _report(edge: dict[str, dict], peer: dict[str, dict] | None, batching: list[dict] | None = None) -> dict:
+    results = [{"system": "edgepath", "threads": "1", "phases": [_row(p, **f) for p, f in edge.items()]}]
+    if peer is not None:
+        results.insert(0, {"system": "llama-server", "threads": "1", "phases": [_row(p, **f) for p, f in peer.items()]})
     report = {
         "measured_at": "2026-01-01T00:00:00Z",
-        "machine": "x86_64, 2 cores",
+        "machine": "x86_64, 2 CPUs",
+        "loadavg_at_start": 0.5,
         "command": "edgepath bench model",
         "quick": False,
-        "setup": {"model": "/m/SmolLM2.gguf", "slots": 8, "threads": 2, "ctx_per_slot": 512},
-        "plan": {"requests": 40, "max_tokens": 32, "seconds": 30.0, "seed": 1},
+        "setup": {
+            "model": "/m/SmolLM2.gguf",
+            "slots": 8,
+            "ctx_per_slot": 1216,
+            "max_tokens": 64,
+            "handler_options": [],
+        },
+        "prompts": {"tokens": "128-1024", "prefix_tokens": 450, "seed": 1},
+        "slo": {"ttft_s": 2.0, "itl_p50_s": 0.1},
+        "systems": ["llama-server", "edgepath"] if peer is not None else ["edgepath"],
+        "threads": ["1"],
         "results": results,
-        "batching": batching,
+        "batching": batching or [],
+        "llama_server": {"built_from": "llama.cpp 0c1e570 from llama-cpp-python 0.3.36"},
     }
-    report["ratios"] = ratios(report)
+    report["targets"] = targets(report)
     return report
 
 
-def test_targets_are_judged_or_said_not_measured() -> None:
-    edge = {"system": "edgepath", "capacity_rps": 5.0, "runs": [_run_row("50% capacity", 100.0, 0.4)]}
-    llama = {"system": "llama-cpp-server", "capacity_rps": 2.0, "runs": [_run_row("50% capacity", 400.0)]}
-    report = _report([edge, llama], {"ratio": 3.0, "slots": 8})
-    assert [(r["value"], r["verdict"]) for r in report["ratios"]] == [
-        (3.0, "met"), (0.25, "met"), (0.004, "met")
-    ]  # fmt: skip
+EDGE = {
+    "lone": {"ttft_p50_ms": 500.0},
+    "concurrent": {"output_tok_s": 80.0, "itl_p50_ms": 40.0},
+    "poisson-200": {"goodput_rps": 0.3, "refused_429": 3, "refused_share": 0.3, "requests": 10, "ok": 7},
+    "prefix-seq-cold": {"ttft_p50_ms": 2000.0},
+    "prefix-seq-warm": {"ttft_p50_ms": 150.0},
+}
+PEER = {
+    "lone": {"ttft_p50_ms": 400.0},
+    "concurrent": {"output_tok_s": 76.8, "itl_p50_ms": 41.0},
+    "poisson-200": {"goodput_rps": 0.1},
+    "prefix-seq-cold": {"ttft_p50_ms": 2500.0},
+    "prefix-seq-warm": {"ttft_p50_ms": 80.0},
+}
+
+
+def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
+    batching = [{"threads": 1, "slots": 8, "edgepath": {"one": 70.0, "many": 100.0}, "llama-batched-bench": {
+        "one": 77.0, "many": 105.0}}]  # fmt: skip
+    judged = {t["name"].split(",")[0]: t for t in _report(EDGE, PEER, batching)["targets"]}
+    assert {name: (round(t["value"], 3), t["verdict"]) for name, t in judged.items()} == {
+        "output tokens/s at concurrency = slots": (1.042, "met"),
+        "ITL p50 at concurrency = slots": (0.976, "met"),
+        "TTFT p50 of a lone request": (1.25, "missed"),
+        "shared prefix: warm TTFT p50 (one at a time)": (1.875, "met"),
+        "goodput at 200% of capacity": (3.0, "met"),
+        "shared prefix: edgepath warm TTFT p50 / its cold TTFT": (0.075, "met"),
+        "decode tokens/s at 8 sequences": (0.952, "met"),
+    }
+    assert judged["goodput at 200% of capacity"]["answered"] == "7/10 (3 refused) vs 4/4"
+    none_good = {**PEER, "poisson-200": {"goodput_rps": 0.0}}
+    (goodput,) = [t for t in _report(EDGE, none_good)["targets"] if t["name"].startswith("goodput")]
+    assert (goodput["value"], goodput["verdict"]) == (None, "met (the other is 0)")
+    (goodput,) = [t for t in _report({**EDGE, "poisson-200": {"goodput_rps": 0.0}}, none_good)["targets"]
+                  if t["name"].startswith("goodput")]  # fmt: skip
+    assert goodput["verdict"] == "no ratio: both are 0"
+
+
+def test_targets_without_the_peer_say_why_they_were_not_measured() -> None:
+    failed = {"threads": 1, "slots": 8, "edgepath": {"one": 1.0, "many": 2.0}}
+    failed["llama-batched-bench"] = {"error": "llama-server ... is not built"}
+    rows = _report(EDGE, None, [failed])["targets"]
+    verdicts = [t["verdict"] for t in rows]
+    assert verdicts[0] == "not measured: needs a concurrent phase of both"
+    assert verdicts[5] == "met"  # edgepath against itself needs no peer
+    assert verdicts[6] == "not measured: llama-server ... is not built"
+
+
+def test_the_table_is_well_formed_and_says_what_its_columns_mean() -> None:
+    report = _report(EDGE, PEER)
+    report["results"].append({"system": "fastapi-batcher", "threads": "1", "phases": [], "error": "exited with 1"})
     text = table(report)
-    assert "| edgepath | 50% capacity |" in text and "| 0.40% | <= 1% | met |" in text
-    failed = {"system": "llama-cpp-server", "error": "exited with 1 before serving", "runs": []}
-    report = _report([edge, failed], {"error": "did not finish in 300 s"})
-    verdicts = [r["verdict"] for r in report["ratios"]]
-    assert verdicts[0] == "not measured: did not finish in 300 s"
-    assert verdicts[1].startswith("not measured: needs a 50% capacity run of edgepath and llama-cpp-server")
-    assert "| llama-cpp-server | did not finish: exited with 1 before serving |" in table(report)
+    tables: list[list[str]] = []
+    for block in re.split(r"\n\s*\n", text):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        if rows:
+            tables.append(rows)
+    assert len(tables) == 2  # one per thread setting, then the targets
+    for rows in tables:
+        widths = {line.count("|") for line in rows}
+        assert len(widths) == 1, rows  # every row has the header's columns
+        assert set(rows[1].replace("|", "")) == {"-"}
+    assert "| one request at a time | llama-server | 4/4 |" in text
+    assert "| Poisson, 200% of capacity | edgepath | 7/10 (30% 429) |" in text
+    assert "| - | fastapi-batcher | did not finish: exited with 1 |" in text
+    assert "llama.cpp 0c1e570 from llama-cpp-python 0.3.36" in text and "-np 8 -c 9728" in text
+    assert "There is no queue-time column" in text and "refused and failed requests count as missing it" in text
 
 
 def test_readme_block_is_rewritten(tmp_path: Path) -> None:
@@ -183,13 +354,42 @@ def test_readme_block_is_rewritten(tmp_path: Path) -> None:
     assert (tmp_path / "docs" / "model.png").read_bytes() == b"png"
 
 
-def test_every_system_is_started_on_the_given_port() -> None:
-    setup = Setup("/m.gguf", 8, 1, 512)
-    for system in SYSTEMS:
-        argv = system.command(setup, 8123)
-        assert "8123" in argv and "/m.gguf" in " ".join(argv), system.name
+# -- the llama-server build helper -------------------------------------------------------------------------
+def test_a_missing_build_is_refused_with_the_command_that_makes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert llama_server.find("0.0.1") is None
+    with pytest.raises(llama_server.BuildError, match=r"not built .*llama.cpp-0.0.1.*--build"):
+        llama_server.require("0.0.1")
+    root = tmp_path / "edgepath" / "llama.cpp-0.0.1" / "bin"
+    root.mkdir(parents=True)
+    for name in llama_server.TARGETS:
+        (root / name).write_text("#!/bin/sh\n")
+        (root / name).chmod(0o755)
+    found = llama_server.require("0.0.1")
+    assert found.server == root / "llama-server" and found.describe() == "llama.cpp from llama-cpp-python 0.0.1"
 
 
+def test_a_build_without_a_compiler_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(llama_server.shutil, "which", lambda tool: None if tool == "cmake" else f"/usr/bin/{tool}")
+    with pytest.raises(llama_server.BuildError, match="needs 'cmake', not on PATH: apt-get install cmake"):
+        llama_server.build("0.0.1", quiet=True)
+
+
+def test_an_sdist_member_that_would_land_outside_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("pkg/ok.txt", "../escape.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+    with tarfile.open(archive) as tar, pytest.raises(llama_server.BuildError, match=r"'../escape.txt'.*refusing"):
+        llama_server._checked(tar, tmp_path / "src")
+
+
+# -- the FastAPI baseline ----------------------------------------------------------------------------------
 def test_batcher_runs_a_batch_to_completion_and_queues_the_rest() -> None:
     pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
     from edgepath.bench.model_fastapi import END, Batcher, Job
@@ -228,30 +428,3 @@ def test_batcher_runs_a_batch_to_completion_and_queues_the_rest() -> None:
     for ids, queued, reason in results:
         assert (len(ids), reason) == (4, "length") or (len(ids) < 4 and reason == "stop")
         assert np.isfinite(queued) and queued >= 0
-
-
-@pytest.mark.slow
-def test_quick_run_answers_on_every_system(tmp_path: Path) -> None:
-    """``edgepath bench model --quick``: all three systems started, every load answered, the README filled."""
-    pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
-    pytest.importorskip("sse_starlette", reason="llama_cpp.server's deps: pip install -e '.[bench]'")
-    readme = tmp_path / "README.md"
-    readme.write_text(f"## Performance\n{MODEL_BEGIN}\n{MODEL_END}\n")
-    args = _parsed("--quick", "--out", str(tmp_path / "out"), "--readme", str(readme))
-    assert main(args) == 0
-    report = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["system"] for r in report["results"]] == ["edgepath", "llama-cpp-server", "fastapi-batcher"]
-    for result in report["results"]:
-        assert "error" not in result, result
-        assert [run["load"] for run in result["runs"]] == ["50% capacity", "80% capacity", "2x2 slots"]
-        for run in result["runs"]:
-            assert run["ok"] > 0 and run["ttft_p50_ms"] > 0 and run["tokens_per_s"] > 0, (result["system"], run)
-    edge_runs = report["results"][0]["runs"]
-    assert all(run["queued_ms"] is not None and not run["queued_estimated"] for run in edge_runs)
-    assert all(run["edge_ms_p50"] is not None and run["edge_latency_mean_ms"] > 0 for run in edge_runs)
-    assert report["batching"]["slots"] == 2 and report["batching"]["ratio"] > 0
-    assert len(report["ratios"]) == 3 and all(r["value"] is not None for r in report["ratios"])
-    content = readme.read_text()
-    assert "| edgepath | 50% capacity |" in content and "Smoke test (--quick)" in content
-    assert (tmp_path / "docs" / "model.png").stat().st_size > 0
-    shutil.rmtree(tmp_path / "out")

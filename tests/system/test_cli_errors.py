@@ -59,6 +59,8 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--host", "999.999.999.999"], ("--host 999.999.999.999", "cannot listen")),
     (["serve", "--slot-server", "/nonexistent/slots.sock"], ("--slot-server /nonexistent/slots.sock", "nothing is")),
     (["serve", "--agent", "/nonexistent/agent.sock"], ("--agent /nonexistent/agent.sock", "nothing is")),
+    (["serve", "--slot-server", "/a.sock", "--slot-server", "/b.sock"], ("--slot-server", "more than once", "once")),
+    (["slot-server", "--lease", "1", "--lease", "2"], ("--lease", "more than once", "one value")),
 ]
 
 

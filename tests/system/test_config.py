@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
 
 from edgepath.cli import build_parser
-from edgepath.config import DataPath, ServeOptions, SlotServerSettings
+from edgepath.config import AgentServiceSettings, AgentSettings, DataPath, ServeOptions, SlotServerSettings
+from edgepath.options import add_options, from_args, option
 
 
 def test_a_slot_server_command_line_carries_every_setting() -> None:
@@ -26,10 +29,13 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
         data_path=DataPath("verbs", "rxe0", 1),
     )
     args = build_parser().parse_args(settings.argv())
+    assert from_args(SlotServerSettings, args) == settings
     assert args.func.__name__ == "cmd_slot_server"
     assert (args.listen, args.slots) == ("/tmp/x.sock", ("host", 7))
     assert (args.input_capacity, args.output_capacity) == (300, 200)
-    assert (args.lease, args.spin_us, args.handler_deadline, args.stream_window_ms) == (0.25, 12.5, 1.5, 0.5)
+    # --spin-us and --stream-window-ms are given in their units and held in seconds, as the slot server takes them
+    assert "--spin-us" in settings.argv() and settings.argv()[settings.argv().index("--spin-us") + 1] == "12.5"
+    assert (args.lease, args.spin_us, args.handler_deadline, args.stream_window_ms) == (0.25, 12.5e-6, 1.5, 0.5e-3)
     assert args.handler == "paced-echo" and args.handler_option == [("token_delay", "0.01"), ("note", "a=b")]
     assert (args.data_path, args.device, args.gid_index) == ("verbs", "rxe0", 1)
 
@@ -51,6 +57,11 @@ def test_a_worker_command_line_is_the_edge_on_a_shared_port_and_slot_server(tmp_
         workers=3,
     )
     args = build_parser().parse_args(options.worker_argv("/tmp/slots.sock"))
+    # the same edge, on the shared slot server and port; what only the supervising process uses is not given
+    supervisor_only = {"workers": 1}
+    assert from_args(ServeOptions, args) == replace(
+        options, slot_server="/tmp/slots.sock", reuse_port=True, **supervisor_only
+    )
     assert args.func.__name__ == "cmd_serve"
     assert (args.transport, args.port, args.slot_server, args.reuse_port, args.workers) == (
         "tcp",
@@ -89,3 +100,144 @@ def test_flags_of_a_data_path() -> None:
     assert DataPath().flags() == ["--data-path", "loopback"] and DataPath().options() == {}
     assert DataPath("verbs", gid_index=0).flags() == ["--data-path", "verbs", "--gid-index", "0"]
     assert DataPath("verbs", "rxe0").options() == {"device": "rxe0"}
+
+
+def test_a_worker_gets_every_edge_option_and_none_of_the_supervisors(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_text("checked for existence only\n")
+    options = ServeOptions(
+        transport="tcp",
+        port=9001,
+        quic_engine="qh3",
+        slots=3,
+        frames=5,
+        input_capacity=70,
+        output_capacity=30,
+        model=str(model),
+        served_model_name="m",
+        tokenizer=str(model),
+        handler_options=(("threads", "1"), ("model", str(model))),
+        slot_spin_us=7.0,
+        data_path=DataPath("verbs", "rxe0", 2),
+        slot_server_listen="10.0.0.1:7000",
+        handler_deadline=3.0,
+        request_timeout=9.0,
+        body_timeout=0.5,
+        quic_retry=True,
+        max_restarts=2,
+        restart_window=10.0,
+        workers=2,
+    )
+    worker = from_args(ServeOptions, build_parser().parse_args(options.worker_argv("10.0.0.1:7000")))
+    edge_only = ("slots", "slot_spin_us", "slot_server_listen", "agent", "handler_deadline", "max_restarts",
+                 "restart_window", "workers")  # fmt: skip
+    defaults = ServeOptions(handler="llama")
+    for f in fields(ServeOptions):
+        if f.name in edge_only:
+            assert getattr(worker, f.name) == getattr(defaults, f.name), f.name
+        elif f.name not in ("slot_server", "reuse_port"):
+            assert getattr(worker, f.name) == getattr(options, f.name), f.name
+    assert (worker.slot_server, worker.reuse_port) == ("10.0.0.1:7000", True)
+
+
+def test_an_agent_command_line_parses_into_its_settings() -> None:
+    settings = AgentServiceSettings(
+        listen="/tmp/agent.sock",
+        agent=AgentSettings(slot_servers=("/tmp/a.sock", "/tmp/b.sock"), frames=12, input_capacity=64),
+        frames_per_edge=6,
+        spin_us=1.5,
+    )
+    argv = ["agent", "--listen", "/tmp/agent.sock", "--slot-server", "/tmp/a.sock", "--slot-server", "/tmp/b.sock"]
+    argv += ["--frames", "12", "--input-capacity", "64", "--frames-per-edge", "6", "--spin-us", "1.5"]
+    assert from_args(AgentServiceSettings, build_parser().parse_args(argv)) == settings
+    default = from_args(AgentServiceSettings, build_parser().parse_args(["agent"]))
+    assert default.agent.slot_servers == AgentSettings().slot_servers and len(default.agent.slot_servers) == 1
+
+
+def test_serve_fills_what_is_left_unset_from_one_place() -> None:
+    model, echo = ServeOptions(), ServeOptions(handler="echo", transport="tcp")
+    assert (model.handler, model.port, model.slots, model.input_capacity, model.output_capacity) == (
+        "llama",
+        4433,
+        8,
+        1024,
+        512,
+    )
+    assert (echo.port, echo.slots, echo.input_capacity, echo.output_capacity) == (8080, 64, 4096, 4096)
+    assert from_args(ServeOptions, build_parser().parse_args(["serve"])) == model
+    assert ServeOptions(handler="echo", slots=3).slots == 3
+    with pytest.raises(ValueError, match="--certificate and --private-key go together"):
+        ServeOptions(certificate="c.pem")
+    with pytest.raises(ValueError, match="--model goes with the llama handler"):
+        ServeOptions(handler="echo", model="m.gguf")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--slot-server", "/tmp/a.sock", "--slot-server", "/tmp/b.sock"],
+        ["serve", "--port", "9000", "--port", "9001"],
+        ["serve", "--quic-retry", "--quic-retry"],
+        ["slot-server", "--slots", "4", "--slots", "8"],
+        ["agent", "--listen", "/tmp/a", "--listen", "/tmp/b"],
+        ["demo", "--requests", "5", "--requests", "6"],
+        ["bench", "edge-cpu", "--runs", "1", "--runs", "2"],
+    ],
+)
+def test_an_option_that_takes_one_value_given_twice_is_an_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    flag = argv[-2]
+    assert f"{flag} is given more than once" in capsys.readouterr().err
+
+
+def test_a_repeatable_option_collects_every_value() -> None:
+    args = build_parser().parse_args(["serve", "--handler-option", "a=1", "--handler-option", "b=x=y"])
+    assert from_args(ServeOptions, args).handler_options == (("a", "1"), ("b", "x=y"))
+
+
+def test_a_configuration_field_without_an_option_is_refused_when_the_parser_is_built() -> None:
+    """Such a field could never be set from the command line, nor reach a child's command line."""
+
+    @dataclass(frozen=True)
+    class Half:
+        declared: int = option(1, help="an option")
+        forgotten: int = 2
+
+    with pytest.raises(TypeError, match=r"Half.forgotten is not a command-line option"):
+        add_options(argparse.ArgumentParser(), Half)
+
+
+def test_serve_fills_its_slot_server_and_agent_by_name(tmp_path: Path) -> None:
+    options = ServeOptions(
+        slots=3,
+        frames=9,
+        input_capacity=70,
+        output_capacity=30,
+        handler="paced-echo",
+        handler_options=(("token_delay", "0.1"),),
+        handler_deadline=2.0,
+        slot_spin_us=4.0,
+        data_path=DataPath("verbs", "rxe0"),
+    )
+    assert options.slot_server_settings("10.0.0.1:1") == SlotServerSettings(
+        listen="10.0.0.1:1",
+        slots=3,
+        input_capacity=70,
+        output_capacity=30,
+        spin=4e-6,
+        handler="paced-echo",
+        handler_options=(("token_delay", "0.1"),),
+        handler_deadline=2.0,
+        data_path=DataPath("verbs", "rxe0"),
+    )
+    assert options.agent_settings("10.0.0.1:1") == AgentSettings(
+        slot_servers=("10.0.0.1:1",),
+        frames=9,
+        input_capacity=70,
+        output_capacity=30,
+        data_path=DataPath("verbs", "rxe0"),
+    )

@@ -35,6 +35,7 @@ from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
+from edgepath.runtime import runtime_dir
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
 log = logging.getLogger("edgepath.serve")
@@ -65,11 +66,9 @@ def _cannot_listen(options: ServeOptions, exc: OSError) -> RuntimeError:
 
 
 def _slot_server_listen(options: ServeOptions) -> str:
-    from edgepath.runtime import runtime_dir
-
     if options.slot_server_listen:
         return options.slot_server_listen
-    if options.data_path == "verbs":
+    if options.data_path.kind == "verbs":
         raise RuntimeError(
             "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
             "started slot server, or --slot-server ADDR of a running one"
@@ -82,7 +81,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     started child (the slot server, or an edge worker) keeps dying."""
     loop = asyncio.get_running_loop()
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
-    link = options.link
+    options = options.resolved()  # the model found and checked before anything starts
     check_listen(options)
     listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
     keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
@@ -105,7 +104,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     with contextlib.ExitStack() as cleanup:
         transport = None
         if options.agent is None:
-            transport = data_path_transport(link)  # an unusable device fails here, before any child
+            transport = data_path_transport(options.data_path)  # an unusable device fails here, before any child
             cleanup.callback(transport.close)
         slot_server = options.slot_server
         if listen is not None:
@@ -173,8 +172,6 @@ async def _start_edge(
 
 def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:
     """A fresh directory where the workers keep their metrics (one /metrics view), removed at the end."""
-    from edgepath.runtime import runtime_dir
-
     path = runtime_dir() / f"serve-{options.transport}-{options.port}.metrics"
     shutil.rmtree(path, ignore_errors=True)  # counts of an earlier run are not this one's
     path.mkdir(mode=0o700)

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Client, H3Response, h3_client
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
+
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 
 INPUT_CAPACITY = 64
 
@@ -46,6 +48,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         frames=64,
         input_capacity=INPUT_CAPACITY,
         output_capacity=64,
+        handler="echo",
         quic_engine=request.param,
     )
     with running_edge(options, tmp_path_factory.mktemp("edge")) as running:
@@ -308,7 +311,7 @@ def test_existing_slot_server_and_its_loss(
     when it is back, the edge re-attaches and serves again without a restart."""
     address = str(tmp_path / "slots.sock")
     slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
-    options = ServeOptions(port=free_port(), slot_server=address, frames=16)
+    options = ServeOptions(port=free_port(), slot_server=address, frames=16, handler="echo")
     with running_edge(options, tmp_path_factory.mktemp("attached")) as edge:
 
         async def before(c: H3Client) -> tuple[H3Response, H3Response]:

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
+
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -23,7 +25,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         load_engine(request.param)
     except QuicEngineError as exc:
         pytest.skip(str(exc))
-    options = ServeOptions(port=free_port(), slots=4, frames=16, quic_engine=request.param)
+    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="echo", quic_engine=request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
         with running_edge(options, tmp_path_factory.mktemp("edge")) as e:

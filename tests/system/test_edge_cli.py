@@ -14,6 +14,8 @@ import pytest
 
 from edgepath.children import Child, free_port
 
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
 
 @pytest.fixture(autouse=True)
 def private_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:

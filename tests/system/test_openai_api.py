@@ -15,6 +15,8 @@ from helpers.edge import RunningEdge, free_port, running_edge
 from edgepath.config import ServeOptions
 from edgepath.edge.tls import default_certificate
 
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
 openai = pytest.importorskip("openai", reason="the openai client is in the test extras")
 
 TOKEN_DELAY = 0.02

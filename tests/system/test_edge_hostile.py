@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
+from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Response, h3_client
-from edgepath.edge.serve import ServeOptions
 from edgepath.edge.tls import default_certificate
+
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 
 BODY_TIMEOUT = 0.5
 
@@ -34,7 +36,7 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def quic_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
-    options = ServeOptions(port=free_port(), slots=4, frames=8, body_timeout=BODY_TIMEOUT)
+    options = ServeOptions(port=free_port(), slots=4, frames=8, handler="echo", body_timeout=BODY_TIMEOUT)
     with running_edge(options, tmp_path_factory.mktemp("quic")) as edge:
         yield edge
 
@@ -145,7 +147,7 @@ def test_tcp_client_leaving_mid_stream_abandons_and_frees_its_slot(tcp_edge: Run
 
 
 def test_quic_retry_validates_the_client_address_before_serving(tmp_path: Path) -> None:
-    options = ServeOptions(port=free_port(), slots=2, frames=4, quic_retry=True)
+    options = ServeOptions(port=free_port(), slots=2, frames=4, handler="echo", quic_retry=True)
     with running_edge(options, tmp_path) as edge:
 
         async def go() -> tuple[int, int]:

@@ -1,0 +1,298 @@
+"""``edgepath bench model``'s report: the issue's targets judged, the README block, the plot.
+
+Every ratio is edgepath / llama-server in the same thread setting, from the same phase.  TTFT and ITL
+are over answered requests only, so each target row says how many of each system's requests were
+answered and how many refused; goodput counts refused and failed requests as missing the SLO.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from edgepath.bench.model_compare import CLIENT_BOUND_CPU, CLIENT_BOUND_LAG, EDGEPATH, LLAMA_SERVER
+from edgepath.bench.readme import rewrite_block
+
+PHASES = {
+    "lone": "one request at a time",
+    "concurrent": "concurrency = slots (closed loop)",
+    "prefix-seq-cold": "shared prefix: first chat (cold)",
+    "prefix-seq-warm": "shared prefix: next chats, one at a time (warm)",
+    "prefix-burst-cold": "shared prefix: slots chats at once (cold)",
+    "prefix-conc-warm": "shared prefix: concurrency = slots (warm)",
+}
+
+
+def phase_label(phase: str) -> str:
+    if phase.startswith("poisson-"):
+        return f"Poisson, {phase.removeprefix('poisson-')}% of capacity"
+    return PHASES.get(phase, phase)
+
+
+def find(report: dict[str, Any], system: str, threads: str, phase: str) -> dict[str, Any] | None:
+    for result in report["results"]:
+        if result["system"] == system and result["threads"] == threads:
+            return next((row for row in result["phases"] if row["phase"] == phase), None)
+    return None
+
+
+def _answered(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['ok']}/{row['requests']}" + (f" ({row['refused_429']} refused)" if row["refused_429"] else "")
+
+
+def _judge(
+    ours: float | None, theirs: float | None, goal: str, why_not: str, *rows: dict[str, Any] | None
+) -> tuple[float | None, str]:
+    """``ours / theirs`` against ``goal`` (``>=X`` or ``<=X``): the ratio and the verdict, or why there is none."""
+    if ours is None or theirs is None:
+        return None, f"not measured: {why_not}"
+    at_least = goal.startswith(">=")
+    if theirs == 0:
+        if ours == 0:
+            return None, "no ratio: both are 0"
+        return None, ("met" if at_least else "missed") + " (the other is 0)"
+    value = ours / theirs
+    met = value >= float(goal[2:]) if at_least else value <= float(goal[2:])
+    client = any(row is not None and row["client_bound"] for row in rows)
+    return value, ("met" if met else "missed") + (" (client-bound phase)" if client else "")
+
+
+def _figure(row: dict[str, Any] | None, key: str) -> float | None:
+    return None if row is None else row[key]
+
+
+#: (name, phase, figure, goal): edgepath's figure over llama-server's, from the issue's targets.
+VERSUS = (
+    ("output tokens/s at concurrency = slots", "concurrent", "output_tok_s", ">=1.0"),
+    ("ITL p50 at concurrency = slots", "concurrent", "itl_p50_ms", "<=1.1"),
+    ("TTFT p50 of a lone request", "lone", "ttft_p50_ms", "<=1.1"),
+    ("shared prefix: warm TTFT p50 (one at a time)", "prefix-seq-warm", "ttft_p50_ms", "<=2.0"),
+    ("goodput at 200% of capacity", "poisson-200", "goodput_rps", ">=1.5"),
+)
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets per thread setting, each judged or said why not (a missing system or phase)."""
+    rows = []
+    for threads in report["threads"]:
+        for name, phase, figure, goal in VERSUS:
+            ours, theirs = find(report, EDGEPATH, threads, phase), find(report, LLAMA_SERVER, threads, phase)
+            value, verdict = _judge(
+                _figure(ours, figure), _figure(theirs, figure), goal, f"needs a {phase} phase of both", ours, theirs
+            )
+            rows.append(
+                {
+                    "threads": threads,
+                    "name": f"{name}, {EDGEPATH} / {LLAMA_SERVER}",
+                    "goal": goal,
+                    "value": value,
+                    "ours": _figure(ours, figure),
+                    "theirs": _figure(theirs, figure),
+                    "answered": f"{_answered(ours)} vs {_answered(theirs)}",
+                    "verdict": verdict,
+                }
+            )
+        warm = find(report, EDGEPATH, threads, "prefix-seq-warm")
+        cold = find(report, EDGEPATH, threads, "prefix-seq-cold")
+        why = f"needs the shared-prefix phases of {EDGEPATH}"
+        value, verdict = _judge(_figure(warm, "ttft_p50_ms"), _figure(cold, "ttft_p50_ms"), "<=0.1", why, warm, cold)
+        rows.append(
+            {
+                "threads": threads,
+                "name": f"shared prefix: {EDGEPATH} warm TTFT p50 / its cold TTFT",
+                "goal": "<=0.1",
+                "value": value,
+                "ours": _figure(warm, "ttft_p50_ms"),
+                "theirs": _figure(cold, "ttft_p50_ms"),
+                "answered": f"{_answered(warm)} vs {_answered(cold)}",
+                "verdict": verdict,
+            }
+        )
+    for batch in report.get("batching", []):
+        ours, theirs = batch.get("edgepath", {}), batch.get("llama-batched-bench", {})
+        why = ours.get("error") or theirs.get("error") or "no figures"
+        value, verdict = _judge(ours.get("many"), theirs.get("many"), ">=0.95", why)
+        rows.append(
+            {
+                "threads": str(batch["threads"]),
+                "name": f"decode tokens/s at {batch['slots']} sequences, {EDGEPATH}'s handler / llama-batched-bench",
+                "goal": ">=0.95",
+                "value": value,
+                "ours": ours.get("many"),
+                "theirs": theirs.get("many"),
+                "answered": "-",
+                "verdict": verdict,
+            }
+        )
+    return rows
+
+
+def _f(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _threads_line(report: dict[str, Any]) -> str:
+    """What each thread setting meant for each system: the count asked for, or its default and what it reported."""
+    parts = []
+    for result in report["results"]:
+        if result["threads"] != "default":
+            continue
+        reported = result.get("threads_reported")
+        said = f"{reported} reported" if reported is not None else "count not reported"
+        parts.append(f"{result['system']} {said} ({result.get('threads_default') or 'its default'})")
+    return ("Defaults: " + "; ".join(parts) + ".") if parts else ""
+
+
+def _rates_line(report: dict[str, Any]) -> str:
+    parts = []
+    for result in report["results"]:
+        if result.get("capacity_rps") is None:
+            continue
+        basis = result.get("rate_basis_rps")
+        ref = " (reference)" if result.get("reference") else ""
+        parts.append(
+            f"{result['system']} at threads {result['threads']}{ref}: capacity {_f(result['capacity_rps'], 3)}/s, "
+            f"Poisson rates fractions of {_f(basis, 3)}/s"
+        )
+    return "; ".join(parts)
+
+
+def table(report: dict[str, Any]) -> str:
+    """The README block: how it was measured, one table per thread setting, the targets, what the columns mean."""
+    setup, prompts, slo = report["setup"], report["prompts"], report["slo"]
+    peer = ""
+    if LLAMA_SERVER in report["systems"]:
+        build = report.get("llama_server") or {}
+        built = build.get("built_from") or f"not available: {build.get('error', 'not built')}"
+        peer = f" llama-server (`-np {setup['slots']} -c {setup['slots'] * setup['ctx_per_slot']}`): {built}."
+    head = (
+        f"Measured {report['measured_at']} on {report['machine']}, load average {report['loadavg_at_start']:.2f} "
+        f"at start (`{report['command']}`, {report.get('run_seconds', '?')} s): {Path(setup['model']).name}, "
+        f"{setup['slots']} slots, {setup['ctx_per_slot']} positions per slot, max_tokens {setup['max_tokens']}, "
+        f"temperature 0, streamed over HTTP/1.1. Prompts {prompts['tokens']} tokens (log-uniform, seed "
+        f"{prompts['seed']}), different in every phase; shared prefix: a {prompts['prefix_tokens']}-token system "
+        f"prompt.{peer}"
+        + (f" Handler options: {', '.join(setup['handler_options'])}." if setup["handler_options"] else "")
+    )
+    settings = [
+        f"Thread settings: {', '.join(report['threads'])}.",
+        _threads_line(report),
+        f"Rates: {_rates_line(report)}.",
+    ]
+    if report["quick"]:
+        settings.append("**Smoke test (--quick): too few requests for the figures to mean anything.**")
+    lines = [head, "", " ".join(part for part in settings if part)]
+    for threads in report["threads"]:
+        lines += [
+            "",
+            f"**threads: {threads}**",
+            "",
+            "| phase | system | answered/sent | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | goodput/s "
+            "| server CPU ms/request | notes |",
+            "|" + "---|" * 9,
+        ]
+        for result in (r for r in report["results"] if r["threads"] == threads and "error" in r):
+            lines.append(f"| - | {result['system']} | did not finish: {result['error']} | | | | | | |")
+        phases = list(
+            dict.fromkeys(row["phase"] for r in report["results"] if r["threads"] == threads for row in r["phases"])
+        )
+        for phase in phases:
+            for result in (r for r in report["results"] if r["threads"] == threads):
+                row = next((x for x in result["phases"] if x["phase"] == phase), None)
+                if row is not None:
+                    lines.append(_row(result["system"], row))
+    lines += ["", "| threads | target | edgepath | other | ratio | goal | verdict | answered (edgepath vs other) |"]
+    lines.append("|" + "---|" * 8)
+    for t in report["targets"]:
+        lines.append(
+            f"| {t['threads']} | {t['name']} | {_f(t['ours'], 1)} | {_f(t['theirs'], 1)} | {_f(t['value'], 2)} "
+            f"| {t['goal'].replace('<=', '≤ ').replace('>=', '≥ ')} | {t['verdict']} | {t['answered']} |"
+        )
+    lines += [
+        "",
+        f"TTFT and ITL are over answered requests only (answered/sent; refused = 429 at once). Goodput: requests/s "
+        f"whose first token came within {slo['ttft_s']:g} s and whose median inter-token gap was within "
+        f"{slo['itl_p50_s'] * 1e3:g} ms; refused and failed requests count as missing it. ITL is the gap between "
+        "streamed content chunks. Server CPU: utime + stime of every server process over the phase, per answered "
+        "request. There is no queue-time column: edgepath's `x-queue-time` covers the edge's event loop, not the "
+        "wait behind a `llama_decode` step, so it did not measure what a batcher's queue wait measures; TTFT "
+        "includes every wait. Edge stages: edgepath's own Server-Timing, request in to the slot server's doorbell. "
+        f"client-bound: the load generator sent > {CLIENT_BOUND_LAG * 1e3:g} ms late (p99) or used > "
+        f"{CLIENT_BOUND_CPU:.0%} of a core.",
+    ]
+    return "\n".join(lines)
+
+
+def _row(system: str, row: dict[str, Any]) -> str:
+    notes = []
+    if row["rate_rps"]:
+        notes.append(f"{row['rate_rps']:.3f}/s offered")
+    if row["not_finished"]:
+        notes.append(f"{row['not_finished']} did not finish ({'; '.join(row['errors'])})")
+    if row["cached_tokens_mean"] is not None and row["cached_tokens_mean"] > 0:
+        notes.append(f"{row['cached_tokens_mean']:.0f} prompt tokens cached per request")
+    if row["tokens_per_chunk"] is not None and row["tokens_per_chunk"] > 1.05:
+        notes.append(f"{row['tokens_per_chunk']:.2f} tokens per chunk")
+    if row["edge_ms_p50"] is not None:
+        notes.append(f"edge stages {row['edge_ms_p50']:.1f} ms p50")
+    if row["client_bound"]:
+        notes.append("client-bound")
+    answered = f"{row['ok']}/{row['requests']}" + (f" ({row['refused_share']:.0%} 429)" if row["refused_429"] else "")
+    return (
+        f"| {phase_label(row['phase'])} | {system} | {answered} | {_f(row['ttft_p50_ms'])} / {_f(row['ttft_p99_ms'])} "
+        f"| {_f(row['itl_p50_ms'], 1)} / {_f(row['itl_p99_ms'], 1)} | {_f(row['output_tok_s'], 1)} "
+        f"| {_f(row['goodput_rps'], 3)} | {_f(row['server_cpu_ms_per_request'])} | {', '.join(notes)} |"
+    )
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Per thread setting: TTFT p50 (bars) and p99 (markers) per phase, and output tokens/s, one bar per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["threads"]
+    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False, sharey="row")
+    for col, threads in enumerate(settings):
+        results = [r for r in report["results"] if r["threads"] == threads and r["phases"]]
+        phases = list(dict.fromkeys(row["phase"] for r in results for row in r["phases"]))
+        width = 0.8 / max(1, len(results))
+        ttft_ax, tok_ax = axes[0][col], axes[1][col]
+        for k, result in enumerate(results):
+            by_phase = {row["phase"]: row for row in result["phases"]}
+            xs = [i + (k - (len(results) - 1) / 2) * width for i, p in enumerate(phases) if p in by_phase]
+            rows = [by_phase[p] for p in phases if p in by_phase]
+            p50 = [row["ttft_p50_ms"] or float("nan") for row in rows]
+            bars = ttft_ax.bar(xs, p50, width * 0.9, label=result["system"])
+            color = bars.patches[0].get_facecolor() if bars.patches else None
+            ttft_ax.scatter(xs, [row["ttft_p99_ms"] or float("nan") for row in rows], marker="v", color=color, zorder=3)
+            tok_ax.bar(xs, [row["output_tok_s"] or float("nan") for row in rows], width * 0.9, color=color)
+        for ax in (ttft_ax, tok_ax):
+            ax.set_xticks(range(len(phases)), phases, rotation=35, ha="right", fontsize="small")
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+        ttft_ax.set_yscale("log")
+        ttft_ax.set_ylabel("time to first token, ms (bar p50, ▼ p99)")
+        ttft_ax.set_title(f"threads: {threads}")
+        ttft_ax.legend(fontsize="small")
+        tok_ax.set_ylabel("output tokens/s")
+    fig.suptitle(f"streamed chat completions, {Path(report['setup']['model']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+MODEL_BEGIN, MODEL_END = "<!-- bench:model:begin -->", "<!-- bench:model:end -->"
+
+
+def rewrite_readme(readme: Path, text: str, png: Path) -> None:
+    """Replace the README's model block with ``text`` and the plot (copied to docs/ next to the README)."""
+    if MODEL_BEGIN not in readme.read_text():  # before the plot is copied
+        raise SystemExit(f"{readme}: no {MODEL_BEGIN} ... {MODEL_END} block to rewrite")
+    target = readme.parent / "docs" / "model.png"
+    target.parent.mkdir(exist_ok=True)
+    shutil.copyfile(png, target)
+    rewrite_block(readme, "model", f"{text}\n\n![time to first token and throughput per phase](docs/model.png)")

@@ -1,0 +1,308 @@
+"""Command-line options declared once, on the fields of the configuration they fill.
+
+A command's configuration is a dataclass (:class:`~edgepath.config.ServeOptions`,
+:class:`~edgepath.config.SlotServerSettings`, ...) whose fields are declared with :func:`option`: the
+default, the help, the parser of the text and the flag.  From that one declaration :func:`add_options`
+builds the argparse arguments (defaults taken from the fields), :func:`from_args` makes the
+configuration from what was parsed, and :func:`to_argv` writes the command line that makes the same
+configuration again -- how ``serve`` starts its slot server and its edge workers.  A field holding
+another configuration (a dataclass made by its ``default_factory``, e.g. the data path) brings that one's
+options along.
+
+Every option is given at most once: a repeated single-valued option is an error (argparse would keep
+the last one silently), and only an option declared ``repeat`` collects several values.
+
+The value parsers below check a flag's text and say what is allowed; they are argparse ``type``
+functions, so a mistake is one line naming the option and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_OPTION = "edgepath.option"
+_GIVEN = "_edgepath_given"  # the namespace attribute that records which single-valued options were given
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one configuration field appears on the command line."""
+
+    help: str
+    name: str | None = None  # default: --<field-name>
+    type: Callable[[str], Any] | None = None  # parses and checks the text (an argparse type)
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    switch: bool = False  # present or not (a bool field)
+    repeat: bool = False  # given once per value; the field holds a tuple
+    spread: tuple[str, ...] = ()  # one flag filling several fields: its value is a tuple, in this order
+    text: Callable[[Any], str] = str  # one value as the command line writes it
+    worker: bool = True  # serve: carried to each edge worker's command line
+
+    def flag(self, field_name: str) -> str:
+        return self.name or "--" + field_name.replace("_", "-")
+
+
+def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, help: str, **flag: Any) -> Any:
+    """A configuration field that is also a command-line option (``flag``: the :class:`Flag` fields)."""
+    metadata = {_OPTION: Flag(help, **flag)}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """An option of a configuration class, or (``flag`` None) a group field whose class has more."""
+
+    field: str
+    flag: Flag | None
+    default: Any = None
+    group: type[Any] | None = None
+
+
+def _declared(cls: type[Any]) -> Iterator[_Declared]:
+    """The options of ``cls``; every field must be one (or be filled by one), else it could never be set
+    from the command line, nor reach a child's: such a class is refused here, when a parser is built."""
+    fields = dataclasses.fields(cls)
+    spread = {name for f in fields if _OPTION in f.metadata for name in f.metadata[_OPTION].spread}
+    for f in fields:
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            yield _Declared(f.name, None, group=f.default_factory)
+        elif _OPTION in f.metadata:
+            flag = f.metadata[_OPTION]
+            if flag.spread:
+                defaults = {g.name: _default(g) for g in fields if g.name in flag.spread}
+                default: Any = tuple(defaults[name] for name in flag.spread)
+            else:
+                default = _default(f)
+            yield _Declared(f.name, flag, default)
+        elif f.name not in spread:
+            raise TypeError(f"{cls.__name__}.{f.name} is not a command-line option: declare it with option()")
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None if f.default is MISSING else f.default
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """The options of configuration ``cls`` (and of its groups), in field order, defaults from the fields."""
+    for item in _declared(cls):
+        if item.flag is None:
+            assert item.group is not None
+            add_options(parser, item.group)
+            continue
+        flag = item.flag
+        kwargs: dict[str, Any] = {"help": flag.help}
+        if flag.switch:
+            if item.default is not False:
+                raise TypeError(f"{cls.__name__}.{item.field}: a switch is off unless given (default False)")
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=flag.type, choices=flag.choices, metavar=flag.metavar)
+            if flag.repeat:
+                kwargs["action"] = "append"
+                kwargs["default"] = None  # argparse appends to a default list: the field's default applies instead
+            else:
+                kwargs["default"] = item.default
+        parser.add_argument(flag.flag(item.field), **kwargs)
+
+
+def _dest(flag: Flag, field_name: str) -> str:
+    return flag.flag(field_name).lstrip("-").replace("-", "_")
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """The configuration ``cls`` from parsed flags (built by :func:`add_options`)."""
+    values: dict[str, Any] = {}
+    for item in _declared(cls):
+        flag = item.flag
+        if flag is None:
+            assert item.group is not None
+            values[item.field] = from_args(item.group, args)
+            continue
+        value = getattr(args, _dest(flag, item.field))
+        if flag.repeat:
+            if value is not None:
+                values[item.field] = tuple(value)
+        elif flag.spread:
+            values.update((name, v) for name, v in zip(flag.spread, value, strict=True) if v is not None)
+        else:
+            values[item.field] = value
+    return cls(**values)
+
+
+def to_argv(config: Any, keep: Callable[[Flag], bool] = lambda flag: True) -> list[str]:
+    """The flags that make ``config`` again (those ``keep`` accepts); unset (None) and false values are left out."""
+    argv: list[str] = []
+    for item in _declared(type(config)):
+        value = getattr(config, item.field)
+        flag = item.flag
+        if flag is None:
+            argv += to_argv(value, keep)
+            continue
+        if not keep(flag):
+            continue
+        name = flag.flag(item.field)
+        if flag.spread:
+            value = tuple(getattr(config, field_name) for field_name in flag.spread)
+        if flag.switch:
+            argv += [name] if value else []
+        elif flag.repeat:
+            argv += [arg for v in value for arg in (name, flag.text(v))]
+        elif value is not None:
+            argv += [name, flag.text(value)]
+    return argv
+
+
+# -- once only ------------------------------------------------------------------------------------------
+
+
+def _once(action: argparse.Action, parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+    given = namespace.__dict__.setdefault(_GIVEN, set())
+    if action.dest in given:
+        name = "/".join(action.option_strings)
+        what = "it is a switch" if action.nargs == 0 else "it takes one value"
+        parser.error(f"{name} is given more than once: {what} (give it once)")
+    given.add(action.dest)
+
+
+class _Once(argparse.Action):
+    """Refuses a second occurrence of its option instead of keeping the last one silently."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        _once(self, parser, namespace)
+        super().__call__(parser, namespace, values, option)
+
+
+class StoreOnce(_Once, argparse._StoreAction):
+    """argparse's ``store``, given at most once."""
+
+
+class StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    """argparse's ``store_true``, given at most once."""
+
+
+def once_only(parser: argparse.ArgumentParser) -> None:
+    """Make ``store`` and ``store_true`` options of ``parser`` (and of the parsers it adds) refuse repeats."""
+    parser.register("action", None, StoreOnce)
+    parser.register("action", "store", StoreOnce)
+    parser.register("action", "store_true", StoreTrueOnce)
+
+
+# -- value parsers --------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _number(text: str, zero_allowed: bool) -> float:
+    """A finite number > 0 (or >= 0): NaN, infinities and words are refused with what is allowed."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 if zero_allowed else value > 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    return _number(text, zero_allowed=True)
+
+
+def positive_float(text: str) -> float:
+    return _number(text, zero_allowed=False)
+
+
+def port_number(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
+    return int(text)
+
+
+def readable_file(text: str) -> str:
+    path = Path(text)
+    if not path.is_file():
+        why = "is not a file" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (it {why})")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (no permission to read it)")
+    return text
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def key_value_text(pair: tuple[str, str]) -> str:
+    return f"{pair[0]}={pair[1]}"
+
+
+def handler_spec(text: str) -> str:
+    """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
+    starts, without building it (a model is loaded by the slot server, once)."""
+    from edgepath.handlers import find_handler
+
+    try:
+        find_handler(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
+def seconds_in(per_second: float) -> tuple[Callable[[str], float], Callable[[float], str]]:
+    """A duration the command line gives in 1/``per_second`` seconds (``--spin-us``: 1e6) and the configuration
+    holds in seconds: the parser (>= 0) and the writer of such a flag."""
+
+    def parse(text: str) -> float:
+        return non_negative_float(text) / per_second
+
+    def write(seconds: float) -> str:
+        return f"{seconds * per_second:.12g}"
+
+    return parse, write
+
+
+def slots_spec(memory: Sequence[str]) -> Callable[[str], tuple[str, int | None]]:
+    """``--slots``: a count (``64``), a memory kind (one of ``memory``) or both (``gpu:64``)."""
+
+    def parse(text: str) -> tuple[str, int | None]:
+        kind, sep, count = text.partition(":")
+        if not sep and kind.isdigit():
+            kind, count = "host", text
+        if kind not in memory or (sep and not count.isdigit()) or (count and int(count) <= 0):
+            raise argparse.ArgumentTypeError(
+                f"expected N, KIND or KIND:N (e.g. gpu:N) with KIND one of {', '.join(memory)} and N > 0, got {text!r}"
+            )
+        return kind, int(count) if count else None
+
+    return parse
