@@ -428,8 +428,12 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         return us / 1e6 if us else default_window
 
     def sampling(self) -> Sampling:
+        """The request's sampling parameters (a zeroed header, greedy, is one shared value: no allocation)."""
         p = self._p
-        return Sampling(p.temperature, p.top_p, p.top_k, p.seed)
+        temperature, top_p, top_k, seed = p.temperature, p.top_p, p.top_k, p.seed
+        if not (temperature or top_p or top_k or seed):
+            return _ZEROED
+        return Sampling(temperature, top_p, top_k, seed)
 
 
 class ResultHeader(_StructView, struct="ep_result_header"):
@@ -510,6 +514,10 @@ class Sampling:
             raise RequestInvalid(f"top_k must be a non-negative integer, got {self.top_k}")
         if not 0 <= self.seed < 2**64:
             raise RequestInvalid(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+
+
+#: the sampling of a zeroed request header: greedy, no nucleus cut
+_ZEROED = Sampling(0.0, 0.0, 0, 0)
 
 
 def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:

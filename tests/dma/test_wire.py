@@ -30,6 +30,7 @@ def test_views_read_and_write_the_frame_memory_in_place() -> None:
     layout = FrameLayout(8, 4)
     frames = FrameArray(np.zeros(2 * layout.stride, dtype=np.uint8), 0, 2, layout)
     req, res = frames.request_headers[1], frames.result_headers[1]
+    assert req.sampling() == wire.Sampling(0.0, 0.0, 0, 0)  # a zeroed header: greedy, no cut
     sampling = wire.Sampling(0.5, 0.9, 40, 7)
     req.fill(11, 3, 4, wire.FLAG_STREAM, sampling, 100, 200)
     req.stamp(2**32 + 5, 3, 1)  # the generation is the word's 32 bits
