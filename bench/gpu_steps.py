@@ -950,7 +950,7 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         sys.modules["cupy"] = FakeCupy(build_twin(tmp))
         gpu.build_poller = lambda *_: Path("host-twin")
-    from edgepath.dpu.demo import run_demo
+    from edgepath.demo import run_demo
 
     out: dict[str, Any] = {}
     for concurrency in (1, 8):

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.transport import Access, make_transport
+from edgepath.dma.registry import make_transport
+from edgepath.dma.transport import Access
 
 
 def _stats(samples: list[int]) -> dict[str, float]:

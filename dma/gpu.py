@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.dma.pool import SlotPool
+from edgepath.dma.slot_config import SLOT_MEMORY
 from edgepath.native.abi import ffi, lib
 from edgepath.native.cuda_build import CudaBuildError, build_poller, ctrl_words, ring_words
 
@@ -51,8 +52,7 @@ _COUNTERS = {
 # hand-off ring entries, read from edgepath_poller.h (EP_RING_*): {seq, value, detect_ns, cycles}
 _RING = ring_words()
 
-# Slot memory kinds (--slots KIND) and the data paths each can be written by.
-SLOT_MEMORY = ("host", "gpu", "gpu-device")
+# Slot memory kinds (--slots KIND, edgepath.dma.slot_config) and the data paths each can be written by.
 _PLACEMENTS = {
     ("loopback", "host"): None,
     ("verbs", "host"): None,

@@ -18,10 +18,8 @@ Three simpler shapes are adapted to it, so a handler can be as small as a functi
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import inspect
 import logging
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -265,7 +263,7 @@ class PacedEcho:
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> PacedEcho:
-        return cls(_seconds_option(config, "paced-echo", "token_delay", 0.005))
+        return cls(seconds_option(config, "paced-echo", "token_delay", 0.005))
 
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
         total = min(len(request.tokens), len(request.output))
@@ -303,13 +301,7 @@ class PacedEcho:
         self._running.clear()
 
 
-def _llama(config: HandlerConfig) -> BatchHandler:
-    from edgepath.model.llama import LlamaHandler  # optional extra: imported only when asked for
-
-    return LlamaHandler.from_config(config)
-
-
-def _seconds_option(config: HandlerConfig, handler: str, name: str, default: float) -> float:
+def seconds_option(config: HandlerConfig, handler: str, name: str, default: float) -> float:
     """The one numeric option a built-in takes; any other option is an error naming the allowed one."""
     unknown = set(config.options) - {name}
     if unknown:
@@ -321,27 +313,6 @@ def _seconds_option(config: HandlerConfig, handler: str, name: str, default: flo
     if not value >= 0:  # also refuses NaN
         raise HandlerError(f"{handler}: {name} must be >= 0 seconds, got {value}")
     return value
-
-
-def _echo(config: HandlerConfig) -> BatchHandler:
-    """Echo; with ``delay=SECONDS`` each request holds the server for that long first -- a stand-in for a
-    model with a known capacity (one request per delay, one at a time)."""
-    delay = _seconds_option(config, "echo", "delay", 0.0)
-    if not delay:
-        return FunctionHandler(echo, config.deadline, max(1, config.slots))
-
-    def delayed_echo(request: SlotRequest) -> int:
-        time.sleep(delay)
-        return echo(request)
-
-    return FunctionHandler(delayed_echo, config.deadline, max(1, config.slots))
-
-
-BUILTIN: dict[str, Callable[[HandlerConfig], BatchHandler]] = {
-    "echo": _echo,
-    "paced-echo": PacedEcho.from_config,
-    "llama": _llama,
-}
 
 
 def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
@@ -360,27 +331,3 @@ def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:
     if callable(obj):
         return FunctionHandler(obj, config.deadline, max(1, config.slots))
     raise HandlerError(f"{obj!r} is not a handler: expected a function, a generator function or a BatchHandler")
-
-
-def find_handler(spec: str) -> Callable[[HandlerConfig], BatchHandler]:
-    """What ``spec`` names -- a built-in (``echo``, ``paced-echo``, ``llama``) or
-    ``package.module:attribute`` -- resolved but not built (no model is loaded): a clear error for
-    anything else, so a command line can be checked before anything starts."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise HandlerError(f"unknown handler {spec!r}: use a built-in ({', '.join(BUILTIN)}) or 'module:attribute'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HandlerError(f"handler {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise HandlerError(f"handler {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return lambda config: adapt(obj, config)
-
-
-def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
-    """The handler ``spec`` names (see :func:`find_handler`), built for ``config``."""
-    return find_handler(spec)(config)

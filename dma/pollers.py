@@ -32,9 +32,12 @@ Started = tuple[int, int, int]
 class Poller(Protocol):
     rejected_doorbells: int
     expired_leases: int
+    #: slots are handed over by something that runs on its own (a GPU kernel): a doorbell completion is only
+    #: a hint, so :meth:`started` is asked every loop turn, not only when doorbells arrived
+    hands_over: bool
 
     def started(self, doorbells: list[int], now_ns: int) -> list[Started]:
-        """Slots made RUNNING by these doorbell completions (``conn_id << 32 | imm`` each)."""
+        """Slots made RUNNING by these doorbell completions (:func:`~edgepath.dma.wire.doorbell_entry` each)."""
         ...
 
     def scan_leases(self, now_ns: int) -> int:
@@ -51,6 +54,8 @@ class Poller(Protocol):
 class HostPoller:
     """The CPU poller: ``ep_accept_doorbells`` (CLAIMED -> READY, same C code as the kernel) then
     READY -> RUNNING at once, in one pass over the completion batch."""
+
+    hands_over = False
 
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
@@ -110,6 +115,8 @@ class GpuDoorbellPoller:
     after doorbells the ring is watched for up to ``handoff_wait`` seconds.  Lease expiry is asked of
     the kernel (the one writer of CLAIMED words) with the same rule as ``ep_scan_leases``."""
 
+    hands_over = True
+
     def __init__(self, pool: SlotPool, cuda: CudaPoller | DeviceSlots, handoff_wait: float) -> None:
         self.pool = pool
         self.cuda = cuda
@@ -147,7 +154,7 @@ class GpuDoorbellPoller:
 
     def scan_leases(self, now_ns: int) -> int:
         words = self._states().copy()
-        claimed = (words & np.uint64(wire.STATE_MASK)) == State.CLAIMED
+        claimed = wire.in_state(words, State.CLAIMED)
         changed = words != self._lease_word
         self._lease_ns[changed] = now_ns
         self._lease_word[:] = words

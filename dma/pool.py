@@ -10,10 +10,11 @@ registered MR, GPU-mapped memory): they never copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from edgepath.dma.wire import STATE_MASK, SlotWord
+from edgepath.dma.wire import RequestHeader, ResultHeader, SlotWord, in_state
 from edgepath.native.abi import (
     POOL_HEADER,
     REQUEST_HEADER,
@@ -22,6 +23,8 @@ from edgepath.native.abi import (
     ffi,
     lib,
 )
+
+_V = TypeVar("_V", RequestHeader, ResultHeader)
 
 
 class PoolError(ValueError):
@@ -57,38 +60,43 @@ class FrameLayout:
         return RESULT_HEADER.itemsize + 4 * output_count
 
 
-def header_pointers(rows: np.ndarray, offset: int, ctype: str) -> list:
-    """A C pointer (``ctype``, e.g. ``struct ep_request_header *``) to byte ``offset`` of each row of
-    ``rows``: the hot path reads and writes headers through these, a numpy structured field access
-    costing about ten times more.  They point into ``rows``' memory, which their owner keeps alive."""
+def header_views(rows: np.ndarray, offset: int, view: type[_V]) -> list[_V]:
+    """A typed header view (:class:`~edgepath.dma.wire.RequestHeader` or ``ResultHeader``) of byte
+    ``offset`` of each row of ``rows``: the hot path reads and writes headers through these, a numpy
+    structured field access costing about ten times more.  They point into ``rows``' memory, which
+    their owner keeps alive."""
     base = int(rows.__array_interface__["data"][0]) + offset
     stride = int(rows.strides[0])
-    return [ffi.cast(ctype, base + i * stride) for i in range(rows.shape[0])]
+    return [view.at(base + i * stride) for i in range(rows.shape[0])]
 
 
-class FrameArray:
+class _Frames:
+    """Typed views of ``count`` frames: request parts (header, tokens) and result parts (header, output)."""
+
+    layout: FrameLayout
+    count: int
+
+    def _view(self, requests: np.ndarray, request_at: int, replies: np.ndarray, result_at: int) -> None:
+        """Views of the rows of ``requests`` from byte ``request_at`` and of ``replies`` from ``result_at``."""
+        layout, count = self.layout, self.count
+        tokens_at, output_at = request_at + REQUEST_HEADER.itemsize, result_at + RESULT_HEADER.itemsize
+        self.requests = requests[:, request_at:tokens_at].view(REQUEST_HEADER).reshape(count)
+        self.tokens = requests[:, tokens_at : tokens_at + 4 * layout.input_capacity].view(np.int32)
+        self.results = replies[:, result_at:output_at].view(RESULT_HEADER).reshape(count)
+        self.outputs = replies[:, output_at : output_at + 4 * layout.output_capacity].view(np.int32)
+        self.request_headers = header_views(requests, request_at, RequestHeader)
+        self.result_headers = header_views(replies, result_at, ResultHeader)
+
+
+class FrameArray(_Frames):
     """``count`` frames laid out back to back in ``buf`` starting at byte ``offset``."""
 
     def __init__(self, buf: np.ndarray, offset: int, count: int, layout: FrameLayout) -> None:
         self.layout = layout
         self.count = count
         self.offset = offset
-        stride = layout.stride
-        need = offset + count * stride
-        if buf.nbytes < need:
-            raise PoolError(f"frame array needs {need} bytes, buffer has {buf.nbytes}")
-        raw = buf[offset:need].reshape(count, stride)
-        res = layout.result_offset
-        self.raw = raw
-        self.requests = raw[:, : REQUEST_HEADER.itemsize].view(REQUEST_HEADER).reshape(count)
-        self.tokens = raw[:, REQUEST_HEADER.itemsize : REQUEST_HEADER.itemsize + 4 * layout.input_capacity].view(
-            np.int32
-        )
-        self.results = raw[:, res : res + RESULT_HEADER.itemsize].view(RESULT_HEADER).reshape(count)
-        out0 = res + RESULT_HEADER.itemsize
-        self.outputs = raw[:, out0 : out0 + 4 * layout.output_capacity].view(np.int32)
-        self.request_headers = header_pointers(raw, 0, "struct ep_request_header *")
-        self.result_headers = header_pointers(raw, res, "struct ep_result_header *")
+        self.raw = _rows(buf, offset, count, layout.stride, "frame array")
+        self._view(self.raw, 0, self.raw, layout.result_offset)
 
     def frame_offset(self, index: int) -> int:
         """Byte offset of frame ``index`` within the underlying buffer."""
@@ -108,7 +116,7 @@ def request_stride(input_capacity: int) -> int:
     return REQUEST_HEADER.itemsize + -(-4 * input_capacity // 64) * 64
 
 
-class AgentFrames:
+class AgentFrames(_Frames):
     """An agent's frames, split for least privilege: requests in one region (only the edge writes it,
     and it is sent from, never written by a peer) and replies in another (the one region a slot server
     may write).  Same attributes as :class:`FrameArray` for the code that fills and reads frames."""
@@ -125,22 +133,10 @@ class AgentFrames:
         self.layout = layout
         self.count = count
         self.request_stride = request_stride(layout.input_capacity)
-        self.reply_stride = reply_stride(layout.output_capacity)
         self.requests_offset = requests_offset
-        self.replies_offset = replies_offset
-        req = _rows(requests_buf, requests_offset, count, self.request_stride, "request")
-        rep = _rows(replies_buf, replies_offset, count, self.reply_stride, "reply")
-        self.raw = req
-        self.requests = req[:, : REQUEST_HEADER.itemsize].view(REQUEST_HEADER).reshape(count)
-        self.tokens = req[:, REQUEST_HEADER.itemsize : REQUEST_HEADER.itemsize + 4 * layout.input_capacity].view(
-            np.int32
-        )
-        self.results = rep[:, : RESULT_HEADER.itemsize].view(RESULT_HEADER).reshape(count)
-        self.outputs = rep[:, RESULT_HEADER.itemsize : RESULT_HEADER.itemsize + 4 * layout.output_capacity].view(
-            np.int32
-        )
-        self.request_headers = header_pointers(req, 0, "struct ep_request_header *")
-        self.result_headers = header_pointers(rep, 0, "struct ep_result_header *")
+        self.raw = _rows(requests_buf, requests_offset, count, self.request_stride, "request region")
+        replies = _rows(replies_buf, replies_offset, count, reply_stride(layout.output_capacity), "reply region")
+        self._view(self.raw, 0, replies, 0)
 
     @staticmethod
     def sizes(count: int, layout: FrameLayout) -> tuple[int, int]:
@@ -155,7 +151,7 @@ class AgentFrames:
 def _rows(buf: np.ndarray, offset: int, count: int, stride: int, what: str) -> np.ndarray:
     need = offset + count * stride
     if buf.nbytes < need:
-        raise PoolError(f"{what} region needs {need} bytes, buffer has {buf.nbytes}")
+        raise PoolError(f"{what} needs {need} bytes, buffer has {buf.nbytes}")
     return buf[offset:need].reshape(count, stride)
 
 
@@ -223,7 +219,7 @@ class SlotPool:
         return SlotWord.unpack(self.word(slot))
 
     def count(self, state: State) -> int:
-        return int(np.count_nonzero((self.states & np.uint64(STATE_MASK)) == int(state)))
+        return int(np.count_nonzero(in_state(self.states, state)))
 
     def free_count(self) -> int:
         return self.count(State.FREE)

@@ -38,6 +38,9 @@ class Access(enum.IntFlag):
     REMOTE_ATOMIC = 4
 
 
+_ATOMIC, _WRITE, _READ = int(Access.REMOTE_ATOMIC), int(Access.REMOTE_WRITE), int(Access.REMOTE_READ)
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     """An immediate-data completion: which connection it arrived on, and the 32-bit immediate."""
@@ -93,7 +96,12 @@ class TransferCounters:
 
 
 class Connection(abc.ABC):
-    """A reliable connection to one peer (an RC queue pair)."""
+    """A reliable connection to one peer (an RC queue pair).
+
+    The verbs are written once, here: each checks that the connection is open and that the peer granted
+    the access and the bounds, moves the data through the transport's own primitive (``_cas``, ``_put``,
+    ``_get``, and ``_put_then_imm`` where it can post a write and its doorbell at once), and counts what
+    crossed.  A transport implements the primitives and the connection's management."""
 
     #: the id this side's completions carry for this connection
     conn_id: int
@@ -104,34 +112,56 @@ class Connection(abc.ABC):
     #: the peer's connection private data (e.g. pool dimensions)
     peer_info: dict[str, Any]
     counters: TransferCounters
+    #: False once the connection is closed (or failed): every verb refuses
+    _alive: bool
 
-    @abc.abstractmethod
+    def _closed(self) -> None:
+        raise TransportError(f"connection {self.conn_id} is closed")
+
+    def _check(self, remote: RemoteRegion, offset: int, length: int, need: int) -> None:
+        """The connection is open, and ``remote`` grants ``need`` on ``[offset, offset + length)``."""
+        if not self._alive:
+            self._closed()
+        remote.check(offset, length, need)
+
     def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
         """Atomic CAS on a remote u64; returns the value found (== expected on success)."""
+        self._check(remote, offset, 8, _ATOMIC)
+        if offset & 7:
+            raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
+        found = self._cas(remote, offset, expected, desired)
+        self.counters.cas += 1
+        return found
 
-    @abc.abstractmethod
     def write(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         """RDMA WRITE; returns once the data is placed (the send completion)."""
+        self._check(remote, remote_offset, length, _WRITE)
+        self._put(local, local_offset, remote, remote_offset, length, None)
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
 
-    @abc.abstractmethod
     def write_with_imm(
-        self,
-        local: MemoryRegion,
-        local_offset: int,
-        remote: RemoteRegion,
-        remote_offset: int,
-        length: int,
-        imm: int,
+        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int, imm: int
     ) -> None:
         """RDMA WRITE_WITH_IMM: the data, then a completion carrying ``imm`` on the peer's CQ."""
+        self._check(remote, remote_offset, length, _WRITE)
+        self._put(local, local_offset, remote, remote_offset, length, imm & 0xFFFFFFFF)
+        counters = self.counters
+        counters.writes += 1
+        counters.bytes_written += length
 
-    @abc.abstractmethod
     def read(
         self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
     ) -> None:
         """RDMA READ into local memory."""
+        self._check(remote, remote_offset, length, _READ)
+        self._get(local, local_offset, remote, remote_offset, length)
+        counters = self.counters
+        counters.reads += 1
+        counters.bytes_read += length
 
     def write_then_imm(
         self,
@@ -148,8 +178,34 @@ class Connection(abc.ABC):
         """A WRITE, then a WRITE_WITH_IMM (the doorbell) from the same local region to the same remote
         one; RC ordering places the data before the doorbell's completion.  A transport may post both
         at once and wait for the second only (verbs does: one round trip instead of two)."""
-        self.write(local, local_offset, remote, remote_offset, length)
-        self.write_with_imm(local, bell_offset, remote, bell_remote_offset, bell_length, imm)
+        self._check(remote, remote_offset, length, _WRITE)
+        remote.check(bell_remote_offset, bell_length, _WRITE)
+        bell = (bell_offset, bell_remote_offset, bell_length)
+        self._put_then_imm(local, local_offset, remote, remote_offset, length, bell, imm & 0xFFFFFFFF)
+        counters = self.counters
+        counters.writes += 2
+        counters.bytes_written += length + bell_length
+
+    # -- what a transport implements (arguments checked already) -------------------------------------
+    @abc.abstractmethod
+    def _cas(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
+        """The CAS itself; the value found."""
+
+    @abc.abstractmethod
+    def _put(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, imm: int | None) -> None:
+        """``n`` bytes of ``local`` from ``lo`` placed at ``ro`` of ``remote``, then, when ``imm`` is given, a
+        completion carrying it on the peer's CQ; returns once placed."""
+
+    @abc.abstractmethod
+    def _get(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int) -> None:
+        """``n`` bytes at ``ro`` of ``remote`` read into ``local`` from ``lo``."""
+
+    def _put_then_imm(
+        self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, bell: tuple[int, int, int], imm: int
+    ) -> None:
+        """A write, then ``bell`` (local offset, remote offset, length) with ``imm``: two posts by default."""
+        self._put(local, lo, remote, ro, n, None)
+        self._put(local, bell[0], remote, bell[1], bell[2], imm)
 
     @abc.abstractmethod
     def local_view(self, remote: RemoteRegion) -> np.ndarray:
@@ -258,25 +314,3 @@ def check_buffer(name: str, length: int, buffer: np.ndarray) -> None:
             f"region {name!r}: buffer must be {length} C-contiguous uint8 bytes, got {buffer.nbytes} bytes "
             f"of {buffer.dtype}{'' if buffer.flags.c_contiguous else ', not contiguous'}"
         )
-
-
-#: The transports :func:`make_transport` knows, as ``--data-path`` names them.
-TRANSPORTS = ("loopback", "verbs")
-
-
-def make_transport(name: str, **options: Any) -> Transport:
-    """A transport endpoint by name; raises TransportUnavailable naming the alternative when it
-    cannot be had (never a silent fallback to another transport)."""
-    if name == "loopback":
-        from edgepath.dma.loopback import LoopbackTransport
-
-        return LoopbackTransport(**options)
-    if name == "verbs":
-        try:
-            from edgepath.dma.verbs import VerbsTransport
-        except ImportError as exc:
-            raise TransportUnavailable(
-                f"verbs transport: not available in this build ({exc}); use --data-path loopback"
-            ) from exc
-        return VerbsTransport(**options)
-    raise ValueError(f"unknown transport {name!r}: choose one of {', '.join(TRANSPORTS)}")

@@ -36,7 +36,6 @@ CTL_HEADER = 64
 #: largest hello (exports and info, JSON) either side publishes
 HELLO_CAP = 16384
 _OP_TIMEOUT_NS = 10_000_000_000  # beyond rxe's retry budget: a dead peer shows as a failed completion first
-_ATOMIC, _WRITE, _READ = int(Access.REMOTE_ATOMIC), int(Access.REMOTE_WRITE), int(Access.REMOTE_READ)
 _OP_WRITE, _OP_WRITE_IMM, _T = lib.EP_V_WRITE, lib.EP_V_WRITE_IMM, _OP_TIMEOUT_NS
 
 
@@ -183,115 +182,41 @@ class VerbsConnection(Connection):
             why = ffi.string(lib.ep_v_status_str(rc)).decode()
         raise TransportError(f"{what} on connection {self.conn_id} failed: {why}")
 
-    def _live(self) -> None:
-        if not self._alive:
-            raise TransportError(f"connection {self.conn_id} is closed")
-
-    # Hot path: one access check per side, one cffi call, no further Python calls when it succeeds.
-    def compare_and_swap(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
-        if not self._alive:
-            self._live()
-        remote.check(offset, 8, _ATOMIC)
-        if offset & 7:
-            raise TransportError(f"atomic at offset {offset} is not 8-byte aligned")
+    # Hot path: one cffi call per verb, no further Python calls when it succeeds (Connection checked it).
+    def _cas(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
         addr, rkey = remote.handle
         rc = lib.ep_v_cas(
             self._qp, self._scq, self._ctl_ptr, self._ctl_lkey, addr + offset, rkey, expected, desired, _T
         )
         if rc:
             self._failed(rc, "compare-and-swap")
-        self.counters.cas += 1
         return int(self._ctl_ptr[0])
 
-    def write(
-        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
-    ) -> None:
-        if not self._alive:
-            self._live()
-        remote.check(remote_offset, length, _WRITE)
-        laddr, lkey = _local(local, local_offset, length)
+    def _put(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, imm: int | None) -> None:
+        laddr, lkey = _local(local, lo, n)
         addr, rkey = remote.handle
-        rc = lib.ep_v_post_wait(self._qp, self._scq, _OP_WRITE, laddr, lkey, length, addr + remote_offset, rkey, 0, _T)
+        op = _OP_WRITE if imm is None else _OP_WRITE_IMM
+        rc = lib.ep_v_post_wait(self._qp, self._scq, op, laddr, lkey, n, addr + ro, rkey, imm or 0, _T)
         if rc:
-            self._failed(rc, "write")
-        counters = self.counters
-        counters.writes += 1
-        counters.bytes_written += length
+            self._failed(rc, "write" if imm is None else "write-with-immediate")
 
-    def write_with_imm(
-        self,
-        local: MemoryRegion,
-        local_offset: int,
-        remote: RemoteRegion,
-        remote_offset: int,
-        length: int,
-        imm: int,
-    ) -> None:
-        if not self._alive:
-            self._live()
-        remote.check(remote_offset, length, _WRITE)
-        laddr, lkey = _local(local, local_offset, length)
-        addr, rkey = remote.handle
-        rc = lib.ep_v_post_wait(
-            self._qp, self._scq, _OP_WRITE_IMM, laddr, lkey, length, addr + remote_offset, rkey, imm & 0xFFFFFFFF, _T
-        )
-        if rc:
-            self._failed(rc, "write-with-immediate")
-        counters = self.counters
-        counters.writes += 1
-        counters.bytes_written += length
-
-    def write_then_imm(
-        self,
-        local: MemoryRegion,
-        local_offset: int,
-        remote: RemoteRegion,
-        remote_offset: int,
-        length: int,
-        bell_offset: int,
-        bell_remote_offset: int,
-        bell_length: int,
-        imm: int,
+    def _put_then_imm(
+        self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, bell: tuple[int, int, int], imm: int
     ) -> None:
         """Both work requests in one post, one completion waited for: one round trip, one cffi call."""
-        if not self._alive:
-            self._live()
-        remote.check(remote_offset, length, _WRITE)
-        remote.check(bell_remote_offset, bell_length, _WRITE)
-        laddr, lkey = _local(local, local_offset, length)
-        bell_laddr, _ = _local(local, bell_offset, bell_length)
+        laddr, lkey = _local(local, lo, n)
+        bell_laddr, _ = _local(local, bell[0], bell[2])
         addr, rkey = remote.handle
         rc = lib.ep_v_write_then_imm(
-            self._qp,
-            self._scq,
-            laddr,
-            lkey,
-            length,
-            addr + remote_offset,
-            rkey,
-            bell_laddr,
-            bell_length,
-            addr + bell_remote_offset,
-            imm & 0xFFFFFFFF,
-            _T,
+            self._qp, self._scq, laddr, lkey, n, addr + ro, rkey, bell_laddr, bell[2], addr + bell[1], imm, _T
         )
         if rc:
             self._failed(rc, "write + doorbell")
-        counters = self.counters
-        counters.writes += 2
-        counters.bytes_written += length + bell_length
 
-    def read(
-        self, local: MemoryRegion, local_offset: int, remote: RemoteRegion, remote_offset: int, length: int
-    ) -> None:
-        if not self._alive:
-            self._live()
-        remote.check(remote_offset, length, _READ)
-        laddr, lkey = _local(local, local_offset, length)
+    def _get(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int) -> None:
+        laddr, lkey = _local(local, lo, n)
         addr, rkey = remote.handle
-        self.post_wait(lib.EP_V_READ, laddr, lkey, length, addr + remote_offset, rkey, 0, "read")
-        self.counters.reads += 1
-        self.counters.bytes_read += length
+        self.post_wait(lib.EP_V_READ, laddr, lkey, n, addr + ro, rkey, 0, "read")
 
     def local_view(self, remote: RemoteRegion) -> np.ndarray:
         raise TransportUnavailable(

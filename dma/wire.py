@@ -4,9 +4,10 @@ Layouts come from the C header (``native/edgepath_slot.h``, via :mod:`edgepath.n
 module owns what the header cannot say on its own and every component needs: the names of the
 regions peers export and the access each grants, the encodings of the 64-bit words written
 through the transport (state, doorbell, cancel, progress) and of the 32-bit immediates that
-announce them, the request validation both the writer and the reader apply, and the keys of the
-edge <-> agent frame protocol.  No component imports another component to learn a name, and no
-component decodes a word with its own bit masks.
+announce them (slot server <-> agent and edge <-> agent), the private data each side sends when a
+connection is set up, the agent's status region, typed views of the request and result headers, and
+the request validation both the writer and the reader apply.  No component imports another component
+to learn a name, and no component decodes a word with its own bit masks.
 
 Streams of a request, by direction:
 
@@ -20,7 +21,13 @@ Streams of a request, by direction:
 
 from __future__ import annotations
 
+import inspect
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
 
 from edgepath.dma.transport import Access
 from edgepath.native.abi import Event, State, Status, StepError, ffi, lib
@@ -39,19 +46,95 @@ STATUS_REGION = "status"
 #: an edge's 8-byte landing spot for its agent's zero-length WRITE_WITH_IMM answers
 COMPLETIONS_REGION = "completions"
 
-# -- edge <-> agent frame protocol (connection private data) --------------------------------------
+# -- connection private data (what each side tells the other when a connection is set up) ---------------
+#: keys both hops send: token capacities of a frame
+INPUT_CAPACITY, OUTPUT_CAPACITY = "input_capacity", "output_capacity"
+#: keys an agent sends a slot server: how many reply entries it exports, and where the first one starts
+FRAMES, REPLIES_OFFSET = "frames", "replies_offset"
 #: keys an agent process sends an edge on accept: the edge's own range of frames
 FRAME_BASE, FRAME_COUNT = "frame_base", "frame_count"
-#: keys both sides send: token capacities of a frame
-INPUT_CAPACITY, OUTPUT_CAPACITY = "input_capacity", "output_capacity"
+#: the key an edge sends an agent process, and its value: who is connecting
+ROLE, ROLE_EDGE = "role", "edge"
+
+
+class InfoInvalid(ValueError):
+    """Connection private data that lacks a key or carries a value of the wrong kind."""
+
+
+def _ints(info: Mapping[str, Any], *keys: str) -> list[int]:
+    try:
+        return [int(info[key]) for key in keys]
+    except KeyError as exc:
+        raise InfoInvalid(f"missing {exc.args[0]!r} (has {sorted(info)})") from None
+    except (TypeError, ValueError) as exc:
+        raise InfoInvalid(f"not an integer: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHello:
+    """What an agent tells a slot server: its ``replies`` region holds ``frames`` entries of
+    ``[result header][output]`` from byte ``replies_offset``, for frames of these capacities."""
+
+    frames: int
+    input_capacity: int
+    output_capacity: int
+    replies_offset: int = 0
+
+    def info(self) -> dict[str, int]:
+        return {
+            FRAMES: self.frames,
+            INPUT_CAPACITY: self.input_capacity,
+            OUTPUT_CAPACITY: self.output_capacity,
+            REPLIES_OFFSET: self.replies_offset,
+        }
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any]) -> AgentHello:
+        frames, inputs, outputs = _ints(info, FRAMES, INPUT_CAPACITY, OUTPUT_CAPACITY)
+        (offset,) = _ints({REPLIES_OFFSET: 0, **info}, REPLIES_OFFSET)
+        return cls(frames, inputs, outputs, offset)
+
+
+def edge_hello() -> dict[str, str]:
+    """What an edge tells an agent process."""
+    return {ROLE: ROLE_EDGE}
+
+
+def is_edge_hello(info: Mapping[str, Any]) -> bool:
+    return info.get(ROLE) == ROLE_EDGE
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeGrant:
+    """What an agent process tells an edge: frame capacities (for every edge, at listen) and the edge's
+    own range of frames ``[frame_base, frame_base + frame_count)`` (at accept)."""
+
+    input_capacity: int
+    output_capacity: int
+    frame_base: int
+    frame_count: int
+
+    @staticmethod
+    def capacities(input_capacity: int, output_capacity: int) -> dict[str, int]:
+        return {INPUT_CAPACITY: input_capacity, OUTPUT_CAPACITY: output_capacity}
+
+    @staticmethod
+    def frames(base: int, count: int) -> dict[str, int]:
+        return {FRAME_BASE: base, FRAME_COUNT: count}
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any]) -> EdgeGrant:
+        return cls(*_ints(info, INPUT_CAPACITY, OUTPUT_CAPACITY, FRAME_BASE, FRAME_COUNT))
+
 
 # -- state word: generation (32) | claimant (24) | state (8) ----------------------------------------
-STATE_MASK = 0xFF
+_STATE_MASK = 0xFF
+_STATE_MASK_U64 = np.uint64(_STATE_MASK)
 CLAIMANT_MAX = lib.EP_CLAIMANT_MAX
 
 
 def word_state(word: int) -> int:
-    return word & STATE_MASK
+    return word & _STATE_MASK
 
 
 def word_generation(word: int) -> int:
@@ -63,12 +146,17 @@ def word_claimant(word: int) -> int:
 
 
 def is_free(word: int) -> bool:
-    return word & STATE_MASK == State.FREE
+    return word & _STATE_MASK == State.FREE
 
 
 def claimed_by(word: int, claimant: int) -> bool:
     """The slot is CLAIMED (no doorbell yet) by ``claimant``."""
-    return word & STATE_MASK == State.CLAIMED and (word >> 8) & CLAIMANT_MAX == claimant
+    return word & _STATE_MASK == State.CLAIMED and (word >> 8) & CLAIMANT_MAX == claimant
+
+
+def in_state(words: np.ndarray, state: State) -> np.ndarray:
+    """Which of an array of state words are in ``state`` (a boolean array of the same shape)."""
+    return (words & _STATE_MASK_U64) == int(state)
 
 
 def free_word(generation: int) -> int:
@@ -85,7 +173,7 @@ class SlotWord:
     @classmethod
     def unpack(cls, word: int) -> SlotWord:
         """Unpack a word; a state byte outside the ABI (corrupt memory) is kept as a plain int."""
-        code = word & STATE_MASK
+        code = word & _STATE_MASK
         state = State(code) if code in State._value2member_map_ else code
         return cls(word >> 32, state, word_claimant(word))
 
@@ -114,6 +202,11 @@ def step(word: int, event: Event, generation: int = 0, claimant: int = 0) -> int
 def claim_word(free_word: int, claimant: int) -> int:
     """The word a claimer CASes in for ``free_word`` (FREE): generation + 1, CLAIMED, claimant."""
     return step(free_word, Event.CLAIM, 0, claimant)
+
+
+#: the claimer's hot path: ``claim_next(word, claimant)`` is :func:`claim_word` without the exception,
+#: 0 when ``word`` cannot be claimed (no claimed word is 0)
+claim_next = lib.ep_claim_next
 
 
 # -- towards a slot server: doorbell and cancel ------------------------------------------------------
@@ -154,6 +247,12 @@ def imm_generation_matches(imm: int, generation: int) -> bool:
     return (imm >> 16) & IMM_GEN_MASK == generation & IMM_GEN_MASK
 
 
+def doorbell_entry(conn_id: int, imm: int) -> int:
+    """A doorbell completion as the poller core takes it (``ep_accept_doorbells``): the connection that
+    rang in the high 32 bits, the immediate in the low 32."""
+    return (conn_id << 32) | (imm & 0xFFFFFFFF)
+
+
 # -- towards an agent: progress and final results ---------------------------------------------------
 IMM_PROGRESS = lib.EP_IMM_PROGRESS
 IMM_FINAL = lib.EP_IMM_FINAL
@@ -190,6 +289,197 @@ def progress_count(word: int) -> int:
     return word & 0xFFFFFFFF
 
 
+# -- edge <-> agent process: submissions and cancels (the answers are final_imm / progress_imm) -----------
+def submit_imm(index: int) -> int:
+    """An edge hands its frame ``index`` (within its own range) to the agent."""
+    return index & IMM_INDEX_MASK
+
+
+def edge_cancel_imm(index: int) -> int:
+    """An edge asks the agent to cancel its frame ``index``."""
+    return IMM_CANCEL | (index & IMM_INDEX_MASK)
+
+
+def edge_imm_frame(imm: int) -> int:
+    """The frame (within the edge's range) an edge's immediate names."""
+    return imm & IMM_INDEX_MASK
+
+
+# -- the status region an agent process publishes for its edges ----------------------------------------
+STATUS_BYTES = 64
+
+
+class AgentStatus:
+    """The agent process's ``status`` region: free slots, all slots, whether a slot server is reachable.
+    The agent publishes it, edges read it in place (three aligned u64 words)."""
+
+    __slots__ = ("_words",)
+
+    def __init__(self, buf: np.ndarray) -> None:
+        if buf.nbytes < STATUS_BYTES:
+            raise ValueError(f"status region needs {STATUS_BYTES} bytes, got {buf.nbytes}")
+        self._words = buf[:24].view(np.uint64)
+
+    def publish(self, free: int, total: int, alive: bool) -> None:
+        self._words[:] = (free, total, int(alive))
+
+    def read(self) -> tuple[int, int, bool]:
+        free, total, alive = (int(v) for v in self._words)
+        return free, total, bool(alive)
+
+
+# -- typed views of the request and result headers ---------------------------------------------------
+class _StructView:
+    """A typed view of one C struct in registered memory, through a cffi pointer (reading a field costs
+    about a tenth of a numpy structured field).  Subclasses declare the struct's scalar fields as
+    annotations; each becomes a property read through the pointer, and the declaration is checked
+    against the C header when the class is made, so a field added to the ABI cannot go unseen."""
+
+    __slots__ = ("_p",)
+    ctype: ClassVar[str]
+
+    def __init__(self, pointer: Any) -> None:
+        self._p = pointer
+
+    def __init_subclass__(cls, struct: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.ctype = f"struct {struct} *"
+        fields = [name for name, f in ffi.typeof(f"struct {struct}").fields if f.type.kind == "primitive"]
+        declared = [name for name in inspect.get_annotations(cls) if name != "ctype"]
+        if declared != fields:
+            raise TypeError(
+                f"{cls.__name__} declares {declared}, but struct {struct} (native/edgepath_slot.h) has {fields}: "
+                "declare exactly the header's scalar fields, in order"
+            )
+        for name in fields:
+            setattr(cls, name, property(operator.attrgetter(f"_p.{name}"), _setter(name)))
+
+    @classmethod
+    def at(cls, address: int) -> Any:
+        """A view of the struct at ``address`` (memory its owner keeps alive)."""
+        return cls(ffi.cast(cls.ctype, address))
+
+
+def _setter(name: str) -> Any:
+    def set_field(self: _StructView, value: Any) -> None:
+        setattr(self._p, name, value)
+
+    return set_field
+
+
+class RequestHeader(_StructView, struct="ep_request_header"):
+    """A slot's or a frame's request header: the writer's fields, the agent's stamp, sampling."""
+
+    __slots__ = ()
+    request_id: int
+    token_count: int
+    max_new_tokens: int
+    flags: int  # FLAG_STREAM: stream the output
+    generation: int  # the claim's generation, stamped by the agent
+    t_receive_ns: int  # CLOCK_MONOTONIC, at the edge: the request arrived ...
+    t_tokenized_ns: int  # ... its ids are in the frame ...
+    t_written_ns: int  # ... the agent sends it
+    doorbell: int  # the word rung into doorbell[slot] (doorbell_word)
+    reply_index: int
+    top_k: int
+    temperature: float
+    top_p: float
+    seed: int
+    stream_window_us: int
+    reserved32: int
+
+    def fill(
+        self,
+        request_id: int,
+        token_count: int,
+        max_new_tokens: int,
+        flags: int,
+        sampling: Sampling,
+        t_receive_ns: int,
+        t_tokenized_ns: int,
+    ) -> None:
+        """The writer's fields (values already checked); the agent stamps the rest when it sends."""
+        lib.ep_request_fill(
+            self._p,
+            request_id,
+            token_count,
+            max_new_tokens,
+            flags,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.seed,
+            t_receive_ns,
+            t_tokenized_ns,
+        )
+
+    def stamp(self, generation: int, slot: int, reply_index: int) -> None:
+        """What a claim decides, just before the request is written: the generation claimed, the doorbell
+        word that rings for it, the reply entry, the time."""
+        lib.ep_request_stamp(self._p, generation & 0xFFFFFFFF, slot, reply_index)
+
+    def streaming(self, default_window: float) -> float | None:
+        """None: the request wants only its final result; else the seconds within which its streamed tokens
+        after the first are coalesced (``default_window`` when the request names none)."""
+        p = self._p
+        if not p.flags & FLAG_STREAM:
+            return None
+        us = p.stream_window_us
+        return us / 1e6 if us else default_window
+
+    def sampling(self) -> Sampling:
+        """The request's sampling parameters (a zeroed header, greedy, is one shared value: no allocation)."""
+        p = self._p
+        temperature, top_p, top_k, seed = p.temperature, p.top_p, p.top_k, p.seed
+        if not (temperature or top_p or top_k or seed):
+            return _ZEROED
+        return Sampling(temperature, top_p, top_k, seed)
+
+
+class ResultHeader(_StructView, struct="ep_result_header"):
+    """A slot's or a reply entry's result header: whose result, how it ended, what is placed so far."""
+
+    __slots__ = ()
+    request_id: int
+    generation: int
+    slot: int
+    status: int  # a Status
+    output_count: int
+    t_ready_ns: int  # CLOCK_MONOTONIC, at the slot server: the poller saw the doorbell ...
+    t_start_ns: int  # ... the handler started ...
+    t_done_ns: int  # ... it finished
+    progress: int  # progress_word(generation, tokens placed so far): see placed_for
+    t_first_ns: int
+
+    def begin(self, request_id: int, generation: int, slot: int) -> None:
+        """A slot starts running a request: whose it is, when (now), nothing produced yet."""
+        lib.ep_result_begin(self._p, request_id, generation & 0xFFFFFFFF, slot)
+
+    def first_token(self, t_first_ns: int) -> None:
+        """When the first output token was produced (sent with every progress word)."""
+        self._p.t_first_ns = t_first_ns
+
+    def placed(self, generation: int, count: int) -> None:
+        """``count`` output tokens of ``generation`` are placed (the progress word)."""
+        self._p.progress = progress_word(generation, count)
+
+    def end(self, generation: int, status: int, output_count: int) -> None:
+        """The final result: how it ended, how many tokens, when (now)."""
+        lib.ep_result_end(self._p, generation & 0xFFFFFFFF, status, output_count)
+
+    def refuse(self, status: int) -> None:
+        """An answer without a slot (NO_SLOT, UNAVAILABLE, BAD_REQUEST), written by an agent process."""
+        p = self._p
+        p.status = status
+        p.output_count = 0
+
+    def placed_for(self, generation: int) -> int | None:
+        """Output tokens placed for ``generation`` as the progress word says, or None when the word is
+        another generation's (a late write for an older request of the same entry)."""
+        word = self._p.progress
+        return progress_count(word) if progress_generation(word) == generation & 0xFFFFFFFF else None
+
+
 #: final statuses that mean "the model side ran the request" (output, if any, is valid)
 FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED)
 #: statuses the data path answers before any slot ran the request
@@ -224,6 +514,10 @@ class Sampling:
             raise RequestInvalid(f"top_k must be a non-negative integer, got {self.top_k}")
         if not 0 <= self.seed < 2**64:
             raise RequestInvalid(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+
+
+#: the sampling of a zeroed request header: greedy, no nucleus cut
+_ZEROED = Sampling(0.0, 0.0, 0, 0)
 
 
 def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:

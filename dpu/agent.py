@@ -21,14 +21,16 @@ import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
-from edgepath.dpu.port import Delivery, DeliveryStats
-from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, Event, Status, ffi, field_offset, lib
+from edgepath.dma.wire import claim_next
+from edgepath.dpu.frame_book import Flight, FrameBook
+from edgepath.dpu.port import Delivery
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
-_STATE_MASK = np.uint64(wire.STATE_MASK)
 
 
 class AgentError(RuntimeError):
@@ -37,11 +39,13 @@ class AgentError(RuntimeError):
 
 @dataclass
 class ClaimStats:
-    claims: int = 0
-    cas_attempts: int = 0
-    cas_failures: int = 0
-    refreshes: int = 0
-    no_slot: int = 0
+    """How claims on one slot server went (``Agent.describe``)."""
+
+    claims: int = 0  # slots claimed
+    cas_attempts: int = 0  # remote CAS sent (a claim that found its cached word stale may need two)
+    cas_failures: int = 0  # CAS that found another word than the cached one (the cache learns it)
+    refreshes: int = 0  # RDMA READs of the server's state words
+    no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
 
 
 @dataclass(eq=False)
@@ -77,17 +81,17 @@ class ServerLink:
     @property
     def free_hint(self) -> int:
         """Free slots as last seen (cached words), an ordering hint across servers."""
-        return int(np.count_nonzero((self.words & _STATE_MASK) == 0))
+        return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
 
 
-@dataclass(slots=True)
-class InFlight:
+@dataclass(slots=True, kw_only=True)
+class InFlight(Flight):
+    """A frame sent to a slot server: where it runs, in which generation."""
+
     link: ServerLink
     slot: int
     generation: int
-    count: int = 0  # output tokens delivered so far
     cancelled: bool = False
-    abandoned: bool = False  # the caller gave up: deliver nothing, free the frame when the server lets go
 
 
 class Agent:
@@ -97,8 +101,8 @@ class Agent:
         self,
         transport: Transport,
         frames: int = 256,
-        input_capacity: int = 4096,
-        output_capacity: int = 4096,
+        input_capacity: int = DEFAULT_CAPACITY,
+        output_capacity: int = DEFAULT_CAPACITY,
         max_servers: int = 8,
         max_slots_per_server: int = 65536,
         frames_buffer: np.ndarray | None = None,
@@ -121,7 +125,6 @@ class Agent:
             wire.REPLIES_REGION, rep_size, wire.REPLIES_ACCESS, buffer=replies_buffer
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
-        self._frames_ptr = ffi.cast("char *", ffi.from_buffer(self.frames_mr.buf))
         self._words_per_link = max_slots_per_server
         # Cached state words of every server, then a cancel word to send from, then a pool header to read into.
         words_size = 8 * max_slots_per_server * max_servers
@@ -130,23 +133,28 @@ class Agent:
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
-        self.inflight: dict[int, InFlight] = {}
         self.max_servers = max_servers
-        self.delivery_stats = DeliveryStats()
-        self._free_frames = list(range(frames - 1, -1, -1))
-        self._finals = [-1] * frames  # generation of each frame's last final result
-        self._next_word = ffi.new("uint64_t *")
+        self.book: FrameBook[InFlight] = FrameBook(frames)
+        self.inflight = self.book.inflight
+        self.delivery_stats = self.book.stats
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
         """A frame index the caller may fill (tokens, request header), or None if all are taken."""
-        return self._free_frames.pop() if self._free_frames else None
+        return self.book.acquire()
 
     def release(self, index: int) -> None:
         """Give a frame back once its result has been read (or it was refused)."""
-        if index in self.inflight:
-            raise ValueError(f"frame {index} is still in flight (abandon it instead)")
-        self._free_frames.append(index)
+        self.book.release(index)
+
+    def capacity(self) -> FrameLayout:
+        """The largest request and answer the first slot server takes in these frames."""
+        if not self.links:
+            return self.layout
+        link = self.links[0]
+        return FrameLayout(
+            min(self.layout.input_capacity, link.input_capacity), min(self.layout.output_capacity, link.output_capacity)
+        )
 
     def fileno(self) -> int:
         return self.transport.cq.fileno()
@@ -168,12 +176,7 @@ class Agent:
         return link
 
     def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
-        info = {
-            "frames": self.frames.count,
-            wire.INPUT_CAPACITY: self.layout.input_capacity,
-            wire.OUTPUT_CAPACITY: self.layout.output_capacity,
-            "replies_offset": 0,
-        }
+        info = wire.AgentHello(self.frames.count, self.layout.input_capacity, self.layout.output_capacity).info()
         try:
             conn = self.transport.connect(address, [self.replies_mr], info, timeout=timeout)
         except TransportError as exc:
@@ -268,9 +271,9 @@ class Agent:
         words = link.words_ptr
         expected = int(words[slot])
         for _ in range(2):  # second try only when the slot was FREE in a newer generation
-            if lib.ep_step_word(expected, Event.CLAIM, 0, link.claimant, self._next_word) != lib.EP_OK:
+            desired = claim_next(expected, link.claimant)
+            if not desired:
                 return None
-            desired = int(self._next_word[0])
             link.stats.cas_attempts += 1
             found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
             if found == expected:
@@ -341,6 +344,8 @@ class Agent:
             try:
                 self._send(link, index, slot, gen, count)
             except TransportError as exc:
+                self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
+                link.inflight -= 1
                 self._link_down(link, exc)
                 return Status.UNAVAILABLE
             return None
@@ -350,9 +355,9 @@ class Agent:
 
     def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
         frame_off = self.frames.frame_offset(index)
-        lib.ep_request_stamp(self._frames_ptr + frame_off, gen & 0xFFFFFFFF, slot, index)
+        self.frames.request_headers[index].stamp(gen, slot, index)
         pool = link.pool
-        self.inflight[index] = InFlight(link, slot, gen)
+        self.book.sent(index, InFlight(link=link, slot=slot, generation=gen))
         link.inflight += 1
         link.conn.write_then_imm(
             self.frames_mr,
@@ -375,46 +380,31 @@ class Agent:
         """Account one completion from a slot server: streamed progress or a final result. Anything
         that does not match a frame in flight there, in its generation, is counted and dropped."""
         index = wire.imm_index(imm)
-        stats = self.delivery_stats
-        flight = self.inflight.get(index)
+        book = self.book
+        flight = book.inflight.get(index)
         link = self.by_conn.get(conn_id)
+        progress = wire.is_progress_imm(imm)
         if flight is None or link is None or flight.link is not link:
-            final_gen = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
-            if not wire.is_progress_imm(imm) and 0 <= index < self.frames.count and final_gen == self._finals[index]:
-                stats.duplicates += 1
-                log.warning("duplicate result for frame %d (generation %d) ignored", index, final_gen)
-            else:
-                stats.unknown += 1
-                log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
+            answered = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
+            book.stray(index, not progress, answered)
+            log.warning("ignoring a completion for frame %d from connection %d: not in flight", index, conn_id)
             return None
-        gen = flight.generation & 0xFFFFFFFF
+        gen = flight.generation
         result = self.frames.result_headers[index]
-        if wire.is_progress_imm(imm):
-            word = result.progress
-            if wire.progress_generation(word) != gen:
-                stats.unknown += 1
+        if progress:
+            count = result.placed_for(gen)
+            if count is None:
+                book.unknown()
                 return None
-            count = wire.progress_count(word)
-            if flight.abandoned or count <= flight.count:
-                stats.late += flight.abandoned
-                return None
-            flight.count = count
-            return Delivery(index, count, False)
+            return book.progress(index, count)
         if result.generation != gen:
-            stats.unknown += 1
+            book.unknown()
             log.warning("ignoring stale result for frame %d", index)
             return None
-        del self.inflight[index]
         link.inflight -= 1
-        self._finals[index] = gen
         # The server frees the slot before notifying: remember it as FREE in this generation.
-        link.words_ptr[flight.slot] = wire.free_word(flight.generation)
-        if flight.abandoned:
-            stats.late += 1
-            self._free_frames.append(index)
-            return None
-        stats.delivered += 1
-        return Delivery(index, result.output_count, True)
+        link.words_ptr[flight.slot] = wire.free_word(gen)
+        return book.final(index, result.output_count, gen)
 
     def cancel(self, index: int) -> None:
         """Write the slot's cancel word (its generation) and ring it: the slot server stops the handler at
@@ -443,30 +433,15 @@ class Agent:
         """Give up on frame ``index``: cancel its slot, deliver nothing more for it, and put the frame
         back on the free list when its final result arrives (or its slot server is lost) -- never
         before, so nothing of this request can land in the frame's next use."""
-        flight = self.inflight.get(index)
-        if flight is None:
-            raise ValueError(f"frame {index} is not in flight")
-        if flight.abandoned:
-            return
-        flight.abandoned = True
-        self.delivery_stats.abandoned += 1
-        self.cancel(index)
+        if self.book.abandon(index) is not None:
+            self.cancel(index)
 
     def fail_link(self, link: ServerLink) -> list[int]:
         """Mark ``link`` down; frames that were in flight there (now lost) are returned, except abandoned
         ones, which go straight back to the free list."""
         link.alive = False
-        lost = []
-        for i, flight in list(self.inflight.items()):
-            if flight.link is not link:
-                continue
-            del self.inflight[i]
-            if flight.abandoned:
-                self._free_frames.append(i)
-            else:
-                lost.append(i)
         link.inflight = 0
-        return lost
+        return self.book.lose(lambda flight: flight.link is link)
 
     def check_links(self) -> list[int]:
         """Handle connection events; frames lost with a slot server that went away are returned."""

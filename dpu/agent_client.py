@@ -1,8 +1,9 @@
 """The edge's side of ``edgepath agent``: frames in shared memory, submissions, answers.
 
-Same shape as :class:`edgepath.dpu.agent.Agent` for its caller (acquire a frame, fill it in place,
-submit, poll, read the result, release; ``check_links``, ``revive``, ``free_slots``, ``links``), so an
-edge can use an in-process agent or a separate agent process alike.  Every submission is answered
+An :class:`~edgepath.dpu.port.AgentPort` like :class:`edgepath.dpu.agent.Agent` (acquire a frame, fill it
+in place, submit, poll, read the result, release; ``check_links``, ``revive``, ``free_slots``,
+``capacity``), with the same frame book (:mod:`edgepath.dpu.frame_book`), so an edge can use an
+in-process agent or a separate agent process alike.  Every submission is answered
 through :meth:`poll`; a refusal shows as its result's ``status``.  If the agent process dies, what
 was in flight is returned by :meth:`check_links` (the edge answers 503) and :meth:`revive` connects to
 its successor -- the edge keeps running.
@@ -11,34 +12,16 @@ its successor -- the edge keeps running.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
-import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dma.transport import Access, TransportError
+from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.port import Delivery, DeliveryStats
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_client")
-
-
-@dataclass
-class AgentLink:
-    """The edge's view of its upstream: the agent process (fields as on a slot-server link)."""
-
-    address: str
-    input_capacity: int
-    output_capacity: int
-    alive: bool = True
-
-
-@dataclass(slots=True)
-class _Flight:
-    count: int = 0  # output tokens delivered so far
-    abandoned: bool = False
 
 
 class AgentClient:
@@ -49,13 +32,12 @@ class AgentClient:
         self.transport = LoopbackTransport()
         self._completions = self.transport.register(wire.COMPLETIONS_REGION, 8, Access.REMOTE_WRITE)
         self._scratch = self.transport.register("scratch", 8, Access.NONE)
-        self.inflight: dict[int, _Flight] = {}
-        self.links: list[AgentLink] = []
+        self._alive = False
         self.delivery_stats = DeliveryStats()
         self._connect(timeout)
 
     def _connect(self, timeout: float) -> None:
-        conn = self.transport.connect(self.address, [self._completions], {"role": "edge"}, timeout=timeout)
+        conn = self.transport.connect(self.address, [self._completions], wire.edge_hello(), timeout=timeout)
         region = conn.remote.get(wire.REQUESTS_REGION)
         replies = conn.remote.get(wire.REPLIES_REGION)
         status = conn.remote.get(wire.STATUS_REGION)
@@ -65,13 +47,16 @@ class AgentClient:
                 f"{self.address}: the agent must export {wire.REQUESTS_REGION!r}, {wire.REPLIES_REGION!r} "
                 f"and {wire.STATUS_REGION!r}"
             )
-        info = conn.peer_info
+        try:
+            grant = wire.EdgeGrant.parse(conn.peer_info)
+        except wire.InfoInvalid as exc:
+            conn.close()
+            raise TransportError(f"{self.address}: not an agent's answer ({exc})") from exc
         self.conn = conn
         self._region = region
-        self._status = conn.local_view(status)[:24].view(np.uint64)
-        self.layout = FrameLayout(int(info[wire.INPUT_CAPACITY]), int(info[wire.OUTPUT_CAPACITY]))
-        count = int(info[wire.FRAME_COUNT])
-        base = int(info[wire.FRAME_BASE])
+        self._status = wire.AgentStatus(conn.local_view(status))
+        self.layout = FrameLayout(grant.input_capacity, grant.output_capacity)
+        count, base = grant.frame_count, grant.frame_base
         self.frames = AgentFrames(
             conn.local_view(region),
             conn.local_view(replies),
@@ -80,10 +65,8 @@ class AgentClient:
             requests_offset=base * request_stride(self.layout.input_capacity),
             replies_offset=base * reply_stride(self.layout.output_capacity),
         )
-        self._free = list(range(count - 1, -1, -1))
-        self._finals = np.zeros(count, dtype=np.int64) - 1
-        self.inflight.clear()
-        self.links = [AgentLink(self.address, self.layout.input_capacity, self.layout.output_capacity)]
+        self.book: FrameBook[Flight] = FrameBook(count, self.delivery_stats)
+        self._alive = True
 
     def fileno(self) -> int:
         return self.transport.cq.fileno()
@@ -92,15 +75,17 @@ class AgentClient:
         return self.transport.cq.arm()
 
     def alive(self) -> bool:
-        return self.links[0].alive
+        return self._alive
+
+    def capacity(self) -> FrameLayout:
+        """The agent's frames: it checks each request against its slot servers itself."""
+        return self.layout
 
     def acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
+        return self.book.acquire()
 
     def release(self, index: int) -> None:
-        if index in self.inflight:
-            raise ValueError(f"frame {index} is still in flight (abandon it instead)")
-        self._free.append(index)
+        self.book.release(index)
 
     def _post(self, imm: int) -> bool:
         try:
@@ -114,73 +99,55 @@ class AgentClient:
         when the agent is gone."""
         if not 0 <= index < self.frames.count:
             return Status.BAD_REQUEST
-        if not self.links[0].alive:
+        if not self._alive:
             return Status.UNAVAILABLE
-        self.inflight[index] = _Flight()
-        if not self._post(index):
-            del self.inflight[index]
+        self.book.sent(index, Flight())
+        if not self._post(wire.submit_imm(index)):
+            self.book.unsent(index)
             return Status.UNAVAILABLE
         return None
 
     def cancel(self, index: int) -> None:
-        if index in self.inflight and self.links[0].alive:
-            self._post(wire.IMM_CANCEL | index)
+        if index in self.book.inflight and self._alive:
+            self._post(wire.edge_cancel_imm(index))
 
     def abandon(self, index: int) -> None:
         """Cancel, deliver nothing more, and take the frame back when the agent's final answer for it comes
         (the agent cannot write into it after that), or when the agent is gone."""
-        flight = self.inflight.get(index)
-        if flight is None:
-            raise ValueError(f"frame {index} is not in flight")
-        if not flight.abandoned:
-            flight.abandoned = True
-            self.delivery_stats.abandoned += 1
+        if self.book.abandon(index) is not None:
             self.cancel(index)
 
     def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[Delivery]:
         out = []
-        stats = self.delivery_stats
+        book = self.book
         for c in self.transport.cq.wait(timeout, spin=spin, max_entries=256):
             index = wire.imm_index(c.imm)
-            flight = self.inflight.get(index) if c.conn_id == self.conn.conn_id else None
-            if flight is None:
-                if not wire.is_progress_imm(c.imm) and 0 <= index < self.frames.count and self._finals[index] >= 0:
-                    stats.duplicates += 1
-                else:
-                    stats.unknown += 1
+            progress = wire.is_progress_imm(c.imm)
+            if c.conn_id != self.conn.conn_id or index not in book.inflight:
+                book.stray(index, not progress)  # the agent answers each frame's submission once
                 log.warning("ignoring an answer for frame %d: not in flight", index)
                 continue
-            if wire.is_progress_imm(c.imm):
-                count = wire.progress_count(self.frames.result_headers[index].progress)
-                if not flight.abandoned and count > flight.count:
-                    flight.count = count
-                    out.append(Delivery(index, count, False))
-                continue
-            del self.inflight[index]
-            self._finals[index] = 1
-            if flight.abandoned:
-                stats.late += 1
-                self._free.append(index)
-                continue
-            stats.delivered += 1
-            out.append(Delivery(index, self.frames.result_headers[index].output_count, True))
+            result = self.frames.result_headers[index]
+            if progress:
+                delivery = book.progress(index, wire.progress_count(result.progress))
+            else:
+                delivery = book.final(index, result.output_count)
+            if delivery is not None:
+                out.append(delivery)
         return out
 
     def check_links(self) -> list[int]:
         """Frames lost because the agent process went away (answer them 503)."""
-        link = self.links[0]
-        if not link.alive or self.conn.check_alive():
+        if not self._alive or self.conn.check_alive():
             return []
         log.warning("agent %s disconnected", self.address)
-        link.alive = False
-        lost = sorted(i for i, f in self.inflight.items() if not f.abandoned)
-        self._free.extend(i for i, f in self.inflight.items() if f.abandoned)
-        self.inflight.clear()
-        return lost
+        self._alive = False
+        return self.book.lose()
 
-    def revive(self, timeout: float = 0.05) -> list[AgentLink]:
-        """Connect to the agent again (a restarted one); its frames replace the old ones."""
-        if self.links[0].alive:
+    def revive(self, timeout: float = 0.05) -> list[str]:
+        """Connect to the agent again (a restarted one); its frames replace the old ones. The address when
+        it is back."""
+        if self._alive:
             return []
         old = self.conn
         try:
@@ -189,13 +156,13 @@ class AgentClient:
             return []
         old.close()
         log.info("agent %s is back", self.address)
-        return self.links
+        return [self.address]
 
     def free_slots(self) -> tuple[int, int]:
         """(free, total) slots on the agent's live slot servers, as the agent last published them."""
-        if not self.links[0].alive:
+        if not self._alive:
             return 0, 0
-        free, total, _ = (int(v) for v in self._status)
+        free, total, _ = self._status.read()
         return free, total
 
     def close(self) -> None:

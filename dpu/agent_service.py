@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import logging
 import select
-import selectors
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from edgepath.dma import wire
+from edgepath.dma.connections import ConnectionManager
 from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
 from edgepath.dpu.agent import Agent
@@ -63,8 +61,8 @@ class AgentService:
         agent: Agent,
         edge_transport: Transport,
         address: str,
-        frames_per_edge: int = 64,
-        spin: float = 0.0,
+        frames_per_edge: int = 64,  # each edge gets a range of the agent's frames this long
+        spin: float = 0.0,  # seconds the loop spins on its queues before it sleeps
         edge_frames: tuple[MemoryRegion, MemoryRegion] | None = None,
     ) -> None:
         """``edge_frames``: when the agent reaches slot servers over another transport (verbs), the
@@ -84,23 +82,27 @@ class AgentService:
         self._free_ranges = list(range(agent.frames.count // frames_per_edge - 1, -1, -1))
         self.edges: dict[int, _Edge] = {}
         self._by_range: dict[int, _Edge] = {}
-        self._gone: list[int] = []
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
         # Free/total slots and liveness of the slot servers, refreshed by the serve loop, read by edges.
-        self.status_mr: MemoryRegion = edge_transport.register(wire.STATUS_REGION, 64, Access.REMOTE_READ)
-        self._status = self.status_mr.buf[:24].view(np.uint64)
+        self.status_mr: MemoryRegion = edge_transport.register(
+            wire.STATUS_REGION, wire.STATUS_BYTES, Access.REMOTE_READ
+        )
+        self._status = wire.AgentStatus(self.status_mr.buf)
         self.listener: Listener = edge_transport.listen(
             address,
             [*regions, self.status_mr],
-            {wire.INPUT_CAPACITY: agent.layout.input_capacity, wire.OUTPUT_CAPACITY: agent.layout.output_capacity},
+            wire.EdgeGrant.capacities(agent.layout.input_capacity, agent.layout.output_capacity),
         )
         self.address = address
+        self.connections = ConnectionManager(self.listener, self._admit, "agent-cm")
         self._stop = threading.Event()
 
     # -- edges come and go -----------------------------------------------------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
         """Give a new edge a frame range of its own (refused when none is left)."""
+        if not wire.is_edge_hello(conn.peer_info):
+            raise ValueError(f"not an edge (connection data {conn.peer_info}): only edges connect to an agent process")
         with self._lock:
             if not self._free_ranges:
                 raise ValueError("no free frame range for another edge")
@@ -108,35 +110,12 @@ class AgentService:
             edge = _Edge(conn, base, self.frames_per_edge)
             self.edges[conn.conn_id] = edge
             self._by_range[base // self.frames_per_edge] = edge
-        return {wire.FRAME_BASE: base, wire.FRAME_COUNT: self.frames_per_edge}
-
-    def _manage(self) -> None:
-        """Edges come and go (slot servers are watched by the serve loop, which can revive them)."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener.fileno(), selectors.EVENT_READ, None)
-        while not self._stop.is_set():
-            for key, _ in sel.select(timeout=0.1):
-                if key.data is None:
-                    self._accept(sel)
-                elif not key.data.conn.check_alive():
-                    sel.unregister(key.fd)
-                    with self._lock:
-                        self._gone.append(key.data.conn.conn_id)
-        sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector) -> None:
-        try:
-            conn = self.listener.accept(timeout=1.0, admit=self._admit)
-        except (OSError, TransportError, ValueError) as exc:
-            log.warning("edge connection refused: %s", exc)
-            return
-        if conn is not None:
-            sel.register(conn.fileno(), selectors.EVENT_READ, self.edges[conn.conn_id])
+        return wire.EdgeGrant.frames(base, self.frames_per_edge)
 
     def _reap(self) -> None:
-        with self._lock:
-            gone, self._gone = self._gone, []
-        for cid in gone:
+        """Edges that went away give their frame range back (slot servers are watched by the serve loop,
+        which can revive them)."""
+        for cid in self.connections.gone():
             edge = self.edges.pop(cid, None)
             if edge is None:
                 continue
@@ -163,9 +142,7 @@ class AgentService:
             log.warning("could not answer frame %d: %s", index, exc)
 
     def _refuse(self, index: int, status: Status) -> None:
-        res = self.agent.frames.results[index]
-        res["status"] = status
-        res["output_count"] = 0
+        self.agent.frames.result_headers[index].refuse(status)
         self._answer(index)
 
     def handle(self, conn_id: int, imm: int) -> None:
@@ -179,12 +156,12 @@ class AgentService:
         edge = self.edges.get(conn_id)
         if edge is None:
             return
-        local = imm & ~wire.IMM_CANCEL
+        local = wire.edge_imm_frame(imm)
         if not 0 <= local < edge.count:
             log.warning("edge %d named frame %d outside its range of %d", conn_id, local, edge.count)
             return
         index = edge.base + local
-        if imm & wire.IMM_CANCEL:
+        if wire.is_cancel_imm(imm):
             self.agent.cancel(index)  # the edge frees the frame when the final answer comes
             return
         status = self.agent.submit(index)
@@ -202,10 +179,10 @@ class AgentService:
         if not all(link.alive for link in agent.links):
             agent.revive(timeout=0.05)
         free, total = agent.free_slots()
-        self._status[:] = (free, total, int(any(link.alive for link in agent.links)))
+        self._status.publish(free, total, agent.alive())
 
     def serve(self) -> None:
-        threading.Thread(target=self._manage, name="agent-cm", daemon=True).start()
+        self.connections.start()
         if self.agent.transport is not self.transport:
             self._serve_two()
             return
@@ -218,7 +195,7 @@ class AgentService:
 
     def _housekeeping(self, next_status: float) -> float:
         """Reap what went away; every STATUS_INTERVAL check links and publish status. Returns the next time."""
-        if self._gone:
+        if self.connections.pending():
             self._reap()
         now = time.monotonic()
         if now >= next_status:
@@ -258,4 +235,4 @@ class AgentService:
 
     def close(self) -> None:
         self.stop()
-        self.listener.close()
+        self.connections.close()

@@ -8,12 +8,11 @@ assignment into the frame's token area — the single CPU write of the data path
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from edgepath.dma.pool import AgentFrames, FrameArray
-from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestInvalid, Sampling, request_problem
+from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestHeader, RequestInvalid, Sampling, request_problem
 from edgepath.native.abi import lib
 
 FrameError = RequestInvalid
@@ -55,39 +54,11 @@ def write_request(
     sampling = sampling or Sampling()
     sampling.check()
     frames.tokens[index, :n] = ids
-    write_header(
-        frames.request_headers[index],
-        request_id=request_id,
-        token_count=n,
-        max_new_tokens=max_new_tokens,
-        flags=flags,
-        sampling=sampling,
-        t_receive_ns=t_receive_ns,
-        t_tokenized_ns=t_tokenized_ns or lib.ep_now_ns(),
-    )
+    t_tokenized_ns = t_tokenized_ns or lib.ep_now_ns()
+    frames.request_headers[index].fill(request_id, n, max_new_tokens, flags, sampling, t_receive_ns, t_tokenized_ns)
     return n
 
 
-def write_header(
-    req: Any,
-    *,
-    request_id: int,
-    token_count: int,
-    max_new_tokens: int,
-    flags: int,
-    sampling: Sampling,
-    t_receive_ns: int,
-    t_tokenized_ns: int,
-) -> None:
-    """The writer's fields of a request header (``req``: a frame's ``struct ep_request_header *``, from
-    ``frames.request_headers``), values already checked; the agent stamps the rest when it sends."""
-    req.request_id = request_id
-    req.token_count = token_count
-    req.max_new_tokens = max_new_tokens
-    req.flags = flags
-    req.temperature = sampling.temperature
-    req.top_p = sampling.top_p
-    req.top_k = sampling.top_k
-    req.seed = sampling.seed
-    req.t_receive_ns = t_receive_ns
-    req.t_tokenized_ns = t_tokenized_ns
+#: the writer's fields of a request header (``req``: a frame's view, from ``frames.request_headers``), values
+#: already checked; the agent stamps the rest when it sends -- ``write_header(req, request_id=..., ...)``
+write_header = RequestHeader.fill

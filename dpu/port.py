@@ -4,7 +4,8 @@
 (an ``edgepath agent`` process over shared memory) both implement :class:`AgentPort`; the edge
 depends on this protocol only.
 
-A frame's life: ``acquire`` -> the caller writes the request (tokens, header fields) into
+Both keep their frames in a :class:`~edgepath.dpu.frame_book.FrameBook`.  A frame's life: ``acquire`` ->
+the caller writes the request (tokens, header fields) into
 ``frames`` in place -> ``submit`` -> zero or more non-final :class:`Delivery` (streamed output,
 ``frames.outputs[index, :count]`` is readable) -> exactly one final delivery (the result header in
 ``frames.results[index]`` is complete) -> ``release``.  A caller that stops caring (client gone,
@@ -94,6 +95,11 @@ class AgentPort(Protocol):
 
     def alive(self) -> bool:
         """Whether any slot server is reachable."""
+        ...
+
+    def capacity(self) -> FrameLayout:
+        """The largest request (input tokens) and answer (output tokens) the data path behind this port
+        takes: what the edge's limits may not exceed."""
         ...
 
     def free_slots(self) -> tuple[int, int]:

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from edgepath.dma.slot_server import SlotServer
     from edgepath.dma.transport import Transport
     from edgepath.dpu.agent import Agent
-    from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
+    from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tokenizer import Tokenizer
@@ -30,7 +30,8 @@ log = logging.getLogger("edgepath")
 def data_path_transport(data_path: DataPath) -> Transport:
     """A transport endpoint for the agent <-> slot-server link; when it cannot be had, an error that
     names the flags that chose it."""
-    from edgepath.dma.transport import TransportUnavailable, make_transport
+    from edgepath.dma.registry import make_transport
+    from edgepath.dma.transport import TransportUnavailable
 
     try:
         return make_transport(data_path.kind, **data_path.options())
@@ -40,34 +41,15 @@ def data_path_transport(data_path: DataPath) -> Transport:
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.handlers import HandlerConfig, load_handler
-    from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+    from edgepath.dma.slot_server import SlotServer, handler_config
+    from edgepath.handlers import load_handler
 
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
-        require_device(flag=f"--slots {settings.memory}")  # fail at once, before any transport is set up
-    handler = load_handler(
-        settings.handler,
-        HandlerConfig(
-            settings.slots,
-            settings.input_capacity,
-            settings.output_capacity,
-            dict(settings.handler_options),
-            settings.handler_deadline,
-        ),
-    )
-    config = SlotServerConfig(
-        slots=settings.slots,
-        memory=settings.memory,
-        input_capacity=settings.input_capacity,
-        output_capacity=settings.output_capacity,
-        lease=settings.lease,
-        spin=settings.spin_us / 1e6,
-        handler_deadline=settings.handler_deadline,
-        stream_window=settings.stream_window_ms / 1e3,
-    )
-    server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, config)
+        require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
+    handler = load_handler(settings.handler, handler_config(settings, dict(settings.handler_options)))
+    server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, settings)
     log.info(
         "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
         settings.listen,
@@ -165,7 +147,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
 def build_edge(
     options: ServeOptions,
     tokenizer: Tokenizer,
-    agent: Agent | AgentClient,
+    agent: AgentPort,
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
@@ -179,11 +161,11 @@ def build_edge(
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
-    link = agent.links[0]
+    upstream = agent.capacity()
     limits = Limits(
         max_body=options.max_body,
-        input_capacity=min(options.input_capacity, link.input_capacity),
-        output_capacity=min(options.output_capacity, link.output_capacity),
+        input_capacity=min(options.input_capacity, upstream.input_capacity),
+        output_capacity=min(options.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
     )
     openai = OpenAIRoutes(

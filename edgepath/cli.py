@@ -98,7 +98,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from edgepath.dpu.demo import run_demo
+    from edgepath.demo import run_demo
 
     report = run_demo(
         requests=args.requests,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
+from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.options import (
@@ -30,6 +32,7 @@ from edgepath.options import (
     positive_float,
     positive_int,
     readable_file,
+    seconds_in,
     slots_spec,
     to_argv,
 )
@@ -37,9 +40,6 @@ from edgepath.runtime import default_address
 
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
-SLOT_MEMORY = ("host", "gpu", "gpu-device")  # the same as edgepath.dma.gpu.SLOT_MEMORY (a test checks)
-DEFAULT_SLOTS = 64
-DEFAULT_CAPACITY = 4096  # tokens in and out per slot (and per agent frame) unless told otherwise
 DEFAULT_PORTS = {"quic": 4433, "tcp": 8080}
 
 
@@ -92,7 +92,7 @@ class DataPath:
             raise ValueError(f"--device and --gid-index are for --data-path verbs, not {self.kind}")
 
     def options(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`edgepath.dma.transport.make_transport`."""
+        """Keyword arguments of :func:`edgepath.dma.registry.make_transport`."""
         return {k: v for k, v in (("device", self.device), ("gid_index", self.gid_index)) if v is not None}
 
     def flags(self) -> list[str]:
@@ -100,13 +100,19 @@ class DataPath:
         return to_argv(self)
 
 
-@dataclass(frozen=True)
-class SlotServerSettings:
-    """An ``edgepath slot-server``: a slot pool served by a handler."""
+#: the slot server's own defaults (edgepath.dma.slot_config): its options below declare flags, not values
+_SLOT_SERVER = {f.name: f.default for f in fields(SlotServerConfig)}
+_MICROSECONDS, _MILLISECONDS = seconds_in(1e6), seconds_in(1e3)
 
-    listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
+
+@dataclass(frozen=True, kw_only=True)
+class SlotServerSettings(SlotServerConfig):
+    """An ``edgepath slot-server``: the slot server's own configuration (:class:`SlotServerConfig`, durations
+    in seconds, which :class:`~edgepath.dma.slot_server.SlotServer` takes as it is), each field declared here as
+    the option that fills it, and where it listens, which handler it runs, over which data path."""
+
     slots: int = option(
-        DEFAULT_SLOTS,
+        _SLOT_SERVER["slots"],
         name="--slots",
         spread=("memory", "slots"),
         type=slots_spec(SLOT_MEMORY),
@@ -117,19 +123,49 @@ class SlotServerSettings:
         "with --data-path loopback) or gpu-device (GPU memory the NIC writes by GPUDirect RDMA, CUDA "
         "persistent poller; with --data-path verbs); gpu and gpu-device need edgepath[gpu] and a CUDA device",
     )
-    # host (CPU poller), gpu (host memory mapped into the GPU, CUDA poller) or gpu-device (GPU memory
-    # the NIC writes, CUDA poller); edgepath.dma.gpu.check_placement says which go with which data path
-    memory: str = "host"
-    input_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="tokens per slot (default %(default)s)")
+    input_capacity: int = option(
+        _SLOT_SERVER["input_capacity"], type=positive_int, help="tokens per slot (default %(default)s)"
+    )
     output_capacity: int = option(
-        DEFAULT_CAPACITY, type=positive_int, help="output tokens per slot (default %(default)s)"
+        _SLOT_SERVER["output_capacity"], type=positive_int, help="output tokens per slot (default %(default)s)"
     )
-    lease: float = option(1.0, type=positive_float, help="seconds a claimed slot may wait for its doorbell")
-    spin_us: float = option(
-        0.0,
+    lease: float = option(
+        _SLOT_SERVER["lease"], type=positive_float, help="seconds a claimed slot may wait for its doorbell"
+    )
+    spin: float = option(
+        _SLOT_SERVER["spin"],
+        name="--spin-us",
+        type=_MICROSECONDS[0],
+        text=_MICROSECONDS[1],
+        help="spin this long (microseconds) on the completion queue before sleeping (lowest latency, burns a core)",
+    )
+    scan_interval: float = option(
+        _SLOT_SERVER["scan_interval"],
+        type=positive_float,
+        help="seconds between lease scans, which also drop the agents that went away (default %(default)s)",
+    )
+    gpu_device: int = option(
+        _SLOT_SERVER["gpu_device"], type=non_negative_int, help="the CUDA device of a gpu or gpu-device pool"
+    )
+    handoff_wait: float = option(
+        _SLOT_SERVER["handoff_wait"],
         type=non_negative_float,
-        help="spin this long on the completion queue before sleeping (lowest latency, burns a core)",
+        help="seconds to wait for the CUDA poller's hand-off of a slot after its doorbell (default %(default)s)",
     )
+    handler_deadline: float = option(
+        _SLOT_SERVER["handler_deadline"],
+        type=non_negative_float,
+        help="answer a request HANDLER_ERROR when its handler runs longer than this (seconds; handlers then run "
+        "on worker threads and an overdue one keeps its slot until it returns); 0: no deadline, run inline",
+    )
+    stream_window: float = option(
+        _SLOT_SERVER["stream_window"],
+        name="--stream-window-ms",
+        type=_MILLISECONDS[0],
+        text=_MILLISECONDS[1],
+        help="streamed tokens after the first are coalesced within this window (milliseconds)",
+    )
+    listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
     handler: str = option(
         "echo",
         type=handler_spec,
@@ -138,20 +174,10 @@ class SlotServerSettings:
         "class)",
     )
     handler_options: tuple[tuple[str, str], ...] = _handler_options()
-    handler_deadline: float = option(
-        0.0,
-        type=non_negative_float,
-        help="answer a request HANDLER_ERROR when its handler runs longer than this (seconds; handlers then run "
-        "on worker threads and an overdue one keeps its slot until it returns); 0: no deadline, run inline",
-    )
-    stream_window_ms: float = option(
-        2.0,
-        type=non_negative_float,
-        help="streamed tokens after the first are coalesced within this window (milliseconds)",
-    )
     data_path: DataPath = field(default_factory=DataPath)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         from edgepath.dma.gpu import check_placement
 
         check_placement(self.data_path.kind, self.memory)
@@ -401,7 +427,7 @@ class ServeOptions:
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
         """The slot server ``serve`` starts, listening at ``listen``."""
-        return self._fill(SlotServerSettings, listen=listen, spin_us=self.slot_spin_us)
+        return self._fill(SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6)
 
     def _fill(self, cls: type[Filled], **given: Any) -> Filled:
         """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the

@@ -270,13 +270,26 @@ def key_value_text(pair: tuple[str, str]) -> str:
 def handler_spec(text: str) -> str:
     """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
     starts, without building it (a model is loaded by the slot server, once)."""
-    from edgepath.dma.handlers import find_handler
+    from edgepath.handlers import find_handler
 
     try:
         find_handler(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return text
+
+
+def seconds_in(per_second: float) -> tuple[Callable[[str], float], Callable[[float], str]]:
+    """A duration the command line gives in 1/``per_second`` seconds (``--spin-us``: 1e6) and the configuration
+    holds in seconds: the parser (>= 0) and the writer of such a flag."""
+
+    def parse(text: str) -> float:
+        return non_negative_float(text) / per_second
+
+    def write(seconds: float) -> str:
+        return f"{seconds * per_second:.12g}"
+
+    return parse, write
 
 
 def slots_spec(memory: Sequence[str]) -> Callable[[str], tuple[str, int | None]]:

@@ -30,6 +30,12 @@ int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant
     return ep_step(cur, event, generation, claimant, next);
 }
 
+uint64_t ep_claim_next(uint64_t cur, uint32_t claimant)
+{
+    uint64_t next;
+    return ep_step(cur, EP_EV_CLAIM, 0, claimant, &next) == EP_OK ? next : 0;
+}
+
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot)
 {
     return ep_doorbell(generation, slot);
@@ -96,6 +102,43 @@ void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_
     req->doorbell = ep_doorbell(generation, slot);
     req->reply_index = reply_index;
     req->t_written_ns = ep_now_ns();
+}
+
+void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, uint32_t max_new_tokens,
+                     uint32_t flags, float temperature, float top_p, uint32_t top_k, uint64_t seed,
+                     uint64_t t_receive_ns, uint64_t t_tokenized_ns)
+{
+    struct ep_request_header *req = request;
+    req->request_id = request_id;
+    req->token_count = token_count;
+    req->max_new_tokens = max_new_tokens;
+    req->flags = flags;
+    req->temperature = temperature;
+    req->top_p = top_p;
+    req->top_k = top_k;
+    req->seed = seed;
+    req->t_receive_ns = t_receive_ns;
+    req->t_tokenized_ns = t_tokenized_ns;
+}
+
+void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)
+{
+    struct ep_result_header *res = result;
+    res->request_id = request_id;
+    res->generation = generation;
+    res->slot = slot;
+    res->t_start_ns = ep_now_ns();
+    res->t_first_ns = 0;
+    res->progress = (uint64_t)generation << 32;
+}
+
+void ep_result_end(void *result, uint32_t generation, int32_t status, uint32_t output_count)
+{
+    struct ep_result_header *res = result;
+    res->status = status;
+    res->output_count = output_count;
+    res->progress = ((uint64_t)generation << 32) | output_count;
+    res->t_done_ns = ep_now_ns();
 }
 
 /* ---- pool layout ------------------------------------------------------- */

@@ -13,6 +13,9 @@ uint64_t ep_now_ns(void);
 
 /* State machine (edgepath_step.h) exposed to Python, and applied atomically. */
 int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant, uint64_t *next);
+/* The word a claimer CASes in for `cur` (ep_step's CLAIM), or 0 when `cur` cannot be claimed (a claimed
+   word is never 0: its state is CLAIMED). */
+uint64_t ep_claim_next(uint64_t cur, uint32_t claimant);
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot);
 uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot);
 int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev);
@@ -28,6 +31,15 @@ int ep_next_free(const uint64_t *words, uint32_t n, uint32_t start);
 
 /* Agent: fill the fields a claim decides, just before the request is written. */
 void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_t reply_index);
+
+/* Header operations of the wire contract's typed views (dma/wire.py), one call each on the hot path. */
+void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, uint32_t max_new_tokens,
+                     uint32_t flags, float temperature, float top_p, uint32_t top_k, uint64_t seed,
+                     uint64_t t_receive_ns, uint64_t t_tokenized_ns);
+/* A slot starts a request: whose, when, nothing produced yet (progress = generation << 32). */
+void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot);
+/* The final result: status, output count (progress = generation << 32 | count), the time. */
+void ep_result_end(void *result, uint32_t generation, int32_t status, uint32_t output_count);
 
 /* Pool layout. */
 int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,

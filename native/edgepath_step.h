@@ -35,6 +35,15 @@ EP_HD uint32_t ep_doorbell_imm(uint32_t generation, uint32_t slot)
     return ((generation & EP_IMM_GEN_MASK) << 16) | (slot & EP_SLOT_MAX);
 }
 
+/* One move of the state machine: from state `from` only, to the word `to`. */
+EP_HD int ep_move(uint32_t st, uint32_t from, uint64_t to, uint64_t *next)
+{
+    if (st != from)
+        return EP_E_STATE;
+    *next = to;
+    return EP_OK;
+}
+
 /*
  * Next state word for `event` applied to `cur`.  `generation` is the
  * generation the event refers to (ignored for CLAIM, which bumps it);
@@ -62,30 +71,15 @@ EP_HD int ep_step(uint64_t cur, int event, uint32_t generation, uint32_t claiman
         return EP_E_STALE;
     switch (event) {
     case EP_EV_DOORBELL:
-        if (st != EP_CLAIMED)
-            return EP_E_STATE;
-        *next = ep_word(gen, EP_READY, who);
-        return EP_OK;
+        return ep_move(st, EP_CLAIMED, ep_word(gen, EP_READY, who), next);
     case EP_EV_START:
-        if (st != EP_READY)
-            return EP_E_STATE;
-        *next = ep_word(gen, EP_RUNNING, who);
-        return EP_OK;
+        return ep_move(st, EP_READY, ep_word(gen, EP_RUNNING, who), next);
     case EP_EV_COMPLETE:
-        if (st != EP_RUNNING)
-            return EP_E_STATE;
-        *next = ep_word(gen, EP_DONE, who);
-        return EP_OK;
+        return ep_move(st, EP_RUNNING, ep_word(gen, EP_DONE, who), next);
     case EP_EV_RELEASE:
-        if (st != EP_DONE)
-            return EP_E_STATE;
-        *next = ep_word(gen, EP_FREE, 0);
-        return EP_OK;
-    default: /* EP_EV_EXPIRE */
-        if (st != EP_CLAIMED)
-            return EP_E_STATE;
-        *next = ep_word(gen, EP_FREE, 0);
-        return EP_OK;
+        return ep_move(st, EP_DONE, ep_word(gen, EP_FREE, 0), next);
+    default: /* EP_EV_EXPIRE: an unrung claim is reclaimed */
+        return ep_move(st, EP_CLAIMED, ep_word(gen, EP_FREE, 0), next);
     }
 }
 

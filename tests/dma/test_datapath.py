@@ -1,23 +1,22 @@
-"""Agent <-> slot server over a transport, with the server driven step by step from the test
-(no thread): claim, zero-copy write, doorbell, handler, result, refusals and bad input."""
+"""The slot server through its agents, over a transport, driven step by step from the test (no thread):
+zero-copy write, doorbell, handler, result, what the server refuses and what it never lets a peer do.
+The agent's own behaviour is tested in tests/dpu/test_agent.py."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from helpers.datapath import roundtrip, serve_once
 
-from edgepath.dma.handlers import BatchHandler, HandlerConfig, HandlerError, SlotRequest, echo, load_handler
-from edgepath.dma.pool import FrameArray, SlotPool
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Access, Transport, TransportError
+from edgepath.dma.handlers import SlotRequest, echo
+from edgepath.dma.pool import FrameArray
+from edgepath.dma.transport import Access, TransportError
 from edgepath.dma.wire import claim_word, doorbell_imm, doorbell_word
-from edgepath.dpu.agent import Agent, AgentError
-from edgepath.dpu.frame import FrameError, write_request
-from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, State, Status
+from edgepath.dpu.agent import Agent
+from edgepath.native.abi import REQUEST_HEADER, RESULT_HEADER, Status
 
 pytestmark = pytest.mark.transport
 
@@ -25,54 +24,15 @@ CAP = 64
 
 
 @pytest.fixture
-def make_server(
-    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
-) -> Iterator[Callable[..., SlotServer]]:
-    servers: list[SlotServer] = []
-
-    def make(handler=echo, slots: int = 2, **config: object) -> SlotServer:
-        cfg = SlotServerConfig(slots=slots, input_capacity=CAP, output_capacity=CAP, **config)
-        server = SlotServer(new_transport(), new_address("slot-server"), handler, cfg)
-        server.start_connection_manager()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.close()
-
-
-@pytest.fixture
-def agent(new_transport: Callable[[], Transport]) -> Agent:
-    return Agent(
-        new_transport(), frames=8, input_capacity=CAP, output_capacity=CAP, max_servers=2, max_slots_per_server=64
-    )
-
-
-def _serve_once(server: SlotServer, timeout: float = 5.0) -> int:
-    """Start what the next completions ring, then turn the loop until those slots are answered."""
-    started = server.process(server.transport.cq.wait(timeout))
-    deadline = time.monotonic() + timeout
-    while server.running and time.monotonic() < deadline:
-        server.poll_once(0.01)
-    return started
-
-
-def _roundtrip(agent: Agent, server: SlotServer, tokens: list[int], request_id: int = 1) -> int:
-    index = agent.acquire()
-    assert index is not None
-    write_request(agent.frames, index, tokens, request_id=request_id, max_new_tokens=CAP)
-    assert agent.submit(index) is None
-    assert _serve_once(server) == 1
-    assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [index]
-    return index
+def agent(new_agent) -> Agent:
+    return new_agent()
 
 
 def test_echo_roundtrip_moves_the_tokens_once_and_frees_the_slot(agent: Agent, make_server) -> None:
     server = make_server()
     link = agent.attach(server.address)
     tokens = list(range(1000, 1040))
-    index = _roundtrip(agent, server, tokens, request_id=77)
+    index = roundtrip(agent, server, tokens, request_id=77)
     res = agent.frames.results[index]
     assert (int(res["status"]), int(res["output_count"]), int(res["request_id"])) == (Status.OK, 40, 77)
     assert agent.frames.outputs[index, :40].tolist() == tokens
@@ -87,60 +47,6 @@ def test_echo_roundtrip_moves_the_tokens_once_and_frees_the_slot(agent: Agent, m
     assert (peer.conn.counters.writes, peer.conn.counters.bytes_written) == (2, RESULT_HEADER.itemsize + 4 * 40)
 
 
-def test_no_free_slot_is_refused_at_once_and_deterministically(agent: Agent, make_server) -> None:
-    server = make_server(slots=2)
-    link = agent.attach(server.address)
-    held = []
-    for _ in range(2):
-        i = agent.acquire()
-        write_request(agent.frames, i, [1, 2, 3], request_id=i, max_new_tokens=3)
-        assert agent.submit(i) is None
-        held.append(i)
-    i = agent.acquire()
-    write_request(agent.frames, i, [4], request_id=9, max_new_tokens=1)
-    cas_before = link.stats.cas_attempts
-    assert agent.submit(i) == Status.NO_SLOT
-    # No CAS was even tried: the cached words say busy, and one refresh READ confirmed it.
-    assert link.stats.cas_attempts == cas_before
-    assert [server.pool.slot_word(s).state for s in range(2)] == [State.CLAIMED, State.CLAIMED]
-    served = 0
-    while served < 2:
-        served += _serve_once(server)
-    answered = [d.index for d in agent.poll(timeout=5.0) + agent.poll(timeout=0.5) if d.final]
-    assert sorted(answered) == sorted(held)
-    assert agent.submit(i) is None  # a slot is free again: admitted
-
-
-@pytest.mark.parametrize(
-    ("tokens", "max_new", "message"),
-    [
-        ([], 4, "at least 1 token"),
-        (list(range(CAP + 1)), 4, f"{CAP + 1} tokens; a slot holds at most {CAP}"),
-        ([1, 2], -1, "max_new_tokens must be between 0 and"),
-        ([1, 2], CAP + 1, "max_new_tokens must be between 0 and"),
-        ([[1, 2]], 4, "flat sequence"),
-        ([1.5], 4, "must be integers"),
-        ([2**40], 4, "fit in int32"),
-    ],
-)
-def test_bad_requests_are_refused_before_anything_is_written(agent: Agent, tokens, max_new: int, message: str) -> None:
-    before = agent.frames.raw[0].copy()
-    with pytest.raises(FrameError, match=message):
-        write_request(agent.frames, 0, tokens, request_id=1, max_new_tokens=max_new)
-    assert np.array_equal(agent.frames.raw[0], before)
-
-
-def test_frame_with_bad_counts_is_not_sent(agent: Agent, make_server) -> None:
-    server = make_server()
-    link = agent.attach(server.address)
-    agent.frames.requests[0]["token_count"] = CAP + 1
-    assert agent.check_frame(0) == f"request has {CAP + 1} tokens; a slot holds at most {CAP}"
-    assert agent.submit(0) == Status.BAD_REQUEST
-    agent.frames.requests[0]["token_count"] = 0
-    assert agent.submit(0) == Status.BAD_REQUEST
-    assert link.stats.cas_attempts == 0 and server.pool.free_count() == 2
-
-
 def test_doorbell_for_a_slot_never_claimed_is_ignored(new_transport, make_server) -> None:
     server = make_server()
     rogue = new_transport()
@@ -149,7 +55,7 @@ def test_doorbell_for_a_slot_never_claimed_is_ignored(new_transport, make_server
     pool = conn.remote["pool"]
     conn.write_with_imm(scratch, 0, pool, int(conn.peer_info["doorbells_offset"]), 8, (1 << 16) | 0)
     before = server.pool.states.copy()
-    assert _serve_once(server) == 0
+    assert serve_once(server) == 0
     assert server.stats.rejected_doorbells == 1
     assert np.array_equal(server.pool.states, before)
 
@@ -165,7 +71,7 @@ def test_handler_failure_answers_that_request_and_frees_the_slot(agent: Agent, m
     server = make_server(handler=picky)
     agent.attach(server.address)
     for first, status in ((13, Status.HANDLER_ERROR), (14, Status.HANDLER_ERROR), (1, Status.OK)):
-        index = _roundtrip(agent, server, [first, 2, 3])
+        index = roundtrip(agent, server, [first, 2, 3])
         assert int(agent.frames.results[index]["status"]) == status
         agent.release(index)
     assert server.pool.free_count() == 2
@@ -175,83 +81,8 @@ def test_handler_failure_answers_that_request_and_frees_the_slot(agent: Agent, m
 def test_handler_may_return_tokens_instead_of_writing_in_place(agent: Agent, make_server) -> None:
     server = make_server(handler=lambda request: [int(t) * 2 for t in request.tokens[::-1]])
     agent.attach(server.address)
-    index = _roundtrip(agent, server, [1, 2, 3])
+    index = roundtrip(agent, server, [1, 2, 3])
     assert agent.frames.outputs[index, :3].tolist() == [6, 4, 2]
-
-
-def test_claims_spill_to_the_next_server_and_429_only_when_all_are_full(agent: Agent, make_server) -> None:
-    a, b = make_server(slots=1), make_server(slots=1)
-    agent.attach(a.address)
-    agent.attach(b.address)
-    statuses = []
-    for i in range(3):
-        write_request(agent.frames, i, [i + 1], request_id=i, max_new_tokens=1)
-        statuses.append(agent.submit(i))
-    assert statuses == [None, None, Status.NO_SLOT]
-    assert a.pool.free_count() == 0 and b.pool.free_count() == 0
-
-
-def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, new_address) -> None:
-    fake = new_transport()
-    region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
-    SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
-    region.buf[8:12].view(np.uint32)[0] = 3  # a slot server from a release with ABI version 3
-    address = new_address("fake")
-    listener = fake.listen(address, [region], {})
-    accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
-    accepted.start()
-    with pytest.raises(AgentError, match="ABI version 3, this agent speaks 2"):
-        agent.attach(address)
-    accepted.join()
-    listener.close()
-    assert agent.links == []
-
-
-def test_unknown_handlers_are_clear_errors() -> None:
-    config = HandlerConfig(2, CAP, CAP)
-    assert isinstance(load_handler("echo", config), BatchHandler)
-    with pytest.raises(HandlerError, match="use a built-in"):
-        load_handler("nope", config)
-    with pytest.raises(HandlerError, match="cannot import module 'no_such_module'"):
-        load_handler("no_such_module:f", config)
-    with pytest.raises(HandlerError, match="has no attribute 'nothing'"):
-        load_handler("json:nothing", config)
-    with pytest.raises(HandlerError, match="is not a handler"):
-        load_handler("math:pi", config)
-    with pytest.raises(HandlerError, match="token_delay"):
-        load_handler("paced-echo", HandlerConfig(2, CAP, CAP, {"delay": "1"}))
-
-
-def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
-    agent: Agent, new_transport, new_address
-) -> None:
-    address = new_address("slot-server")
-    config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
-    first = SlotServer(new_transport(), address, echo, config)
-    first.start_connection_manager()
-    link = agent.attach(address)
-    write_request(agent.frames, 0, [1, 2], request_id=1, max_new_tokens=2)
-    assert agent.submit(0) is None  # in flight when the server goes away
-    first.close()
-    lost: list[int] = []
-    deadline = time.monotonic() + 10
-    while not lost and time.monotonic() < deadline:
-        lost = agent.check_links()
-    assert lost == [0] and not link.alive
-    write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
-    assert agent.submit(1) == Status.UNAVAILABLE
-    assert agent.revive(timeout=0.5) == []  # nobody there yet
-    second = SlotServer(new_transport(), address, echo, config)
-    second.start_connection_manager()
-    try:
-        (back,) = agent.revive(timeout=5.0)
-        assert back.alive and back.epoch == second.epoch != first.epoch
-        assert agent.submit(1) is None
-        assert _serve_once(second) == 1
-        assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [1]
-        assert agent.frames.outputs[1, :1].tolist() == [3]
-    finally:
-        second.close()
 
 
 def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_returns(agent: Agent, make_server) -> None:
@@ -264,12 +95,12 @@ def test_a_handler_past_its_deadline_is_answered_and_its_slot_freed_when_it_retu
 
     server = make_server(handler=sticky, slots=2, handler_deadline=0.2)
     agent.attach(server.address)
-    hung = _roundtrip(agent, server, [99, 1])
+    hung = roundtrip(agent, server, [99, 1])
     assert int(agent.frames.results[hung]["status"]) == Status.HANDLER_ERROR
     assert server.stats.deadline_exceeded == 1 and server.stats.quarantined == 1
     assert server.pool.free_count() == 1  # the hung handler still owns its slot's memory
     for i in range(3):  # the others are unaffected
-        index = _roundtrip(agent, server, [i + 1, 7])
+        index = roundtrip(agent, server, [i + 1, 7])
         assert agent.frames.outputs[index, :2].tolist() == [i + 1, 7]
         agent.release(index)
     release.set()
@@ -311,7 +142,7 @@ def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_n
         8,
         doorbell_imm(0, want >> 32),
     )
-    assert _serve_once(server) == 1
+    assert serve_once(server) == 1
     assert rogue.cq.wait(5.0)
     answer = replies.buf[: RESULT_HEADER.itemsize].view(RESULT_HEADER)[0]  # replies: [result][output]
     assert int(answer["status"]) == Status.BAD_REQUEST and int(answer["output_count"]) == 0

@@ -89,8 +89,7 @@ def test_a_stalled_writer_loses_its_slot_at_lease_end_and_its_late_doorbell_is_i
 def test_a_killed_claimer_frees_its_slot_without_waiting_for_the_lease(
     server: SlotServer, transport_name, transport_options
 ) -> None:
-    server.config.lease = 600.0  # so only the disconnect can free it within the test
-    server.pool.header["lease_ns"] = int(600e9)
+    server.pool.header["lease_ns"] = int(600e9)  # so only the disconnect can free it within the test
     proc, _ = _claimer(server, transport_name, transport_options)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)

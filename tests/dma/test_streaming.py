@@ -1,24 +1,22 @@
-"""Streamed results, cancellation and abandon through the data path (agent <-> slot server over a
-transport, the server's real loop on a thread): progress words, the generation fence, exactly-once
-accounting."""
+"""Streamed results and cancellation through the data path (agent <-> slot server over a transport, the
+server's real loop on a thread): progress words, coalescing, the generation fence on cancels.  Abandon
+and exactly-once accounting at the agent are in tests/dpu/test_agent.py."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers.datapath import collect, send, wait_free
 
 from edgepath.dma import wire
-from edgepath.dma.handlers import Emit, HandlerConfig, PacedEcho, SlotRequest, load_handler
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Transport
+from edgepath.dma.handlers import Emit, HandlerConfig, PacedEcho, SlotRequest
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.port import Delivery
+from edgepath.handlers import load_handler
 from edgepath.native.abi import Status
 
 pytestmark = pytest.mark.transport
@@ -26,75 +24,13 @@ pytestmark = pytest.mark.transport
 CAP = 64
 
 
-@dataclass
-class Running:
-    server: SlotServer
-    thread: threading.Thread
-
-
 @pytest.fixture
-def serve(
-    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
-) -> Iterator[Callable[..., SlotServer]]:
-    started: list[Running] = []
-
-    def start(handler: object, slots: int = 2, **config: object) -> SlotServer:
-        cfg = SlotServerConfig(slots=slots, input_capacity=CAP, output_capacity=CAP, **config)
-        server = SlotServer(new_transport(), new_address("slot-server"), handler, cfg)  # type: ignore[arg-type]
-        thread = threading.Thread(target=server.serve, daemon=True)
-        thread.start()
-        started.append(Running(server, thread))
-        return server
-
-    yield start
-    for run in started:
-        run.server.stop()
-        run.thread.join(timeout=5)
-        run.server.close()
-
-
-@pytest.fixture
-def agent(new_transport: Callable[[], Transport]) -> Agent:
-    return Agent(
-        new_transport(), frames=4, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
-    )
+def agent(new_agent) -> Agent:
+    return new_agent(frames=4, max_servers=1, max_slots_per_server=8)
 
 
 def paced(delay: float) -> PacedEcho:
     return PacedEcho(delay)
-
-
-def send(agent: Agent, tokens: list[int], max_new: int = CAP, stream: bool = True) -> int:
-    index = agent.acquire()
-    assert index is not None
-    write_request(
-        agent.frames,
-        index,
-        tokens,
-        request_id=index + 1,
-        max_new_tokens=max_new,
-        flags=wire.FLAG_STREAM if stream else 0,
-    )
-    assert agent.submit(index) is None
-    return index
-
-
-def collect(agent: Agent, index: int, timeout: float = 10.0) -> list[Delivery]:
-    """Deliveries for ``index`` until its final one (bounded in time)."""
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not (got and got[-1].final):
-        got += [d for d in agent.poll(timeout=0.5) if d.index == index]
-    return got
-
-
-def wait_free(server: SlotServer, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.pool.free_count() == server.pool.slot_count:
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def test_tokens_stream_back_as_they_are_produced(agent: Agent, serve) -> None:
@@ -200,43 +136,6 @@ def test_cancel_stops_the_handler_and_frees_the_slot(agent: Agent, serve) -> Non
     assert server.stats.cancelled == 1
 
 
-def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) -> None:
-    server = serve(paced(0.02), stream_window=0.0)
-    agent.attach(server.address)
-    index = send(agent, list(range(50)))
-    agent.abandon(index)
-    assert index in agent.inflight  # not reusable yet: the slot may still write into it
-    free_before = len(agent._free_frames)
-    deadline = time.monotonic() + 10
-    while index in agent.inflight and time.monotonic() < deadline:
-        assert all(d.index != index for d in agent.poll(timeout=0.2))  # nothing delivered for it
-    assert index not in agent.inflight
-    assert len(agent._free_frames) == free_before + 1  # handed back by the agent itself
-    assert agent.delivery_stats.abandoned == 1 and agent.delivery_stats.late >= 1
-    with pytest.raises(ValueError, match="not in flight"):
-        agent.abandon(index)
-    # the frame's next user gets only its own result
-    again = agent.acquire()
-    assert again is not None
-    write_request(agent.frames, again, [9, 8, 7], request_id=99, max_new_tokens=3, flags=wire.FLAG_STREAM)
-    assert agent.submit(again) is None
-    got = collect(agent, again)
-    assert got[-1].count == 3 and agent.frames.outputs[again, :3].tolist() == [9, 8, 7]
-    assert wait_free(server)
-
-
-def test_a_second_final_for_a_frame_is_counted_as_a_duplicate(agent: Agent, serve) -> None:
-    server = serve(paced(0.0))
-    link = agent.attach(server.address)
-    index = send(agent, [1, 2])
-    got = collect(agent, index)
-    assert got[-1].final
-    assert agent.deliver(link.conn.conn_id, wire.final_imm(index)) is None
-    assert agent.delivery_stats.duplicates == 1
-    assert agent.deliver(link.conn.conn_id, wire.final_imm(3)) is None  # never in flight
-    assert agent.delivery_stats.unknown == 1 and agent.delivery_stats.delivered == 1
-
-
 def test_a_cancel_for_someone_elses_slot_is_ignored(agent: Agent, serve, new_transport) -> None:
     server = serve(paced(0.02), stream_window=0.0)
     agent.attach(server.address)
@@ -287,20 +186,6 @@ def test_a_generator_handler_streams_what_it_yields(agent: Agent, serve) -> None
     got = collect(agent, index)
     assert got[-1].count == 6 and agent.frames.outputs[index, :6].tolist() == [6, 5, 4, 3, 2, 1]
     assert len(got) > 1
-
-
-def test_attach_returns_only_once_the_server_has_admitted_the_agent(serve, new_transport) -> None:
-    """A request sent the moment attach() returns is answered (the server registered the connection first)."""
-    server = serve(paced(0.0), slots=4)
-    for _ in range(20):
-        agent = Agent(
-            new_transport(), frames=1, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
-        )
-        agent.attach(server.address)
-        index = send(agent, [4, 2], stream=False)
-        got = collect(agent, index, timeout=5.0)
-        assert got and got[-1].final, server.stats
-    assert server.stats.results_dropped == 0
 
 
 def test_paced_echo_is_a_batch_handler_with_a_clear_option_error() -> None:

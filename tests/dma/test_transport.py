@@ -4,6 +4,7 @@ completion channel, and disconnect detection."""
 
 from __future__ import annotations
 
+import os
 import select
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.transport import Access, Connection, MemoryRegion, Transport, TransportError, TransportUnavailable
 
 pytestmark = pytest.mark.transport
@@ -273,3 +275,17 @@ def test_local_view_maps_the_peer_s_region_where_the_transport_can(
     with pytest.raises(TransportError, match="closed"):
         conn.local_view(conn.remote["status"])
     listener.close()
+
+
+def test_closing_a_loopback_endpoint_twice_is_harmless() -> None:
+    """A second close must not close descriptors (the CQ's memfd and eventfd, the regions' memfds) that by
+    then may belong to someone else."""
+    t = LoopbackTransport()
+    t.register("r", 64, Access.NONE)
+    t.close()
+    reused = os.eventfd(0)  # likely the number the CQ's eventfd had
+    try:
+        t.close()
+        os.eventfd_write(reused, 1)  # still ours
+    finally:
+        os.close(reused)

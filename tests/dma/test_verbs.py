@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.dma.transport import Access, Transport, TransportUnavailable, make_transport
+from edgepath.dma.registry import make_transport
+from edgepath.dma.transport import Access, Transport, TransportUnavailable
 
 pytestmark = pytest.mark.transport
 

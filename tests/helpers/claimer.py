@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from edgepath.dma.transport import Access, make_transport
+from edgepath.dma.registry import make_transport
+from edgepath.dma.transport import Access
 from edgepath.dma.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request

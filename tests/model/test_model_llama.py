@@ -15,9 +15,10 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest, load_handler
+from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status

@@ -21,11 +21,11 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
         input_capacity=300,
         output_capacity=200,
         lease=0.25,
-        spin_us=12.5,
+        spin=12.5e-6,
         handler="paced-echo",
         handler_options=(("token_delay", "0.01"), ("note", "a=b")),
         handler_deadline=1.5,
-        stream_window_ms=0.5,
+        stream_window=0.5e-3,
         data_path=DataPath("verbs", "rxe0", 1),
     )
     args = build_parser().parse_args(settings.argv())
@@ -33,7 +33,9 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
     assert args.func.__name__ == "cmd_slot_server"
     assert (args.listen, args.slots) == ("/tmp/x.sock", ("host", 7))
     assert (args.input_capacity, args.output_capacity) == (300, 200)
-    assert (args.lease, args.spin_us, args.handler_deadline, args.stream_window_ms) == (0.25, 12.5, 1.5, 0.5)
+    # --spin-us and --stream-window-ms are given in their units and held in seconds, as the slot server takes them
+    assert "--spin-us" in settings.argv() and settings.argv()[settings.argv().index("--spin-us") + 1] == "12.5"
+    assert (args.lease, args.spin_us, args.handler_deadline, args.stream_window_ms) == (0.25, 12.5e-6, 1.5, 0.5e-3)
     assert args.handler == "paced-echo" and args.handler_option == [("token_delay", "0.01"), ("note", "a=b")]
     assert (args.data_path, args.device, args.gid_index) == ("verbs", "rxe0", 1)
 
@@ -226,7 +228,7 @@ def test_serve_fills_its_slot_server_and_agent_by_name(tmp_path: Path) -> None:
         slots=3,
         input_capacity=70,
         output_capacity=30,
-        spin_us=4.0,
+        spin=4e-6,
         handler="paced-echo",
         handler_options=(("token_delay", "0.1"),),
         handler_deadline=2.0,

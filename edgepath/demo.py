@@ -10,6 +10,7 @@ import numpy as np
 
 from edgepath.builder import build_agent, build_slot_server, data_path_transport
 from edgepath.config import AgentSettings, DataPath, SlotServerSettings
+from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status, lib
 from edgepath.runtime import runtime_dir
 
@@ -68,7 +69,7 @@ def run_demo(
             memory=memory,
             input_capacity=tokens,
             output_capacity=tokens,
-            spin_us=spin * 1e6,
+            spin=spin,
             data_path=data_path,
         )
     )
@@ -99,11 +100,7 @@ def run_demo(
                 index = agent.acquire()
                 if index is None:
                     break
-                req = agent.frames.requests[index]
-                req["request_id"] = sent
-                req["token_count"] = tokens
-                req["max_new_tokens"] = tokens
-                agent.frames.tokens[index, :tokens] = payload[sent]
+                write_request(agent.frames, index, payload[sent], request_id=sent, max_new_tokens=tokens)
                 t0 = lib.ep_now_ns()
                 status = agent.submit(index)
                 if status is not None:

@@ -1,0 +1,47 @@
+"""What a slot server is made of, as plain data, and the defaults every command shares.
+
+Standard library only: the command line's parser and the app layer's configuration import it without
+loading numpy or the native extension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: tokens per slot or frame, in and out, when nothing else is said (slot servers, agents, the commands)
+DEFAULT_CAPACITY = 4096
+DEFAULT_SLOTS = 64
+#: where a pool may live (``--slots KIND:N``); :mod:`edgepath.dma.memory` implements each
+SLOT_MEMORY = ("host", "gpu", "gpu-device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotServerConfig:
+    """A slot server's pool and loop; durations in seconds.  The app layer's slot-server settings extend
+    it with where it listens, which handler it runs and over which data path."""
+
+    slots: int = DEFAULT_SLOTS
+    input_capacity: int = DEFAULT_CAPACITY
+    output_capacity: int = DEFAULT_CAPACITY
+    lease: float = 1.0  # seconds a CLAIMED slot may wait for its doorbell
+    spin: float = 0.0  # seconds to spin on the CQ before sleeping
+    scan_interval: float = 0.05
+    # "host": host memory, CPU poller; "gpu": host memory mapped into the GPU, CUDA poller;
+    # "gpu-device": GPU memory registered with the NIC (transport.register_device), CUDA poller
+    memory: str = "host"
+    gpu_device: int = 0
+    handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
+    handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
+    stream_window: float = 0.002  # seconds within which streamed tokens after the first are coalesced
+
+    def __post_init__(self) -> None:
+        if self.memory not in SLOT_MEMORY:
+            raise ValueError(f"slot memory must be one of {', '.join(SLOT_MEMORY)}, got {self.memory!r}")
+        if self.lease <= 0:
+            raise ValueError(f"lease must be positive seconds, got {self.lease}")
+        if self.handler_deadline < 0:
+            raise ValueError(f"handler deadline must be >= 0 seconds (0: none), got {self.handler_deadline}")
+        if self.spin < 0:
+            raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
+        if self.stream_window < 0:
+            raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")

@@ -1,0 +1,120 @@
+"""The frame book of an agent port: which frames are free, which are in flight, exactly-once accounting.
+
+Both ports keep one -- :class:`~edgepath.dpu.agent.Agent` (frames it sends to slot servers) and
+:class:`~edgepath.dpu.agent_client.AgentClient` (frames it hands to an agent process) -- so the rules of a
+frame's life are written once (see :mod:`edgepath.dpu.port`): a frame is acquired, sent, gets streamed
+progress and exactly one final answer, and is released; an abandoned frame delivers nothing more and
+goes back to the free list only when the other side has let go of it.  What does not match a frame in
+flight is counted, never delivered: a second final for an answered frame (``duplicates``), a completion
+for a frame that was never in flight or for another request of it (``unknown``), one for an abandoned
+frame (``late``).  Sans-I/O: the ports decode completions and call in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from edgepath.dpu.port import Delivery, DeliveryStats
+
+
+@dataclass(slots=True)
+class Flight:
+    """A frame in flight."""
+
+    count: int = 0  # output tokens delivered so far
+    abandoned: bool = False  # the caller gave up: deliver nothing, free the frame when the other side lets go
+
+
+F = TypeVar("F", bound=Flight)
+
+
+class FrameBook(Generic[F]):
+    """``count`` frames, their flights (of type ``F``) and the delivery counters."""
+
+    def __init__(self, count: int, stats: DeliveryStats | None = None) -> None:
+        """``stats``: counters to go on with (a port that reconnects keeps counting where it was)."""
+        self.count = count
+        self.stats = stats if stats is not None else DeliveryStats()
+        self.inflight: dict[int, F] = {}
+        self._free = list(range(count - 1, -1, -1))
+        self._answered = [-1] * count  # per frame: the request (generation) its last final answered
+
+    # -- a frame's life ------------------------------------------------------------------
+    def acquire(self) -> int | None:
+        """A frame the caller may fill, or None if all are taken."""
+        return self._free.pop() if self._free else None
+
+    def release(self, index: int) -> None:
+        """Give a frame back once its result has been read (or it was refused, or never sent)."""
+        if index in self.inflight:
+            raise ValueError(f"frame {index} is still in flight (abandon it instead)")
+        self._free.append(index)
+
+    def sent(self, index: int, flight: F) -> None:
+        """Frame ``index`` is in flight now."""
+        self.inflight[index] = flight
+
+    def unsent(self, index: int) -> None:
+        """The send of frame ``index`` failed before it left: it is not in flight (the caller still owns it)."""
+        del self.inflight[index]
+
+    def progress(self, index: int, count: int) -> Delivery | None:
+        """``count`` output tokens of in-flight frame ``index`` are placed: a delivery when that is news."""
+        flight = self.inflight[index]
+        if flight.abandoned or count <= flight.count:
+            self.stats.late += flight.abandoned
+            return None
+        flight.count = count
+        return Delivery(index, count, False)
+
+    def final(self, index: int, output_count: int, answers: int = 0) -> Delivery | None:
+        """In-flight frame ``index`` has its final result (for request ``answers``, e.g. its generation):
+        delivered, or, for an abandoned frame, counted late and the frame freed."""
+        flight = self.inflight.pop(index)
+        self._answered[index] = answers
+        if flight.abandoned:
+            self.stats.late += 1
+            self._free.append(index)
+            return None
+        self.stats.delivered += 1
+        return Delivery(index, output_count, True)
+
+    def abandon(self, index: int) -> F | None:
+        """The caller gives up on in-flight frame ``index``; its flight when this is news (None: already)."""
+        flight = self.inflight.get(index)
+        if flight is None:
+            raise ValueError(f"frame {index} is not in flight")
+        if flight.abandoned:
+            return None
+        flight.abandoned = True
+        self.stats.abandoned += 1
+        return flight
+
+    def lose(self, which: Callable[[F], bool] | None = None) -> list[int]:
+        """The other side of the flights ``which`` selects (None: all) is gone: they leave the book; abandoned
+        ones go back to the free list, the others are returned (the caller answers them)."""
+        lost = []
+        for index, flight in list(self.inflight.items()):
+            if which is not None and not which(flight):
+                continue
+            del self.inflight[index]
+            if flight.abandoned:
+                self._free.append(index)
+            else:
+                lost.append(index)
+        return sorted(lost)
+
+    # -- what does not match a frame in flight ---------------------------------------------------
+    def stray(self, index: int, final: bool, answers: int = 0) -> None:
+        """A completion for frame ``index`` that is not (or no longer) in flight: a second final for the
+        request it last answered is a duplicate, anything else unknown."""
+        if final and 0 <= index < self.count and self._answered[index] == answers:
+            self.stats.duplicates += 1
+        else:
+            self.stats.unknown += 1
+
+    def unknown(self) -> None:
+        """A completion for an in-flight frame that belongs to another request of it."""
+        self.stats.unknown += 1

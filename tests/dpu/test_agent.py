@@ -1,0 +1,259 @@
+"""The agent: claims (remote CAS, the free-slot hint across servers, 429 only when all are full), the frame
+it sends, its slot servers going and coming back, abandon and exactly-once accounting -- against real
+slot servers over the chosen transport."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers.datapath import collect, send, serve_once, wait_free
+
+from edgepath.dma import wire
+from edgepath.dma.handlers import PacedEcho, echo
+from edgepath.dma.pool import FrameLayout, SlotPool
+from edgepath.dma.slot_server import SlotServer, SlotServerConfig
+from edgepath.dma.transport import Access, TransportError
+from edgepath.dpu.agent import Agent, AgentError
+from edgepath.dpu.frame import FrameError, write_request
+from edgepath.native.abi import ABI_VERSION, State, Status
+
+pytestmark = pytest.mark.transport
+
+CAP = 64
+
+
+@pytest.fixture
+def agent(new_agent) -> Agent:
+    return new_agent()
+
+
+def paced(delay: float) -> PacedEcho:
+    return PacedEcho(delay)
+
+
+def test_no_free_slot_is_refused_at_once_and_deterministically(agent: Agent, make_server) -> None:
+    server = make_server(slots=2)
+    link = agent.attach(server.address)
+    held = []
+    for _ in range(2):
+        i = agent.acquire()
+        write_request(agent.frames, i, [1, 2, 3], request_id=i, max_new_tokens=3)
+        assert agent.submit(i) is None
+        held.append(i)
+    i = agent.acquire()
+    write_request(agent.frames, i, [4], request_id=9, max_new_tokens=1)
+    cas_before = link.stats.cas_attempts
+    assert agent.submit(i) == Status.NO_SLOT
+    # No CAS was even tried: the cached words say busy, and one refresh READ confirmed it.
+    assert link.stats.cas_attempts == cas_before
+    assert [server.pool.slot_word(s).state for s in range(2)] == [State.CLAIMED, State.CLAIMED]
+    served = 0
+    while served < 2:
+        served += serve_once(server)
+    answered = [d.index for d in agent.poll(timeout=5.0) + agent.poll(timeout=0.5) if d.final]
+    assert sorted(answered) == sorted(held)
+    assert agent.submit(i) is None  # a slot is free again: admitted
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_new", "message"),
+    [
+        ([], 4, "at least 1 token"),
+        (list(range(CAP + 1)), 4, f"{CAP + 1} tokens; a slot holds at most {CAP}"),
+        ([1, 2], -1, "max_new_tokens must be between 0 and"),
+        ([1, 2], CAP + 1, "max_new_tokens must be between 0 and"),
+        ([[1, 2]], 4, "flat sequence"),
+        ([1.5], 4, "must be integers"),
+        ([2**40], 4, "fit in int32"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_written(agent: Agent, tokens, max_new: int, message: str) -> None:
+    before = agent.frames.raw[0].copy()
+    with pytest.raises(FrameError, match=message):
+        write_request(agent.frames, 0, tokens, request_id=1, max_new_tokens=max_new)
+    assert np.array_equal(agent.frames.raw[0], before)
+
+
+def test_frame_with_bad_counts_is_not_sent(agent: Agent, make_server) -> None:
+    server = make_server()
+    link = agent.attach(server.address)
+    agent.frames.requests[0]["token_count"] = CAP + 1
+    assert agent.check_frame(0) == f"request has {CAP + 1} tokens; a slot holds at most {CAP}"
+    assert agent.submit(0) == Status.BAD_REQUEST
+    agent.frames.requests[0]["token_count"] = 0
+    assert agent.submit(0) == Status.BAD_REQUEST
+    assert link.stats.cas_attempts == 0 and server.pool.free_count() == 2
+
+
+def test_claims_spill_to_the_next_server_and_429_only_when_all_are_full(agent: Agent, make_server) -> None:
+    a, b = make_server(slots=1), make_server(slots=1)
+    agent.attach(a.address)
+    agent.attach(b.address)
+    statuses = []
+    for i in range(3):
+        write_request(agent.frames, i, [i + 1], request_id=i, max_new_tokens=1)
+        statuses.append(agent.submit(i))
+    assert statuses == [None, None, Status.NO_SLOT]
+    assert a.pool.free_count() == 0 and b.pool.free_count() == 0
+
+
+def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, new_address) -> None:
+    fake = new_transport()
+    region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
+    SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
+    region.buf[8:12].view(np.uint32)[0] = ABI_VERSION + 1  # a slot server from a later release
+    address = new_address("fake")
+    listener = fake.listen(address, [region], {})
+    accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
+    accepted.start()
+    with pytest.raises(AgentError, match=f"ABI version {ABI_VERSION + 1}, this agent speaks {ABI_VERSION}"):
+        agent.attach(address)
+    accepted.join()
+    listener.close()
+    assert agent.links == []
+
+
+def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
+    agent: Agent, new_transport, new_address
+) -> None:
+    address = new_address("slot-server")
+    config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
+    first = SlotServer(new_transport(), address, echo, config)
+    first.start_connection_manager()
+    link = agent.attach(address)
+    write_request(agent.frames, 0, [1, 2], request_id=1, max_new_tokens=2)
+    assert agent.submit(0) is None  # in flight when the server goes away
+    first.close()
+    lost: list[int] = []
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        lost = agent.check_links()
+    assert lost == [0] and not link.alive
+    write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
+    assert agent.submit(1) == Status.UNAVAILABLE
+    assert agent.revive(timeout=0.5) == []  # nobody there yet
+    second = SlotServer(new_transport(), address, echo, config)
+    second.start_connection_manager()
+    try:
+        (back,) = agent.revive(timeout=5.0)
+        assert back.alive and back.epoch == second.epoch != first.epoch
+        assert agent.submit(1) is None
+        assert serve_once(second) == 1
+        assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [1]
+        assert agent.frames.outputs[1, :1].tolist() == [3]
+    finally:
+        second.close()
+
+
+def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) -> None:
+    server = serve(paced(0.02), stream_window=0.0)
+    agent.attach(server.address)
+    index = send(agent, list(range(50)))
+    agent.abandon(index)
+    assert index in agent.inflight  # not reusable yet: the slot may still write into it
+    free_before = len(agent.book._free)
+    deadline = time.monotonic() + 10
+    while index in agent.inflight and time.monotonic() < deadline:
+        assert all(d.index != index for d in agent.poll(timeout=0.2))  # nothing delivered for it
+    assert index not in agent.inflight
+    assert len(agent.book._free) == free_before + 1  # handed back by the agent itself
+    assert agent.delivery_stats.abandoned == 1 and agent.delivery_stats.late >= 1
+    with pytest.raises(ValueError, match="not in flight"):
+        agent.abandon(index)
+    # the frame's next user gets only its own result
+    again = agent.acquire()
+    assert again is not None
+    write_request(agent.frames, again, [9, 8, 7], request_id=99, max_new_tokens=3, flags=wire.FLAG_STREAM)
+    assert agent.submit(again) is None
+    got = collect(agent, again)
+    assert got[-1].count == 3 and agent.frames.outputs[again, :3].tolist() == [9, 8, 7]
+    assert wait_free(server)
+
+
+def test_a_second_final_for_a_frame_is_counted_as_a_duplicate(agent: Agent, serve) -> None:
+    server = serve(paced(0.0))
+    link = agent.attach(server.address)
+    index = send(agent, [1, 2])
+    got = collect(agent, index)
+    assert got[-1].final
+    assert agent.deliver(link.conn.conn_id, wire.final_imm(index)) is None
+    assert agent.delivery_stats.duplicates == 1
+    assert agent.deliver(link.conn.conn_id, wire.final_imm(3)) is None  # never in flight
+    assert agent.delivery_stats.unknown == 1 and agent.delivery_stats.delivered == 1
+
+
+def test_attach_returns_only_once_the_server_has_admitted_the_agent(serve, new_transport) -> None:
+    """A request sent the moment attach() returns is answered (the server registered the connection first)."""
+    server = serve(paced(0.0), slots=4)
+    for _ in range(20):
+        agent = Agent(
+            new_transport(), frames=1, input_capacity=CAP, output_capacity=CAP, max_servers=1, max_slots_per_server=8
+        )
+        agent.attach(server.address)
+        index = send(agent, [4, 2], stream=False)
+        got = collect(agent, index, timeout=5.0)
+        assert got and got[-1].final, server.stats
+    assert server.stats.results_dropped == 0
+
+
+def test_claims_follow_the_free_slot_hint_and_429_only_when_all_are_full(make_server, new_agent) -> None:
+    """Each claim tries the attached servers in order of their free-slot hint (most free first); the answer
+    is 429 (NO_SLOT) only when every one of them is full."""
+    small, big = make_server(slots=1, cap=16), make_server(slots=3, cap=16)
+    agent = new_agent(cap=16)
+    agent.attach(small.address)  # attached first, but it has fewer free slots
+    agent.attach(big.address)
+    chosen = []
+    for i in range(5):
+        write_request(agent.frames, i, [i + 1, i + 2], request_id=i, max_new_tokens=2)
+        status = agent.submit(i)
+        chosen.append(status if status is not None else agent.inflight[i].link.address)
+    # Hints (free slots) before each claim: small 1 / big 3, 1/2, 1/1 (tie: attach order), 0/1, 0/0.
+    assert chosen == [big.address, big.address, small.address, big.address, Status.NO_SLOT]
+    assert small.pool.free_count() == 0 and big.pool.free_count() == 0
+    # Every slot that was claimed gets served and freed; then claims succeed again.
+    served = 0
+    for server in (small, big):
+        served += server.process(server.transport.cq.wait(5.0, max_entries=256))
+    assert served == 4
+    done: list[int] = []
+    while len(done) < 4:
+        got = [d.index for d in agent.poll(timeout=5.0) if d.final]
+        assert got, "results never arrived"
+        done += got
+    assert sorted(done) == [0, 1, 2, 3]
+    assert all(int(agent.frames.results[i]["status"]) == Status.OK for i in done)
+    assert small.pool.free_count() == 1 and big.pool.free_count() == 3
+    write_request(agent.frames, 5, [9], request_id=5, max_new_tokens=1)
+    assert agent.submit(5) is None
+    assert agent.inflight[5].link.address == big.address
+
+
+def test_a_send_that_fails_at_the_transport_leaves_the_frame_to_its_caller(
+    agent: Agent, make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UNAVAILABLE at once, the frame not in flight (its caller releases it), the link down."""
+    server = make_server()
+    link = agent.attach(server.address)
+
+    def broken(*_: object) -> None:
+        raise TransportError("the link broke")
+
+    monkeypatch.setattr(link.conn, "write_then_imm", broken)
+    index = agent.acquire()
+    assert index is not None
+    write_request(agent.frames, index, [1, 2], request_id=1, max_new_tokens=2)
+    assert agent.submit(index) == Status.UNAVAILABLE
+    assert index not in agent.inflight and link.inflight == 0 and not link.alive
+    agent.release(index)
+    assert agent.delivery_stats.delivered == 0 and agent.check_links() == []
+
+
+def test_capacity_is_what_the_first_slot_server_takes_in_these_frames(agent: Agent, make_server) -> None:
+    assert agent.capacity() == FrameLayout(CAP, CAP)  # nothing attached: the frames
+    server = make_server(cap=16)
+    agent.attach(server.address)
+    assert agent.capacity() == FrameLayout(16, 16)

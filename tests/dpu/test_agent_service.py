@@ -1,0 +1,237 @@
+"""The agent as its own process's service, and the edge's client of it, in one test process: frame ranges
+per edge, refusals answered through the frame, streamed answers and cancels relayed, the status region,
+an edge or the agent going away.  (tests/dpu/test_e2e_multiprocess.py runs them as separate processes.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from edgepath.dma import wire
+from edgepath.dma.handlers import PacedEcho, echo
+from edgepath.dma.loopback import LoopbackTransport
+from edgepath.dma.pool import FrameLayout
+from edgepath.dma.slot_server import SlotServer
+from edgepath.dma.transport import Access, TransportError
+from edgepath.dpu.agent import Agent
+from edgepath.dpu.agent_client import AgentClient
+from edgepath.dpu.agent_service import AgentService
+from edgepath.dpu.frame import write_request
+from edgepath.dpu.port import Delivery
+from edgepath.native.abi import Status
+
+CAP = 32
+FRAMES, PER_EDGE = 8, 4
+
+
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class Running:
+    """An agent process's service on a thread, attached to ``slot_server``."""
+
+    def __init__(self, address: str, slot_server: str) -> None:
+        self.transport = LoopbackTransport()
+        self.agent = Agent(
+            self.transport, frames=FRAMES, input_capacity=CAP, output_capacity=CAP, frames_access=Access.REMOTE_WRITE
+        )
+        self.agent.attach(slot_server)
+        self.service = AgentService(self.agent, self.transport, address, frames_per_edge=PER_EDGE)
+        self.thread = threading.Thread(target=self.service.serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        if not self.thread.is_alive():
+            return  # closed already
+        self.service.close()
+        self.thread.join(timeout=5)
+        self.transport.close()
+
+
+@pytest.fixture
+def agent_process(tmp_path: Path) -> Iterator[Callable[[str], Running]]:
+    made: list[Running] = []
+
+    def start(slot_server: str) -> Running:
+        running = Running(str(tmp_path / f"agent-{len(made)}.sock"), slot_server)
+        made.append(running)
+        return running
+
+    yield start
+    for running in made:
+        running.close()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[[str], AgentClient]]:
+    made: list[AgentClient] = []
+
+    def connect(address: str) -> AgentClient:
+        client = AgentClient(address)
+        made.append(client)
+        return client
+
+    yield connect
+    for client in made:
+        client.close()
+
+
+def _submit(client: AgentClient, tokens: list[int], max_new: int = CAP, stream: bool = False) -> int:
+    index = client.acquire()
+    assert index is not None
+    flags = wire.FLAG_STREAM if stream else 0
+    write_request(client.frames, index, tokens, request_id=100 + index, max_new_tokens=max_new, flags=flags)
+    assert client.submit(index) is None
+    return index
+
+
+def _answers(client: AgentClient, index: int, timeout: float = 10.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (got and got[-1].final):
+        got += [d for d in client.poll(timeout=0.2) if d.index == index]
+    return got
+
+
+def test_an_edge_is_served_through_the_agent_in_its_own_frames(serve, agent_process, clients) -> None:
+    server = serve(echo, slots=2, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    assert client.capacity() == FrameLayout(CAP, CAP) and client.frames.count == PER_EDGE
+    for i in range(6):
+        index = _submit(client, [i, i + 1, i + 2])
+        got = _answers(client, index)
+        assert [(d.count, d.final) for d in got] == [(3, True)]
+        result = client.frames.results[index]
+        assert (int(result["status"]), int(result["request_id"])) == (Status.OK, 100 + index)
+        assert client.frames.outputs[index, :3].tolist() == [i, i + 1, i + 2]
+        client.release(index)
+    stats = client.delivery_stats
+    assert (stats.delivered, stats.duplicates, stats.unknown, stats.late) == (6, 0, 0, 0)
+
+
+def _refused(caplog: pytest.LogCaptureFixture, reason: str) -> bool:
+    """Whether the agent process logged a refusal for ``reason`` (loopback closes the socket without one)."""
+    return _until(lambda: any(reason in r.getMessage() for r in caplog.records), 5.0)
+
+
+def test_edges_get_ranges_of_their_own_and_give_them_back(
+    serve, agent_process, clients, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = serve(echo, slots=2, cap=CAP)
+    running = agent_process(server.address)
+    first, second = clients(running.service.address), clients(running.service.address)
+    ranges = sorted(edge.base for edge in running.service.edges.values())
+    assert ranges == [0, PER_EDGE]
+    with pytest.raises(TransportError):
+        AgentClient(running.service.address, timeout=2.0)
+    assert _refused(caplog, "no free frame range for another edge")
+    first.close()
+    assert _until(lambda: len(running.service.edges) == 1), "the range of an edge that went away stays taken"
+    third = clients(running.service.address)  # gets the range back
+    index = _submit(third, [7])
+    assert _answers(third, index)[-1].final
+    assert len(running.service.edges) == 2 and second.alive()
+
+
+def test_only_an_edge_may_connect_to_an_agent_process(serve, agent_process, caplog: pytest.LogCaptureFixture) -> None:
+    server = serve(echo, slots=2, cap=CAP)
+    running = agent_process(server.address)
+    stranger = LoopbackTransport()
+    try:
+        region = stranger.register(wire.COMPLETIONS_REGION, 8, Access.REMOTE_WRITE)
+        with pytest.raises(TransportError):
+            stranger.connect(running.service.address, [region], {"frames": 1}, timeout=2.0)
+        assert _refused(caplog, "only edges connect to an agent process")
+        assert running.service.edges == {}
+    finally:
+        stranger.close()
+
+
+def test_a_refusal_is_answered_through_the_frame(serve, agent_process, clients) -> None:
+    """No free slot: the agent writes NO_SLOT into the frame's result and answers it like a result."""
+    server = serve(PacedEcho(0.05), slots=1, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    busy = _submit(client, list(range(10)))
+    refused = _submit(client, [1])
+    got = _answers(client, refused)
+    assert [(d.count, d.final) for d in got] == [(0, True)]
+    assert int(client.frames.results[refused]["status"]) == Status.NO_SLOT
+    assert int(client.frames.results[_answers(client, busy)[-1].index]["status"]) == Status.OK
+
+
+def test_streamed_answers_and_a_cancel_are_relayed(serve, agent_process, clients) -> None:
+    server = serve(PacedEcho(0.02), slots=1, cap=CAP, stream_window=0.0)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    index = _submit(client, list(range(CAP)), stream=True)
+    first: list[Delivery] = []
+    assert _until(lambda: bool(first.extend(client.poll()) or first)), "no streamed answer"
+    assert first[0].index == index and not first[0].final and first[0].count >= 1
+    client.cancel(index)
+    got = first + _answers(client, index)
+    assert got[-1].final and int(client.frames.results[index]["status"]) == Status.CANCELLED
+    assert 1 <= got[-1].count < CAP
+    assert client.frames.outputs[index, : got[-1].count].tolist() == list(range(got[-1].count))
+    assert _until(lambda: server.stats.cancelled == 1)
+
+
+def test_an_abandoned_frame_comes_back_after_the_agents_final_answer(serve, agent_process, clients) -> None:
+    server = serve(PacedEcho(0.02), slots=1, cap=CAP, stream_window=0.0)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    index = _submit(client, list(range(CAP)), stream=True)
+    client.abandon(index)
+    assert index in client.book.inflight  # the agent may still write into it
+    assert _until(lambda: not client.poll(timeout=0.05) and index not in client.book.inflight)
+    stats = client.delivery_stats
+    assert stats.abandoned == 1 and stats.late >= 1 and stats.delivered == 0
+    assert sorted(i for i in iter(client.acquire, None)) == list(range(PER_EDGE))  # every frame is back
+
+
+def test_the_status_region_says_what_the_agent_last_saw(serve, agent_process, clients) -> None:
+    server = serve(PacedEcho(0.05), slots=2, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    assert _until(lambda: client.free_slots() == (2, 2))
+    busy = _submit(client, list(range(10)))
+    assert _until(lambda: client.free_slots() == (1, 2)), client.free_slots()
+    assert _answers(client, busy)[-1].final
+    assert _until(lambda: client.free_slots() == (2, 2))
+
+
+def test_the_agent_going_away_loses_what_was_in_flight_and_a_new_one_is_picked_up(
+    serve, agent_process, clients, tmp_path: Path
+) -> None:
+    server: SlotServer = serve(PacedEcho(0.05), slots=2, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    done = _submit(client, [5])
+    assert _answers(client, done)[-1].final
+    client.release(done)
+    lost = _submit(client, list(range(20)))
+    running.close()
+    gone: list[int] = []
+    assert _until(lambda: bool(gone.extend(client.check_links()) or gone)), "the agent's end went unseen"
+    assert gone == [lost] and not client.alive() and client.free_slots() == (0, 0)
+    assert client.submit(client.acquire() or 0) == Status.UNAVAILABLE
+    assert client.revive(timeout=0.2) == []  # nobody there yet
+    again = Running(running.service.address, server.address)
+    try:
+        assert client.revive(timeout=5.0) == [running.service.address]
+        index = _submit(client, [8, 9])
+        assert _answers(client, index)[-1].final
+        assert client.delivery_stats.delivered == 2  # counted on across the reconnect
+    finally:
+        again.close()

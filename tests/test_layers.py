@@ -1,0 +1,147 @@
+"""Imports run one way: native <- dma <- {dpu, model} <- edge <- the app layer.
+
+Read from the source (every ``import`` statement, at module level or inside a function, ``TYPE_CHECKING``
+included: a lazy import is still a dependency).  The app layer (``edgepath/``: cli, config, builder,
+serve, demo, supervision, registries) is the only place that wires components; ``bench/`` holds the
+``edgepath bench`` commands and counts as part of it.  ``model`` sits beside ``dpu`` and ``edge`` as the
+slot server's handler side: it implements the handler API of ``dma`` and imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: folder -> the import package it is (pyproject's package-dir) and the layer it belongs to
+PACKAGES = {
+    "native": ("edgepath.native", "native"),
+    "dma": ("edgepath.dma", "dma"),
+    "dpu": ("edgepath.dpu", "dpu"),
+    "model": ("edgepath.model", "model"),
+    "edge": ("edgepath.edge", "edge"),
+    "edgepath": ("edgepath", "app"),
+    "bench": ("edgepath.bench", "app"),
+}
+
+#: layer -> the layers it may import (its own always)
+ALLOWED = {
+    "native": set(),
+    "dma": {"native"},
+    "dpu": {"dma", "native"},
+    "model": {"dma", "native"},
+    "edge": {"dpu", "model", "dma", "native"},  # model: the GGUF reader behind the model's own tokenizer
+    "app": {"edge", "dpu", "model", "dma", "native"},
+}
+
+
+def _layer_of(module: str) -> str | None:
+    """The layer of an absolute module name inside edgepath (None: outside edgepath)."""
+    if module != "edgepath" and not module.startswith("edgepath."):
+        return None
+    best = max((pkg for pkg, _ in PACKAGES.values() if module == pkg or module.startswith(pkg + ".")), key=len)
+    return next(layer for pkg, layer in PACKAGES.values() if pkg == best)
+
+
+def _imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, relative ones resolved against ``package``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            out.append((node.lineno, module))
+    return out
+
+
+def _cross_layer_imports() -> dict[tuple[str, str], list[str]]:
+    """(from layer, to layer) -> 'file:line module' for every import between two layers."""
+    found: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for folder, (package, layer) in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            subpackage = ".".join([package, *rel.parts[1:-1]])
+            for line, module in _imports(path, subpackage):
+                target = _layer_of(module)
+                if target is not None and target != layer:
+                    found[(layer, target)].append(f"{rel}:{line} {module}")
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle's first appearance in a depth-first walk (enough to say there is one)."""
+    cycles, stack, done = [], [], set()
+
+    def visit(node: str) -> None:
+        if node in stack:
+            cycles.append([*stack[stack.index(node) :], node])
+            return
+        if node in done:
+            return
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    return cycles
+
+
+def test_no_package_level_import_cycle() -> None:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for src, dst in _cross_layer_imports():
+        graph[src].add(dst)
+    assert _cycles(graph) == [], f"package-level import cycles: {_cycles(graph)}"
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    wrong = [
+        where
+        for (src, dst), found in sorted(_cross_layer_imports().items())
+        if dst not in ALLOWED[src]
+        for where in found
+    ]
+    assert wrong == [], "imports against the layering (" + ", ".join(f"{k}<-{v}" for k, v in ALLOWED.items()) + ")"
+
+
+def test_nothing_below_the_app_layer_imports_it() -> None:
+    upward = [
+        where
+        for (src, dst), found in _cross_layer_imports().items()
+        if dst == "app" and src != "app"
+        for where in found
+    ]
+    assert upward == []
+
+
+def test_the_scan_sees_imports_of_every_kind(tmp_path: Path) -> None:
+    """The scan itself: module-level, lazy, TYPE_CHECKING and relative imports are all found."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import edgepath.dma.wire\n"
+        "from .tokenizer import Tokenizer\n"
+        "from ..config import DataPath\n"
+        "if TYPE_CHECKING:\n    from edgepath.dpu.agent import Agent\n"
+        "def f():\n    from edgepath.builder import build_agent\n"
+    )
+    found = [module for _, module in _imports(source, "edgepath.edge")]
+    assert found == [
+        "typing",
+        "edgepath.dma.wire",
+        "edgepath.edge.tokenizer",
+        "edgepath.config",
+        "edgepath.dpu.agent",
+        "edgepath.builder",
+    ]
+    assert [_layer_of(m) for m in found] == [None, "dma", "edge", "app", "dpu", "app"]
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
