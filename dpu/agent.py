@@ -14,6 +14,8 @@ state word from FREE to CLAIMED.  If no CAS on any attached slot server succeeds
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
+from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
@@ -31,6 +34,11 @@ from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER,
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
+
+#: re-attaching to a slot server that went away: first after 0.1 s, then doubling to one try every 2 s --
+#: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
+#: listening again, and one that stays away costs one connection attempt every 2 s
+REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
 
 
 class AgentError(RuntimeError):
@@ -70,6 +78,7 @@ class ServerLink:
     inflight: int = 0
     alive: bool = True
     stats: ClaimStats = field(default_factory=ClaimStats)
+    rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -108,14 +117,19 @@ class Agent:
         frames_buffer: np.ndarray | None = None,
         replies_buffer: np.ndarray | None = None,
         frames_access: Access = Access.NONE,
+        reattach: Backoff = REATTACH_BACKOFF,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
         share the region over loopback) -- and replies, the one region slot servers may write.
         ``frames_buffer``/``replies_buffer``: memory owned elsewhere (shared with edges) that
         ``transport`` registers in place (the verbs transport can), so the edges' token writes are
-        what the NIC sends and results land where the edges read them."""
+        what the NIC sends and results land where the edges read them.  ``reattach``: how often
+        :meth:`revive` tries a slot server that went away (``clock``: its time, seconds)."""
         self.transport = transport
+        self.reattach = reattach
+        self._clock = clock
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
         self.frames_mr: MemoryRegion = transport.register(
@@ -133,6 +147,7 @@ class Agent:
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
+        self._lost_links = False  # a link went down since check_links last collected its flights
         self.max_servers = max_servers
         self.book: FrameBook[InFlight] = FrameBook(frames)
         self.inflight = self.book.inflight
@@ -188,24 +203,31 @@ class Agent:
             raise
 
     def revive(self, timeout: float = 0.05) -> list[ServerLink]:
-        """Re-attach to slot servers that went away (restarted, say); the links that came back.
+        """Re-attach to slot servers that went away (restarted, say) and are due another try (bounded
+        exponential back-off per link, :data:`REATTACH_BACKOFF`); the links that came back.  Cheap to call
+        often: a link not yet due costs nothing, and a try waits at most ``timeout`` seconds.
 
         A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
-        trusted, and what was in flight there was already answered by :meth:`fail_link`."""
+        trusted, and what was in flight there is answered by :meth:`check_links`."""
         revived = []
+        now = self._clock()
         for position, old in enumerate(self.links):
-            if old.alive:
+            if old.alive or not old.rejoin.due(now):
                 continue
             try:
                 link = self._connect(old.address, position, timeout)
-            except AgentError:
+            except AgentError as exc:
+                delay = old.rejoin.failed(now)
+                log.debug("slot server %s: re-attach %d failed (%s); next try in %.2f s", old.address,
+                          old.rejoin.failures - 1, exc, delay)  # fmt: skip
                 continue
             self.by_conn.pop(old.conn.conn_id, None)
             old.conn.close()
             self.links[position] = link
             self.by_conn[link.conn.conn_id] = link
             revived.append(link)
-            log.info("slot server %s is back (epoch %#x)", link.address, link.epoch)
+            log.info("slot server %s is back (epoch %#x) after %d tries; its slots are in admission again",
+                     link.address, link.epoch, old.rejoin.failures)  # fmt: skip
         return revived
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
@@ -244,6 +266,7 @@ class Agent:
             words,
             words_offset,
             pool,
+            rejoin=Retry(self.reattach),
         )
         self._refresh(link)
         return link
@@ -371,10 +394,16 @@ class Agent:
             wire.doorbell_imm(slot, gen),
         )
 
-    def _link_down(self, link: ServerLink, exc: Exception) -> None:
-        if link.alive:
-            log.warning("slot server %s unavailable: %s", link.address, exc)
+    def _link_down(self, link: ServerLink, why: object) -> None:
+        """``link`` is out of admission from now; what was in flight there is lost (:meth:`check_links`)
+        and it is re-attached when its server is back (:meth:`revive`)."""
+        if not link.alive:
+            return
+        log.warning("slot server %s unavailable: %s; out of admission until it is back", link.address, why)
         link.alive = False
+        link.inflight = 0
+        link.rejoin.failed(self._clock())
+        self._lost_links = True
 
     def deliver(self, conn_id: int, imm: int) -> Delivery | None:
         """Account one completion from a slot server: streamed progress or a final result. Anything
@@ -439,18 +468,19 @@ class Agent:
     def fail_link(self, link: ServerLink) -> list[int]:
         """Mark ``link`` down; frames that were in flight there (now lost) are returned, except abandoned
         ones, which go straight back to the free list."""
-        link.alive = False
-        link.inflight = 0
+        self._link_down(link, "failed")
         return self.book.lose(lambda flight: flight.link is link)
 
     def check_links(self) -> list[int]:
-        """Handle connection events; frames lost with a slot server that went away are returned."""
-        lost: list[int] = []
+        """Handle connection events; frames lost with a slot server that went away -- its connection
+        ended, or an operation on it failed since the last check -- are returned."""
         for link in self.links:
             if link.alive and not link.conn.check_alive():
-                log.warning("slot server %s disconnected", link.address)
-                lost.extend(self.fail_link(link))
-        return lost
+                self._link_down(link, "disconnected")
+        if not self._lost_links:
+            return []
+        self._lost_links = False
+        return self.book.lose(lambda flight: not flight.link.alive)
 
     def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[Delivery]:
         """What arrived for frames in flight: streamed progress and final results (in ``frames.results`` /
