@@ -52,11 +52,13 @@ _REASONS = {
 
 @dataclass(frozen=True, slots=True)
 class LinkHealth:
-    """A snapshot of one link: its state, why, since when, and when its heartbeat was last seen moving.
+    """A snapshot of one link: the slot server's address, the link's state, why, since when, and when its
+    heartbeat was last seen moving.
 
     Times are the reader's monotonic seconds.  ``detail`` says more than the reason code where the cause
     is known (a transport error's text)."""
 
+    address: str
     state: LinkState
     reason: Reason
     since: float  # entered this state
@@ -79,11 +81,12 @@ class LinkHealth:
 class LinkTracker:
     """One link's state from heartbeat observations (sans I/O: values and ``now`` in, state out)."""
 
-    def __init__(self, hang_timeout: float, now: float) -> None:
-        """A link not attached yet (DOWN); ``hang_timeout``: seconds of a still heartbeat that make an
-        attached link UNRESPONSIVE."""
+    def __init__(self, address: str, hang_timeout: float, now: float) -> None:
+        """A link to the slot server at ``address``, not attached yet (DOWN); ``hang_timeout``: seconds of a
+        still heartbeat that make an attached link UNRESPONSIVE."""
         if not hang_timeout > 0:
             raise ValueError(f"hang timeout must be positive seconds, got {hang_timeout}")
+        self.address = address
         self.hang_timeout = hang_timeout
         self._state = LinkState.DOWN
         self._reason = Reason.NOT_ATTACHED
@@ -103,7 +106,9 @@ class LinkTracker:
         return self._observed
 
     def health(self) -> LinkHealth:
-        return LinkHealth(self._state, self._reason, self._since, self._heard, self.hang_timeout, self._detail)
+        return LinkHealth(
+            self.address, self._state, self._reason, self._since, self._heard, self.hang_timeout, self._detail
+        )
 
     def attached(self, beat: int, now: float) -> None:
         """Attached (again) to a server whose heartbeat reads ``beat``: UP, the silence counted from now."""

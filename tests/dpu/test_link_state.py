@@ -9,17 +9,17 @@ from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 
 
 def attached(timeout: float = 3.0, beat: int = 7, now: float = 100.0) -> LinkTracker:
-    tracker = LinkTracker(timeout, now)
+    tracker = LinkTracker("pool", timeout, now)
     tracker.attached(beat, now)
     return tracker
 
 
 def test_a_new_tracker_is_down_until_attached() -> None:
-    tracker = LinkTracker(3.0, 10.0)
-    assert tracker.health() == LinkHealth(LinkState.DOWN, Reason.NOT_ATTACHED, 10.0, 10.0, 3.0)
+    tracker = LinkTracker("pool", 3.0, 10.0)
+    assert tracker.health() == LinkHealth("pool", LinkState.DOWN, Reason.NOT_ATTACHED, 10.0, 10.0, 3.0)
     assert tracker.observe(1, 11.0) is LinkState.DOWN  # observations do not attach
     tracker.attached(1, 12.0)
-    assert tracker.health() == LinkHealth(LinkState.UP, Reason.NONE, 12.0, 12.0, 3.0)
+    assert tracker.health() == LinkHealth("pool", LinkState.UP, Reason.NONE, 12.0, 12.0, 3.0)
 
 
 def test_a_still_heartbeat_is_unresponsive_exactly_at_the_hang_timeout() -> None:
@@ -77,7 +77,7 @@ def test_a_lost_link_is_down_with_the_first_reason_and_ignores_observations() ->
     assert (health.state, health.reason, health.since) == (LinkState.DOWN, Reason.DISCONNECTED, 2.0)
     assert health.describe(5.0) == "the connection to the slot server ended"
     tracker.attached(9, 6.0)  # a new server (epoch) at the same address
-    assert tracker.health() == LinkHealth(LinkState.UP, Reason.NONE, 6.0, 6.0, 1.0)
+    assert tracker.health() == LinkHealth("pool", LinkState.UP, Reason.NONE, 6.0, 6.0, 1.0)
 
 
 def test_a_loss_with_detail_says_it() -> None:
@@ -104,4 +104,4 @@ def test_a_loss_needs_a_reason_of_down(reason: Reason) -> None:
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
 def test_the_hang_timeout_must_be_positive(timeout: float) -> None:
     with pytest.raises(ValueError, match="hang timeout must be positive seconds"):
-        LinkTracker(timeout, 0.0)
+        LinkTracker("pool", timeout, 0.0)
