@@ -28,7 +28,8 @@ from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegio
 from edgepath.dma.wire import claim_next
 from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.port import Delivery
+from edgepath.dpu.link_state import LinkTracker, Reason
+from edgepath.dpu.port import Delivery, SlotServerStatus
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
@@ -39,6 +40,8 @@ _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
 #: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
 #: listening again, and one that stays away costs one connection attempt every 2 s
 REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
+#: seconds of a still heartbeat that make a link UNRESPONSIVE (dpu/link_state.py)
+HANG_TIMEOUT = 5.0
 
 
 class AgentError(RuntimeError):
@@ -74,11 +77,13 @@ class ServerLink:
     words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
     words_offset: int
     pool: RemoteRegion
+    tracker: LinkTracker  # up / unresponsive / down, why and since when (kept across re-attaches)
     cursor: int = 0
     inflight: int = 0
     alive: bool = True
     stats: ClaimStats = field(default_factory=ClaimStats)
     rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
+    reattaches: int = 0  # times this slot server came back and was attached again
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -119,6 +124,7 @@ class Agent:
         frames_access: Access = Access.NONE,
         reattach: Backoff = REATTACH_BACKOFF,
         clock: Callable[[], float] = time.monotonic,
+        hang_timeout: float = HANG_TIMEOUT,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -129,6 +135,7 @@ class Agent:
         :meth:`revive` tries a slot server that went away (``clock``: its time, seconds)."""
         self.transport = transport
         self.reattach = reattach
+        self.hang_timeout = hang_timeout
         self._clock = clock
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
@@ -223,6 +230,8 @@ class Agent:
                 continue
             self.by_conn.pop(old.conn.conn_id, None)
             old.conn.close()
+            link.tracker, link.stats, link.reattaches = old.tracker, old.stats, old.reattaches + 1
+            link.tracker.attached(0, now)
             self.links[position] = link
             self.by_conn[link.conn.conn_id] = link
             revived.append(link)
@@ -266,8 +275,10 @@ class Agent:
             words,
             words_offset,
             pool,
+            LinkTracker(address, self.hang_timeout, self._clock()),
             rejoin=Retry(self.reattach),
         )
+        link.tracker.attached(0, self._clock())
         self._refresh(link)
         return link
 
@@ -394,15 +405,17 @@ class Agent:
             wire.doorbell_imm(slot, gen),
         )
 
-    def _link_down(self, link: ServerLink, why: object) -> None:
+    def _link_down(self, link: ServerLink, why: object, reason: Reason = Reason.FAILED) -> None:
         """``link`` is out of admission from now; what was in flight there is lost (:meth:`check_links`)
         and it is re-attached when its server is back (:meth:`revive`)."""
         if not link.alive:
             return
         log.warning("slot server %s unavailable: %s; out of admission until it is back", link.address, why)
+        now = self._clock()
         link.alive = False
         link.inflight = 0
-        link.rejoin.failed(self._clock())
+        link.tracker.lost(reason, now, str(why))
+        link.rejoin.failed(now)
         self._lost_links = True
 
     def deliver(self, conn_id: int, imm: int) -> Delivery | None:
@@ -476,7 +489,7 @@ class Agent:
         ended, or an operation on it failed since the last check -- are returned."""
         for link in self.links:
             if link.alive and not link.conn.check_alive():
-                self._link_down(link, "disconnected")
+                self._link_down(link, "disconnected", Reason.DISCONNECTED)
         if not self._lost_links:
             return []
         self._lost_links = False
@@ -505,6 +518,24 @@ class Agent:
                 continue
             free += link.free_hint
         return free, sum(link.slot_count for link in self.links)
+
+    def servers(self) -> list[SlotServerStatus]:
+        """Every slot server this agent attached, in attach order: the link's health, free slots read now
+        (one RDMA READ per live server; 0 while down), slots, claims and re-attaches (over every attach)."""
+        out = []
+        for link in self.links:
+            free = 0
+            if link.alive:
+                try:
+                    self._refresh(link)
+                except TransportError as exc:
+                    self._link_down(link, exc)
+                else:
+                    free = link.free_hint
+            out.append(
+                SlotServerStatus(link.tracker.health(), free, link.slot_count, link.stats.claims, link.reattaches)
+            )
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {

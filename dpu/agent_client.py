@@ -18,7 +18,7 @@ from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_client")
@@ -164,6 +164,12 @@ class AgentClient:
             return 0, 0
         free, total, _ = self._status.read()
         return free, total
+
+    def servers(self) -> list[SlotServerStatus]:
+        """None listed: the agent process publishes totals only (free, all slots, whether one is reachable),
+        not its slot servers one by one; ``edgepath agent`` logs them, and its own edges' ``/health`` gives
+        the totals."""
+        return []
 
     def close(self) -> None:
         self.transport.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dpu.link_state import LinkHealth
 from edgepath.native.abi import Status
 
 
@@ -43,6 +44,17 @@ class DeliveryStats:
     unknown: int = 0  # a completion for a frame that was never in flight, or for another generation
     abandoned: int = 0  # frames given up by the caller
     late: int = 0  # completions for abandoned frames, discarded
+
+
+@dataclass(frozen=True, slots=True)
+class SlotServerStatus:
+    """One slot server behind a port, as ``/health`` and ``/metrics`` list it."""
+
+    health: LinkHealth  # its address, the link's state, why, since when
+    free_slots: int  # free now (0 while the link is not up)
+    total_slots: int  # its slots (as of its last attach)
+    claims: int  # slots this agent claimed there, over every attach
+    reattaches: int  # times it came back and was attached again
 
 
 class AgentPort(Protocol):
@@ -104,4 +116,8 @@ class AgentPort(Protocol):
 
     def free_slots(self) -> tuple[int, int]:
         """(free slots on live slot servers, all their slots)."""
+        ...
+
+    def servers(self) -> Sequence[SlotServerStatus]:
+        """The slot servers behind this port, one entry each, in the order they were given."""
         ...

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -407,9 +407,13 @@ class HttpCore:
         alive: bool,
         query: dict[str, list[str]],
         window: Callable[[float], tuple[float, int, float]],
+        slot_servers: Sequence[Mapping[str, Any]] = (),
     ) -> Response:
-        """``/health``; ``?latency=P`` adds the live P-th percentile of edge-internal latency."""
+        """``/health``: 200 while a slot server is reachable, else 503; every slot server listed
+        (``slot_servers``: address, state, ...); ``?latency=P`` adds the live P-th percentile of
+        edge-internal latency."""
         payload: dict[str, Any] = {"status": "ok" if alive else "unavailable", "free_slots": free, "total_slots": total}
+        payload["slot_servers"] = list(slot_servers)
         if "latency" in query:
             raw = query["latency"][-1]
             try:

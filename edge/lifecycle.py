@@ -22,12 +22,14 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dpu.frame import write_header
-from edgepath.dpu.port import AgentPort, Delivery
+from edgepath.dpu.link_state import LinkState
+from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge.http import (
     GENERATE,
     METRICS,
@@ -530,8 +532,9 @@ class EdgeLifecycle:
         if query.route == METRICS:
             return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
         free, total = self.port.free_slots()
+        servers = [slot_server_entry(server, now / 1e9) for server in self.port.servers()]
         return self.core.health_response(
-            free, total, self.port.alive(), query.query, lambda pct: self.metrics.window.percentile(pct, now)
+            free, total, self.port.alive(), query.query, lambda pct: self.metrics.window.percentile(pct, now), servers
         )
 
     def _forget(self, t: Tracked) -> None:
@@ -550,6 +553,24 @@ class EdgeLifecycle:
         self.metrics.answered(route, response.status, total)
         response.headers += timing_headers(timings)
         return Respond(rid, response)
+
+
+def slot_server_entry(server: SlotServerStatus, now: float) -> dict[str, Any]:
+    """One slot server in ``/health``: where it is, whether its link is up, its state (up, unresponsive,
+    down), why and for how long (``now``: the port's clock, seconds), its slots and what this edge's
+    agent claimed there."""
+    health = server.health
+    return {
+        "address": health.address,
+        "state": health.state.value,
+        "link": "down" if health.state is LinkState.DOWN else "up",
+        "reason": "" if health.up else health.describe(now),
+        "for_s": round(max(0.0, now - health.since), 3),
+        "free_slots": server.free_slots,
+        "total_slots": server.total_slots,
+        "claims": server.claims,
+        "reattaches": server.reattaches,
+    }
 
 
 def _status_name(status: int) -> str:

@@ -13,7 +13,7 @@ for its workers), so whichever worker answers ``/metrics`` shows the sum of all 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -23,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from edgepath.dpu.port import DeliveryStats
+from edgepath.dpu.link_state import LinkState
+from edgepath.dpu.port import DeliveryStats, SlotServerStatus
 
 SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -80,7 +81,11 @@ class EdgeMetrics:
         free_slots: Callable[[], float],
         delivery_stats: Callable[[], DeliveryStats],
         window: LatencyWindow | None = None,
+        slot_servers: Callable[[], Sequence[SlotServerStatus]] = tuple,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``slot_servers``: the port's per-server listing, read when scraped; ``clock``: the time of the
+        port's clock (seconds), to say how long each link has been in its state."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -112,6 +117,8 @@ class EdgeMetrics:
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
         self.registry.register(self.free_slots)
+        self.slot_servers = _SlotServers(slot_servers, clock or (lambda: 0.0))
+        self.registry.register(self.slot_servers)
         self.window = window or LatencyWindow()
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -148,6 +155,7 @@ class EdgeMetrics:
         MultiProcessCollector(merged, self._shared_dir)
         merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
         merged.register(self.delivery_stats)  # the port of the worker that answers the scrape
+        merged.register(self.slot_servers)  # that worker's agent's links and claims
         return generate_latest(merged)
 
 
@@ -159,6 +167,46 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _SlotServers:
+    """One series per slot server (label ``slot_server``: its address), read from the port when scraped:
+    its state (one ``state`` label per possible state, 1 for the current one), whether its link is up, how
+    long it has been in its state, its free and total slots, and this agent's claims and re-attaches there."""
+
+    def __init__(self, read: Callable[[], Sequence[SlotServerStatus]], clock: Callable[[], float]) -> None:
+        self.read = read
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        servers = self.read()
+        now = self.clock()
+        labels = ["slot_server"]
+        state = GaugeMetricFamily(
+            "edgepath_slot_server_state",
+            "1 for the state the link to this slot server is in",
+            labels=[*labels, "state"],
+        )
+        link = GaugeMetricFamily("edgepath_slot_server_link_up", "1 while attached (up or unresponsive)", labels=labels)
+        since = GaugeMetricFamily("edgepath_slot_server_state_seconds", "Seconds in the current state", labels=labels)
+        free = GaugeMetricFamily("edgepath_slot_server_free_slots", "Free slots (0 while not up)", labels=labels)
+        total = GaugeMetricFamily("edgepath_slot_server_slots", "Slots of this slot server", labels=labels)
+        claims = CounterMetricFamily("edgepath_slot_server_claims", "Slots claimed there by this agent", labels=labels)
+        back = CounterMetricFamily(
+            "edgepath_slot_server_reattaches", "Times it came back and was re-attached", labels=labels
+        )
+        for server in servers:
+            health = server.health
+            address = [health.address]
+            for each in LinkState:
+                state.add_metric([*address, each.value], float(each is health.state))
+            link.add_metric(address, float(health.state is not LinkState.DOWN))
+            since.add_metric(address, max(0.0, now - health.since))
+            free.add_metric(address, float(server.free_slots))
+            total.add_metric(address, float(server.total_slots))
+            claims.add_metric(address, float(server.claims))
+            back.add_metric(address, float(server.reattaches))
+        yield from (state, link, since, free, total, claims, back)
 
 
 class _DeliveryCollector:

@@ -18,6 +18,7 @@ from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
+from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.native.abi import ABI_VERSION, State, Status
 
 pytestmark = pytest.mark.transport
@@ -138,6 +139,14 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
         lost = agent.check_links()
     assert lost == [0] and not link.alive
     assert (link.rejoin.failures, link.rejoin.next_at) == (1, pytest.approx(100.1))
+    (gone,) = agent.servers()
+    assert (gone.health.address, gone.health.state, gone.health.reason, gone.health.since) == (
+        address,
+        LinkState.DOWN,
+        Reason.DISCONNECTED,
+        100.0,
+    )
+    assert (gone.free_slots, gone.total_slots, gone.claims, gone.reattaches) == (0, 2, 1, 0)
     write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
     assert agent.submit(1) == Status.UNAVAILABLE
     assert agent.revive(timeout=0.5) == [] and link.rejoin.failures == 1  # not due yet: no try
@@ -154,6 +163,13 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
         assert back.alive and back.epoch == second.epoch != first.epoch and agent.links == [back]
         assert back.rejoin.failures == 0  # a fresh link: its next loss starts from the first delay again
         assert agent.submit(1) is None
+        (listed,) = agent.servers()
+        assert (listed.health.state, listed.health.since, listed.claims, listed.reattaches) == (
+            LinkState.UP,
+            100.3,
+            2,  # the claims of every attach
+            1,
+        )
         assert serve_once(second) == 1
         assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [1]
         assert agent.frames.outputs[1, :1].tolist() == [3]
