@@ -13,21 +13,24 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.load import Load, get, metric, wait_for
 from helpers.procs import all_free
+from helpers.tokenizers import byte_tokenizer
 
 from edgepath.children import Child, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.transport]
+pytestmark = pytest.mark.slow
 
 SLOTS = 4
 SETTLE_S = 1.0  # issue 21: from one second after the kill ...
 OK_SHARE = 0.90  # ... at least this share of requests get 200
 SLOWEST_S = 5.0  # and no request waits longer than this for its answer
 AFTER_KILL = 150  # requests sent from one second after the kill before the slot server comes back
+START_S = 120.0  # a process's start (serve loads a tokenizer and starts its own slot server): slow in the TCG VM
 
 
 def listing(port: int) -> dict[str, dict[str, Any]]:
@@ -46,7 +49,15 @@ def claims(port: int, address: str) -> float:
     return metric(scrape(port), "edgepath_slot_server_claims_total", slot_server=address) or 0.0
 
 
+@pytest.fixture
+def tokenizer(tmp_path: Path) -> str:
+    """The edges' vocabulary: a real tokenizer.json that loads at once (echo answers are the prompts)."""
+    return str(byte_tokenizer(tmp_path / "tokenizer.json"))
+
+
+@pytest.mark.transport
 def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_when_back(
+    tokenizer: str,
     edgepath_process: Callable[..., Child],
     new_address: Callable[[str], str],
     transport_cli_args: list[str],
@@ -55,15 +66,23 @@ def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_w
 ) -> None:
     def slot_server(address: str) -> Child:
         return edgepath_process(
-            "slot-server", "--listen", address, "--slots", str(SLOTS), "--handler", "echo", *transport_cli_args
+            "slot-server",
+            "--listen",
+            address,
+            "--slots",
+            str(SLOTS),
+            "--handler",
+            "echo",
+            *transport_cli_args,
+            timeout=START_S,
         )
 
     a, b = new_address("slots-a"), new_address("slots-b")
     first, _ = slot_server(a), slot_server(b)
     port = free_port(socket.SOCK_STREAM)
     edgepath_process(
-        "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--frames", "64",
-        "--slot-server", a, "--slot-server", b, *transport_cli_args,
+        "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", tokenizer,
+        "--frames", "64", "--slot-server", a, "--slot-server", b, *transport_cli_args, timeout=START_S,
     )  # fmt: skip
     listed = listing(port)
     assert list(listed) == [a, b] and {s["state"] for s in listed.values()} == {"up"}
@@ -111,3 +130,23 @@ def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_w
     assert metric(text, "edgepath_port_duplicates_total") == 0 and metric(text, "edgepath_port_unknown_total") == 0
     for address in (a, b):
         wait_for(lambda at=address: all_free(at, SLOTS, transport_name, transport_options), 30, "every slot FREE")
+
+
+def test_a_local_slot_server_alongside_a_running_one_is_started_supervised_and_listed_first(
+    tokenizer: str, edgepath_process: Callable[..., Child], new_address: Callable[[str], str]
+) -> None:
+    remote, local = new_address("slots-remote"), new_address("slots-local")
+    edgepath_process("slot-server", "--listen", remote, "--slots", "2", "--handler", "echo")
+    port = free_port(socket.SOCK_STREAM)
+    edgepath_process(
+        "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", tokenizer,
+        "--slots", "3", "--slot-server", remote, "--local-slot-server", "--slot-server-listen", local,
+    )  # fmt: skip
+    listed = listing(port)
+    assert list(listed) == [local, remote]
+    assert [(s["state"], s["total_slots"]) for s in listed.values()] == [("up", 3), ("up", 2)]
+    # admission takes the server with the most free slots (cached), the first on a tie: the remote one is used
+    # once more requests are in flight than make the local one (3 slots) the fuller
+    with Load(port, threads=4, max_requests=200, max_seconds=60) as load:
+        wait_for(lambda: min(claims(port, local), claims(port, remote)) >= 5, 60, "both slot servers in use")
+    assert {x.status for x in load.answers} == {200}
