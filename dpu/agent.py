@@ -14,8 +14,10 @@ state word from FREE to CLAIMED.  If no CAS on any attached slot server succeeds
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,9 @@ _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
 #: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
 #: listening again, and one that stays away costs one connection attempt every 2 s
 REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
+#: seconds each step of a re-attach's connection set-up may take (it runs on a thread of its own): generous,
+#: since a slot server that has just started, or an emulated RDMA device, can be slow to answer
+REATTACH_TIMEOUT = 2.0
 #: seconds of a still heartbeat that make a link UNRESPONSIVE (dpu/link_state.py)
 HANG_TIMEOUT = 5.0
 
@@ -155,6 +160,7 @@ class Agent:
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self._lost_links = False  # a link went down since check_links last collected its flights
+        self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
         self.max_servers = max_servers
         self.book: FrameBook[InFlight] = FrameBook(frames)
         self.inflight = self.book.inflight
@@ -209,35 +215,64 @@ class Agent:
             conn.close()
             raise
 
-    def revive(self, timeout: float = 0.05) -> list[ServerLink]:
-        """Re-attach to slot servers that went away (restarted, say) and are due another try (bounded
-        exponential back-off per link, :data:`REATTACH_BACKOFF`); the links that came back.  Cheap to call
-        often: a link not yet due costs nothing, and a try waits at most ``timeout`` seconds.
+    def revive(self, timeout: float = REATTACH_TIMEOUT) -> list[ServerLink]:
+        """Re-attach slot servers that went away (restarted, say); the links that came back.
 
-        A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
-        trusted, and what was in flight there is answered by :meth:`check_links`."""
+        Each down link is tried again with bounded exponential back-off (:data:`REATTACH_BACKOFF`), one try
+        at a time, on a thread of its own: a connection set-up (each of its steps waits up to ``timeout``
+        seconds) never holds the caller's loop, so this is cheap to call at every tick -- it starts a try
+        that is due, and swaps in the link of a try that succeeded.  A revived server is a new pool (new
+        epoch, new claimant id): nothing of the old one is trusted, and what was in flight there is answered
+        by :meth:`check_links`."""
         revived = []
         now = self._clock()
-        for position, old in enumerate(self.links):
-            if old.alive or not old.rejoin.due(now):
-                continue
+        attempt = self._attempt
+        if attempt is not None and attempt[1].done():
+            self._attempt = None
+            position, future = attempt
+            old = self.links[position]
             try:
-                link = self._connect(old.address, position, timeout)
-            except AgentError as exc:
+                link = future.result()
+            except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
                 delay = old.rejoin.failed(now)
-                log.debug("slot server %s: re-attach %d failed (%s); next try in %.2f s", old.address,
+                log.debug("slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address,
                           old.rejoin.failures - 1, exc, delay)  # fmt: skip
-                continue
-            self.by_conn.pop(old.conn.conn_id, None)
-            old.conn.close()
-            link.tracker, link.stats, link.reattaches = old.tracker, old.stats, old.reattaches + 1
-            link.tracker.attached(0, now)
-            self.links[position] = link
-            self.by_conn[link.conn.conn_id] = link
-            revived.append(link)
-            log.info("slot server %s is back (epoch %#x) after %d tries; its slots are in admission again",
-                     link.address, link.epoch, old.rejoin.failures)  # fmt: skip
+            else:
+                self.by_conn.pop(old.conn.conn_id, None)
+                old.conn.close()
+                link.tracker, link.stats, link.reattaches = old.tracker, old.stats, old.reattaches + 1
+                link.tracker.attached(0, now)
+                self.links[position] = link
+                self.by_conn[link.conn.conn_id] = link
+                revived.append(link)
+                log.info("slot server %s is back (epoch %#x) after %d tries; its slots are in admission again",
+                         link.address, link.epoch, old.rejoin.failures)  # fmt: skip
+        if self._attempt is None:
+            for position, old in enumerate(self.links):
+                if not old.alive and old.rejoin.due(now):
+                    self._attempt = (position, self._try_attach(old.address, position, timeout))
+                    break
         return revived
+
+    @property
+    def reattaching(self) -> bool:
+        """Whether a re-attach try is under way (its outcome is taken by the next :meth:`revive`)."""
+        return self._attempt is not None
+
+    def _try_attach(self, address: str, position: int, timeout: float) -> Future[ServerLink]:
+        """:meth:`_connect` on a thread of its own; what it made (or why not) arrives in the future.  Safe
+        beside the caller's data path: it uses a new connection, the pool-header scratch (one try at a
+        time) and the cached words of ``position``, whose old link is down and read by nobody."""
+        future: Future[ServerLink] = Future()
+
+        def attach() -> None:
+            try:
+                future.set_result(self._connect(address, position, timeout))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=attach, name=f"reattach-{position}", daemon=True).start()
+        return future
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
         pool = conn.remote.get(wire.POOL_REGION)

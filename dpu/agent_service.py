@@ -177,7 +177,7 @@ class AgentService:
         """Re-attach slot servers that came back, then publish free/total slots and liveness."""
         agent = self.agent
         if not all(link.alive for link in agent.links):
-            agent.revive(timeout=0.05)
+            agent.revive()
         free, total = agent.free_slots()
         self._status.publish(free, total, agent.alive())
 

@@ -117,12 +117,24 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
     assert agent.links == []
 
 
+def revive_settled(agent: Agent) -> list:
+    """``agent.revive()`` until no try is under way (a try runs on its own thread): what came back."""
+    back = agent.revive()
+    deadline = time.monotonic() + 30
+    while agent.reattaching and time.monotonic() < deadline:
+        time.sleep(0.005)
+        back += agent.revive()
+    assert not agent.reattaching
+    return back
+
+
 def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
     new_transport, new_address
 ) -> None:
     """Re-attaching follows the bounded back-off: a try only when one is due (0.1 s after the loss, then
     doubling), each failed try pushing the next one further; once the server is back, the next due try
-    attaches it.  The agent's clock is a fake one, so which calls try is exact."""
+    attaches it.  The agent's clock is a fake one, so which calls try is exact (a try runs on a thread of
+    its own; ``revive_settled`` takes its outcome)."""
     now = [100.0]
     agent = Agent(new_transport(), frames=8, input_capacity=CAP, output_capacity=CAP, clock=lambda: now[0])
     address = new_address("slot-server")
@@ -149,17 +161,17 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
     assert (gone.free_slots, gone.total_slots, gone.claims, gone.reattaches) == (0, 2, 1, 0)
     write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
     assert agent.submit(1) == Status.UNAVAILABLE
-    assert agent.revive(timeout=0.5) == [] and link.rejoin.failures == 1  # not due yet: no try
+    assert agent.revive() == [] and not agent.reattaching and link.rejoin.failures == 1  # not due yet: no try
     now[0] = 100.1
-    assert agent.revive(timeout=0.5) == []  # tried: nobody there yet
+    assert revive_settled(agent) == []  # tried: nobody there yet
     assert (link.rejoin.failures, link.rejoin.next_at) == (2, pytest.approx(100.3))
     second = SlotServer(new_transport(), address, echo, config)
     second.start_connection_manager()
     try:
         now[0] = 100.29
-        assert agent.revive(timeout=5.0) == [] and link.rejoin.failures == 2  # back, but no try is due
+        assert revive_settled(agent) == [] and link.rejoin.failures == 2  # back, but no try is due
         now[0] = 100.3
-        (back,) = agent.revive(timeout=5.0)
+        (back,) = revive_settled(agent)
         assert back.alive and back.epoch == second.epoch != first.epoch and agent.links == [back]
         assert back.rejoin.failures == 0  # a fresh link: its next loss starts from the first delay again
         assert agent.submit(1) is None
