@@ -531,8 +531,12 @@ class EdgeLifecycle:
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == METRICS:
             return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
-        free, total = self.port.free_slots()
-        servers = [slot_server_entry(server, now / 1e9) for server in self.port.servers()]
+        listed = self.port.servers()
+        if listed:  # the same READs give the totals
+            free, total = sum(s.free_slots for s in listed), sum(s.total_slots for s in listed)
+        else:
+            free, total = self.port.free_slots()
+        servers = [slot_server_entry(server, now / 1e9) for server in listed]
         return self.core.health_response(
             free, total, self.port.alive(), query.query, lambda pct: self.metrics.window.percentile(pct, now), servers
         )
