@@ -38,9 +38,10 @@ log = logging.getLogger("edgepath.slot_server")
 
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
 _PROGRESS_FIELD = field_offset(RESULT_HEADER, "progress")
-# A progress write places `progress` and the first-token time next to it (one 16-byte WRITE_WITH_IMM).
-_PROGRESS_BYTES = field_offset(RESULT_HEADER, "t_first_ns") + 8 - _PROGRESS_FIELD
-assert _PROGRESS_BYTES == 16, "ep_result_header: t_first_ns must follow progress"
+# A progress write places `progress`, the first-token time and the cached prompt tokens next to it (one
+# 24-byte WRITE_WITH_IMM).
+_PROGRESS_BYTES = field_offset(RESULT_HEADER, "reserved32") + 4 - _PROGRESS_FIELD
+assert _PROGRESS_BYTES == 24, "ep_result_header: t_first_ns and cached_tokens must follow progress"
 
 
 @dataclass
@@ -364,6 +365,7 @@ class SlotServer:
         res.slot = slot
         res.t_start_ns = lib.ep_now_ns()
         res.t_first_ns = 0
+        res.cached_tokens = 0
         res.progress = wire.progress_word(gen, 0)
         window_us = req.stream_window_us
         run = _Running(
@@ -430,6 +432,8 @@ class SlotServer:
                 if emit.release and emit.slot in self._held:
                     self._release_held(emit.slot)
                 continue
+            if emit.cached_tokens:
+                self._res_hdr[run.slot].cached_tokens = emit.cached_tokens
             if emit.count > run.count:
                 if run.count == 0:
                     self._res_hdr[run.slot].t_first_ns = lib.ep_now_ns()

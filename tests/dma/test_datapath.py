@@ -195,12 +195,12 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
     fake = new_transport()
     region = fake.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC | Access.REMOTE_READ)
     SlotPool.create(region.buf, 2, CAP, CAP, 10**9, 1)
-    region.buf[8:12].view(np.uint32)[0] = 3  # a slot server from a release with ABI version 3
+    region.buf[8:12].view(np.uint32)[0] = 4  # a slot server from a release with ABI version 4
     address = new_address("fake")
     listener = fake.listen(address, [region], {})
     accepted = threading.Thread(target=lambda: listener.accept(timeout=5.0))
     accepted.start()
-    with pytest.raises(AgentError, match="ABI version 3, this agent speaks 2"):
+    with pytest.raises(AgentError, match="ABI version 4, this agent speaks 3"):
         agent.attach(address)
     accepted.join()
     listener.close()
