@@ -7,7 +7,9 @@ import pytest
 from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 
 
-def policy(stall_ms: float = 100.0, min_prefill: int = 8, batch: int = 512, overhead: float = 10.0, per_token: float = 2.0):
+def policy(
+    stall_ms: float = 100.0, min_prefill: int = 8, batch: int = 512, overhead: float = 10.0, per_token: float = 2.0
+) -> StepPolicy:
     """A policy whose cost model predicts ``overhead + per_token * tokens`` ms (it never learns here)."""
     return StepPolicy(PolicyOptions(stall_ms, min_prefill, batch), CostModel(overhead, per_token))
 
