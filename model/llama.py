@@ -55,6 +55,8 @@ OPTIONS = {
     "stall_ms": "MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits "
     "longer for its next token because of others' prompts (default 400)",
     "min_prefill": "N >= 1 prompt tokens a step carries at least while a prompt waits (default 16)",
+    "flash_attn": "off|on|auto: llama.cpp's flash attention (default off: on this CPU it decodes slower, and its "
+    "results depend on how a prompt is split into steps, so a reused prefix would not give the same answer)",
     "prefix_cache": "on|off: reuse the KV of finished requests for prompts that start the same (default on)",
     "cache_mb": "MB >= 0 of host memory for saved KV of finished requests (default 1024; 0: reuse only what a "
     "free sequence still holds)",
@@ -64,6 +66,7 @@ OPTIONS = {
 # then follows the steps as they run.
 _STEP_OVERHEAD_MS = 6.0
 _TOKEN_MS_ONE_THREAD = 6.0
+_FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class LlamaOptions:
     ubatch: int
     stall_ms: float
     min_prefill: int
+    flash_attn: str
     prefix_cache: bool
     cache_mb: float
     cache_min: int
@@ -114,9 +118,12 @@ class LlamaOptions:
                 raise HandlerError(f"llama: {key} must be a finite number {bound}, got {raw} ({OPTIONS[key]})")
             return value
 
-        switch = options.get("prefix_cache", "on")
-        if switch not in ("on", "off"):
-            raise HandlerError(f"llama: prefix_cache must be on or off, got {switch!r}")
+        def choice(key: str, default: str, allowed: tuple[str, ...]) -> str:
+            value = options.get(key, default)
+            if value not in allowed:
+                raise HandlerError(f"llama: {key} must be one of {', '.join(allowed)}, got {value!r} ({OPTIONS[key]})")
+            return value
+
         try:
             model = Path(options["model"]) if "model" in options else default_model_path()
         except ModelFileError as exc:
@@ -131,7 +138,8 @@ class LlamaOptions:
             ubatch=number("ubatch", 512, 1),
             stall_ms=real("stall_ms", 400.0, 0.0, strict=True),
             min_prefill=number("min_prefill", 16, 1),
-            prefix_cache=switch == "on",
+            flash_attn=choice("flash_attn", "off", tuple(_FLASH_ATTN)),
+            prefix_cache=choice("prefix_cache", "on", ("on", "off")) == "on",
             cache_mb=real("cache_mb", 1024.0, 0.0, strict=False),
             cache_min=number("cache_min", 16, 1),
         )
@@ -204,6 +212,7 @@ class LlamaHandler:
             params.n_ubatch = min(options.ubatch, batch)
             params.n_seq_max = slots
             params.kv_unified = False
+            params.flash_attn_type = _FLASH_ATTN[options.flash_attn]
             params.n_threads = params.n_threads_batch = options.threads
             params.no_perf = True
             self._ctx = lib.llama_init_from_model(self._model, params)
@@ -215,7 +224,7 @@ class LlamaHandler:
             self._mem = lib.llama_get_memory(self._ctx)
             log.info(
                 "llama: %s, %d slots x %d positions, %d threads, batch %d (micro-batch %d), stall %.0f ms, "
-                "prefix cache %s",
+                "flash attention %s, prefix cache %s",
                 options.model.name,
                 slots,
                 options.ctx_per_slot,
@@ -223,6 +232,7 @@ class LlamaHandler:
                 batch,
                 params.n_ubatch,
                 options.stall_ms,
+                options.flash_attn,
                 f"on ({options.cache_mb:g} MB of host memory)" if options.prefix_cache else "off",
             )
         except BaseException:

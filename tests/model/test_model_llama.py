@@ -155,8 +155,8 @@ def test_batched_greedy_matches_each_prompt_alone(handler: LlamaHandler, tok: GG
         handler.add(pool.request(slot, prompt, 8), 0.0)
     final = drive(handler)
     together = [pool.outputs[slot, : final[slot].count].tolist() for slot in range(SLOTS)]
-    # The first tokens agree exactly; later ones may differ by float rounding across batch shapes.
-    assert [t[:2] for t in together] == [a[:2] for a in alone]
+    # Without flash attention llama.cpp's CPU results do not depend on the batch's shape: token for token.
+    assert together == alone
 
 
 def test_lone_prompt_is_decoded_straight_from_slot_memory(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
@@ -313,7 +313,8 @@ def test_sampling_is_seeded_per_slot(handler: LlamaHandler, tok: GGUFTokenizer) 
         ({"stall_ms": "soon"}, "stall_ms must be a number, got 'soon'"),
         ({"min_prefill": "0"}, "min_prefill must be >= 1, got 0"),
         ({"ubatch": "0"}, "ubatch must be >= 1, got 0"),
-        ({"prefix_cache": "yes"}, "prefix_cache must be on or off, got 'yes'"),
+        ({"prefix_cache": "yes"}, "prefix_cache must be one of on, off, got 'yes'"),
+        ({"flash_attn": "fast"}, "flash_attn must be one of off, on, auto, got 'fast'"),
         ({"cache_mb": "-1"}, "cache_mb must be a finite number >= 0, got -1"),
         ({"cache_min": "0"}, "cache_min must be >= 1, got 0"),
     ],
