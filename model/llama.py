@@ -37,7 +37,7 @@ import numpy as np
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
-from edgepath.model.prefix import PrefixBook
+from edgepath.model.prefix import PrefixBook, common_prefix
 from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
 
@@ -145,6 +145,21 @@ class LlamaOptions:
         )
 
 
+def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:
+    """llama.cpp context parameters for ``sequences`` sequences as the handler runs them (one KV stream of
+    ``ctx_per_slot`` cells each; shared with bench/model_steps.py, which measures steps on the same layout)."""
+    params = lib.llama_context_default_params()
+    params.n_ctx = sequences * options.ctx_per_slot
+    params.n_batch = batch
+    params.n_ubatch = min(options.ubatch, batch)
+    params.n_seq_max = sequences
+    params.kv_unified = False
+    params.flash_attn_type = _FLASH_ATTN[options.flash_attn]
+    params.n_threads = params.n_threads_batch = options.threads
+    params.no_perf = True
+    return params
+
+
 @dataclass(slots=True)
 class _Sequence:
     """One running slot: its KV stream, where its prompt and output stand, and its sampler."""
@@ -152,7 +167,7 @@ class _Sequence:
     request: SlotRequest
     sampler: Any  # llama_sampler_p, or None: greedy (argmax in numpy)
     prompt_len: int
-    stream: int  # the llama.cpp sequence id (its own KV stream) this request runs on
+    stream: int = -1  # the llama.cpp sequence id (its own KV stream) it runs on; -1: not placed yet
     cached: int = 0  # prompt tokens whose KV was reused, not computed
     prefilled: int = 0  # prompt tokens in the KV cache so far (cached ones included)
     count: int = 0  # output tokens written
@@ -206,15 +221,7 @@ class LlamaHandler:
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-            params = lib.llama_context_default_params()
-            params.n_ctx = slots * options.ctx_per_slot
-            params.n_batch = batch
-            params.n_ubatch = min(options.ubatch, batch)
-            params.n_seq_max = slots
-            params.kv_unified = False
-            params.flash_attn_type = _FLASH_ATTN[options.flash_attn]
-            params.n_threads = params.n_threads_batch = options.threads
-            params.no_perf = True
+            params = context_params(lib, slots, options, batch)
             self._ctx = lib.llama_init_from_model(self._model, params)
             if not self._ctx:
                 raise HandlerError(
@@ -291,8 +298,7 @@ class LlamaHandler:
         except RuntimeError:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
-        reuse, stream = self._place(request.tokens)
-        self._running[slot] = _Sequence(request, sampler, prompt_len, stream, reuse, reuse)
+        self._running[slot] = _Sequence(request, sampler, prompt_len)
         return []
 
     def step(self, now: float) -> list[Emit]:
@@ -370,7 +376,8 @@ class LlamaHandler:
         return int(self._lib.llama_memory_seq_pos_max(self._mem, stream)) + 1
 
     def stream_of(self, slot: int) -> int:
-        """The llama.cpp sequence a running slot's request runs on."""
+        """The llama.cpp sequence a running slot's request runs on (-1: it waits for its first prompt step,
+        where it is placed)."""
         return self._running[slot].stream
 
     @property
@@ -386,7 +393,18 @@ class LlamaHandler:
         waiting = []
         for seq in self._running.values():
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
-        takes = self.policy.plan(len(decoding), [seq.prompt_len - seq.prefilled for seq in waiting])
+        while True:
+            takes = self.policy.plan(len(decoding), [seq.prompt_len - seq.prefilled for seq in waiting])
+            # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
+            # not on arrival: requests that arrive together with a shared prefix then copy it from the one
+            # that computed it first.  Placing one can shorten its prompt: plan again.
+            new = next((s for s, take in zip(waiting, takes, strict=True) if take and s.stream < 0), None)
+            if new is None:
+                break
+            if self._shares_pending(new, waiting):
+                waiting.remove(new)  # not this step: an older prompt is still computing the prefix it shares
+                continue
+            self._place(new)
         parts = [(seq, seq.prompt_len + seq.count - 1, 1) for seq in decoding]
         for seq, take in zip(waiting, takes, strict=True):
             if take == 0:
@@ -410,6 +428,19 @@ class LlamaHandler:
             segments.append((seq, n, length, first))
             n += length
         return n, segments
+
+    def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
+        """Whether an older waiting prompt will compute, but has not yet computed, a prefix of ``new``'s prompt
+        worth reusing: ``new`` then waits, and copies it once computed instead of computing it again."""
+        if not self.options.prefix_cache:
+            return False
+        for older in waiting:
+            if older is new:
+                return False
+            shared = common_prefix(older.request.tokens, new.request.tokens)
+            if shared - older.prefilled >= self.options.cache_min:
+                return True
+        return False
 
     def _account(
         self, n: int, prompt: int, slots: int, started: float, decode_start: float, decoded: float, ended: float
@@ -439,32 +470,48 @@ class LlamaHandler:
                 python_ms,
             )
 
-    def _place(self, prompt: np.ndarray) -> tuple[int, int]:
-        """The sequence a new request runs on and how many prompt tokens it reuses: its KV holds exactly
-        positions 0..reuse-1 of ``prompt`` afterwards."""
-        placement = self.book.place(prompt, reuse=self.options.prefix_cache)
+    def _place(self, seq: _Sequence) -> None:
+        """Give a request its sequence: afterwards that sequence's KV holds exactly positions 0..reuse-1 of
+        the prompt (reused, not computed) and prefill starts there."""
+        prompt = seq.request.tokens
+        computed = {s.stream: s.request.tokens[: s.prefilled] for s in self._running.values() if s.stream >= 0}
+        placement = self.book.place(prompt, reuse=self.options.prefix_cache, computed=computed)
         stream, reuse = placement.stream, placement.reuse
-        if placement.restore is not None:
-            blob = placement.restore.blob
+        blob = placement.restore.blob if placement.restore is not None else None
+        if placement.source is not None:
+            blob = self._state_of(placement.source)
+        if blob is not None:
             size = self._lib.llama_state_seq_set_data(
                 self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), blob.nbytes, stream
             )
             if size == 0:
-                log.warning("prefix cache: llama.cpp refused a saved sequence of %d bytes", blob.nbytes)
+                log.warning("prefix cache: llama.cpp refused a sequence state of %d bytes", blob.nbytes)
                 self.book.stats.hits -= 1
                 self.book.stats.cached_tokens -= reuse
                 self.book.stats.misses += 1
                 reuse = 0
         self._lib.llama_memory_seq_rm(self._mem, stream, reuse, -1)
         if reuse:
-            log.debug(
-                "prefix cache: %d of %d prompt tokens reused on sequence %d (%s)",
-                reuse,
-                len(prompt),
-                stream,
-                "restored from host memory" if placement.restore is not None else "in place",
-            )
-        return reuse, stream
+            how = "in place"
+            if placement.restore is not None:
+                how = "restored from host memory"
+            elif placement.source is not None:
+                how = f"copied from running sequence {placement.source}"
+            log.debug("prefix cache: %d of %d prompt tokens reused on sequence %d, %s", reuse, len(prompt), stream, how)
+        seq.stream = stream
+        seq.cached = seq.prefilled = reuse
+
+    def _state_of(self, stream: int) -> np.ndarray | None:
+        """A copy of sequence ``stream``'s KV (llama.cpp's state blob), or None if llama.cpp would not give it."""
+        nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, stream))
+        blob = np.empty(nbytes, dtype=np.uint8)
+        written = self._lib.llama_state_seq_get_data(
+            self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), nbytes, stream
+        )
+        if written != nbytes:
+            log.warning("prefix cache: llama.cpp wrote %d of %d bytes of sequence %d's state", written, nbytes, stream)
+            return None
+        return blob
 
     def _keep(self, seq: _Sequence) -> np.ndarray | None:
         """What a finished sequence's KV holds (prompt, then the output tokens decoded so far), saved into
@@ -473,14 +520,10 @@ class LlamaHandler:
         if held <= 0:
             return None
         tokens = np.concatenate([seq.request.tokens, seq.request.output[: seq.count]])[:held].copy()
-        lib = self._lib
-        nbytes = int(lib.llama_state_seq_get_size(self._ctx, seq.stream))
+        nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, seq.stream))
         if self.book.capacity and self.book.wants(tokens, nbytes):
-            blob = np.empty(nbytes, dtype=np.uint8)
-            written = lib.llama_state_seq_get_data(
-                self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), nbytes, seq.stream
-            )
-            if written == nbytes:
+            blob = self._state_of(seq.stream)
+            if blob is not None:
                 dropped = self.book.save(tokens, blob, nbytes)
                 if dropped:
                     log.debug(
@@ -490,8 +533,6 @@ class LlamaHandler:
                         len(dropped),
                         self.book.saved_bytes,
                     )
-            else:
-                log.warning("prefix cache: llama.cpp wrote %d of %d bytes of sequence state", written, nbytes)
         return tokens
 
     def _sample(self, seq: _Sequence) -> Emit:
@@ -515,12 +556,13 @@ class LlamaHandler:
         del self._running[slot]
         if seq.sampler is not None:
             self._lib.llama_sampler_free(seq.sampler)
-        kept = None
-        if self.options.prefix_cache and status in (Status.STOP, Status.LENGTH):
-            kept = self._keep(seq)
-        if kept is None:
-            self._lib.llama_memory_seq_rm(self._mem, seq.stream, -1, -1)
-        self.book.finished(seq.stream, kept)
+        if seq.stream >= 0:
+            kept = None
+            if self.options.prefix_cache and status in (Status.STOP, Status.LENGTH):
+                kept = self._keep(seq)
+            if kept is None:
+                self._lib.llama_memory_seq_rm(self._mem, seq.stream, -1, -1)
+            self.book.finished(seq.stream, kept)
         return Emit(slot, seq.count, status, cached_tokens=seq.cached)
 
     def _sampler(self, sampling: Sampling) -> Any:

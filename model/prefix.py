@@ -23,7 +23,7 @@ reuse (a chat template's first few tokens are common to every request).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def _longest(candidates: Mapping[int, np.ndarray], prompt: np.ndarray, limit: int) -> tuple[int | None, int]:
+    """The candidate sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that length."""
+    best, best_len = None, 0
+    for key, tokens in candidates.items():
+        n = min(common_prefix(tokens, prompt), limit)
+        if n > best_len:
+            best, best_len = key, n
+    return best, best_len
 
 
 @dataclass(eq=False, slots=True)
@@ -53,11 +63,13 @@ class Saved:
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a new request runs: ``stream`` (a llama.cpp sequence id) and the ``reuse`` first prompt tokens
-    whose KV is already there -- after ``restore`` is copied into the stream when it is set."""
+    whose KV is already there -- after ``restore`` (a host copy) or the KV of running stream ``source`` is
+    copied into the stream, when one is set."""
 
     stream: int
     reuse: int
     restore: Saved | None = None
+    source: int | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +79,7 @@ class CacheStats:
     cached_tokens: int = 0  # prompt tokens not computed thanks to the cache
     in_place: int = 0  # hits served from a stream's own cells
     restored: int = 0  # hits served by a copy from host memory
+    shared: int = 0  # hits served by a copy from a running stream (requests arriving together)
     saved: int = 0  # sequences saved into host memory
     evicted: int = 0  # saved sequences dropped to stay within the capacity (least recently used first)
     superseded: int = 0  # saved sequences dropped because a longer one starting with them was saved
@@ -100,35 +113,41 @@ class PrefixBook:
         self._streams = [_Stream() for _ in range(self.streams)]
 
     # -- requests ---------------------------------------------------------------------------------
-    def place(self, prompt: np.ndarray, reuse: bool = True) -> Placement:
+    def place(
+        self, prompt: np.ndarray, reuse: bool = True, computed: Mapping[int, np.ndarray] | None = None
+    ) -> Placement:
         """A stream for a new request and how much of ``prompt`` it reuses (never all of it: the last
         prompt token is always decoded, its logits give the first output token; nothing when ``reuse`` is
-        false).  Marks it running."""
+        false).  Marks it running.
+
+        ``computed``: running streams and the tokens whose KV they hold so far -- a request that arrived
+        together with others sharing its prefix (a system prompt) copies the prefix from the one that
+        computed it first.  Sources by preference at equal length: a free stream's own cells (no copy), a
+        host copy, a running stream (two copies)."""
         free = [i for i, s in enumerate(self._streams) if not s.running]
         if not free:
             raise RuntimeError(f"prefix book: all {self.streams} streams are running")
+        self._clock += 1
         if not reuse:
-            self._clock += 1
             return self._run(Placement(self._spare(free), 0))
         limit = len(prompt) - 1
-        best, best_len = None, 0
-        for i in free:
-            held = self._streams[i].tokens
-            if held is not None:
-                n = min(common_prefix(held, prompt), limit)
-                if n > best_len:
-                    best, best_len = i, n
+        held = {i: self._streams[i].tokens for i in free}
+        here, here_len = _longest({i: t for i, t in held.items() if t is not None}, prompt, limit)
         saved, saved_len = self._best_saved(prompt, limit)
-        self._clock += 1
-        if best is not None and best_len >= self.min_reuse and best_len >= saved_len:
-            placement = Placement(best, best_len)
+        running, running_len = _longest(computed or {}, prompt, limit)
+        if max(here_len, saved_len, running_len) < self.min_reuse:
+            placement = Placement(self._spare(free), 0)
+        elif here is not None and here_len >= max(saved_len, running_len):
+            placement = Placement(here, here_len)
             self.stats.in_place += 1
-        elif saved is not None and saved_len >= self.min_reuse:
+        elif saved is not None and saved_len >= running_len:
             placement = Placement(self._spare(free), saved_len, saved)
             saved.used = self._clock
             self.stats.restored += 1
         else:
-            placement = Placement(self._spare(free), 0)
+            assert running is not None
+            placement = Placement(self._spare(free), running_len, source=running)
+            self.stats.shared += 1
         if placement.reuse:
             self.stats.hits += 1
             self.stats.cached_tokens += placement.reuse
@@ -199,12 +218,8 @@ class PrefixBook:
         return placement
 
     def _best_saved(self, prompt: np.ndarray, limit: int) -> tuple[Saved | None, int]:
-        best, best_len = None, 0
-        for saved in self._saved:
-            n = min(common_prefix(saved.tokens, prompt), limit)
-            if n > best_len:
-                best, best_len = saved, n
-        return best, best_len
+        index, n = _longest(dict(enumerate(s.tokens for s in self._saved)), prompt, limit)
+        return (None, 0) if index is None else (self._saved[index], n)
 
     def _spare(self, free: list[int]) -> int:
         """The free stream to overwrite: one that keeps the running streams in the fewest contiguous runs

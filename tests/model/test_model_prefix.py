@@ -197,3 +197,23 @@ def test_copies_larger_than_the_capacity_or_too_short_are_not_wanted() -> None:
 def test_bad_book_is_refused() -> None:
     with pytest.raises(ValueError, match="streams >= 1"):
         PrefixBook(streams=0, capacity=0)
+
+
+def test_a_running_streams_computed_prefix_is_copied_when_nothing_else_holds_it() -> None:
+    book = PrefixBook(streams=3, capacity=1000, min_reuse=4)
+    a = book.place(chat(1))
+    placed = book.place(chat(2), computed={a.stream: chat(1)[:30]})  # a has computed 30 of its tokens so far
+    assert (placed.reuse, placed.source, placed.restore) == (30, a.stream, None) and placed.stream != a.stream
+    assert book.stats.shared == 1 and book.stats.hits == 1
+
+
+def test_sources_at_equal_length_prefer_no_copy_then_one_copy() -> None:
+    book = PrefixBook(streams=3, capacity=1000, min_reuse=4)
+    a, b = book.place(chat(1)), book.place(chat(2))
+    book.save(chat(1), "saved", 100)
+    book.finished(a.stream, chat(1))
+    in_place = book.place(chat(3), computed={b.stream: chat(2)})
+    assert (in_place.stream, in_place.restore, in_place.source) == (a.stream, None, None)
+    restored = book.place(chat(4), computed={b.stream: chat(2)})
+    assert restored.restore is not None and restored.source is None
+    assert (book.stats.in_place, book.stats.restored, book.stats.shared) == (1, 1, 0)

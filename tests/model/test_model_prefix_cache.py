@@ -148,6 +148,26 @@ def test_a_saved_copy_is_restored_after_its_sequence_was_reused(tok, reference, 
     assert answer == reference(follow_up)
 
 
+def test_requests_arriving_together_compute_their_shared_prefix_once(tok, reference) -> None:
+    """The second request waits while the first computes the system prompt, then copies it from the first's
+    (running) sequence and computes only its own question."""
+    handler = handler_with()
+    slots = Slots(handler)
+    try:
+        prompts = [chat(tok, "Can I bring my bicycle?"), chat(tok, "Can I bring my cat?")]
+        for slot, prompt in enumerate(prompts):
+            assert slots.add(slot, prompt) == []
+        final = slots.drive()
+        shared = common_prefix(*prompts)
+        assert (final[0].cached_tokens, final[1].cached_tokens) == (0, shared)
+        assert handler.book.stats.shared == 1
+        assert handler.stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - shared
+        for slot, prompt in enumerate(prompts):
+            assert slots.outputs[slot, : final[slot].count].tolist() == reference(prompt)
+    finally:
+        handler.close()
+
+
 def test_least_recently_used_copies_are_evicted_within_the_capacity(tok) -> None:
     handler = handler_with(cache_mb="2")  # room for two of these ~40-token sequences (23 KB of KV per token)
     slots = Slots(handler)

@@ -1,0 +1,296 @@
+"""What one llama_decode step costs on this machine, by tokens per step: the table that chose the step policy's
+defaults (docs/MODEL.md).
+
+Contexts are built exactly as the llama handler builds them (:func:`edgepath.model.llama.context_params`: one
+KV stream per sequence, flash attention as configured); one context per thread count, all in this process,
+measured interleaved (A, B, A, B, ...) so that a neighbour's load hits every configuration alike.  Three
+shapes of step:
+
+* ``prefill N``: one sequence's first N prompt tokens in one step (the KV cache starts empty);
+* ``decode S``: S sequences, each with ``--context`` tokens already cached, one new token each;
+* ``mixed P``: ``--slots - 1`` sequences decoding one token each plus P prompt tokens of the last one
+  (what a step costs the decoding streams while a new prompt is prefilled).
+
+    python -m edgepath.bench.model_steps [--threads 1,2] [--repeat 3] [--context 256] [--slots 8]
+
+Prints a table (median and fastest of ``--repeat`` steps, ms; tokens/s) and the least-squares step-cost line
+``overhead + per_token * tokens`` per thread count.  Timings depend on the machine and on what else runs on
+it: say where they were taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgepath.model.gguf import llama_cpp, load_model
+from edgepath.model.llama import LlamaOptions, context_params
+
+PREFILL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DECODE = (1, 2, 4, 8)
+MIXED = (0, 16, 64, 256)
+
+
+class StepContext:
+    """One llama.cpp context and a batch to drive it with; every sequence is filled with fixed token ids."""
+
+    def __init__(self, lib: Any, model: Any, options: LlamaOptions, sequences: int, batch: int) -> None:
+        self.lib = lib
+        self.ctx = lib.llama_init_from_model(model, context_params(lib, sequences, options, batch))
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {sequences} x {options.ctx_per_slot}")
+        self.mem = lib.llama_get_memory(self.ctx)
+        n = batch
+        self.tokens = np.random.default_rng(0).integers(200, 20000, n).astype(np.int32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        self.seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * n)(
+            *(ctypes.cast(self.seq.ctypes.data + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(n))
+        )
+        b = self.batch = lib.llama_batch()
+        b.embd = None
+        b.token = self.tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = self.seq_ptrs
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def decode(self, parts: list[tuple[int, int, int]]) -> float:
+        """One step over ``(sequence, first position, tokens)`` parts, logits for each part's last token;
+        milliseconds inside llama_decode."""
+        n = 0
+        self.logits[:] = 0
+        for seq, first, length in parts:
+            self.seq[n : n + length] = seq
+            self.pos[n : n + length] = np.arange(first, first + length)
+            n += length
+            self.logits[n - 1] = 1
+        self.batch.n_tokens = n
+        start = time.perf_counter()
+        rc = self.lib.llama_decode(self.ctx, self.batch)
+        ms = (time.perf_counter() - start) * 1e3
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) on {n} tokens")
+        return ms
+
+    def keep(self, seq: int, positions: int) -> None:
+        """Sequence ``seq`` holds exactly positions 0..positions-1 afterwards (0: nothing)."""
+        self.lib.llama_memory_seq_rm(self.mem, seq, positions, -1)
+
+    def fill(self, seq: int, positions: int, chunk: int) -> None:
+        self.keep(seq, 0)
+        for first in range(0, positions, chunk):
+            self.decode([(seq, first, min(chunk, positions - first))])
+
+    def close(self) -> None:
+        self.lib.llama_free(self.ctx)
+
+
+@dataclass
+class Row:
+    shape: str  # prefill / decode / mixed
+    size: int  # tokens (prefill), sequences (decode), prompt tokens (mixed)
+    tokens: int  # tokens in the step
+    ms: dict[int, list[float]] = field(default_factory=dict)  # threads -> step times
+
+
+def measure(contexts: dict[int, StepContext], slots: int, context: int, repeat: int, ubatch: int) -> list[Row]:
+    rows: list[Row] = []
+
+    def run(row: Row, setup: Callable[[StepContext], None], step: Callable[[StepContext], float]) -> None:
+        for _ in range(repeat):
+            for threads, sc in contexts.items():  # interleaved: A, B, A, B
+                setup(sc)
+                row.ms.setdefault(threads, []).append(step(sc))
+        rows.append(row)
+
+    for n in PREFILL:
+        run(Row("prefill", n, n), lambda sc: sc.keep(0, 0), lambda sc, n=n: sc.decode([(0, 0, n)]))
+    for sc in contexts.values():
+        for seq in range(slots):
+            sc.fill(seq, context, ubatch)
+    for s in DECODE:
+
+        def trim(sc: StepContext, s: int = s) -> None:
+            for seq in range(s):
+                sc.keep(seq, context)
+
+        run(Row("decode", s, s), trim, lambda sc, s=s: sc.decode([(q, context, 1) for q in range(s)]))
+    last = slots - 1
+    for p in MIXED:
+
+        def reset(sc: StepContext) -> None:
+            for seq in range(last):
+                sc.keep(seq, context)
+            sc.keep(last, 0)
+
+        def mixed(sc: StepContext, p: int = p) -> float:
+            parts = [(q, context, 1) for q in range(last)]
+            return sc.decode([*parts, (last, 0, p)] if p else parts)
+
+        run(Row("mixed", p, last + p), reset, mixed)
+    return rows
+
+
+# Counting: the model goes on counting rather than ending its answer, so every sequence decodes to the end (as
+# in llama-batched-bench, which never stops a sequence early).
+TEXT = ", ".join(str(i) for i in range(1, 2000))
+
+
+def handler_decode(
+    options: dict[str, str], slots: int, context: int, tokens: int, rounds: int
+) -> dict[int, tuple[float, float]]:
+    """Decode tokens/s through :class:`~edgepath.model.llama.LlamaHandler` itself (planning, batch building,
+    sampling, bookkeeping: what the slot server runs), for 1 and ``slots`` sequences of ``context`` prompt
+    tokens each (prefill untimed) -- the figure to set beside llama-batched-bench's S_TG with
+    ``-npp context -ntg tokens -npl 1,slots``."""
+    from edgepath.dma.handlers import HandlerConfig, SlotRequest
+    from edgepath.dma.wire import Sampling
+    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.model.llama import LlamaHandler
+
+    # Every prompt in one step, as llama-batched-bench does: the sequences then decode in lockstep and end together.
+    lockstep = {"stall_ms": "1e9", "batch": str(slots * context + slots)}
+    config = {**options, **lockstep, "ctx_per_slot": str(context + tokens + 16), "prefix_cache": "off"}
+    handler = LlamaHandler.from_config(HandlerConfig(slots, context, tokens, config))
+    tok = GGUFTokenizer(handler.options.model)
+    words = tok.encode(TEXT)
+    inputs = np.zeros((slots, context), dtype=np.int32)
+    outputs = np.zeros((slots, tokens), dtype=np.int32)
+    rates: dict[int, list[float]] = {1: [], slots: []}
+    widths: dict[int, list[float]] = {1: [], slots: []}  # sequences decoding per step (some end early)
+    try:
+        for _ in range(rounds):
+            for n in (1, slots):  # interleaved
+                for slot in range(n):
+                    inputs[slot] = words[slot : slot + context]  # a different prompt per sequence
+                    request = SlotRequest(slot, slot, tokens, 0, inputs[slot], outputs[slot], Sampling())
+                    handler.add(request, 0.0)
+                started: set[int] = set()
+                while len(started) < n and handler.wake_in(0.0) is not None:
+                    started.update(e.slot for e in handler.step(0.0))  # prefill (untimed): every first token
+                before, steps = handler.stats.decode_tokens, handler.stats.steps
+                start = time.perf_counter()
+                for _ in range(10 * tokens):
+                    if handler.wake_in(0.0) is None:
+                        break
+                    handler.step(0.0)
+                elapsed = time.perf_counter() - start
+                decoded = handler.stats.decode_tokens - before
+                rates[n].append(decoded / elapsed)
+                widths[n].append(decoded / max(1, handler.stats.steps - steps))
+    finally:
+        handler.close()
+        tok.close()
+    return {n: (statistics.median(r), statistics.mean(widths[n])) for n, r in rates.items()}
+
+
+def cost_line(rows: list[Row], threads: int) -> tuple[float, float]:
+    """Least-squares ``overhead_ms + per_token_ms * tokens`` over every measured step (medians)."""
+    x = np.array([r.tokens for r in rows], dtype=float)
+    y = np.array([statistics.median(r.ms[threads]) for r in rows])
+    per_token, overhead = np.polyfit(x, y, 1)
+    return float(overhead), float(per_token)
+
+
+def table(rows: list[Row], threads: list[int]) -> str:
+    head = "| step | tokens | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}: ms (fastest) | tok/s" for t in threads)
+    lines = [head + " |", "|---|---:|" + "---:|---:|" * len(threads)]
+    names = {"prefill": "prefill {} tokens", "decode": "decode {} sequences", "mixed": "{} prompt tokens + decoding"}
+    for r in rows:
+        cells = []
+        for t in threads:
+            med = statistics.median(r.ms[t])
+            cells.append(f"{med:,.1f} ({min(r.ms[t]):,.1f}) | {r.tokens / med * 1e3:,.0f}")
+        lines.append(f"| {names[r.shape].format(r.size)} | {r.tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2", help="comma-separated llama.cpp thread counts (default 1,2)")
+    parser.add_argument("--repeat", type=int, default=3, help="steps per shape and thread count (median taken)")
+    parser.add_argument("--context", type=int, default=256, help="tokens each decoding sequence already holds")
+    parser.add_argument("--slots", type=int, default=8, help="sequences (decode and mixed steps use them all)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a llama handler option")
+    parser.add_argument("--json", default=None, help="also write every step time here")
+    parser.add_argument(
+        "--handler-decode",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="instead: decode tokens/s through the handler, 1 and --slots sequences of --context prompt tokens, "
+        "TOKENS generated each (compare llama-batched-bench -npp CONTEXT -ntg TOKENS -npl 1,SLOTS)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        parser.error(f"--threads must be comma-separated integers, got {args.threads!r}")
+    if any(t < 1 for t in threads) or args.repeat < 1 or args.slots < 2 or args.context < 1:
+        parser.error("need --threads >= 1 each, --repeat >= 1, --slots >= 2, --context >= 1")
+    options = dict(o.split("=", 1) for o in args.option)
+    if args.handler_decode:
+        for t in threads:
+            rates = handler_decode(
+                {**options, "threads": str(t)}, args.slots, args.context, args.handler_decode, args.repeat
+            )
+            print(
+                f"{t} thread(s), LlamaHandler.step, {args.context} prompt + {args.handler_decode} generated: decode "
+                + ", ".join(f"{n} sequence(s) {r:.1f} tok/s ({w:.1f} per step)" for n, (r, w) in rates.items())
+                + f" (median of {args.repeat})"
+            )
+        return 0
+    ctx_per_slot = max(args.context + max(MIXED) + 16, max(PREFILL))
+    options.setdefault("ctx_per_slot", str(ctx_per_slot))
+    lib = llama_cpp()
+    parsed = {t: LlamaOptions.parse({**options, "threads": str(t)}, ctx_per_slot) for t in threads}
+    first = parsed[threads[0]]
+    batch = max(PREFILL) + args.slots
+    model = load_model(first.model, vocab_only=False)
+    contexts = {t: StepContext(lib, model, o, args.slots, batch) for t, o in parsed.items()}
+    try:
+        for sc in contexts.values():  # warm-up: page the weights in, size llama.cpp's buffers
+            sc.decode([(0, 0, 64)])
+        rows = measure(contexts, args.slots, args.context, args.repeat, first.ubatch)
+    finally:
+        for sc in contexts.values():
+            sc.close()
+        lib.llama_model_free(model)
+    print(
+        f"{first.model.name}: one llama_decode per step, {args.slots} sequences x {first.ctx_per_slot} cells (one KV "
+        f"stream each), flash attention {first.flash_attn}, micro-batch {first.ubatch}; decoding sequences hold "
+        f"{args.context} tokens; median of {args.repeat} (fastest in brackets)"
+    )
+    print(table(rows, threads))
+    for t in threads:
+        overhead, per_token = cost_line(rows, t)
+        print(f"{t} thread(s): step ~= {overhead:.1f} ms + {per_token:.2f} ms/token (least squares over every step)")
+    if args.json:
+        doc = {
+            "model": str(first.model),
+            "flash_attn": first.flash_attn,
+            "ubatch": first.ubatch,
+            "context": args.context,
+            "slots": args.slots,
+            "rows": [{"shape": r.shape, "size": r.size, "tokens": r.tokens, "ms": r.ms} for r in rows],
+            "cost": {t: cost_line(rows, t) for t in threads},
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
