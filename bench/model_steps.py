@@ -115,8 +115,15 @@ def measure(contexts: dict[int, StepContext], slots: int, context: int, repeat: 
                 row.ms.setdefault(threads, []).append(step(sc))
         rows.append(row)
 
+    def empty(sc: StepContext) -> None:
+        sc.keep(0, 0)
+
     for n in PREFILL:
-        run(Row("prefill", n, n), lambda sc: sc.keep(0, 0), lambda sc, n=n: sc.decode([(0, 0, n)]))
+
+        def prefill(sc: StepContext, n: int = n) -> float:
+            return sc.decode([(0, 0, n)])
+
+        run(Row("prefill", n, n), empty, prefill)
     for sc in contexts.values():
         for seq in range(slots):
             sc.fill(seq, context, ubatch)
@@ -126,7 +133,10 @@ def measure(contexts: dict[int, StepContext], slots: int, context: int, repeat: 
             for seq in range(s):
                 sc.keep(seq, context)
 
-        run(Row("decode", s, s), trim, lambda sc, s=s: sc.decode([(q, context, 1) for q in range(s)]))
+        def decode(sc: StepContext, s: int = s) -> float:
+            return sc.decode([(q, context, 1) for q in range(s)])
+
+        run(Row("decode", s, s), trim, decode)
     last = slots - 1
     for p in MIXED:
 

@@ -389,8 +389,8 @@ class LlamaHandler:
         """This step's batch: (tokens, [(sequence, batch start, length, first position)]), in sequence-id
         order (llama.cpp cuts a step into micro-batches of consecutive sequence ids).  Every decoding slot
         has one token; prompts get what the policy plans, oldest first."""
-        decoding = []
-        waiting = []
+        decoding: list[_Sequence] = []
+        waiting: list[_Sequence] = []
         for seq in self._running.values():
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
         while True:
