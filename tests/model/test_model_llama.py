@@ -399,3 +399,22 @@ def test_memory_flat_over_thousands_of_short_requests(tok: GGUFTokenizer) -> Non
         assert handler.book.stats.hits >= 2000  # the same prompt every time: its KV is reused
     finally:
         handler.close()
+
+
+def test_steps_are_measured_and_summed_up_in_the_log(
+    handler: LlamaHandler, tok: GGUFTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = Pool()
+    before = handler.stats.steps, handler.stats.prompt_tokens, handler.stats.decode_ms
+    prompt = chat(tok, "Name a fruit.")
+    handler.add(pool.request(0, prompt, 3), 0.0)
+    handler.step(0.0)
+    with caplog.at_level("DEBUG", logger="edgepath.model.llama"):
+        while handler.wake_in(0.0) is not None:
+            handler.step(3600.0)  # an hour later: time for the summary line
+    assert handler.stats.steps > before[0] and handler.stats.prompt_tokens == before[1] + len(prompt)
+    assert handler.stats.decode_ms > before[2]
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert steps and "llama_decode" in steps[0] and "python" in steps[0]
+    summary = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and "prefix cache:" in r.getMessage()]
+    assert len(summary) == 1 and "steps" in summary[0]
