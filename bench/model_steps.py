@@ -12,10 +12,12 @@ shapes of step:
   (what a step costs the decoding streams while a new prompt is prefilled).
 
     python -m edgepath.bench.model_steps [--threads 1,2] [--repeat 3] [--context 256] [--slots 8]
+        [--option KEY=VALUE ...] [--variant KEY=VALUE ...]
 
-Prints a table (median and fastest of ``--repeat`` steps, ms; tokens/s) and the least-squares step-cost line
-``overhead + per_token * tokens`` per thread count.  Timings depend on the machine and on what else runs on
-it: say where they were taken.
+``--variant flash_attn=on`` adds, per thread count, a context with that handler option changed (measured
+interleaved with the others).  Prints a table (median and fastest of ``--repeat`` steps, ms; tokens/s) and the
+least-squares step-cost line ``overhead + per_token * tokens`` per configuration.  Timings depend on the
+machine and on what else runs on it: say where they were taken.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.dma.handlers import HandlerError
 from edgepath.model.gguf import llama_cpp, load_model
 from edgepath.model.llama import LlamaOptions, context_params
 
@@ -102,17 +105,17 @@ class Row:
     shape: str  # prefill / decode / mixed
     size: int  # tokens (prefill), sequences (decode), prompt tokens (mixed)
     tokens: int  # tokens in the step
-    ms: dict[int, list[float]] = field(default_factory=dict)  # threads -> step times
+    ms: dict[str, list[float]] = field(default_factory=dict)  # configuration -> step times
 
 
-def measure(contexts: dict[int, StepContext], slots: int, context: int, repeat: int, ubatch: int) -> list[Row]:
+def measure(contexts: dict[str, StepContext], slots: int, context: int, repeat: int, ubatch: int) -> list[Row]:
     rows: list[Row] = []
 
     def run(row: Row, setup: Callable[[StepContext], None], step: Callable[[StepContext], float]) -> None:
         for _ in range(repeat):
-            for threads, sc in contexts.items():  # interleaved: A, B, A, B
+            for label, sc in contexts.items():  # interleaved: A, B, A, B
                 setup(sc)
-                row.ms.setdefault(threads, []).append(step(sc))
+                row.ms.setdefault(label, []).append(step(sc))
         rows.append(row)
 
     def empty(sc: StepContext) -> None:
@@ -206,23 +209,23 @@ def handler_decode(
     return {n: (statistics.median(r), statistics.mean(widths[n])) for n, r in rates.items()}
 
 
-def cost_line(rows: list[Row], threads: int) -> tuple[float, float]:
+def cost_line(rows: list[Row], label: str) -> tuple[float, float]:
     """Least-squares ``overhead_ms + per_token_ms * tokens`` over every measured step (medians)."""
     x = np.array([r.tokens for r in rows], dtype=float)
-    y = np.array([statistics.median(r.ms[threads]) for r in rows])
+    y = np.array([statistics.median(r.ms[label]) for r in rows])
     per_token, overhead = np.polyfit(x, y, 1)
     return float(overhead), float(per_token)
 
 
-def table(rows: list[Row], threads: list[int]) -> str:
-    head = "| step | tokens | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}: ms (fastest) | tok/s" for t in threads)
-    lines = [head + " |", "|---|---:|" + "---:|---:|" * len(threads)]
+def table(rows: list[Row], labels: list[str]) -> str:
+    head = "| step | tokens | " + " | ".join(f"{label}: ms (fastest) | tok/s" for label in labels)
+    lines = [head + " |", "|---|---:|" + "---:|---:|" * len(labels)]
     names = {"prefill": "prefill {} tokens", "decode": "decode {} sequences", "mixed": "{} prompt tokens + decoding"}
     for r in rows:
         cells = []
-        for t in threads:
-            med = statistics.median(r.ms[t])
-            cells.append(f"{med:,.1f} ({min(r.ms[t]):,.1f}) | {r.tokens / med * 1e3:,.0f}")
+        for label in labels:
+            med = statistics.median(r.ms[label])
+            cells.append(f"{med:,.1f} ({min(r.ms[label]):,.1f}) | {r.tokens / med * 1e3:,.0f}")
         lines.append(f"| {names[r.shape].format(r.size)} | {r.tokens} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -234,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256, help="tokens each decoding sequence already holds")
     parser.add_argument("--slots", type=int, default=8, help="sequences (decode and mixed steps use them all)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a llama handler option")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also measure, per thread count, a context with this handler option changed",
+    )
     parser.add_argument("--json", default=None, help="also write every step time here")
     parser.add_argument(
         "--handler-decode",
@@ -250,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads must be comma-separated integers, got {args.threads!r}")
     if any(t < 1 for t in threads) or args.repeat < 1 or args.slots < 2 or args.context < 1:
         parser.error("need --threads >= 1 each, --repeat >= 1, --slots >= 2, --context >= 1")
+    bad = [o for o in args.option + args.variant if "=" not in o]
+    if bad:
+        parser.error(f"--option and --variant take KEY=VALUE, got {bad}")
     options = dict(o.split("=", 1) for o in args.option)
     if args.handler_decode:
         for t in threads:
@@ -265,11 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     ctx_per_slot = max(args.context + max(MIXED) + 16, max(PREFILL))
     options.setdefault("ctx_per_slot", str(ctx_per_slot))
     lib = llama_cpp()
-    parsed = {t: LlamaOptions.parse({**options, "threads": str(t)}, ctx_per_slot) for t in threads}
-    first = parsed[threads[0]]
+    parsed: dict[str, LlamaOptions] = {}
+    for t in threads:
+        for variant in ["", *args.variant]:
+            changed = dict([variant.split("=", 1)]) if variant else {}
+            label = f"{t} thread{'s' if t > 1 else ''}" + (f", {variant}" if variant else "")
+            try:
+                parsed[label] = LlamaOptions.parse({**options, **changed, "threads": str(t)}, ctx_per_slot)
+            except HandlerError as exc:
+                parser.error(str(exc))
+    labels = list(parsed)
+    first = parsed[labels[0]]
     batch = max(PREFILL) + args.slots
     model = load_model(first.model, vocab_only=False)
-    contexts = {t: StepContext(lib, model, o, args.slots, batch) for t, o in parsed.items()}
+    contexts = {label: StepContext(lib, model, o, args.slots, batch) for label, o in parsed.items()}
     try:
         for sc in contexts.values():  # warm-up: page the weights in, size llama.cpp's buffers
             sc.decode([(0, 0, 64)])
@@ -283,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         f"stream each), flash attention {first.flash_attn}, micro-batch {first.ubatch}; decoding sequences hold "
         f"{args.context} tokens; median of {args.repeat} (fastest in brackets)"
     )
-    print(table(rows, threads))
-    for t in threads:
-        overhead, per_token = cost_line(rows, t)
-        print(f"{t} thread(s): step ~= {overhead:.1f} ms + {per_token:.2f} ms/token (least squares over every step)")
+    print(table(rows, labels))
+    for label in labels:
+        overhead, per_token = cost_line(rows, label)
+        print(f"{label}: step ~= {overhead:.1f} ms + {per_token:.2f} ms/token (least squares over every step)")
     if args.json:
         doc = {
             "model": str(first.model),
@@ -295,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             "context": args.context,
             "slots": args.slots,
             "rows": [{"shape": r.shape, "size": r.size, "tokens": r.tokens, "ms": r.ms} for r in rows],
-            "cost": {t: cost_line(rows, t) for t in threads},
+            "cost": {label: cost_line(rows, label) for label in labels},
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

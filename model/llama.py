@@ -58,6 +58,8 @@ OPTIONS = {
     "min_prefill": "N >= 1 prompt tokens a step carries at least while a prompt waits (default 16)",
     "flash_attn": "off|on|auto: llama.cpp's flash attention (default off: on this CPU it decodes slower, and its "
     "results depend on how a prompt is split into steps, so a reused prefix would not give the same answer)",
+    "kv_unified": "off|on: one KV stream shared by all sequences instead of one each (default off: with one "
+    "stream every token attends over every sequence's cells, so decode steps slow down with the sum of contexts)",
     "prefix_cache": "on|off: reuse the KV of finished requests for prompts that start the same (default on)",
     "cache_mb": "MB >= 0 of host memory for saved KV of finished requests (default 1024; 0: reuse only what a "
     "free sequence still holds)",
@@ -82,6 +84,7 @@ class LlamaOptions:
     stall_ms: float
     min_prefill: int
     flash_attn: str
+    kv_unified: bool
     prefix_cache: bool
     cache_mb: float
     cache_min: int
@@ -140,6 +143,7 @@ class LlamaOptions:
             stall_ms=real("stall_ms", 400.0, 0.0, strict=True),
             min_prefill=number("min_prefill", 16, 1),
             flash_attn=choice("flash_attn", "off", tuple(_FLASH_ATTN)),
+            kv_unified=choice("kv_unified", "off", ("off", "on")) == "on",
             prefix_cache=choice("prefix_cache", "on", ("on", "off")) == "on",
             cache_mb=real("cache_mb", 1024.0, 0.0, strict=False),
             cache_min=number("cache_min", 16, 1),
@@ -148,13 +152,14 @@ class LlamaOptions:
 
 def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:
     """llama.cpp context parameters for ``sequences`` sequences as the handler runs them (one KV stream of
-    ``ctx_per_slot`` cells each; shared with bench/model_steps.py, which measures steps on the same layout)."""
+    ``ctx_per_slot`` cells each, or one stream of ``sequences * ctx_per_slot`` cells with ``kv_unified``;
+    shared with bench/model_steps.py, which measures steps on the same layout)."""
     params = lib.llama_context_default_params()
     params.n_ctx = sequences * options.ctx_per_slot
     params.n_batch = batch
     params.n_ubatch = min(options.ubatch, batch)
     params.n_seq_max = sequences
-    params.kv_unified = False
+    params.kv_unified = options.kv_unified
     params.flash_attn_type = _FLASH_ATTN[options.flash_attn]
     params.n_threads = params.n_threads_batch = options.threads
     params.no_perf = True

@@ -241,3 +241,17 @@ def test_prefix_cache_off_reuses_nothing(tok) -> None:
         assert all(handler.kv_positions(s) == 0 for s in range(SLOTS))
     finally:
         handler.close()
+
+
+def test_one_shared_kv_stream_works_too(tok) -> None:
+    """``kv_unified=on`` (measured slower: docs/MODEL.md) still serves and reuses prefixes."""
+    handler = handler_with(kv_unified="on")
+    slots = Slots(handler)
+    try:
+        first = chat(tok, "What is the capital of France?")
+        ids, miss = slots.ask(0, first, 12)
+        assert "Paris" in tok.decode(np.array(ids, dtype=np.int32)) and miss.cached_tokens == 0
+        _, hit = slots.ask(1, chat(tok, "What is the capital of Italy?"))
+        assert hit.cached_tokens == common_prefix(first, chat(tok, "What is the capital of Italy?"))
+    finally:
+        handler.close()
