@@ -163,9 +163,26 @@ def measure(contexts: dict[str, StepContext], slots: int, context: int, repeat: 
 TEXT = ", ".join(str(i) for i in range(1, 2000))
 
 
-def handler_decode(
-    options: dict[str, str], slots: int, context: int, tokens: int, rounds: int
-) -> dict[int, tuple[float, float]]:
+@dataclass
+class DecodeRun:
+    """Timed decode phases through the handler for one sequence count."""
+
+    rates: list[float] = field(default_factory=list)  # generated tokens/s, per round
+    widths: list[float] = field(default_factory=list)  # sequences generating per step, per round
+    wall_ms: float = 0.0  # the timed phases' wall time, in total, and its split (the handler's own accounting):
+    decode_ms: float = 0.0  # inside llama_decode
+    sample_ms: float = 0.0
+    python_ms: float = 0.0
+
+    def line(self, n: int) -> str:
+        return (
+            f"{n} sequence(s) {statistics.median(self.rates):.1f} tok/s ({statistics.mean(self.widths):.1f} per step; "
+            f"of {self.wall_ms / 1e3:.2f} s: llama_decode {self.decode_ms / 1e3:.2f} s, sampling "
+            f"{self.sample_ms / 1e3:.3f} s, python {self.python_ms / 1e3:.3f} s)"
+        )
+
+
+def handler_decode(options: dict[str, str], slots: int, context: int, tokens: int, rounds: int) -> dict[int, DecodeRun]:
     """Decode tokens/s through :class:`~edgepath.model.llama.LlamaHandler` itself (planning, batch building,
     sampling, bookkeeping: what the slot server runs), for 1 and ``slots`` sequences of ``context`` prompt
     tokens each (prefill untimed) -- the figure to set beside llama-batched-bench's S_TG with
@@ -183,11 +200,11 @@ def handler_decode(
     words = tok.encode(TEXT)
     inputs = np.zeros((slots, context), dtype=np.int32)
     outputs = np.zeros((slots, tokens), dtype=np.int32)
-    rates: dict[int, list[float]] = {1: [], slots: []}
-    widths: dict[int, list[float]] = {1: [], slots: []}  # sequences decoding per step (some end early)
+    runs = {1: DecodeRun(), slots: DecodeRun()}
+    stats = handler.stats
     try:
         for _ in range(rounds):
-            for n in (1, slots):  # interleaved
+            for n, run in runs.items():  # interleaved
                 for slot in range(n):
                     inputs[slot] = words[slot : slot + context]  # a different prompt per sequence
                     request = SlotRequest(slot, slot, tokens, 0, inputs[slot], outputs[slot], Sampling())
@@ -195,20 +212,24 @@ def handler_decode(
                 started: set[int] = set()
                 while len(started) < n and handler.wake_in(0.0) is not None:
                     started.update(e.slot for e in handler.step(0.0))  # prefill (untimed): every first token
-                before, steps = handler.stats.decode_tokens, handler.stats.steps
+                before = (stats.decode_tokens, stats.steps, stats.decode_ms, stats.sample_ms, stats.python_ms)
                 start = time.perf_counter()
                 for _ in range(10 * tokens):
                     if handler.wake_in(0.0) is None:
                         break
                     handler.step(0.0)
                 elapsed = time.perf_counter() - start
-                decoded = handler.stats.decode_tokens - before
-                rates[n].append(decoded / elapsed)
-                widths[n].append(decoded / max(1, handler.stats.steps - steps))
+                decoded = stats.decode_tokens - before[0]
+                run.rates.append(decoded / elapsed)
+                run.widths.append(decoded / max(1, stats.steps - before[1]))
+                run.wall_ms += elapsed * 1e3
+                run.decode_ms += stats.decode_ms - before[2]
+                run.sample_ms += stats.sample_ms - before[3]
+                run.python_ms += stats.python_ms - before[4]
     finally:
         handler.close()
         tok.close()
-    return {n: (statistics.median(r), statistics.mean(widths[n])) for n, r in rates.items()}
+    return runs
 
 
 def cost_line(rows: list[Row], label: str) -> tuple[float, float]:
@@ -268,13 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(o.split("=", 1) for o in args.option)
     if args.handler_decode:
         for t in threads:
-            rates = handler_decode(
+            runs = handler_decode(
                 {**options, "threads": str(t)}, args.slots, args.context, args.handler_decode, args.repeat
             )
             print(
-                f"{t} thread(s), LlamaHandler.step, {args.context} prompt + {args.handler_decode} generated: decode "
-                + ", ".join(f"{n} sequence(s) {r:.1f} tok/s ({w:.1f} per step)" for n, (r, w) in rates.items())
-                + f" (median of {args.repeat})"
+                f"{t} thread(s), LlamaHandler.step, {args.context} prompt + {args.handler_decode} generated, median "
+                f"of {args.repeat}: " + "; ".join(run.line(n) for n, run in runs.items())
             )
         return 0
     ctx_per_slot = max(args.context + max(MIXED) + 16, max(PREFILL))

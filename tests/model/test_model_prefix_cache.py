@@ -255,3 +255,48 @@ def test_one_shared_kv_stream_works_too(tok) -> None:
         assert hit.cached_tokens == common_prefix(first, chat(tok, "What is the capital of Italy?"))
     finally:
         handler.close()
+
+
+def test_without_flash_attention_a_prompt_split_over_steps_gives_bit_identical_logits(tok) -> None:
+    """Why reuse is exact: llama.cpp's CPU results for a token do not depend on how the prompt before it was
+    cut into steps (with flash attention they do: its kernel path depends on the rows in a micro-batch)."""
+    import ctypes
+
+    from edgepath.model.gguf import llama_cpp, load_model
+    from edgepath.model.llama import LlamaOptions, context_params
+
+    lib = llama_cpp()
+    options = LlamaOptions.parse({**BASE, "flash_attn": "off"}, IN_CAP)
+    model = load_model(options.model, vocab_only=False)
+    ctx = lib.llama_init_from_model(model, context_params(lib, 1, options, IN_CAP))
+    prompt = chat(tok, "Which platform does the night train leave from?")
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+    def logits(cuts: list[int]) -> np.ndarray:
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        start = 0
+        for end in [*cuts, len(prompt)]:
+            batch = lib.llama_batch_init(end - start, 0, 1)
+            for i in range(end - start):
+                batch.token[i] = int(prompt[start + i])
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = int(start + i == len(prompt) - 1)
+            batch.n_tokens = end - start
+            try:
+                assert lib.llama_decode(ctx, batch) == 0
+            finally:
+                lib.llama_batch_free(batch)
+            start = end
+        row = lib.llama_get_logits_ith(ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,)).copy()
+
+    try:
+        whole = logits([])
+        n = len(prompt)
+        for cuts in ([n - 1], [n // 2], [7, n // 3, n - 5], list(range(8, n, 8))):
+            assert np.array_equal(logits(cuts), whole), cuts
+    finally:
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
