@@ -232,6 +232,80 @@ def handler_decode(options: dict[str, str], slots: int, context: int, tokens: in
     return runs
 
 
+@dataclass
+class ArrivalRun:
+    """A prompt arriving at an idle handler and while the other slots generate."""
+
+    idle_ms: list[float] = field(default_factory=list)  # its time to first token, nothing else running
+    loaded_ms: list[float] = field(default_factory=list)  # ... while slots - 1 sequences generate
+    gaps_ms: list[float] = field(default_factory=list)  # the generating sequences' steps until then
+
+    def line(self) -> str:
+        gaps = sorted(self.gaps_ms)
+        idle, loaded = statistics.median(self.idle_ms), statistics.median(self.loaded_ms)
+        return (
+            f"time to first token idle {idle:,.0f} ms, loaded {loaded:,.0f} ms ({loaded / idle:.2f}x); the "
+            f"generating streams' gaps meanwhile: median {statistics.median(gaps):,.0f} ms, longest {gaps[-1]:,.0f} "
+            f"ms (median of {len(self.idle_ms)})"
+        )
+
+
+def arrival(options: dict[str, str], slots: int, context: int, prompt: int, rounds: int) -> ArrivalRun:
+    """Time to first token of a ``prompt``-token request on an idle handler, and while ``slots - 1`` sequences of
+    ``context`` prompt tokens generate (the policy's objective 5: near the idle one), with the generating
+    sequences' inter-token gaps (one step each) until that first token (objective 2: at most ``stall_ms``)."""
+    from edgepath.dma.handlers import HandlerConfig, SlotRequest
+    from edgepath.dma.wire import Sampling
+    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.model.llama import LlamaHandler
+
+    out_cap = 4096
+    config = {**options, "ctx_per_slot": str(max(context, prompt) + out_cap), "prefix_cache": "off"}
+    handler = LlamaHandler.from_config(HandlerConfig(slots, max(context, prompt), out_cap, config))
+    tok = GGUFTokenizer(handler.options.model)
+    words = tok.encode(TEXT)
+    inputs = np.zeros((slots, max(context, prompt)), dtype=np.int32)
+    outputs = np.zeros((slots, out_cap), dtype=np.int32)
+    run = ArrivalRun()
+    new = slots - 1
+
+    def first_token() -> tuple[float, list[float]]:
+        """Add the arriving request; step until its first token; (ms to it, step times meanwhile)."""
+        inputs[new, :prompt] = words[500 : 500 + prompt]
+        handler.add(SlotRequest(new, new, out_cap, 0, inputs[new, :prompt], outputs[new], Sampling()), 0.0)
+        start = last = time.perf_counter()
+        steps = []
+        while True:
+            emits = handler.step(0.0)
+            now = time.perf_counter()
+            steps.append((now - last) * 1e3)
+            last = now
+            if any(e.slot == new for e in emits):
+                handler.cancel(new)
+                return (now - start) * 1e3, steps
+
+    try:
+        for _ in range(rounds):
+            run.idle_ms.append(first_token()[0])
+            for slot in range(new):
+                inputs[slot, :context] = words[slot : slot + context]
+                handler.add(SlotRequest(slot, slot, out_cap, 0, inputs[slot, :context], outputs[slot], Sampling()), 0.0)
+            started: set[int] = set()
+            while len(started) < new:
+                started.update(e.slot for e in handler.step(0.0))  # every generating sequence under way
+            for _ in range(3):
+                handler.step(0.0)
+            ms, steps = first_token()
+            run.loaded_ms.append(ms)
+            run.gaps_ms += steps
+            for slot in range(new):
+                handler.cancel(slot)
+    finally:
+        handler.close()
+        tok.close()
+    return run
+
+
 def cost_line(rows: list[Row], label: str) -> tuple[float, float]:
     """Least-squares ``overhead_ms + per_token_ms * tokens`` over every measured step (fastest times)."""
     x = np.array([r.tokens for r in rows], dtype=float)
@@ -265,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="also measure, per thread count, a context with this handler option changed",
+        help="also measure, per thread count, a context with these handler options changed (KEY=VALUE[,KEY=VALUE])",
     )
     parser.add_argument("--json", default=None, help="also write every step time here")
     parser.add_argument(
@@ -276,6 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: decode tokens/s through the handler, 1 and --slots sequences of --context prompt tokens, "
         "TOKENS generated each (compare llama-batched-bench -npp CONTEXT -ntg TOKENS -npl 1,SLOTS)",
     )
+    parser.add_argument(
+        "--arrival",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="instead: time to first token of a TOKENS-token prompt on an idle handler and while --slots - 1 "
+        "sequences generate, and their gaps meanwhile, per configuration (--variant stall_ms=...)",
+    )
     args = parser.parse_args(argv)
     try:
         threads = [int(t) for t in args.threads.split(",")]
@@ -283,10 +365,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads must be comma-separated integers, got {args.threads!r}")
     if any(t < 1 for t in threads) or args.repeat < 1 or args.slots < 2 or args.context < 1:
         parser.error("need --threads >= 1 each, --repeat >= 1, --slots >= 2, --context >= 1")
-    bad = [o for o in args.option + args.variant if "=" not in o]
+    bad = [o for o in args.option + [p for v in args.variant for p in v.split(",")] if "=" not in o]
     if bad:
         parser.error(f"--option and --variant take KEY=VALUE, got {bad}")
     options = dict(o.split("=", 1) for o in args.option)
+    if args.arrival:
+        for t in threads:
+            for variant in ["", *args.variant]:
+                changed = dict(pair.split("=", 1) for pair in variant.split(",")) if variant else {}
+                got = arrival(
+                    {**options, **changed, "threads": str(t)}, args.slots, args.context, args.arrival, args.repeat
+                )
+                label = f"{t} thread(s)" + (f", {variant}" if variant else "")
+                print(f"{label}, a {args.arrival}-token prompt beside {args.slots - 1} generating: {got.line()}")
+        return 0
     if args.handler_decode:
         for t in threads:
             runs = handler_decode(
@@ -303,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     parsed: dict[str, LlamaOptions] = {}
     for t in threads:
         for variant in ["", *args.variant]:
-            changed = dict([variant.split("=", 1)]) if variant else {}
+            changed = dict(pair.split("=", 1) for pair in variant.split(",")) if variant else {}
             label = f"{t} thread{'s' if t > 1 else ''}" + (f", {variant}" if variant else "")
             try:
                 parsed[label] = LlamaOptions.parse({**options, **changed, "threads": str(t)}, ctx_per_slot)
