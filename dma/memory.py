@@ -42,6 +42,14 @@ class PoolMemory:
 
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
+        self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
+        self.beats = 0
+
+    def beat(self, now: float) -> None:
+        """Advance the pool header's heartbeat (``now``: monotonic seconds): what tells readers that the
+        server's CPU side is turning.  A release store of the next count into the header agents read."""
+        self.beats += 1
+        lib.ep_store64(self._heartbeat_ptr, self.beats)
 
     def step(self, slot: int, event: Event, generation: int) -> bool:
         """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
@@ -142,6 +150,7 @@ class DeviceMemory(PoolMemory):
         self.device_slots = device_slots
         self.pool = device_slots.mirror
         self.poller = DeviceDoorbellPoller(device_slots, spec.handoff_wait)
+        self._beat_at = -self.BEAT_EVERY
         super().__init__()
 
     def step(self, slot: int, event: Event, generation: int) -> bool:
@@ -153,6 +162,18 @@ class DeviceMemory(PoolMemory):
 
     def publish_result(self, slot: int, output_count: int) -> None:
         self.device_slots.push_result(slot, output_count)  # type: ignore[union-attr]
+
+    #: seconds between heartbeat stores into device memory (each is a kernel launch and a synchronise)
+    BEAT_EVERY = 0.001
+
+    def beat(self, now: float) -> None:
+        """Stored on the device at most every :attr:`BEAT_EVERY` seconds: readers need the word to move
+        within a hang timeout (seconds), not at every turn of the loop."""
+        if now - self._beat_at < self.BEAT_EVERY:
+            return
+        self._beat_at = now
+        super().beat(now)
+        self.device_slots.store_word(wire.HEARTBEAT_OFFSET, self.beats)  # type: ignore[union-attr]
 
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from edgepath.dma.transport import Access
-from edgepath.native.abi import Event, State, Status, StepError, ffi, lib
+from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ffi, field_offset, lib
 
 # -- regions -------------------------------------------------------------------------------------
 #: a slot server's pool: header, state/doorbell/cancel words, slots
@@ -45,6 +45,10 @@ REPLIES_ACCESS = Access.REMOTE_WRITE
 STATUS_REGION = "status"
 #: an edge's 8-byte landing spot for its agent's zero-length WRITE_WITH_IMM answers
 COMPLETIONS_REGION = "completions"
+
+#: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
+#: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
+HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
 
 # -- connection private data (what each side tells the other when a connection is set up) ---------------
 #: keys both hops send: token capacities of a frame

@@ -165,6 +165,12 @@ class SlotServerSettings(SlotServerConfig):
         text=_MILLISECONDS[1],
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
+    step_budget: float = option(
+        _SLOT_SERVER["step_budget"],
+        type=positive_float,
+        help="seconds a model step may take: a longer one is logged and counted (the heartbeat agents watch "
+        "stands still meanwhile; keep it well under their --hang-timeout; default %(default)s)",
+    )
     listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
     handler: str = option(
         "echo",
