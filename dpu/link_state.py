@@ -23,6 +23,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+#: seconds of a still heartbeat after which a slot server is UNRESPONSIVE (``--hang-timeout``): above the
+#: longest model step measured on this project's machines, with margin (docs/DATAPATH.md, "Liveness")
+DEFAULT_HANG_TIMEOUT = 5.0
+
 
 class LinkState(enum.Enum):
     """Where a link to a slot server stands (the value is what ``/health`` shows)."""
