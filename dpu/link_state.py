@@ -21,6 +21,7 @@ one observation, so an UNRESPONSIVE verdict is never early: the word really was 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: seconds of a still heartbeat after which a slot server is UNRESPONSIVE (``--hang-timeout``): above the
@@ -145,3 +146,25 @@ class LinkTracker:
         if state is not LinkState.DOWN:
             self._detail = ""
         self._state, self._reason, self._since = state, reason, now
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether a port can serve (some slot server is UP), and if not, the status and reason to show."""
+
+    ready: bool
+    status: str  # "ok", "unresponsive" (some server is connected but frozen) or "unavailable"
+    reason: str = ""  # empty when ready
+
+
+def readiness(links: Sequence[LinkHealth], now: float) -> Readiness:
+    """The verdict over a port's links at ``now`` (the links' clock): ready when any is UP; else what is
+    wrong, naming the unresponsive servers first (they are the ones a restart will fix)."""
+    if any(link.up for link in links):
+        return Readiness(True, "ok")
+    if not links:
+        return Readiness(False, "unavailable", "no slot server is attached")
+    stuck = [link for link in links if link.state is LinkState.UNRESPONSIVE]
+    shown = stuck or links
+    reason = "; ".join(f"slot server {link.address}: {link.describe(now)}" for link in shown)
+    return Readiness(False, "unresponsive" if stuck else "unavailable", reason)

@@ -73,7 +73,11 @@ def test_a_server_whose_loop_stands_still_is_unresponsive_at_the_hang_timeout_an
     clock.advance(HANG / 2)
     agent.check_links()
     health = agent.links_health()[0]
-    assert (health.address, health.state, health.reason) == (server.address, LinkState.UNRESPONSIVE, Reason.NO_HEARTBEAT)
+    assert (health.address, health.state, health.reason) == (
+        server.address,
+        LinkState.UNRESPONSIVE,
+        Reason.NO_HEARTBEAT,
+    )
     assert health.since == clock.now and link.alive
     write_request(agent.frames, 0, [1, 2], request_id=1, max_new_tokens=2)
     attempts = link.stats.cas_attempts
