@@ -47,6 +47,9 @@ class Reason(enum.IntEnum):
     NOT_ATTACHED = 4  # DOWN: never attached, or attaching again failed
 
 
+_STATE_CODES = {LinkState.UP: 1, LinkState.UNRESPONSIVE: 2, LinkState.DOWN: 3}
+_STATES = {code: state for state, code in _STATE_CODES.items()}
+
 _REASONS = {
     Reason.NONE: "",
     Reason.DISCONNECTED: "the connection to the slot server ended",
@@ -74,6 +77,21 @@ class LinkHealth:
     @property
     def up(self) -> bool:
         return self.state is LinkState.UP
+
+    def words(self) -> tuple[int, int, int, int, int]:
+        """This health as integers -- state, reason, since, heard, hang timeout (times in ns) -- for an agent
+        process's status region (:class:`~edgepath.dma.wire.AgentStatus`); the detail stays behind."""
+        times = (round(self.since * 1e9), round(self.heard * 1e9), round(self.hang_timeout * 1e9))
+        return (_STATE_CODES[self.state], int(self.reason), *times)
+
+    @classmethod
+    def from_words(cls, address: str, words: Sequence[int]) -> LinkHealth:
+        """The health of the link to ``address`` that :meth:`words` published; words never published (or
+        caught half-written) read as a link not attached yet."""
+        state = _STATES.get(words[0])
+        if state is None or words[1] not in Reason._value2member_map_:
+            return cls(address, LinkState.DOWN, Reason.NOT_ATTACHED, 0.0, 0.0, words[4] / 1e9 or 1.0)
+        return cls(address, state, Reason(words[1]), words[2] / 1e9, words[3] / 1e9, words[4] / 1e9)
 
     def describe(self, now: float) -> str:
         """One line for a person (``/health``, logs): what is wrong, or ``up``."""

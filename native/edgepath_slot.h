@@ -64,10 +64,13 @@
  * Immediates towards an agent (32 bits): kind (bits 30..31) | reply entry index (bits 0..29).
  * PROGRESS: output tokens [0, count) of the entry are placed and the result header's `progress`
  * word says so (generation << 32 | count).  FINAL: the whole result header is placed (status,
- * counts, times) and nothing will be written into the entry for that generation again.
+ * counts, times) and nothing will be written into the entry for that generation again.  STALLED
+ * (an agent process to its edge only): the slot server running the entry stopped responding; the
+ * entry is still in flight (its FINAL comes when that server lets go of it or is lost).
  */
 #define EP_IMM_FINAL 0
 #define EP_IMM_PROGRESS 1073741824
+#define EP_IMM_STALLED 2147483648  /* agent -> edge only: the entry's slot server is unresponsive (still in flight) */
 #define EP_IMM_KIND_MASK 3221225472
 #define EP_IMM_INDEX_MASK 1073741823
 

@@ -134,3 +134,16 @@ def test_with_every_server_down_each_says_why() -> None:
         "slot server a: the connection to the slot server ended; slot server b: not attached to the slot server",
     )
     assert readiness([], 0.0) == Readiness(False, "unavailable", "no slot server is attached")
+
+
+def test_a_health_goes_through_an_agent_processs_status_words_without_its_detail() -> None:
+    sent = LinkHealth("a", LinkState.UNRESPONSIVE, Reason.NO_HEARTBEAT, 12.5, 9.25, 3.0)
+    assert LinkHealth.from_words("a", sent.words()) == sent
+    failed = LinkHealth("b", LinkState.DOWN, Reason.FAILED, 1.0, 0.5, 3.0, "read: connection reset")
+    assert LinkHealth.from_words("b", failed.words()) == LinkHealth("b", LinkState.DOWN, Reason.FAILED, 1.0, 0.5, 3.0)
+
+
+@pytest.mark.parametrize("words", [(0, 0, 0, 0, 0), (9, 0, 1, 1, 10**9), (1, 99, 1, 1, 10**9)])
+def test_words_never_published_read_as_a_link_not_attached(words: tuple[int, ...]) -> None:
+    health = LinkHealth.from_words("a", words)
+    assert (health.state, health.reason) == (LinkState.DOWN, Reason.NOT_ATTACHED)
