@@ -8,11 +8,14 @@ so every verdict is exact -- no sleeps, no timing."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from helpers.datapath import send, serve_once
 
+from edgepath.dma.handlers import Emit, SlotRequest
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.link_state import LinkState, Reason
@@ -160,3 +163,61 @@ def test_a_link_that_breaks_under_an_operation_gives_back_what_was_in_flight(age
     assert (health.state, health.reason) == (LinkState.DOWN, Reason.FAILED) and "closed" in health.detail
     assert agent.check_links() == [index]  # answered 503 by the edge, never stranded
     assert agent.check_links() == []
+
+
+class Blocking:
+    """A batch handler whose step blocks until the test releases it: a model step that does not end (a stuck
+    kernel).  The server's real loop runs it on a thread, so its heartbeat really stops."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, SlotRequest] = {}
+        self.blocked = threading.Event()
+        self.go = threading.Event()
+
+    def add(self, request: SlotRequest, now: float) -> list[Emit]:
+        self.running[request.slot] = request
+        return []
+
+    def step(self, now: float) -> list[Emit]:
+        self.blocked.set()
+        self.go.wait(30.0)
+        done = [Emit(slot, 0, Status.OK) for slot in self.running]
+        self.running.clear()
+        return done
+
+    def cancel(self, slot: int) -> bool:
+        self.running.pop(slot, None)
+        return True
+
+    def wake_in(self, now: float) -> float | None:
+        return 0.0 if self.running else None
+
+    def close(self) -> None:
+        self.go.set()
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``check`` (bounded): these tests wait for states, never for a fixed time."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_model_step_that_blocks_stops_the_heartbeat_and_one_that_ends_brings_it_back(serve, new_agent) -> None:
+    handler = Blocking()
+    server = serve(handler, slots=2, step_budget=0.05)
+    agent = new_agent(hang_timeout=0.5)  # the real clock: the server's loop is really stuck
+    link = agent.attach(server.address)
+    index = send(agent, [1, 2, 3], max_new=3)
+    assert handler.blocked.wait(10.0)
+    until(lambda: not agent.check_links() and link.tracker.state is LinkState.UNRESPONSIVE, "the link to go still")
+    assert agent.stalled() == [index]
+    agent.abandon(index)
+    write_request(agent.frames, 1, [4], request_id=2, max_new_tokens=1)
+    assert agent.submit(1) == Status.UNAVAILABLE
+    handler.go.set()  # the step ends: the late answer frees the frame, the heartbeat moves again
+    until(lambda: not agent.poll(timeout=0.05) and index not in agent.inflight, "the late answer")
+    until(lambda: not agent.check_links() and link.up, "the link to come back")
+    assert agent.delivery_stats.late == 1 and agent.delivery_stats.duplicates == 0
+    assert server.stats.slow_steps >= 1 and server.stats.longest_step > server.config.step_budget  # reported
