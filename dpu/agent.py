@@ -14,7 +14,8 @@ Every link has a state (:mod:`edgepath.dpu.link_state`): the READ that refreshes
 cached state words also reads the slot server's heartbeat word, and :meth:`Agent.check_links`
 reads it when nothing else has for a while.  A server whose heartbeat stands still for the
 hang timeout is UNRESPONSIVE: nothing is claimed there (UNAVAILABLE at once when no other
-server is UP) and the frames in flight on it are reported once by :meth:`Agent.stalled`.
+server is UP) and the frames in flight on it when that was found are reported once by
+:meth:`Agent.stalled`.
 """
 
 from __future__ import annotations
@@ -118,7 +119,6 @@ class InFlight(Flight):
     slot: int
     generation: int
     cancelled: bool = False
-    stalled: bool = False  # reported by Agent.stalled (its server went unresponsive)
 
 
 class Agent:
@@ -174,6 +174,7 @@ class Agent:
         self.inflight = self.book.inflight
         self.delivery_stats = self.book.stats
         self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
+        self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -329,6 +330,7 @@ class Agent:
                 log.warning("slot server %s responds again (its heartbeat moved)", link.address)
             else:
                 log.warning("slot server %s is unresponsive: %s", link.address, health.describe(health.since))
+                self._stalled += [i for i, f in self.book.inflight.items() if f.link is link and not f.abandoned]
 
     def _probe(self, link: ServerLink) -> None:
         """Refresh ``link`` for its heartbeat; a failed read takes it down."""
@@ -545,16 +547,12 @@ class Agent:
         return sorted(lost)
 
     def stalled(self) -> list[int]:
-        """Frames in flight on an UNRESPONSIVE slot server, each reported once (the caller answers it and
-        abandons it: it stays fenced until that server lets go of it or its link is lost)."""
-        if all(link.tracker.state is not LinkState.UNRESPONSIVE for link in self.links):
-            return []
-        out = []
-        for index, flight in self.book.inflight.items():
-            if not (flight.stalled or flight.abandoned) and flight.link.tracker.state is LinkState.UNRESPONSIVE:
-                flight.stalled = True
-                out.append(index)
-        return out
+        """Frames that were in flight on a slot server when it was found UNRESPONSIVE (even if it has come back
+        since), each reported once; the caller answers them and abandons them (they stay fenced until that
+        server lets go of them or its link is lost)."""
+        stalled, self._stalled = self._stalled, []
+        inflight = self.book.inflight
+        return [index for index in stalled if index in inflight and not inflight[index].abandoned]
 
     def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[Delivery]:
         """What arrived for frames in flight: streamed progress and final results (in ``frames.results`` /
