@@ -66,6 +66,7 @@ class HangWatch:
             self.transport.close()
             raise
         self._clock = clock
+        self._connect_timeout = min(1.0, hang_timeout / 2)  # on the watch's own thread: it may wait
         self._counts = Path(counts_dir) / COUNTS_FILE if counts_dir is not None else None
         self._written: tuple[int, int] | None = None
         self._killed: ServerLink | None = None  # the link whose server was killed (never twice for one)
@@ -95,10 +96,10 @@ class HangWatch:
         agent = self.agent
         if not agent.links:
             with contextlib.suppress(AgentError):  # not listening (yet, or again): the supervisor restarts it
-                agent.attach(self.address, timeout=0.05)
+                agent.attach(self.address, timeout=self._connect_timeout)
         else:
             agent.check_links()
-            agent.revive(timeout=0.05)
+            agent.revive(timeout=self._connect_timeout)
         now = self._clock()
         for link in agent.links:
             why = hang_verdict(link.tracker.health(), now)
