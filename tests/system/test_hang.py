@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,34 @@ def test_a_handler_that_blocks_is_replaced_and_its_request_ends_504(serve_hangab
         assert json.loads(conn.getresponse().read())["tokens"] == [1, 2, 3]
     finally:
         conn.close()
+
+
+def post(port: int, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/generate", body=json.dumps(body))
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_with_every_slot_held_a_stopped_slot_server_still_gets_its_429s_at_once(serve_hangable) -> None:
+    """The 429 path awaits nothing from the slot server: with every slot held by a long request and the
+    server stopped (SIGSTOP, well inside its hang timeout), a new request is still answered 429 -- while the
+    server can answer nothing at all.  Admission is the agent's CAS on the pool's memory."""
+    serve, port = serve_hangable("--handler", "paced-echo", "--handler-option", "token_delay=0.25", hang=60.0)
+    held = list(range(1, 21))  # 20 tokens, one every 0.25 s: each request holds its slot for about 5 s
+    with ThreadPoolExecutor(4) as pool:
+        holders = [pool.submit(post, port, {"tokens": held, "max_tokens": 20}) for _ in range(4)]
+        wait_for(lambda: get(port, "/health")[1]["free_slots"] == 0, 30, "every slot to be held")
+        stopped = slot_server_of(serve)
+        assert stopped is not None
+        freeze(stopped)
+        try:
+            status, doc = post(port, {"tokens": [1], "max_tokens": 1})
+        finally:
+            thaw(stopped)
+        assert status == 429 and doc["error"]["type"] == "no_slot", doc
+        assert [f.result()[0] for f in holders] == [200] * 4  # the held ones finish once it runs again
+    assert slot_server_of(serve) == stopped
