@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgepath.dma import wire
+from edgepath.dma.handlers import Heartbeat
 from edgepath.dma.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
@@ -43,13 +44,21 @@ class PoolMemory:
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
         self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
-        self.beats = 0
+
+    @property
+    def beats(self) -> int:
+        """The heartbeat word as the host sees it (how often it was advanced: it starts at 0)."""
+        return int(lib.ep_load64(self._heartbeat_ptr))
 
     def beat(self, now: float) -> None:
         """Advance the pool header's heartbeat (``now``: monotonic seconds): what tells readers that the
-        server's CPU side is turning.  A release store of the next count into the header agents read."""
-        self.beats += 1
-        lib.ep_store64(self._heartbeat_ptr, self.beats)
+        server's CPU side is turning.  One atomic increment of the word agents read."""
+        lib.ep_heartbeat_tick(self._heartbeat_ptr)
+
+    def heartbeat(self) -> Heartbeat:
+        """What a handler needs to advance the heartbeat from inside a long step (C code, any thread)."""
+        function = ffi.addressof(lib, "ep_heartbeat_tick")
+        return Heartbeat(int(ffi.cast("uintptr_t", function)), int(ffi.cast("uintptr_t", self._heartbeat_ptr)))
 
     def step(self, slot: int, event: Event, generation: int) -> bool:
         """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
@@ -167,8 +176,9 @@ class DeviceMemory(PoolMemory):
     BEAT_EVERY = 0.001
 
     def beat(self, now: float) -> None:
-        """Stored on the device at most every :attr:`BEAT_EVERY` seconds: readers need the word to move
-        within a hang timeout (seconds), not at every turn of the loop."""
+        """Advanced in the mirror, stored on the device at most every :attr:`BEAT_EVERY` seconds: readers
+        need the word to move within a hang timeout (seconds), not at every turn of the loop.  (A handler's
+        beats within a step advance the mirror only; the next turn publishes them.)"""
         if now - self._beat_at < self.BEAT_EVERY:
             return
         self._beat_at = now

@@ -13,8 +13,9 @@ Loop (one thread; peers come and go on a second, :class:`~edgepath.dma.connectio
   every ``scan_interval``: peers that went away are reaped, and leases -- CLAIMED slots whose writer
   never rang are reclaimed.
   the heartbeat: every turn (and after every model step) advances a word in the pool header, so agents
-  that read it see a frozen CPU side as a still word (:mod:`edgepath.dpu.link_state`); a model step
-  over ``step_budget`` is logged and counted.
+  that read it see a frozen CPU side as a still word (:mod:`edgepath.dpu.link_state`); a handler that
+  can (:class:`~edgepath.dma.handlers.BeatsWithinSteps`: llama.cpp, between its graph's nodes) advances
+  it inside a long step too; a model step over ``step_budget`` is logged and counted.
 
 Where the pool lives (host, GPU-mapped, GPU memory) is :mod:`~edgepath.dma.memory`'s business, which
 doorbell poller fits it :mod:`~edgepath.dma.pollers`'; the server only asks them.
@@ -32,7 +33,7 @@ from typing import Any
 
 from edgepath.dma import wire
 from edgepath.dma.connections import ConnectionManager
-from edgepath.dma.handlers import BatchHandler, Emit, HandlerConfig, OneShot, SlotRequest, adapt
+from edgepath.dma.handlers import BatchHandler, BeatsWithinSteps, Emit, HandlerConfig, OneShot, SlotRequest, adapt
 from edgepath.dma.memory import PoolMemory, PoolSpec, open_pool_memory
 from edgepath.dma.peers import AgentPeer
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
@@ -100,6 +101,8 @@ class SlotServer:
         )
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self.memory: PoolMemory = open_pool_memory(transport, cfg.memory, PoolSpec.of(cfg, self.epoch))
+        if isinstance(self.handler, BeatsWithinSteps):
+            self.handler.beat_within_steps(self.memory.heartbeat())
         self.pool = self.memory.pool
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller

@@ -8,6 +8,7 @@ so every verdict is exact -- no sleeps, no timing."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -15,10 +16,11 @@ from collections.abc import Callable
 import pytest
 from helpers.datapath import send, serve_once
 
-from edgepath.dma.handlers import Emit, SlotRequest
+from edgepath.dma.handlers import Emit, Heartbeat, SlotRequest
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.link_state import LinkState, Reason
+from edgepath.dpu.port import Delivery
 from edgepath.native.abi import Status
 
 pytestmark = pytest.mark.transport
@@ -221,3 +223,44 @@ def test_a_model_step_that_blocks_stops_the_heartbeat_and_one_that_ends_brings_i
     until(lambda: not agent.check_links() and link.up, "the link to come back")
     assert agent.delivery_stats.late == 1 and agent.delivery_stats.duplicates == 0
     assert server.stats.slow_steps >= 1 and server.stats.longest_step > server.config.step_budget  # reported
+
+
+class LongStep(Blocking):
+    """A long step that makes progress and says so through the heartbeat hook, from C, as llama.cpp's graph
+    computation does (``ctypes`` calls the hook's C function on this thread, every 10 ms)."""
+
+    ticks = 0
+
+    def beat_within_steps(self, heartbeat: Heartbeat) -> None:
+        tick = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)(heartbeat.function)
+        self.tick = lambda: tick(ctypes.c_void_p(heartbeat.word))
+
+    def step(self, now: float) -> list[Emit]:
+        self.blocked.set()
+        while not self.go.wait(0.01):
+            assert self.tick() is False  # never asks the step to stop
+            self.ticks += 1
+        done = [Emit(slot, 0, Status.OK) for slot in self.running]
+        self.running.clear()
+        return done
+
+
+def test_a_long_step_that_beats_from_within_keeps_its_link_up(serve, new_agent) -> None:
+    handler = LongStep()
+    server = serve(handler, slots=2)
+    agent = new_agent(hang_timeout=0.5)
+    link = agent.attach(server.address)
+    index = send(agent, [1, 2, 3], max_new=3)
+    assert handler.blocked.wait(10.0)
+    seen = set()
+
+    def long_enough() -> bool:  # one step over at least three hang timeouts, watched throughout
+        agent.check_links()
+        seen.add(link.tracker.state)
+        return handler.ticks >= 150
+
+    until(long_enough, "a step of 150 beats")
+    handler.go.set()
+    got: list[Delivery] = []
+    until(lambda: bool(got.extend(d for d in agent.poll(timeout=0.05) if d.final) or got), "the answer")
+    assert seen == {LinkState.UP} and [d.index for d in got] == [index] and agent.stalled() == []
