@@ -24,9 +24,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: seconds of a still heartbeat after which a slot server is UNRESPONSIVE (``--hang-timeout``): above the
-#: longest model step measured on this project's machines, with margin (docs/DATAPATH.md, "Liveness")
-DEFAULT_HANG_TIMEOUT = 5.0
+from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT as DEFAULT_HANG_TIMEOUT  # the agents' default
 
 
 class LinkState(enum.Enum):

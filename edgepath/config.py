@@ -446,8 +446,11 @@ class ServeOptions:
         return ["serve", *to_argv(worker, keep=lambda flag: flag.worker)]
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
-        """The slot server ``serve`` starts, listening at ``listen``."""
-        return self._fill(SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6)
+        """The slot server ``serve`` starts, listening at ``listen``; it reports a model step longer than half
+        the hang timeout."""
+        return self._fill(
+            SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6, step_budget=self.hang_timeout / 2
+        )
 
     def _fill(self, cls: type[Filled], **given: Any) -> Filled:
         """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the
