@@ -34,7 +34,14 @@ from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, LinkState, LinkTracker, Reason
+from edgepath.dpu.link_state import (
+    DEFAULT_HANG_TIMEOUT,
+    LinkHealth,
+    LinkState,
+    LinkTracker,
+    Reason,
+    check_hang_timeout,
+)
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
@@ -145,9 +152,8 @@ class Agent:
         ``transport`` registers in place (the verbs transport can), so the edges' token writes are
         what the NIC sends and results land where the edges read them.  ``hang_timeout``: seconds of a
         still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own)."""
-        LinkTracker("", hang_timeout, 0.0)  # a bad hang timeout fails here, before anything is registered
+        self.hang_timeout = check_hang_timeout(hang_timeout)  # before anything is registered
         self.transport = transport
-        self.hang_timeout = hang_timeout
         self.clock = clock
         #: seconds after which :meth:`check_links` reads a link's heartbeat that nothing else has read
         self.probe_interval = min(0.1, hang_timeout / 4)

@@ -27,6 +27,13 @@ from dataclasses import dataclass
 from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT as DEFAULT_HANG_TIMEOUT  # the agents' default
 
 
+def check_hang_timeout(seconds: float) -> float:
+    """``seconds`` if it can be a hang timeout (positive), else a ValueError saying so."""
+    if not seconds > 0:
+        raise ValueError(f"hang timeout must be positive seconds, got {seconds}")
+    return seconds
+
+
 class LinkState(enum.Enum):
     """Where a link to a slot server stands (the value is what ``/health`` shows)."""
 
@@ -105,10 +112,8 @@ class LinkTracker:
     def __init__(self, address: str, hang_timeout: float, now: float) -> None:
         """A link to the slot server at ``address``, not attached yet (DOWN); ``hang_timeout``: seconds of a
         still heartbeat that make an attached link UNRESPONSIVE."""
-        if not hang_timeout > 0:
-            raise ValueError(f"hang timeout must be positive seconds, got {hang_timeout}")
         self.address = address
-        self.hang_timeout = hang_timeout
+        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._state = LinkState.DOWN
         self._reason = Reason.NOT_ATTACHED
         self._detail = ""
