@@ -27,7 +27,7 @@ import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dpu.frame import write_header
-from edgepath.dpu.link_state import readiness
+from edgepath.dpu.link_state import LinkState, readiness
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.http import (
     GENERATE,
@@ -263,7 +263,9 @@ class EdgeLifecycle:
             actions.append(self._fail(t, HttpError(503, "unavailable", "the slot server went away")))
         stalled = port.stalled()
         if stalled:
-            why = readiness(port.links_health(), now / 1e9).reason or "its slot server stopped responding"
+            stuck = [h for h in port.links_health() if h.state is LinkState.UNRESPONSIVE]
+            named = "; ".join(f"slot server {h.address}: {h.describe(now / 1e9)}" for h in stuck)
+            why = named or "its slot server stopped responding"
             for index in stalled:
                 t = self.by_frame.get(index)
                 if t is None:
