@@ -50,12 +50,15 @@ class Emit:
     """A handler's report for one slot: ``count`` output tokens are written so far (never fewer than
     last time); ``status`` set means the slot is finished (OK, LENGTH, STOP, HANDLER_ERROR).
     ``release=False`` with a status: answer the request now, but the handler still touches the slot's
-    memory -- the server keeps the slot until a later ``Emit`` for it with ``release=True``."""
+    memory -- the server keeps the slot until a later ``Emit`` for it with ``release=True``.
+    ``cached_tokens``: how many of the prompt's tokens the handler took from a cache instead of computing
+    them (a model's prefix cache); the last non-zero value reported for a slot goes into its result."""
 
     slot: int
     count: int
     status: Status | None = None
     release: bool = True
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,6 +279,8 @@ class SlotServer:
                 if emit.release and emit.slot in self._held:
                     self._release_held(emit.slot)
                 continue
+            if emit.cached_tokens:
+                self._res_hdr[run.slot].cached(emit.cached_tokens)
             if run.produced(emit.count):
                 self._res_hdr[run.slot].first_token(lib.ep_now_ns())
             if emit.status is not None:

@@ -486,6 +486,8 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     t_done_ns: int  # ... it finished
     progress: int  # progress_word(generation, tokens placed so far): see placed_for
     t_first_ns: int
+    cached_tokens: int  # prompt tokens the model side took from its prefix cache (sent with every progress word)
+    reserved32: int
 
     def begin(self, request_id: int, generation: int, slot: int) -> None:
         """A slot starts running a request: whose it is, when (now), nothing produced yet."""
@@ -494,6 +496,10 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     def first_token(self, t_first_ns: int) -> None:
         """When the first output token was produced (sent with every progress word)."""
         self._p.t_first_ns = t_first_ns
+
+    def cached(self, tokens: int) -> None:
+        """How many prompt tokens the model side reused from its prefix cache (not recomputed)."""
+        self._p.cached_tokens = tokens
 
     def placed(self, generation: int, count: int) -> None:
         """``count`` output tokens of ``generation`` are placed (the progress word)."""

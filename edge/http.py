@@ -101,7 +101,8 @@ class Outcome:
     """A generate request that finished on the model side: what its formatter needs for the last word.
 
     ``tokens``: every output id (capped at the request's ``max_tokens``); ``first_token_ns``: receive
-    -> first output token (0 when there was none); ``status``: the result header's status name.
+    -> first output token (0 when there was none); ``status``: the result header's status name;
+    ``cached_tokens``: prompt tokens the model side reused from its prefix cache instead of computing them.
     """
 
     request_id: int
@@ -109,6 +110,7 @@ class Outcome:
     tokens: np.ndarray
     status: str
     first_token_ns: int
+    cached_tokens: int = 0
 
 
 class Formatter(Protocol):
@@ -468,7 +470,12 @@ class GenerateFormatter:
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:
-        return {"id": outcome.request_id, "input_count": outcome.input_count, "output_count": len(outcome.tokens)}
+        return {
+            "id": outcome.request_id,
+            "input_count": outcome.input_count,
+            "output_count": len(outcome.tokens),
+            "cached_tokens": outcome.cached_tokens,
+        }
 
     def complete(self, outcome: Outcome) -> Response:
         summary = self._summary(outcome)

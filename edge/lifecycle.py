@@ -404,10 +404,12 @@ class EdgeLifecycle:
         assert frame is not None and formatter is not None
         self._forget(t)
         tokens = np.array(self.port.frames.outputs[frame, : t.sent])
+        cached = self.port.frames.result_headers[frame].cached_tokens  # placed with every progress word
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
-        outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns)
+        self.metrics.prompt(t.input_count, cached)
+        outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
             return self._respond(t.rid, t.route, t.request, t.timings, formatter.complete(outcome))
         self._count(t, 200, now)
@@ -457,7 +459,9 @@ class EdgeLifecycle:
         count = min(result.output_count, t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
         model_first = result.t_first_ns
+        cached = result.cached_tokens
         port.release(frame)
+        self.metrics.prompt(t.input_count, cached)
         if count > t.sent:
             self._first_tokens(t, count - t.sent, now)
         # streamed: when the first token left the edge; whole: the model side's own first-token time
@@ -467,14 +471,14 @@ class EdgeLifecycle:
         if first_ns:
             t.timings["first_token"] = first_ns
         if not t.work.stream:
-            outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns)
+            outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
             return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
         actions: list[Action] = []
         if t.phase is not Phase.STREAMING:
             actions.append(self._start(t))
         last = t.formatter.tokens(tokens[t.sent :]) if count > t.sent else b""
         name = Status.STOP.name if t.formatter.done else _status_name(status)
-        outcome = Outcome(t.request_id, t.input_count, tokens, name, first_ns)
+        outcome = Outcome(t.request_id, t.input_count, tokens, name, first_ns, cached)
         self._count(t, 200, now)
         actions.append(EndStream(t.rid, last + t.formatter.end(outcome)))
         return actions

@@ -111,6 +111,22 @@ class EdgeMetrics:
             "edgepath_inter_token_latency_seconds",
             "Time between output tokens seen by the edge (a delivery of k tokens counts k, spread evenly)",
         )
+        self.prompt_tokens = Counter(
+            "edgepath_prompt_tokens", "Prompt tokens of requests the model side answered", registry=self.registry
+        )
+        self.cache_requests = Counter(
+            "edgepath_prefix_cache_requests",
+            "Answered requests by whether the model side reused a cached prefix of their prompt (hit) or not (miss)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "edgepath_prefix_cache_tokens",
+            "Prompt tokens the model side reused from its prefix cache instead of computing them",
+            registry=self.registry,
+        )
+        self._hit = self.cache_requests.labels("hit")
+        self._miss = self.cache_requests.labels("miss")
         self.delivery_stats = _DeliveryCollector(delivery_stats)
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
@@ -131,6 +147,15 @@ class EdgeMetrics:
             )
         children[0].inc()
         children[1].observe(total_ns / 1e9)
+
+    def prompt(self, tokens: int, cached: int) -> None:
+        """A request the model side answered: ``tokens`` prompt tokens, ``cached`` of them from its cache."""
+        self.prompt_tokens.inc(tokens)
+        if cached:
+            self._hit.inc()
+            self.cached_tokens.inc(cached)
+        else:
+            self._miss.inc()
 
     def edge(self, latency_ns: int, now_ns: int) -> None:
         self.edge_latency.observe(latency_ns / 1e9)

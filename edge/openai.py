@@ -461,21 +461,28 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Exact token counts of one request."""
+    """Exact token counts of one request.  ``cached_tokens``: prompt tokens the model side reused from its
+    prefix cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); None: not known, left out."""
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.completion_tokens < 0:
             raise ValueError(f"token counts cannot be negative: {self}")
+        if self.cached_tokens is not None and not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError(f"cached tokens must be between 0 and the prompt's tokens: {self}")
 
-    def payload(self) -> dict[str, int]:
-        return {
+    def payload(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return body
 
 
 def response_id(kind: Kind, request_id: int | str) -> str:
@@ -599,7 +606,7 @@ class StreamEncoder:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope([choice], None)
 
-    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
@@ -649,6 +656,7 @@ class Answer:
         self.request_id = request_id
         self.created = created
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: int | None = None  # known once the model side has answered
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopMatcher(request.stop)
         self._stream = StreamEncoder.for_request(request, request_id, created) if request.stream else None
@@ -698,7 +706,7 @@ class Answer:
                 reason = "stop"
             else:
                 out += self._text(self._stop.flush())
-        usage = Usage(self.prompt_tokens, self.completion_tokens)
+        usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         if self._stream is None:
             return completion_body(self.request, self.request_id, self.created, self.text, reason, usage)
         return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)

@@ -127,6 +127,7 @@ class OpenAIFormatter:
 
     def _close(self, outcome: Outcome) -> bytes:
         self.answer.prompt_tokens = outcome.input_count
+        self.answer.cached_tokens = outcome.cached_tokens
         rest = self._feed(outcome.tokens[self._fed :])
         reason = _finish_reason(outcome, self.request.max_tokens, self.answer.stopped)
         return rest + self.answer.finish(reason)

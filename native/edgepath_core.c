@@ -135,6 +135,7 @@ void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uin
     res->slot = slot;
     res->t_start_ns = ep_now_ns();
     res->t_first_ns = 0;
+    res->cached_tokens = 0;
     res->progress = (uint64_t)generation << 32;
 }
 

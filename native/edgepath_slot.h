@@ -145,6 +145,10 @@ struct ep_result_header {
     uint64_t t_done_ns;        /* handler finished */
     uint64_t progress;         /* generation << 32 | output tokens placed so far */
     uint64_t t_first_ns;       /* first output token produced (0: none); sent with every progress word */
+    /* -- second cache line: written with the final result -- */
+    uint32_t cached_tokens;    /* prompt tokens the model side took from its prefix cache (not recomputed) */
+    uint32_t reserved32;
+    uint64_t reserved[7];
 };
 /* CDEF-END */
 
@@ -156,6 +160,6 @@ struct ep_result_header {
 #endif
 EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 128, "ep_pool_header must be 128 bytes");
 EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 128, "ep_request_header must be 128 bytes");
-EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 64, "ep_result_header must be 64 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 128, "ep_result_header must be 128 bytes");
 
 #endif

@@ -200,3 +200,72 @@ def test_paced_echo_is_a_batch_handler_with_a_clear_option_error() -> None:
     assert handler.step(11.0) == [Emit(0, 2)]
     assert handler.step(11.5) == [Emit(0, 3, Status.LENGTH)]
     assert out.tolist() == [0, 1, 2] and handler.wake_in(12.0) is None
+
+
+class ReportsCached:
+    """Three reports, one each time the test releases it: 1 token (nothing said about a cache), 2 tokens with 7
+    prompt tokens taken from a cache, then the final result of 4 tokens."""
+
+    STAGES = ((1, None, 0), (2, None, 7), (4, Status.OK, 7))
+
+    def __init__(self) -> None:
+        self.released = 0  # reports the test allowed (it only ever increments this)
+        self.made = 0
+        self.running: dict[int, tuple[SlotRequest, int]] = {}
+
+    def add(self, request: SlotRequest, now: float) -> list[Emit]:
+        self.running[request.slot] = (request, 0)
+        return []
+
+    def step(self, now: float) -> list[Emit]:
+        out = []
+        for slot, (request, stage) in list(self.running.items()):
+            if self.made == self.released:
+                continue
+            self.made += 1
+            count, status, cached = self.STAGES[stage]
+            request.output[:count] = request.tokens[:count]
+            if status is None:
+                self.running[slot] = (request, stage + 1)
+            else:
+                del self.running[slot]
+            out.append(Emit(slot, count, status, cached_tokens=cached))
+        return out
+
+    def cancel(self, slot: int) -> bool:
+        self.running.pop(slot, None)
+        return True
+
+    def wake_in(self, now: float) -> float | None:
+        if not self.running:
+            return None
+        return 0.0 if self.made < self.released else 0.001  # the slot server steps a handler when it is due
+
+    def close(self) -> None:
+        self.running.clear()
+
+
+def test_cached_prompt_tokens_come_with_progress_and_the_result(agent: Agent, serve) -> None:
+    handler = ReportsCached()
+    server = serve(handler, stream_window=0.0)
+    agent.attach(server.address)
+    agent.frames.results[0]["cached_tokens"] = 99  # stale: left by an earlier use of the frame
+    index = send(agent, list(range(100, 110)))
+
+    def next_delivery() -> Delivery:
+        handler.released += 1
+        got: list[Delivery] = []
+        while not got:
+            got = [d for d in agent.poll(timeout=5.0) if d.index == index]
+        return got[-1]
+
+    first = next_delivery()
+    assert (first.count, first.final) == (1, False)
+    assert int(agent.frames.results[index]["cached_tokens"]) == 0  # reset when the slot started
+    second = next_delivery()
+    assert (second.count, second.final) == (2, False)
+    assert int(agent.frames.results[index]["cached_tokens"]) == 7  # placed with the progress word
+    final = next_delivery()
+    assert final.final and final.count == 4 and int(agent.frames.results[index]["cached_tokens"]) == 7
+    agent.release(index)
+    assert wait_free(server)

@@ -127,12 +127,13 @@ def test_no_slot_is_429_with_retry_after() -> None:
 
 def test_generate_formatter_json_and_sse() -> None:
     formatter = GenerateFormatter(lambda ids: "".join(chr(96 + int(i)) for i in ids))
-    outcome = Outcome(7, 3, np.array([1, 2, 3], np.int32), "OK", 2_500_000)
+    outcome = Outcome(7, 3, np.array([1, 2, 3], np.int32), "OK", 2_500_000, cached_tokens=2)
     plain = formatter.complete(outcome)
     assert plain.status == 200 and json.loads(plain.body) == {
         "id": 7,
         "input_count": 3,
         "output_count": 3,
+        "cached_tokens": 2,
         "tokens": [1, 2, 3],
         "text": "abc",
     }
@@ -145,6 +146,7 @@ def test_generate_formatter_json_and_sse() -> None:
         "id": 7,
         "input_count": 3,
         "output_count": 3,
+        "cached_tokens": 2,
         "text": "abc",
         "first_token_ms": 2.5,
     }

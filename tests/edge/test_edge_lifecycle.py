@@ -260,6 +260,22 @@ def test_time_to_first_token_and_inter_token_latency_reach_the_metrics(port, tok
     assert 'edgepath_inter_token_latency_seconds_bucket{le="0.0025"} 2.0' in text
 
 
+def test_cached_prompt_tokens_reach_the_answer_and_the_metrics(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    for rid, cached in ((1, 4), (2, 0)):
+        edge.receive(rid, generate(), now=100)
+        frame = port.submitted[-1]
+        port.produce(frame, [104])
+        port.frames.results[frame]["cached_tokens"] = cached  # the slot server's count, in the result header
+        (action,) = edge.deliveries([port.finish(frame)], now=200)
+        assert body(action)["cached_tokens"] == cached
+    text = edge.metrics.exposition().decode()
+    assert 'edgepath_prefix_cache_requests_total{result="hit"} 1.0' in text
+    assert 'edgepath_prefix_cache_requests_total{result="miss"} 1.0' in text
+    assert "edgepath_prefix_cache_tokens_total 4.0" in text
+    assert "edgepath_prompt_tokens_total 10.0" in text
+
+
 def test_non_streamed_answers_carry_the_first_token_time_in_server_timing(port, tokenizer) -> None:
     edge = lifecycle(port, tokenizer)
     edge.receive(1, generate(now=1000), now=1000)
@@ -612,6 +628,7 @@ def test_a_formatter_that_sees_the_end_answers_at_once_and_cancels_the_slot(port
     edge.receive(1, generate(stream=stream), now=0)
     (frame,) = port.submitted
     assert int(port.frames.requests[frame]["flags"]) == wire.FLAG_STREAM  # watched: output comes as it is made
+    port.frames.results[frame]["cached_tokens"] = 3  # placed with the progress word by the slot server
     first = edge.deliveries([port.produce(frame, [104, 105])], now=10)
     assert not any(isinstance(a, (Respond, EndStream)) for a in first)
     actions = edge.deliveries([port.produce(frame, [33, 120])], now=20)  # the stop token, and one past it
@@ -619,10 +636,11 @@ def test_a_formatter_that_sees_the_end_answers_at_once_and_cancels_the_slot(port
     if stream:
         assert isinstance(actions[-1], EndStream)
         name, done = list(sse(actions[-1].data))[-1]
-        assert name == "done" and done["output_count"] == 4
+        assert name == "done" and done["output_count"] == 4 and done["cached_tokens"] == 3
     else:
         (answer,) = actions
-        assert body(answer)["tokens"] == [104, 105, 33, 120]
+        assert body(answer)["tokens"] == [104, 105, 33, 120] and body(answer)["cached_tokens"] == 3
+    assert "edgepath_prefix_cache_tokens_total 3.0" in metrics.exposition().decode()
 
 
 class OtherShape(GenerateFormatter):

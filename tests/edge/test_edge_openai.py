@@ -502,6 +502,18 @@ def test_chat_completion_exact_shape() -> None:
         Usage(-1, 0)
 
 
+def test_usage_reports_cached_prompt_tokens_as_openai_does() -> None:
+    assert Usage(10, 2, 6).payload() == {
+        "prompt_tokens": 10,
+        "completion_tokens": 2,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 6},
+    }
+    assert "prompt_tokens_details" not in Usage(10, 2).payload()  # not known: left out, not reported as 0
+    with pytest.raises(ValueError, match="cached tokens must be between 0 and the prompt's tokens"):
+        Usage(3, 1, 4)
+
+
 def test_models_list_and_sse_framing() -> None:
     assert models_list([MODEL], 5) == {
         "object": "list",

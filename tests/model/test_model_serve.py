@@ -66,3 +66,58 @@ def test_streamed_chat_arrives_token_by_token(client: openai.OpenAI) -> None:
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert len(pieces) > 3
     assert "Tokyo" in "".join(pieces)
+
+
+LONG_SYSTEM = {
+    "role": "system",
+    "content": "You are the help desk of a small railway. You answer questions about routes, tickets, luggage, "
+    "pets and refunds, politely and briefly. When you are not sure, say so and point to the ticket office.",
+}
+
+
+def metric(port: int, name: str) -> float:
+    """One sample of the edge's /metrics (0 when it has not been counted yet)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_cached_prompt_tokens_are_reported_in_usage_and_metrics(client: openai.OpenAI, model_edge: RunningEdge) -> None:
+    """The second chat with the same system prompt reuses its KV: OpenAI's usage field says how many prompt
+    tokens came from the cache -- in a whole answer and in a stream's usage chunk -- and /metrics counts it."""
+    model = client.models.list().data[0].id
+    port = model_edge.port
+    hits = metric(port, 'edgepath_prefix_cache_requests_total{result="hit"}')
+    cached = metric(port, "edgepath_prefix_cache_tokens_total")
+    first = client.chat.completions.create(
+        model=model, messages=[LONG_SYSTEM, {"role": "user", "content": "Can I bring my dog?"}], max_tokens=8
+    )
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.chat.completions.create(
+        model=model, messages=[LONG_SYSTEM, {"role": "user", "content": "Is there wifi?"}], max_tokens=8
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert 40 < reused < second.usage.prompt_tokens  # the system prompt, not the question
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[LONG_SYSTEM, {"role": "user", "content": "Is there wifi?"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt again
+    assert metric(port, 'edgepath_prefix_cache_requests_total{result="hit"}') == hits + 2
+    assert metric(port, "edgepath_prefix_cache_tokens_total") == cached + reused + usage.prompt_tokens - 1

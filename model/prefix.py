@@ -1,0 +1,234 @@
+"""Prefix reuse for the llama.cpp handler, sans I/O: which KV stream serves a request, and what it reuses.
+
+The handler gives every llama.cpp sequence its own KV stream (``kv_unified = False``): a token attends
+over its own stream's cells only, as in ``llama-server -np N``.  (With one unified stream every token
+attends over the cells of *every* sequence, so the decode step slows down with the sum of all contexts;
+docs/MODEL.md has the measurement.)  Two places keep KV of finished requests for the next ones:
+
+* **the streams themselves** -- a stream keeps its finished sequence's KV until another request needs the
+  stream.  A request is not bound to the stream of its slot: it gets the free stream that already holds
+  the longest prefix of its prompt and reuses those cells in place (nothing copied), so a multi-turn chat
+  or a shared system prompt is found whichever slot the agent claimed;
+* **host memory** -- every finished sequence is also saved (``llama_state_seq_get_data``) into an LRU of
+  at most ``capacity`` bytes; a request whose prefix no free stream holds restores the best saved one
+  into its stream (``llama_state_seq_set_data``, a copy of some megabytes) and prefills only the rest.
+
+The host copies live outside the KV cache, so cached prefixes can never crowd out a running sequence:
+every stream always has its ``ctx_per_slot`` cells.  Tokens shorter than ``min_reuse`` are not worth a
+reuse (a chat template's first few tokens are common to every request).
+
+:class:`PrefixBook` makes every decision and keeps the books; the handler does the llama.cpp calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _longest(candidates: Mapping[int, np.ndarray], prompt: np.ndarray, limit: int) -> tuple[int | None, int]:
+    """The candidate sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that length."""
+    best, best_len = None, 0
+    for key, tokens in candidates.items():
+        n = min(common_prefix(tokens, prompt), limit)
+        if n > best_len:
+            best, best_len = key, n
+    return best, best_len
+
+
+@dataclass(eq=False, slots=True)
+class Saved:
+    """A finished sequence's KV saved in host memory: the tokens at positions 0..n-1 and llama.cpp's
+    state blob for them (opaque here)."""
+
+    tokens: np.ndarray
+    blob: Any
+    nbytes: int
+    used: int = 0  # LRU clock value of the last time it was saved or reused
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new request runs: ``stream`` (a llama.cpp sequence id) and the ``reuse`` first prompt tokens
+    whose KV is already there -- after ``restore`` (a host copy) or the KV of running stream ``source`` is
+    copied into the stream, when one is set."""
+
+    stream: int
+    reuse: int
+    restore: Saved | None = None
+    source: int | None = None
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0  # requests that reused cached tokens (in place or restored)
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens not computed thanks to the cache
+    in_place: int = 0  # hits served from a stream's own cells
+    restored: int = 0  # hits served by a copy from host memory
+    shared: int = 0  # hits served by a copy from a running stream (requests arriving together)
+    saved: int = 0  # sequences saved into host memory
+    evicted: int = 0  # saved sequences dropped to stay within the capacity (least recently used first)
+    superseded: int = 0  # saved sequences dropped because a longer one starting with them was saved
+
+
+@dataclass(slots=True)
+class _Stream:
+    tokens: np.ndarray | None = None  # what its KV holds (positions 0..n-1); None: nothing
+    running: bool = False
+    used: int = 0
+
+
+@dataclass(slots=True)
+class PrefixBook:
+    """Streams (what each holds, which run) and the host-memory copies of finished sequences."""
+
+    streams: int
+    capacity: int  # bytes of host memory for saved sequences (0: no host copies)
+    min_reuse: int = 16
+    stats: CacheStats = field(default_factory=CacheStats)
+    _streams: list[_Stream] = field(init=False)
+    _saved: list[Saved] = field(init=False, default_factory=list)
+    _clock: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.streams < 1 or self.capacity < 0 or self.min_reuse < 1:
+            raise ValueError(
+                f"prefix book: need streams >= 1, capacity >= 0, min_reuse >= 1; "
+                f"got {self.streams}, {self.capacity}, {self.min_reuse}"
+            )
+        self._streams = [_Stream() for _ in range(self.streams)]
+
+    # -- requests ---------------------------------------------------------------------------------
+    def place(
+        self, prompt: np.ndarray, reuse: bool = True, computed: Mapping[int, np.ndarray] | None = None
+    ) -> Placement:
+        """A stream for a new request and how much of ``prompt`` it reuses (never all of it: the last
+        prompt token is always decoded, its logits give the first output token; nothing when ``reuse`` is
+        false).  Marks it running.
+
+        ``computed``: running streams and the tokens whose KV they hold so far -- a request that arrived
+        together with others sharing its prefix (a system prompt) copies the prefix from the one that
+        computed it first.  Sources by preference at equal length: a free stream's own cells (no copy), a
+        host copy, a running stream (two copies)."""
+        free = [i for i, s in enumerate(self._streams) if not s.running]
+        if not free:
+            raise RuntimeError(f"prefix book: all {self.streams} streams are running")
+        self._clock += 1
+        if not reuse:
+            return self._run(Placement(self._spare(free), 0))
+        limit = len(prompt) - 1
+        held = {i: self._streams[i].tokens for i in free}
+        here, here_len = _longest({i: t for i, t in held.items() if t is not None}, prompt, limit)
+        saved, saved_len = self._best_saved(prompt, limit)
+        running, running_len = _longest(computed or {}, prompt, limit)
+        if max(here_len, saved_len, running_len) < self.min_reuse:
+            placement = Placement(self._spare(free), 0)
+        elif here is not None and here_len >= max(saved_len, running_len):
+            placement = Placement(here, here_len)
+            self.stats.in_place += 1
+        elif saved is not None and saved_len >= running_len:
+            placement = Placement(self._spare(free), saved_len, saved)
+            saved.used = self._clock
+            self.stats.restored += 1
+        else:
+            assert running is not None
+            placement = Placement(self._spare(free), running_len, source=running)
+            self.stats.shared += 1
+        if placement.reuse:
+            self.stats.hits += 1
+            self.stats.cached_tokens += placement.reuse
+        else:
+            self.stats.misses += 1
+        return self._run(placement)
+
+    def finished(self, stream: int, tokens: np.ndarray | None) -> None:
+        """``stream`` is free again; its KV holds ``tokens`` (positions 0..n-1), or nothing (None)."""
+        s = self._streams[stream]
+        if not s.running:
+            raise ValueError(f"prefix book: stream {stream} is not running")
+        s.running = False
+        s.tokens = tokens if tokens is not None and len(tokens) else None
+
+    def holding(self) -> list[np.ndarray | None]:
+        """What each idle stream holds (None: nothing, or a running request): the prefixes the model side
+        could serve without computing them."""
+        return [None if s.running else s.tokens for s in self._streams]
+
+    # -- host copies ------------------------------------------------------------------------------
+    def wants(self, tokens: np.ndarray, nbytes: int) -> bool:
+        """Whether a finished sequence of ``tokens`` (``nbytes`` of state) is worth saving: not when a saved
+        one already starts with all of it (that one is refreshed instead), nor when it alone exceeds the
+        capacity or is too short to be reused."""
+        if len(tokens) < self.min_reuse or nbytes > self.capacity:
+            return False
+        for saved in self._saved:
+            if len(saved.tokens) >= len(tokens) and common_prefix(saved.tokens, tokens) == len(tokens):
+                self._clock += 1
+                saved.used = self._clock
+                return False
+        return True
+
+    def save(self, tokens: np.ndarray, blob: Any, nbytes: int) -> list[Saved]:
+        """Keep a copy (after :meth:`wants` said yes); returns the copies dropped for it: those it
+        supersedes (they are prefixes of it), then the least recently used until it fits."""
+        self._clock += 1
+        new = Saved(tokens, blob, nbytes, self._clock)
+        dropped = [s for s in self._saved if common_prefix(s.tokens, tokens) == len(s.tokens)]
+        self.stats.superseded += len(dropped)
+        kept = [s for s in self._saved if s not in dropped]
+        kept.sort(key=lambda s: s.used)
+        total = sum(s.nbytes for s in kept) + nbytes
+        while kept and total > self.capacity:
+            old = kept.pop(0)
+            total -= old.nbytes
+            dropped.append(old)
+            self.stats.evicted += 1
+        self._saved = [*kept, new]
+        self.stats.saved += 1
+        return dropped
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.nbytes for s in self._saved)
+
+    @property
+    def saved(self) -> Sequence[Saved]:
+        return tuple(self._saved)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _run(self, placement: Placement) -> Placement:
+        stream = self._streams[placement.stream]
+        stream.running = True
+        stream.used = self._clock
+        stream.tokens = None  # until it finishes, the stream's content is the running request's
+        return placement
+
+    def _best_saved(self, prompt: np.ndarray, limit: int) -> tuple[Saved | None, int]:
+        index, n = _longest(dict(enumerate(s.tokens for s in self._saved)), prompt, limit)
+        return (None, 0) if index is None else (self._saved[index], n)
+
+    def _spare(self, free: list[int]) -> int:
+        """The free stream to overwrite: one that keeps the running streams in the fewest contiguous runs
+        (llama.cpp cuts a step into one micro-batch per run of consecutive sequence ids), then an empty one,
+        then the least recently used (its content is also in host memory when it was worth saving)."""
+        running = {i for i, s in enumerate(self._streams) if s.running}
+
+        def runs_with(i: int) -> int:
+            ids = sorted(running | {i})
+            return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
+
+        return min(free, key=lambda i: (runs_with(i), self._streams[i].tokens is not None, self._streams[i].used, i))

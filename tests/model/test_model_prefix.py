@@ -1,0 +1,219 @@
+"""The prefix book as a pure object: stream choice, reuse lengths, host copies, LRU eviction -- no model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepath.model.prefix import PrefixBook, common_prefix
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def seq(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+SYSTEM = seq(1000, 40)  # a shared "system prompt"
+
+
+def chat(user: int, n: int = 10) -> np.ndarray:
+    return np.concatenate([SYSTEM, seq(user, n)])
+
+
+def test_common_prefix() -> None:
+    assert common_prefix(ids(1, 2, 3), ids(1, 2, 4)) == 2
+    assert common_prefix(ids(1, 2), ids(1, 2, 3)) == 2
+    assert common_prefix(ids(), ids(1)) == 0
+    assert common_prefix(ids(5), ids(6)) == 0
+
+
+def test_a_free_stream_holding_the_prefix_is_reused_in_place() -> None:
+    book = PrefixBook(streams=4, capacity=0, min_reuse=4)
+    first = book.place(chat(1))
+    book.finished(first.stream, chat(1))
+    again = book.place(chat(2))
+    assert (again.stream, again.reuse, again.restore) == (first.stream, 40, None)
+    assert book.stats.hits == 1 and book.stats.misses == 1 and book.stats.cached_tokens == 40
+
+
+def test_the_last_prompt_token_is_never_reused() -> None:
+    book = PrefixBook(streams=2, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1)).stream, chat(1))
+    same = book.place(chat(1))
+    assert same.reuse == len(chat(1)) - 1
+
+
+def test_the_longest_prefix_among_free_streams_wins() -> None:
+    book = PrefixBook(streams=3, capacity=0, min_reuse=4)
+    a, b = book.place(chat(1)), book.place(chat(2))
+    book.finished(a.stream, chat(1))
+    longer = np.concatenate([chat(2), seq(7, 5)])
+    book.finished(b.stream, longer)
+    turn = np.concatenate([longer, seq(9, 3)])  # the next turn of conversation b
+    placed = book.place(turn)
+    assert (placed.stream, placed.reuse) == (b.stream, len(longer))
+
+
+def test_a_running_stream_is_never_chosen_and_all_running_is_an_error() -> None:
+    book = PrefixBook(streams=2, capacity=0)
+    first = book.place(chat(1))
+    second = book.place(chat(1))
+    assert second.stream != first.stream
+    with pytest.raises(RuntimeError, match="all 2 streams are running"):
+        book.place(chat(1))
+
+
+def test_short_matches_are_not_reused() -> None:
+    book = PrefixBook(streams=2, capacity=0, min_reuse=41)
+    book.finished(book.place(chat(1)).stream, chat(1))
+    assert book.place(chat(2)).reuse == 0  # 40 shared tokens < 41
+    assert book.stats.misses == 2
+
+
+def test_reuse_can_be_turned_off_per_request() -> None:
+    book = PrefixBook(streams=2, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1)).stream, chat(1))
+    placed = book.place(chat(1), reuse=False)
+    assert placed.reuse == 0 and placed.restore is None
+
+
+def test_a_spare_stream_keeps_running_streams_contiguous_then_prefers_empty_then_lru() -> None:
+    book = PrefixBook(streams=6, capacity=0, min_reuse=4)
+    streams = [book.place(chat(i)).stream for i in range(6)]
+    assert streams == [0, 1, 2, 3, 4, 5]
+    for s in (1, 3, 4):
+        book.finished(s, chat(100 + s))
+    # running {0, 2, 5}: 3 joins 2 (one gap left), as does 4 (joins 5); 1 closes the gap 0..2.
+    placed = book.place(seq(5000, 50))
+    assert placed.stream == 1 and placed.reuse == 0
+
+
+def test_a_spare_stream_prefers_an_empty_one() -> None:
+    book = PrefixBook(streams=3, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1)).stream, chat(1))  # stream 0 now holds chat 1
+    placed = book.place(seq(5000, 50))
+    assert placed.stream == 1
+
+
+def test_cancelled_or_failed_streams_hold_nothing() -> None:
+    book = PrefixBook(streams=1, capacity=0, min_reuse=4)
+    first = book.place(chat(1))
+    book.finished(first.stream, None)
+    assert book.holding() == [None]
+    assert book.place(chat(1)).reuse == 0
+
+
+def test_finished_twice_is_refused() -> None:
+    book = PrefixBook(streams=1, capacity=0)
+    book.finished(book.place(chat(1)).stream, chat(1))
+    with pytest.raises(ValueError, match="stream 0 is not running"):
+        book.finished(0, chat(1))
+
+
+def test_holding_shows_idle_streams_only() -> None:
+    book = PrefixBook(streams=2, capacity=0)
+    a = book.place(chat(1))
+    b = book.place(chat(2))
+    book.finished(a.stream, chat(1))
+    held = book.holding()
+    assert held[b.stream] is None and np.array_equal(held[a.stream], chat(1))
+
+
+# -- host copies ------------------------------------------------------------------------------------
+
+
+def test_a_saved_copy_is_restored_when_no_free_stream_holds_the_prefix() -> None:
+    book = PrefixBook(streams=2, capacity=1000, min_reuse=4)
+    a = book.place(chat(1))
+    assert book.wants(chat(1), 100)
+    book.save(chat(1), "blob-1", 100)
+    book.finished(a.stream, None)  # the stream itself lost it (say, reused for something else)
+    placed = book.place(chat(2))
+    assert placed.restore is not None and placed.restore.blob == "blob-1"
+    assert placed.reuse == 40
+    assert book.stats.restored == 1 and book.stats.in_place == 0
+
+
+def test_in_place_beats_an_equal_saved_copy() -> None:
+    book = PrefixBook(streams=2, capacity=1000, min_reuse=4)
+    a = book.place(chat(1))
+    book.save(chat(1), "blob", 100)
+    book.finished(a.stream, chat(1))
+    placed = book.place(chat(2))
+    assert placed.restore is None and placed.stream == a.stream
+
+
+def test_a_longer_saved_copy_beats_a_stream() -> None:
+    book = PrefixBook(streams=2, capacity=1000, min_reuse=4)
+    a = book.place(chat(1))
+    book.finished(a.stream, SYSTEM[:20].copy())
+    book.save(chat(1), "blob", 100)
+    placed = book.place(chat(1, 12))
+    assert placed.restore is not None and placed.reuse == len(chat(1))
+
+
+def test_copies_already_covered_are_not_saved_again() -> None:
+    book = PrefixBook(streams=1, capacity=1000, min_reuse=4)
+    book.save(chat(1), "whole", 100)
+    assert not book.wants(chat(1), 100)  # identical
+    assert not book.wants(chat(1)[:45], 90)  # a prefix of a saved one
+    assert book.wants(np.concatenate([chat(1), seq(1, 4)]), 110)  # longer: worth it
+
+
+def test_a_longer_copy_supersedes_its_prefixes() -> None:
+    """A conversation's next turn replaces the copy of the turn before: one copy per conversation."""
+    book = PrefixBook(streams=1, capacity=1000, min_reuse=4)
+    book.save(chat(1), "turn-1", 100)
+    book.save(chat(2), "other", 100)
+    dropped = book.save(np.concatenate([chat(1), seq(7, 8)]), "turn-2", 120)
+    assert [d.blob for d in dropped] == ["turn-1"]
+    assert sorted(s.blob for s in book.saved) == ["other", "turn-2"]
+    assert book.stats.superseded == 1 and book.stats.evicted == 0
+
+
+def test_least_recently_used_copies_are_evicted_to_stay_within_capacity() -> None:
+    book = PrefixBook(streams=2, capacity=300, min_reuse=4)
+    for user in (1, 2, 3):
+        book.save(chat(user), f"c{user}", 100)
+    book.finished(book.place(chat(1, 12)).stream, None)  # restores c1: now the most recently used
+    dropped = book.save(chat(4), "c4", 100)
+    assert [d.blob for d in dropped] == ["c2"]
+    assert book.saved_bytes == 300 <= book.capacity
+    dropped = book.save(chat(5), "c5", 250)
+    assert [d.blob for d in dropped] == ["c3", "c1", "c4"]
+    assert [s.blob for s in book.saved] == ["c5"] and book.stats.evicted == 4
+
+
+def test_copies_larger_than_the_capacity_or_too_short_are_not_wanted() -> None:
+    book = PrefixBook(streams=1, capacity=100, min_reuse=8)
+    assert not book.wants(chat(1), 101)
+    assert not book.wants(seq(1, 7), 10)
+    assert PrefixBook(streams=1, capacity=0).wants(chat(1), 1) is False
+
+
+def test_bad_book_is_refused() -> None:
+    with pytest.raises(ValueError, match="streams >= 1"):
+        PrefixBook(streams=0, capacity=0)
+
+
+def test_a_running_streams_computed_prefix_is_copied_when_nothing_else_holds_it() -> None:
+    book = PrefixBook(streams=3, capacity=1000, min_reuse=4)
+    a = book.place(chat(1))
+    placed = book.place(chat(2), computed={a.stream: chat(1)[:30]})  # a has computed 30 of its tokens so far
+    assert (placed.reuse, placed.source, placed.restore) == (30, a.stream, None) and placed.stream != a.stream
+    assert book.stats.shared == 1 and book.stats.hits == 1
+
+
+def test_sources_at_equal_length_prefer_no_copy_then_one_copy() -> None:
+    book = PrefixBook(streams=3, capacity=1000, min_reuse=4)
+    a, b = book.place(chat(1)), book.place(chat(2))
+    book.save(chat(1), "saved", 100)
+    book.finished(a.stream, chat(1))
+    in_place = book.place(chat(3), computed={b.stream: chat(2)})
+    assert (in_place.stream, in_place.restore, in_place.source) == (a.stream, None, None)
+    restored = book.place(chat(4), computed={b.stream: chat(2)})
+    assert restored.restore is not None and restored.source is None
+    assert (book.stats.in_place, book.stats.restored, book.stats.shared) == (1, 1, 0)

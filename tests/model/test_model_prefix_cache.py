@@ -1,0 +1,302 @@
+"""Prefix reuse on the real SmolLM2 GGUF: hits in place and from host memory, partial hits, eviction, running
+sequences never short of cells, cancel during prefill, and exactness (greedy answers with and without a hit
+are the same, token for token)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
+
+from edgepath.dma.handlers import Emit, HandlerConfig, SlotRequest
+from edgepath.dma.wire import Sampling
+from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.model.gguf import default_model_path
+from edgepath.model.llama import LlamaHandler
+from edgepath.model.prefix import common_prefix
+from edgepath.native.abi import Status
+
+SLOTS = 2
+IN_CAP = 512
+OUT_CAP = 24
+BASE = {"threads": "1", "ctx_per_slot": "512"}
+SYSTEM = (
+    "You are the help desk of a small railway. You answer questions about routes, tickets, luggage, pets "
+    "and refunds, politely and briefly. When you are not sure, say so and point to the ticket office."
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> GGUFTokenizer:
+    return GGUFTokenizer(default_model_path())
+
+
+def chat(tok: GGUFTokenizer, *turns: str, system: str = SYSTEM) -> np.ndarray:
+    """user, assistant, user, ... after the system prompt, as the edge renders and tokenizes a chat."""
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    frame = np.zeros(IN_CAP, dtype=np.int32)
+    return frame[: tok.encode_chat_into(messages, frame)].copy()
+
+
+class Slots:
+    """Slot memory (int32 input and output areas per slot) and the loop the slot server runs."""
+
+    def __init__(self, handler: LlamaHandler) -> None:
+        self.handler = handler
+        self.inputs = np.zeros((handler.slots, IN_CAP), dtype=np.int32)
+        self.outputs = np.zeros((handler.slots, OUT_CAP), dtype=np.int32)
+
+    def add(self, slot: int, prompt: np.ndarray, max_new: int = OUT_CAP) -> list[Emit]:
+        self.inputs[slot, : len(prompt)] = prompt
+        request = SlotRequest(
+            slot, slot, max_new, 0, self.inputs[slot, : len(prompt)], self.outputs[slot, :max_new], Sampling()
+        )
+        return self.handler.add(request, 0.0)
+
+    def drive(self, max_steps: int = 600) -> dict[int, Emit]:
+        final: dict[int, Emit] = {}
+        for _ in range(max_steps):
+            if self.handler.wake_in(0.0) is None:
+                return final
+            for emit in self.handler.step(0.0):
+                if emit.status is not None:
+                    final[emit.slot] = emit
+        raise AssertionError(f"still running after {max_steps} steps")
+
+    def ask(self, slot: int, prompt: np.ndarray, max_new: int = OUT_CAP) -> tuple[list[int], Emit]:
+        assert self.add(slot, prompt, max_new) == []
+        final = self.drive()[slot]
+        return self.outputs[slot, : final.count].tolist(), final
+
+
+def handler_with(**options: str) -> LlamaHandler:
+    return LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, {**BASE, **options}))
+
+
+@pytest.fixture(scope="module")
+def reference(tok: GGUFTokenizer):
+    """Greedy answers computed from scratch (prefix reuse off), by prompt."""
+    handler = handler_with(prefix_cache="off")
+    slots = Slots(handler)
+    answers: dict[bytes, list[int]] = {}
+
+    def answer(prompt: np.ndarray) -> list[int]:
+        key = prompt.tobytes()
+        if key not in answers:
+            answers[key] = slots.ask(0, prompt)[0]
+        return answers[key]
+
+    yield answer
+    handler.close()
+
+
+@pytest.fixture
+def cached():
+    handler = handler_with()
+    yield Slots(handler)
+    handler.close()
+
+
+def test_a_shared_system_prompt_is_reused_and_the_answers_are_exact(tok, reference, cached: Slots) -> None:
+    first = chat(tok, "How do I get a refund?")
+    _, miss = cached.ask(0, first)
+    assert miss.cached_tokens == 0
+    for slot, question in enumerate(("Can I bring my dog?", "Is there wifi on board?", "Where can I eat?")):
+        prompt = chat(tok, question)
+        answer, hit = cached.ask(slot % SLOTS, prompt)
+        shared = common_prefix(prompt, first)
+        assert hit.cached_tokens == shared > len(tok.encode(SYSTEM))  # a partial hit: up to where they differ
+        assert answer == reference(prompt)
+    stats = cached.handler.book.stats
+    assert (stats.hits, stats.misses) == (3, 1)
+    assert cached.handler.stats.prompt_tokens < sum(len(chat(tok, q)) for q in ("a", "b", "c", "d"))
+
+
+def test_the_same_prompt_again_reuses_all_but_its_last_token(tok, reference, cached: Slots) -> None:
+    prompt = chat(tok, "What is the luggage limit?")
+    cached.ask(0, prompt)
+    answer, hit = cached.ask(1, prompt)  # another slot: the request finds the sequence that holds it
+    assert hit.cached_tokens == len(prompt) - 1
+    assert answer == reference(prompt)
+
+
+def test_a_conversation_continues_from_its_last_turn(tok, reference, cached: Slots) -> None:
+    turn1 = chat(tok, "Can I change my ticket?")
+    ids, _ = cached.ask(0, turn1)
+    reply = tok.decode(np.array(ids, dtype=np.int32))
+    turn2 = chat(tok, "Can I change my ticket?", reply, "And how much does it cost?")
+    answer, hit = cached.ask(1, turn2)
+    assert hit.cached_tokens >= len(turn1)  # the whole first turn, and the answer as far as it tokenizes alike
+    assert answer == reference(turn2)
+
+
+def test_a_saved_copy_is_restored_after_its_sequence_was_reused(tok, reference, cached: Slots) -> None:
+    prompt = chat(tok, "Do children travel free?")
+    cached.ask(0, prompt)
+    # Both sequences now serve unrelated requests (a different system prompt): the prefix survives only in
+    # host memory.
+    for slot in range(SLOTS):
+        cached.add(slot, chat(tok, f"Count to {slot + 2}.", system="You are terse."), 4)
+    cached.drive()
+    assert all(held is None or common_prefix(held, prompt) < 16 for held in cached.handler.book.holding())
+    follow_up = chat(tok, "Do children travel free on weekends?")
+    answer, hit = cached.ask(1, follow_up)
+    assert hit.cached_tokens == common_prefix(follow_up, prompt)
+    assert cached.handler.book.stats.restored == 1
+    assert answer == reference(follow_up)
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(tok, reference) -> None:
+    """The second request waits while the first computes the system prompt, then copies it from the first's
+    (running) sequence and computes only its own question."""
+    handler = handler_with()
+    slots = Slots(handler)
+    try:
+        prompts = [chat(tok, "Can I bring my bicycle?"), chat(tok, "Can I bring my cat?")]
+        for slot, prompt in enumerate(prompts):
+            assert slots.add(slot, prompt) == []
+        final = slots.drive()
+        shared = common_prefix(*prompts)
+        assert (final[0].cached_tokens, final[1].cached_tokens) == (0, shared)
+        assert handler.book.stats.shared == 1
+        assert handler.stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - shared
+        for slot, prompt in enumerate(prompts):
+            assert slots.outputs[slot, : final[slot].count].tolist() == reference(prompt)
+    finally:
+        handler.close()
+
+
+def test_least_recently_used_copies_are_evicted_within_the_capacity(tok) -> None:
+    handler = handler_with(cache_mb="2")  # room for two of these ~40-token sequences (23 KB of KV per token)
+    slots = Slots(handler)
+    try:
+        prompts = [chat(tok, "Hello!", system=f"You are assistant number {i} of {'x' * (20 + i)}") for i in range(4)]
+        for i, prompt in enumerate(prompts):  # four conversations with nothing in common beyond the template
+            slots.ask(i % SLOTS, prompt, 8)
+        book = handler.book
+        assert book.stats.saved == 4 and book.stats.evicted == 4 - len(book.saved) >= 1
+        assert 0 < book.saved_bytes <= book.capacity
+        kept = [int(common_prefix(s.tokens, p) == len(p)) for p in prompts for s in book.saved]
+        assert sum(kept[-len(book.saved) :]) == 1  # the last conversation is kept ...
+        assert sum(kept[: len(book.saved)]) == 0  # ... the first, least recently used, is gone
+    finally:
+        handler.close()
+
+
+def test_running_sequences_always_find_their_cells(tok) -> None:
+    """Host copies live outside the KV cache: with the cache full, every slot still runs to its whole
+    ctx_per_slot, at the same time."""
+    ctx = 64
+    handler = LlamaHandler.from_config(
+        HandlerConfig(SLOTS, IN_CAP, 128, {"threads": "1", "ctx_per_slot": str(ctx), "cache_mb": "2"})
+    )
+    slots = Slots(handler)
+    slots.outputs = np.zeros((SLOTS, 128), dtype=np.int32)
+    try:
+        for i in range(3):
+            slots.ask(0, chat(tok, "Hi", system=f"Assistant {i}: {'be brief. ' * 3}")[:40], 12)
+        assert handler.book.saved_bytes > 0
+        prompts = [chat(tok, "Tell me a long story.", system=f"Teller {i}.") for i in range(SLOTS)]
+        for slot, prompt in enumerate(prompts):
+            assert slots.add(slot, prompt, 128) == []
+        final = slots.drive()
+        for slot, prompt in enumerate(prompts):
+            # Sampling stops at the sequence's end unless the model ends the story first.
+            assert final[slot].status in (Status.LENGTH, Status.STOP)
+            if final[slot].status == Status.LENGTH:
+                assert final[slot].count == ctx - len(prompt) + 1
+    finally:
+        handler.close()
+
+
+def test_cancel_during_prefill_releases_the_sequence(tok) -> None:
+    handler = handler_with(batch="24")  # a long prompt needs several steps
+    slots = Slots(handler)
+    try:
+        prompt = chat(tok, "Tell me everything about night trains.")
+        assert len(prompt) > 48
+        slots.add(0, prompt)
+        handler.step(0.0)
+        stream = handler.stream_of(0)
+        assert 0 < handler.kv_positions(stream) < len(prompt)
+        assert handler.cancel(0) is True
+        assert handler.kv_positions(stream) == 0 and handler.running == 0
+        assert handler.book.holding()[stream] is None and handler.book.saved_bytes == 0
+        _, again = slots.ask(1, prompt, 2)
+        assert again.cached_tokens == 0  # nothing of the cancelled prefill was kept
+    finally:
+        handler.close()
+
+
+def test_prefix_cache_off_reuses_nothing(tok) -> None:
+    handler = handler_with(prefix_cache="off")
+    slots = Slots(handler)
+    try:
+        prompt = chat(tok, "Hello!")
+        slots.ask(0, prompt, 4)
+        _, again = slots.ask(0, prompt, 4)
+        assert again.cached_tokens == 0
+        assert all(handler.kv_positions(s) == 0 for s in range(SLOTS))
+    finally:
+        handler.close()
+
+
+def test_one_shared_kv_stream_works_too(tok) -> None:
+    """``kv_unified=on`` (measured slower: docs/MODEL.md) still serves and reuses prefixes."""
+    handler = handler_with(kv_unified="on")
+    slots = Slots(handler)
+    try:
+        first = chat(tok, "What is the capital of France?")
+        ids, miss = slots.ask(0, first, 12)
+        assert "Paris" in tok.decode(np.array(ids, dtype=np.int32)) and miss.cached_tokens == 0
+        _, hit = slots.ask(1, chat(tok, "What is the capital of Italy?"))
+        assert hit.cached_tokens == common_prefix(first, chat(tok, "What is the capital of Italy?"))
+    finally:
+        handler.close()
+
+
+def test_without_flash_attention_a_prompt_split_over_steps_gives_bit_identical_logits(tok) -> None:
+    """Why reuse is exact: llama.cpp's CPU results for a token do not depend on how the prompt before it was
+    cut into steps (with flash attention they do: its kernel path depends on the rows in a micro-batch)."""
+    import ctypes
+
+    from edgepath.model.gguf import llama_cpp, load_model
+    from edgepath.model.llama import LlamaOptions, context_params
+
+    lib = llama_cpp()
+    options = LlamaOptions.parse({**BASE, "flash_attn": "off"}, IN_CAP)
+    model = load_model(options.model, vocab_only=False)
+    ctx = lib.llama_init_from_model(model, context_params(lib, 1, options, IN_CAP))
+    prompt = chat(tok, "Which platform does the night train leave from?")
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+    def logits(cuts: list[int]) -> np.ndarray:
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        start = 0
+        for end in [*cuts, len(prompt)]:
+            batch = lib.llama_batch_init(end - start, 0, 1)
+            for i in range(end - start):
+                batch.token[i] = int(prompt[start + i])
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = int(start + i == len(prompt) - 1)
+            batch.n_tokens = end - start
+            try:
+                assert lib.llama_decode(ctx, batch) == 0
+            finally:
+                lib.llama_batch_free(batch)
+            start = end
+        row = lib.llama_get_logits_ith(ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,)).copy()
+
+    try:
+        whole = logits([])
+        n = len(prompt)
+        for cuts in ([n - 1], [n // 2], [7, n // 3, n - 5], list(range(8, n, 8))):
+            assert np.array_equal(logits(cuts), whole), cuts
+    finally:
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)

@@ -1,0 +1,28 @@
+"""bench/model_steps.py's arithmetic (no model): the table it prints and the step-cost line it fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepath.bench.model_steps import Row, cost_line, table
+
+
+def rows() -> list[Row]:
+    # a machine whose steps cost 10 ms + 2 ms per token, with one slow outlier per shape (a neighbour)
+    return [
+        Row(shape, size, tokens, {"1 thread": [10 + 2 * tokens, 10 + 2 * tokens + 50]})
+        for shape, size, tokens in (("prefill", 1, 1), ("prefill", 64, 64), ("decode", 8, 8), ("mixed", 16, 23))
+    ]
+
+
+def test_the_cost_line_is_fitted_to_the_fastest_steps() -> None:
+    overhead, per_token = cost_line(rows(), "1 thread")
+    assert overhead == pytest.approx(10.0) and per_token == pytest.approx(2.0)
+
+
+def test_the_table_shows_fastest_median_and_rate() -> None:
+    text = table(rows(), ["1 thread"]).splitlines()
+    assert text[0] == "| step | tokens | 1 thread: ms fastest (median) | tok/s |"
+    assert text[2] == "| prefill 1 tokens | 1 | 12.0 (37.0) | 83 |"
+    assert text[4] == "| decode 8 sequences | 8 | 26.0 (51.0) | 308 |"
+    assert text[5] == "| 16 prompt tokens + decoding | 23 | 56.0 (81.0) | 411 |"
