@@ -21,7 +21,17 @@ one observation, so an UNRESPONSIVE verdict is never early: the word really was 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT as DEFAULT_HANG_TIMEOUT  # the agents' default
+
+
+def check_hang_timeout(seconds: float) -> float:
+    """``seconds`` if it can be a hang timeout (positive), else a ValueError saying so."""
+    if not seconds > 0:
+        raise ValueError(f"hang timeout must be positive seconds, got {seconds}")
+    return seconds
 
 
 class LinkState(enum.Enum):
@@ -41,6 +51,9 @@ class Reason(enum.IntEnum):
     FAILED = 3  # DOWN: an operation on the link failed (a read, a compare-and-swap, a write)
     NOT_ATTACHED = 4  # DOWN: never attached, or attaching again failed
 
+
+_STATE_CODES = {LinkState.UP: 1, LinkState.UNRESPONSIVE: 2, LinkState.DOWN: 3}
+_STATES = {code: state for state, code in _STATE_CODES.items()}
 
 _REASONS = {
     Reason.NONE: "",
@@ -70,6 +83,21 @@ class LinkHealth:
     def up(self) -> bool:
         return self.state is LinkState.UP
 
+    def words(self) -> tuple[int, int, int, int, int]:
+        """This health as integers -- state, reason, since, heard, hang timeout (times in ns) -- for an agent
+        process's status region (:class:`~edgepath.dma.wire.AgentStatus`); the detail stays behind."""
+        times = (round(self.since * 1e9), round(self.heard * 1e9), round(self.hang_timeout * 1e9))
+        return (_STATE_CODES[self.state], int(self.reason), *times)
+
+    @classmethod
+    def from_words(cls, address: str, words: Sequence[int]) -> LinkHealth:
+        """The health of the link to ``address`` that :meth:`words` published; words never published (or
+        caught half-written) read as a link not attached yet."""
+        state = _STATES.get(words[0])
+        if state is None or words[1] not in Reason._value2member_map_:
+            return cls(address, LinkState.DOWN, Reason.NOT_ATTACHED, 0.0, 0.0, words[4] / 1e9 or 1.0)
+        return cls(address, state, Reason(words[1]), words[2] / 1e9, words[3] / 1e9, words[4] / 1e9)
+
     def describe(self, now: float) -> str:
         """One line for a person (``/health``, logs): what is wrong, or ``up``."""
         if self.reason is Reason.NO_HEARTBEAT:
@@ -84,10 +112,8 @@ class LinkTracker:
     def __init__(self, address: str, hang_timeout: float, now: float) -> None:
         """A link to the slot server at ``address``, not attached yet (DOWN); ``hang_timeout``: seconds of a
         still heartbeat that make an attached link UNRESPONSIVE."""
-        if not hang_timeout > 0:
-            raise ValueError(f"hang timeout must be positive seconds, got {hang_timeout}")
         self.address = address
-        self.hang_timeout = hang_timeout
+        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._state = LinkState.DOWN
         self._reason = Reason.NOT_ATTACHED
         self._detail = ""
@@ -141,3 +167,25 @@ class LinkTracker:
         if state is not LinkState.DOWN:
             self._detail = ""
         self._state, self._reason, self._since = state, reason, now
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether a port can serve (some slot server is UP), and if not, the status and reason to show."""
+
+    ready: bool
+    status: str  # "ok", "unresponsive" (some server is connected but frozen) or "unavailable"
+    reason: str = ""  # empty when ready
+
+
+def readiness(links: Sequence[LinkHealth], now: float) -> Readiness:
+    """The verdict over a port's links at ``now`` (the links' clock): ready when any is UP; else what is
+    wrong, naming the unresponsive servers first (they are the ones a restart will fix)."""
+    if any(link.up for link in links):
+        return Readiness(True, "ok")
+    if not links:
+        return Readiness(False, "unavailable", "no slot server is attached")
+    stuck = [link for link in links if link.state is LinkState.UNRESPONSIVE]
+    shown = stuck or links
+    reason = "; ".join(f"slot server {link.address}: {link.describe(now)}" for link in shown)
+    return Readiness(False, "unresponsive" if stuck else "unavailable", reason)

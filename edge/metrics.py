@@ -81,11 +81,13 @@ class EdgeMetrics:
         free_slots: Callable[[], float],
         delivery_stats: Callable[[], DeliveryStats],
         window: LatencyWindow | None = None,
+        supervision: Callable[[], tuple[int, int] | None] | None = None,
         slot_servers: Callable[[], Sequence[SlotServerStatus]] = tuple,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        """``slot_servers``: the port's per-server listing, read when scraped; ``clock``: the time of the
-        port's clock (seconds), to say how long each link has been in its state."""
+        """``supervision``: (restarts, hangs) of the supervised slot server, read when scraped (None: nothing
+        supervised, no such metrics); ``slot_servers``: the port's per-server listing, read when scraped;
+        ``clock``: the time of the port's clock (seconds), to say how long each link has been in its state."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -133,6 +135,9 @@ class EdgeMetrics:
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
         self.registry.register(self.free_slots)
+        self.supervision = _Supervision(supervision) if supervision is not None else None
+        if self.supervision is not None:
+            self.registry.register(self.supervision)
         self.slot_servers = _SlotServers(slot_servers, clock or (lambda: 0.0))
         self.registry.register(self.slot_servers)
         self.window = window or LatencyWindow()
@@ -180,6 +185,8 @@ class EdgeMetrics:
         MultiProcessCollector(merged, self._shared_dir)
         merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
         merged.register(self.delivery_stats)  # the port of the worker that answers the scrape
+        if self.supervision is not None:
+            merged.register(self.supervision)  # the supervising parent's counts, one for all workers
         merged.register(self.slot_servers)  # that worker's agent's links and claims
         return generate_latest(merged)
 
@@ -192,6 +199,27 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Supervision:
+    """How often ``serve`` restarted its slot server, and how many of those it killed for hanging."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.read()
+        if counts is None:
+            return
+        restarts, hangs = counts
+        yield CounterMetricFamily(
+            "edgepath_slot_server_restarts", "Restarts of the slot server serve supervises (any cause)", value=restarts
+        )
+        yield CounterMetricFamily(
+            "edgepath_slot_server_hangs",
+            "Slot servers serve killed (then restarted) because they stayed unresponsive past --hang-timeout",
+            value=hangs,
+        )
 
 
 class _SlotServers:
@@ -227,10 +255,14 @@ class _SlotServers:
                 state.add_metric([*address, each.value], float(each is health.state))
             link.add_metric(address, float(health.state is not LinkState.DOWN))
             since.add_metric(address, max(0.0, now - health.since))
-            free.add_metric(address, float(server.free_slots))
-            total.add_metric(address, float(server.total_slots))
-            claims.add_metric(address, float(server.claims))
-            back.add_metric(address, float(server.reattaches))
+            for family, value in (
+                (free, server.free_slots),
+                (total, server.total_slots),
+                (claims, server.claims),
+                (back, server.reattaches),
+            ):
+                if value is not None:  # None: not known behind this port (an agent process's own counts)
+                    family.add_metric(address, float(value))
         yield from (state, link, since, free, total, claims, back)
 
 

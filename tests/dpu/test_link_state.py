@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
+from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Readiness, Reason, readiness
 
 
 def attached(timeout: float = 3.0, beat: int = 7, now: float = 100.0) -> LinkTracker:
@@ -105,3 +105,45 @@ def test_a_loss_needs_a_reason_of_down(reason: Reason) -> None:
 def test_the_hang_timeout_must_be_positive(timeout: float) -> None:
     with pytest.raises(ValueError, match="hang timeout must be positive seconds"):
         LinkTracker("pool", timeout, 0.0)
+
+
+def health(state: LinkState, reason: Reason, address: str = "pool", heard: float = 0.0) -> LinkHealth:
+    return LinkHealth(address, state, reason, 1.0, heard, 3.0)
+
+
+def test_a_port_is_ready_when_any_link_is_up() -> None:
+    links = [health(LinkState.DOWN, Reason.DISCONNECTED), health(LinkState.UP, Reason.NONE)]
+    assert readiness(links, 9.0) == Readiness(True, "ok")
+
+
+def test_an_unresponsive_server_is_named_first_with_how_long_it_has_been_still() -> None:
+    links = [
+        health(LinkState.DOWN, Reason.DISCONNECTED, "a"),
+        health(LinkState.UNRESPONSIVE, Reason.NO_HEARTBEAT, "b", heard=2.0),
+    ]
+    assert readiness(links, 7.5) == Readiness(
+        False, "unresponsive", "slot server b: no heartbeat for 5.5 s (hang timeout 3 s)"
+    )
+
+
+def test_with_every_server_down_each_says_why() -> None:
+    links = [health(LinkState.DOWN, Reason.DISCONNECTED, "a"), health(LinkState.DOWN, Reason.NOT_ATTACHED, "b")]
+    assert readiness(links, 2.0) == Readiness(
+        False,
+        "unavailable",
+        "slot server a: the connection to the slot server ended; slot server b: not attached to the slot server",
+    )
+    assert readiness([], 0.0) == Readiness(False, "unavailable", "no slot server is attached")
+
+
+def test_a_health_goes_through_an_agent_processs_status_words_without_its_detail() -> None:
+    sent = LinkHealth("a", LinkState.UNRESPONSIVE, Reason.NO_HEARTBEAT, 12.5, 9.25, 3.0)
+    assert LinkHealth.from_words("a", sent.words()) == sent
+    failed = LinkHealth("b", LinkState.DOWN, Reason.FAILED, 1.0, 0.5, 3.0, "read: connection reset")
+    assert LinkHealth.from_words("b", failed.words()) == LinkHealth("b", LinkState.DOWN, Reason.FAILED, 1.0, 0.5, 3.0)
+
+
+@pytest.mark.parametrize("words", [(0, 0, 0, 0, 0), (9, 0, 1, 1, 10**9), (1, 99, 1, 1, 10**9)])
+def test_words_never_published_read_as_a_link_not_attached(words: tuple[int, ...]) -> None:
+    health = LinkHealth.from_words("a", words)
+    assert (health.state, health.reason) == (LinkState.DOWN, Reason.NOT_ATTACHED)

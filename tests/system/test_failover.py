@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.load import Load, get, metric, wait_for
 from helpers.procs import all_free
+from helpers.supervised import Load, get, metric, wait_for
 from helpers.tokenizers import byte_tokenizer
 
 from edgepath.children import Child, free_port

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers.load import Load, wait_for
+from helpers.supervised import Load, slot_server_of, wait_for
 
 from edgepath.children import Child, ChildError, exit_reason, free_port
 from edgepath.supervisor import RestartPolicy
@@ -70,22 +70,6 @@ def test_a_child_that_fails_to_start_reports_its_stderr(tmp_path: Path) -> None:
 
 
 # -- the promise, on a real serve process ----------------------------------------------------------
-
-
-def slot_server_of(serve: Child) -> int | None:
-    """The pid of the live ``edgepath slot-server`` child of ``serve`` (from /proc), if there is one."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == serve.pid and state != "Z" and b"slot-server" in cmdline:
-            return int(entry.name)
-    return None
 
 
 @pytest.fixture

@@ -1,9 +1,6 @@
-"""A bounded HTTP/1.1 load on an ``edgepath serve --transport tcp`` process, and bounded waiting.
-
-Each thread sends sequential ``/v1/generate`` requests (bounded in count and in time) and records the one
-answer each got -- its status (0: none at all), when it was sent and answered -- so a test can say what
-every request saw around a fault.  ``wait_for`` is the only waiting the process tests do: a condition
-polled until a bound."""
+"""A supervised ``edgepath serve`` seen from outside: its slot-server child, bounded waits, a load whose
+every request is recorded with its one answer, and its ``/health`` and ``/metrics`` (tests/system/
+test_supervision.py, test_hang.py, test_failover.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +10,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from edgepath.children import Child
+
+
+def slot_server_of(serve: Child) -> int | None:
+    """The pid of the live ``edgepath slot-server`` child of ``serve`` (from /proc), if there is one."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == serve.pid and state != "Z" and b"slot-server" in cmdline:
+            return int(entry.name)
+    return None
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
