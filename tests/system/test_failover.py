@@ -10,6 +10,8 @@ Over verbs (the soft-RoCE lane, ``--transport verbs``) the same test runs on rxe
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -150,3 +152,45 @@ def test_a_local_slot_server_alongside_a_running_one_is_started_supervised_and_l
     with Load(port, threads=4, max_requests=200, max_seconds=60) as load:
         wait_for(lambda: min(claims(port, local), claims(port, remote)) >= 5, 60, "both slot servers in use")
     assert {x.status for x in load.answers} == {200}
+
+
+def test_one_of_two_slot_servers_frozen_under_load_is_left_out_and_used_again_when_it_thaws(
+    tokenizer: str, edgepath_process: Callable[..., Child], new_address: Callable[[str], str]
+) -> None:
+    """A hang, not a death (issue 20's heartbeat seen from the failover side): the frozen slot server is listed
+    unresponsive within the hang timeout, nothing more is claimed there, the other serves everything, and
+    once thawed its slots are used again -- nobody restarts it (``serve`` restarts only a slot server it
+    started): the same link comes back up."""
+    hang = 1.0
+    a, b = new_address("slots-a"), new_address("slots-b")
+    frozen = edgepath_process("slot-server", "--listen", a, "--slots", str(SLOTS), "--handler", "echo")
+    edgepath_process("slot-server", "--listen", b, "--slots", str(SLOTS), "--handler", "echo")
+    port = free_port(socket.SOCK_STREAM)
+    edgepath_process(
+        "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", tokenizer,
+        "--slot-server", a, "--slot-server", b, "--hang-timeout", str(hang),
+    )  # fmt: skip
+    with Load(port, threads=3, max_requests=4000, max_seconds=120) as load:
+        wait_for(lambda: min(claims(port, a), claims(port, b)) >= 20, 60, "both slot servers in use")
+        stopped_at = time.monotonic()
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: listing(port)[a]["state"] == "unresponsive", 10 * hang, "the frozen one listed")
+            listed = listing(port)[a]
+            assert listed["link"] == "up" and "no heartbeat" in listed["reason"]
+            held = claims(port, a)
+            settled = time.monotonic()
+            wait_for(lambda: len(load.oks_after(settled)) >= AFTER_KILL, 60, "200s from the other slot server")
+            assert claims(port, a) == held  # nothing claimed on a frozen server
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        wait_for(lambda: listing(port)[a]["state"] == "up", 30, "the thawed slot server up again")
+        assert listing(port)[a]["reattaches"] == 0  # the same link: it never went down
+        wait_for(lambda: claims(port, a) >= held + 20, 30, "its slots to be used again")
+    answers = load.answers
+    assert {x.status for x in answers} <= {200, 504, 429}, {x.status for x in answers}
+    assert all(x.status == 200 for x in answers if x.sent > settled), "after detection everything is served"
+    slowest = max(x.seconds for x in answers if x.sent > stopped_at)
+    assert slowest < SLOWEST_S, f"an answer took {slowest:.2f} s"
+    counts = {s: sum(x.status == s for x in answers) for s in sorted({x.status for x in answers})}
+    print(f"freeze: {len(answers)} requests {counts}; slowest after the freeze {slowest:.3f} s")
