@@ -27,7 +27,9 @@ import pytest
 from helpers.procs import slot_states
 
 from edgepath.children import Child
-from edgepath.dma.transport import Access, make_transport
+from edgepath.dma.registry import make_transport
+from edgepath.dma.transport import Access
+from edgepath.dma.verbs_setup import ACK_TIMEOUT
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -35,10 +37,10 @@ from edgepath.native.abi import State, Status
 pytestmark = pytest.mark.slow
 
 SLOTS, TOKENS, FRAMES, WINDOW = 8, 64, 32, 8
-# A CLAIMED slot's lease must outlast the wire's retransmissions: rdma_cm gives these RC QPs an ACK
-# timeout of 4.096 us * 2^19 = 2.1 s and 7 retries, so one lost packet delays a request's doorbell by
-# 2.1 s, past the default 1 s lease, and the slot server then drops that doorbell as a stale writer's
-# (and nobody answers the request).  20 s covers the whole retry budget (8 x 2.1 s).
+# A CLAIMED slot's lease must outlast the wire's retransmissions, or the slot server drops a late doorbell
+# as a stale writer's (and nobody answers the request).  edgepath sets the ACK timeout to 4.096 us * 2^14 =
+# 67 ms (rdma_cm alone gives 2.1 s, past the default 1 s lease); 20 s still covers rdma_cm's whole retry
+# budget, so these tests do not depend on that setting.
 LEASE_S = 20
 _ports = iter(range(7500, 7600))
 
@@ -307,6 +309,7 @@ def test_the_transport_crosses_the_wire_between_the_two_devices(wire: Wire) -> N
         from pyverbs import enums as e
 
         attr, _ = conn.qp.query(e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY)
+        assert attr.timeout == ACK_TIMEOUT, f"ACK timeout exponent {attr.timeout}, set {ACK_TIMEOUT} at RTS"
         remote = conn.remote["pool"]
         before = {side.netdev: _tx_packets(side.netdev) for side in (wire.agent, wire.slot)}
         assert conn.compare_and_swap(remote, 0, 0, 41) == 0
