@@ -9,7 +9,6 @@ Over verbs (the soft-RoCE lane, ``--transport verbs``) the same test runs on rxe
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,36 +18,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.failover import (
+    AFTER_KILL,
+    SLOTS,
+    SLOWEST_S,
+    START_S,
+    claims,
+    kill_one_and_bring_it_back,
+    listing,
+)
 from helpers.procs import all_free
-from helpers.supervised import Load, get, metric, wait_for
+from helpers.supervised import Load, wait_for
 from helpers.tokenizers import byte_tokenizer
 
 from edgepath.children import Child, free_port
 
 pytestmark = pytest.mark.slow
-
-SLOTS = 4
-SETTLE_S = 1.0  # issue 21: from one second after the kill ...
-OK_SHARE = 0.90  # ... at least this share of requests get 200
-SLOWEST_S = 5.0  # and no request waits longer than this for its answer
-AFTER_KILL = 150  # requests sent from one second after the kill before the slot server comes back
-START_S = 120.0  # a process's start (serve loads a tokenizer and starts its own slot server): slow in the TCG VM
-
-
-def listing(port: int) -> dict[str, dict[str, Any]]:
-    """The slot servers of the edge's ``/health``, by address."""
-    _, body = get(port, "/health")
-    return {server["address"]: server for server in json.loads(body)["slot_servers"]}
-
-
-def scrape(port: int) -> str:
-    status, body = get(port, "/metrics")
-    assert status == 200
-    return body.decode()
-
-
-def claims(port: int, address: str) -> float:
-    return metric(scrape(port), "edgepath_slot_server_claims_total", slot_server=address) or 0.0
 
 
 @pytest.fixture
@@ -68,16 +53,9 @@ def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_w
 ) -> None:
     def slot_server(address: str) -> Child:
         return edgepath_process(
-            "slot-server",
-            "--listen",
-            address,
-            "--slots",
-            str(SLOTS),
-            "--handler",
-            "echo",
-            *transport_cli_args,
+            "slot-server", "--listen", address, "--slots", str(SLOTS), "--handler", "echo", *transport_cli_args,
             timeout=START_S,
-        )
+        )  # fmt: skip
 
     a, b = new_address("slots-a"), new_address("slots-b")
     first, _ = slot_server(a), slot_server(b)
@@ -86,50 +64,11 @@ def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_w
         "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", tokenizer,
         "--frames", "64", "--slot-server", a, "--slot-server", b, *transport_cli_args, timeout=START_S,
     )  # fmt: skip
-    listed = listing(port)
-    assert list(listed) == [a, b] and {s["state"] for s in listed.values()} == {"up"}
-    assert [s["total_slots"] for s in listed.values()] == [SLOTS, SLOTS]
-
-    with Load(port, threads=3, max_requests=4000, max_seconds=150) as load:
-        wait_for(lambda: min(claims(port, a), claims(port, b)) >= 20, 60, "both slot servers in use")
-        killed_at = time.monotonic()
-        first.kill()
-        assert first.wait(timeout=10) < 0
-        wait_for(lambda: listing(port)[a]["state"] == "down", 10, "the killed slot server to be listed down")
-        down = listing(port)[a]
-        assert down["link"] == "down" and down["free_slots"] == 0 and "ended" in down["reason"]
-        before_back = claims(port, a)
-        wait_for(lambda: len(load.sent_after(killed_at + SETTLE_S)) >= AFTER_KILL, 60, "requests after the kill")
-        assert claims(port, a) == before_back  # out of admission: nothing claimed there while it is away
-
-        slot_server(a)  # the same address: nobody tells the edge
-        wait_for(lambda: listing(port)[a]["state"] == "up", 30, "the slot server to be re-attached")
-        assert listing(port)[a]["reattaches"] == 1
-        wait_for(lambda: claims(port, a) >= before_back + 20, 30, "its slots to be used again")
-        ended = time.monotonic()
-
-    answers = load.answers
-    statuses = {x.status for x in answers}
-    assert statuses <= {200, 503, 429}, [x for x in answers if x.status not in (200, 503, 429)][:5]
-    assert all(x.status == 200 for x in answers if x.answered < killed_at), "every answer before the kill was 200"
-    late = [x for x in answers if x.seconds > SLOWEST_S]
-    assert not late, [(x.status, round(x.seconds, 2)) for x in late[:5]]
-    settled = [x for x in answers if killed_at + SETTLE_S < x.sent < ended]
-    ok = sum(x.status == 200 for x in settled)
-    assert ok >= OK_SHARE * len(settled), f"{ok} of {len(settled)} got 200 from {SETTLE_S} s after the kill"
-    counts = {s: sum(x.status == s for x in answers) for s in sorted(statuses)}
-    print(
-        f"failover ({transport_name}): {len(answers)} requests {counts}; from {SETTLE_S:g} s after the kill "
-        f"{ok}/{len(settled)} got 200; slowest answer {max(x.seconds for x in answers):.3f} s"
-    )
-
-    # exactly once, as the edge counted it: one answer per request sent, nothing delivered twice or unknown
-    text = scrape(port)
-    answered = sum(
-        metric(text, "edgepath_requests_total", route="/v1/generate", status=str(s)) or 0.0 for s in (200, 429, 503)
-    )
-    assert answered == len(answers)
-    assert metric(text, "edgepath_port_duplicates_total") == 0 and metric(text, "edgepath_port_unknown_total") == 0
+    assert [s["total_slots"] for s in listing(port).values()] == [SLOTS, SLOTS]
+    run = kill_one_and_bring_it_back(port, first, a, b, lambda: slot_server(a))
+    print(f"failover ({transport_name}): {run.summary()}")
+    run.check()
+    assert "ended" in run.notes["down_reason"]  # the connection's end, seen at once
     for address in (a, b):
         wait_for(lambda at=address: all_free(at, SLOTS, transport_name, transport_options), 30, "every slot FREE")
 
