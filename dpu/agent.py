@@ -273,8 +273,10 @@ class Agent:
                 link = future.result()
             except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
                 delay = old.rejoin.failed(now)
-                log.debug("slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address,
-                          old.rejoin.failures - 1, exc, delay)  # fmt: skip
+                tries = old.rejoin.failures - 1
+                log.debug(
+                    "slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address, tries, exc, delay
+                )
             else:
                 self.by_conn.pop(old.conn.conn_id, None)
                 old.conn.close()
@@ -282,8 +284,8 @@ class Agent:
                 self.links[position] = link
                 self.by_conn[link.conn.conn_id] = link
                 revived.append(link)
-                log.info("slot server %s is back (epoch %#x) after %d tries; its slots are in admission again",
-                         link.address, link.epoch, old.rejoin.failures)  # fmt: skip
+                tries = old.rejoin.failures
+                log.info("slot server %s is back (epoch %#x) after %d tries", old.address, link.epoch, tries)
         if self._attempt is None:
             for position, old in enumerate(self.links):
                 if not old.alive and old.rejoin.due(now):
