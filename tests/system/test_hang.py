@@ -55,11 +55,26 @@ def metric(port: int, name: str) -> float:
     return value
 
 
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face tokenizer.json with the load's few words: it loads at once, where the default 131k-word
+    vocabulary takes a minute to load in the soft-RoCE lane's emulated VM."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "worker": 1, "request": 2, **{str(i): 3 + i for i in range(4000)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
+
+
 @pytest.fixture
 def serve_hangable(
     edgepath_process: Callable[..., Child],
     transport_cli_args: list[str],
     new_address: Callable[[str], str],
+    word_tokenizer: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Callable[..., tuple[Child, int]]]:
@@ -84,6 +99,8 @@ def serve_hangable(
             str(REQUEST_TIMEOUT),
             "--slot-server-listen",
             new_address("slot-server"),
+            "--tokenizer",
+            word_tokenizer,
             *transport_cli_args,
             timeout=120.0,  # the soft-RoCE lane's emulated VM starts processes slowly
         )
