@@ -1,17 +1,19 @@
-"""A supervised ``edgepath serve`` seen from outside: its slot-server child, bounded waits, and a load whose
-every request is recorded with its one answer (tests/system/test_supervision.py, test_hang.py)."""
+"""A supervised ``edgepath serve`` seen from outside: starting one over HTTP/1.1, its slot-server child, its
+/health and /metrics, bounded waits, and a load whose every request is recorded with its one answer
+(tests/system/test_supervision.py, test_hang.py, tests/model/test_model_serve.py)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgepath.children import Child
+from edgepath.children import Child, free_port
 
 
 def slot_server_of(serve: Child) -> int | None:
@@ -101,3 +103,36 @@ class Load:
         self.stop.set()
         for w in self._workers:
             w.join(timeout=30)
+
+
+def start_serve_tcp(start: Callable[..., Child], *args: str, timeout: float = 30.0) -> tuple[Child, int]:
+    """``edgepath serve --transport tcp`` on a free port with 4 slots and ``args``, started with ``start`` (the
+    ``edgepath_process`` fixture); the process and its port."""
+    port = free_port(socket.SOCK_STREAM)
+    serve = start("serve", "--transport", "tcp", "--port", str(port), "--slots", "4", *args, timeout=timeout)
+    return serve, port
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    """GET ``path`` of the edge at ``port``: the status and the JSON document."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def metric(port: int, name: str) -> float:
+    """One sample of the edge's /metrics (0 when it has not been counted yet)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("GET", "/metrics")
+        body = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from helpers.hang import HANG_ON
-from helpers.supervised import Answer, Load, slot_server_of, wait_for
+from helpers.supervised import Answer, Load, get, metric, slot_server_of, start_serve_tcp, wait_for
 
-from edgepath.children import Child, free_port
+from edgepath.children import Child
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 
@@ -32,27 +31,6 @@ HANG = 1.5  # --hang-timeout of these tests: seconds (the soft-RoCE lane's emula
 HANG_VERBS = 4.0
 REQUEST_TIMEOUT = 60  # --request-timeout: far from every bound checked here
 TESTS = Path(__file__).resolve().parent.parent
-
-
-def get(port: int, path: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
-
-
-def metric(port: int, name: str) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    (value,) = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +61,8 @@ def serve_hangable(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
     def start(*handler: str, hang: float = HANG) -> tuple[Child, int]:
-        port = free_port(socket.SOCK_STREAM)
-        serve = edgepath_process(
-            "serve",
-            "--transport",
-            "tcp",
-            "--port",
-            str(port),
-            "--slots",
-            "4",
+        return start_serve_tcp(
+            edgepath_process,
             *handler,
             "--hang-timeout",
             str(hang),
@@ -104,7 +75,6 @@ def serve_hangable(
             *transport_cli_args,
             timeout=120.0,  # the soft-RoCE lane's emulated VM starts processes slowly
         )
-        return serve, port
 
     yield start
 
