@@ -157,7 +157,11 @@ class VerbsConnection(Connection):
         self.scq = CQ(transport.ctx, 16, None, None, 0)
         self._scq = cq_handle(self.scq, transport.ctx_ptr, self.scq.cqe)
         cap = QPCap(max_send_wr=16, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.scq, rcq=transport.rcq, srq=transport.srq, cap=cap)
+        # sq_sig_all=0: pyverbs signals every WR by default, which gave write_then_imm's unsignaled WRITE a
+        # completion of its own; each op waits for exactly one, so later ops returned on stale ones.
+        init = QPInitAttr(
+            qp_type=e.IBV_QPT_RC, scq=self.scq, rcq=transport.rcq, srq=transport.srq, cap=cap, sq_sig_all=0
+        )
         self.qp = QP(transport.pd, init)
         self._qp = qp_handle(self.qp, transport.ctx_ptr, self.qp.qp_num)
         self.ctl = VerbsRegion.allocate(transport.pd, "ctl", CTL_HEADER + HELLO_CAP, Access.NONE)

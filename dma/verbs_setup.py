@@ -92,12 +92,21 @@ def _conn_param(qp_num: int, private: bytes) -> Any:
     return param
 
 
+#: The RC ACK timeout exponent set at RTR -> RTS (4.096 us x 2^14 = 67 ms; it cannot change in RTS). rdma_cm
+#: picks 19 (2.1 s) here, which makes every lost packet cost 2.1 s and outlasts the slot server's 1 s lease,
+#: so a retransmitted doorbell arrives after its slot was reclaimed (docs/VERBS.md, "Two devices on a wire").
+ACK_TIMEOUT = 14
+
+
 def _modify(conn: VerbsConnection, state: int) -> None:
     from pyverbs import enums as e
 
     attr, mask = conn.cmid.init_qp_attr(state)
     if state == e.IBV_QPS_INIT:
         attr.qp_access_flags = conn.transport.qp_access
+    elif state == e.IBV_QPS_RTS:
+        attr.timeout = ACK_TIMEOUT
+        mask |= e.IBV_QP_TIMEOUT
     conn.qp.modify(attr, mask)
 
 

@@ -268,6 +268,7 @@ class LlamaHandler:
         self._batch.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = self._seq_ptrs
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._warm_up()
         self.last_token_pointer = 0  # where the last llama_decode read its token ids (tests check it)
 
     @classmethod
@@ -385,6 +386,29 @@ class LlamaHandler:
         if getattr(self, "_model", None):
             self._lib.llama_model_free(self._model)
             self._model = None
+
+    def _warm_up(self) -> None:
+        """One throw-away step before the first request, as llama-server does at start: the weights are
+        paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
+        first token.  The KV cache is emptied afterwards."""
+        lib = self._lib
+        bos, eos = int(lib.llama_vocab_bos(self._vocab)), int(lib.llama_vocab_eos(self._vocab))
+        ids = [t for t in (bos, eos) if t >= 0] or [0]
+        n = len(ids)
+        self._tokens[:n] = ids
+        self._pos[:n] = np.arange(n, dtype=np.int32)
+        self._seq[:n] = 0
+        self._logits[:n] = 0
+        self._logits[n - 1] = 1
+        self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.n_tokens = n
+        started = time.perf_counter()
+        rc = lib.llama_decode(self._ctx, self._batch)
+        lib.llama_synchronize(self._ctx)
+        lib.llama_memory_clear(self._mem, True)
+        if rc != 0:
+            raise HandlerError(f"llama: the warm-up step failed (llama_decode returned {rc})")
+        log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
 
     # -- inspection ----------------------------------------------------------------------------------
     def kv_positions(self, stream: int) -> int:
