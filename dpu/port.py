@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dpu.link_state import LinkHealth
 from edgepath.native.abi import Status
 
 
@@ -85,7 +86,17 @@ class AgentPort(Protocol):
         ...
 
     def check_links(self) -> list[int]:
-        """Frames lost with a slot server (or agent process) that went away: answer them 503."""
+        """Frames lost with a slot server (or agent process) that went away: answer them 503.  Also where
+        slot servers' heartbeats are looked at when nothing else has for a while."""
+        ...
+
+    def stalled(self) -> list[int]:
+        """Frames in flight on a slot server that became unresponsive, each reported once: answer them 504
+        and abandon them (they stay fenced until that server lets go of them or its link is lost)."""
+        ...
+
+    def links_health(self) -> list[LinkHealth]:
+        """The link to every slot server behind this port: up, unresponsive or down, why, since when."""
         ...
 
     def revive(self, timeout: float = ...) -> Sequence[object]:
@@ -94,7 +105,7 @@ class AgentPort(Protocol):
         ...
 
     def alive(self) -> bool:
-        """Whether any slot server is reachable."""
+        """Whether any slot server is connected (up, or unresponsive)."""
         ...
 
     def capacity(self) -> FrameLayout:
@@ -103,5 +114,6 @@ class AgentPort(Protocol):
         ...
 
     def free_slots(self) -> tuple[int, int]:
-        """(free slots on live slot servers, all their slots)."""
+        """(free slots on slot servers that are up, all their slots), read now (which looks at the servers'
+        heartbeats too)."""
         ...

@@ -80,7 +80,10 @@ class EdgeMetrics:
         free_slots: Callable[[], float],
         delivery_stats: Callable[[], DeliveryStats],
         window: LatencyWindow | None = None,
+        supervision: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
+        """``supervision``: (restarts, hangs) of the supervised slot server, read when scraped (None: nothing
+        supervised, no such metrics)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -128,6 +131,9 @@ class EdgeMetrics:
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
         self.registry.register(self.free_slots)
+        self.supervision = _Supervision(supervision) if supervision is not None else None
+        if self.supervision is not None:
+            self.registry.register(self.supervision)
         self.window = window or LatencyWindow()
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -173,6 +179,8 @@ class EdgeMetrics:
         MultiProcessCollector(merged, self._shared_dir)
         merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
         merged.register(self.delivery_stats)  # the port of the worker that answers the scrape
+        if self.supervision is not None:
+            merged.register(self.supervision)  # the supervising parent's counts, one for all workers
         return generate_latest(merged)
 
 
@@ -184,6 +192,27 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Supervision:
+    """How often ``serve`` restarted its slot server, and how many of those it killed for hanging."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.read()
+        if counts is None:
+            return
+        restarts, hangs = counts
+        yield CounterMetricFamily(
+            "edgepath_slot_server_restarts", "Restarts of the slot server serve supervises (any cause)", value=restarts
+        )
+        yield CounterMetricFamily(
+            "edgepath_slot_server_hangs",
+            "Slot servers serve killed (then restarted) because they stayed unresponsive past --hang-timeout",
+            value=hangs,
+        )
 
 
 class _DeliveryCollector:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,6 +88,7 @@ def build_agent(settings: AgentSettings, transport: Transport) -> Agent:
         frames=settings.frames,
         input_capacity=settings.input_capacity,
         output_capacity=settings.output_capacity,
+        hang_timeout=settings.hang_timeout,
     )
     attach_all(agent, settings.slot_servers)
     return agent
@@ -117,6 +119,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 input_capacity=spec.input_capacity,
                 output_capacity=spec.output_capacity,
                 frames_access=Access.REMOTE_WRITE,
+                hang_timeout=spec.hang_timeout,
             )
         else:
             edge_frames = edge_regions(edge_transport, spec.frames, spec.input_capacity, spec.output_capacity)
@@ -128,6 +131,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 output_capacity=spec.output_capacity,
                 frames_buffer=edge_frames[0].buf,
                 replies_buffer=edge_frames[1].buf,
+                hang_timeout=spec.hang_timeout,
             )
         attach_all(agent, spec.slot_servers)
         return AgentService(
@@ -151,9 +155,11 @@ def build_edge(
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
+    supervision: Callable[[], tuple[int, int] | None] | None = None,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys
-    (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
+    (None: no authentication), tokenizer and agent (not started: call ``start()``); ``supervision``: the
+    supervised slot server's (restarts, hangs), for /metrics."""
     import time
 
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
@@ -186,6 +192,7 @@ def build_edge(
         request_timeout=options.request_timeout,
         body_timeout=options.body_timeout,
         formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
+        supervision=supervision,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
 from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.options import (
@@ -165,6 +166,12 @@ class SlotServerSettings(SlotServerConfig):
         text=_MILLISECONDS[1],
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
+    step_budget: float = option(
+        _SLOT_SERVER["step_budget"],
+        type=positive_float,
+        help="seconds a model step may take: a longer one is logged and counted (the heartbeat agents watch "
+        "stands still meanwhile; keep it well under their --hang-timeout; default %(default)s)",
+    )
     listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
     handler: str = option(
         "echo",
@@ -187,6 +194,12 @@ class SlotServerSettings(SlotServerConfig):
         return ["slot-server", *to_argv(self)]
 
 
+_HANG_TIMEOUT_HELP = (
+    "seconds a slot server's heartbeat may stand still before it is unresponsive: no new request is claimed "
+    "there (503 at once when no other is up), the requests it holds end 504 (default %(default)s)"
+)
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     """An agent: frames edges write into, attached to slot servers over ``data_path``."""
@@ -200,6 +213,7 @@ class AgentSettings:
     frames: int = option(1024, type=positive_int, help="frames edges write requests into (default %(default)s)")
     input_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="prompt tokens per frame")
     output_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="output tokens per frame")
+    hang_timeout: float = option(DEFAULT_HANG_TIMEOUT, type=positive_float, help=_HANG_TIMEOUT_HELP)
     data_path: DataPath = field(default_factory=DataPath)
 
 
@@ -325,6 +339,12 @@ class ServeOptions:
         worker=False,
         help="the started slot server answers a request 502 when its handler runs longer (seconds; 0: none)",
     )
+    hang_timeout: float = option(
+        DEFAULT_HANG_TIMEOUT,
+        type=positive_float,
+        help=_HANG_TIMEOUT_HELP[:-1] + "; serve kills and restarts a started slot server that stays unresponsive "
+        "for as long again)",
+    )
     request_timeout: float = option(
         60.0,
         type=positive_float,
@@ -426,8 +446,11 @@ class ServeOptions:
         return ["serve", *to_argv(worker, keep=lambda flag: flag.worker)]
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
-        """The slot server ``serve`` starts, listening at ``listen``."""
-        return self._fill(SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6)
+        """The slot server ``serve`` starts, listening at ``listen``; it reports a model step longer than half
+        the hang timeout."""
+        return self._fill(
+            SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6, step_budget=self.hang_timeout / 2
+        )
 
     def _fill(self, cls: type[Filled], **given: Any) -> Filled:
         """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the

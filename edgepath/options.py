@@ -248,8 +248,15 @@ def port_number(text: str) -> int:
 
 def readable_file(text: str) -> str:
     path = Path(text)
-    if not path.is_file():
-        why = "is not a file" if path.exists() else "does not exist"
+    try:
+        is_file = path.is_file()
+        exists = is_file or path.exists()
+    except PermissionError:  # a directory on the way may not be searched: the file cannot be read either
+        raise argparse.ArgumentTypeError(
+            f"expected a readable file, got {text!r} (no permission to reach it: a directory on its path is closed)"
+        ) from None
+    if not is_file:
+        why = "is not a file" if exists else "does not exist"
         raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (it {why})")
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (no permission to read it)")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
+from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
@@ -283,6 +283,14 @@ class LlamaHandler:
         a slot yields at most ``ctx_per_slot - prompt + 1`` tokens, whatever ``max_new_tokens`` is."""
         options = LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
         return min(options.ctx_per_slot, config.input_capacity)
+
+    def beat_within_steps(self, heartbeat: Heartbeat) -> None:
+        """Advance the slot server's heartbeat from inside ``llama_decode``: llama.cpp calls its abort callback
+        between the nodes of the compute graph (ggml's CPU backend), and this one only beats -- it returns
+        false, never aborting -- so a long prompt step that makes progress is not taken for a hang."""
+        lib = self._lib
+        self._beat = lib.ggml_abort_callback(heartbeat.function)  # kept alive: llama.cpp holds the pointer only
+        lib.llama_set_abort_callback(self._ctx, self._beat, ctypes.c_void_p(heartbeat.word))
 
     # -- BatchHandler ------------------------------------------------------------------------------
     def add(self, request: SlotRequest, now: float) -> list[Emit]:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats
 from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response
 from edgepath.edge.lifecycle import (
@@ -54,8 +55,17 @@ class FakePort:
         self.submitted: list[int] = []
         self.refuse_with: Status | None = None
         self.lost: list[int] = []
-        self.up = True
+        self.stall: list[int] = []  # frames whose slot server the test has made unresponsive
+        self.state = LinkState.UP
         self.revived = 0
+
+    @property
+    def up(self) -> bool:
+        return self.state is LinkState.UP
+
+    @up.setter
+    def up(self, up: bool) -> None:
+        self.state = LinkState.UP if up else LinkState.DOWN
 
     def fileno(self) -> int:
         raise AssertionError("the lifecycle never waits on the port")
@@ -108,8 +118,16 @@ class FakePort:
         if not self.up:
             self.revived += 1
 
+    def stalled(self) -> list[int]:
+        stalled, self.stall = self.stall, []
+        return stalled
+
+    def links_health(self) -> list[LinkHealth]:
+        reason = {LinkState.UP: Reason.NONE, LinkState.UNRESPONSIVE: Reason.NO_HEARTBEAT}.get(self.state)
+        return [LinkHealth("pool", self.state, reason or Reason.DISCONNECTED, 0.0, 0.0, 3.0)]
+
     def alive(self) -> bool:
-        return self.up
+        return self.state is not LinkState.DOWN
 
     def free_slots(self) -> tuple[int, int]:
         return 3, 8
@@ -366,6 +384,50 @@ def test_frames_lost_with_the_slot_server_are_503_and_a_dead_server_is_revived(p
     (action,) = edge.tick(now=10)
     assert action.response.status == 503 and port.revived == 1
     assert port.held == set() and edge.tracked == {}
+
+
+def test_frames_on_a_slot_server_that_became_unresponsive_end_504_at_once_and_stay_fenced(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(), now=0)
+    edge.receive(2, generate(stream=True), now=0)
+    whole, streamed = port.submitted
+    edge.deliveries([port.produce(streamed, [1])], now=10)
+    port.state = LinkState.UNRESPONSIVE
+    port.stall = [whole, streamed]
+    whole_end, stream_end = edge.tick(now=4 * SECOND)  # long before the request timeout
+    assert whole_end.response.status == 504
+    assert body(whole_end)["error"] == {
+        "type": "unresponsive",
+        "message": "no result: slot server pool: no heartbeat for 4.0 s (hang timeout 3 s)",
+    }
+    assert isinstance(stream_end, EndStream)
+    assert [event for event, _ in sse(stream_end.data)] == ["error"]
+    assert port.abandoned == [whole, streamed]  # fenced by the port until the server lets go
+    assert edge.tracked == {} and edge.tick(now=2 * TIMEOUT) == []
+
+
+def test_health_names_an_unresponsive_slot_server_and_the_probes_split_live_from_ready(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    probes = {path: Request("GET", path, [], b"", 0) for path in ("/health", "/health/live", "/health/ready")}
+    answers = {path: edge.receive(i, request, now=0)[0].response for i, (path, request) in enumerate(probes.items())}
+    assert {path: (r.status, json.loads(r.body)["status"]) for path, r in answers.items()} == {
+        "/health": (200, "ok"),
+        "/health/live": (200, "ok"),
+        "/health/ready": (200, "ok"),
+    }
+    port.state = LinkState.UNRESPONSIVE
+    answers = {
+        path: edge.receive(i, request, now=5 * SECOND)[0].response for i, (path, request) in enumerate(probes.items())
+    }
+    reason = "slot server pool: no heartbeat for 5.0 s (hang timeout 3 s)"
+    assert json.loads(answers["/health"].body) == {
+        "status": "unresponsive",
+        "free_slots": 3,
+        "total_slots": 8,
+        "reason": reason,
+    }
+    assert json.loads(answers["/health/ready"].body) == {"status": "unresponsive", "reason": reason}
+    assert [answers[path].status for path in probes] == [503, 200, 503]
 
 
 @pytest.mark.parametrize(
