@@ -13,8 +13,8 @@ DEFAULT_CAPACITY = 4096
 DEFAULT_SLOTS = 64
 #: where a pool may live (``--slots KIND:N``); :mod:`edgepath.dma.memory` implements each
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
-#: seconds of a still heartbeat after which agents call a slot server unresponsive (``--hang-timeout``): far
-#: above the longest silence the llama handler leaves, which beats from inside its steps (docs/DATAPATH.md)
+#: seconds of a still heartbeat after which agents call a slot server unresponsive (``--hang-timeout``): about
+#: 30x the longest silence the llama handler left here, beating from inside its steps (docs/DATAPATH.md)
 DEFAULT_HANG_TIMEOUT = 5.0
 #: seconds a model step may take before the slot server reports it: half the default hang timeout (a handler
 #: that cannot beat from inside its steps is then halfway to being called hung)

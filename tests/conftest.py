@@ -38,7 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--wire",
         default=None,
         metavar="FILE",
-        help="the soft-RoCE lane's two-device wire (JSON by tests/softroce/wire) for tests/softroce/test_wire.py",
+        help="the soft-RoCE lane's two-device wire (JSON by tests/softroce/wire) for tests/softroce/test_rxe_wire.py",
     )
 
 

@@ -1,6 +1,6 @@
 """``edgepath serve`` in front of two slot servers, one killed under load and brought back on its address:
 the scenario and what must hold, shared by the loopback/rxe0 test (tests/system/test_failover.py) and the
-soft-RoCE lane's wire (tests/softroce/test_wire.py).
+soft-RoCE lane's wire (tests/softroce/test_rxe_wire.py).
 
 The edge is followed from outside only: a bounded HTTP load records every request's one answer, and the
 per-server listing of ``/health`` and ``/metrics`` says where each slot server stands and how many slots
@@ -8,7 +8,6 @@ the agent claimed there."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.children import Child
-from helpers.supervised import Answer, Load, get, metric, wait_for
+from helpers.supervised import Answer, Load, get, scrape, series, wait_for
 
 SLOTS = 4
 SETTLE_S = 1.0  # issue 21: from one second after the kill ...
@@ -29,18 +28,11 @@ START_S = 120.0  # a process's start (serve loads a tokenizer, a slot server its
 
 def listing(port: int) -> dict[str, dict[str, Any]]:
     """The slot servers of the edge's ``/health``, by address."""
-    _, body = get(port, "/health")
-    return {server["address"]: server for server in json.loads(body)["slot_servers"]}
-
-
-def scrape(port: int) -> str:
-    status, body = get(port, "/metrics")
-    assert status == 200
-    return body.decode()
+    return {server["address"]: server for server in get(port, "/health")[1]["slot_servers"]}
 
 
 def claims(port: int, address: str) -> float:
-    return metric(scrape(port), "edgepath_slot_server_claims_total", slot_server=address) or 0.0
+    return series(scrape(port), "edgepath_slot_server_claims_total", slot_server=address) or 0.0
 
 
 def generated(text: str) -> float:
@@ -96,8 +88,8 @@ class KillRun:
         ok = sum(x.status == 200 for x in settled)
         assert ok >= OK_SHARE * len(settled), f"{ok} of {len(settled)} got 200 from {SETTLE_S} s after the kill"
         assert self.notes["edge_counted"] == len(answers), "the edge counted another number of answers than were sent"
-        assert metric(self.metrics, "edgepath_port_duplicates_total") == 0
-        assert metric(self.metrics, "edgepath_port_unknown_total") == 0
+        assert series(self.metrics, "edgepath_port_duplicates_total") == 0
+        assert series(self.metrics, "edgepath_port_unknown_total") == 0
 
 
 def kill_one_and_bring_it_back(

@@ -1,18 +1,19 @@
-"""A supervised ``edgepath serve`` seen from outside: its slot-server child, bounded waits, a load whose
-every request is recorded with its one answer, and its ``/health`` and ``/metrics`` (tests/system/
-test_supervision.py, test_hang.py, test_failover.py)."""
+"""A supervised ``edgepath serve`` seen from outside: starting one over HTTP/1.1, its slot-server child, its
+/health and /metrics, bounded waits, and a load whose every request is recorded with its one answer
+(tests/system/test_supervision.py, test_hang.py, test_failover.py, tests/model/test_model_serve.py)."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgepath.children import Child
+from edgepath.children import Child, free_port
 
 
 def slot_server_of(serve: Child) -> int | None:
@@ -111,23 +112,51 @@ class Load:
             w.join(timeout=30)
 
 
-def get(port: int, path: str) -> tuple[int, bytes]:
-    """``GET path`` on the edge at ``port`` (HTTP/1.1): status and body."""
+def start_serve_tcp(start: Callable[..., Child], *args: str, timeout: float = 30.0) -> tuple[Child, int]:
+    """``edgepath serve --transport tcp`` on a free port with 4 slots and ``args``, started with ``start`` (the
+    ``edgepath_process`` fixture); the process and its port."""
+    port = free_port(socket.SOCK_STREAM)
+    serve = start("serve", "--transport", "tcp", "--port", str(port), "--slots", "4", *args, timeout=timeout)
+    return serve, port
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    """GET ``path`` of the edge at ``port``: the status and the JSON document."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
         conn.request("GET", path)
         response = conn.getresponse()
-        return response.status, response.read()
+        return response.status, json.loads(response.read())
     finally:
         conn.close()
 
 
-def metric(text: str, name: str, **labels: str) -> float | None:
+def scrape(port: int) -> str:
+    """The edge's ``/metrics`` exposition."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200, response.status
+        return response.read().decode()
+    finally:
+        conn.close()
+
+
+def series(text: str, name: str, **labels: str) -> float | None:
     """The value of series ``name{labels}`` in a Prometheus exposition (None when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        base, _, rest = series.partition("{")
+        name_labels, _, value = line.rpartition(" ")
+        base, _, rest = name_labels.partition("{")
         if base == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
             return float(value)
     return None
+
+
+def metric(port: int, name: str) -> float:
+    """One sample of the edge's /metrics, ``name`` with its labels as exposed (0 when not counted yet)."""
+    for line in scrape(port).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from helpers.hang import HANG_ON
-from helpers.supervised import Answer, Load, slot_server_of, wait_for
+from helpers.supervised import Answer, Load, get, metric, slot_server_of, start_serve_tcp, wait_for
 
-from edgepath.children import Child, free_port
+from edgepath.children import Child
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 
@@ -34,25 +33,18 @@ REQUEST_TIMEOUT = 60  # --request-timeout: far from every bound checked here
 TESTS = Path(__file__).resolve().parent.parent
 
 
-def get(port: int, path: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face tokenizer.json with the load's few words: it loads at once, where the default 131k-word
+    vocabulary takes a minute to load in the soft-RoCE lane's emulated VM."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-
-def metric(port: int, name: str) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    (value,) = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
-    return value
+    vocab = {"[UNK]": 0, "worker": 1, "request": 2, **{str(i): 3 + i for i in range(4000)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return str(path)
 
 
 @pytest.fixture
@@ -60,6 +52,7 @@ def serve_hangable(
     edgepath_process: Callable[..., Child],
     transport_cli_args: list[str],
     new_address: Callable[[str], str],
+    word_tokenizer: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Callable[..., tuple[Child, int]]]:
@@ -68,15 +61,8 @@ def serve_hangable(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
 
     def start(*handler: str, hang: float = HANG) -> tuple[Child, int]:
-        port = free_port(socket.SOCK_STREAM)
-        serve = edgepath_process(
-            "serve",
-            "--transport",
-            "tcp",
-            "--port",
-            str(port),
-            "--slots",
-            "4",
+        return start_serve_tcp(
+            edgepath_process,
             *handler,
             "--hang-timeout",
             str(hang),
@@ -84,10 +70,11 @@ def serve_hangable(
             str(REQUEST_TIMEOUT),
             "--slot-server-listen",
             new_address("slot-server"),
+            "--tokenizer",
+            word_tokenizer,
             *transport_cli_args,
             timeout=120.0,  # the soft-RoCE lane's emulated VM starts processes slowly
         )
-        return serve, port
 
     yield start
 

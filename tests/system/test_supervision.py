@@ -7,18 +7,18 @@ itself is tested on a real ``edgepath serve --transport tcp`` process with a rea
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers.supervised import Load, slot_server_of, wait_for
+from helpers.supervised import Load, slot_server_of, start_serve_tcp, wait_for
 
-from edgepath.children import Child, ChildError, exit_reason, free_port
+from edgepath.children import Child, ChildError, exit_reason
 from edgepath.supervisor import RestartPolicy
 
 RECOVERY_S = 5.0  # issue #11: 200s again within 5 s of the kill, no operator action
@@ -78,24 +78,11 @@ def serve_tcp(
 ) -> Iterator[Callable[..., tuple[Child, int]]]:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
+    made = itertools.count()
+
     def start(*extra: str) -> tuple[Child, int]:
-        port = free_port(socket.SOCK_STREAM)
-        listen = str(tmp_path / f"slots-{port}.sock")
-        serve = edgepath_process(
-            "serve",
-            "--transport",
-            "tcp",
-            "--port",
-            str(port),
-            "--slots",
-            "4",
-            "--handler",
-            "echo",
-            "--slot-server-listen",
-            listen,
-            *extra,
-        )
-        return serve, port
+        listen = str(tmp_path / f"slots-{next(made)}.sock")
+        return start_serve_tcp(edgepath_process, "--handler", "echo", "--slot-server-listen", listen, *extra)
 
     yield start
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from helpers import failover
 from helpers.procs import slot_states
-from helpers.supervised import Load, metric, wait_for
+from helpers.supervised import Load, scrape, series, wait_for
 from helpers.tokenizers import byte_tokenizer
 
 from edgepath.children import Child, free_port
@@ -483,7 +483,7 @@ def test_serve_across_the_wire_rides_the_slot_side_link_down_and_up(wire: Wire, 
     down_s = 3.0
     route = f"{wire.agent.addr}/32 dev {wire.slot.netdev} src {wire.slot.addr}"  # as tests/softroce/wire made it
     before = {address: failover.listing(port)[address]["reattaches"] for address in (a, b)}
-    counted = failover.generated(failover.scrape(port))
+    counted = failover.generated(scrape(port))
     with Load(port, threads=3, max_requests=4000, max_seconds=600) as load:
         wait_for(lambda: load.count >= 50, 60, "requests before the link goes down")
         down_at = time.monotonic()
@@ -502,10 +502,10 @@ def test_serve_across_the_wire_rides_the_slot_side_link_down_and_up(wire: Wire, 
         claimed = {address: failover.claims(port, address) for address in (a, b)}
         wait_for(lambda: all(failover.claims(port, x) >= claimed[x] + 5 for x in (a, b)), 60, "both claimed again")
     answers = load.answers
-    text = failover.scrape(port)
+    text = scrape(port)
     assert {x.status for x in answers} <= {200, 503, 429}, {x.status for x in answers}
     assert failover.generated(text) - counted == len(answers), "an answer missing or counted twice"
-    assert metric(text, "edgepath_port_duplicates_total") == 0
+    assert series(text, "edgepath_port_duplicates_total") == 0
     while_down = [x for x in answers if detected < x.sent and x.answered < up_at]
     assert while_down and all(x.status == 503 for x in while_down), {x.status for x in while_down}
     assert all(x.status == 200 for x in answers if x.sent > back), "not every request after the re-attach got 200"
