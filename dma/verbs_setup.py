@@ -204,6 +204,9 @@ def connect(
         cmid.establish()
         conn.peer_assigned_id = peer_id
         _learn(conn, _await_hello(conn, h_addr, h_rkey, h_cap, deadline, address))
+    except PyverbsError as exc:
+        conn.close()
+        raise TransportError(f"connecting to {address} over RDMA: {exc}") from exc
     except Exception:
         conn.close()
         raise
@@ -242,6 +245,7 @@ class VerbsListener(Listener):
         from pyverbs import cm_enums as ce
         from pyverbs import enums as e
         from pyverbs.cmid import CMID, CMEventChannel
+        from pyverbs.pyverbs_error import PyverbsError
 
         ev = _event(self.channel, self._fd, 1e9 if timeout is None else timeout)
         if ev is None:
@@ -296,6 +300,9 @@ class VerbsListener(Listener):
                 _event(channel, conn.fileno(), 2.0)
                 raise
             _publish(hello, {"exports": [r.describe() for r in self._exports], "info": info}, _ACCEPTED)
+        except PyverbsError as exc:  # e.g. the connecting side gave up and destroyed its id meanwhile
+            conn.close()
+            raise TransportError(f"accepting on {self.address}: {exc}") from exc
         except Exception:
             conn.close()
             raise

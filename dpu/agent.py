@@ -21,8 +21,10 @@ server is UP) and the frames in flight on it when that was found are reported on
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
+from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import (
     DEFAULT_HANG_TIMEOUT,
@@ -42,7 +45,7 @@ from edgepath.dpu.link_state import (
     Reason,
     check_hang_timeout,
 )
-from edgepath.dpu.port import Delivery
+from edgepath.dpu.port import Delivery, SlotServerStatus
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
@@ -51,6 +54,14 @@ _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
 #: bytes before each link's cached state words in the scratch region: ``[heartbeat .. state[0])`` of the
 #: pool header lands there, read with the state words in one READ
 _HEAD = 64
+
+#: re-attaching to a slot server that went away: first after 0.1 s, then doubling to one try every 2 s --
+#: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
+#: listening again, and one that stays away costs one connection attempt every 2 s
+REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
+#: seconds each step of a re-attach's connection set-up may take (it runs on a thread of its own): generous,
+#: since a slot server that has just started, or an emulated RDMA device, can be slow to answer
+REATTACH_TIMEOUT = 2.0
 
 
 class AgentError(RuntimeError):
@@ -92,6 +103,8 @@ class ServerLink:
     cursor: int = 0
     inflight: int = 0
     stats: ClaimStats = field(default_factory=ClaimStats)
+    rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
+    reattaches: int = 0  # times this slot server came back and was attached again
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -144,6 +157,7 @@ class Agent:
         frames_access: Access = Access.NONE,
         hang_timeout: float = DEFAULT_HANG_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
+        reattach: Backoff = REATTACH_BACKOFF,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -151,10 +165,12 @@ class Agent:
         ``frames_buffer``/``replies_buffer``: memory owned elsewhere (shared with edges) that
         ``transport`` registers in place (the verbs transport can), so the edges' token writes are
         what the NIC sends and results land where the edges read them.  ``hang_timeout``: seconds of a
-        still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own)."""
+        still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own);
+        ``reattach``: how often :meth:`revive` tries a slot server that went away."""
         self.hang_timeout = check_hang_timeout(hang_timeout)  # before anything is registered
         self.transport = transport
         self.clock = clock
+        self.reattach = reattach
         #: seconds after which :meth:`check_links` reads a link's heartbeat that nothing else has read
         self.probe_interval = min(0.1, hang_timeout / 4)
         self.layout = FrameLayout(input_capacity, output_capacity)
@@ -181,6 +197,7 @@ class Agent:
         self.delivery_stats = self.book.stats
         self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
         self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
+        self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -236,26 +253,65 @@ class Agent:
             conn.close()
             raise
 
-    def revive(self, timeout: float = 0.05) -> list[ServerLink]:
-        """Re-attach to slot servers that went away (restarted, say); the links that came back.
+    def revive(self, timeout: float = REATTACH_TIMEOUT) -> list[ServerLink]:
+        """Re-attach slot servers that went away (restarted, say); the links that came back.
 
-        A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
-        trusted, and what was in flight there was already answered by :meth:`fail_link`."""
+        Each down link is tried again with bounded exponential back-off (:data:`REATTACH_BACKOFF`), one try
+        at a time, on a thread of its own: a connection set-up (each of its steps waits up to ``timeout``
+        seconds) never holds the caller's loop, so this is cheap to call at every tick -- it starts a try
+        that is due, and swaps in the link of a try that succeeded.  A revived server is a new pool (new
+        epoch, new claimant id): nothing of the old one is trusted, and what was in flight there is answered
+        by :meth:`check_links`."""
         revived = []
-        for position, old in enumerate(self.links):
-            if old.alive:
-                continue
+        now = self.clock()
+        attempt = self._attempt
+        if attempt is not None and attempt[1].done():
+            self._attempt = None
+            position, future = attempt
+            old = self.links[position]
             try:
-                link = self._connect(old.address, position, timeout)
-            except AgentError:
-                continue
-            self.by_conn.pop(old.conn.conn_id, None)
-            old.conn.close()
-            self.links[position] = link
-            self.by_conn[link.conn.conn_id] = link
-            revived.append(link)
-            log.info("slot server %s is back (epoch %#x)", link.address, link.epoch)
+                link = future.result()
+            except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
+                delay = old.rejoin.failed(now)
+                tries = old.rejoin.failures - 1
+                log.debug(
+                    "slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address, tries, exc, delay
+                )
+            else:
+                self.by_conn.pop(old.conn.conn_id, None)
+                old.conn.close()
+                link.stats, link.reattaches = old.stats, old.reattaches + 1  # counted over every attach
+                self.links[position] = link
+                self.by_conn[link.conn.conn_id] = link
+                revived.append(link)
+                tries = old.rejoin.failures
+                log.info("slot server %s is back (epoch %#x) after %d tries", old.address, link.epoch, tries)
+        if self._attempt is None:
+            for position, old in enumerate(self.links):
+                if not old.alive and old.rejoin.due(now):
+                    self._attempt = (position, self._try_attach(old.address, position, timeout))
+                    break
         return revived
+
+    @property
+    def reattaching(self) -> bool:
+        """Whether a re-attach try is under way (its outcome is taken by the next :meth:`revive`)."""
+        return self._attempt is not None
+
+    def _try_attach(self, address: str, position: int, timeout: float) -> Future[ServerLink]:
+        """:meth:`_connect` on a thread of its own; what it made (or why not) arrives in the future.  Safe
+        beside the caller's data path: it uses a new connection, the pool-header scratch (one try at a
+        time) and the cached words of ``position``, whose old link is down and read by nobody."""
+        future: Future[ServerLink] = Future()
+
+        def attach() -> None:
+            try:
+                future.set_result(self._connect(address, position, timeout))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=attach, name=f"reattach-{position}", daemon=True).start()
+        return future
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
         pool = conn.remote.get(wire.POOL_REGION)
@@ -303,6 +359,7 @@ class Agent:
             pool,
             beat,
             LinkTracker(address, self.hang_timeout, now),
+            rejoin=Retry(self.reattach),
         )
         self._read(link)
         link.tracker.attached(int(link.beat[0]), now)
@@ -460,13 +517,17 @@ class Agent:
 
     def _link_down(self, link: ServerLink, exc: Exception) -> None:
         if link.alive:
-            log.warning("slot server %s unavailable: %s", link.address, exc)
+            log.warning("slot server %s unavailable: %s; out of admission until it is back", link.address, exc)
         self._down(link, Reason.FAILED, str(exc))
 
     def _down(self, link: ServerLink, reason: Reason, detail: str = "") -> None:
         """``link`` is gone: its state says why, and what was in flight there is lost -- abandoned frames go
-        back to the free list, the others wait in ``_lost`` for :meth:`check_links` to return them."""
-        link.tracker.lost(reason, self.clock(), detail)
+        back to the free list, the others wait in ``_lost`` for :meth:`check_links` to return them; the first
+        loss starts its re-attach schedule (:meth:`revive`)."""
+        now = self.clock()
+        if link.alive:
+            link.rejoin.failed(now)
+        link.tracker.lost(reason, now, detail)
         link.inflight = 0
         self._lost += self.book.lose(lambda flight: flight.link is link)
 
@@ -581,6 +642,20 @@ class Agent:
             if link.up:
                 free += link.free_hint
         return free, sum(link.slot_count for link in self.links)
+
+    def servers(self) -> list[SlotServerStatus]:
+        """Every slot server this agent attached, in attach order: the link's health, free slots read now
+        (one RDMA READ of the heartbeat and state words per connected server; 0 unless it is up), slots,
+        claims and re-attaches (over every attach)."""
+        out = []
+        for link in self.links:
+            if link.alive:
+                self._probe(link)
+            free = link.free_hint if link.up else 0
+            out.append(
+                SlotServerStatus(link.tracker.health(), free, link.slot_count, link.stats.claims, link.reattaches)
+            )
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {

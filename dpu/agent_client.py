@@ -20,7 +20,7 @@ from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_st
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
-from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_client")
@@ -191,6 +191,11 @@ class AgentClient:
             return 0, 0
         free, total, _ = self._status.read()
         return free, total
+
+    def servers(self) -> list[SlotServerStatus]:
+        """The agent process's slot servers as their links' health (:meth:`links_health`); their slots and
+        this agent's claims there are the agent process's to count: not published, so not listed."""
+        return [SlotServerStatus(health) for health in self.links_health()]
 
     def close(self) -> None:
         self.transport.close()

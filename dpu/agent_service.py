@@ -186,7 +186,7 @@ class AgentService:
         that stopped responding."""
         agent = self.agent
         if not all(link.alive for link in agent.links):
-            agent.revive(timeout=0.05)
+            agent.revive()
         free, total = agent.free_slots()
         self._status.publish(free, total, agent.alive(), [health.words() for health in agent.links_health()])
         for index in agent.stalled():

@@ -46,6 +46,18 @@ class DeliveryStats:
     late: int = 0  # completions for abandoned frames, discarded
 
 
+@dataclass(frozen=True, slots=True)
+class SlotServerStatus:
+    """One slot server behind a port, as ``/health`` and ``/metrics`` list it; a count the port does not
+    know (an agent process does not publish them) is None."""
+
+    health: LinkHealth  # its address, the link's state, why, since when
+    free_slots: int | None = None  # free now (0 unless the link is up)
+    total_slots: int | None = None  # its slots (as of its last attach)
+    claims: int | None = None  # slots this agent claimed there, over every attach
+    reattaches: int | None = None  # times it came back and was attached again
+
+
 class AgentPort(Protocol):
     frames: AgentFrames
     layout: FrameLayout
@@ -116,4 +128,8 @@ class AgentPort(Protocol):
     def free_slots(self) -> tuple[int, int]:
         """(free slots on slot servers that are up, all their slots), read now (which looks at the servers'
         heartbeats too)."""
+        ...
+
+    def servers(self) -> Sequence[SlotServerStatus]:
+        """The slot servers behind this port, one entry each, in the order they were given."""
         ...

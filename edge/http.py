@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -414,12 +414,15 @@ class HttpCore:
         verdict: Readiness,
         query: dict[str, list[str]],
         window: Callable[[float], tuple[float, int, float]],
+        slot_servers: Sequence[Mapping[str, Any]] = (),
     ) -> Response:
-        """``/health``: 200 when a slot server is up, else 503 naming the reason; ``?latency=P`` adds the live
-        P-th percentile of edge-internal latency."""
+        """``/health``: 200 when a slot server is up, else 503 naming the reason; every slot server listed
+        (``slot_servers``: address, state, ...); ``?latency=P`` adds the live P-th percentile of edge-internal
+        latency."""
         payload: dict[str, Any] = {"status": verdict.status, "free_slots": free, "total_slots": total}
         if not verdict.ready:
             payload["reason"] = verdict.reason
+        payload["slot_servers"] = list(slot_servers)
         if "latency" in query:
             raw = query["latency"][-1]
             try:

@@ -22,13 +22,14 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, readiness
-from edgepath.dpu.port import AgentPort, Delivery
+from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge.http import (
     GENERATE,
     LIVE,
@@ -551,12 +552,18 @@ class EdgeLifecycle:
             return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
         if query.route == LIVE:
             return self.core.live_response()
-        free, total = self.port.free_slots()  # reads the servers' heartbeats too: the verdict is current
+        listed = self.port.servers()  # reads the servers' heartbeats too: the verdict is current
         verdict = readiness(self.port.links_health(), now / 1e9)
         if query.route == READY:
             return self.core.ready_response(verdict)
+        counts = [(s.free_slots, s.total_slots) for s in listed]
+        if listed and all(free is not None and total is not None for free, total in counts):
+            free, total = sum(f for f, _ in counts), sum(t for _, t in counts)  # type: ignore[misc]  # the same READs
+        else:
+            free, total = self.port.free_slots()
+        servers = [slot_server_entry(server, now / 1e9) for server in listed]
         return self.core.health_response(
-            free, total, verdict, query.query, lambda pct: self.metrics.window.percentile(pct, now)
+            free, total, verdict, query.query, lambda pct: self.metrics.window.percentile(pct, now), servers
         )
 
     def _forget(self, t: Tracked) -> None:
@@ -575,6 +582,28 @@ class EdgeLifecycle:
         self.metrics.answered(route, response.status, total)
         response.headers += timing_headers(timings)
         return Respond(rid, response)
+
+
+def slot_server_entry(server: SlotServerStatus, now: float) -> dict[str, Any]:
+    """One slot server in ``/health``: where it is, whether its link is up, its state (up, unresponsive,
+    down), why and for how long (``now``: the port's clock, seconds), its slots and what this edge's
+    agent claimed there."""
+    health = server.health
+    entry: dict[str, Any] = {
+        "address": health.address,
+        "state": health.state.value,
+        "link": "down" if health.state is LinkState.DOWN else "up",
+        "reason": "" if health.up else health.describe(now),
+        "for_s": round(max(0.0, now - health.since), 3),
+    }
+    counts = {
+        "free_slots": server.free_slots,
+        "total_slots": server.total_slots,
+        "claims": server.claims,
+        "reattaches": server.reattaches,
+    }
+    entry.update((key, value) for key, value in counts.items() if value is not None)  # None: not known here
+    return entry
 
 
 def _status_name(status: int) -> str:

@@ -39,6 +39,12 @@ log = logging.getLogger("edgepath.edge")
 
 _now = lib.ep_now_ns
 
+
+def _seconds() -> float:
+    """The port's clock (CLOCK_MONOTONIC, as ``time.monotonic``) in seconds."""
+    return _now() / 1e9
+
+
 #: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
 TOKENIZER_WORKERS = 2
 
@@ -112,7 +118,13 @@ class EdgeService:
         self.loop = loop
         self.executor = executor
         self.body = BodyLimits(core.limits.max_body, body_timeout)
-        self.metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats, supervision=supervision)
+        self.metrics = EdgeMetrics(
+            lambda: port.free_slots()[0],
+            lambda: port.delivery_stats,
+            supervision=supervision,
+            slot_servers=port.servers,
+            clock=_seconds,
+        )
         self.lifecycle = EdgeLifecycle(
             core,
             tokenizer,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,10 +64,18 @@ def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     return server
 
 
-def attach_all(agent: Agent, slot_servers: tuple[str, ...]) -> None:
-    """Attach ``agent`` to every slot server, in order."""
+def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, str] | None = None) -> None:
+    """Attach ``agent`` to every slot server, in order.  Every one must answer now: an address that does not
+    is a mistake to report at start (a typo looks the same as a slot server that is down), named by its
+    option (``flags``: address -> the option it came from; default ``--slot-server``).  Once attached, a
+    slot server that goes away is re-attached by the agent when it is back."""
+    from edgepath.dpu.agent import AgentError
+
     for address in slot_servers:
-        link = agent.attach(address)
+        try:
+            link = agent.attach(address)
+        except AgentError as exc:
+            raise AgentError(f"{(flags or {}).get(address, '--slot-server')} {address}: {exc}") from exc
         log.info(
             "attached to slot server %s: %d slots, %d input tokens each, claimant id %d",
             address,
@@ -77,10 +85,10 @@ def attach_all(agent: Agent, slot_servers: tuple[str, ...]) -> None:
         )
 
 
-def build_agent(settings: AgentSettings, transport: Transport) -> Agent:
+def build_agent(settings: AgentSettings, transport: Transport, flags: Mapping[str, str] | None = None) -> Agent:
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
-    is reported before anything else starts), attached to its slot servers; the caller closes
-    ``transport``."""
+    is reported before anything else starts), attached to its slot servers (``flags``: see
+    :func:`attach_all`); the caller closes ``transport``."""
     from edgepath.dpu.agent import Agent
 
     agent = Agent(
@@ -90,7 +98,7 @@ def build_agent(settings: AgentSettings, transport: Transport) -> Agent:
         output_capacity=settings.output_capacity,
         hang_timeout=settings.hang_timeout,
     )
-    attach_all(agent, settings.slot_servers)
+    attach_all(agent, settings.slot_servers, flags)
     return agent
 
 

@@ -1,13 +1,16 @@
-"""``edgepath serve``: edge + in-process agent + (unless given one) a supervised local slot server.
+"""``edgepath serve``: edge + in-process agent + its slot servers (running ones at ``--slot-server``,
+and unless only those are given, a supervised local one).
 
-The slot server runs as a child process, exactly as it would run alone (``edgepath slot-server``,
+The local slot server runs as a child process, exactly as it would run alone (``edgepath slot-server``,
 its command line made from the same configuration), and is restarted with bounded back-off when it
-dies; the agent re-attaches to it where it listens.  The agent lives in the edge's process, so the
-edge writes token ids straight into the agent's registered frames.  The process prints
-``ready <url>`` on stdout once it accepts requests, and stops everything it started on SIGINT/SIGTERM.
+dies.  The agent has one link per slot server; a link that fails is out of admission at once and is
+re-attached with bounded back-off when its slot server is back where it listens, started here or
+not.  The agent lives in the edge's process, so the edge writes token ids straight into the agent's
+registered frames.  The process prints ``ready <url>`` on stdout once it accepts requests, and stops
+everything it started on SIGINT/SIGTERM.
 
 With ``--workers N`` this process only supervises: N edge processes (each this same command with its
-own in-process agent, on the shared port with SO_REUSEPORT) and the one slot server they all use.
+own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     options = options.resolved()  # the model found and checked before anything starts
     check_listen(options)
-    listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
+    listen = _slot_server_listen(options) if options.starts_slot_server else None
     keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
     if stop is None:
         stop = asyncio.Event()
@@ -109,22 +112,23 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             transport = data_path_transport(options.data_path)  # an unusable device fails here, before any child
             cleanup.callback(transport.close)
         shared = _shared_metrics_dir(options, cleanup) if options.workers > 1 else None
-        slot_server = options.slot_server
+        slot_servers = options.slot_servers
         counts = _shared_counts()  # this is an edge worker: its parent keeps the counts in the shared directory
         if listen is not None:
-            slot_servers = supervisor("slot server", options.slot_server_settings(listen).argv())
-            slot_server = slot_servers.start().address or listen
-            watch = HangWatch(slot_servers, slot_server, options.data_path, options.slots, options.hang_timeout, shared)
+            local = supervisor("slot server", options.slot_server_settings(listen).argv())
+            listen = local.start().address or listen
+            watch = HangWatch(local, listen, options.data_path, options.slots, options.hang_timeout, shared)
             cleanup.callback(watch.stop)  # before the supervisor stops: no kill while everything stops
             watch.start()
-            counts = lambda: (slot_servers.restarts, slot_servers.hangs)  # noqa: E731
+            counts = lambda: (local.restarts, local.hangs)  # noqa: E731
+            slot_servers = (listen, *slot_servers)
         if options.workers > 1:
-            assert slot_server is not None and shared is not None
+            assert shared is not None
             tls = _tls(options)
             if tls is not None:  # one certificate for all workers, made here once
                 options = replace(options, certificate=str(tls.certificate), private_key=str(tls.private_key))
             env = dict(os.environ, **{SHARED_DIR_ENV: shared})
-            argv = options.worker_argv(slot_server)
+            argv = options.worker_argv(slot_servers)
             workers = [supervisor(f"edge worker {i}", argv, env) for i in range(options.workers)]
             await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))  # they start together
             what = f"{options.workers} edge workers"
@@ -134,12 +138,8 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
                 agent: Agent | AgentClient = _named("--agent", options.agent, AgentClient)
                 cleanup.callback(agent.transport.close)
             else:
-                assert slot_server is not None
-                agent = _named(
-                    "--slot-server" if listen is None else "--slot-server-listen",
-                    slot_server,
-                    lambda a: build_agent(options.agent_settings(a), transport),
-                )
+                flags = {listen: "--slot-server-listen"} if listen is not None else {}
+                agent = build_agent(options.agent_settings(slot_servers), transport, flags)
             await _start_edge(options, agent, keys, loop, cleanup, counts)
             what = "edge"
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"

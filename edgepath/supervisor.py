@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgepath.children import Child, ChildError, exit_reason
+from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.link_state import LinkHealth, LinkState
 
 log = logging.getLogger("edgepath.supervisor")
@@ -33,9 +34,10 @@ class GaveUp(RuntimeError):
 
 @dataclass
 class RestartPolicy:
-    """Exponential back-off from ``first_delay`` doubling to at most ``max_delay``; more than
-    ``max_restarts`` deaths within ``window`` seconds is a crash loop.  Deaths older than the window
-    are forgotten, so a child that has run quietly for a while starts again from ``first_delay``."""
+    """Exponential back-off from ``first_delay`` doubling to at most ``max_delay`` (the agent's re-attach
+    shape, :class:`~edgepath.dpu.backoff.Backoff`) counted over the deaths within ``window`` seconds; more
+    than ``max_restarts`` of those is a crash loop.  Deaths older than the window are forgotten, so a child
+    that has run quietly for a while starts again from ``first_delay``."""
 
     first_delay: float = 0.1
     max_delay: float = 2.0
@@ -44,8 +46,7 @@ class RestartPolicy:
     deaths: collections.deque[float] = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
-        if not 0 < self.first_delay <= self.max_delay:
-            raise ValueError(f"need 0 < first_delay <= max_delay, got {self.first_delay}, {self.max_delay}")
+        self._backoff = Backoff(self.first_delay, self.max_delay)
         if self.max_restarts < 0 or self.window <= 0:
             raise ValueError(f"need max_restarts >= 0 and window > 0, got {self.max_restarts}, {self.window}")
 
@@ -57,7 +58,7 @@ class RestartPolicy:
         self.deaths.append(now)
         if len(self.deaths) > self.max_restarts:
             return None
-        return min(self.max_delay, self.first_delay * 2 ** (len(self.deaths) - 1))
+        return self._backoff.delay(len(self.deaths))
 
 
 def hang_verdict(health: LinkHealth, now: float) -> str | None:

@@ -168,6 +168,7 @@ def test_health_reports_slots_and_percentile() -> None:
         "status": "ok",
         "free_slots": 3,
         "total_slots": 8,
+        "slot_servers": [],
         "latency": {"percentile": 99.9, "edge_us": 123.0, "samples": 10, "window_s": 12.5},
     }
     down = HttpCore.health_response(0, 8, Readiness(False, "unavailable", "no slot server is attached"), {}, window)
@@ -177,6 +178,7 @@ def test_health_reports_slots_and_percentile() -> None:
         "free_slots": 0,
         "total_slots": 8,
         "reason": "no slot server is attached",
+        "slot_servers": [],
     }
 
 

@@ -1,6 +1,6 @@
 """A supervised ``edgepath serve`` seen from outside: starting one over HTTP/1.1, its slot-server child, its
 /health and /metrics, bounded waits, and a load whose every request is recorded with its one answer
-(tests/system/test_supervision.py, test_hang.py, tests/model/test_model_serve.py)."""
+(tests/system/test_supervision.py, test_hang.py, test_failover.py, tests/model/test_model_serve.py)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,12 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 class Answer:
     sent: float
     answered: float
-    status: int  # 0: no answer at all (connection refused, reset or timed out)
+    status: int  # 0: no answer at all (connection refused, reset or timed out); -1: a 200 with the wrong text
     detail: str
+
+    @property
+    def seconds(self) -> float:
+        return self.answered - self.sent
 
 
 @dataclass
@@ -84,9 +88,12 @@ class Load:
             with self.lock:
                 self.answers.append(answer)
 
-    def oks_after(self, t: float) -> list[Answer]:
+    def sent_after(self, t: float) -> list[Answer]:
         with self.lock:
-            return [a for a in self.answers if a.sent > t and a.status == 200]
+            return [a for a in self.answers if a.sent > t]
+
+    def oks_after(self, t: float) -> list[Answer]:
+        return [a for a in self.sent_after(t) if a.status == 200]
 
     @property
     def count(self) -> int:
@@ -124,15 +131,32 @@ def get(port: int, path: str) -> tuple[int, dict]:
         conn.close()
 
 
-def metric(port: int, name: str) -> float:
-    """One sample of the edge's /metrics (0 when it has not been counted yet)."""
+def scrape(port: int) -> str:
+    """The edge's ``/metrics`` exposition."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
         conn.request("GET", "/metrics")
-        body = conn.getresponse().read().decode()
+        response = conn.getresponse()
+        assert response.status == 200, response.status
+        return response.read().decode()
     finally:
         conn.close()
-    for line in body.splitlines():
+
+
+def series(text: str, name: str, **labels: str) -> float | None:
+    """The value of series ``name{labels}`` in a Prometheus exposition (None when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        name_labels, _, value = line.rpartition(" ")
+        base, _, rest = name_labels.partition("{")
+        if base == name and ",".join(sorted(rest.rstrip("}").split(","))) == want:
+            return float(value)
+    return None
+
+
+def metric(port: int, name: str) -> float:
+    """One sample of the edge's /metrics, ``name`` with its labels as exposed (0 when not counted yet)."""
+    for line in scrape(port).splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0

@@ -63,7 +63,17 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--host", "999.999.999.999"], ("--host 999.999.999.999", "cannot listen")),
     (["serve", "--slot-server", "/nonexistent/slots.sock"], ("--slot-server /nonexistent/slots.sock", "nothing is")),
     (["serve", "--agent", "/nonexistent/agent.sock"], ("--agent /nonexistent/agent.sock", "nothing is")),
-    (["serve", "--slot-server", "/a.sock", "--slot-server", "/b.sock"], ("--slot-server", "more than once", "once")),
+    (["serve", "--slot-server", "/a.sock", "--slot-server", "/a.sock"], ("--slot-server /a.sock", "given twice")),
+    (
+        ["serve", "--slot-server", "/nonexistent/a.sock", "--slot-server", "/nonexistent/b.sock"],
+        ("--slot-server /nonexistent/a.sock", "nothing is"),
+    ),
+    (
+        ["serve", "--slot-server", "/a.sock", "--slot-server-listen", "/b.sock"],
+        ("--slot-server-listen", "--local-slot-server"),
+    ),
+    (["serve", "--port", "9000", "--port", "9001"], ("--port", "more than once", "one value")),
+    (["serve", "--local-slot-server", "--local-slot-server"], ("--local-slot-server", "more than once", "switch")),
     (["slot-server", "--lease", "1", "--lease", "2"], ("--lease", "more than once", "one value")),
 ]
 
