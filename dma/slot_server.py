@@ -101,6 +101,7 @@ class SlotServer:
         #: the handler whose prefixes the pool's table publishes (None: it holds none, or the pool has no table)
         self._holder = holder if len(self.pool.prefixes) else None
         self._prefixes_version: int | None = None
+        self._publish_prefixes()  # a handler may hold prefixes from the start
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller
         #: the pool in GPU memory (``memory="gpu-device"``); then ``pool`` is its pinned host mirror

@@ -9,6 +9,11 @@ back into the same frame's result area.
 Admission is decided once, at claim time: a slot is taken only by a CAS of its
 state word from FREE to CLAIMED.  If no CAS on any attached slot server succeeds
 (after one refresh of the cached state words), the answer is NO_SLOT at once.
+
+With several slot servers, a request goes first to one that has a free slot and
+publishes the longest prefix of its ids (the pool's prefix table, read with the
+state words in the same READ: the model side there reuses that prefix's KV
+instead of computing it), then by free slots -- no queue, no extra round trip.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class ClaimStats:
     cas_failures: int = 0  # CAS that found another word than the cached one (the cache learns it)
     refreshes: int = 0  # RDMA READs of the server's state words
     no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
+    affine: int = 0  # claims on this server while its prefix table held a prefix of the request
 
 
 @dataclass(eq=False)
@@ -70,6 +76,10 @@ class ServerLink:
     inflight: int = 0
     alive: bool = True
     stats: ClaimStats = field(default_factory=ClaimStats)
+    #: the server's prefix table as last read (right after the cached words; empty: it publishes none)
+    prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    #: bytes one refresh READs from the state words on: the words, and the prefix table when there is one
+    read_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -126,8 +136,10 @@ class Agent:
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._words_per_link = max_slots_per_server
-        # Cached state words of every server, then a cancel word to send from, then a pool header to read into.
-        words_size = 8 * max_slots_per_server * max_servers
+        # Per server its cached state words and prefix table (as laid out in its pool: one READ), then a cancel
+        # word to send from, then a pool header to read into.
+        self._link_bytes = -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
+        words_size = self._link_bytes * max_servers
         self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
         self._cancel_off = words_size
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
@@ -137,6 +149,7 @@ class Agent:
         self.book: FrameBook[InFlight] = FrameBook(frames)
         self.inflight = self.book.inflight
         self.delivery_stats = self.book.stats
+        self._chain = wire.PrefixChain(input_capacity)
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -227,8 +240,15 @@ class Agent:
         n = int(header["slot_count"])
         if n > self._words_per_link:
             raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
-        words_offset = 8 * self._words_per_link * position
+        words_offset = self._link_bytes * position
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
+        entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
+        if entries and not (8 * n <= gap and gap + 8 * entries <= self._link_bytes):
+            raise AgentError(
+                f"{address}: a prefix table of {entries} entries at byte {int(header['prefixes_offset'])}, not right "
+                f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
+            )
+        table_offset = words_offset + gap
         link = ServerLink(
             address,
             conn,
@@ -244,6 +264,8 @@ class Agent:
             words,
             words_offset,
             pool,
+            prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
+            read_bytes=gap + 8 * entries if entries else 8 * n,
         )
         self._refresh(link)
         return link
@@ -254,15 +276,10 @@ class Agent:
         return link.words.copy()
 
     def _refresh(self, link: ServerLink) -> None:
-        """One RDMA READ of the server's state words into the cache."""
+        """One RDMA READ of the server's state words (and its prefix table, laid out right after them) into
+        the cache."""
         link.stats.refreshes += 1
-        link.conn.read(
-            self.scratch_mr,
-            link.words_offset,
-            link.pool,
-            link.states_offset,
-            8 * link.slot_count,
-        )
+        link.conn.read(self.scratch_mr, link.words_offset, link.pool, link.states_offset, link.read_bytes)
 
     # -- claiming -------------------------------------------------------------------
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
@@ -330,8 +347,7 @@ class Agent:
         live = [link for link in self.links if link.alive and count <= link.input_capacity]
         if not live:
             return Status.UNAVAILABLE if not any(link.alive for link in self.links) else Status.BAD_REQUEST
-        if len(live) > 1:
-            live.sort(key=lambda link: -link.free_hint)
+        matched = self._order(live, index, count) if len(live) > 1 else None
         for link in live:
             try:
                 claimed = self.claim(link)
@@ -340,6 +356,8 @@ class Agent:
                 continue
             if claimed is None:
                 continue
+            if matched and matched[link]:
+                link.stats.affine += 1
             slot, gen = claimed
             try:
                 self._send(link, index, slot, gen, count)
@@ -352,6 +370,19 @@ class Agent:
         if not any(link.alive for link in self.links):
             return Status.UNAVAILABLE
         return Status.NO_SLOT
+
+    def _order(self, links: list[ServerLink], index: int, count: int) -> dict[ServerLink, int]:
+        """Sort ``links`` into claim order: those with a free slot (as last seen) first; among them the one
+        whose prefix table holds the longest prefix of frame ``index``'s ids, then the most free slots.  The
+        blocks of it each server holds."""
+        chain = self._chain
+        chain.blocks = 0
+        if count >= wire.PREFIX_BLOCK and any(len(link.prefixes) for link in links):
+            chain.compute(self.frames.tokens[index, :count])
+        free = {link: link.free_hint for link in links}
+        matched = {link: chain.matched(link.prefixes) if free[link] else 0 for link in links}
+        links.sort(key=lambda link: (not free[link], -matched[link], -free[link]))
+        return matched
 
     def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
         frame_off = self.frames.frame_offset(index)
