@@ -1,11 +1,9 @@
 """Prefix-affine admission end to end: two slot servers running the real llama handler on the SmolLM2 GGUF, one
-agent attached to both.  A second chat with a shared ~450-token system prompt is claimed on the server that
-computed the first one -- though the other has more free slots -- and is answered with ``cached_tokens`` > 0."""
+agent attached to both.  A second chat sharing a ~430-token system prompt (with the chat template) is claimed on
+the server that computed the first one -- though the other has more free slots -- and is answered with
+``cached_tokens`` = the shared prefix."""
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -15,8 +13,6 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import HandlerConfig
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.edge.tokenizer import GGUFTokenizer
@@ -25,7 +21,7 @@ from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status
 
 IN_CAP = 640
-OUT_CAP = 8
+OUT_CAP = 8  # tokens of each answer
 RULES = (
     "Day tickets are valid until the last train of the day and cannot be refunded once used.",
     "Children under six travel free with an adult; children from six to fifteen pay half the adult fare.",
@@ -65,27 +61,10 @@ def chat(tok: GGUFTokenizer, question: str) -> list[int]:
     return frame[: tok.encode_chat_into(messages, frame)].tolist()
 
 
-@pytest.fixture
-def llama_server(
-    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
-) -> Iterator[Callable[[int], SlotServer]]:
-    """Slot servers running the llama handler (1 thread) in their real loop, on threads of this process."""
-    started: list[tuple[SlotServer, threading.Thread]] = []
-
-    def start(slots: int) -> SlotServer:
-        config = SlotServerConfig(slots=slots, input_capacity=IN_CAP, output_capacity=OUT_CAP)
-        handler = LlamaHandler.from_config(HandlerConfig(slots, IN_CAP, OUT_CAP, {"threads": "1"}))
-        server = SlotServer(new_transport(), new_address("slot-server"), handler, config)
-        thread = threading.Thread(target=server.serve, daemon=True)
-        thread.start()
-        started.append((server, thread))
-        return server
-
-    yield start
-    for server, thread in started:
-        server.stop()
-        thread.join(timeout=30)
-        server.close()
+def llama(slots: int) -> LlamaHandler:
+    """The llama handler for a slot server of ``slots`` (1 thread; a sequence holds a prompt and its answer)."""
+    options = {"threads": "1", "ctx_per_slot": str(IN_CAP + OUT_CAP)}
+    return LlamaHandler.from_config(HandlerConfig(slots, IN_CAP, IN_CAP, options))
 
 
 def ask(agent: Agent, tokens: list[int]) -> int:
@@ -104,13 +83,13 @@ def ask(agent: Agent, tokens: list[int]) -> int:
 
 
 def test_the_second_chat_is_claimed_where_its_system_prompt_is_and_reuses_it(
-    tok: GGUFTokenizer, llama_server, new_transport
+    tok: GGUFTokenizer, serve, new_agent
 ) -> None:
     first, second = chat(tok, "Can I bring my dog?"), chat(tok, "Is there a restaurant at the top?")
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert shared >= 400  # the system prompt and the chat template before the question
-    warm, cold = llama_server(1), llama_server(2)
-    agent = Agent(new_transport(), frames=4, input_capacity=IN_CAP, output_capacity=OUT_CAP, max_slots_per_server=8)
+    warm, cold = serve(llama(1), slots=1, cap=IN_CAP), serve(llama(2), slots=2, cap=IN_CAP)
+    agent = new_agent(frames=4, cap=IN_CAP)
     # The first chat is computed on `warm` (another agent's traffic, say: this agent is attached to it alone).
     warm_link = agent.attach(warm.address)
     assert ask(agent, first) == 0
