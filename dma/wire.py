@@ -353,7 +353,10 @@ def prefix_table(sequences: Iterable[np.ndarray], entries: int) -> np.ndarray:
     table = np.zeros(entries, dtype=np.uint64)
     seen: set[int] = set()
     for tokens in sequences:
-        for h in prefix_chain(tokens).tolist():
+        chain = prefix_chain(tokens).tolist()
+        if not chain or chain[-1] in seen:  # its last block is in: so is every block before it
+            continue
+        for h in chain:
             if len(seen) == entries:
                 return table
             if h not in seen:
