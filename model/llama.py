@@ -378,18 +378,6 @@ class LlamaHandler:
             self._lib.llama_model_free(self._model)
             self._model = None
 
-    # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
-    def prefixes_version(self) -> int:
-        return self.book.version
-
-    def prefixes(self) -> list[np.ndarray]:
-        """The prompts of placed running requests (a request arriving meanwhile copies what they computed),
-        then what idle sequences and host memory hold (nothing with the prefix cache off)."""
-        if not self.options.prefix_cache:
-            return []
-        running = [seq.request.tokens for seq in self._running.values() if seq.stream >= 0]
-        return [*running, *self.book.held()]
-
     # -- inspection ----------------------------------------------------------------------------------
     def kv_positions(self, stream: int) -> int:
         """How many positions llama.cpp sequence ``stream`` holds in its KV stream (0: none)."""
@@ -403,6 +391,18 @@ class LlamaHandler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
+    def prefixes_version(self) -> int:
+        return self.book.version
+
+    def prefixes(self) -> list[np.ndarray]:
+        """The prompts of placed running requests (a request arriving meanwhile copies what they computed),
+        then what idle sequences and host memory hold (nothing with the prefix cache off)."""
+        if not self.options.prefix_cache:
+            return []
+        running = [seq.request.tokens for seq in self._running.values() if seq.stream >= 0]
+        return [*running, *self.book.held()]
 
     # -- internals -----------------------------------------------------------------------------------
     def _plan(self, out: list[Emit]) -> tuple[int, list[tuple[_Sequence, int, int, int]]]:
