@@ -136,7 +136,7 @@ async def measure(
         transport = data_path_transport(options.data_path)
         executor = ThreadPoolExecutor(max_workers=2)
         try:
-            agent = build_agent(options.agent_settings(child.address or listen), transport)
+            agent = build_agent(options.agent_settings((child.address or listen,)), transport)
             loop = asyncio.get_running_loop()
             service = build_edge(options, load_tokenizer(None), agent, None, loop, executor)
             service.start()

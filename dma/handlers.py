@@ -94,6 +94,27 @@ class BatchHandler(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """How a handler advances the slot server's heartbeat from inside a long step: ``function`` is the address
+    of a C function ``bool f(void *word)`` that advances the word at ``word`` and returns false -- the shape
+    of ggml's abort callback, so llama.cpp can call it between the nodes of its compute graph.  Without it,
+    the heartbeat moves between steps only, and one step longer than the agents' hang timeout makes the
+    server look hung; with it, a step that makes progress keeps the word moving."""
+
+    function: int
+    word: int
+
+
+@runtime_checkable
+class BeatsWithinSteps(Protocol):
+    """A batch handler that can advance the heartbeat while a step runs (optional)."""
+
+    def beat_within_steps(self, heartbeat: Heartbeat) -> None:
+        """Advance the heartbeat with ``heartbeat`` while a step makes progress, from now on."""
+        ...
+
+
 @runtime_checkable
 class HoldsPrefixes(Protocol):
     """Optional for a batch handler that keeps the KV of earlier requests (a model's prefix cache): what it

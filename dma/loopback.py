@@ -419,12 +419,18 @@ class LoopbackTransport(Transport):
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             sock.close()
             raise TransportError(f"nothing is listening at {address} ({exc.strerror})") from exc
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
         conn_id = self._next_id()
         regions = _own(exports)
         try:
             _send(sock, self._hello(conn_id, regions, info), self._hello_fds(regions))
             message, fds = _recv(sock)
-        except (OSError, TransportError):
+        except OSError as exc:  # a peer too slow to answer within the timeout, or gone meanwhile
+            sock.close()
+            raise TransportError(f"connection setup with {address} failed: {exc}") from exc
+        except TransportError:
             sock.close()
             raise
         conn = LoopbackConnection(self, sock, conn_id, message, fds)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgepath.dma import wire
+from edgepath.dma.handlers import Heartbeat
 from edgepath.dma.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
 from edgepath.dma.pool import SlotPool
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
@@ -42,6 +43,22 @@ class PoolMemory:
 
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
+        self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
+
+    @property
+    def beats(self) -> int:
+        """The heartbeat word as the host sees it (how often it was advanced: it starts at 0)."""
+        return int(lib.ep_load64(self._heartbeat_ptr))
+
+    def beat(self, now: float) -> None:
+        """Advance the pool header's heartbeat (``now``: monotonic seconds): what tells readers that the
+        server's CPU side is turning.  One atomic increment of the word agents read."""
+        lib.ep_heartbeat_tick(self._heartbeat_ptr)
+
+    def heartbeat(self) -> Heartbeat:
+        """What a handler needs to advance the heartbeat from inside a long step (C code, any thread)."""
+        function = ffi.addressof(lib, "ep_heartbeat_tick")
+        return Heartbeat(int(ffi.cast("uintptr_t", function)), int(ffi.cast("uintptr_t", self._heartbeat_ptr)))
 
     def step(self, slot: int, event: Event, generation: int) -> bool:
         """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
@@ -150,6 +167,7 @@ class DeviceMemory(PoolMemory):
         self.device_slots = device_slots
         self.pool = device_slots.mirror
         self.poller = DeviceDoorbellPoller(device_slots, spec.handoff_wait)
+        self._beat_at = -self.BEAT_EVERY
         super().__init__()
 
     def step(self, slot: int, event: Event, generation: int) -> bool:
@@ -161,6 +179,19 @@ class DeviceMemory(PoolMemory):
 
     def publish_result(self, slot: int, output_count: int) -> None:
         self.device_slots.push_result(slot, output_count)  # type: ignore[union-attr]
+
+    #: seconds between heartbeat stores into device memory (each is a kernel launch and a synchronise)
+    BEAT_EVERY = 0.001
+
+    def beat(self, now: float) -> None:
+        """Advanced in the mirror, stored on the device at most every :attr:`BEAT_EVERY` seconds: readers
+        need the word to move within a hang timeout (seconds), not at every turn of the loop.  (A handler's
+        beats within a step advance the mirror only; the next turn publishes them.)"""
+        if now - self._beat_at < self.BEAT_EVERY:
+            return
+        self._beat_at = now
+        super().beat(now)
+        self.device_slots.store_word(wire.HEARTBEAT_OFFSET, self.beats)  # type: ignore[union-attr]
 
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]

@@ -13,6 +13,12 @@ DEFAULT_CAPACITY = 4096
 DEFAULT_SLOTS = 64
 #: where a pool may live (``--slots KIND:N``); :mod:`edgepath.dma.memory` implements each
 SLOT_MEMORY = ("host", "gpu", "gpu-device")
+#: seconds of a still heartbeat after which agents call a slot server unresponsive (``--hang-timeout``): about
+#: 30x the longest silence the llama handler left here, beating from inside its steps (docs/DATAPATH.md)
+DEFAULT_HANG_TIMEOUT = 5.0
+#: seconds a model step may take before the slot server reports it: half the default hang timeout (a handler
+#: that cannot beat from inside its steps is then halfway to being called hung)
+STEP_BUDGET = DEFAULT_HANG_TIMEOUT / 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +39,7 @@ class SlotServerConfig:
     handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
     handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
     stream_window: float = 0.002  # seconds within which streamed tokens after the first are coalesced
+    step_budget: float = STEP_BUDGET  # a model step longer than this is logged and counted (heartbeat still)
 
     def __post_init__(self) -> None:
         if self.memory not in SLOT_MEMORY:
@@ -45,3 +52,5 @@ class SlotServerConfig:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
         if self.stream_window < 0:
             raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")
+        if not self.step_budget > 0:
+            raise ValueError(f"step budget must be positive seconds, got {self.step_budget}")

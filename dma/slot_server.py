@@ -12,6 +12,10 @@ Loop (one thread; peers come and go on a second, :class:`~edgepath.dma.connectio
   again at once (:mod:`~edgepath.dma.peers`).
   every ``scan_interval``: peers that went away are reaped, and leases -- CLAIMED slots whose writer
   never rang are reclaimed.
+  the heartbeat: every turn (and after every model step) advances a word in the pool header, so agents
+  that read it see a frozen CPU side as a still word (:mod:`edgepath.dpu.link_state`); a handler that
+  can (:class:`~edgepath.dma.handlers.BeatsWithinSteps`: llama.cpp, between its graph's nodes) advances
+  it inside a long step too; a model step over ``step_budget`` is logged and counted.
 
 Where the pool lives (host, GPU-mapped, GPU memory) is :mod:`~edgepath.dma.memory`'s business, which
 doorbell poller fits it :mod:`~edgepath.dma.pollers`'; the server only asks them.
@@ -29,7 +33,16 @@ from typing import Any
 
 from edgepath.dma import wire
 from edgepath.dma.connections import ConnectionManager
-from edgepath.dma.handlers import BatchHandler, Emit, HandlerConfig, HoldsPrefixes, OneShot, SlotRequest, adapt
+from edgepath.dma.handlers import (
+    BatchHandler,
+    BeatsWithinSteps,
+    Emit,
+    HandlerConfig,
+    HoldsPrefixes,
+    OneShot,
+    SlotRequest,
+    adapt,
+)
 from edgepath.dma.memory import PoolMemory, PoolSpec, open_pool_memory
 from edgepath.dma.peers import AgentPeer
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
@@ -64,6 +77,8 @@ class ServerStats:
     cancelled: int = 0  # running slots stopped by their requester
     cancels_ignored: int = 0  # cancels for a slot that had already finished, or not the claimer's
     progress_writes: int = 0  # streamed-output notifications sent
+    slow_steps: int = 0  # model steps longer than the step budget (each is logged)
+    longest_step: float = 0.0  # seconds of the longest model step so far
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -97,6 +112,8 @@ class SlotServer:
         holder = self.handler if isinstance(self.handler, HoldsPrefixes) else None
         spec = PoolSpec.of(cfg, self.epoch, wire.PREFIX_ENTRIES if holder is not None else 0)
         self.memory: PoolMemory = open_pool_memory(transport, cfg.memory, spec)
+        if isinstance(self.handler, BeatsWithinSteps):
+            self.handler.beat_within_steps(self.memory.heartbeat())
         self.pool = self.memory.pool
         #: the handler whose prefixes the pool's table publishes (None: it holds none, or the pool has no table)
         self._holder = holder if len(self.pool.prefixes) else None
@@ -244,6 +261,7 @@ class SlotServer:
     def step(self, now: float | None = None) -> int:
         """One model step over the running slots; streams what it produced. Returns emits applied."""
         now = time.monotonic() if now is None else now
+        started = time.monotonic()
         try:
             emits = self.handler.step(now)
         except Exception:
@@ -251,8 +269,25 @@ class SlotServer:
             emits = [Emit(slot, run.count, Status.HANDLER_ERROR) for slot, run in self.running.items()]
             for run in list(self.running.values()):
                 self.handler.cancel(run.slot)
+        self._timed_step(time.monotonic() - started)
         self._apply(emits, now)
         return len(emits)
+
+    def _timed_step(self, took: float) -> None:
+        """Count a model step's duration; one over the step budget is logged: the heartbeat stood still
+        that long, and one near the agents' hang timeout makes them call this server unresponsive."""
+        stats = self.stats
+        stats.longest_step = max(stats.longest_step, took)
+        budget = self.config.step_budget
+        if took > budget:
+            stats.slow_steps += 1
+            log.warning(
+                "a model step took %.3f s, over its budget of %g s, with %d running slots (slow steps so far: %d)",
+                took,
+                budget,
+                len(self.running),
+                stats.slow_steps,
+            )
 
     def _apply(self, emits: list[Emit], now: float) -> None:
         self._publish_prefixes()  # before any finished slot is freed: an agent that sees it free sees the table
@@ -409,8 +444,11 @@ class SlotServer:
     def poll_once(self, timeout: float) -> float:
         """One turn of the loop: wait for completions (at most ``timeout``, and no longer than the handler's
         next step or a coalesced stream is due), start and cancel slots, step the handler, flush streams.
-        Returns the time it ended (monotonic seconds)."""
+        Returns the time it ended (monotonic seconds).  The heartbeat advances at its start and after a
+        model step: a loop that waits no longer than the lease-scan interval beats at least that often."""
         now = time.monotonic()
+        memory = self.memory
+        memory.beat(now)
         wait = self.handler.wake_in(now)
         due = self.flush(now)
         for t in (wait, due):
@@ -426,6 +464,7 @@ class SlotServer:
         if (wait is not None and wait <= 0) or self._held:
             self.step(now)
             now = time.monotonic()
+            memory.beat(now)
         self.flush(now)
         return now
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT
 from edgepath.dma.transport import (
     Access,
     Completion,
@@ -35,7 +36,13 @@ if TYPE_CHECKING:
 CTL_HEADER = 64
 #: largest hello (exports and info, JSON) either side publishes
 HELLO_CAP = 16384
-_OP_TIMEOUT_NS = 10_000_000_000  # beyond rxe's retry budget: a dead peer shows as a failed completion first
+#: how long one synchronous operation may wait for its completion before it fails (and its link is down): under
+#: the default hang timeout, since whoever waits -- an agent, or a slot server writing a result -- stands still
+#: meanwhile (its loop, its heartbeat: a slot server waiting longer on an agent that died would be called hung
+#: by every other agent; an edge's event loop waits with its agent); far above the ACK timeout's retry budget
+#: (8 x 67 ms) and a few-second wire cut, which are ridden out.  On rxe a peer killed with an operation in flight
+#: to it was seen to time out here rather than fail by retries (the lane's wire: docs/DEPLOY.md)
+_OP_TIMEOUT_NS = int(0.8 * DEFAULT_HANG_TIMEOUT * 1e9)
 _OP_WRITE, _OP_WRITE_IMM, _T = lib.EP_V_WRITE, lib.EP_V_WRITE_IMM, _OP_TIMEOUT_NS
 
 
@@ -157,7 +164,11 @@ class VerbsConnection(Connection):
         self.scq = CQ(transport.ctx, 16, None, None, 0)
         self._scq = cq_handle(self.scq, transport.ctx_ptr, self.scq.cqe)
         cap = QPCap(max_send_wr=16, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.scq, rcq=transport.rcq, srq=transport.srq, cap=cap)
+        # sq_sig_all=0: pyverbs signals every WR by default, which gave write_then_imm's unsignaled WRITE a
+        # completion of its own; each op waits for exactly one, so later ops returned on stale ones.
+        init = QPInitAttr(
+            qp_type=e.IBV_QPT_RC, scq=self.scq, rcq=transport.rcq, srq=transport.srq, cap=cap, sq_sig_all=0
+        )
         self.qp = QP(transport.pd, init)
         self._qp = qp_handle(self.qp, transport.ctx_ptr, self.qp.qp_num)
         self.ctl = VerbsRegion.allocate(transport.pd, "ctl", CTL_HEADER + HELLO_CAP, Access.NONE)

@@ -92,12 +92,21 @@ def _conn_param(qp_num: int, private: bytes) -> Any:
     return param
 
 
+#: The RC ACK timeout exponent set at RTR -> RTS (4.096 us x 2^14 = 67 ms; it cannot change in RTS). rdma_cm
+#: picks 19 (2.1 s) here, which makes every lost packet cost 2.1 s and outlasts the slot server's 1 s lease,
+#: so a retransmitted doorbell arrives after its slot was reclaimed (docs/VERBS.md, "Two devices on a wire").
+ACK_TIMEOUT = 14
+
+
 def _modify(conn: VerbsConnection, state: int) -> None:
     from pyverbs import enums as e
 
     attr, mask = conn.cmid.init_qp_attr(state)
     if state == e.IBV_QPS_INIT:
         attr.qp_access_flags = conn.transport.qp_access
+    elif state == e.IBV_QPS_RTS:
+        attr.timeout = ACK_TIMEOUT
+        mask |= e.IBV_QP_TIMEOUT
     conn.qp.modify(attr, mask)
 
 
@@ -195,6 +204,9 @@ def connect(
         cmid.establish()
         conn.peer_assigned_id = peer_id
         _learn(conn, _await_hello(conn, h_addr, h_rkey, h_cap, deadline, address))
+    except PyverbsError as exc:
+        conn.close()
+        raise TransportError(f"connecting to {address} over RDMA: {exc}") from exc
     except Exception:
         conn.close()
         raise
@@ -233,6 +245,7 @@ class VerbsListener(Listener):
         from pyverbs import cm_enums as ce
         from pyverbs import enums as e
         from pyverbs.cmid import CMID, CMEventChannel
+        from pyverbs.pyverbs_error import PyverbsError
 
         ev = _event(self.channel, self._fd, 1e9 if timeout is None else timeout)
         if ev is None:
@@ -287,6 +300,9 @@ class VerbsListener(Listener):
                 _event(channel, conn.fileno(), 2.0)
                 raise
             _publish(hello, {"exports": [r.describe() for r in self._exports], "info": info}, _ACCEPTED)
+        except PyverbsError as exc:  # e.g. the connecting side gave up and destroyed its id meanwhile
+            conn.close()
+            raise TransportError(f"accepting on {self.address}: {exc}") from exc
         except Exception:
             conn.close()
             raise

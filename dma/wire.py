@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from edgepath.dma.transport import Access
-from edgepath.native.abi import Event, State, Status, StepError, ffi, lib
+from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ffi, field_offset, lib
 
 # -- regions -------------------------------------------------------------------------------------
 #: a slot server's pool: header, state/doorbell/cancel words, slots
@@ -47,6 +47,10 @@ STATUS_REGION = "status"
 #: an edge's 8-byte landing spot for its agent's zero-length WRITE_WITH_IMM answers
 COMPLETIONS_REGION = "completions"
 
+#: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
+#: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
+HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
+
 # -- connection private data (what each side tells the other when a connection is set up) ---------------
 #: keys both hops send: token capacities of a frame
 INPUT_CAPACITY, OUTPUT_CAPACITY = "input_capacity", "output_capacity"
@@ -54,6 +58,8 @@ INPUT_CAPACITY, OUTPUT_CAPACITY = "input_capacity", "output_capacity"
 FRAMES, REPLIES_OFFSET = "frames", "replies_offset"
 #: keys an agent process sends an edge on accept: the edge's own range of frames
 FRAME_BASE, FRAME_COUNT = "frame_base", "frame_count"
+#: the key an agent process sends every edge: its slot servers' addresses (the status region's links, in order)
+SLOT_SERVERS = "slot_servers"
 #: the key an edge sends an agent process, and its value: who is connecting
 ROLE, ROLE_EDGE = "role", "edge"
 
@@ -107,17 +113,19 @@ def is_edge_hello(info: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class EdgeGrant:
-    """What an agent process tells an edge: frame capacities (for every edge, at listen) and the edge's
-    own range of frames ``[frame_base, frame_base + frame_count)`` (at accept)."""
+    """What an agent process tells an edge: frame capacities and its slot servers' addresses, in the order
+    of the status region's links (for every edge, at listen), and the edge's own range of frames
+    ``[frame_base, frame_base + frame_count)`` (at accept)."""
 
     input_capacity: int
     output_capacity: int
     frame_base: int
     frame_count: int
+    slot_servers: tuple[str, ...] = ()
 
     @staticmethod
-    def capacities(input_capacity: int, output_capacity: int) -> dict[str, int]:
-        return {INPUT_CAPACITY: input_capacity, OUTPUT_CAPACITY: output_capacity}
+    def capacities(input_capacity: int, output_capacity: int, slot_servers: Sequence[str] = ()) -> dict[str, Any]:
+        return {INPUT_CAPACITY: input_capacity, OUTPUT_CAPACITY: output_capacity, SLOT_SERVERS: list(slot_servers)}
 
     @staticmethod
     def frames(base: int, count: int) -> dict[str, int]:
@@ -125,7 +133,11 @@ class EdgeGrant:
 
     @classmethod
     def parse(cls, info: Mapping[str, Any]) -> EdgeGrant:
-        return cls(*_ints(info, INPUT_CAPACITY, OUTPUT_CAPACITY, FRAME_BASE, FRAME_COUNT))
+        servers = info.get(SLOT_SERVERS, [])
+        if not isinstance(servers, list) or not all(isinstance(a, str) for a in servers):
+            raise InfoInvalid(f"{SLOT_SERVERS!r} must be a list of addresses, got {servers!r}")
+        inputs, outputs, base, count = _ints(info, INPUT_CAPACITY, OUTPUT_CAPACITY, FRAME_BASE, FRAME_COUNT)
+        return cls(inputs, outputs, base, count, tuple(servers))
 
 
 # -- state word: generation (32) | claimant (24) | state (8) ----------------------------------------
@@ -257,6 +269,7 @@ def doorbell_entry(conn_id: int, imm: int) -> int:
 # -- towards an agent: progress and final results ---------------------------------------------------
 IMM_PROGRESS = lib.EP_IMM_PROGRESS
 IMM_FINAL = lib.EP_IMM_FINAL
+IMM_STALLED = lib.EP_IMM_STALLED
 IMM_KIND_MASK = lib.EP_IMM_KIND_MASK
 IMM_INDEX_MASK = lib.EP_IMM_INDEX_MASK
 
@@ -275,6 +288,15 @@ def imm_index(imm: int) -> int:
 
 def is_progress_imm(imm: int) -> bool:
     return imm & IMM_KIND_MASK == IMM_PROGRESS
+
+
+def stalled_imm(index: int) -> int:
+    """An agent process tells its edge: frame ``index``'s slot server is unresponsive (it stays in flight)."""
+    return IMM_STALLED | (index & IMM_INDEX_MASK)
+
+
+def is_stalled_imm(imm: int) -> bool:
+    return imm & IMM_KIND_MASK == IMM_STALLED
 
 
 def progress_word(generation: int, count: int) -> int:
@@ -307,26 +329,40 @@ def edge_imm_frame(imm: int) -> int:
 
 
 # -- the status region an agent process publishes for its edges ----------------------------------------
-STATUS_BYTES = 64
+#: slot servers whose links an agent process publishes, and u64 words per link (the agent's own encoding of
+#: a link's state: :meth:`edgepath.dpu.link_state.LinkHealth.words`)
+STATUS_LINKS, LINK_WORDS = 8, 5
+STATUS_BYTES = 8 * (4 + STATUS_LINKS * LINK_WORDS)
 
 
 class AgentStatus:
-    """The agent process's ``status`` region: free slots, all slots, whether a slot server is reachable.
-    The agent publishes it, edges read it in place (three aligned u64 words)."""
+    """The agent process's ``status`` region: free slots, all slots, whether a slot server is reachable, and
+    each slot server's link (:data:`LINK_WORDS` words each).  The agent publishes it, edges read it in place
+    (aligned u64 words; a reader may see one publication half-written, which the next one mends)."""
 
-    __slots__ = ("_words",)
+    __slots__ = ("_links", "_words")
 
     def __init__(self, buf: np.ndarray) -> None:
         if buf.nbytes < STATUS_BYTES:
             raise ValueError(f"status region needs {STATUS_BYTES} bytes, got {buf.nbytes}")
-        self._words = buf[:24].view(np.uint64)
+        self._words = buf[:32].view(np.uint64)
+        self._links = buf[32:STATUS_BYTES].view(np.uint64).reshape(STATUS_LINKS, LINK_WORDS)
 
-    def publish(self, free: int, total: int, alive: bool) -> None:
-        self._words[:] = (free, total, int(alive))
+    def publish(self, free: int, total: int, alive: bool, links: Sequence[Sequence[int]] = ()) -> None:
+        if len(links) > STATUS_LINKS:
+            raise ValueError(f"the status region holds {STATUS_LINKS} links, got {len(links)}")
+        for i, words in enumerate(links):
+            self._links[i] = words
+        self._words[:] = (free, total, int(alive), len(links))
 
     def read(self) -> tuple[int, int, bool]:
-        free, total, alive = (int(v) for v in self._words)
+        free, total, alive, _ = (int(v) for v in self._words)
         return free, total, bool(alive)
+
+    def links(self) -> list[tuple[int, ...]]:
+        """Each published link's words, in the agent's order of its slot servers."""
+        count = min(int(self._words[3]), STATUS_LINKS)
+        return [tuple(int(v) for v in row) for row in self._links[:count]]
 
 
 # -- prefix affinity: what a slot server's model side holds, as chain hashes of token blocks -------------

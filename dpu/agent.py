@@ -10,15 +10,26 @@ Admission is decided once, at claim time: a slot is taken only by a CAS of its
 state word from FREE to CLAIMED.  If no CAS on any attached slot server succeeds
 (after one refresh of the cached state words), the answer is NO_SLOT at once.
 
-With several slot servers, a request goes first to one that has a free slot and
+Every link has a state (:mod:`edgepath.dpu.link_state`): the READ that refreshes the
+cached state words also reads the slot server's heartbeat word, and :meth:`Agent.check_links`
+reads it when nothing else has for a while.  A server whose heartbeat stands still for the
+hang timeout is UNRESPONSIVE: nothing is claimed there (UNAVAILABLE at once when no other
+server is UP) and the frames in flight on it when that was found are reported once by
+:meth:`Agent.stalled`.
+
+With several slot servers, a request goes first to one that is up, has a free slot and
 publishes the longest prefix of its ids (the pool's prefix table, read with the
-state words in the same READ: the model side there reuses that prefix's KV
+heartbeat and state words in the same READ: the model side there reuses that prefix's KV
 instead of computing it), then by free slots -- no queue, no extra round trip.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +40,33 @@ from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
+from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.port import Delivery
+from edgepath.dpu.link_state import (
+    DEFAULT_HANG_TIMEOUT,
+    LinkHealth,
+    LinkState,
+    LinkTracker,
+    Reason,
+    check_hang_timeout,
+)
+from edgepath.dpu.port import Delivery, SlotServerStatus
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, REQUEST_HEADER, State, Status, ffi, field_offset, lib
 
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
+#: bytes before each link's cached state words in the scratch region: ``[heartbeat .. state[0])`` of the
+#: pool header lands there, read with the state words in one READ
+_HEAD = 64
+
+#: re-attaching to a slot server that went away: first after 0.1 s, then doubling to one try every 2 s --
+#: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
+#: listening again, and one that stays away costs one connection attempt every 2 s
+REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
+#: seconds each step of a re-attach's connection set-up may take (it runs on a thread of its own): generous,
+#: since a slot server that has just started, or an emulated RDMA device, can be slow to answer
+REATTACH_TIMEOUT = 2.0
 
 
 class AgentError(RuntimeError):
@@ -56,7 +87,8 @@ class ClaimStats:
 
 @dataclass(eq=False)
 class ServerLink:
-    """One attached slot server: its connection, pool geometry and cached state words."""
+    """One attached slot server: its connection, pool geometry, cached state words and heartbeat, and the
+    link's state (``tracker``)."""
 
     address: str
     conn: Connection
@@ -72,21 +104,36 @@ class ServerLink:
     words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
     words_offset: int
     pool: RemoteRegion
+    beat: np.ndarray  # the heartbeat word as last read, in the same region, ``head`` bytes before the words
+    tracker: LinkTracker
     cursor: int = 0
     inflight: int = 0
-    alive: bool = True
     stats: ClaimStats = field(default_factory=ClaimStats)
     #: the server's prefix table as last read (right after the cached words; empty: it publishes none)
     prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     #: bytes one refresh READs from the state words on: the words, and the prefix table when there is one
     read_bytes: int = 0
+    rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
+    reattaches: int = 0  # times this slot server came back and was attached again
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
+        #: bytes of the pool header read before the state words: from its heartbeat word on
+        self.head = self.states_offset - wire.HEARTBEAT_OFFSET
 
     @property
     def claimant(self) -> int:
         return self.conn.peer_assigned_id
+
+    @property
+    def alive(self) -> bool:
+        """Connected (UP or UNRESPONSIVE): what it had in flight may still be answered."""
+        return self.tracker.state is not LinkState.DOWN
+
+    @property
+    def up(self) -> bool:
+        """Connected and its heartbeat moving: the only kind of link a slot is claimed on."""
+        return self.tracker.state is LinkState.UP
 
     @property
     def free_hint(self) -> int:
@@ -118,14 +165,24 @@ class Agent:
         frames_buffer: np.ndarray | None = None,
         replies_buffer: np.ndarray | None = None,
         frames_access: Access = Access.NONE,
+        hang_timeout: float = DEFAULT_HANG_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+        reattach: Backoff = REATTACH_BACKOFF,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
         share the region over loopback) -- and replies, the one region slot servers may write.
         ``frames_buffer``/``replies_buffer``: memory owned elsewhere (shared with edges) that
         ``transport`` registers in place (the verbs transport can), so the edges' token writes are
-        what the NIC sends and results land where the edges read them."""
+        what the NIC sends and results land where the edges read them.  ``hang_timeout``: seconds of a
+        still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own);
+        ``reattach``: how often :meth:`revive` tries a slot server that went away."""
+        self.hang_timeout = check_hang_timeout(hang_timeout)  # before anything is registered
         self.transport = transport
+        self.clock = clock
+        self.reattach = reattach
+        #: seconds after which :meth:`check_links` reads a link's heartbeat that nothing else has read
+        self.probe_interval = min(0.1, hang_timeout / 4)
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
         self.frames_mr: MemoryRegion = transport.register(
@@ -136,9 +193,10 @@ class Agent:
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._words_per_link = max_slots_per_server
-        # Per server its cached state words and prefix table (as laid out in its pool: one READ), then a cancel
-        # word to send from, then a pool header to read into.
-        self._link_bytes = -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
+        # Per server [pool header from its heartbeat][cached state words, padded to a cache line][its prefix
+        # table] (as laid out in its pool: one READ), then a cancel word to send from, then a pool header to
+        # read into.
+        self._link_bytes = _HEAD + -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
         words_size = self._link_bytes * max_servers
         self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
         self._cancel_off = words_size
@@ -150,6 +208,9 @@ class Agent:
         self.inflight = self.book.inflight
         self.delivery_stats = self.book.stats
         self._chain = wire.PrefixChain(input_capacity)
+        self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
+        self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
+        self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -176,7 +237,12 @@ class Agent:
         return self.transport.cq.arm()
 
     def alive(self) -> bool:
+        """Whether any slot server is connected (UP or UNRESPONSIVE)."""
         return any(link.alive for link in self.links)
+
+    def links_health(self) -> list[LinkHealth]:
+        """Every slot server's link: state, reason, since when (one per attached server, in order)."""
+        return [link.tracker.health() for link in self.links]
 
     # -- attaching ------------------------------------------------------------------
     def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
@@ -200,26 +266,65 @@ class Agent:
             conn.close()
             raise
 
-    def revive(self, timeout: float = 0.05) -> list[ServerLink]:
-        """Re-attach to slot servers that went away (restarted, say); the links that came back.
+    def revive(self, timeout: float = REATTACH_TIMEOUT) -> list[ServerLink]:
+        """Re-attach slot servers that went away (restarted, say); the links that came back.
 
-        A revived server is a new pool (new epoch, new claimant id): nothing of the old one is
-        trusted, and what was in flight there was already answered by :meth:`fail_link`."""
+        Each down link is tried again with bounded exponential back-off (:data:`REATTACH_BACKOFF`), one try
+        at a time, on a thread of its own: a connection set-up (each of its steps waits up to ``timeout``
+        seconds) never holds the caller's loop, so this is cheap to call at every tick -- it starts a try
+        that is due, and swaps in the link of a try that succeeded.  A revived server is a new pool (new
+        epoch, new claimant id): nothing of the old one is trusted, and what was in flight there is answered
+        by :meth:`check_links`."""
         revived = []
-        for position, old in enumerate(self.links):
-            if old.alive:
-                continue
+        now = self.clock()
+        attempt = self._attempt
+        if attempt is not None and attempt[1].done():
+            self._attempt = None
+            position, future = attempt
+            old = self.links[position]
             try:
-                link = self._connect(old.address, position, timeout)
-            except AgentError:
-                continue
-            self.by_conn.pop(old.conn.conn_id, None)
-            old.conn.close()
-            self.links[position] = link
-            self.by_conn[link.conn.conn_id] = link
-            revived.append(link)
-            log.info("slot server %s is back (epoch %#x)", link.address, link.epoch)
+                link = future.result()
+            except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
+                delay = old.rejoin.failed(now)
+                tries = old.rejoin.failures - 1
+                log.debug(
+                    "slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address, tries, exc, delay
+                )
+            else:
+                self.by_conn.pop(old.conn.conn_id, None)
+                old.conn.close()
+                link.stats, link.reattaches = old.stats, old.reattaches + 1  # counted over every attach
+                self.links[position] = link
+                self.by_conn[link.conn.conn_id] = link
+                revived.append(link)
+                tries = old.rejoin.failures
+                log.info("slot server %s is back (epoch %#x) after %d tries", old.address, link.epoch, tries)
+        if self._attempt is None:
+            for position, old in enumerate(self.links):
+                if not old.alive and old.rejoin.due(now):
+                    self._attempt = (position, self._try_attach(old.address, position, timeout))
+                    break
         return revived
+
+    @property
+    def reattaching(self) -> bool:
+        """Whether a re-attach try is under way (its outcome is taken by the next :meth:`revive`)."""
+        return self._attempt is not None
+
+    def _try_attach(self, address: str, position: int, timeout: float) -> Future[ServerLink]:
+        """:meth:`_connect` on a thread of its own; what it made (or why not) arrives in the future.  Safe
+        beside the caller's data path: it uses a new connection, the pool-header scratch (one try at a
+        time) and the cached words of ``position``, whose old link is down and read by nobody."""
+        future: Future[ServerLink] = Future()
+
+        def attach() -> None:
+            try:
+                future.set_result(self._connect(address, position, timeout))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=attach, name=f"reattach-{position}", daemon=True).start()
+        return future
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
         pool = conn.remote.get(wire.POOL_REGION)
@@ -240,15 +345,23 @@ class Agent:
         n = int(header["slot_count"])
         if n > self._words_per_link:
             raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
-        words_offset = self._link_bytes * position
+        head = int(header["states_offset"]) - wire.HEARTBEAT_OFFSET
+        if not 8 <= head <= _HEAD:
+            raise AgentError(
+                f"{address}: the pool's state words start at byte {int(header['states_offset'])}, not right after "
+                "its header"
+            )
+        words_offset = self._link_bytes * position + _HEAD
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
+        beat = self.scratch_mr.buf[words_offset - head : words_offset - head + 8].view(np.uint64)
         entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
-        if entries and not (8 * n <= gap and gap + 8 * entries <= self._link_bytes):
+        if entries and not (8 * n <= gap and _HEAD + gap + 8 * entries <= self._link_bytes):
             raise AgentError(
                 f"{address}: a prefix table of {entries} entries at byte {int(header['prefixes_offset'])}, not right "
                 f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
             )
         table_offset = words_offset + gap
+        now = self.clock()
         link = ServerLink(
             address,
             conn,
@@ -264,10 +377,14 @@ class Agent:
             words,
             words_offset,
             pool,
+            beat,
+            LinkTracker(address, self.hang_timeout, now),
+            rejoin=Retry(self.reattach),
             prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
             read_bytes=gap + 8 * entries if entries else 8 * n,
         )
-        self._refresh(link)
+        self._read(link)
+        link.tracker.attached(int(link.beat[0]), now)
         return link
 
     def server_states(self, link: ServerLink) -> np.ndarray:
@@ -275,11 +392,38 @@ class Agent:
         self._refresh(link)
         return link.words.copy()
 
-    def _refresh(self, link: ServerLink) -> None:
-        """One RDMA READ of the server's state words (and its prefix table, laid out right after them) into
-        the cache."""
+    def _read(self, link: ServerLink) -> None:
+        """One RDMA READ of the server's heartbeat and state words (and its prefix table, laid out right after
+        them) into the cache."""
         link.stats.refreshes += 1
-        link.conn.read(self.scratch_mr, link.words_offset, link.pool, link.states_offset, link.read_bytes)
+        link.conn.read(
+            self.scratch_mr,
+            link.words_offset - link.head,
+            link.pool,
+            wire.HEARTBEAT_OFFSET,
+            link.head + link.read_bytes,
+        )
+
+    def _refresh(self, link: ServerLink) -> None:
+        """Read the server's heartbeat and state words; the heartbeat tells the link's state."""
+        self._read(link)
+        tracker = link.tracker
+        before = tracker.state
+        state = tracker.observe(int(link.beat[0]), self.clock())
+        if state is not before:
+            health = tracker.health()
+            if state is LinkState.UP:
+                log.warning("slot server %s responds again (its heartbeat moved)", link.address)
+            else:
+                log.warning("slot server %s is unresponsive: %s", link.address, health.describe(health.since))
+                self._stalled += [i for i, f in self.book.inflight.items() if f.link is link and not f.abandoned]
+
+    def _probe(self, link: ServerLink) -> None:
+        """Refresh ``link`` for its heartbeat; a failed read takes it down."""
+        try:
+            self._refresh(link)
+        except TransportError as exc:
+            self._link_down(link, exc)
 
     # -- claiming -------------------------------------------------------------------
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
@@ -344,9 +488,15 @@ class Agent:
         if self.check_frame(index) is not None:
             return Status.BAD_REQUEST
         count = self.frames.request_headers[index].token_count
-        live = [link for link in self.links if link.alive and count <= link.input_capacity]
+        links = self.links
+        if not all(link.up for link in links):
+            now = self.clock()  # an unresponsive server may have come back: look again, at most every probe interval
+            for link in links:
+                if link.alive and not link.up and now - link.tracker.observed >= self.probe_interval:
+                    self._probe(link)
+        live = [link for link in links if link.up and count <= link.input_capacity]
         if not live:
-            return Status.UNAVAILABLE if not any(link.alive for link in self.links) else Status.BAD_REQUEST
+            return Status.UNAVAILABLE if not any(link.up for link in links) else Status.BAD_REQUEST
         matched = self._order(live, index, count) if len(live) > 1 else None
         for link in live:
             try:
@@ -367,7 +517,7 @@ class Agent:
                 self._link_down(link, exc)
                 return Status.UNAVAILABLE
             return None
-        if not any(link.alive for link in self.links):
+        if not any(link.up for link in links):
             return Status.UNAVAILABLE
         return Status.NO_SLOT
 
@@ -404,8 +554,19 @@ class Agent:
 
     def _link_down(self, link: ServerLink, exc: Exception) -> None:
         if link.alive:
-            log.warning("slot server %s unavailable: %s", link.address, exc)
-        link.alive = False
+            log.warning("slot server %s unavailable: %s; out of admission until it is back", link.address, exc)
+        self._down(link, Reason.FAILED, str(exc))
+
+    def _down(self, link: ServerLink, reason: Reason, detail: str = "") -> None:
+        """``link`` is gone: its state says why, and what was in flight there is lost -- abandoned frames go
+        back to the free list, the others wait in ``_lost`` for :meth:`check_links` to return them; the first
+        loss starts its re-attach schedule (:meth:`revive`)."""
+        now = self.clock()
+        if link.alive:
+            link.rejoin.failed(now)
+        link.tracker.lost(reason, now, detail)
+        link.inflight = 0
+        self._lost += self.book.lose(lambda flight: flight.link is link)
 
     def deliver(self, conn_id: int, imm: int) -> Delivery | None:
         """Account one completion from a slot server: streamed progress or a final result. Anything
@@ -468,20 +629,34 @@ class Agent:
             self.cancel(index)
 
     def fail_link(self, link: ServerLink) -> list[int]:
-        """Mark ``link`` down; frames that were in flight there (now lost) are returned, except abandoned
-        ones, which go straight back to the free list."""
-        link.alive = False
-        link.inflight = 0
-        return self.book.lose(lambda flight: flight.link is link)
+        """Mark ``link`` down (disconnected); frames lost with it (or with any link since the last call) are
+        returned, except abandoned ones, which go straight back to the free list."""
+        self._down(link, Reason.DISCONNECTED)
+        lost, self._lost = self._lost, []
+        return sorted(lost)
 
     def check_links(self) -> list[int]:
-        """Handle connection events; frames lost with a slot server that went away are returned."""
-        lost: list[int] = []
+        """Handle connection events and read the heartbeat of every connected server not read within the
+        probe interval; frames lost with a slot server that went away are returned (answer them 503)."""
+        now = self.clock()
         for link in self.links:
-            if link.alive and not link.conn.check_alive():
+            if not link.alive:
+                continue
+            if not link.conn.check_alive():
                 log.warning("slot server %s disconnected", link.address)
-                lost.extend(self.fail_link(link))
-        return lost
+                self._down(link, Reason.DISCONNECTED)
+            elif now - link.tracker.observed >= self.probe_interval:
+                self._probe(link)
+        lost, self._lost = self._lost, []
+        return sorted(lost)
+
+    def stalled(self) -> list[int]:
+        """Frames that were in flight on a slot server when it was found UNRESPONSIVE (even if it has come back
+        since), each reported once; the caller answers them and abandons them (they stay fenced until that
+        server lets go of them or its link is lost)."""
+        stalled, self._stalled = self._stalled, []
+        inflight = self.book.inflight
+        return [index for index in stalled if index in inflight and not inflight[index].abandoned]
 
     def poll(self, timeout: float | None = 0.0, spin: float = 0.0) -> list[Delivery]:
         """What arrived for frames in flight: streamed progress and final results (in ``frames.results`` /
@@ -494,18 +669,30 @@ class Agent:
         return out
 
     def free_slots(self) -> tuple[int, int]:
-        """(free slots on live servers, slots on all servers), read now: one RDMA READ of the state words per server."""
+        """(free slots on UP servers, slots on all servers), read now: one RDMA READ of the heartbeat and state
+        words per connected server (which also tells whether it is still UP)."""
         free = 0
         for link in self.links:
             if not link.alive:
                 continue
-            try:
-                self._refresh(link)
-            except TransportError as exc:
-                self._link_down(link, exc)
-                continue
-            free += link.free_hint
+            self._probe(link)
+            if link.up:
+                free += link.free_hint
         return free, sum(link.slot_count for link in self.links)
+
+    def servers(self) -> list[SlotServerStatus]:
+        """Every slot server this agent attached, in attach order: the link's health, free slots read now
+        (one RDMA READ of the heartbeat and state words per connected server; 0 unless it is up), slots,
+        claims and re-attaches (over every attach)."""
+        out = []
+        for link in self.links:
+            if link.alive:
+                self._probe(link)
+            free = link.free_hint if link.up else 0
+            out.append(
+                SlotServerStatus(link.tracker.health(), free, link.slot_count, link.stats.claims, link.reattaches)
+            )
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -514,6 +701,7 @@ class Agent:
                     "address": link.address,
                     "slots": link.slot_count,
                     "alive": link.alive,
+                    "state": link.tracker.state.value,
                     "inflight": link.inflight,
                     **link.stats.__dict__,
                 }

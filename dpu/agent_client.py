@@ -12,13 +12,15 @@ its successor -- the edge keeps running.
 from __future__ import annotations
 
 import logging
+import time
 
 from edgepath.dma import wire
 from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
+from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.agent_client")
@@ -33,6 +35,8 @@ class AgentClient:
         self._completions = self.transport.register(wire.COMPLETIONS_REGION, 8, Access.REMOTE_WRITE)
         self._scratch = self.transport.register("scratch", 8, Access.NONE)
         self._alive = False
+        self._gone_at = 0.0  # when the agent process was seen gone (time.monotonic)
+        self._stalled: list[int] = []  # frames the agent said are on an unresponsive slot server
         self.delivery_stats = DeliveryStats()
         self._connect(timeout)
 
@@ -55,6 +59,7 @@ class AgentClient:
         self.conn = conn
         self._region = region
         self._status = wire.AgentStatus(conn.local_view(status))
+        self._slot_servers = grant.slot_servers
         self.layout = FrameLayout(grant.input_capacity, grant.output_capacity)
         count, base = grant.frame_count, grant.frame_base
         self.frames = AgentFrames(
@@ -66,6 +71,7 @@ class AgentClient:
             replies_offset=base * reply_stride(self.layout.output_capacity),
         )
         self.book: FrameBook[Flight] = FrameBook(count, self.delivery_stats)
+        self._stalled = []
         self._alive = True
 
     def fileno(self) -> int:
@@ -122,6 +128,10 @@ class AgentClient:
         book = self.book
         for c in self.transport.cq.wait(timeout, spin=spin, max_entries=256):
             index = wire.imm_index(c.imm)
+            if wire.is_stalled_imm(c.imm):
+                if c.conn_id == self.conn.conn_id and index in book.inflight:
+                    self._stalled.append(index)
+                continue
             progress = wire.is_progress_imm(c.imm)
             if c.conn_id != self.conn.conn_id or index not in book.inflight:
                 book.stray(index, not progress)  # the agent answers each frame's submission once
@@ -142,7 +152,24 @@ class AgentClient:
             return []
         log.warning("agent %s disconnected", self.address)
         self._alive = False
+        self._gone_at = time.monotonic()
         return self.book.lose()
+
+    def stalled(self) -> list[int]:
+        """Frames the agent process reported on an unresponsive slot server (once each), still in flight."""
+        stalled, self._stalled = self._stalled, []
+        inflight = self.book.inflight
+        return [index for index in stalled if index in inflight and not inflight[index].abandoned]
+
+    def links_health(self) -> list[LinkHealth]:
+        """The agent process's links to its slot servers as it last published them; while the agent process
+        itself is gone, one DOWN link named by the agent's address."""
+        if not self._alive:
+            detail = "the agent process went away"
+            return [LinkHealth(self.address, LinkState.DOWN, Reason.DISCONNECTED, self._gone_at, 0.0, 1.0, detail)]
+        published = self._status.links()
+        unpublished = [(0,) * wire.LINK_WORDS] * (len(self._slot_servers) - len(published))
+        return [LinkHealth.from_words(a, w) for a, w in zip(self._slot_servers, published + unpublished, strict=False)]
 
     def revive(self, timeout: float = 0.05) -> list[str]:
         """Connect to the agent again (a restarted one); its frames replace the old ones. The address when
@@ -164,6 +191,11 @@ class AgentClient:
             return 0, 0
         free, total, _ = self._status.read()
         return free, total
+
+    def servers(self) -> list[SlotServerStatus]:
+        """The agent process's slot servers as their links' health (:meth:`links_health`); their slots and
+        this agent's claims there are the agent process's to count: not published, so not listed."""
+        return [SlotServerStatus(health) for health in self.links_health()]
 
     def close(self) -> None:
         self.transport.close()

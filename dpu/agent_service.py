@@ -19,6 +19,7 @@ import logging
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,11 +93,14 @@ class AgentService:
         self.listener: Listener = edge_transport.listen(
             address,
             [*regions, self.status_mr],
-            wire.EdgeGrant.capacities(agent.layout.input_capacity, agent.layout.output_capacity),
+            wire.EdgeGrant.capacities(
+                agent.layout.input_capacity, agent.layout.output_capacity, [link.address for link in agent.links]
+            ),
         )
         self.address = address
         self.connections = ConnectionManager(self.listener, self._admit, "agent-cm")
         self._stop = threading.Event()
+        self.publish_status()  # true from the first edge on
 
     # -- edges come and go -----------------------------------------------------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
@@ -131,11 +135,14 @@ class AgentService:
     def _answer(self, index: int, final: bool = True) -> None:
         """Tell the frame's edge that its result (``final``) or more streamed output arrived: the data is
         already in the replies region it reads."""
+        self._tell(index, wire.final_imm if final else wire.progress_imm)
+
+    def _tell(self, index: int, imm_of: Callable[[int], int]) -> None:
+        """Post ``imm_of(the frame's index in its edge's range)`` to the frame's edge."""
         edge = self._edge_of(index)
         if edge is None:
             return  # the edge has gone; nothing to tell
-        local = index - edge.base
-        imm = wire.final_imm(local) if final else wire.progress_imm(local)
+        imm = imm_of(index - edge.base)
         try:
             edge.conn.write_with_imm(self.notify_mr, 0, edge.conn.remote[wire.COMPLETIONS_REGION], 0, 0, imm)
         except TransportError as exc:
@@ -174,12 +181,16 @@ class AgentService:
             self._answer(delivery.index, delivery.final)
 
     def publish_status(self) -> None:
-        """Re-attach slot servers that came back, then publish free/total slots and liveness."""
+        """Re-attach slot servers that came back, then publish free/total slots and each link's state
+        (reading every server's heartbeat on the way); tell edges which of their frames are on a server
+        that stopped responding."""
         agent = self.agent
         if not all(link.alive for link in agent.links):
-            agent.revive(timeout=0.05)
+            agent.revive()
         free, total = agent.free_slots()
-        self._status.publish(free, total, agent.alive())
+        self._status.publish(free, total, agent.alive(), [health.words() for health in agent.links_health()])
+        for index in agent.stalled():
+            self._tell(index, wire.stalled_imm)
 
     def serve(self) -> None:
         self.connections.start()

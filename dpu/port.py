@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.dpu.link_state import LinkHealth
 from edgepath.native.abi import Status
 
 
@@ -43,6 +44,18 @@ class DeliveryStats:
     unknown: int = 0  # a completion for a frame that was never in flight, or for another generation
     abandoned: int = 0  # frames given up by the caller
     late: int = 0  # completions for abandoned frames, discarded
+
+
+@dataclass(frozen=True, slots=True)
+class SlotServerStatus:
+    """One slot server behind a port, as ``/health`` and ``/metrics`` list it; a count the port does not
+    know (an agent process does not publish them) is None."""
+
+    health: LinkHealth  # its address, the link's state, why, since when
+    free_slots: int | None = None  # free now (0 unless the link is up)
+    total_slots: int | None = None  # its slots (as of its last attach)
+    claims: int | None = None  # slots this agent claimed there, over every attach
+    reattaches: int | None = None  # times it came back and was attached again
 
 
 class AgentPort(Protocol):
@@ -85,7 +98,17 @@ class AgentPort(Protocol):
         ...
 
     def check_links(self) -> list[int]:
-        """Frames lost with a slot server (or agent process) that went away: answer them 503."""
+        """Frames lost with a slot server (or agent process) that went away: answer them 503.  Also where
+        slot servers' heartbeats are looked at when nothing else has for a while."""
+        ...
+
+    def stalled(self) -> list[int]:
+        """Frames in flight on a slot server that became unresponsive, each reported once: answer them 504
+        and abandon them (they stay fenced until that server lets go of them or its link is lost)."""
+        ...
+
+    def links_health(self) -> list[LinkHealth]:
+        """The link to every slot server behind this port: up, unresponsive or down, why, since when."""
         ...
 
     def revive(self, timeout: float = ...) -> Sequence[object]:
@@ -94,7 +117,7 @@ class AgentPort(Protocol):
         ...
 
     def alive(self) -> bool:
-        """Whether any slot server is reachable."""
+        """Whether any slot server is connected (up, or unresponsive)."""
         ...
 
     def capacity(self) -> FrameLayout:
@@ -103,5 +126,10 @@ class AgentPort(Protocol):
         ...
 
     def free_slots(self) -> tuple[int, int]:
-        """(free slots on live slot servers, all their slots)."""
+        """(free slots on slot servers that are up, all their slots), read now (which looks at the servers'
+        heartbeats too)."""
+        ...
+
+    def servers(self) -> Sequence[SlotServerStatus]:
+        """The slot servers behind this port, one entry each, in the order they were given."""
         ...

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from edgepath.dma.wire import Sampling
+from edgepath.dpu.link_state import Readiness
 from edgepath.edge.auth import ApiKeys
 
 JSON = b"application/json"
@@ -32,6 +33,8 @@ Headers = list[tuple[bytes, bytes]]
 GENERATE, TOKENIZE = "/v1/generate", "/v1/tokenize"
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 HEALTH, METRICS = "/health", "/metrics"
+#: Kubernetes-style probes: the edge process answers (liveness), and it can serve -- a slot server is up (readiness)
+LIVE, READY = "/health/live", "/health/ready"
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
 STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "return", "first_token", "total")
@@ -189,6 +192,8 @@ ROUTES: dict[str, Route] = {
     CHAT: Route(("POST",), "openai"),
     MODELS: Route(("GET",), "openai"),
     HEALTH: Route(("GET",), "ops"),
+    LIVE: Route(("GET",), "ops"),
+    READY: Route(("GET",), "ops"),
     METRICS: Route(("GET",), "ops"),
 }
 
@@ -406,12 +411,18 @@ class HttpCore:
     def health_response(
         free: int,
         total: int,
-        alive: bool,
+        verdict: Readiness,
         query: dict[str, list[str]],
         window: Callable[[float], tuple[float, int, float]],
+        slot_servers: Sequence[Mapping[str, Any]] = (),
     ) -> Response:
-        """``/health``; ``?latency=P`` adds the live P-th percentile of edge-internal latency."""
-        payload: dict[str, Any] = {"status": "ok" if alive else "unavailable", "free_slots": free, "total_slots": total}
+        """``/health``: 200 when a slot server is up, else 503 naming the reason; every slot server listed
+        (``slot_servers``: address, state, ...); ``?latency=P`` adds the live P-th percentile of edge-internal
+        latency."""
+        payload: dict[str, Any] = {"status": verdict.status, "free_slots": free, "total_slots": total}
+        if not verdict.ready:
+            payload["reason"] = verdict.reason
+        payload["slot_servers"] = list(slot_servers)
         if "latency" in query:
             raw = query["latency"][-1]
             try:
@@ -424,7 +435,21 @@ class HttpCore:
                 )
             value_us, count, seconds = window(pct)
             payload["latency"] = {"percentile": pct, "edge_us": value_us, "samples": count, "window_s": seconds}
-        return json_response(200 if alive else 503, payload)
+        return json_response(200 if verdict.ready else 503, payload)
+
+    @staticmethod
+    def ready_response(verdict: Readiness) -> Response:
+        """``/health/ready`` (a readiness probe): 200 when a slot server is up -- free slots or not: a full
+        server answers 429 at once, which is serving -- else 503 with the reason."""
+        payload = {"status": verdict.status} if verdict.ready else {"status": verdict.status, "reason": verdict.reason}
+        return json_response(200 if verdict.ready else 503, payload)
+
+    @staticmethod
+    def live_response() -> Response:
+        """``/health/live`` (a liveness probe): 200 whenever the edge answers at all.  A frozen slot server
+        makes the edge unready, never dead: restarting the edge would not help (``serve`` restarts the slot
+        server itself)."""
+        return json_response(200, {"status": "ok"})
 
 
 def json_type(value: object) -> str:

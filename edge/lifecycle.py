@@ -22,15 +22,19 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
 from edgepath.dma import wire
 from edgepath.dpu.frame import write_header
-from edgepath.dpu.port import AgentPort, Delivery
+from edgepath.dpu.link_state import LinkState, readiness
+from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge.http import (
     GENERATE,
+    LIVE,
     METRICS,
+    READY,
     ROUTES,
     TOKENIZE,
     Formatter,
@@ -245,8 +249,9 @@ class EdgeLifecycle:
         return actions
 
     def tick(self, now: int) -> list[Action]:
-        """Periodic: frames lost with a slot server -> 503; requests past their deadline -> 504 (and
-        abandoned); a slot server that went away is re-attached as soon as it is back."""
+        """Periodic: frames lost with a slot server -> 503; frames on a slot server that became unresponsive
+        -> 504 at once (and abandoned); requests past their deadline -> 504 (and abandoned); a slot server
+        that went away is re-attached as soon as it is back."""
         port = self.port
         actions: list[Action] = []
         port.revive()  # a no-op while every link is up; one of several may be down while alive() is True
@@ -257,6 +262,18 @@ class EdgeLifecycle:
             self._forget(t)
             port.release(index)
             actions.append(self._fail(t, HttpError(503, "unavailable", "the slot server went away")))
+        stalled = port.stalled()
+        if stalled:
+            stuck = [h for h in port.links_health() if h.state is LinkState.UNRESPONSIVE]
+            named = "; ".join(f"slot server {h.address}: {h.describe(now / 1e9)}" for h in stuck)
+            why = named or "its slot server stopped responding"
+            for index in stalled:
+                t = self.by_frame.get(index)
+                if t is None:
+                    continue
+                self._forget(t)
+                port.abandon(index)
+                actions.append(self._fail(t, HttpError(504, "unresponsive", f"no result: {why}")))
         for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
             self._forget(t)
             assert t.frame is not None
@@ -533,9 +550,20 @@ class EdgeLifecycle:
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == METRICS:
             return Response(200, [(b"content-type", self.metrics.content_type.encode())], self.metrics.exposition())
-        free, total = self.port.free_slots()
+        if query.route == LIVE:
+            return self.core.live_response()
+        listed = self.port.servers()  # reads the servers' heartbeats too: the verdict is current
+        verdict = readiness(self.port.links_health(), now / 1e9)
+        if query.route == READY:
+            return self.core.ready_response(verdict)
+        counts = [(s.free_slots, s.total_slots) for s in listed]
+        if listed and all(free is not None and total is not None for free, total in counts):
+            free, total = sum(f for f, _ in counts), sum(t for _, t in counts)  # type: ignore[misc]  # the same READs
+        else:
+            free, total = self.port.free_slots()
+        servers = [slot_server_entry(server, now / 1e9) for server in listed]
         return self.core.health_response(
-            free, total, self.port.alive(), query.query, lambda pct: self.metrics.window.percentile(pct, now)
+            free, total, verdict, query.query, lambda pct: self.metrics.window.percentile(pct, now), servers
         )
 
     def _forget(self, t: Tracked) -> None:
@@ -554,6 +582,28 @@ class EdgeLifecycle:
         self.metrics.answered(route, response.status, total)
         response.headers += timing_headers(timings)
         return Respond(rid, response)
+
+
+def slot_server_entry(server: SlotServerStatus, now: float) -> dict[str, Any]:
+    """One slot server in ``/health``: where it is, whether its link is up, its state (up, unresponsive,
+    down), why and for how long (``now``: the port's clock, seconds), its slots and what this edge's
+    agent claimed there."""
+    health = server.health
+    entry: dict[str, Any] = {
+        "address": health.address,
+        "state": health.state.value,
+        "link": "down" if health.state is LinkState.DOWN else "up",
+        "reason": "" if health.up else health.describe(now),
+        "for_s": round(max(0.0, now - health.since), 3),
+    }
+    counts = {
+        "free_slots": server.free_slots,
+        "total_slots": server.total_slots,
+        "claims": server.claims,
+        "reattaches": server.reattaches,
+    }
+    entry.update((key, value) for key, value in counts.items() if value is not None)  # None: not known here
+    return entry
 
 
 def _status_name(status: int) -> str:

@@ -13,7 +13,7 @@ for its workers), so whichever worker answers ``/metrics`` shows the sum of all 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -23,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from edgepath.dpu.port import DeliveryStats
+from edgepath.dpu.link_state import LinkState
+from edgepath.dpu.port import DeliveryStats, SlotServerStatus
 
 SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -80,7 +81,13 @@ class EdgeMetrics:
         free_slots: Callable[[], float],
         delivery_stats: Callable[[], DeliveryStats],
         window: LatencyWindow | None = None,
+        supervision: Callable[[], tuple[int, int] | None] | None = None,
+        slot_servers: Callable[[], Sequence[SlotServerStatus]] = tuple,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``supervision``: (restarts, hangs) of the supervised slot server, read when scraped (None: nothing
+        supervised, no such metrics); ``slot_servers``: the port's per-server listing, read when scraped;
+        ``clock``: the time of the port's clock (seconds), to say how long each link has been in its state."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -128,6 +135,11 @@ class EdgeMetrics:
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
         self.registry.register(self.free_slots)
+        self.supervision = _Supervision(supervision) if supervision is not None else None
+        if self.supervision is not None:
+            self.registry.register(self.supervision)
+        self.slot_servers = _SlotServers(slot_servers, clock or (lambda: 0.0))
+        self.registry.register(self.slot_servers)
         self.window = window or LatencyWindow()
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -173,6 +185,9 @@ class EdgeMetrics:
         MultiProcessCollector(merged, self._shared_dir)
         merged.register(self.free_slots)  # read live: the slot server's count, the same from every worker
         merged.register(self.delivery_stats)  # the port of the worker that answers the scrape
+        if self.supervision is not None:
+            merged.register(self.supervision)  # the supervising parent's counts, one for all workers
+        merged.register(self.slot_servers)  # that worker's agent's links and claims
         return generate_latest(merged)
 
 
@@ -184,6 +199,71 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Supervision:
+    """How often ``serve`` restarted its slot server, and how many of those it killed for hanging."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.read()
+        if counts is None:
+            return
+        restarts, hangs = counts
+        yield CounterMetricFamily(
+            "edgepath_slot_server_restarts", "Restarts of the slot server serve supervises (any cause)", value=restarts
+        )
+        yield CounterMetricFamily(
+            "edgepath_slot_server_hangs",
+            "Slot servers serve killed (then restarted) because they stayed unresponsive past --hang-timeout",
+            value=hangs,
+        )
+
+
+class _SlotServers:
+    """One series per slot server (label ``slot_server``: its address), read from the port when scraped:
+    its state (one ``state`` label per possible state, 1 for the current one), whether its link is up, how
+    long it has been in its state, its free and total slots, and this agent's claims and re-attaches there."""
+
+    def __init__(self, read: Callable[[], Sequence[SlotServerStatus]], clock: Callable[[], float]) -> None:
+        self.read = read
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        servers = self.read()
+        now = self.clock()
+        labels = ["slot_server"]
+        state = GaugeMetricFamily(
+            "edgepath_slot_server_state",
+            "1 for the state the link to this slot server is in",
+            labels=[*labels, "state"],
+        )
+        link = GaugeMetricFamily("edgepath_slot_server_link_up", "1 while attached (up or unresponsive)", labels=labels)
+        since = GaugeMetricFamily("edgepath_slot_server_state_seconds", "Seconds in the current state", labels=labels)
+        free = GaugeMetricFamily("edgepath_slot_server_free_slots", "Free slots (0 while not up)", labels=labels)
+        total = GaugeMetricFamily("edgepath_slot_server_slots", "Slots of this slot server", labels=labels)
+        claims = CounterMetricFamily("edgepath_slot_server_claims", "Slots claimed there by this agent", labels=labels)
+        back = CounterMetricFamily(
+            "edgepath_slot_server_reattaches", "Times it came back and was re-attached", labels=labels
+        )
+        for server in servers:
+            health = server.health
+            address = [health.address]
+            for each in LinkState:
+                state.add_metric([*address, each.value], float(each is health.state))
+            link.add_metric(address, float(health.state is not LinkState.DOWN))
+            since.add_metric(address, max(0.0, now - health.since))
+            for family, value in (
+                (free, server.free_slots),
+                (total, server.total_slots),
+                (claims, server.claims),
+                (back, server.reattaches),
+            ):
+                if value is not None:  # None: not known behind this port (an agent process's own counts)
+                    family.add_metric(address, float(value))
+        yield from (state, link, since, free, total, claims, back)
 
 
 class _DeliveryCollector:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -38,6 +38,12 @@ from edgepath.native.abi import lib
 log = logging.getLogger("edgepath.edge")
 
 _now = lib.ep_now_ns
+
+
+def _seconds() -> float:
+    """The port's clock (CLOCK_MONOTONIC, as ``time.monotonic``) in seconds."""
+    return _now() / 1e9
+
 
 #: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
 TOKENIZER_WORKERS = 2
@@ -103,14 +109,22 @@ class EdgeService:
         request_timeout: float = 60.0,
         body_timeout: float = 5.0,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
+        supervision: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
+        """``supervision``: (restarts, hangs) of the slot server the app supervises, for /metrics."""
         self.core = core
         self.tokenizer = tokenizer
         self.port = port
         self.loop = loop
         self.executor = executor
         self.body = BodyLimits(core.limits.max_body, body_timeout)
-        self.metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+        self.metrics = EdgeMetrics(
+            lambda: port.free_slots()[0],
+            lambda: port.delivery_stats,
+            supervision=supervision,
+            slot_servers=port.servers,
+            clock=_seconds,
+        )
         self.lifecycle = EdgeLifecycle(
             core,
             tokenizer,

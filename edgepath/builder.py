@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,10 +64,18 @@ def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     return server
 
 
-def attach_all(agent: Agent, slot_servers: tuple[str, ...]) -> None:
-    """Attach ``agent`` to every slot server, in order."""
+def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, str] | None = None) -> None:
+    """Attach ``agent`` to every slot server, in order.  Every one must answer now: an address that does not
+    is a mistake to report at start (a typo looks the same as a slot server that is down), named by its
+    option (``flags``: address -> the option it came from; default ``--slot-server``).  Once attached, a
+    slot server that goes away is re-attached by the agent when it is back."""
+    from edgepath.dpu.agent import AgentError
+
     for address in slot_servers:
-        link = agent.attach(address)
+        try:
+            link = agent.attach(address)
+        except AgentError as exc:
+            raise AgentError(f"{(flags or {}).get(address, '--slot-server')} {address}: {exc}") from exc
         log.info(
             "attached to slot server %s: %d slots, %d input tokens each, claimant id %d",
             address,
@@ -76,10 +85,10 @@ def attach_all(agent: Agent, slot_servers: tuple[str, ...]) -> None:
         )
 
 
-def build_agent(settings: AgentSettings, transport: Transport) -> Agent:
+def build_agent(settings: AgentSettings, transport: Transport, flags: Mapping[str, str] | None = None) -> Agent:
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
-    is reported before anything else starts), attached to its slot servers; the caller closes
-    ``transport``."""
+    is reported before anything else starts), attached to its slot servers (``flags``: see
+    :func:`attach_all`); the caller closes ``transport``."""
     from edgepath.dpu.agent import Agent
 
     agent = Agent(
@@ -87,8 +96,9 @@ def build_agent(settings: AgentSettings, transport: Transport) -> Agent:
         frames=settings.frames,
         input_capacity=settings.input_capacity,
         output_capacity=settings.output_capacity,
+        hang_timeout=settings.hang_timeout,
     )
-    attach_all(agent, settings.slot_servers)
+    attach_all(agent, settings.slot_servers, flags)
     return agent
 
 
@@ -117,6 +127,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 input_capacity=spec.input_capacity,
                 output_capacity=spec.output_capacity,
                 frames_access=Access.REMOTE_WRITE,
+                hang_timeout=spec.hang_timeout,
             )
         else:
             edge_frames = edge_regions(edge_transport, spec.frames, spec.input_capacity, spec.output_capacity)
@@ -128,6 +139,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 output_capacity=spec.output_capacity,
                 frames_buffer=edge_frames[0].buf,
                 replies_buffer=edge_frames[1].buf,
+                hang_timeout=spec.hang_timeout,
             )
         attach_all(agent, spec.slot_servers)
         return AgentService(
@@ -151,9 +163,11 @@ def build_edge(
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
+    supervision: Callable[[], tuple[int, int] | None] | None = None,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys
-    (None: no authentication), tokenizer and agent (not started: call ``start()``)."""
+    (None: no authentication), tokenizer and agent (not started: call ``start()``); ``supervision``: the
+    supervised slot server's (restarts, hangs), for /metrics."""
     import time
 
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
@@ -186,6 +200,7 @@ def build_edge(
         request_timeout=options.request_timeout,
         body_timeout=options.body_timeout,
         formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
+        supervision=supervision,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
 from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.options import (
@@ -165,6 +166,12 @@ class SlotServerSettings(SlotServerConfig):
         text=_MILLISECONDS[1],
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
+    step_budget: float = option(
+        _SLOT_SERVER["step_budget"],
+        type=positive_float,
+        help="seconds a model step may take: a longer one is logged and counted (the heartbeat agents watch "
+        "stands still meanwhile; keep it well under their --hang-timeout; default %(default)s)",
+    )
     listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
     handler: str = option(
         "echo",
@@ -187,6 +194,12 @@ class SlotServerSettings(SlotServerConfig):
         return ["slot-server", *to_argv(self)]
 
 
+_HANG_TIMEOUT_HELP = (
+    "seconds a slot server's heartbeat may stand still before it is unresponsive: no new request is claimed "
+    "there (503 at once when no other is up), the requests it holds end 504 (default %(default)s)"
+)
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     """An agent: frames edges write into, attached to slot servers over ``data_path``."""
@@ -200,6 +213,7 @@ class AgentSettings:
     frames: int = option(1024, type=positive_int, help="frames edges write requests into (default %(default)s)")
     input_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="prompt tokens per frame")
     output_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="output tokens per frame")
+    hang_timeout: float = option(DEFAULT_HANG_TIMEOUT, type=positive_float, help=_HANG_TIMEOUT_HELP)
     data_path: DataPath = field(default_factory=DataPath)
 
 
@@ -218,8 +232,9 @@ Filled = TypeVar("Filled", SlotServerSettings, AgentSettings)  # what ServeOptio
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """``edgepath serve``: an edge, an agent (in-process, or the process at ``agent``) and a slot
-    server (started as a child process and supervised, unless ``slot_server`` names a running one).
+    """``edgepath serve``: an edge, an agent (in-process, or the process at ``agent``) and its slot
+    servers: the running ones at ``slot_servers``, and one started as a child process and supervised
+    (when ``slot_servers`` is empty, or ``local_slot_server`` asks for it alongside them).
 
     Left unset (None), ``handler`` is the model (llama), ``port`` the transport's and the sizes the
     handler's (:data:`MODEL_SIZES`, :data:`ECHO_SIZES`): they are filled in when the options are made.
@@ -240,8 +255,20 @@ class ServeOptions:
         choices=QUIC_ENGINES,
         help="QUIC engine for --transport quic: aioquic (default, the reference) or qh3 (pip install 'edgepath[qh3]')",
     )
-    slot_server: str | None = option(
-        None, help="address of a running slot server (default: start one as a child process)"
+    slot_servers: tuple[str, ...] = option(
+        (),
+        name="--slot-server",
+        repeat=True,
+        metavar="ADDR",
+        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
+        "by free slots, one that fails is left out until it is back); default: start one as a child process",
+    )
+    local_slot_server: bool = option(
+        False,
+        switch=True,
+        worker=False,
+        help="also start (and supervise) a slot server here, alongside the --slot-server ones (without "
+        "--slot-server one is always started)",
     )
     slots: int = option(
         None,
@@ -325,6 +352,12 @@ class ServeOptions:
         worker=False,
         help="the started slot server answers a request 502 when its handler runs longer (seconds; 0: none)",
     )
+    hang_timeout: float = option(
+        DEFAULT_HANG_TIMEOUT,
+        type=positive_float,
+        help=_HANG_TIMEOUT_HELP[:-1] + "; serve kills and restarts a started slot server that stays unresponsive "
+        "for as long again)",
+    )
     request_timeout: float = option(
         60.0,
         type=positive_float,
@@ -372,6 +405,26 @@ class ServeOptions:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
         if self.workers > 1 and self.agent is not None:
             raise ValueError("--workers N gives every worker its own in-process agent: not with --agent")
+        if self.agent is not None and (self.slot_servers or self.local_slot_server):
+            raise ValueError(
+                "--agent uses a running agent process, which attaches to its own slot servers "
+                "(`edgepath agent --slot-server ADDR`): not with --slot-server or --local-slot-server"
+            )
+        seen: set[str] = set()
+        for address in self.slot_servers:
+            if address in seen:
+                raise ValueError(f"--slot-server {address} is given twice: give each slot server once")
+            seen.add(address)
+        if self.slot_server_listen in seen:
+            raise ValueError(
+                f"--slot-server-listen {self.slot_server_listen} is also a --slot-server: the started slot server "
+                "is attached on its own; give another address"
+            )
+        if self.slot_server_listen is not None and not self.starts_slot_server:
+            raise ValueError(
+                "--slot-server-listen is where the started slot server listens, and with --slot-server none is "
+                "started: add --local-slot-server to start one too, or leave --slot-server-listen out"
+            )
         if (self.certificate is None) != (self.private_key is None):
             raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
         handler = self.handler or "llama"
@@ -414,20 +467,30 @@ class ServeOptions:
             options = (*options, ("model", str(model)))
         return replace(self, model=str(model), handler_options=options, tokenizer=self.tokenizer or str(model))
 
-    def agent_settings(self, slot_server: str) -> AgentSettings:
-        """The in-process agent of this edge, attached to ``slot_server``."""
-        return self._fill(AgentSettings, slot_servers=(slot_server,))
+    @property
+    def starts_slot_server(self) -> bool:
+        """Whether ``serve`` starts (and supervises) a slot server of its own."""
+        return self.agent is None and (not self.slot_servers or self.local_slot_server)
 
-    def worker_argv(self, slot_server: str) -> list[str]:
+    def agent_settings(self, slot_servers: tuple[str, ...]) -> AgentSettings:
+        """The in-process agent of this edge, attached to ``slot_servers`` (in this order)."""
+        return self._fill(AgentSettings, slot_servers=slot_servers)
+
+    def worker_argv(self, slot_servers: tuple[str, ...]) -> list[str]:
         """``edgepath`` arguments of one edge worker: this edge, on the shared port (SO_REUSEPORT), with
-        its own agent attached to the shared ``slot_server``; what the slot server runs decides the worker's
-        tokenizer and limits, so the handler and its options go along."""
-        worker = replace(self, slot_server=slot_server, reuse_port=True)
+        its own agent attached to the shared ``slot_servers`` (the started one among them); what the slot
+        servers run decides the worker's tokenizer and limits, so the handler and its options go along."""
+        worker = replace(
+            self, slot_servers=slot_servers, local_slot_server=False, slot_server_listen=None, reuse_port=True
+        )
         return ["serve", *to_argv(worker, keep=lambda flag: flag.worker)]
 
     def slot_server_settings(self, listen: str) -> SlotServerSettings:
-        """The slot server ``serve`` starts, listening at ``listen``."""
-        return self._fill(SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6)
+        """The slot server ``serve`` starts, listening at ``listen``; it reports a model step longer than half
+        the hang timeout."""
+        return self._fill(
+            SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6, step_budget=self.hang_timeout / 2
+        )
 
     def _fill(self, cls: type[Filled], **given: Any) -> Filled:
         """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the

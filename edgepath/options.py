@@ -195,11 +195,17 @@ class StoreTrueOnce(_Once, argparse._StoreTrueAction):
     """argparse's ``store_true``, given at most once."""
 
 
+class BooleanOptionalOnce(_Once, argparse.BooleanOptionalAction):
+    """argparse's ``--x/--no-x`` pair, given at most once (either spelling)."""
+
+
 def once_only(parser: argparse.ArgumentParser) -> None:
-    """Make ``store`` and ``store_true`` options of ``parser`` (and of the parsers it adds) refuse repeats."""
+    """Make ``store``, ``store_true`` and ``--x/--no-x`` options of ``parser`` (and of the parsers it adds)
+    refuse repeats (argparse looks an ``action`` up in this registry, a class as well as a name)."""
     parser.register("action", None, StoreOnce)
     parser.register("action", "store", StoreOnce)
     parser.register("action", "store_true", StoreTrueOnce)
+    parser.register("action", argparse.BooleanOptionalAction, BooleanOptionalOnce)
 
 
 # -- value parsers --------------------------------------------------------------------------------------
@@ -248,8 +254,15 @@ def port_number(text: str) -> int:
 
 def readable_file(text: str) -> str:
     path = Path(text)
-    if not path.is_file():
-        why = "is not a file" if path.exists() else "does not exist"
+    try:
+        is_file = path.is_file()
+        exists = is_file or path.exists()
+    except PermissionError:  # a directory on the way may not be searched: the file cannot be read either
+        raise argparse.ArgumentTypeError(
+            f"expected a readable file, got {text!r} (no permission to reach it: a directory on its path is closed)"
+        ) from None
+    if not is_file:
+        why = "is not a file" if exists else "does not exist"
         raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (it {why})")
     if not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"expected a readable file, got {text!r} (no permission to read it)")

@@ -1,19 +1,23 @@
-"""``edgepath serve``: edge + in-process agent + (unless given one) a supervised local slot server.
+"""``edgepath serve``: edge + in-process agent + its slot servers (running ones at ``--slot-server``,
+and unless only those are given, a supervised local one).
 
-The slot server runs as a child process, exactly as it would run alone (``edgepath slot-server``,
+The local slot server runs as a child process, exactly as it would run alone (``edgepath slot-server``,
 its command line made from the same configuration), and is restarted with bounded back-off when it
-dies; the agent re-attaches to it where it listens.  The agent lives in the edge's process, so the
-edge writes token ids straight into the agent's registered frames.  The process prints
-``ready <url>`` on stdout once it accepts requests, and stops everything it started on SIGINT/SIGTERM.
+dies.  The agent has one link per slot server; a link that fails is out of admission at once and is
+re-attached with bounded back-off when its slot server is back where it listens, started here or
+not.  The agent lives in the edge's process, so the edge writes token ids straight into the agent's
+registered frames.  The process prints ``ready <url>`` on stdout once it accepts requests, and stops
+everything it started on SIGINT/SIGTERM.
 
 With ``--workers N`` this process only supervises: N edge processes (each this same command with its
-own in-process agent, on the shared port with SO_REUSEPORT) and the one slot server they all use.
+own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -35,6 +39,7 @@ from edgepath.edge.metrics import SHARED_DIR_ENV
 from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 from edgepath.edge.tls import TlsFiles, resolve
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
+from edgepath.hangwatch import HangWatch, read_counts
 from edgepath.runtime import runtime_dir
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor
 
@@ -83,7 +88,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     options = options.resolved()  # the model found and checked before anything starts
     check_listen(options)
-    listen = _slot_server_listen(options) if options.agent is None and options.slot_server is None else None
+    listen = _slot_server_listen(options) if options.starts_slot_server else None
     keys = load_keys(options.api_keys_file, options.protect_ops)  # checked before anything starts or logs
     if stop is None:
         stop = asyncio.Event()
@@ -106,17 +111,24 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         if options.agent is None:
             transport = data_path_transport(options.data_path)  # an unusable device fails here, before any child
             cleanup.callback(transport.close)
-        slot_server = options.slot_server
+        shared = _shared_metrics_dir(options, cleanup) if options.workers > 1 else None
+        slot_servers = options.slot_servers
+        counts = _shared_counts()  # this is an edge worker: its parent keeps the counts in the shared directory
         if listen is not None:
-            slot_server = supervisor("slot server", options.slot_server_settings(listen).argv()).start().address
-            slot_server = slot_server or listen
+            local = supervisor("slot server", options.slot_server_settings(listen).argv())
+            listen = local.start().address or listen
+            watch = HangWatch(local, listen, options.data_path, options.slots, options.hang_timeout, shared)
+            cleanup.callback(watch.stop)  # before the supervisor stops: no kill while everything stops
+            watch.start()
+            counts = lambda: (local.restarts, local.hangs)  # noqa: E731
+            slot_servers = (listen, *slot_servers)
         if options.workers > 1:
-            assert slot_server is not None
+            assert shared is not None
             tls = _tls(options)
             if tls is not None:  # one certificate for all workers, made here once
                 options = replace(options, certificate=str(tls.certificate), private_key=str(tls.private_key))
-            env = dict(os.environ, **{SHARED_DIR_ENV: _shared_metrics_dir(options, cleanup)})
-            argv = options.worker_argv(slot_server)
+            env = dict(os.environ, **{SHARED_DIR_ENV: shared})
+            argv = options.worker_argv(slot_servers)
             workers = [supervisor(f"edge worker {i}", argv, env) for i in range(options.workers)]
             await asyncio.gather(*(asyncio.to_thread(worker.start) for worker in workers))  # they start together
             what = f"{options.workers} edge workers"
@@ -126,13 +138,9 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
                 agent: Agent | AgentClient = _named("--agent", options.agent, AgentClient)
                 cleanup.callback(agent.transport.close)
             else:
-                assert slot_server is not None
-                agent = _named(
-                    "--slot-server" if listen is None else "--slot-server-listen",
-                    slot_server,
-                    lambda a: build_agent(options.agent_settings(a), transport),
-                )
-            await _start_edge(options, agent, keys, loop, cleanup)
+                flags = {listen: "--slot-server-listen"} if listen is not None else {}
+                agent = build_agent(options.agent_settings(slot_servers), transport, flags)
+            await _start_edge(options, agent, keys, loop, cleanup, counts)
             what = "edge"
         url = f"{'https' if options.transport == 'quic' else 'http'}://{_host_for_url(options.host)}:{options.port}"
         protocol = "HTTP/3 over QUIC" if options.transport == "quic" else "HTTP/1.1"
@@ -151,15 +159,17 @@ async def _start_edge(
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     cleanup: contextlib.ExitStack,
+    supervision: Callable[[], tuple[int, int] | None] | None,
 ) -> None:
-    """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse."""
+    """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse.
+    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none)."""
     tokenizer = load_tokenizer(options.tokenizer)
     if options.chat_template is not None:
         use_chat_template(tokenizer, options.chat_template)
     log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
     executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
-    service = build_edge(options, tokenizer, agent, keys, loop, executor)
+    service = build_edge(options, tokenizer, agent, keys, loop, executor, supervision)
     service.start()
     cleanup.callback(service.stop)
     tls = _tls(options)
@@ -177,6 +187,13 @@ def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) ->
     path.mkdir(mode=0o700)
     cleanup.callback(shutil.rmtree, path, ignore_errors=True)
     return str(path)
+
+
+def _shared_counts() -> Callable[[], tuple[int, int] | None] | None:
+    """In an edge worker of ``serve --workers``: the supervision counts its parent's hang watch keeps in the
+    shared metrics directory; elsewhere None."""
+    shared = os.environ.get(SHARED_DIR_ENV)
+    return None if shared is None else functools.partial(read_counts, shared)
 
 
 def _tls(options: ServeOptions) -> TlsFiles | None:

@@ -1,10 +1,15 @@
-"""Keeping the children ``edgepath serve`` starts alive: restart with bounded back-off, give up on a loop.
+"""Keeping the children ``edgepath serve`` starts alive: restart with bounded back-off, give up on a loop,
+and kill a slot server that is alive but hung.
 
 :class:`RestartPolicy` is the decision alone (sans-I/O: it is told when a child died and answers how
 long to wait before the next start, or that this is a crash loop); :class:`Supervisor` is the thin
 thread around it that waits for the child, logs why it ended, sleeps, and starts it again with the
 same command line.  Re-attaching is not its business: the agent re-attaches to a slot server at the
 same address on its own (``Agent.revive``), so a restarted child is picked up where it listens.
+
+A hung child does not end by itself: :func:`hang_verdict` (sans-I/O) decides from its link's state that
+it has been unresponsive too long, and :meth:`Supervisor.kill` ends it, after which it is restarted like
+any child that died (and counted in the same crash-loop window).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgepath.children import Child, ChildError, exit_reason
+from edgepath.dpu.backoff import Backoff
+from edgepath.dpu.link_state import LinkHealth, LinkState
 
 log = logging.getLogger("edgepath.supervisor")
 
@@ -27,9 +34,10 @@ class GaveUp(RuntimeError):
 
 @dataclass
 class RestartPolicy:
-    """Exponential back-off from ``first_delay`` doubling to at most ``max_delay``; more than
-    ``max_restarts`` deaths within ``window`` seconds is a crash loop.  Deaths older than the window
-    are forgotten, so a child that has run quietly for a while starts again from ``first_delay``."""
+    """Exponential back-off from ``first_delay`` doubling to at most ``max_delay`` (the agent's re-attach
+    shape, :class:`~edgepath.dpu.backoff.Backoff`) counted over the deaths within ``window`` seconds; more
+    than ``max_restarts`` of those is a crash loop.  Deaths older than the window are forgotten, so a child
+    that has run quietly for a while starts again from ``first_delay``."""
 
     first_delay: float = 0.1
     max_delay: float = 2.0
@@ -38,8 +46,7 @@ class RestartPolicy:
     deaths: collections.deque[float] = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
-        if not 0 < self.first_delay <= self.max_delay:
-            raise ValueError(f"need 0 < first_delay <= max_delay, got {self.first_delay}, {self.max_delay}")
+        self._backoff = Backoff(self.first_delay, self.max_delay)
         if self.max_restarts < 0 or self.window <= 0:
             raise ValueError(f"need max_restarts >= 0 and window > 0, got {self.max_restarts}, {self.window}")
 
@@ -51,7 +58,16 @@ class RestartPolicy:
         self.deaths.append(now)
         if len(self.deaths) > self.max_restarts:
             return None
-        return min(self.max_delay, self.first_delay * 2 ** (len(self.deaths) - 1))
+        return self._backoff.delay(len(self.deaths))
+
+
+def hang_verdict(health: LinkHealth, now: float) -> str | None:
+    """Why a slot server must be killed, or None: its link has been UNRESPONSIVE for a whole hang timeout
+    (its heartbeat stood still for twice that).  The second timeout lets a transient stall -- a swap storm,
+    a step far over its budget -- end without losing the model's state; requests are refused meanwhile."""
+    if health.state is not LinkState.UNRESPONSIVE or now - health.since < health.hang_timeout:
+        return None
+    return f"unresponsive for {now - health.since:.1f} s more after {health.describe(health.since)}"
 
 
 class Supervisor:
@@ -76,6 +92,8 @@ class Supervisor:
         self.env = env
         self.policy = policy
         self.restarts = 0
+        self.hangs = 0  # children killed because they were hung
+        self._killed: tuple[int, str] | None = None  # (pid, why) of the child killed last
         self._on_give_up = on_give_up
         self._ready_timeout = ready_timeout
         self._clock = clock
@@ -112,6 +130,20 @@ class Supervisor:
         if self._thread.is_alive():
             self._thread.join(self._ready_timeout + timeout + 5.0)
 
+    def kill(self, why: str) -> bool:
+        """SIGKILL the current child, which is alive but not working (``why`` says how); it is then
+        restarted like a child that died.  False when there is no live child to kill (stopping, or it has
+        ended already)."""
+        with self._lock:
+            child = self._child
+            if child is None or child.poll() is not None or self._stopping.is_set():
+                return False
+            self._killed = (child.pid, why)
+            self.hangs += 1
+        log.error("%s (pid %d) is hung: %s; killing it", self.name, child.pid, why)
+        child.kill()
+        return True
+
     def _watch(self) -> None:
         assert self._child is not None
         child: Child | None = self._child
@@ -119,6 +151,9 @@ class Supervisor:
         while True:
             if child is not None:
                 reason = f"pid {child.pid} {exit_reason(child.wait())}"
+                killed = self._killed
+                if killed is not None and killed[0] == child.pid:
+                    reason += f", by serve: hung, {killed[1]}"
             if self._stopping.is_set():
                 return
             delay = self.policy.after_exit(self._clock())

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
+from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
@@ -268,6 +268,7 @@ class LlamaHandler:
         self._batch.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = self._seq_ptrs
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._warm_up()
         self.last_token_pointer = 0  # where the last llama_decode read its token ids (tests check it)
 
     @classmethod
@@ -282,6 +283,14 @@ class LlamaHandler:
         a slot yields at most ``ctx_per_slot - prompt + 1`` tokens, whatever ``max_new_tokens`` is."""
         options = LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
         return min(options.ctx_per_slot, config.input_capacity)
+
+    def beat_within_steps(self, heartbeat: Heartbeat) -> None:
+        """Advance the slot server's heartbeat from inside ``llama_decode``: llama.cpp calls its abort callback
+        between the nodes of the compute graph (ggml's CPU backend), and this one only beats -- it returns
+        false, never aborting -- so a long prompt step that makes progress is not taken for a hang."""
+        lib = self._lib
+        self._beat = lib.ggml_abort_callback(heartbeat.function)  # kept alive: llama.cpp holds the pointer only
+        lib.llama_set_abort_callback(self._ctx, self._beat, ctypes.c_void_p(heartbeat.word))
 
     # -- BatchHandler ------------------------------------------------------------------------------
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
@@ -377,6 +386,29 @@ class LlamaHandler:
         if getattr(self, "_model", None):
             self._lib.llama_model_free(self._model)
             self._model = None
+
+    def _warm_up(self) -> None:
+        """One throw-away step before the first request, as llama-server does at start: the weights are
+        paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
+        first token.  The KV cache is emptied afterwards."""
+        lib = self._lib
+        bos, eos = int(lib.llama_vocab_bos(self._vocab)), int(lib.llama_vocab_eos(self._vocab))
+        ids = [t for t in (bos, eos) if t >= 0] or [0]
+        n = len(ids)
+        self._tokens[:n] = ids
+        self._pos[:n] = np.arange(n, dtype=np.int32)
+        self._seq[:n] = 0
+        self._logits[:n] = 0
+        self._logits[n - 1] = 1
+        self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.n_tokens = n
+        started = time.perf_counter()
+        rc = lib.llama_decode(self._ctx, self._batch)
+        lib.llama_synchronize(self._ctx)
+        lib.llama_memory_clear(self._mem, True)
+        if rc != 0:
+            raise HandlerError(f"llama: the warm-up step failed (llama_decode returned {rc})")
+        log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
 
     # -- inspection ----------------------------------------------------------------------------------
     def kv_positions(self, stream: int) -> int:

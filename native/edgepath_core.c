@@ -79,6 +79,12 @@ void ep_store64(uint64_t *addr, uint64_t value)
     atomic_store_explicit(AS_ATOMIC64(addr), value, memory_order_release);
 }
 
+_Bool ep_heartbeat_tick(void *word)
+{
+    atomic_fetch_add_explicit(AS_ATOMIC64(word), 1, memory_order_release);
+    return 0;
+}
+
 void ep_copy(void *dst, const void *src, size_t n)
 {
     memcpy(dst, src, n);

@@ -26,6 +26,11 @@ uint64_t ep_load64(const uint64_t *addr);
 void ep_store64(uint64_t *addr, uint64_t value);
 void ep_copy(void *dst, const void *src, size_t n);
 
+/* Slot server: advance the pool's heartbeat word by one (release).  Returns false, and has the shape of
+   ggml's abort callback (bool (*)(void *data)), so a model library can call it while a long step makes
+   progress (llama.cpp: between the nodes of its compute graph) and the step is not taken for a hang. */
+_Bool ep_heartbeat_tick(void *word);
+
 /* Agent: first FREE word in a cached state array at or after start (wrapping), or -1. */
 int ep_next_free(const uint64_t *words, uint32_t n, uint32_t start);
 

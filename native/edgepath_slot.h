@@ -23,7 +23,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 5  /* 3: cached_tokens (issue 19); 4: the heartbeat word (issue 20, liveness branch); 5: the prefix table (issue 19) */
+#define EP_ABI_VERSION 5  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -65,10 +65,13 @@
  * Immediates towards an agent (32 bits): kind (bits 30..31) | reply entry index (bits 0..29).
  * PROGRESS: output tokens [0, count) of the entry are placed and the result header's `progress`
  * word says so (generation << 32 | count).  FINAL: the whole result header is placed (status,
- * counts, times) and nothing will be written into the entry for that generation again.
+ * counts, times) and nothing will be written into the entry for that generation again.  STALLED
+ * (an agent process to its edge only): the slot server running the entry stopped responding; the
+ * entry is still in flight (its FINAL comes when that server lets go of it or is lost).
  */
 #define EP_IMM_FINAL 0
 #define EP_IMM_PROGRESS 1073741824
+#define EP_IMM_STALLED 2147483648  /* agent -> edge only: the entry's slot server is unresponsive (still in flight) */
 #define EP_IMM_KIND_MASK 3221225472
 #define EP_IMM_INDEX_MASK 1073741823
 
@@ -115,7 +118,13 @@ struct ep_pool_header {
     uint64_t server_epoch;     /* changes on every slot-server start */
     uint64_t lease_ns;         /* CLAIMED without doorbell for longer is reclaimed */
     uint64_t cancels_offset;   /* u64 cancel[slot_count]: generation << 32 | 1, written by the claimer */
-    uint64_t reserved0;        /* the heartbeat word (issue 20, ABI 4: the liveness branch) */
+    /*
+     * Advanced by the slot server at every turn of its loop (so after every model step), never less
+     * often than its lease-scan interval: a word that stands still means its CPU side is frozen.
+     * Readers compare values, never sizes.  Placed in the header's last cache line so that one READ
+     * of [heartbeat .. state[n-1]] gives an agent both (edgepath.dpu.link_state).
+     */
+    uint64_t heartbeat;
     uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
     uint64_t prefix_entries;   /* chain hashes the slot server publishes at most (0..EP_PREFIX_ENTRIES_MAX) */
     uint64_t reserved[2];

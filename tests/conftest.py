@@ -34,6 +34,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("EDGEPATH_RDMA_ADDR", "10.77.0.1"),
         help="IP address of the RDMA device's netdev (verbs addresses are ADDR:PORT)",
     )
+    group.addoption(
+        "--wire",
+        default=None,
+        metavar="FILE",
+        help="the soft-RoCE lane's two-device wire (JSON by tests/softroce/wire) for tests/softroce/test_rxe_wire.py",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -394,3 +394,15 @@ def test_push_result_copies_only_what_is_asked(fake: FakeCupy) -> None:
             slots.load_word(4)
     finally:
         slots.close()
+
+
+def test_the_heartbeat_agents_read_is_the_one_on_the_device(serve: Callable[..., SlotServer], agent: Agent) -> None:
+    """[twin] The loop stores its heartbeat into the device pool (at most every millisecond): an agent, whose
+    READ goes to device memory, sees it move; the host mirror alone would tell it nothing."""
+    server = serve(echo)
+    link = agent.attach(server.address)
+    first = int(link.beat[0])
+    assert _settle(lambda: agent.free_slots() is not None and int(link.beat[0]) != first)
+    assert server.device_slots is not None
+    on_device = server.device_slots.load_word(wire.HEARTBEAT_OFFSET)
+    assert 0 < on_device <= server.memory.beats  # the mirror runs ahead between stores

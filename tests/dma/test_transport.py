@@ -289,3 +289,16 @@ def test_closing_a_loopback_endpoint_twice_is_harmless() -> None:
         os.eventfd_write(reused, 1)  # still ours
     finally:
         os.close(reused)
+
+
+def test_a_peer_that_does_not_answer_in_time_is_a_transport_error(new_transport, new_address) -> None:
+    """A listener that never accepts (a frozen slot server): connecting times out as a TransportError, the one
+    error callers of connect handle -- never a bare socket timeout."""
+    server, client = new_transport(), new_transport()
+    address = new_address("frozen")
+    listener = server.listen(address, [], {})
+    try:
+        with pytest.raises(TransportError):
+            client.connect(address, [], {}, timeout=0.2)
+    finally:
+        listener.close()

@@ -86,6 +86,10 @@ def test_agent_hello_round_trips_and_names_what_is_missing() -> None:
 def test_edge_grant_and_hello() -> None:
     info = {**wire.EdgeGrant.capacities(16, 8), **wire.EdgeGrant.frames(32, 16)}
     assert wire.EdgeGrant.parse(info) == wire.EdgeGrant(16, 8, 32, 16)
+    info = {**wire.EdgeGrant.capacities(16, 8, ["a.sock", "b.sock"]), **wire.EdgeGrant.frames(0, 4)}
+    assert wire.EdgeGrant.parse(info).slot_servers == ("a.sock", "b.sock")
+    with pytest.raises(wire.InfoInvalid, match="'slot_servers' must be a list of addresses"):
+        wire.EdgeGrant.parse({**info, wire.SLOT_SERVERS: "a.sock"})
     assert wire.is_edge_hello(wire.edge_hello()) and not wire.is_edge_hello({"frames": 1})
 
 
@@ -108,9 +112,13 @@ def test_agent_status_publishes_and_reads_in_place() -> None:
     writer, reader = wire.AgentStatus(buf), wire.AgentStatus(buf)
     writer.publish(3, 8, True)
     assert reader.read() == (3, 8, True)
-    writer.publish(0, 8, False)
+    assert reader.links() == []
+    writer.publish(0, 8, False, [(1, 0, 5, 6, 7), (2, 1, 8, 9, 10)])
     assert reader.read() == (0, 8, False)
-    with pytest.raises(ValueError, match="status region needs 64 bytes"):
+    assert reader.links() == [(1, 0, 5, 6, 7), (2, 1, 8, 9, 10)]
+    with pytest.raises(ValueError, match=f"status region holds {wire.STATUS_LINKS} links"):
+        writer.publish(0, 8, False, [(0,) * wire.LINK_WORDS] * (wire.STATUS_LINKS + 1))
+    with pytest.raises(ValueError, match=f"status region needs {wire.STATUS_BYTES} bytes"):
         wire.AgentStatus(np.zeros(8, dtype=np.uint8))
 
 
@@ -156,3 +164,12 @@ def test_the_encoding_search_finds_what_it_looks_for() -> None:
     ]
     assert len(hits) == 5
     assert not ENCODING.search("limit = 1 << 20")
+
+
+@pytest.mark.parametrize("index", [0, 1, 255, wire.IMM_INDEX_MASK])
+def test_answers_towards_an_edge_say_their_kind_and_frame(index: int) -> None:
+    final, progress, stalled = wire.final_imm(index), wire.progress_imm(index), wire.stalled_imm(index)
+    assert [wire.imm_index(imm) for imm in (final, progress, stalled)] == [index] * 3
+    assert [wire.is_progress_imm(imm) for imm in (final, progress, stalled)] == [False, True, False]
+    assert [wire.is_stalled_imm(imm) for imm in (final, progress, stalled)] == [False, False, True]
+    assert max(final, progress, stalled) < 2**32

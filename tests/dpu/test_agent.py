@@ -18,6 +18,7 @@ from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
+from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.native.abi import ABI_VERSION, State, Status
 
 pytestmark = pytest.mark.transport
@@ -116,9 +117,26 @@ def test_attach_refuses_a_pool_with_the_wrong_abi(agent: Agent, new_transport, n
     assert agent.links == []
 
 
+def revive_settled(agent: Agent) -> list:
+    """``agent.revive()`` until no try is under way (a try runs on its own thread): what came back."""
+    back = agent.revive()
+    deadline = time.monotonic() + 30
+    while agent.reattaching and time.monotonic() < deadline:
+        time.sleep(0.005)
+        back += agent.revive()
+    assert not agent.reattaching
+    return back
+
+
 def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_when_it_is_back(
-    agent: Agent, new_transport, new_address
+    new_transport, new_address
 ) -> None:
+    """Re-attaching follows the bounded back-off: a try only when one is due (0.1 s after the loss, then
+    doubling), each failed try pushing the next one further; once the server is back, the next due try
+    attaches it.  The agent's clock is a fake one, so which calls try is exact (a try runs on a thread of
+    its own; ``revive_settled`` takes its outcome)."""
+    now = [100.0]
+    agent = Agent(new_transport(), frames=8, input_capacity=CAP, output_capacity=CAP, clock=lambda: now[0])
     address = new_address("slot-server")
     config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
     first = SlotServer(new_transport(), address, echo, config)
@@ -132,20 +150,59 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
     while not lost and time.monotonic() < deadline:
         lost = agent.check_links()
     assert lost == [0] and not link.alive
+    assert (link.rejoin.failures, link.rejoin.next_at) == (1, pytest.approx(100.1))
+    (gone,) = agent.servers()
+    assert (gone.health.address, gone.health.state, gone.health.reason, gone.health.since) == (
+        address,
+        LinkState.DOWN,
+        Reason.DISCONNECTED,
+        100.0,
+    )
+    assert (gone.free_slots, gone.total_slots, gone.claims, gone.reattaches) == (0, 2, 1, 0)
     write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
     assert agent.submit(1) == Status.UNAVAILABLE
-    assert agent.revive(timeout=0.5) == []  # nobody there yet
+    assert agent.revive() == [] and not agent.reattaching and link.rejoin.failures == 1  # not due yet: no try
+    now[0] = 100.1
+    assert revive_settled(agent) == []  # tried: nobody there yet
+    assert (link.rejoin.failures, link.rejoin.next_at) == (2, pytest.approx(100.3))
     second = SlotServer(new_transport(), address, echo, config)
     second.start_connection_manager()
     try:
-        (back,) = agent.revive(timeout=5.0)
-        assert back.alive and back.epoch == second.epoch != first.epoch
+        now[0] = 100.29
+        assert revive_settled(agent) == [] and link.rejoin.failures == 2  # back, but no try is due
+        now[0] = 100.3
+        (back,) = revive_settled(agent)
+        assert back.alive and back.epoch == second.epoch != first.epoch and agent.links == [back]
+        assert back.rejoin.failures == 0  # a fresh link: its next loss starts from the first delay again
         assert agent.submit(1) is None
+        (listed,) = agent.servers()
+        assert (listed.health.state, listed.health.since, listed.claims, listed.reattaches) == (
+            LinkState.UP,
+            100.3,
+            2,  # the claims of every attach
+            1,
+        )
         assert serve_once(second) == 1
         assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [1]
         assert agent.frames.outputs[1, :1].tolist() == [3]
     finally:
         second.close()
+
+
+def test_a_link_that_fails_an_operation_loses_its_flights_at_the_next_check(agent: Agent, make_server) -> None:
+    """An operation that fails (not a disconnect) takes the link out of admission at once; what was in
+    flight there is answered by the next check_links -- never left waiting for a result that cannot come."""
+    a, b = make_server(slots=1), make_server(slots=1)
+    first, second = agent.attach(a.address), agent.attach(b.address)
+    write_request(agent.frames, 0, [1], request_id=1, max_new_tokens=1)
+    assert agent.submit(0) is None
+    on = agent.inflight[0].link
+    agent._link_down(on, TransportError("a failed compare-and-swap"))
+    assert not on.alive and on.inflight == 0
+    write_request(agent.frames, 1, [2], request_id=2, max_new_tokens=1)
+    assert agent.submit(1) is None and agent.inflight[1].link is (second if on is first else first)
+    assert agent.check_links() == [0] and 0 not in agent.inflight
+    assert agent.check_links() == []  # collected once
 
 
 def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) -> None:

@@ -8,8 +8,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from helpers.datapath import serve_once
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import PacedEcho, echo
@@ -21,6 +23,7 @@ from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.agent_service import AgentService
 from edgepath.dpu.frame import write_request
+from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import Status
 
@@ -40,10 +43,16 @@ def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
 class Running:
     """An agent process's service on a thread, attached to ``slot_server``."""
 
-    def __init__(self, address: str, slot_server: str) -> None:
+    def __init__(self, address: str, slot_server: str, **options: Any) -> None:
+        """``options``: more of :class:`Agent`'s keywords (``hang_timeout``)."""
         self.transport = LoopbackTransport()
         self.agent = Agent(
-            self.transport, frames=FRAMES, input_capacity=CAP, output_capacity=CAP, frames_access=Access.REMOTE_WRITE
+            self.transport,
+            frames=FRAMES,
+            input_capacity=CAP,
+            output_capacity=CAP,
+            frames_access=Access.REMOTE_WRITE,
+            **options,
         )
         self.agent.attach(slot_server)
         self.service = AgentService(self.agent, self.transport, address, frames_per_edge=PER_EDGE)
@@ -59,11 +68,11 @@ class Running:
 
 
 @pytest.fixture
-def agent_process(tmp_path: Path) -> Iterator[Callable[[str], Running]]:
+def agent_process(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     made: list[Running] = []
 
-    def start(slot_server: str) -> Running:
-        running = Running(str(tmp_path / f"agent-{len(made)}.sock"), slot_server)
+    def start(slot_server: str, **options: Any) -> Running:
+        running = Running(str(tmp_path / f"agent-{len(made)}.sock"), slot_server, **options)
         made.append(running)
         return running
 
@@ -235,3 +244,40 @@ def test_the_agent_going_away_loses_what_was_in_flight_and_a_new_one_is_picked_u
         assert client.delivery_stats.delivered == 2  # counted on across the reconnect
     finally:
         again.close()
+
+
+def test_a_slot_server_that_stops_turning_is_reported_to_the_edge_with_the_frames_it_holds(
+    make_server, agent_process, clients
+) -> None:
+    """The agent process publishes its links' states and tells the edge which of its frames sit on an
+    unresponsive server; new requests are refused at once; the frames stay fenced until the server lets go."""
+    server = make_server(echo, slots=2, cap=CAP)  # turned by hand: while the test does not, it is frozen
+    running = agent_process(server.address, hang_timeout=0.3)
+    client = clients(running.service.address)
+    assert [(h.address, h.state) for h in client.links_health()] == [(server.address, LinkState.UP)]
+    index = _submit(client, [1, 2, 3])
+    stalled: list[int] = []
+
+    def reported() -> bool:
+        assert client.poll() == []  # nothing is answered meanwhile
+        stalled.extend(client.stalled())
+        return bool(stalled)
+
+    assert _until(reported), "the stalled frame was never reported"
+    assert stalled == [index]
+    (health,) = client.links_health()
+    assert (health.address, health.state, health.reason) == (
+        server.address,
+        LinkState.UNRESPONSIVE,
+        Reason.NO_HEARTBEAT,
+    )
+    client.abandon(index)
+    refused = _submit(client, [4])
+    assert [d.final for d in _answers(client, refused)] == [True]
+    assert int(client.frames.results[refused]["status"]) == Status.UNAVAILABLE  # at once: nothing was claimed
+    client.release(refused)
+    assert server.pool.free_count() == 1  # only the request sent before the freeze holds a slot
+    serve_once(server)  # it thaws: the answer comes, late, and frees the frame
+    assert _until(lambda: not client.poll() and index not in client.book.inflight)
+    assert client.delivery_stats.late == 1
+    assert _until(lambda: server.poll_once(0.0) > 0 and client.links_health()[0].state is LinkState.UP)

@@ -12,15 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from helpers.tokenizers import CharTokenizer
 
 from edgepath.dma.handlers import echo
 from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
+from edgepath.edge.lifecycle import Action, EdgeLifecycle, Respond
+from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
-from edgepath.native.abi import REQUEST_HEADER, lib
+from edgepath.native.abi import REQUEST_HEADER, State, lib
 
 
 class RecordingTokenizer:
@@ -121,3 +124,40 @@ def test_the_edge_writes_token_ids_once_and_only_into_the_registered_frame(
         expected = tokenizer.real.encode(prompt)
         assert answer["tokens"] == expected.tolist() and answer["text"] == prompt  # echoed from the slot
         assert answer["input_count"] == len(expected)
+
+
+@pytest.mark.transport
+def test_a_429_is_decided_inside_the_request_event_while_the_slot_server_does_nothing(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    """The "429 at once" promise, structurally: with every slot claimed, the refusal is the return value of the
+    very call that received the request -- no event, no poll, no timer in between -- and the slot server's loop never
+    turned meanwhile (its heartbeat did not move): the refusal awaited nothing from it.  Admission is the
+    agent's compare-and-swap on the pool's memory, answered by the NIC (or shared memory), never by the server."""
+    server = SlotServer(new_transport(), new_address("slot-server"), echo, SlotServerConfig(slots=2, input_capacity=64))
+    server.start_connection_manager()  # accepts the agent; the loop that serves slots is never run here
+    try:
+        agent = Agent(new_transport(), frames=4, input_capacity=64, output_capacity=64)
+        agent.attach(server.address)
+        edge = EdgeLifecycle(
+            HttpCore(Limits(1 << 20, 64, 64, CharTokenizer.vocab_size)),
+            CharTokenizer(),
+            agent,
+            EdgeMetrics(lambda: 0, lambda: agent.delivery_stats),
+            lib.ep_now_ns,
+            workers=1,
+            request_timeout_ns=60 * 10**9,
+        )
+
+        def receive(rid: int) -> list[Action]:
+            body = json.dumps({"tokens": [1, 2, 3], "max_tokens": 3}).encode()
+            now = lib.ep_now_ns()
+            return edge.receive(rid, Request("POST", "/v1/generate", [], body, now), now)
+
+        assert receive(1) == [] and receive(2) == []  # both slots claimed: in flight, waiting for the server
+        (refused,) = receive(3)
+        assert isinstance(refused, Respond) and refused.response.status == 429
+        assert json.loads(refused.response.body)["error"]["type"] == "no_slot"
+        assert server.memory.beats == 0 and server.pool.count(State.CLAIMED) == 2
+    finally:
+        server.close()

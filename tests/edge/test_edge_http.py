@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from edgepath.dpu.link_state import Readiness
 from edgepath.edge.http import (
     GenerateFormatter,
     Handled,
@@ -97,7 +98,7 @@ def test_health_and_metrics_are_routed_with_query() -> None:
 def test_bad_input(method: str, target: str, body: str | bytes, status: int, type_: str) -> None:
     result = call(method, target, body)
     if isinstance(result, StateQuery):  # /health validates its query with live state at hand
-        result = HttpCore.health_response(1, 2, True, result.query, lambda pct: (0.0, 0, 0.0))
+        result = HttpCore.health_response(1, 2, Readiness(True, "ok"), result.query, lambda pct: (0.0, 0, 0.0))
     got_status, got_type, _ = error_of(result)
     assert (got_status, got_type) == (status, type_)
 
@@ -160,17 +161,25 @@ def test_health_reports_slots_and_percentile() -> None:
         asked.append(pct)
         return 123.0, 10, 12.5
 
-    response = HttpCore.health_response(3, 8, True, {"latency": ["99.9"]}, window)
+    response = HttpCore.health_response(3, 8, Readiness(True, "ok"), {"latency": ["99.9"]}, window)
     doc = json.loads(response.body)
     assert response.status == 200 and asked == [99.9]
     assert doc == {
         "status": "ok",
         "free_slots": 3,
         "total_slots": 8,
+        "slot_servers": [],
         "latency": {"percentile": 99.9, "edge_us": 123.0, "samples": 10, "window_s": 12.5},
     }
-    down = HttpCore.health_response(0, 8, False, {}, window)
-    assert down.status == 503 and json.loads(down.body)["status"] == "unavailable"
+    down = HttpCore.health_response(0, 8, Readiness(False, "unavailable", "no slot server is attached"), {}, window)
+    assert down.status == 503
+    assert json.loads(down.body) == {
+        "status": "unavailable",
+        "free_slots": 0,
+        "total_slots": 8,
+        "reason": "no slot server is attached",
+        "slot_servers": [],
+    }
 
 
 def test_timing_headers_carry_measured_values() -> None:

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from edgepath.dma import wire
 from edgepath.dma.pool import AgentFrames, FrameLayout
-from edgepath.dpu.port import Delivery, DeliveryStats
+from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
+from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
@@ -54,8 +55,18 @@ class FakePort:
         self.submitted: list[int] = []
         self.refuse_with: Status | None = None
         self.lost: list[int] = []
-        self.up = True
+        self.stall: list[int] = []  # frames whose slot server the test has made unresponsive
+        self.state = LinkState.UP
         self.revived = 0
+        self.listing: list[SlotServerStatus] = []
+
+    @property
+    def up(self) -> bool:
+        return self.state is LinkState.UP
+
+    @up.setter
+    def up(self, up: bool) -> None:
+        self.state = LinkState.UP if up else LinkState.DOWN
 
     def fileno(self) -> int:
         raise AssertionError("the lifecycle never waits on the port")
@@ -108,11 +119,22 @@ class FakePort:
         if not self.up:
             self.revived += 1
 
+    def stalled(self) -> list[int]:
+        stalled, self.stall = self.stall, []
+        return stalled
+
+    def links_health(self) -> list[LinkHealth]:
+        reason = {LinkState.UP: Reason.NONE, LinkState.UNRESPONSIVE: Reason.NO_HEARTBEAT}.get(self.state)
+        return [LinkHealth("pool", self.state, reason or Reason.DISCONNECTED, 0.0, 0.0, 3.0)]
+
     def alive(self) -> bool:
-        return self.up
+        return self.state is not LinkState.DOWN
 
     def free_slots(self) -> tuple[int, int]:
         return 3, 8
+
+    def servers(self) -> list[SlotServerStatus]:
+        return self.listing or [SlotServerStatus(health, 3, 8, 0, 0) for health in self.links_health()]
 
     # -- the slot server's part ------------------------------------------------------------------
     def produce(self, index: int, tokens: list[int]) -> Delivery:
@@ -368,6 +390,54 @@ def test_frames_lost_with_the_slot_server_are_503_and_a_dead_server_is_revived(p
     assert port.held == set() and edge.tracked == {}
 
 
+def test_frames_on_a_slot_server_that_became_unresponsive_end_504_at_once_and_stay_fenced(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    edge.receive(1, generate(), now=0)
+    edge.receive(2, generate(stream=True), now=0)
+    whole, streamed = port.submitted
+    edge.deliveries([port.produce(streamed, [1])], now=10)
+    port.state = LinkState.UNRESPONSIVE
+    port.stall = [whole, streamed]
+    whole_end, stream_end = edge.tick(now=4 * SECOND)  # long before the request timeout
+    assert whole_end.response.status == 504
+    assert body(whole_end)["error"] == {
+        "type": "unresponsive",
+        "message": "no result: slot server pool: no heartbeat for 4.0 s (hang timeout 3 s)",
+    }
+    assert isinstance(stream_end, EndStream)
+    assert [event for event, _ in sse(stream_end.data)] == ["error"]
+    assert port.abandoned == [whole, streamed]  # fenced by the port until the server lets go
+    assert edge.tracked == {} and edge.tick(now=2 * TIMEOUT) == []
+
+
+def test_health_names_an_unresponsive_slot_server_and_the_probes_split_live_from_ready(port, tokenizer) -> None:
+    edge = lifecycle(port, tokenizer)
+    probes = {path: Request("GET", path, [], b"", 0) for path in ("/health", "/health/live", "/health/ready")}
+    answers = {path: edge.receive(i, request, now=0)[0].response for i, (path, request) in enumerate(probes.items())}
+    assert {path: (r.status, json.loads(r.body)["status"]) for path, r in answers.items()} == {
+        "/health": (200, "ok"),
+        "/health/live": (200, "ok"),
+        "/health/ready": (200, "ok"),
+    }
+    port.state = LinkState.UNRESPONSIVE
+    answers = {
+        path: edge.receive(i, request, now=5 * SECOND)[0].response for i, (path, request) in enumerate(probes.items())
+    }
+    reason = "slot server pool: no heartbeat for 5.0 s (hang timeout 3 s)"
+    assert json.loads(answers["/health"].body) == {
+        "status": "unresponsive",
+        "free_slots": 3,
+        "total_slots": 8,
+        "reason": reason,
+        "slot_servers": [
+            {"address": "pool", "state": "unresponsive", "link": "up", "reason": reason.split(": ", 1)[1],
+             "for_s": 5.0, "free_slots": 3, "total_slots": 8, "claims": 0, "reattaches": 0},
+        ],
+    }  # fmt: skip
+    assert json.loads(answers["/health/ready"].body) == {"status": "unresponsive", "reason": reason}
+    assert [answers[path].status for path in probes] == [503, 200, 503]
+
+
 @pytest.mark.parametrize(
     ("status", "code"), [(Status.NO_SLOT, 429), (Status.UNAVAILABLE, 503), (Status.BAD_REQUEST, 400)]
 )
@@ -447,6 +517,28 @@ def test_health_and_metrics_read_live_state_including_the_ports_delivery_stats(p
     text = metrics.response.body.decode()
     assert "edgepath_port_duplicates_total 2.0" in text and "edgepath_port_late_total 5.0" in text
     assert "edgepath_port_unknown_total 0.0" in text
+
+
+def test_health_lists_every_slot_server_with_its_state_for_how_long_and_its_claims(port, tokenizer) -> None:
+    """The port's clock is the edge's (monotonic): ``for_s`` is how long each link has been in its state."""
+    up = LinkTracker("/a.sock", 5.0, 10.0)
+    up.attached(0, 10.0)
+    down = LinkTracker("10.0.0.2:7471", 5.0, 10.0)
+    down.attached(0, 10.0)
+    down.lost(Reason.DISCONNECTED, 40.0)
+    port.listing = [SlotServerStatus(up.health(), 3, 4, 120, 0), SlotServerStatus(down.health(), 0, 4, 35, 2)]
+    port.free_slots = lambda: (99, 99)  # type: ignore[method-assign]  # not read: the listing has the totals
+    edge = lifecycle(port, tokenizer)
+    (health,) = edge.receive(1, Request("GET", "/health", [], b"", 0), now=42 * SECOND)
+    doc = body(health)
+    assert health.response.status == 200 and (doc["free_slots"], doc["total_slots"]) == (3, 8)  # the listing's sums
+    assert doc["slot_servers"] == [
+        {"address": "/a.sock", "state": "up", "link": "up", "reason": "", "for_s": 32.0, "free_slots": 3,
+         "total_slots": 4, "claims": 120, "reattaches": 0},
+        {"address": "10.0.0.2:7471", "state": "down", "link": "down",
+         "reason": "the connection to the slot server ended", "for_s": 2.0, "free_slots": 0, "total_slots": 4,
+         "claims": 35, "reattaches": 2},
+    ]  # fmt: skip
 
 
 def test_early_refusals_are_answered_and_counted(port, tokenizer) -> None:

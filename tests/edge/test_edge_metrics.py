@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from edgepath.dpu.port import DeliveryStats
+from edgepath.dpu.link_state import LinkTracker, Reason
+from edgepath.dpu.port import DeliveryStats, SlotServerStatus
 from edgepath.edge.metrics import EdgeMetrics, LatencyWindow
 
 S = 1_000_000_000
@@ -49,3 +50,31 @@ def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
     assert 'edgepath_inter_token_latency_seconds_bucket{le="0.0005"} 3.0' in text
     assert "edgepath_port_delivered_total 3.0" in text and "edgepath_port_duplicates_total 0.0" in text
     assert "edgepath_port_unknown_total 1.0" in text and "edgepath_port_late_total 2.0" in text
+
+
+def test_every_slot_server_has_its_own_series_read_when_scraped() -> None:
+    a, b = LinkTracker("/a.sock", 5.0, 0.0), LinkTracker("/b.sock", 5.0, 0.0)
+    a.attached(0, 1.0)
+    b.attached(0, 1.0)
+    b.lost(Reason.FAILED, 8.0, "a failed read")
+    listing = [SlotServerStatus(a.health(), 2, 4, 17, 0), SlotServerStatus(b.health(), 0, 4, 9, 1)]
+    metrics = EdgeMetrics(lambda: 2, DeliveryStats, slot_servers=lambda: listing, clock=lambda: 10.0)
+    text = metrics.exposition().decode()
+    for line in [
+        'edgepath_slot_server_state{slot_server="/a.sock",state="up"} 1.0',
+        'edgepath_slot_server_state{slot_server="/a.sock",state="down"} 0.0',
+        'edgepath_slot_server_state{slot_server="/b.sock",state="down"} 1.0',
+        'edgepath_slot_server_state{slot_server="/b.sock",state="unresponsive"} 0.0',
+        'edgepath_slot_server_link_up{slot_server="/a.sock"} 1.0',
+        'edgepath_slot_server_link_up{slot_server="/b.sock"} 0.0',
+        'edgepath_slot_server_state_seconds{slot_server="/a.sock"} 9.0',
+        'edgepath_slot_server_state_seconds{slot_server="/b.sock"} 2.0',
+        'edgepath_slot_server_free_slots{slot_server="/a.sock"} 2.0',
+        'edgepath_slot_server_slots{slot_server="/b.sock"} 4.0',
+        'edgepath_slot_server_claims_total{slot_server="/a.sock"} 17.0',
+        'edgepath_slot_server_claims_total{slot_server="/b.sock"} 9.0',
+        'edgepath_slot_server_reattaches_total{slot_server="/b.sock"} 1.0',
+    ]:
+        assert line in text, line
+    listing.pop()
+    assert "/b.sock" not in metrics.exposition().decode()  # read at each scrape, not kept

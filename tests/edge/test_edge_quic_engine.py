@@ -58,7 +58,7 @@ def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_serve_options_check_the_engine_and_hand_it_to_every_worker() -> None:
-    argv = ServeOptions(workers=2, quic_engine="qh3").worker_argv("/tmp/slots.sock")
+    argv = ServeOptions(workers=2, quic_engine="qh3").worker_argv(("/tmp/slots.sock",))
     assert argv[argv.index("--quic-engine") + 1] == "qh3"
     with pytest.raises(ValueError, match=r"quic_engine must be one of aioquic, qh3, got 'quiche'"):
         ServeOptions(quic_engine="quiche")

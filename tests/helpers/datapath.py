@@ -72,7 +72,10 @@ def serve(
 def new_agent(new_transport: Callable[[], Transport]) -> Callable[..., Agent]:
     """Agents on the chosen transport (closed with it)."""
 
-    def make(frames: int = 8, cap: int = CAP, max_servers: int = 2, max_slots_per_server: int = 64) -> Agent:
+    def make(
+        frames: int = 8, cap: int = CAP, max_servers: int = 2, max_slots_per_server: int = 64, **options: Any
+    ) -> Agent:
+        """``options``: more of :class:`Agent`'s keywords (``hang_timeout``, ``clock``)."""
         return Agent(
             new_transport(),
             frames=frames,
@@ -80,6 +83,7 @@ def new_agent(new_transport: Callable[[], Transport]) -> Callable[..., Agent]:
             output_capacity=cap,
             max_servers=max_servers,
             max_slots_per_server=max_slots_per_server,
+            **options,
         )
 
     return make

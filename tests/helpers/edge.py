@@ -28,7 +28,7 @@ class RunningEdge:
 @contextmanager
 def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -> Iterator[RunningEdge]:
     """``serve`` (edge, agent, slot-server child) on a thread; stopped and joined on exit."""
-    if options.slot_server_listen is None:
+    if options.slot_server_listen is None and options.starts_slot_server:
         options = replace(options, slot_server_listen=str(tmp_path / f"slots-{options.port}.sock"))
     loop = asyncio.new_event_loop()
     ready = threading.Event()

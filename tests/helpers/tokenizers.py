@@ -1,6 +1,8 @@
-"""A test tokenizer: one id per character, so ids are predictable without a real vocabulary."""
+"""Test tokenizers: one id per character (ids predictable without a vocabulary), and a byte-level file."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -29,3 +31,17 @@ class CharTokenizer:
 
     def decode(self, ids: np.ndarray) -> str:
         return "".join(chr(int(i)) for i in ids)
+
+
+def byte_tokenizer(path: Path) -> Path:
+    """A real Hugging Face ``tokenizer.json`` that loads in a millisecond: byte-level BPE with no merges
+    (one id per UTF-8 byte, 256 ids), so any text survives encode -> decode exactly.  For process tests
+    that must not spend their start-up loading a production vocabulary (slow in the soft-RoCE VM)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path))
+    return path

@@ -15,13 +15,13 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, SlotRequest
+from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
-from edgepath.native.abi import Status
+from edgepath.native.abi import Status, ffi, lib
 
 SLOTS = 4
 IN_CAP = 256
@@ -419,3 +419,23 @@ def test_steps_are_measured_and_summed_up_in_the_log(
     assert steps and "llama_decode" in steps[0] and "python" in steps[0]
     summary = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and "prefix cache:" in r.getMessage()]
     assert len(summary) == 1 and "steps" in summary[0]
+
+
+def test_the_heartbeat_moves_inside_llama_decode(tok: GGUFTokenizer) -> None:
+    """Given the slot server's heartbeat hook, llama.cpp advances the word between the nodes of its compute
+    graph: one step (a prompt decoded in one llama_decode) moves it many times, so a long step that makes
+    progress is never taken for a hang.  The handler itself never touches the word otherwise."""
+    word = np.zeros(1, dtype=np.uint64)
+    tick = int(ffi.cast("uintptr_t", ffi.addressof(lib, "ep_heartbeat_tick")))
+    h = LlamaHandler.from_config(HandlerConfig(1, IN_CAP, OUT_CAP, dict(OPTIONS)))
+    try:
+        h.beat_within_steps(Heartbeat(tick, int(word.ctypes.data)))
+        pool = Pool(1)
+        assert h.add(pool.request(0, chat(tok, "Name three colours of the rainbow."), max_new=2), 0.0) == []
+        h.step(0.0)  # one llama_decode: the whole prompt (nothing else runs)
+        beats = int(word[0])
+        assert beats > 10, beats  # one per graph node computed (hundreds), never only one per step
+        drive(h)
+        assert int(word[0]) > beats
+    finally:
+        h.close()

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
+from helpers.supervised import metric
 
 from edgepath.config import ServeOptions
 
@@ -73,22 +74,6 @@ LONG_SYSTEM = {
     "content": "You are the help desk of a small railway. You answer questions about routes, tickets, luggage, "
     "pets and refunds, politely and briefly. When you are not sure, say so and point to the ticket office.",
 }
-
-
-def metric(port: int, name: str) -> float:
-    """One sample of the edge's /metrics (0 when it has not been counted yet)."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        body = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    for line in body.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_cached_prompt_tokens_are_reported_in_usage_and_metrics(client: openai.OpenAI, model_edge: RunningEdge) -> None:

@@ -81,3 +81,14 @@ def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.POOL_HEADER.fields["reserved"][0].shape == (2,)
     assert abi.POOL_HEADER.fields["prefix_entries"][0] == np.dtype(np.uint64)
     assert abi.REQUEST_HEADER.fields["temperature"][0] == np.dtype(np.float32)
+
+
+def test_the_heartbeat_sits_in_the_pool_headers_last_cache_line_before_the_state_words() -> None:
+    """One READ of [heartbeat .. state[n-1]] gives an agent both: the word is an aligned u64 in the cache
+    line that ends where the state words begin."""
+    offset = abi.field_offset(abi.POOL_HEADER, "heartbeat")
+    assert abi.POOL_HEADER.fields["heartbeat"][0] == np.dtype(np.uint64)
+    assert offset % 8 == 0
+    layout = abi.ffi.new("struct ep_pool_header *")
+    assert abi.lib.ep_pool_layout(4, 16, 16, layout) == abi.lib.EP_OK
+    assert layout.states_offset - 64 <= offset < layout.states_offset

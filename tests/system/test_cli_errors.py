@@ -6,10 +6,14 @@ option, the value given and what is allowed instead."""
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,14 +63,27 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--host", "999.999.999.999"], ("--host 999.999.999.999", "cannot listen")),
     (["serve", "--slot-server", "/nonexistent/slots.sock"], ("--slot-server /nonexistent/slots.sock", "nothing is")),
     (["serve", "--agent", "/nonexistent/agent.sock"], ("--agent /nonexistent/agent.sock", "nothing is")),
-    (["serve", "--slot-server", "/a.sock", "--slot-server", "/b.sock"], ("--slot-server", "more than once", "once")),
+    (["serve", "--slot-server", "/a.sock", "--slot-server", "/a.sock"], ("--slot-server /a.sock", "given twice")),
+    (
+        ["serve", "--slot-server", "/nonexistent/a.sock", "--slot-server", "/nonexistent/b.sock"],
+        ("--slot-server /nonexistent/a.sock", "nothing is"),
+    ),
+    (
+        ["serve", "--slot-server", "/a.sock", "--slot-server-listen", "/b.sock"],
+        ("--slot-server-listen", "--local-slot-server"),
+    ),
+    (["serve", "--port", "9000", "--port", "9001"], ("--port", "more than once", "one value")),
+    (["serve", "--local-slot-server", "--local-slot-server"], ("--local-slot-server", "more than once", "switch")),
     (["slot-server", "--lease", "1", "--lease", "2"], ("--lease", "more than once", "one value")),
 ]
 
 
-def edgepath_fails(args: list[str], cwd: Path) -> str:
-    """Run ``edgepath ARGS``; assert exit status 2 and one line on stderr, no traceback; that line."""
-    done = subprocess.run(edgepath_argv(*args), capture_output=True, text=True, timeout=60, check=False, cwd=cwd)
+def edgepath_fails(args: list[str], cwd: Path, **popen: Any) -> str:
+    """Run ``edgepath ARGS`` (``popen``: more of subprocess.run's keywords); assert exit status 2 and one line
+    on stderr, no traceback; that line."""
+    done = subprocess.run(
+        edgepath_argv(*args), capture_output=True, text=True, timeout=60, check=False, cwd=cwd, **popen
+    )
     lines = done.stderr.splitlines()
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 2, (done.returncode, done.stderr)
@@ -98,14 +115,42 @@ def test_a_certificate_without_its_key(tmp_path: Path) -> None:
     assert "--certificate and --private-key go together" in line
 
 
-def test_an_unreadable_file(tmp_path: Path) -> None:
-    secret = tmp_path / "tokenizer.json"
+@pytest.fixture
+def as_a_user() -> dict[str, Any]:
+    """How to run a command as a user who is refused what mode bits refuse: as ourselves, or -- when we are
+    root, who reads even a mode-000 file (and CI runs as root) -- as ``nobody``, without root's groups."""
+    if os.geteuid() != 0:
+        return {}
+    nobody = pwd.getpwnam("nobody")
+    return {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user may search (``tmp_path`` is private to us, so ``nobody`` could not even start
+    there), removed afterwards."""
+    made = Path(tempfile.mkdtemp(prefix="edgepath-cli-"))
+    made.chmod(0o755)
+    yield made
+    for path in [made / "closed", made]:
+        if path.exists():
+            path.chmod(0o755)
+    shutil.rmtree(made)
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [("tokenizer.json", "no permission to read it"), ("closed/tokenizer.json", "a directory on its path is closed")],
+    ids=["mode-000 file", "closed directory"],
+)
+def test_an_unreadable_file(open_dir: Path, as_a_user: dict[str, Any], where: str, why: str) -> None:
+    secret = open_dir / where
+    secret.parent.mkdir(exist_ok=True)
     secret.write_text("{}")
     secret.chmod(0)
-    if os.access(secret, os.R_OK):
-        pytest.skip("this user reads even a mode-000 file (root): nothing to refuse")
-    line = edgepath_fails(["serve", "--tokenizer", str(secret)], tmp_path)
-    assert "--tokenizer" in line and str(secret) in line and "no permission" in line
+    secret.parent.chmod(0o755 if secret.parent == open_dir else 0)
+    line = edgepath_fails(["serve", "--tokenizer", str(secret)], open_dir, **as_a_user)
+    assert "--tokenizer" in line and str(secret) in line and why in line
 
 
 @pytest.fixture(params=[("quic", socket.SOCK_DGRAM), ("tcp", socket.SOCK_STREAM)], ids=["quic", "tcp"])

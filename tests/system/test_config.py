@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from edgepath.cli import build_parser
 from edgepath.config import AgentServiceSettings, AgentSettings, DataPath, ServeOptions, SlotServerSettings
-from edgepath.options import add_options, from_args, option
+from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
 
 
 def test_a_slot_server_command_line_carries_every_setting() -> None:
@@ -56,17 +58,17 @@ def test_a_worker_command_line_is_the_edge_on_a_shared_port_and_slot_server(tmp_
         api_keys_file=files["keys"],
         workers=3,
     )
-    args = build_parser().parse_args(options.worker_argv("/tmp/slots.sock"))
-    # the same edge, on the shared slot server and port; what only the supervising process uses is not given
+    args = build_parser().parse_args(options.worker_argv(("/tmp/slots.sock", "/tmp/other.sock")))
+    # the same edge, on the shared slot servers and port; what only the supervising process uses is not given
     supervisor_only = {"workers": 1}
     assert from_args(ServeOptions, args) == replace(
-        options, slot_server="/tmp/slots.sock", reuse_port=True, **supervisor_only
+        options, slot_servers=("/tmp/slots.sock", "/tmp/other.sock"), reuse_port=True, **supervisor_only
     )
     assert args.func.__name__ == "cmd_serve"
     assert (args.transport, args.port, args.slot_server, args.reuse_port, args.workers) == (
         "tcp",
         9000,
-        "/tmp/slots.sock",
+        ["/tmp/slots.sock", "/tmp/other.sock"],
         True,
         1,
     )
@@ -128,16 +130,16 @@ def test_a_worker_gets_every_edge_option_and_none_of_the_supervisors(tmp_path: P
         restart_window=10.0,
         workers=2,
     )
-    worker = from_args(ServeOptions, build_parser().parse_args(options.worker_argv("10.0.0.1:7000")))
-    edge_only = ("slots", "slot_spin_us", "slot_server_listen", "agent", "handler_deadline", "max_restarts",
-                 "restart_window", "workers")  # fmt: skip
+    worker = from_args(ServeOptions, build_parser().parse_args(options.worker_argv(("10.0.0.1:7000",))))
+    edge_only = ("slots", "slot_spin_us", "slot_server_listen", "local_slot_server", "agent", "handler_deadline",
+                 "max_restarts", "restart_window", "workers")  # fmt: skip
     defaults = ServeOptions(handler="llama")
     for f in fields(ServeOptions):
         if f.name in edge_only:
             assert getattr(worker, f.name) == getattr(defaults, f.name), f.name
-        elif f.name not in ("slot_server", "reuse_port"):
+        elif f.name not in ("slot_servers", "reuse_port"):
             assert getattr(worker, f.name) == getattr(options, f.name), f.name
-    assert (worker.slot_server, worker.reuse_port) == ("10.0.0.1:7000", True)
+    assert (worker.slot_servers, worker.reuse_port) == (("10.0.0.1:7000",), True)
 
 
 def test_an_agent_command_line_parses_into_its_settings() -> None:
@@ -175,7 +177,6 @@ def test_serve_fills_what_is_left_unset_from_one_place() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["serve", "--slot-server", "/tmp/a.sock", "--slot-server", "/tmp/b.sock"],
         ["serve", "--port", "9000", "--port", "9001"],
         ["serve", "--quic-retry", "--quic-retry"],
         ["slot-server", "--slots", "4", "--slots", "8"],
@@ -192,6 +193,70 @@ def test_an_option_that_takes_one_value_given_twice_is_an_error(
     assert info.value.code == 2
     flag = argv[-2]
     assert f"{flag} is given more than once" in capsys.readouterr().err
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every (sub)command of ``parser``, as (the words that name it, its parser)."""
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+
+
+def _single_valued(parser: argparse.ArgumentParser, readable: str) -> Iterator[tuple[str, list[str]]]:
+    """(flag, one valid occurrence) of every option of ``parser`` that takes one value or is a switch."""
+    samples = {
+        readable_file: readable,
+        key_value: "k=v",
+        handler_spec: "echo",
+        port_number: "4000",
+    }
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._AppendAction | argparse._HelpAction):
+            continue
+        if action.nargs == "?":  # a renamed option: refused whatever is given (tests/system/test_cli_errors.py)
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:
+            yield flag, [flag]
+        else:
+            value = action.choices[0] if action.choices else samples.get(action.type, "1")  # type: ignore[index]
+            yield flag, [flag, str(value)]
+
+
+def test_every_single_valued_option_of_every_command_refuses_a_repeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a list of examples: each command's every option that takes one value (or is a switch), given twice."""
+    readable = tmp_path / "file"
+    readable.write_text("x\n")
+    checked = 0
+    for words, parser in _commands(build_parser()):
+        for flag, once in _single_valued(parser, str(readable)):
+            with pytest.raises(SystemExit) as info:
+                build_parser().parse_args([*words, *once, *once])
+            err = capsys.readouterr().err
+            assert info.value.code == 2 and f"{flag} is given more than once" in err, (words, flag, err)
+            checked += 1
+    assert checked > 100  # serve, slot-server, agent, demo, request and the benchmarks were all walked
+
+
+def test_the_slot_server_option_of_serve_collects_addresses_each_given_once() -> None:
+    args = build_parser().parse_args(["serve", "--slot-server", "/tmp/a.sock", "--slot-server", "10.0.0.2:7471"])
+    options = from_args(ServeOptions, args)
+    assert options.slot_servers == ("/tmp/a.sock", "10.0.0.2:7471") and not options.starts_slot_server
+    assert from_args(ServeOptions, build_parser().parse_args(["serve"])).starts_slot_server
+    both = from_args(ServeOptions, build_parser().parse_args(["serve", "--slot-server", "/a", "--local-slot-server"]))
+    assert both.starts_slot_server and both.slot_servers == ("/a",)
+    with pytest.raises(ValueError, match=r"--slot-server /a is given twice"):
+        ServeOptions(slot_servers=("/a", "/b", "/a"))
+    with pytest.raises(ValueError, match=r"--slot-server-listen is where the started slot server listens"):
+        ServeOptions(slot_servers=("/a",), slot_server_listen="/b")
+    with pytest.raises(ValueError, match=r"--slot-server-listen /a is also a --slot-server"):
+        ServeOptions(slot_servers=("/a",), slot_server_listen="/a", local_slot_server=True)
+    with pytest.raises(ValueError, match=r"--agent uses a running agent process"):
+        ServeOptions(agent="/agent.sock", slot_servers=("/a",))
 
 
 def test_a_repeatable_option_collects_every_value() -> None:
@@ -234,8 +299,8 @@ def test_serve_fills_its_slot_server_and_agent_by_name(tmp_path: Path) -> None:
         handler_deadline=2.0,
         data_path=DataPath("verbs", "rxe0"),
     )
-    assert options.agent_settings("10.0.0.1:1") == AgentSettings(
-        slot_servers=("10.0.0.1:1",),
+    assert options.agent_settings(("10.0.0.1:1", "10.0.0.2:1")) == AgentSettings(
+        slot_servers=("10.0.0.1:1", "10.0.0.2:1"),
         frames=9,
         input_capacity=70,
         output_capacity=30,

@@ -311,7 +311,7 @@ def test_existing_slot_server_and_its_loss(
     when it is back, the edge re-attaches and serves again without a restart."""
     address = str(tmp_path / "slots.sock")
     slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
-    options = ServeOptions(port=free_port(), slot_server=address, frames=16, handler="echo")
+    options = ServeOptions(port=free_port(), slot_servers=(address,), frames=16, handler="echo")
     with running_edge(options, tmp_path_factory.mktemp("attached")) as edge:
 
         async def before(c: H3Client) -> tuple[H3Response, H3Response]:

@@ -10,6 +10,7 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
@@ -160,7 +161,23 @@ def test_quic_retry_validates_the_client_address_before_serving(tmp_path: Path) 
     assert retries == 1  # the server answered the first Initial with a Retry, and the client came back
 
 
-def test_quic_client_resetting_mid_stream_abandons_and_frees_its_slot(tmp_path: Path) -> None:
+def _walk_away(proto: Any, stream_id: int, how: str) -> None:
+    """How a QUIC client gives up on an answer that is streaming."""
+    if how == "reset":  # RESET_STREAM and STOP_SENDING, as edgepath's own client does
+        proto.reset(stream_id)
+        return
+    proto._pending.pop(stream_id, None)
+    if how == "stop_sending":  # STOP_SENDING alone: it stops reading, its request was already complete
+        proto._quic.stop_stream(stream_id, 0x10C)  # H3_REQUEST_CANCELLED
+    else:  # the whole connection closed mid-stream
+        proto._quic.close(error_code=0x100, reason_phrase="client going away")  # H3_NO_ERROR
+    proto.transmit()
+
+
+@pytest.mark.parametrize("how", ["reset", "stop_sending", "close"])
+def test_quic_client_walking_away_mid_stream_abandons_and_frees_its_slot(tmp_path: Path, how: str) -> None:
+    """Every way a QUIC client walks away from a streaming answer cancels it: RESET_STREAM with STOP_SENDING,
+    STOP_SENDING alone, and a connection closed mid-stream."""
     options = ServeOptions(
         port=free_port(), slots=2, frames=4, handler="paced-echo", input_capacity=512, output_capacity=512
     )
@@ -169,7 +186,11 @@ def test_quic_client_resetting_mid_stream_abandons_and_frees_its_slot(tmp_path: 
     with running_edge(options, tmp_path) as edge:
 
         async def go() -> tuple[dict, str]:
-            async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
+            cert = str(default_certificate())
+            async with (
+                h3_client("127.0.0.1", edge.port, cert, server_name="localhost") as c,
+                h3_client("127.0.0.1", edge.port, cert, server_name="localhost") as watcher,
+            ):
                 proto = c.protocol
                 body = json.dumps({"prompt": prompt, "stream": True}).encode()
                 sid, answer = proto.start("POST", c.authority, "/v1/generate", body)
@@ -179,16 +200,17 @@ def test_quic_client_resetting_mid_stream_abandons_and_frees_its_slot(tmp_path: 
                         break
                     await asyncio.sleep(0.005)
                 assert b'data: {"token"' in pending.body and not answer.done()
-                proto.reset(sid)  # walk away mid-stream
+                _walk_away(proto, sid, how)
                 for _ in range(3000):  # bounded: until every slot is FREE again
-                    health = (await c.request("GET", "/health")).json()
+                    health = (await watcher.request("GET", "/health")).json()
                     if health["free_slots"] == health["total_slots"]:
                         break
                     await asyncio.sleep(0.005)
-                return health, (await c.request("GET", "/metrics")).body.decode()
+                return health, (await watcher.request("GET", "/metrics")).body.decode()
 
         health, metrics = asyncio.run(asyncio.wait_for(go(), 60))
     assert health["free_slots"] == health["total_slots"] == 2
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("edgepath_"))
-    assert float(lines["edgepath_port_abandoned_total"]) == 1
+    assert float(lines["edgepath_port_abandoned_total"]) == 1  # cancelled: not run to its end
     assert float(lines["edgepath_streams_reset_total"]) == 1
+    assert 'edgepath_requests_total{route="/v1/generate",status="499"}' in metrics

@@ -7,19 +7,18 @@ itself is tested on a real ``edgepath serve --transport tcp`` process with a rea
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import signal
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers.supervised import Load, slot_server_of, start_serve_tcp, wait_for
 
-from edgepath.children import Child, ChildError, exit_reason, free_port
+from edgepath.children import Child, ChildError, exit_reason
 from edgepath.supervisor import RestartPolicy
 
 RECOVERY_S = 5.0  # issue #11: 200s again within 5 s of the kill, no operator action
@@ -73,119 +72,17 @@ def test_a_child_that_fails_to_start_reports_its_stderr(tmp_path: Path) -> None:
 # -- the promise, on a real serve process ----------------------------------------------------------
 
 
-def slot_server_of(serve: Child) -> int | None:
-    """The pid of the live ``edgepath slot-server`` child of ``serve`` (from /proc), if there is one."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == serve.pid and state != "Z" and b"slot-server" in cmdline:
-            return int(entry.name)
-    return None
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Bounded polling of a condition (the only waiting these tests do)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-@dataclass
-class Answer:
-    sent: float
-    answered: float
-    status: int  # 0: no answer at all (connection refused, reset or timed out)
-    detail: str
-
-
-@dataclass
-class Load:
-    """Sequential requests from a few threads, each recorded with its one answer."""
-
-    port: int
-    threads: int = 2
-    max_requests: int = 3000  # per thread: bounded in count ...
-    max_seconds: float = 90.0  # ... and in time
-    answers: list[Answer] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def _one(self, prompt: str) -> Answer:
-        sent = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
-        try:
-            conn.request("POST", "/v1/generate", body=json.dumps({"prompt": prompt}))
-            response = conn.getresponse()
-            body = response.read()
-            ok = response.status != 200 or json.loads(body)["text"] == prompt
-            return Answer(sent, time.monotonic(), response.status if ok else -1, body[:200].decode(errors="replace"))
-        except (OSError, http.client.HTTPException) as exc:
-            return Answer(sent, time.monotonic(), 0, repr(exc))
-        finally:
-            conn.close()
-
-    def _run(self, worker: int) -> None:
-        deadline = time.monotonic() + self.max_seconds
-        for i in range(self.max_requests):
-            if self.stop.is_set() or time.monotonic() > deadline:
-                return
-            answer = self._one(f"worker {worker} request {i}")
-            with self.lock:
-                self.answers.append(answer)
-
-    def oks_after(self, t: float) -> list[Answer]:
-        with self.lock:
-            return [a for a in self.answers if a.sent > t and a.status == 200]
-
-    @property
-    def count(self) -> int:
-        with self.lock:
-            return len(self.answers)
-
-    def __enter__(self) -> Load:
-        self._workers = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(self.threads)]
-        for w in self._workers:
-            w.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for w in self._workers:
-            w.join(timeout=30)
-
-
 @pytest.fixture
 def serve_tcp(
     edgepath_process: Callable[..., Child], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., tuple[Child, int]]]:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
+    made = itertools.count()
+
     def start(*extra: str) -> tuple[Child, int]:
-        port = free_port(socket.SOCK_STREAM)
-        listen = str(tmp_path / f"slots-{port}.sock")
-        serve = edgepath_process(
-            "serve",
-            "--transport",
-            "tcp",
-            "--port",
-            str(port),
-            "--slots",
-            "4",
-            "--handler",
-            "echo",
-            "--slot-server-listen",
-            listen,
-            *extra,
-        )
-        return serve, port
+        listen = str(tmp_path / f"slots-{next(made)}.sock")
+        return start_serve_tcp(edgepath_process, "--handler", "echo", "--slot-server-listen", listen, *extra)
 
     yield start
 
