@@ -115,6 +115,23 @@ class BeatsWithinSteps(Protocol):
         ...
 
 
+@runtime_checkable
+class HoldsPrefixes(Protocol):
+    """Optional for a batch handler that keeps the KV of earlier requests (a model's prefix cache): what it
+    holds, so the slot server can publish it (the pool's prefix table) and agents claim first where a
+    request's prefix is already computed.  Handlers that hold nothing (echo, paced-echo) leave it out."""
+
+    def prefixes_version(self) -> int:
+        """A number that changes whenever what :meth:`prefixes` returns may have changed (cheap: asked after
+        every step)."""
+        ...
+
+    def prefixes(self) -> list[np.ndarray]:
+        """The token sequences whose KV the handler could reuse for a new request, the most useful first (the
+        table keeps the first ones when it cannot hold all)."""
+        ...
+
+
 class HandlerError(ValueError):
     """A handler spec that cannot be loaded, or options it does not accept."""
 

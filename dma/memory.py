@@ -72,6 +72,12 @@ class PoolMemory:
     def cancel_word(self, slot: int) -> int:
         return int(self.pool.cancels[slot])
 
+    def publish_prefixes(self, table: np.ndarray) -> None:
+        """Make ``table`` (a :func:`~edgepath.dma.wire.prefix_table` of the pool's size) the prefix table
+        agents read.  Entries are stored one aligned word at a time: an agent reading meanwhile sees some old
+        and some new entries, which only makes its hint less exact (the handler checks the tokens)."""
+        self.pool.prefixes[:] = table
+
     def close(self) -> None:
         """Stop the poller and free what this memory owns (the transport closes the region)."""
         self.poller.close()
@@ -89,20 +95,22 @@ class PoolSpec:
     epoch: int
     device: int = 0
     handoff_wait: float = 0.002
+    prefix_entries: int = 0  # the prefix table's size (host and mapped pools; a device pool has none yet)
 
     @classmethod
-    def of(cls, config: SlotServerConfig, epoch: int) -> PoolSpec:
+    def of(cls, config: SlotServerConfig, epoch: int, prefix_entries: int = 0) -> PoolSpec:
         lease_ns = int(config.lease * 1e9)
         dims = (config.slots, config.input_capacity, config.output_capacity)
-        return cls(*dims, lease_ns, epoch, config.gpu_device, config.handoff_wait)
+        return cls(*dims, lease_ns, epoch, config.gpu_device, config.handoff_wait, prefix_entries)
 
     def create(self, buf: np.ndarray) -> SlotPool:
         """``buf`` initialised as an empty pool of this spec."""
-        return SlotPool.create(buf, self.slots, self.input_capacity, self.output_capacity, self.lease_ns, self.epoch)
+        dims = (self.slots, self.input_capacity, self.output_capacity)
+        return SlotPool.create(buf, *dims, self.lease_ns, self.epoch, self.prefix_entries)
 
 
 def _host_pool(transport: Transport, spec: PoolSpec) -> tuple[MemoryRegion, SlotPool]:
-    dims = SlotPool.layout_for(spec.slots, spec.input_capacity, spec.output_capacity)
+    dims = SlotPool.layout_for(spec.slots, spec.input_capacity, spec.output_capacity, spec.prefix_entries)
     region = transport.register(wire.POOL_REGION, int(dims["total_size"]), wire.POOL_ACCESS)
     return region, spec.create(region.buf)
 

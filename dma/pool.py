@@ -174,20 +174,31 @@ class SlotPool:
         self.doorbells = buf[self.doorbells_offset : self.doorbells_offset + 8 * n].view(np.uint64)
         self.cancels_offset = int(h["cancels_offset"])
         self.cancels = buf[self.cancels_offset : self.cancels_offset + 8 * n].view(np.uint64)
+        self.prefixes_offset = int(h["prefixes_offset"])
+        #: the prefix table the slot server publishes (empty when the pool has none)
+        self.prefixes = buf[self.prefixes_offset : self.prefixes_offset + 8 * int(h["prefix_entries"])].view(np.uint64)
         self.slots = FrameArray(buf, int(h["slots_offset"]), n, self.layout)
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.states))
 
     @staticmethod
-    def layout_for(slot_count: int, input_capacity: int, output_capacity: int) -> dict[str, int]:
-        """Header fields (offsets, sizes) of a pool with these dimensions."""
+    def layout_for(
+        slot_count: int, input_capacity: int, output_capacity: int, prefix_entries: int = 0
+    ) -> dict[str, int]:
+        """Header fields (offsets, sizes) of a pool with these dimensions (and a prefix table of
+        ``prefix_entries`` chain hashes, 0: none)."""
         hdr = ffi.new("struct ep_pool_header *")
-        if lib.ep_pool_layout(slot_count, input_capacity, output_capacity, hdr) != lib.EP_OK:
+        if not 0 <= prefix_entries <= lib.EP_PREFIX_ENTRIES_MAX or (
+            lib.ep_pool_layout_prefixes(slot_count, input_capacity, output_capacity, prefix_entries, hdr) != lib.EP_OK
+        ):
             raise PoolError(
                 f"invalid pool dimensions: {slot_count} slots (allowed 1..{lib.EP_SLOT_MAX + 1}), "
-                f"input {input_capacity} and output {output_capacity} tokens (each at least 1)"
+                f"input {input_capacity} and output {output_capacity} tokens (each at least 1), "
+                f"{prefix_entries} prefix entries (allowed 0..{lib.EP_PREFIX_ENTRIES_MAX})"
             )
         return {
-            name: getattr(hdr, name) for name, _ in ffi.typeof("struct ep_pool_header").fields if name != "reserved"
+            name: getattr(hdr, name)
+            for name, _ in ffi.typeof("struct ep_pool_header").fields
+            if not name.startswith("reserved")
         }
 
     @classmethod
@@ -199,12 +210,16 @@ class SlotPool:
         output_capacity: int,
         lease_ns: int,
         epoch: int,
+        prefix_entries: int = 0,
     ) -> SlotPool:
-        """Initialise ``buf`` as an empty pool (all slots FREE, generation 0) and view it."""
+        """Initialise ``buf`` as an empty pool (all slots FREE, generation 0, an empty prefix table of
+        ``prefix_entries``) and view it."""
         FrameLayout(input_capacity, output_capacity)
         hdr = ffi.new("struct ep_pool_header *")
-        if lib.ep_pool_layout(slot_count, input_capacity, output_capacity, hdr) != lib.EP_OK:
-            cls.layout_for(slot_count, input_capacity, output_capacity)
+        if not 0 <= prefix_entries <= lib.EP_PREFIX_ENTRIES_MAX or (
+            lib.ep_pool_layout_prefixes(slot_count, input_capacity, output_capacity, prefix_entries, hdr) != lib.EP_OK
+        ):
+            cls.layout_for(slot_count, input_capacity, output_capacity, prefix_entries)  # raises: says what is wrong
         hdr.lease_ns = lease_ns
         hdr.server_epoch = epoch
         if lib.ep_pool_init(ffi.from_buffer(buf), buf.nbytes, hdr) != lib.EP_OK:

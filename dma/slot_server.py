@@ -33,7 +33,16 @@ from typing import Any
 
 from edgepath.dma import wire
 from edgepath.dma.connections import ConnectionManager
-from edgepath.dma.handlers import BatchHandler, BeatsWithinSteps, Emit, HandlerConfig, OneShot, SlotRequest, adapt
+from edgepath.dma.handlers import (
+    BatchHandler,
+    BeatsWithinSteps,
+    Emit,
+    HandlerConfig,
+    HoldsPrefixes,
+    OneShot,
+    SlotRequest,
+    adapt,
+)
 from edgepath.dma.memory import PoolMemory, PoolSpec, open_pool_memory
 from edgepath.dma.peers import AgentPeer
 from edgepath.dma.slot_config import SLOT_MEMORY, SlotServerConfig
@@ -100,10 +109,16 @@ class SlotServer:
             handler if isinstance(handler, BatchHandler) else adapt(handler, handler_config(cfg))
         )
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        self.memory: PoolMemory = open_pool_memory(transport, cfg.memory, PoolSpec.of(cfg, self.epoch))
+        holder = self.handler if isinstance(self.handler, HoldsPrefixes) else None
+        spec = PoolSpec.of(cfg, self.epoch, wire.PREFIX_ENTRIES if holder is not None else 0)
+        self.memory: PoolMemory = open_pool_memory(transport, cfg.memory, spec)
         if isinstance(self.handler, BeatsWithinSteps):
             self.handler.beat_within_steps(self.memory.heartbeat())
         self.pool = self.memory.pool
+        #: the handler whose prefixes the pool's table publishes (None: it holds none, or the pool has no table)
+        self._holder = holder if len(self.pool.prefixes) else None
+        self._prefixes_version: int | None = None
+        self._publish_prefixes()  # a handler may hold prefixes from the start
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller
         #: the pool in GPU memory (``memory="gpu-device"``); then ``pool`` is its pinned host mirror
@@ -142,6 +157,8 @@ class SlotServer:
                 "total_size",
                 "server_epoch",
                 "lease_ns",
+                "prefixes_offset",
+                "prefix_entries",
             )
         }
 
@@ -273,6 +290,7 @@ class SlotServer:
             )
 
     def _apply(self, emits: list[Emit], now: float) -> None:
+        self._publish_prefixes()  # before any finished slot is freed: an agent that sees it free sees the table
         for emit in emits:
             run = self.running.get(emit.slot)
             if run is None:
@@ -340,8 +358,20 @@ class SlotServer:
             return
         self._cancel_running(run)
 
+    def _publish_prefixes(self) -> None:
+        """Rewrite the pool's prefix table when what the handler holds has changed."""
+        holder = self._holder
+        if holder is None:
+            return
+        version = holder.prefixes_version()
+        if version == self._prefixes_version:
+            return
+        self._prefixes_version = version
+        self.memory.publish_prefixes(wire.prefix_table(holder.prefixes(), len(self.pool.prefixes)))
+
     def _cancel_running(self, run: _Running) -> None:
         released = self.handler.cancel(run.slot)
+        self._publish_prefixes()
         self.stats.cancelled += 1
         self._finish(run, Status.CANCELLED, run.count, hold=not released)
 

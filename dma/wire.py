@@ -5,9 +5,10 @@ module owns what the header cannot say on its own and every component needs: the
 regions peers export and the access each grants, the encodings of the 64-bit words written
 through the transport (state, doorbell, cancel, progress) and of the 32-bit immediates that
 announce them (slot server <-> agent and edge <-> agent), the private data each side sends when a
-connection is set up, the agent's status region, typed views of the request and result headers, and
-the request validation both the writer and the reader apply.  No component imports another component
-to learn a name, and no component decodes a word with its own bit masks.
+connection is set up, the agent's status region, typed views of the request and result headers, the
+prefix table a slot server publishes (chain hashes of token blocks), and the request validation both
+the writer and the reader apply.  No component imports another component to learn a name, and no
+component decodes a word with its own bit masks.
 
 Streams of a request, by direction:
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -362,6 +363,75 @@ class AgentStatus:
         """Each published link's words, in the agent's order of its slot servers."""
         count = min(int(self._words[3]), STATUS_LINKS)
         return [tuple(int(v) for v in row) for row in self._links[:count]]
+
+
+# -- prefix affinity: what a slot server's model side holds, as chain hashes of token blocks -------------
+#: tokens per block: a prefix is published and matched in whole blocks
+PREFIX_BLOCK = lib.EP_PREFIX_BLOCK
+#: the prefix table a slot server publishes when its handler keeps KV of earlier requests (8 bytes each)
+PREFIX_ENTRIES = 256
+PREFIX_ENTRIES_MAX = lib.EP_PREFIX_ENTRIES_MAX
+
+
+def prefix_chain(tokens: np.ndarray) -> np.ndarray:
+    """The chain hashes of the whole blocks of ``tokens`` (int32 ids): entry ``b`` names the prefix of
+    blocks ``0..b`` (the hash is defined in ``native/edgepath_slot.h``)."""
+    ids = np.ascontiguousarray(tokens, dtype=np.int32)
+    out = np.empty(len(ids) // PREFIX_BLOCK, dtype=np.uint64)
+    n = lib.ep_prefix_chain(ffi.from_buffer("int32_t[]", ids), len(ids), ffi.from_buffer("uint64_t[]", out), len(out))
+    return out[:n]
+
+
+def prefix_table(sequences: Iterable[np.ndarray], entries: int) -> np.ndarray:
+    """The table a slot server publishes for the token sequences its model side holds, the most useful first:
+    the chain hashes of every whole block of each, each hash once, in that order, until ``entries`` are
+    taken; unused entries are 0 (never a chain hash)."""
+    table = np.zeros(entries, dtype=np.uint64)
+    seen: set[int] = set()
+    for tokens in sequences:
+        chain = prefix_chain(tokens).tolist()
+        if not chain or chain[-1] in seen:  # its last block is in: so is every block before it
+            continue
+        for h in chain:
+            if len(seen) == entries:
+                return table
+            if h not in seen:
+                table[len(seen)] = h
+                seen.add(h)
+    return table
+
+
+class PrefixChain:
+    """A request's chain hashes in a reusable buffer (an agent computes them once per request, from the ids
+    already in its frame), and how much of it a server's published table holds."""
+
+    __slots__ = ("_out", "blocks", "hashes")
+
+    def __init__(self, max_tokens: int) -> None:
+        self.hashes = np.zeros(max(1, max_tokens // PREFIX_BLOCK), dtype=np.uint64)
+        self._out = ffi.from_buffer("uint64_t[]", self.hashes)
+        self.blocks = 0
+
+    def compute(self, tokens: np.ndarray) -> int:
+        """Hash the whole blocks of ``tokens`` (a contiguous int32 view; those beyond the buffer are left
+        out); how many."""
+        self.blocks = lib.ep_prefix_chain(
+            ffi.from_buffer("int32_t[]", tokens), len(tokens), self._out, len(self.hashes)
+        )
+        return self.blocks
+
+    def matched(self, table: np.ndarray) -> int:
+        """How many leading blocks of the chain ``table`` (a published prefix table) holds."""
+        if not self.blocks or not len(table):
+            return 0
+        return lib.ep_prefix_match(ffi.from_buffer("uint64_t[]", table), len(table), self._out, self.blocks)
+
+
+def prefix_match(table: np.ndarray, tokens: np.ndarray) -> int:
+    """How many leading whole blocks of ``tokens`` a published prefix table holds."""
+    chain = PrefixChain(len(tokens))
+    chain.compute(np.ascontiguousarray(tokens, dtype=np.int32))
+    return chain.matched(table)
 
 
 # -- typed views of the request and result headers ---------------------------------------------------

@@ -16,6 +16,11 @@ reads it when nothing else has for a while.  A server whose heartbeat stands sti
 hang timeout is UNRESPONSIVE: nothing is claimed there (UNAVAILABLE at once when no other
 server is UP) and the frames in flight on it when that was found are reported once by
 :meth:`Agent.stalled`.
+
+With several slot servers, a request goes first to one that is up, has a free slot and
+publishes the longest prefix of its ids (the pool's prefix table, read with the
+heartbeat and state words in the same READ: the model side there reuses that prefix's KV
+instead of computing it), then by free slots -- no queue, no extra round trip.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class ClaimStats:
     cas_failures: int = 0  # CAS that found another word than the cached one (the cache learns it)
     refreshes: int = 0  # RDMA READs of the server's state words
     no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
+    affine: int = 0  # claims on this server while its prefix table held a prefix of the request
 
 
 @dataclass(eq=False)
@@ -103,6 +109,10 @@ class ServerLink:
     cursor: int = 0
     inflight: int = 0
     stats: ClaimStats = field(default_factory=ClaimStats)
+    #: the server's prefix table as last read (right after the cached words; empty: it publishes none)
+    prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    #: bytes one refresh READs from the state words on: the words, and the prefix table when there is one
+    read_bytes: int = 0
     rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
     reattaches: int = 0  # times this slot server came back and was attached again
 
@@ -183,9 +193,11 @@ class Agent:
         )
         self.frames = AgentFrames(self.frames_mr.buf, self.replies_mr.buf, frames, self.layout)
         self._words_per_link = max_slots_per_server
-        # Per server [pool header from its heartbeat][cached state words], then a cancel word to send from,
-        # then a pool header to read into.
-        words_size = (_HEAD + 8 * max_slots_per_server) * max_servers
+        # Per server [pool header from its heartbeat][cached state words, padded to a cache line][its prefix
+        # table] (as laid out in its pool: one READ), then a cancel word to send from, then a pool header to
+        # read into.
+        self._link_bytes = _HEAD + -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
+        words_size = self._link_bytes * max_servers
         self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
         self._cancel_off = words_size
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
@@ -195,6 +207,7 @@ class Agent:
         self.book: FrameBook[InFlight] = FrameBook(frames)
         self.inflight = self.book.inflight
         self.delivery_stats = self.book.stats
+        self._chain = wire.PrefixChain(input_capacity)
         self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
         self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
         self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
@@ -338,9 +351,16 @@ class Agent:
                 f"{address}: the pool's state words start at byte {int(header['states_offset'])}, not right after "
                 "its header"
             )
-        words_offset = (_HEAD + 8 * self._words_per_link) * position + _HEAD
+        words_offset = self._link_bytes * position + _HEAD
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
         beat = self.scratch_mr.buf[words_offset - head : words_offset - head + 8].view(np.uint64)
+        entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
+        if entries and not (8 * n <= gap and _HEAD + gap + 8 * entries <= self._link_bytes):
+            raise AgentError(
+                f"{address}: a prefix table of {entries} entries at byte {int(header['prefixes_offset'])}, not right "
+                f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
+            )
+        table_offset = words_offset + gap
         now = self.clock()
         link = ServerLink(
             address,
@@ -360,6 +380,8 @@ class Agent:
             beat,
             LinkTracker(address, self.hang_timeout, now),
             rejoin=Retry(self.reattach),
+            prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
+            read_bytes=gap + 8 * entries if entries else 8 * n,
         )
         self._read(link)
         link.tracker.attached(int(link.beat[0]), now)
@@ -371,14 +393,15 @@ class Agent:
         return link.words.copy()
 
     def _read(self, link: ServerLink) -> None:
-        """One RDMA READ of the server's heartbeat and state words into the cache."""
+        """One RDMA READ of the server's heartbeat and state words (and its prefix table, laid out right after
+        them) into the cache."""
         link.stats.refreshes += 1
         link.conn.read(
             self.scratch_mr,
             link.words_offset - link.head,
             link.pool,
             wire.HEARTBEAT_OFFSET,
-            link.head + 8 * link.slot_count,
+            link.head + link.read_bytes,
         )
 
     def _refresh(self, link: ServerLink) -> None:
@@ -474,8 +497,7 @@ class Agent:
         live = [link for link in links if link.up and count <= link.input_capacity]
         if not live:
             return Status.UNAVAILABLE if not any(link.up for link in links) else Status.BAD_REQUEST
-        if len(live) > 1:
-            live.sort(key=lambda link: -link.free_hint)
+        matched = self._order(live, index, count) if len(live) > 1 else None
         for link in live:
             try:
                 claimed = self.claim(link)
@@ -484,6 +506,8 @@ class Agent:
                 continue
             if claimed is None:
                 continue
+            if matched and matched[link]:
+                link.stats.affine += 1
             slot, gen = claimed
             try:
                 self._send(link, index, slot, gen, count)
@@ -496,6 +520,19 @@ class Agent:
         if not any(link.up for link in links):
             return Status.UNAVAILABLE
         return Status.NO_SLOT
+
+    def _order(self, links: list[ServerLink], index: int, count: int) -> dict[ServerLink, int]:
+        """Sort ``links`` into claim order: those with a free slot (as last seen) first; among them the one
+        whose prefix table holds the longest prefix of frame ``index``'s ids, then the most free slots.  The
+        blocks of it each server holds."""
+        chain = self._chain
+        chain.blocks = 0
+        if count >= wire.PREFIX_BLOCK and any(len(link.prefixes) for link in links):
+            chain.compute(self.frames.tokens[index, :count])
+        free = {link: link.free_hint for link in links}
+        matched = {link: chain.matched(link.prefixes) if free[link] else 0 for link in links}
+        links.sort(key=lambda link: (not free[link], -matched[link], -free[link]))
+        return matched
 
     def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
         frame_off = self.frames.frame_offset(index)

@@ -424,6 +424,18 @@ class LlamaHandler:
     def running(self) -> int:
         return len(self._running)
 
+    # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
+    def prefixes_version(self) -> int:
+        return self.book.version
+
+    def prefixes(self) -> list[np.ndarray]:
+        """The prompts of placed running requests (a request arriving meanwhile copies what they computed),
+        then what idle sequences and host memory hold (nothing with the prefix cache off)."""
+        if not self.options.prefix_cache:
+            return []
+        running = [seq.request.tokens for seq in self._running.values() if seq.stream >= 0]
+        return [*running, *self.book.held()]
+
     # -- internals -----------------------------------------------------------------------------------
     def _plan(self, out: list[Emit]) -> tuple[int, list[tuple[_Sequence, int, int, int]]]:
         """This step's batch: (tokens, [(sequence, batch start, length, first position)]), in sequence-id

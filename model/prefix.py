@@ -100,6 +100,8 @@ class PrefixBook:
     capacity: int  # bytes of host memory for saved sequences (0: no host copies)
     min_reuse: int = 16
     stats: CacheStats = field(default_factory=CacheStats)
+    #: changes whenever what :meth:`held` returns may have changed (the slot server republishes then)
+    version: int = field(init=False, default=0)
     _streams: list[_Stream] = field(init=False)
     _saved: list[Saved] = field(init=False, default_factory=list)
     _clock: int = field(init=False, default=0)
@@ -162,11 +164,19 @@ class PrefixBook:
             raise ValueError(f"prefix book: stream {stream} is not running")
         s.running = False
         s.tokens = tokens if tokens is not None and len(tokens) else None
+        self.version += 1
 
     def holding(self) -> list[np.ndarray | None]:
         """What each idle stream holds (None: nothing, or a running request): the prefixes the model side
         could serve without computing them."""
         return [None if s.running else s.tokens for s in self._streams]
+
+    def held(self) -> list[np.ndarray]:
+        """Every prefix the book could serve a new request from, the cheapest first: idle streams (reused in
+        place), then host copies (restored), each by most recent use."""
+        idle = sorted((s for s in self._streams if not s.running and s.tokens is not None), key=lambda s: -s.used)
+        saved = sorted(self._saved, key=lambda s: -s.used)
+        return [s.tokens for s in idle if s.tokens is not None] + [s.tokens for s in saved]
 
     # -- host copies ------------------------------------------------------------------------------
     def wants(self, tokens: np.ndarray, nbytes: int) -> bool:
@@ -199,6 +209,7 @@ class PrefixBook:
             self.stats.evicted += 1
         self._saved = [*kept, new]
         self.stats.saved += 1
+        self.version += 1
         return dropped
 
     @property
@@ -215,6 +226,7 @@ class PrefixBook:
         stream.running = True
         stream.used = self._clock
         stream.tokens = None  # until it finishes, the stream's content is the running request's
+        self.version += 1
         return placement
 
     def _best_saved(self, prompt: np.ndarray, limit: int) -> tuple[Saved | None, int]:

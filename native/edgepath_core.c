@@ -164,7 +164,14 @@ uint64_t ep_frame_stride(uint32_t input_capacity, uint32_t output_capacity)
 int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,
                    struct ep_pool_header *out)
 {
-    if (slot_count == 0 || slot_count > EP_SLOT_MAX + 1u || input_capacity == 0 || output_capacity == 0)
+    return ep_pool_layout_prefixes(slot_count, input_capacity, output_capacity, 0, out);
+}
+
+int ep_pool_layout_prefixes(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,
+                            uint32_t prefix_entries, struct ep_pool_header *out)
+{
+    if (slot_count == 0 || slot_count > EP_SLOT_MAX + 1u || input_capacity == 0 || output_capacity == 0 ||
+        prefix_entries > EP_PREFIX_ENTRIES_MAX)
         return EP_POOL_E_LAYOUT;
     memset(out, 0, sizeof(*out));
     out->magic = EP_POOL_MAGIC;
@@ -174,7 +181,10 @@ int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output
     out->output_capacity = output_capacity;
     out->slot_stride = ep_frame_stride(input_capacity, output_capacity);
     out->states_offset = ALIGN_UP(sizeof(struct ep_pool_header));
-    out->doorbells_offset = out->states_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    uint64_t after_states = out->states_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    out->prefix_entries = prefix_entries;
+    out->prefixes_offset = prefix_entries ? after_states : 0;
+    out->doorbells_offset = after_states + ALIGN_UP((uint64_t)prefix_entries * 8u);
     out->cancels_offset = out->doorbells_offset + ALIGN_UP((uint64_t)slot_count * 8u);
     out->slots_offset = out->cancels_offset + ALIGN_UP((uint64_t)slot_count * 8u);
     out->total_size = out->slots_offset + (uint64_t)slot_count * out->slot_stride;
@@ -201,8 +211,11 @@ int ep_pool_validate(const void *base, uint64_t size)
         return EP_POOL_E_MAGIC;
     if (h->abi_version != EP_ABI_VERSION)
         return EP_POOL_E_VERSION;
-    if (ep_pool_layout(h->slot_count, h->input_capacity, h->output_capacity, &expect) != EP_OK ||
+    if (h->prefix_entries > EP_PREFIX_ENTRIES_MAX ||
+        ep_pool_layout_prefixes(h->slot_count, h->input_capacity, h->output_capacity, (uint32_t)h->prefix_entries,
+                                &expect) != EP_OK ||
         expect.slot_stride != h->slot_stride || expect.states_offset != h->states_offset ||
+        expect.prefixes_offset != h->prefixes_offset ||
         expect.doorbells_offset != h->doorbells_offset || expect.cancels_offset != h->cancels_offset ||
         expect.slots_offset != h->slots_offset ||
         expect.total_size != h->total_size)
@@ -210,6 +223,41 @@ int ep_pool_validate(const void *base, uint64_t size)
     if (size < h->total_size)
         return EP_POOL_E_SIZE;
     return EP_OK;
+}
+
+/* ---- prefix affinity --------------------------------------------------- */
+
+uint32_t ep_prefix_chain(const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks)
+{
+    uint32_t blocks = count / EP_PREFIX_BLOCK;
+    if (blocks > max_blocks)
+        blocks = max_blocks;
+    uint64_t h = EP_PREFIX_SEED;
+    for (uint32_t b = 0; b < blocks; b++) {
+        const int32_t *t = tokens + (uint64_t)b * EP_PREFIX_BLOCK;
+        for (uint32_t i = 0; i < EP_PREFIX_BLOCK; i++) {
+            h = (h ^ (uint32_t)t[i]) * EP_PREFIX_MUL;
+            h ^= h >> 32;
+        }
+        h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+        h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+        h ^= h >> 31;
+        if (h == 0)
+            h = 1;
+        out[b] = h;
+    }
+    return blocks;
+}
+
+uint32_t ep_prefix_match(const uint64_t *table, uint32_t entries, const uint64_t *chain, uint32_t blocks)
+{
+    for (uint32_t j = blocks; j > 0; j--) {
+        uint64_t want = chain[j - 1];
+        for (uint32_t e = 0; e < entries; e++)
+            if (table[e] == want)
+                return j;
+    }
+    return 0;
 }
 
 /* ---- completion queue -------------------------------------------------- */

@@ -46,9 +46,11 @@ void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uin
 /* The final result: status, output count (progress = generation << 32 | count), the time. */
 void ep_result_end(void *result, uint32_t generation, int32_t status, uint32_t output_count);
 
-/* Pool layout. */
+/* Pool layout (ep_pool_layout: without a prefix table). */
 int ep_pool_layout(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,
                    struct ep_pool_header *out);
+int ep_pool_layout_prefixes(uint32_t slot_count, uint32_t input_capacity, uint32_t output_capacity,
+                            uint32_t prefix_entries, struct ep_pool_header *out);
 uint64_t ep_frame_stride(uint32_t input_capacity, uint32_t output_capacity);
 uint64_t ep_result_offset(uint32_t input_capacity);
 int ep_pool_init(void *base, uint64_t size, const struct ep_pool_header *layout);
@@ -73,6 +75,12 @@ int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *re
                         uint32_t *ready_conns, uint64_t now_ns, int *rejected);
 int ep_scan_leases(void *pool, uint64_t *seen_word, uint64_t *seen_ns, uint64_t now_ns,
                    uint32_t *expired, int max);
+
+/* Prefix affinity (edgepath_slot.h): the chain hashes of the first min(count / EP_PREFIX_BLOCK, max_blocks)
+   whole blocks of `tokens` into out; how many. */
+uint32_t ep_prefix_chain(const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks);
+/* How many leading blocks of a chain a prefix table holds: the largest j with chain[j - 1] among its entries. */
+uint32_t ep_prefix_match(const uint64_t *table, uint32_t entries, const uint64_t *chain, uint32_t blocks);
 
 /* Pool validation failures (ep_pool_validate) and CQ errors. */
 #define EP_POOL_E_SIZE -10

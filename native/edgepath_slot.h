@@ -8,8 +8,9 @@
  * (an independent gcc-compiled offset dump).
  *
  * Pool memory (one registered region):
- *   [ep_pool_header][u64 state[n]][u64 doorbell[n]][u64 cancel[n]][slots...]
- * each array starts on a 64-byte boundary; each slot is slot_stride bytes:
+ *   [ep_pool_header][u64 state[n]][u64 prefix[m]][u64 doorbell[n]][u64 cancel[n]][slots...]
+ * each array starts on a 64-byte boundary (the prefix table is there only when m > 0, and then
+ * follows the state words, so one READ gets both); each slot is slot_stride bytes:
  *   [ep_request_header][int32 tokens[input_capacity]][ep_result_header][int32 output[output_capacity]]
  * A requester's reply region uses the same per-entry layout (a "frame"), so
  * the request part is sent with one RDMA WRITE and the result part comes back
@@ -22,7 +23,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 4  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20) */
+#define EP_ABI_VERSION 5  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -89,6 +90,20 @@
 
 #define EP_ALIGN 64
 
+/*
+ * Prefix affinity (issue 19).  A prompt's token ids are cut into blocks of EP_PREFIX_BLOCK; block b's
+ * chain hash covers blocks 0..b, so one value names a whole prefix:
+ *   h = EP_PREFIX_SEED; for each block: for each id t: h = (h ^ (uint32)t) * EP_PREFIX_MUL, h ^= h >> 32;
+ *   then h = splitmix64's finaliser of h (0 becomes 1), and that is the block's chain hash (and the next h).
+ * A slot server whose handler keeps KV of earlier requests publishes the chain hashes of what it holds in
+ * its pool's prefix table (u64 prefix[prefix_entries]; 0 = unused entry); an agent claims first on the
+ * server that publishes the longest prefix of a request.  A hint only: the handler checks the tokens.
+ */
+#define EP_PREFIX_BLOCK 64
+#define EP_PREFIX_SEED 0xcbf29ce484222325
+#define EP_PREFIX_MUL 0x9e3779b97f4a7c15
+#define EP_PREFIX_ENTRIES_MAX 4096
+
 struct ep_pool_header {
     uint64_t magic;
     uint32_t abi_version;
@@ -110,7 +125,9 @@ struct ep_pool_header {
      * of [heartbeat .. state[n-1]] gives an agent both (edgepath.dpu.link_state).
      */
     uint64_t heartbeat;
-    uint64_t reserved[4];
+    uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
+    uint64_t prefix_entries;   /* chain hashes the slot server publishes at most (0..EP_PREFIX_ENTRIES_MAX) */
+    uint64_t reserved[2];
 };
 
 struct ep_request_header {

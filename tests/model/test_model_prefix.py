@@ -122,6 +122,28 @@ def test_holding_shows_idle_streams_only() -> None:
     assert held[b.stream] is None and np.array_equal(held[a.stream], chat(1))
 
 
+def test_held_lists_idle_streams_then_host_copies_each_by_recent_use_and_the_version_follows() -> None:
+    """What the slot server publishes (the pool's prefix table) for prefix-affine admission."""
+    book = PrefixBook(streams=3, capacity=1000, min_reuse=4)
+    assert book.held() == []
+    versions = [book.version]
+    a = book.place(chat(1))
+    b = book.place(chat(2))
+    c = book.place(seq(5, 30))
+    versions.append(book.version)
+    book.save(seq(5, 30), "blob", 10)
+    versions.append(book.version)
+    book.finished(c.stream, None)  # its stream lost it; host memory has it
+    book.finished(a.stream, chat(1))
+    book.finished(b.stream, chat(2))
+    versions.append(book.version)
+    assert versions == sorted(set(versions))  # every change moved it
+    held = book.held()
+    assert [h.tolist() for h in held] == [chat(2).tolist(), chat(1).tolist(), seq(5, 30).tolist()]
+    book.place(chat(2))  # a running stream's content is the running request's: not held
+    assert [h.tolist() for h in book.held()] == [chat(1).tolist(), seq(5, 30).tolist()]
+
+
 # -- host copies ------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,10 @@ CONSTANTS = [
     "EP_SLOT_MAX",
     "EP_CLAIMANT_MAX",
     "EP_STATUS_NO_SLOT",
+    "EP_PREFIX_BLOCK",
+    "EP_PREFIX_SEED",
+    "EP_PREFIX_MUL",
+    "EP_PREFIX_ENTRIES_MAX",
 ]
 
 
@@ -74,7 +78,8 @@ def test_magic_spells_edgepool() -> None:
 def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
     assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
-    assert abi.POOL_HEADER.fields["reserved"][0].shape == (4,)
+    assert abi.POOL_HEADER.fields["reserved"][0].shape == (2,)
+    assert abi.POOL_HEADER.fields["prefix_entries"][0] == np.dtype(np.uint64)
     assert abi.REQUEST_HEADER.fields["temperature"][0] == np.dtype(np.float32)
 
 
