@@ -54,7 +54,7 @@ OPTIONS = {
     "whole prompt fits one step)",
     "ubatch": "N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in (default 512)",
     "stall_ms": "MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits "
-    "longer for its next token because of others' prompts (default 400)",
+    "longer for its next token because of others' prompts (default 1500)",
     "min_prefill": "N >= 1 prompt tokens a step carries at least while a prompt waits (default 16)",
     "flash_attn": "off|on|auto: llama.cpp's flash attention (default off: on this CPU it decodes slower, and its "
     "results depend on how a prompt is split into steps, so a reused prefix would not give the same answer)",
@@ -140,7 +140,7 @@ class LlamaOptions:
             ctx_per_slot=number("ctx_per_slot", max(16, slot_tokens), 16),
             batch=number("batch", 0, 2) or None,
             ubatch=number("ubatch", 512, 1),
-            stall_ms=real("stall_ms", 400.0, 0.0, strict=True),
+            stall_ms=real("stall_ms", 1500.0, 0.0, strict=True),
             min_prefill=number("min_prefill", 16, 1),
             flash_attn=choice("flash_attn", "off", tuple(_FLASH_ATTN)),
             kv_unified=choice("kv_unified", "off", ("off", "on")) == "on",
