@@ -68,7 +68,13 @@ def test_one_of_two_slot_servers_killed_under_load_is_left_out_then_used_again_w
     run = kill_one_and_bring_it_back(port, first, a, b, lambda: slot_server(a))
     print(f"failover ({transport_name}): {run.summary()}")
     run.check()
-    assert "ended" in run.notes["down_reason"]  # the connection's end, seen at once
+    reason = run.notes["down_reason"]
+    if transport_name == "loopback":
+        assert "ended" in reason, reason  # the socket's end, seen at once
+    else:
+        # rdma_cm's DISCONNECTED, or an operation that was in flight to the killed server when it died: on rxe
+        # that one waits out the data plane's 4 s operation timeout (docs/DEPLOY.md), within run.check()'s 5 s
+        assert "ended" in reason or "failed" in reason, reason
     for address in (a, b):
         wait_for(lambda at=address: all_free(at, SLOTS, transport_name, transport_options), 30, "every slot FREE")
 
