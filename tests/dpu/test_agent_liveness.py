@@ -11,10 +11,10 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 from helpers.datapath import send, serve_once
+from helpers.waiting import wait_for
 
 from edgepath.dma.handlers import Emit, Heartbeat, SlotRequest
 from edgepath.dpu.agent import Agent
@@ -198,14 +198,6 @@ class Blocking:
         self.go.set()
 
 
-def until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll ``check`` (bounded): these tests wait for states, never for a fixed time."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_a_model_step_that_blocks_stops_the_heartbeat_and_one_that_ends_brings_it_back(serve, new_agent) -> None:
     handler = Blocking()
     server = serve(handler, slots=2, step_budget=0.05)
@@ -213,14 +205,16 @@ def test_a_model_step_that_blocks_stops_the_heartbeat_and_one_that_ends_brings_i
     link = agent.attach(server.address)
     index = send(agent, [1, 2, 3], max_new=3)
     assert handler.blocked.wait(10.0)
-    until(lambda: not agent.check_links() and link.tracker.state is LinkState.UNRESPONSIVE, "the link to go still")
+    wait_for(
+        lambda: not agent.check_links() and link.tracker.state is LinkState.UNRESPONSIVE, 20.0, "the link to go still"
+    )
     assert agent.stalled() == [index]
     agent.abandon(index)
     write_request(agent.frames, 1, [4], request_id=2, max_new_tokens=1)
     assert agent.submit(1) == Status.UNAVAILABLE
     handler.go.set()  # the step ends: the late answer frees the frame, the heartbeat moves again
-    until(lambda: not agent.poll(timeout=0.05) and index not in agent.inflight, "the late answer")
-    until(lambda: not agent.check_links() and link.up, "the link to come back")
+    wait_for(lambda: not agent.poll(timeout=0.05) and index not in agent.inflight, 20.0, "the late answer")
+    wait_for(lambda: not agent.check_links() and link.up, 20.0, "the link to come back")
     assert agent.delivery_stats.late == 1 and agent.delivery_stats.duplicates == 0
     assert server.stats.slow_steps >= 1 and server.stats.longest_step > server.config.step_budget  # reported
 
@@ -259,8 +253,8 @@ def test_a_long_step_that_beats_from_within_keeps_its_link_up(serve, new_agent) 
         seen.add(link.tracker.state)
         return handler.ticks >= 150
 
-    until(long_enough, "a step of 150 beats")
+    wait_for(long_enough, 20.0, "a step of 150 beats")
     handler.go.set()
     got: list[Delivery] = []
-    until(lambda: bool(got.extend(d for d in agent.poll(timeout=0.05) if d.final) or got), "the answer")
+    wait_for(lambda: bool(got.extend(d for d in agent.poll(timeout=0.05) if d.final) or got), 20.0, "the answer")
     assert seen == {LinkState.UP} and [d.index for d in got] == [index] and agent.stalled() == []

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from helpers.datapath import serve_once
+from helpers.waiting import eventually
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import PacedEcho, echo
@@ -29,15 +30,6 @@ from edgepath.native.abi import Status
 
 CAP = 32
 FRAMES, PER_EDGE = 8, 4
-
-
-def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 class Running:
@@ -131,7 +123,7 @@ def test_an_edge_is_served_through_the_agent_in_its_own_frames(serve, agent_proc
 
 def _refused(caplog: pytest.LogCaptureFixture, reason: str) -> bool:
     """Whether the agent process logged a refusal for ``reason`` (loopback closes the socket without one)."""
-    return _until(lambda: any(reason in r.getMessage() for r in caplog.records), 5.0)
+    return eventually(lambda: any(reason in r.getMessage() for r in caplog.records), 5.0)
 
 
 def test_edges_get_ranges_of_their_own_and_give_them_back(
@@ -146,7 +138,7 @@ def test_edges_get_ranges_of_their_own_and_give_them_back(
         AgentClient(running.service.address, timeout=2.0)
     assert _refused(caplog, "no free frame range for another edge")
     first.close()
-    assert _until(lambda: len(running.service.edges) == 1), "the range of an edge that went away stays taken"
+    assert eventually(lambda: len(running.service.edges) == 1, 10.0), "the range of an edge that went away stays taken"
     third = clients(running.service.address)  # gets the range back
     index = _submit(third, [7])
     assert _answers(third, index)[-1].final
@@ -186,14 +178,14 @@ def test_streamed_answers_and_a_cancel_are_relayed(serve, agent_process, clients
     client = clients(running.service.address)
     index = _submit(client, list(range(CAP)), stream=True)
     first: list[Delivery] = []
-    assert _until(lambda: bool(first.extend(client.poll()) or first)), "no streamed answer"
+    assert eventually(lambda: bool(first.extend(client.poll()) or first), 10.0), "no streamed answer"
     assert first[0].index == index and not first[0].final and first[0].count >= 1
     client.cancel(index)
     got = first + _answers(client, index)
     assert got[-1].final and int(client.frames.results[index]["status"]) == Status.CANCELLED
     assert 1 <= got[-1].count < CAP
     assert client.frames.outputs[index, : got[-1].count].tolist() == list(range(got[-1].count))
-    assert _until(lambda: server.stats.cancelled == 1)
+    assert eventually(lambda: server.stats.cancelled == 1, 10.0)
 
 
 def test_an_abandoned_frame_comes_back_after_the_agents_final_answer(serve, agent_process, clients) -> None:
@@ -203,7 +195,7 @@ def test_an_abandoned_frame_comes_back_after_the_agents_final_answer(serve, agen
     index = _submit(client, list(range(CAP)), stream=True)
     client.abandon(index)
     assert index in client.book.inflight  # the agent may still write into it
-    assert _until(lambda: not client.poll(timeout=0.05) and index not in client.book.inflight)
+    assert eventually(lambda: not client.poll(timeout=0.05) and index not in client.book.inflight, 10.0)
     stats = client.delivery_stats
     assert stats.abandoned == 1 and stats.late >= 1 and stats.delivered == 0
     assert sorted(i for i in iter(client.acquire, None)) == list(range(PER_EDGE))  # every frame is back
@@ -213,11 +205,11 @@ def test_the_status_region_says_what_the_agent_last_saw(serve, agent_process, cl
     server = serve(PacedEcho(0.05), slots=2, cap=CAP)
     running = agent_process(server.address)
     client = clients(running.service.address)
-    assert _until(lambda: client.free_slots() == (2, 2))
+    assert eventually(lambda: client.free_slots() == (2, 2), 10.0)
     busy = _submit(client, list(range(10)))
-    assert _until(lambda: client.free_slots() == (1, 2)), client.free_slots()
+    assert eventually(lambda: client.free_slots() == (1, 2), 10.0), client.free_slots()
     assert _answers(client, busy)[-1].final
-    assert _until(lambda: client.free_slots() == (2, 2))
+    assert eventually(lambda: client.free_slots() == (2, 2), 10.0)
 
 
 def test_the_agent_going_away_loses_what_was_in_flight_and_a_new_one_is_picked_up(
@@ -232,7 +224,7 @@ def test_the_agent_going_away_loses_what_was_in_flight_and_a_new_one_is_picked_u
     lost = _submit(client, list(range(20)))
     running.close()
     gone: list[int] = []
-    assert _until(lambda: bool(gone.extend(client.check_links()) or gone)), "the agent's end went unseen"
+    assert eventually(lambda: bool(gone.extend(client.check_links()) or gone), 10.0), "the agent's end went unseen"
     assert gone == [lost] and not client.alive() and client.free_slots() == (0, 0)
     assert client.submit(client.acquire() or 0) == Status.UNAVAILABLE
     assert client.revive(timeout=0.2) == []  # nobody there yet
@@ -263,7 +255,7 @@ def test_a_slot_server_that_stops_turning_is_reported_to_the_edge_with_the_frame
         stalled.extend(client.stalled())
         return bool(stalled)
 
-    assert _until(reported), "the stalled frame was never reported"
+    assert eventually(reported, 10.0), "the stalled frame was never reported"
     assert stalled == [index]
     (health,) = client.links_health()
     assert (health.address, health.state, health.reason) == (
@@ -278,6 +270,6 @@ def test_a_slot_server_that_stops_turning_is_reported_to_the_edge_with_the_frame
     client.release(refused)
     assert server.pool.free_count() == 1  # only the request sent before the freeze holds a slot
     serve_once(server)  # it thaws: the answer comes, late, and frees the frame
-    assert _until(lambda: not client.poll() and index not in client.book.inflight)
+    assert eventually(lambda: not client.poll() and index not in client.book.inflight, 10.0)
     assert client.delivery_stats.late == 1
-    assert _until(lambda: server.poll_once(0.0) > 0 and client.links_health()[0].state is LinkState.UP)
+    assert eventually(lambda: server.poll_once(0.0) > 0 and client.links_health()[0].state is LinkState.UP, 10.0)

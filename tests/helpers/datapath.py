@@ -21,6 +21,7 @@ from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.port import Delivery
+from helpers.waiting import eventually
 
 CAP = 64  # tokens in and out, unless a test says otherwise
 
@@ -130,9 +131,4 @@ def collect(agent: Agent, index: int, timeout: float = 10.0) -> list[Delivery]:
 
 def wait_free(server: SlotServer, timeout: float = 5.0) -> bool:
     """Whether every slot of ``server`` is FREE within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.pool.free_count() == server.pool.slot_count:
-            return True
-        time.sleep(0.005)
-    return False
+    return eventually(lambda: server.pool.free_count() == server.pool.slot_count, timeout)

@@ -8,9 +8,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
 from edgepath.config import ServeOptions
+from edgepath.edge.quic_engine import QuicEngineError, load_engine
 from edgepath.serve import run
 
 
@@ -64,3 +68,16 @@ def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -
         if stop_box and thread.is_alive():
             loop.call_soon_threadsafe(stop_box[0].set)
         thread.join(timeout=30)
+
+
+@contextmanager
+def echo_edge_on(engine: str, tmp_path: Path, **options: Any) -> Iterator[RunningEdge]:
+    """An echo ``serve`` on QUIC engine ``engine`` with ``options`` on a free port (the test is skipped where
+    that engine is not installed)."""
+    try:
+        load_engine(engine)
+    except QuicEngineError as exc:
+        pytest.skip(str(exc))
+    serve_options = ServeOptions(port=free_port(), handler="echo", quic_engine=engine, **options)
+    with running_edge(serve_options, tmp_path) as running:
+        yield running

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from edgepath.children import Child
-from helpers.supervised import Answer, Load, get, scrape, series, wait_for
+from helpers.supervised import Answer, Load, get, scrape, series
+from helpers.waiting import wait_for
 
 SLOTS = 4
 SETTLE_S = 1.0  # issue 21: from one second after the kill ...

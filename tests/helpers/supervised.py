@@ -32,15 +32,6 @@ def slot_server_of(serve: Child) -> int | None:
     return None
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Bounded polling of a condition (the only waiting these tests do)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
 @dataclass
 class Answer:
     sent: float

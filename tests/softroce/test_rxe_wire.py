@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from helpers import failover
 from helpers.procs import slot_states
-from helpers.supervised import Load, scrape, series, wait_for
+from helpers.supervised import Load, scrape, series
 from helpers.tokenizers import byte_tokenizer
+from helpers.waiting import wait_for
 
 from edgepath.children import Child, free_port
 from edgepath.dma.registry import make_transport

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.edge import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, echo_edge_on, free_port, running_edge
 
 from edgepath.config import ServeOptions
 from edgepath.edge.client import H3Client, H3Response, h3_client
-from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
+from edgepath.edge.quic_engine import ENGINES
 from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
@@ -38,20 +38,8 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module", params=ENGINES)
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
-    try:
-        load_engine(request.param)
-    except QuicEngineError as exc:
-        pytest.skip(str(exc))
-    options = ServeOptions(
-        port=free_port(),
-        slots=8,
-        frames=64,
-        input_capacity=INPUT_CAPACITY,
-        output_capacity=64,
-        handler="echo",
-        quic_engine=request.param,
-    )
-    with running_edge(options, tmp_path_factory.mktemp("edge")) as running:
+    options = {"slots": 8, "frames": 64, "input_capacity": INPUT_CAPACITY, "output_capacity": 64}
+    with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), **options) as running:
         yield running
 
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.edge import RunningEdge, free_port, running_edge
+from helpers.edge import RunningEdge, echo_edge_on, free_port, running_edge
 
 from edgepath.config import ServeOptions
-from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
+from edgepath.edge.quic_engine import ENGINES
 from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
@@ -21,14 +21,9 @@ pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-ser
 @pytest.fixture(scope="module", params=ENGINES)
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
-    try:
-        load_engine(request.param)
-    except QuicEngineError as exc:
-        pytest.skip(str(exc))
-    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="echo", quic_engine=request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
-        with running_edge(options, tmp_path_factory.mktemp("edge")) as e:
+        with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), slots=4, frames=16) as e:
             yield e
 
 

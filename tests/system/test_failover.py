@@ -28,8 +28,9 @@ from helpers.failover import (
     listing,
 )
 from helpers.procs import all_free
-from helpers.supervised import Load, wait_for
+from helpers.supervised import Load
 from helpers.tokenizers import byte_tokenizer
+from helpers.waiting import wait_for
 
 from edgepath.children import Child, free_port
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from helpers.hang import HANG_ON
-from helpers.supervised import Answer, Load, get, metric, slot_server_of, start_serve_tcp, wait_for
+from helpers.supervised import Answer, Load, get, metric, slot_server_of, start_serve_tcp
+from helpers.waiting import wait_for
 
 from edgepath.children import Child
 

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers.supervised import Load, slot_server_of, start_serve_tcp, wait_for
+from helpers.supervised import Load, slot_server_of, start_serve_tcp
+from helpers.waiting import wait_for
 
 from edgepath.children import Child, ChildError, exit_reason
 from edgepath.supervisor import RestartPolicy
