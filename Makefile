@@ -6,6 +6,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NATIVE := native/.built
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
+# llama.cpp without llamafile's batched kernels: a logit must not depend on how its step was batched
+# (docs/MODEL.md, "Right on every CPU"); the same string as edgepath.model.known_answer.LLAMA_CMAKE_ARGS.
+LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
+LLAMA := llama-cpp-python==0.3.36
 
 .PHONY: run demo test test-fast lint build bench clean
 
@@ -15,7 +19,10 @@ $(STAMP): pyproject.toml setup.py scripts/setup-system
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q -e '.[test,bench,model]'  # model: llama.cpp builds (~5 min, cached after)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q -e '.[test,bench,model]'  # model: llama.cpp builds (~5 min, cached after)
+	@# pip reuses a wheel it built before whatever CMAKE_ARGS were then: rebuild it when its flags are not ours
+	$(PY) -m edgepath.model.known_answer || { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps '$(LLAMA)' && $(PY) -m edgepath.model.known_answer; }
 	touch $@
 
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)

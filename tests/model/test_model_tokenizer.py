@@ -89,7 +89,7 @@ def test_chat_metadata_from_the_gguf(tok: GGUFTokenizer) -> None:
     assert tok.eos_token == "<|im_end|>"
     assert tok.bos_token is not None
     assert tok.vocab_size == 49152
-    assert tok.name == "gguf:SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert tok.name == "gguf:SmolLM2-135M-Instruct.F16.gguf"
 
 
 def test_load_tokenizer_picks_gguf_by_suffix() -> None:
