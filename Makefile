@@ -9,20 +9,18 @@ NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
 # llama.cpp without llamafile's batched kernels: a logit must not depend on how its step was batched
 # (docs/MODEL.md, "Right on every CPU"); the same string as edgepath.model.known_answer.LLAMA_CMAKE_ARGS.
 LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
-LLAMA := llama-cpp-python==0.3.36
 
 .PHONY: run demo test test-fast lint build bench clean
 
 # The editable install builds the cffi extensions too (setup.py); $(NATIVE) rebuilds them in place
 # when a C source changes, without reinstalling.
-$(STAMP): pyproject.toml setup.py scripts/setup-system
+$(STAMP): pyproject.toml setup.py scripts/setup-system scripts/install-llama
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q -e '.[test,bench,model]'  # model: llama.cpp builds (~5 min, cached after)
-	@# pip reuses a wheel it built before whatever CMAKE_ARGS were then: rebuild it when its flags are not ours
-	$(PY) -m edgepath.model.known_answer || { CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-	  $(PY) -m pip install -q --no-cache-dir --force-reinstall --no-deps '$(LLAMA)' && $(PY) -m edgepath.model.known_answer; }
+	scripts/install-llama $(PY) "$(LLAMA_CMAKE_ARGS)"  # llama.cpp builds once per machine (~5-15 min), cached
+	$(PY) -m pip install -q -e '.[test,bench,model]'
+	$(PY) -m edgepath.model.known_answer  # the CPU and llama.cpp's build; fails on a build with other flags
 	touch $@
 
 $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
