@@ -427,13 +427,6 @@ class PrefixChain:
         return lib.ep_prefix_match(ffi.from_buffer("uint64_t[]", table), len(table), self._out, self.blocks)
 
 
-def prefix_match(table: np.ndarray, tokens: np.ndarray) -> int:
-    """How many leading whole blocks of ``tokens`` a published prefix table holds."""
-    chain = PrefixChain(len(tokens))
-    chain.compute(np.ascontiguousarray(tokens, dtype=np.int32))
-    return chain.matched(table)
-
-
 # -- typed views of the request and result headers ---------------------------------------------------
 class _StructView:
     """A typed view of one C struct in registered memory, through a cffi pointer (reading a field costs

@@ -1,8 +1,8 @@
 """Watching the slot server ``serve`` supervises for hangs, from serve's own process.
 
 A frozen slot server (a stuck GPU kernel, a wedged driver, SIGSTOP) does not die, so its supervisor never
-learns of it by waiting.  :class:`HangWatch` attaches an agent of its own (one frame, never used: it only
-reads the pool's heartbeat) on its own transport and thread -- so it judges the same way with one edge or
+learns of it by waiting.  :class:`HangWatch` attaches a link set of its own (it only reads the pool's
+heartbeat: no frames, nothing to claim) on its own transport and thread -- so it judges the same way with one edge or
 with ``--workers``, whatever the edges are doing -- and asks the supervisor to kill a server that
 :func:`~edgepath.supervisor.hang_verdict` calls hung; the supervisor's restart path does the rest, and the
 watch attaches to the new server where it listens.  It also keeps the supervision counts where every edge
@@ -22,8 +22,10 @@ from pathlib import Path
 
 from edgepath.builder import data_path_transport
 from edgepath.config import DataPath
+from edgepath.dma import wire
+from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Transport
-from edgepath.dpu.agent import Agent, AgentError, ServerLink
+from edgepath.dpu.links import AgentError, LinkSet, ServerLink
 from edgepath.supervisor import Supervisor, hang_verdict
 
 log = logging.getLogger("edgepath.hangwatch")
@@ -52,16 +54,10 @@ class HangWatch:
         self.address = address
         self.transport: Transport = data_path_transport(data_path)
         try:
-            self.agent = Agent(
-                self.transport,
-                frames=1,
-                input_capacity=1,
-                output_capacity=1,
-                max_servers=1,
-                max_slots_per_server=slots,
-                hang_timeout=hang_timeout,
-                clock=clock,
-            )
+            # A slot server admits an agent that gives it a replies region to write: the smallest there is.
+            _, replies = AgentFrames.sizes(1, FrameLayout(1, 1))
+            region = self.transport.register(wire.REPLIES_REGION, replies, wire.REPLIES_ACCESS)
+            self.links = LinkSet(self.transport, wire.AgentHello(1, 1, 1), [region], 1, slots, hang_timeout, clock)
         except BaseException:
             self.transport.close()
             raise
@@ -85,7 +81,7 @@ class HangWatch:
         self.transport.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.agent.probe_interval):
+        while not self._stop.wait(self.links.probe_interval):
             try:
                 self.check()
             except Exception:  # the watch must outlive any one bad look; say what went wrong
@@ -93,15 +89,15 @@ class HangWatch:
 
     def check(self) -> None:
         """Attach (again) when the server is (back) there, read its heartbeat, kill it when it is hung."""
-        agent = self.agent
-        if not agent.links:
+        links = self.links
+        if not links.links:
             with contextlib.suppress(AgentError):  # not listening (yet, or again): the supervisor restarts it
-                agent.attach(self.address, timeout=self._connect_timeout)
+                links.attach(self.address, timeout=self._connect_timeout)
         else:
-            agent.check_links()
-            agent.revive(timeout=self._connect_timeout)
+            links.check()
+            links.revive(timeout=self._connect_timeout)
         now = self._clock()
-        for link in agent.links:
+        for link in links:
             why = hang_verdict(link.tracker.health(), now)
             if why is not None and link is not self._killed and self.supervisor.kill(why):
                 self._killed = link

@@ -314,15 +314,6 @@ class LlamaHandler:
     def from_config(cls, config: HandlerConfig) -> LlamaHandler:
         return cls(config.slots, LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity))
 
-    @staticmethod
-    def max_prompt_tokens(config: HandlerConfig) -> int:
-        """The longest prompt a slot accepts: its sequence's ``ctx_per_slot`` positions, and no more
-        than the slot's input capacity (by default that is the limit: the edge's own capacity check then
-        answers an over-long prompt with 400 and the counts).  Output then stops with LENGTH once the sequence is full:
-        a slot yields at most ``ctx_per_slot - prompt + 1`` tokens, whatever ``max_new_tokens`` is."""
-        options = LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
-        return min(options.ctx_per_slot, config.input_capacity)
-
     def beat_within_steps(self, heartbeat: Heartbeat) -> None:
         """Advance the slot server's heartbeat from inside ``llama_decode``: llama.cpp calls its abort callback
         between the nodes of the compute graph (ggml's CPU backend), and this one only beats -- it returns
@@ -541,11 +532,6 @@ class LlamaHandler:
     def kv_positions(self, stream: int) -> int:
         """How many positions llama.cpp sequence ``stream`` holds in its KV stream (0: none)."""
         return int(self._lib.llama_memory_seq_pos_max(self._mem, stream)) + 1
-
-    def stream_of(self, slot: int) -> int:
-        """The llama.cpp sequence a running slot's request runs on (-1: it waits for its first prompt step,
-        where it is placed)."""
-        return self._running[slot].stream
 
     @property
     def running(self) -> int:

@@ -159,7 +159,7 @@ def test_least_privilege_slot_servers_see_only_the_agents_replies(agent: Agent, 
     agent.attach(server.address)
     assert agent.frames_mr.access == Access.NONE
     assert agent.replies_mr.access == Access.REMOTE_WRITE
-    assert agent.scratch_mr.access == Access.NONE
+    assert agent.link_set.scratch_mr.access == Access.NONE
     (peer,) = server.peers.values()
     assert set(peer.conn.remote) == {"replies"}
     replies = peer.conn.remote["replies"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.prefix import prefix_match
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,18 +64,18 @@ def test_the_table_holds_every_block_of_each_sequence_once_first_ones_first() ->
     held = table[table != 0].tolist()
     assert held == wire.prefix_chain(chat_a).tolist() + wire.prefix_chain(chat_b)[3:].tolist()  # system prompt once
     # An agent reads how much of a request's prefix the table holds, in whole blocks.
-    assert wire.prefix_match(table, chat_a) == 5
-    assert wire.prefix_match(table, np.concatenate([system, ids(BLOCK, seed=9)])) == 3  # shares the system prompt
-    assert wire.prefix_match(table, np.concatenate([chat_b, ids(BLOCK, seed=4)])) == 4  # a follow-up turn
-    assert wire.prefix_match(table, ids(4 * BLOCK, seed=5)) == 0
-    assert wire.prefix_match(table, system[: BLOCK - 1]) == 0  # shorter than a block: nothing to match
+    assert prefix_match(table, chat_a) == 5
+    assert prefix_match(table, np.concatenate([system, ids(BLOCK, seed=9)])) == 3  # shares the system prompt
+    assert prefix_match(table, np.concatenate([chat_b, ids(BLOCK, seed=4)])) == 4  # a follow-up turn
+    assert prefix_match(table, ids(4 * BLOCK, seed=5)) == 0
+    assert prefix_match(table, system[: BLOCK - 1]) == 0  # shorter than a block: nothing to match
 
 
 def test_a_full_table_keeps_the_first_sequences() -> None:
     first, second = ids(3 * BLOCK, seed=6), ids(3 * BLOCK, seed=7)
     table = wire.prefix_table([first, second], 4)
     assert table.tolist() == [*wire.prefix_chain(first).tolist(), int(wire.prefix_chain(second)[0])]
-    assert wire.prefix_match(table, first) == 3 and wire.prefix_match(table, second) == 1
+    assert prefix_match(table, first) == 3 and prefix_match(table, second) == 1
     assert not wire.prefix_table([], 4).any()
 
 
@@ -83,7 +84,7 @@ def test_the_agents_reusable_chain_matches_like_the_function() -> None:
     table = wire.prefix_table([request[: 2 * BLOCK]], 8)
     chain = wire.PrefixChain(4 * BLOCK)
     assert chain.compute(request) == 3
-    assert chain.matched(table) == 2 == wire.prefix_match(table, request)
+    assert chain.matched(table) == 2 == prefix_match(table, request)
     assert chain.matched(np.zeros(0, dtype=np.uint64)) == 0  # a server without a table
     assert chain.compute(ids(10 * BLOCK, seed=8)) == 4  # blocks past the buffer are left out
     chain.compute(ids(BLOCK - 1))

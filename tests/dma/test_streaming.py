@@ -146,16 +146,7 @@ def test_a_cancel_for_someone_elses_slot_is_ignored(agent: Agent, serve, new_tra
     index = send(agent, list(range(10)))
     flight = agent.inflight[index]
     # the other agent forges a cancel for our slot, in our generation
-    other._cancel_src[0] = wire.cancel_word(flight.generation)
-    olink = other.links[0]
-    olink.conn.write_with_imm(
-        other.scratch_mr,
-        other._cancel_off,
-        olink.pool,
-        olink.cancels_offset + 8 * flight.slot,
-        8,
-        wire.cancel_imm(flight.slot, flight.generation),
-    )
+    other.link_set.send_cancel(other.links[0], flight.slot, flight.generation)
     got = collect(agent, index)
     assert int(agent.frames.results[index]["status"]) == Status.OK and got[-1].count == 10
     assert server.stats.cancels_ignored == 1

@@ -121,10 +121,10 @@ def revive_settled(agent: Agent) -> list:
     """``agent.revive()`` until no try is under way (a try runs on its own thread): what came back."""
     back = agent.revive()
     deadline = time.monotonic() + 30
-    while agent.reattaching and time.monotonic() < deadline:
+    while agent.link_set.reattaching and time.monotonic() < deadline:
         time.sleep(0.005)
         back += agent.revive()
-    assert not agent.reattaching
+    assert not agent.link_set.reattaching
     return back
 
 
@@ -161,7 +161,7 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
     assert (gone.free_slots, gone.total_slots, gone.claims, gone.reattaches) == (0, 2, 1, 0)
     write_request(agent.frames, 1, [3], request_id=2, max_new_tokens=1)
     assert agent.submit(1) == Status.UNAVAILABLE
-    assert agent.revive() == [] and not agent.reattaching and link.rejoin.failures == 1  # not due yet: no try
+    assert agent.revive() == [] and not agent.link_set.reattaching and link.rejoin.failures == 1  # not due yet: no try
     now[0] = 100.1
     assert revive_settled(agent) == []  # tried: nobody there yet
     assert (link.rejoin.failures, link.rejoin.next_at) == (2, pytest.approx(100.3))
@@ -197,7 +197,7 @@ def test_a_link_that_fails_an_operation_loses_its_flights_at_the_next_check(agen
     write_request(agent.frames, 0, [1], request_id=1, max_new_tokens=1)
     assert agent.submit(0) is None
     on = agent.inflight[0].link
-    agent._link_down(on, TransportError("a failed compare-and-swap"))
+    agent.link_set.failed(on, TransportError("a failed compare-and-swap"))
     assert not on.alive and on.inflight == 0
     write_request(agent.frames, 1, [2], request_id=2, max_new_tokens=1)
     assert agent.submit(1) is None and agent.inflight[1].link is (second if on is first else first)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.datapath import send, serve_once
+from helpers.prefix import prefix_match
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import Emit, HoldsPrefixes, SlotRequest, echo
@@ -68,7 +69,7 @@ def test_the_claim_goes_where_the_prefix_is_while_it_has_a_free_slot(make_server
     warm = make_server(Remembers([np.array(SYSTEM, dtype=np.int32)]), slots=1, cap=CAP)
     cold = make_server(echo, slots=3, cap=CAP)  # publishes no table
     assert len(warm.pool.prefixes) == wire.PREFIX_ENTRIES and len(cold.pool.prefixes) == 0
-    assert wire.prefix_match(warm.pool.prefixes, np.array(SYSTEM)) == 2  # published at start
+    assert prefix_match(warm.pool.prefixes, np.array(SYSTEM)) == 2  # published at start
     agent: Agent = new_agent(cap=CAP)
     warm_link, cold_link = agent.attach(warm.address), agent.attach(cold.address)
     # Another prompt goes by free slots (today's rule): the server with three.
@@ -93,11 +94,11 @@ def test_what_a_server_answered_is_published_and_draws_the_follow_up(make_server
     assert serve_once(a) == 1
     assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [index]
     agent.release(index)
-    assert wire.prefix_match(a.pool.prefixes, np.array(first)) == 3  # the slot server published it
+    assert prefix_match(a.pool.prefixes, np.array(first)) == 3  # the slot server published it
     # The agent learns it with its next READ of the state words (an agent process does one every 100 ms).
-    assert wire.prefix_match(link_a.prefixes, np.array(first)) == 0
+    assert prefix_match(link_a.prefixes, np.array(first)) == 0
     agent.free_slots()
-    assert wire.prefix_match(link_a.prefixes, np.array(first)) == 3
+    assert prefix_match(link_a.prefixes, np.array(first)) == 3
     send(agent, ids(3 * BLOCK, seed=6))  # another prompt: a tie, the first listed -- a has one free slot left
     assert (claimed_on(a), claimed_on(b)) == (1, 0)
     # By free slots b would come first; the follow-up turn goes to a, which holds its first three blocks.

@@ -119,7 +119,7 @@ def test_frames_in_flight_there_are_reported_once_and_stay_fenced_until_the_serv
         assert agent.poll(timeout=0.5) == []
     assert index not in agent.inflight and agent.delivery_stats.late == 1
     server.poll_once(0.0)
-    clock.advance(agent.probe_interval)
+    clock.advance(agent.link_set.probe_interval)
     agent.check_links()
     assert link.up and agent.links_health()[0].since == clock.now
 
@@ -131,7 +131,7 @@ def test_a_heartbeat_that_moves_again_lets_claims_resume_at_once(agent: Agent, m
     write_request(agent.frames, 0, [1], request_id=1, max_new_tokens=1)
     assert agent.submit(0) == Status.UNAVAILABLE
     server.poll_once(0.0)
-    clock.advance(agent.probe_interval)
+    clock.advance(agent.link_set.probe_interval)
     assert agent.submit(0) is None  # the submit itself looked again
     assert link.up and server.pool.free_count() == 1
 

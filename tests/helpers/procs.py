@@ -43,7 +43,9 @@ def slot_states(address: str, slots: int, transport: str = "loopback", options: 
         max_slots_per_server=slots,
     )
     try:
-        return [int(w) & 0xFF for w in probe.server_states(probe.attach(address))]
+        link = probe.attach(address)
+        probe.link_set.refresh(link)
+        return [int(w) & 0xFF for w in link.words]
     finally:
         probe.transport.close()
 

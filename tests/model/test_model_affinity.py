@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.datapath import collect
+from helpers.prefix import prefix_match
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
@@ -95,7 +96,7 @@ def test_the_second_chat_is_claimed_where_its_system_prompt_is_and_reuses_it(
     assert ask(agent, first) == 0
     cold_link = agent.attach(cold.address)
     agent.free_slots()  # the READ of the state words that an agent process repeats every 100 ms
-    assert wire.prefix_match(warm_link.prefixes, np.array(second, dtype=np.int32)) == shared // wire.PREFIX_BLOCK
+    assert prefix_match(warm_link.prefixes, np.array(second, dtype=np.int32)) == shared // wire.PREFIX_BLOCK
     assert (warm_link.free_hint, cold_link.free_hint) == (1, 2)  # by free slots alone, `cold` would be first
     cached = ask(agent, second)
     assert (warm_link.stats.claims, cold_link.stats.claims) == (2, 0)

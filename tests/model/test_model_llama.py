@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
+from helpers.model import max_prompt_tokens, stream_of
+
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
@@ -202,7 +204,7 @@ def test_cancel_clears_the_sequence_and_others_keep_running(handler: LlamaHandle
     handler.add(pool.request(3, chat(tok, "Tell me about the sky."), 40), 0.0)
     for _ in range(6):
         handler.step(0.0)
-    sea, sky = handler.stream_of(0), handler.stream_of(3)
+    sea, sky = stream_of(handler, 0), stream_of(handler, 3)
     assert handler.kv_positions(sky) > 0
     assert handler.cancel(3) is True
     assert handler.kv_positions(sky) == 0
@@ -264,9 +266,9 @@ def test_model_error_fails_the_batch_slots_and_the_handler_keeps_serving(
 
 def test_prompt_longer_than_the_slot_context_is_refused(tok: GGUFTokenizer) -> None:
     config = HandlerConfig(1, 64, 8, {"ctx_per_slot": "32", "threads": "1", "prefix_cache": "off"})
-    assert LlamaHandler.max_prompt_tokens(config) == 32
-    assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 16, 8, {"ctx_per_slot": "32"})) == 16
-    assert LlamaHandler.max_prompt_tokens(HandlerConfig(1, 300, 100, {})) == 300  # default: input + output
+    assert max_prompt_tokens(config) == 32
+    assert max_prompt_tokens(HandlerConfig(1, 16, 8, {"ctx_per_slot": "32"})) == 16
+    assert max_prompt_tokens(HandlerConfig(1, 300, 100, {})) == 300  # default: input + output
     h = LlamaHandler.from_config(config)
     try:
         inputs = np.full(64, 42, dtype=np.int32)

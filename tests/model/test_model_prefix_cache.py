@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
+from helpers.model import stream_of
+
 from edgepath.dma.handlers import Emit, HandlerConfig, SlotRequest
 from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
@@ -219,7 +221,7 @@ def test_cancel_during_prefill_releases_the_sequence(tok) -> None:
         assert len(prompt) > 48
         slots.add(0, prompt)
         handler.step(0.0)
-        stream = handler.stream_of(0)
+        stream = stream_of(handler, 0)
         assert 0 < handler.kv_positions(stream) < len(prompt)
         assert handler.cancel(0) is True
         assert handler.kv_positions(stream) == 0 and handler.running == 0

@@ -69,7 +69,7 @@ def test_a_frozen_server_is_killed_once_after_two_hang_timeouts(frozen: SlotServ
         for now in (101.0, 102.0):
             clock.now = now
             watch.check()  # unresponsive from 102 s
-        assert watch.agent.links[0].tracker.state is LinkState.UNRESPONSIVE
+        assert watch.links.links[0].tracker.state is LinkState.UNRESPONSIVE
         clock.now = 103.99
         watch.check()
         assert recorder.killed == []  # not yet a whole second hang timeout

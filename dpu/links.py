@@ -1,0 +1,446 @@
+"""The slot servers an agent is attached to: connect, verify, watch, lose and re-attach each one.
+
+A :class:`LinkSet` owns the link lifecycle and nothing of the requests: it connects to a slot server and
+verifies its pool (magic, ABI, geometry), keeps a cache of its header-from-the-heartbeat, state words and
+prefix table -- all read by one RDMA READ, :meth:`LinkSet.refresh` -- and judges each link by its heartbeat
+(:mod:`edgepath.dpu.link_state`): UP, UNRESPONSIVE or DOWN.  Whoever sends requests (the
+:class:`~edgepath.dpu.agent.Agent`) hears of a link that went down or unresponsive through two callbacks,
+so it can answer what it had in flight there; :class:`~edgepath.hangwatch.HangWatch` uses a link set alone
+to read a heartbeat.  A link that went away is re-attached with bounded back-off, on a thread of its own
+(:meth:`LinkSet.revive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgepath.dma import wire
+from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
+from edgepath.dpu.backoff import Backoff, Retry
+from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason, check_hang_timeout
+from edgepath.dpu.port import SlotServerStatus
+from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, State, ffi
+
+log = logging.getLogger("edgepath.agent")
+
+#: bytes before each link's cached state words in the scratch region: ``[heartbeat .. state[0])`` of the
+#: pool header lands there, read with the state words in one READ
+HEAD = 64
+
+#: re-attaching to a slot server that went away: first after 0.1 s, then doubling to one try every 2 s --
+#: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
+#: listening again, and one that stays away costs one connection attempt every 2 s
+REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
+#: seconds each step of a re-attach's connection set-up may take (it runs on a thread of its own): generous,
+#: since a slot server that has just started, or an emulated RDMA device, can be slow to answer
+REATTACH_TIMEOUT = 2.0
+
+
+class AgentError(RuntimeError):
+    """Attaching to a slot server failed (unreachable, incompatible ABI or dimensions)."""
+
+
+@dataclass
+class ClaimStats:
+    """How claims on one slot server went (``Agent.describe``)."""
+
+    claims: int = 0  # slots claimed
+    cas_attempts: int = 0  # remote CAS sent (a claim that found its cached word stale may need two)
+    cas_failures: int = 0  # CAS that found another word than the cached one (the cache learns it)
+    refreshes: int = 0  # RDMA READs of the server's state words
+    no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
+    affine: int = 0  # claims on this server while its prefix table held a prefix of the request
+
+
+@dataclass(eq=False)
+class ServerLink:
+    """One attached slot server: its connection, pool geometry, cached state words and heartbeat, and the
+    link's state (``tracker``)."""
+
+    address: str
+    conn: Connection
+    slot_count: int
+    input_capacity: int
+    output_capacity: int
+    states_offset: int
+    doorbells_offset: int
+    cancels_offset: int
+    slots_offset: int
+    slot_stride: int
+    epoch: int
+    words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
+    words_offset: int
+    pool: RemoteRegion
+    beat: np.ndarray  # the heartbeat word as last read, in the same region, ``head`` bytes before the words
+    tracker: LinkTracker
+    cursor: int = 0
+    inflight: int = 0
+    stats: ClaimStats = field(default_factory=ClaimStats)
+    #: the server's prefix table as last read (right after the cached words; empty: it publishes none)
+    prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    #: bytes one refresh READs from the state words on: the words, and the prefix table when there is one
+    read_bytes: int = 0
+    rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
+    reattaches: int = 0  # times this slot server came back and was attached again
+
+    def __post_init__(self) -> None:
+        self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
+        #: bytes of the pool header read before the state words: from its heartbeat word on
+        self.head = self.states_offset - wire.HEARTBEAT_OFFSET
+
+    @property
+    def claimant(self) -> int:
+        return self.conn.peer_assigned_id
+
+    @property
+    def alive(self) -> bool:
+        """Connected (UP or UNRESPONSIVE): what it had in flight may still be answered."""
+        return self.tracker.state is not LinkState.DOWN
+
+    @property
+    def up(self) -> bool:
+        """Connected and its heartbeat moving: the only kind of link a slot is claimed on."""
+        return self.tracker.state is LinkState.UP
+
+    @property
+    def free_hint(self) -> int:
+        """Free slots as last seen (cached words), an ordering hint across servers."""
+        return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
+
+
+def _ignore(link: ServerLink) -> None:
+    """The default reaction to a link that went down or unresponsive: a link set used only to watch."""
+
+
+class LinkSet:
+    """The slot servers one agent is attached to (at most ``max_servers``, in attach order)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        hello: wire.AgentHello,
+        exports: list[MemoryRegion],
+        max_servers: int,
+        max_slots_per_server: int,
+        hang_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        reattach: Backoff = REATTACH_BACKOFF,
+        on_down: Callable[[ServerLink], None] = _ignore,
+        on_unresponsive: Callable[[ServerLink], None] = _ignore,
+    ) -> None:
+        """``hello``: what the agent tells each slot server of itself (frames, capacities); ``exports``: the
+        regions each server is given (the agent's replies); ``on_down``/``on_unresponsive``: called once
+        each time a link goes DOWN, or from UP to UNRESPONSIVE (the caller answers what it had there)."""
+        self.hang_timeout = check_hang_timeout(hang_timeout)  # before anything is registered
+        self.transport = transport
+        self.clock = clock
+        self.reattach = reattach
+        #: seconds after which :meth:`check` reads a link's heartbeat that nothing else has read
+        self.probe_interval = min(0.1, hang_timeout / 4)
+        self._hello = hello
+        self._exports = exports
+        self._on_down = on_down
+        self._on_unresponsive = on_unresponsive
+        self._words_per_link = max_slots_per_server
+        # Per server [pool header from its heartbeat][cached state words, padded to a cache line][its prefix
+        # table] (as laid out in its pool: one READ), then a cancel word to send from, then a pool header to
+        # read into.
+        self._link_bytes = HEAD + -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
+        words_size = self._link_bytes * max_servers
+        self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
+        self._cancel_off = words_size
+        self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
+        self.links: list[ServerLink] = []
+        self.by_conn: dict[int, ServerLink] = {}
+        self.max_servers = max_servers
+        self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
+
+    def __iter__(self) -> Iterator[ServerLink]:
+        return iter(self.links)
+
+    def alive(self) -> bool:
+        """Whether any slot server is connected (UP or UNRESPONSIVE)."""
+        return any(link.alive for link in self.links)
+
+    def health(self) -> list[LinkHealth]:
+        """Every slot server's link: state, reason, since when (one per attached server, in order)."""
+        return [link.tracker.health() for link in self.links]
+
+    # -- attaching ------------------------------------------------------------------
+    def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
+        """Connect to a slot server and verify its pool (magic, ABI version, geometry)."""
+        if len(self.links) >= self.max_servers:
+            raise AgentError(f"already attached to {self.max_servers} slot servers")
+        link = self._connect(address, len(self.links), timeout)
+        self.links.append(link)
+        self.by_conn[link.conn.conn_id] = link
+        return link
+
+    def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
+        try:
+            conn = self.transport.connect(address, self._exports, self._hello.info(), timeout=timeout)
+        except TransportError as exc:
+            raise AgentError(f"cannot attach to slot server at {address}: {exc}") from exc
+        try:
+            return self._verify(address, conn, position)
+        except Exception:
+            conn.close()
+            raise
+
+    def revive(self, timeout: float = REATTACH_TIMEOUT) -> list[ServerLink]:
+        """Re-attach slot servers that went away (restarted, say); the links that came back.
+
+        Each down link is tried again with bounded exponential back-off (:data:`REATTACH_BACKOFF`), one try
+        at a time, on a thread of its own: a connection set-up (each of its steps waits up to ``timeout``
+        seconds) never holds the caller's loop, so this is cheap to call at every tick -- it starts a try
+        that is due, and swaps in the link of a try that succeeded.  A revived server is a new pool (new
+        epoch, new claimant id): nothing of the old one is trusted, and what was in flight there was
+        answered when the old link went down."""
+        revived = []
+        now = self.clock()
+        attempt = self._attempt
+        if attempt is not None and attempt[1].done():
+            self._attempt = None
+            position, future = attempt
+            old = self.links[position]
+            try:
+                link = future.result()
+            except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
+                delay = old.rejoin.failed(now)
+                tries = old.rejoin.failures - 1
+                log.debug(
+                    "slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address, tries, exc, delay
+                )
+            else:
+                self.by_conn.pop(old.conn.conn_id, None)
+                old.conn.close()
+                link.stats, link.reattaches = old.stats, old.reattaches + 1  # counted over every attach
+                self.links[position] = link
+                self.by_conn[link.conn.conn_id] = link
+                revived.append(link)
+                tries = old.rejoin.failures
+                log.info("slot server %s is back (epoch %#x) after %d tries", old.address, link.epoch, tries)
+        if self._attempt is None:
+            for position, old in enumerate(self.links):
+                if not old.alive and old.rejoin.due(now):
+                    self._attempt = (position, self._try_attach(old.address, position, timeout))
+                    break
+        return revived
+
+    @property
+    def reattaching(self) -> bool:
+        """Whether a re-attach try is under way (its outcome is taken by the next :meth:`revive`)."""
+        return self._attempt is not None
+
+    def _try_attach(self, address: str, position: int, timeout: float) -> Future[ServerLink]:
+        """:meth:`_connect` on a thread of its own; what it made (or why not) arrives in the future.  Safe
+        beside the caller's data path: it uses a new connection, the pool-header scratch (one try at a
+        time) and the cached words of ``position``, whose old link is down and read by nobody."""
+        future: Future[ServerLink] = Future()
+
+        def attach() -> None:
+            try:
+                future.set_result(self._connect(address, position, timeout))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=attach, name=f"reattach-{position}", daemon=True).start()
+        return future
+
+    def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
+        pool = conn.remote.get(wire.POOL_REGION)
+        if pool is None or Access.REMOTE_ATOMIC not in pool.access or Access.REMOTE_WRITE not in pool.access:
+            raise AgentError(f"{address}: peer exports no writable, atomic {wire.POOL_REGION!r} region")
+        hdr_off = self.scratch_mr.buf.nbytes - POOL_HEADER.itemsize
+        conn.read(self.scratch_mr, hdr_off, pool, 0, POOL_HEADER.itemsize)
+        header = self.scratch_mr.buf[hdr_off : hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
+        if int(header["magic"]) != MAGIC:
+            raise AgentError(
+                f"{address}: not an edgepath slot pool (magic {int(header['magic']):#x}, expected {MAGIC:#x})"
+            )
+        if int(header["abi_version"]) != ABI_VERSION:
+            raise AgentError(
+                f"{address}: slot pool ABI version {int(header['abi_version'])}, this agent "
+                f"speaks {ABI_VERSION}; run agent and slot server from the same release"
+            )
+        n = int(header["slot_count"])
+        if n > self._words_per_link:
+            raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
+        head = int(header["states_offset"]) - wire.HEARTBEAT_OFFSET
+        if not 8 <= head <= HEAD:
+            raise AgentError(
+                f"{address}: the pool's state words start at byte {int(header['states_offset'])}, not right after "
+                "its header"
+            )
+        words_offset = self._link_bytes * position + HEAD
+        words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
+        beat = self.scratch_mr.buf[words_offset - head : words_offset - head + 8].view(np.uint64)
+        entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
+        if entries and not (8 * n <= gap and HEAD + gap + 8 * entries <= self._link_bytes):
+            raise AgentError(
+                f"{address}: a prefix table of {entries} entries at byte {int(header['prefixes_offset'])}, not right "
+                f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
+            )
+        table_offset = words_offset + gap
+        now = self.clock()
+        link = ServerLink(
+            address,
+            conn,
+            n,
+            int(header["input_capacity"]),
+            int(header["output_capacity"]),
+            int(header["states_offset"]),
+            int(header["doorbells_offset"]),
+            int(header["cancels_offset"]),
+            int(header["slots_offset"]),
+            int(header["slot_stride"]),
+            int(header["server_epoch"]),
+            words,
+            words_offset,
+            pool,
+            beat,
+            LinkTracker(address, self.hang_timeout, now),
+            rejoin=Retry(self.reattach),
+            prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
+            read_bytes=gap + 8 * entries if entries else 8 * n,
+        )
+        self._read(link)
+        link.tracker.attached(int(link.beat[0]), now)
+        return link
+
+    # -- reading --------------------------------------------------------------------
+    def _read(self, link: ServerLink) -> None:
+        """One RDMA READ of the server's heartbeat and state words (and its prefix table, laid out right after
+        them) into the cache."""
+        link.stats.refreshes += 1
+        link.conn.read(
+            self.scratch_mr,
+            link.words_offset - link.head,
+            link.pool,
+            wire.HEARTBEAT_OFFSET,
+            link.head + link.read_bytes,
+        )
+
+    def refresh(self, link: ServerLink) -> None:
+        """Read the server's heartbeat and state words; the heartbeat tells the link's state (TransportError
+        when the READ fails: the caller takes the link down)."""
+        self._read(link)
+        tracker = link.tracker
+        before = tracker.state
+        state = tracker.observe(int(link.beat[0]), self.clock())
+        if state is not before:
+            health = tracker.health()
+            if state is LinkState.UP:
+                log.warning("slot server %s responds again (its heartbeat moved)", link.address)
+            else:
+                log.warning("slot server %s is unresponsive: %s", link.address, health.describe(health.since))
+                self._on_unresponsive(link)
+
+    def probe(self, link: ServerLink) -> None:
+        """Refresh ``link`` for its heartbeat; a failed read takes it down."""
+        try:
+            self.refresh(link)
+        except TransportError as exc:
+            self.failed(link, exc)
+
+    def probe_stale(self) -> None:
+        """Look again at connected links that are not UP (one may have come back), at most every probe
+        interval each: what a request does before it is refused for want of an UP server."""
+        now = self.clock()
+        for link in self.links:
+            if link.alive and not link.up and now - link.tracker.observed >= self.probe_interval:
+                self.probe(link)
+
+    def check(self) -> None:
+        """Handle connection events and read the heartbeat of every connected server not read within the
+        probe interval."""
+        now = self.clock()
+        for link in self.links:
+            if not link.alive:
+                continue
+            if not link.conn.check_alive():
+                log.warning("slot server %s disconnected", link.address)
+                self.down(link, Reason.DISCONNECTED)
+            elif now - link.tracker.observed >= self.probe_interval:
+                self.probe(link)
+
+    # -- losing ---------------------------------------------------------------------
+    def failed(self, link: ServerLink, exc: Exception) -> None:
+        """An operation on ``link`` failed: it is down."""
+        if link.alive:
+            log.warning("slot server %s unavailable: %s; out of admission until it is back", link.address, exc)
+        self.down(link, Reason.FAILED, str(exc))
+
+    def down(self, link: ServerLink, reason: Reason, detail: str = "") -> None:
+        """``link`` is gone: its state says why, the first loss starts its re-attach schedule
+        (:meth:`revive`), and the agent hears of it (``on_down``) to answer what it had there."""
+        now = self.clock()
+        if link.alive:
+            link.rejoin.failed(now)
+        link.tracker.lost(reason, now, detail)
+        link.inflight = 0
+        self._on_down(link)
+
+    # -- writing --------------------------------------------------------------------
+    def send_cancel(self, link: ServerLink, slot: int, generation: int) -> None:
+        """Write ``slot``'s cancel word (its generation) and ring it; a failure takes the link down."""
+        self._cancel_src[0] = wire.cancel_word(generation)
+        try:
+            link.conn.write_with_imm(
+                self.scratch_mr,
+                self._cancel_off,
+                link.pool,
+                link.cancels_offset + 8 * slot,
+                8,
+                wire.cancel_imm(slot, generation),
+            )
+        except TransportError as exc:
+            self.failed(link, exc)
+
+    # -- reporting ------------------------------------------------------------------
+    def free_slots(self) -> tuple[int, int]:
+        """(free slots on UP servers, slots on all servers), read now: one RDMA READ of the heartbeat and state
+        words per connected server (which also tells whether it is still UP)."""
+        free = 0
+        for link in self.links:
+            if not link.alive:
+                continue
+            self.probe(link)
+            if link.up:
+                free += link.free_hint
+        return free, sum(link.slot_count for link in self.links)
+
+    def servers(self) -> list[SlotServerStatus]:
+        """Every slot server attached, in attach order: the link's health, free slots read now (one RDMA READ
+        of the heartbeat and state words per connected server; 0 unless it is up), slots, claims and
+        re-attaches (over every attach)."""
+        out = []
+        for link in self.links:
+            if link.alive:
+                self.probe(link)
+            free = link.free_hint if link.up else 0
+            out.append(
+                SlotServerStatus(link.tracker.health(), free, link.slot_count, link.stats.claims, link.reattaches)
+            )
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "address": link.address,
+                "slots": link.slot_count,
+                "alive": link.alive,
+                "state": link.tracker.state.value,
+                "inflight": link.inflight,
+                **link.stats.__dict__,
+            }
+            for link in self.links
+        ]
