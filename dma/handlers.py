@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgepath.dma.wire import Sampling
+from edgepath.dma.wire import Load, Sampling
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.handlers")
@@ -112,6 +112,18 @@ class BeatsWithinSteps(Protocol):
 
     def beat_within_steps(self, heartbeat: Heartbeat) -> None:
         """Advance the heartbeat with ``heartbeat`` while a step makes progress, from now on."""
+        ...
+
+
+@runtime_checkable
+class ReportsLoad(Protocol):
+    """Optional for a batch handler with a step cost model (a model): what it has to do before a new
+    prompt's first token, which the slot server publishes in its pool header for the agents' admission
+    (:class:`~edgepath.dma.wire.Load`).  Handlers that answer at once (echo) leave it out."""
+
+    def load(self) -> Load:
+        """Now: prompt tokens admitted and not computed, streams decoding, the cost model (cheap: asked after
+        every step and every admitted request)."""
         ...
 
 

@@ -44,6 +44,7 @@ class PoolMemory:
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
         self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
+        self._load_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.LOAD_OFFSET :]))
 
     @property
     def beats(self) -> int:
@@ -71,6 +72,12 @@ class PoolMemory:
 
     def cancel_word(self, slot: int) -> int:
         return int(self.pool.cancels[slot])
+
+    def publish_load(self, load: int, pace: int) -> None:
+        """The pool header's load and pace words (:class:`~edgepath.dma.wire.Load`), one aligned store each: a
+        reader sees each word whole, old or new."""
+        lib.ep_store64(self._load_ptr, load)
+        lib.ep_store64(self._load_ptr + 1, pace)
 
     def publish_prefixes(self, table: np.ndarray) -> None:
         """Make ``table`` (a :func:`~edgepath.dma.wire.prefix_table` of the pool's size) the prefix table
@@ -195,6 +202,12 @@ class DeviceMemory(PoolMemory):
 
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]
+
+    def publish_load(self, load: int, pace: int) -> None:
+        """Written in the mirror and stored on the device (the NIC reads the device's header)."""
+        super().publish_load(load, pace)
+        self.device_slots.store_word(wire.LOAD_OFFSET, load)  # type: ignore[union-attr]
+        self.device_slots.store_word(wire.PACE_OFFSET, pace)  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Deregister the pool from the NIC before its memory is freed (a region's close may run again when

@@ -18,10 +18,10 @@ from edgepath.native.abi import RESULT_HEADER, field_offset
 
 _HEADER = RESULT_HEADER.itemsize
 _PROGRESS_FIELD = field_offset(RESULT_HEADER, "progress")
-# A progress write places `progress`, the first-token time and the cached prompt tokens next to it (one
-# 24-byte WRITE_WITH_IMM).
-_PROGRESS_BYTES = field_offset(RESULT_HEADER, "reserved32") + 4 - _PROGRESS_FIELD
-assert _PROGRESS_BYTES == 24, "ep_result_header: t_first_ns and cached_tokens must follow progress"
+# A progress write places `progress`, the first-token time, the cached prompt tokens and the prompt's own
+# prefill time next to it (one 24-byte WRITE_WITH_IMM).
+_PROGRESS_BYTES = field_offset(RESULT_HEADER, "prefill_us") + 4 - _PROGRESS_FIELD
+assert _PROGRESS_BYTES == 24, "ep_result_header: t_first_ns, cached_tokens and prefill_us must follow progress"
 
 
 @dataclass(frozen=True, slots=True)

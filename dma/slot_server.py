@@ -40,6 +40,7 @@ from edgepath.dma.handlers import (
     HandlerConfig,
     HoldsPrefixes,
     OneShot,
+    ReportsLoad,
     SlotRequest,
     adapt,
 )
@@ -119,6 +120,11 @@ class SlotServer:
         self._holder = holder if len(self.pool.prefixes) else None
         self._prefixes_version: int | None = None
         self._publish_prefixes()  # a handler may hold prefixes from the start
+        #: the handler whose load the pool header publishes (None: it reports none; the pace word stays 0)
+        self._reporter = self.handler if isinstance(self.handler, ReportsLoad) else None
+        self._load = wire.Load()
+        self._load_words = (0, 0)
+        self._publish_load()
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller
         #: the pool in GPU memory (``memory="gpu-device"``); then ``pool`` is its pinned host mirror
@@ -291,6 +297,7 @@ class SlotServer:
 
     def _apply(self, emits: list[Emit], now: float) -> None:
         self._publish_prefixes()  # before any finished slot is freed: an agent that sees it free sees the table
+        self._publish_load()  # likewise: an agent that sees a slot free sees the work left behind it
         for emit in emits:
             run = self.running.get(emit.slot)
             if run is None:
@@ -300,7 +307,10 @@ class SlotServer:
             if emit.cached_tokens:
                 self._res_hdr[run.slot].cached(emit.cached_tokens)
             if run.produced(emit.count):
-                self._res_hdr[run.slot].first_token(lib.ep_now_ns())
+                result = self._res_hdr[run.slot]
+                result.first_token(lib.ep_now_ns())
+                uncached = self._req_hdr[run.slot].token_count - emit.cached_tokens
+                result.prefill(self._load.prefill_ms(uncached) / 1e3)
             if emit.status is not None:
                 if emit.status == Status.HANDLER_ERROR:
                     self.stats.handler_errors += 1
@@ -368,6 +378,16 @@ class SlotServer:
             return
         self._prefixes_version = version
         self.memory.publish_prefixes(wire.prefix_table(holder.prefixes(), len(self.pool.prefixes)))
+
+    def _publish_load(self) -> None:
+        """Rewrite the pool header's load and pace words when the handler's load has changed."""
+        if self._reporter is None:
+            return
+        self._load = self._reporter.load()
+        words = self._load.words()
+        if words != self._load_words:
+            self._load_words = words
+            self.memory.publish_load(*words)
 
     def _cancel_running(self, run: _Running) -> None:
         released = self.handler.cancel(run.slot)

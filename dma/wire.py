@@ -50,6 +50,51 @@ COMPLETIONS_REGION = "completions"
 #: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
 #: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
 HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
+#: byte offsets of the load and pace words (after the heartbeat: read with it, :class:`Load`)
+LOAD_OFFSET = field_offset(POOL_HEADER, "load")
+PACE_OFFSET = field_offset(POOL_HEADER, "pace")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a slot server's model side has to do before a new prompt's first token, and how fast it works:
+    the pool header's load and pace words (native/edgepath_slot.h).  ``token_ms == 0``: the server publishes
+    no load (a handler without a step cost model, such as echo)."""
+
+    pending_tokens: int = 0  # prompt tokens admitted and not computed yet
+    decoding: int = 0  # streams generating, one token per step each
+    prefilling: int = 0  # requests whose prompt is not computed yet
+    token_ms: float = 0.0  # the step cost model: per token ...
+    overhead_ms: float = 0.0  # ... and per step
+    stall_ms: float = 0.0  # the handler's bound on a step while streams decode
+
+    @property
+    def published(self) -> bool:
+        return self.token_ms > 0
+
+    def prefill_ms(self, tokens: int) -> float:
+        """What ``tokens`` prompt tokens cost in one step of an idle server (0: no load published)."""
+        return self.overhead_ms + self.token_ms * tokens if self.published and tokens > 0 else 0.0
+
+    def words(self) -> tuple[int, int]:
+        """(load, pace), saturated to their fields' widths."""
+        load = min(self.pending_tokens, 0xFFFFFFFF) | min(self.decoding, 0xFFFF) << 32
+        load |= min(self.prefilling, 0xFFFF) << 48
+        pace = min(round(self.token_ms * 1e6), 0xFFFFFFFF) | min(round(self.overhead_ms * 1e3), 0xFFFFF) << 32
+        pace |= min(round(self.stall_ms / 10), 0xFFF) << 52
+        return load, pace
+
+    @classmethod
+    def of(cls, load: int, pace: int) -> Load:
+        return cls(
+            load & 0xFFFFFFFF,
+            load >> 32 & 0xFFFF,
+            load >> 48,
+            (pace & 0xFFFFFFFF) / 1e6,
+            (pace >> 32 & 0xFFFFF) / 1e3,
+            (pace >> 52) * 10.0,
+        )
+
 
 # -- connection private data (what each side tells the other when a connection is set up) ---------------
 #: keys both hops send: token capacities of a frame
@@ -485,7 +530,9 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     top_p: float
     seed: int
     stream_window_us: int
-    reserved32: int
+    max_wait_ms: int  # the requester's bound on waiting for its first token (0: the agent's default)
+    predicted_ttft_us: int  # the agent's prediction at claim time (0: none made) ...
+    predicted_wait_us: int  # ... and the wait in it (the prediction minus its own prompt on an idle server)
 
     def fill(
         self,
@@ -511,6 +558,16 @@ class RequestHeader(_StructView, struct="ep_request_header"):
             t_receive_ns,
             t_tokenized_ns,
         )
+
+    def bound(self, max_wait_ms: int) -> None:
+        """The requester's bound on waiting for the first token (0: the agent's default)."""
+        self._p.max_wait_ms = max_wait_ms
+
+    def predicted(self, ttft_ms: float, wait_ms: float) -> None:
+        """The agent's prediction at claim time, for the edge's ``Server-Timing`` and metrics."""
+        p = self._p
+        p.predicted_ttft_us = min(int(ttft_ms * 1e3), 0xFFFFFFFF)
+        p.predicted_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
 
     def stamp(self, generation: int, slot: int, reply_index: int) -> None:
         """What a claim decides, just before the request is written: the generation claimed, the doorbell
@@ -550,6 +607,8 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     progress: int  # progress_word(generation, tokens placed so far): see placed_for
     t_first_ns: int
     cached_tokens: int  # prompt tokens the model side took from its prefix cache (sent with every progress word)
+    prefill_us: int  # its uncached prompt's cost on an idle server (the step cost model; with cached_tokens)
+    refusal_wait_us: int  # OVER_BOUND: the least predicted wait among the servers tried
     reserved32: int
 
     def begin(self, request_id: int, generation: int, slot: int) -> None:
@@ -564,6 +623,10 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         """How many prompt tokens the model side reused from its prefix cache (not recomputed)."""
         self._p.cached_tokens = tokens
 
+    def prefill(self, seconds: float) -> None:
+        """What the request's uncached prompt costs on an idle server, by the model side's cost model."""
+        self._p.prefill_us = min(int(seconds * 1e6), 0xFFFFFFFF)
+
     def placed(self, generation: int, count: int) -> None:
         """``count`` output tokens of ``generation`` are placed (the progress word)."""
         self._p.progress = progress_word(generation, count)
@@ -573,10 +636,18 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         lib.ep_result_end(self._p, generation & 0xFFFFFFFF, status, output_count)
 
     def refuse(self, status: int) -> None:
-        """An answer without a slot (NO_SLOT, UNAVAILABLE, BAD_REQUEST), written by an agent process."""
+        """An answer without a slot (NO_SLOT, OVER_BOUND, UNAVAILABLE, BAD_REQUEST), written by an agent
+        process (an OVER_BOUND's wait is already written: :meth:`over_bound`)."""
         p = self._p
         p.status = status
         p.output_count = 0
+
+    def over_bound(self, wait_ms: float) -> None:
+        """Refused OVER_BOUND: the least predicted wait among the servers, for the edge's answer."""
+        p = self._p
+        p.status = Status.OVER_BOUND
+        p.output_count = 0
+        p.refusal_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
 
     def placed_for(self, generation: int) -> int | None:
         """Output tokens placed for ``generation`` as the progress word says, or None when the word is
@@ -588,7 +659,7 @@ class ResultHeader(_StructView, struct="ep_result_header"):
 #: final statuses that mean "the model side ran the request" (output, if any, is valid)
 FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED)
 #: statuses the data path answers before any slot ran the request
-REFUSALS = (Status.NO_SLOT, Status.UNAVAILABLE, Status.BAD_REQUEST)
+REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.UNAVAILABLE, Status.BAD_REQUEST)
 FLAG_STREAM = lib.EP_FLAG_STREAM
 
 

@@ -31,7 +31,7 @@ from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.slot_config import DEFAULT_CAPACITY
 from edgepath.dma.transport import Access, MemoryRegion, Transport, TransportError
 from edgepath.dma.wire import claim_next
-from edgepath.dpu.admission import Admission, Choice
+from edgepath.dpu.admission import Admission, Choice, Decision, Prediction
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth
@@ -44,6 +44,11 @@ __all__ = ["Agent", "AgentError", "InFlight", "ServerLink"]
 log = logging.getLogger("edgepath.agent")
 
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
+_AT_ONCE = Prediction(0.0, 0.0)
+_ONLY = Choice(0, 0, _AT_ONCE)
+#: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
+#: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
+DEFAULT_MAX_WAIT = 2.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,6 +78,7 @@ class Agent:
         hang_timeout: float = DEFAULT_HANG_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
         reattach: Backoff = REATTACH_BACKOFF,
+        max_wait: float = DEFAULT_MAX_WAIT,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -81,7 +87,12 @@ class Agent:
         ``transport`` registers in place (the verbs transport can), so the edges' token writes are
         what the NIC sends and results land where the edges read them.  ``hang_timeout``: seconds of a
         still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own);
-        ``reattach``: how often :meth:`revive` tries a slot server that went away."""
+        ``reattach``: how often :meth:`revive` tries a slot server that went away; ``max_wait``: seconds a
+        request may be predicted to wait for its first token beyond its own prompt's time (its own bound,
+        ``max_wait_ms`` in its request header, may only be smaller)."""
+        if not max_wait > 0:
+            raise ValueError(f"max wait must be positive seconds, got {max_wait}")
+        self.max_wait_ms = max_wait * 1e3
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
@@ -237,8 +248,15 @@ class Agent:
         fits = [link for link in live if count <= link.input_capacity]
         if not fits:
             return Status.BAD_REQUEST
-        order = self.admission.order(self.frames.tokens[index, :count], fits) if len(fits) > 1 else [Choice(0, 0)]
-        for choice in order:
+        if len(fits) == 1 and not fits[0].loads[1]:
+            choices = [_ONLY]  # one server, and it publishes no load: nothing to predict or order
+        else:
+            decision = self._decide(index, count, fits)
+            choices = decision.choices
+            if not choices and decision.over_bound_ms is not None:
+                self.frames.result_headers[index].over_bound(decision.over_bound_ms)
+                return Status.OVER_BOUND
+        for choice in choices:
             link = fits[choice.server]
             try:
                 claimed = self.claim(link)
@@ -251,7 +269,7 @@ class Agent:
                 link.stats.affine += 1
             slot, gen = claimed
             try:
-                self._send(link, index, slot, gen, count)
+                self._send(link, index, slot, gen, count, choice.prediction)
             except TransportError as exc:
                 self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
                 link.inflight -= 1
@@ -262,9 +280,20 @@ class Agent:
             return Status.UNAVAILABLE
         return Status.NO_SLOT
 
-    def _send(self, link: ServerLink, index: int, slot: int, gen: int, count: int) -> None:
+    def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
+        """The admission decision for frame ``index``, within its bound: the request's own (its header's
+        ``max_wait_ms``), never more than the agent's."""
+        asked = self.frames.request_headers[index].max_wait_ms
+        bound = min(asked, self.max_wait_ms) if asked else self.max_wait_ms
+        return self.admission.decide(self.frames.tokens[index, :count], fits, bound)
+
+    def _send(
+        self, link: ServerLink, index: int, slot: int, gen: int, count: int, prediction: Prediction = _AT_ONCE
+    ) -> None:
         frame_off = self.frames.frame_offset(index)
-        self.frames.request_headers[index].stamp(gen, slot, index)
+        req = self.frames.request_headers[index]
+        req.stamp(gen, slot, index)
+        req.predicted(prediction.ttft_ms, prediction.wait_ms)
         pool = link.pool
         self.book.sent(index, InFlight(link=link, slot=slot, generation=gen))
         link.inflight += 1

@@ -80,6 +80,7 @@ class ServerLink:
     words_offset: int
     pool: RemoteRegion
     beat: np.ndarray  # the heartbeat word as last read, in the same region, ``head`` bytes before the words
+    loads: np.ndarray  # the load and pace words as last read (with the heartbeat)
     tracker: LinkTracker
     cursor: int = 0
     inflight: int = 0
@@ -114,6 +115,18 @@ class ServerLink:
     def free_hint(self) -> int:
         """Free slots as last seen (cached words), an ordering hint across servers."""
         return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
+
+    @property
+    def load(self) -> wire.Load:
+        """What the server's model side had to do when last read (:class:`~edgepath.dma.wire.Load`)."""
+        return wire.Load.of(int(self.loads[0]), int(self.loads[1]))
+
+    @property
+    def unseen(self) -> int:
+        """Slots claimed (by anyone) whose request the model side had not taken when last read, and this
+        agent's claims since: CLAIMED or READY in the cached words."""
+        words = self.words
+        return int(np.count_nonzero(wire.in_state(words, State.CLAIMED) | wire.in_state(words, State.READY)))
 
 
 def _ignore(link: ServerLink) -> None:
@@ -283,6 +296,8 @@ class LinkSet:
         words_offset = self._link_bytes * position + HEAD
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
         beat = self.scratch_mr.buf[words_offset - head : words_offset - head + 8].view(np.uint64)
+        at = words_offset - head + wire.LOAD_OFFSET - wire.HEARTBEAT_OFFSET
+        loads = self.scratch_mr.buf[at : at + 16].view(np.uint64)
         entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
         if entries and not (8 * n <= gap and HEAD + gap + 8 * entries <= self._link_bytes):
             raise AgentError(
@@ -307,6 +322,7 @@ class LinkSet:
             words_offset,
             pool,
             beat,
+            loads,
             LinkTracker(address, self.hang_timeout, now),
             rejoin=Retry(self.reattach),
             prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),

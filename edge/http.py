@@ -37,7 +37,12 @@ HEALTH, METRICS = "/health", "/metrics"
 LIVE, READY = "/health/live", "/health/ready"
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
-STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "return", "first_token", "total")
+STAGES = (
+    "queue", "parse", "tokenize", "write", "claim", "doorbell", "edge", "return", "first_token",
+    "wait", "predicted_ttft", "predicted_wait", "total",
+)  # fmt: skip
+#: the request header that asks for a tighter bound on waiting for the first token (seconds)
+MAX_WAIT_HEADER = b"x-max-wait"
 
 
 @dataclass(slots=True)
@@ -82,6 +87,7 @@ class Work:
     sampling: Sampling = field(default_factory=Sampling)
     route: str = GENERATE
     options: dict[str, Any] = field(default_factory=dict)
+    max_wait_ms: int = 0  # the request's bound on waiting for its first token (0: the server's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +167,7 @@ class Limits:
     output_capacity: int
     vocab_size: int
     retry_after_s: int = 1
+    max_wait_ms: int = 2000  # the server's bound on waiting for a first token (``--max-wait``)
 
 
 class HttpError(Exception):
@@ -248,11 +255,34 @@ def server_timing(timings: dict[str, int]) -> bytes:
 
 
 def timing_headers(timings: dict[str, int]) -> Headers:
-    """``Server-Timing`` and ``X-Queue-Time`` (measured queue time, in microseconds)."""
+    """``Server-Timing`` and ``X-Queue-Time``, in microseconds: the measured wait for the first token when the
+    request got one (its time to first token minus its own uncached prompt on an idle server), else the time
+    it waited in the edge's event loop."""
+    waited = timings.get("wait", timings.get("queue", 0))
     return [
         (b"server-timing", server_timing(timings)),
-        (b"x-queue-time", f"{timings.get('queue', 0) / 1e3:.1f}us".encode()),
+        (b"x-queue-time", f"{waited / 1e3:.1f}us".encode()),
     ]
+
+
+def max_wait_of(headers: Headers, server_ms: int) -> int:
+    """The bound a request asks for in ``X-Max-Wait`` (seconds), in milliseconds and never more than the
+    server's (``server_ms``); 0 when it asks for none.  HttpError 400 for a value that is no bound."""
+    raw = next((value for name, value in headers if name.lower() == MAX_WAIT_HEADER), None)
+    if raw is None:
+        return 0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds < math.inf):
+        raise HttpError(
+            400,
+            "invalid_request",
+            f"X-Max-Wait must be a positive number of seconds (at most this server's {server_ms / 1e3:g}), "
+            f"got {raw.decode(errors='replace')!r}",
+        )
+    return max(1, min(round(seconds * 1e3), server_ms))
 
 
 class HttpCore:
@@ -300,10 +330,14 @@ class HttpCore:
                 raise HttpError(404, "not_found", f"{parts.path} is not served here (no OpenAI routes configured)")
             if request.method == "GET":
                 return self.openai.models()
-            return self.openai.parse(parts.path, request.body)
-        if route.api == "ops":
+            work = self.openai.parse(parts.path, request.body)
+        elif route.api == "ops":
             return StateQuery(parts.path, parse_qs(parts.query))
-        return self._parse_body(parts.path, request.body)
+        else:
+            work = self._parse_body(parts.path, request.body)
+        if isinstance(work, Work) and work.kind == "generate":
+            work.max_wait_ms = max_wait_of(request.headers, self.limits.max_wait_ms)
+        return work
 
     def _authorize(self, path: str, headers: Headers) -> None:
         """401 unless the request carries a valid key (when keys are configured). Unknown paths
@@ -403,6 +437,19 @@ class HttpCore:
             "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue"
         )
 
+    def over_bound(self, wait_ms: float, bound_ms: float) -> HttpError:
+        """429 at once: every slot server's predicted wait for a first token is over the request's bound;
+        ``Retry-After`` is how much longer than the bound that wait is (at least a second)."""
+        retry = max(1, math.ceil((wait_ms - bound_ms) / 1e3))
+        return HttpError(
+            429,
+            "over_bound",
+            f"the predicted wait for a first token is {wait_ms / 1e3:.2f} s, over this request's bound of "
+            f"{bound_ms / 1e3:.2f} s (X-Max-Wait, at most the server's); this server does not queue requests, "
+            "retry later",
+            [(b"retry-after", str(retry).encode())],
+        )
+
     def _retry_later(self, type_: str, why: str) -> HttpError:
         retry_after = [(b"retry-after", str(self.limits.retry_after_s).encode())]
         return HttpError(429, type_, f"{why}, retry later", retry_after)
@@ -415,10 +462,12 @@ class HttpCore:
         query: dict[str, list[str]],
         window: Callable[[float], tuple[float, int, float]],
         slot_servers: Sequence[Mapping[str, Any]] = (),
+        first_token: Mapping[str, Callable[[float], tuple[float, int, float]]] | None = None,
     ) -> Response:
         """``/health``: 200 when a slot server is up, else 503 naming the reason; every slot server listed
         (``slot_servers``: address, state, ...); ``?latency=P`` adds the live P-th percentile of edge-internal
-        latency."""
+        latency, and with ``first_token`` ({"ttft": ..., "wait": ...}) of time to first token and of the wait
+        for it."""
         payload: dict[str, Any] = {"status": verdict.status, "free_slots": free, "total_slots": total}
         if not verdict.ready:
             payload["reason"] = verdict.reason
@@ -435,6 +484,10 @@ class HttpCore:
                 )
             value_us, count, seconds = window(pct)
             payload["latency"] = {"percentile": pct, "edge_us": value_us, "samples": count, "window_s": seconds}
+            for name, read in (first_token or {}).items():
+                value_us, count, _ = read(pct)
+                payload["latency"][f"{name}_us"] = value_us
+                payload["latency"][f"{name}_samples"] = count
         return json_response(200 if verdict.ready else 503, payload)
 
     @staticmethod

@@ -140,6 +140,7 @@ class Tracked:
     t_first_ns: int = 0  # first output token seen at the edge
     t_last_ns: int = 0  # latest delivery that carried tokens
     gone: bool = False  # the client went away while a worker held the frame
+    waited: bool = False  # its wait for the first token is measured (once)
 
 
 class EdgeLifecycle:
@@ -355,18 +356,23 @@ class EdgeLifecycle:
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,
         )
+        req.bound(work.max_wait_ms or self.core.limits.max_wait_ms)
         t1 = self.clock()
         status = port.submit(frame)
         t2 = self.clock()
         t.timings["write"] = t1 - t0
         if status is not None:
+            refusal = self._refusal(Status(status), frame)
             self._forget(t)
             port.release(frame)
             t.timings["claim"] = t2 - t1
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, self._refusal(status)))]
+            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
         written = req.t_written_ns
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
+        if req.predicted_ttft_us:
+            t.timings["predicted_ttft"] = req.predicted_ttft_us * 1000
+            t.timings["predicted_wait"] = req.predicted_wait_us * 1000
         t.phase = Phase.IN_FLIGHT
         t.deadline_ns = now + self.request_timeout_ns
         self.by_frame[frame] = t
@@ -379,6 +385,8 @@ class EdgeLifecycle:
         if count <= t.sent:
             return []
         self._first_tokens(t, count - t.sent, now)
+        if t.work.stream:
+            self._waited(t, now - t.request.t_receive_ns)
         work, formatter, frame = t.work, t.formatter, t.frame
         assert frame is not None and formatter is not None
         if not (work.stream or formatter.watch):
@@ -409,6 +417,7 @@ class EdgeLifecycle:
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
+        self._waited(t, first_ns)
         self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
@@ -421,10 +430,22 @@ class EdgeLifecycle:
         counts as ``new`` tokens spaced evenly over it)."""
         if t.t_first_ns == 0:
             t.t_first_ns = now
-            self.metrics.first_token(now - t.request.t_receive_ns)
+            self.metrics.first_token(now - t.request.t_receive_ns, now)
         else:
             self.metrics.inter_token((now - t.t_last_ns) / new, new)
         t.t_last_ns = now
+
+    def _waited(self, t: Tracked, first_ns: int) -> None:
+        """Measure the request's wait for its first token, once: its time to first token (``first_ns``) minus
+        what its own uncached prompt takes on an idle server, as the model side's cost model says (sent with
+        the first token); with the agent's prediction, for the prediction's error."""
+        if t.waited or t.frame is None or first_ns <= 0:
+            return
+        t.waited = True
+        own = self.port.frames.result_headers[t.frame].prefill_us * 1000
+        wait = max(0, first_ns - own)
+        t.timings["wait"] = wait
+        self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, self.clock())
 
     def _return_path(self, t: Tracked, frame: int, now: int) -> None:
         """The return path's cost for a stream's first token: the model side stamped when it produced it
@@ -447,8 +468,8 @@ class EdgeLifecycle:
         result = port.frames.result_headers[frame]
         status = result.status
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
+            refusal = self._refusal(Status(status), frame)
             port.release(frame)
-            refusal = self._refusal(Status(status))
             return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
         edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns
@@ -471,6 +492,7 @@ class EdgeLifecycle:
         first_ns = first_at - t.request.t_receive_ns if first_at else 0
         if first_ns:
             t.timings["first_token"] = first_ns
+            self._waited(t, first_ns)
         if not t.work.stream:
             outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
             return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
@@ -526,10 +548,16 @@ class EdgeLifecycle:
         failure = self._failure(t, error)
         return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
 
-    def _refusal(self, status: Status) -> HttpError:
-        """The answer to a request the data path refused before any slot ran it."""
+    def _refusal(self, status: Status, frame: int) -> HttpError:
+        """The answer to a request the data path refused before any slot ran it (``frame``: its frame, whose
+        headers say the bound and, for OVER_BOUND, the least predicted wait)."""
         if status == Status.NO_SLOT:
+            self.metrics.refused("no_slot")
             return self.core.no_slot()
+        if status == Status.OVER_BOUND:
+            self.metrics.refused("over_bound")
+            wait_ms = self.port.frames.result_headers[frame].refusal_wait_us / 1e3
+            return self.core.over_bound(wait_ms, self.port.frames.request_headers[frame].max_wait_ms)
         if status == Status.UNAVAILABLE:
             return HttpError(503, "unavailable", "no slot server is reachable")
         return HttpError(400, "bad_request", "the data path refused this request")
@@ -563,7 +591,16 @@ class EdgeLifecycle:
             free, total = self.port.free_slots()
         servers = [slot_server_entry(server, now / 1e9) for server in listed]
         return self.core.health_response(
-            free, total, verdict, query.query, lambda pct: self.metrics.window.percentile(pct, now), servers
+            free,
+            total,
+            verdict,
+            query.query,
+            lambda pct: self.metrics.window.percentile(pct, now),
+            servers,
+            {
+                "ttft": lambda pct: self.metrics.ttft_window.percentile(pct, now),
+                "wait": lambda pct: self.metrics.wait_window.percentile(pct, now),
+            },
         )
 
     def _forget(self, t: Tracked) -> None:

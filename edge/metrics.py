@@ -32,6 +32,10 @@ _US_HIGHEST = 60_000_000  # one minute, in microseconds
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
 # Token timing spans model speeds (a paced echo, a 135M model on 2 cores, a GPU): up to tens of seconds.
 _TOKEN_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0, 30.0)
+# actual / predicted time to first token: 1 is a perfect prediction
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.33, 1.5, 2.0, 4.0)
+#: the reasons a request is refused 429 at claim time (edgepath_refusals_total's label)
+REFUSAL_REASONS = ("no_slot", "over_bound")
 
 
 class LatencyWindow:
@@ -131,6 +135,32 @@ class EdgeMetrics:
         )
         self._hit = self.cache_requests.labels("hit")
         self._miss = self.cache_requests.labels("miss")
+        self.refusals = Counter(
+            "edgepath_refusals",
+            "Requests refused 429 at claim time, by reason: no free slot (no_slot), or every server's predicted "
+            "wait for a first token over the request's bound (over_bound)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._refused = {reason: self.refusals.labels(reason) for reason in REFUSAL_REASONS}
+        self.predicted_first_token = token_time(
+            "edgepath_predicted_time_to_first_token_seconds",
+            "The agent's prediction of an admitted request's time to first token, made at claim time",
+        )
+        self.wait = token_time(
+            "edgepath_wait_seconds",
+            "An admitted request's measured wait: its time to first token minus what its own uncached prompt "
+            "takes on an idle server (the model side's step cost model)",
+        )
+        self.prediction_ratio = Histogram(
+            "edgepath_time_to_first_token_prediction_ratio",
+            "Actual / predicted time to first token of admitted requests with a prediction",
+            buckets=_RATIO_BUCKETS,
+            registry=self.registry,
+        )
+        #: live windows for /health?latency=P: time to first token and wait (microseconds)
+        self.ttft_window = LatencyWindow(self.window_interval(window))
+        self.wait_window = LatencyWindow(self.window_interval(window))
         self.delivery_stats = _DeliveryCollector(delivery_stats)
         self.registry.register(self.delivery_stats)
         self.free_slots = _FreeSlots(free_slots)
@@ -170,8 +200,26 @@ class EdgeMetrics:
     def return_path(self, latency_ns: int) -> None:
         self.return_path_latency.observe(latency_ns / 1e9)
 
-    def first_token(self, latency_ns: int) -> None:
+    def first_token(self, latency_ns: int, now_ns: int) -> None:
         self.first_token_latency.observe(latency_ns / 1e9)
+        self.ttft_window.record(latency_ns / 1e3, now_ns)
+
+    def waited(self, wait_ns: int, predicted_ns: int, actual_ns: int, now_ns: int) -> None:
+        """An admitted request's measured wait, and its first token's predicted and actual times (predicted 0:
+        the agent made no prediction)."""
+        self.wait.observe(wait_ns / 1e9)
+        self.wait_window.record(wait_ns / 1e3, now_ns)
+        if predicted_ns > 0:
+            self.predicted_first_token.observe(predicted_ns / 1e9)
+            self.prediction_ratio.observe(actual_ns / predicted_ns)
+
+    def refused(self, reason: str) -> None:
+        """A 429 at claim time (``reason``: one of :data:`REFUSAL_REASONS`)."""
+        self._refused[reason].inc()
+
+    @staticmethod
+    def window_interval(window: LatencyWindow | None) -> int:
+        return window.interval_ns if window is not None else LatencyWindow().interval_ns
 
     def inter_token(self, gap_ns: float, tokens: int) -> None:
         """``tokens`` tokens arrived ``gap_ns`` apart each (one delivery after the previous one)."""

@@ -97,6 +97,7 @@ def build_agent(settings: AgentSettings, transport: Transport, flags: Mapping[st
         input_capacity=settings.input_capacity,
         output_capacity=settings.output_capacity,
         hang_timeout=settings.hang_timeout,
+        max_wait=settings.max_wait,
     )
     attach_all(agent, settings.slot_servers, flags)
     return agent
@@ -128,6 +129,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 output_capacity=spec.output_capacity,
                 frames_access=Access.REMOTE_WRITE,
                 hang_timeout=spec.hang_timeout,
+                max_wait=spec.max_wait,
             )
         else:
             edge_frames = edge_regions(edge_transport, spec.frames, spec.input_capacity, spec.output_capacity)
@@ -140,6 +142,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 frames_buffer=edge_frames[0].buf,
                 replies_buffer=edge_frames[1].buf,
                 hang_timeout=spec.hang_timeout,
+                max_wait=spec.max_wait,
             )
         attach_all(agent, spec.slot_servers)
         return AgentService(
@@ -181,6 +184,7 @@ def build_edge(
         input_capacity=min(options.input_capacity, upstream.input_capacity),
         output_capacity=min(options.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
+        max_wait_ms=round(options.max_wait * 1e3),
     )
     openai = OpenAIRoutes(
         served_model_name(options, tokenizer),

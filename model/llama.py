@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.dma.wire import Load, Sampling
 from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
@@ -536,6 +536,19 @@ class LlamaHandler:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    # -- ReportsLoad: what the slot server publishes for the agents' admission -----------------------
+    def load(self) -> Load:
+        """Prompt tokens still to compute (a request not placed yet counts whole: what it will reuse is not
+        known before), streams decoding, the step cost model as learned so far, the stall bound."""
+        pending = prefilling = 0
+        for seq in self._running.values():
+            if seq.prefilled < seq.prompt_len:
+                pending += seq.prompt_len - seq.prefilled
+                prefilling += 1
+        cost = self.policy.cost
+        decoding = len(self._running) - prefilling
+        return Load(pending, decoding, prefilling, cost.token_ms, cost.overhead_ms, self.options.stall_ms)
 
     # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
     def prefixes_version(self) -> int:

@@ -115,3 +115,4 @@ class Status(enum.IntEnum):
     LENGTH = lib.EP_STATUS_LENGTH
     STOP = lib.EP_STATUS_STOP
     CANCELLED = lib.EP_STATUS_CANCELLED
+    OVER_BOUND = lib.EP_STATUS_OVER_BOUND

@@ -125,6 +125,9 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->seed = seed;
     req->t_receive_ns = t_receive_ns;
     req->t_tokenized_ns = t_tokenized_ns;
+    req->max_wait_ms = 0;  /* a frame is reused: the writer sets its bound after filling */
+    req->predicted_ttft_us = 0;
+    req->predicted_wait_us = 0;
 }
 
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)
@@ -136,6 +139,7 @@ void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uin
     res->t_start_ns = ep_now_ns();
     res->t_first_ns = 0;
     res->cached_tokens = 0;
+    res->prefill_us = 0;
     res->progress = (uint64_t)generation << 32;
 }
 

@@ -23,7 +23,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 5  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19) */
+#define EP_ABI_VERSION 6  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -84,6 +84,7 @@
 #define EP_STATUS_LENGTH 5       /* stopped at max_new_tokens */
 #define EP_STATUS_STOP 6         /* the model ended the sequence (end-of-sequence token) */
 #define EP_STATUS_CANCELLED 7    /* the requester cancelled; output so far is valid */
+#define EP_STATUS_OVER_BOUND 8   /* refused at claim time: no server would give the first token within the bound */
 
 /* Request flags. */
 #define EP_FLAG_STREAM 1         /* stream output tokens as they are produced */
@@ -127,7 +128,18 @@ struct ep_pool_header {
     uint64_t heartbeat;
     uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
     uint64_t prefix_entries;   /* chain hashes the slot server publishes at most (0..EP_PREFIX_ENTRIES_MAX) */
-    uint64_t reserved[2];
+    /*
+     * What the model side has to do before a new prompt's first token, for the agents' admission
+     * (edgepath.dpu.admission), rewritten by the slot server after every step and every admitted request,
+     * and read in the same READ as the heartbeat.  Each word is whole in itself (one aligned store), so
+     * a reader never sees half of one; the two may be from different steps.
+     *   load: prompt tokens admitted and not yet computed (bits 0-31) | decoding streams (32-47) |
+     *         requests still in prefill (48-63)
+     *   pace: the step cost model, per token in ns (bits 0-31) | per step in us (32-51) |
+     *         the handler's stall bound in units of 10 ms (52-63); 0: the handler publishes no load
+     */
+    uint64_t load;
+    uint64_t pace;
 };
 
 struct ep_request_header {
@@ -147,8 +159,10 @@ struct ep_request_header {
     float top_p;               /* 0 or 1 = off (a zeroed header means: no nucleus cut) */
     uint64_t seed;             /* sampling seed (per request) */
     uint32_t stream_window_us; /* coalesce streamed tokens within this window (0: server default) */
-    uint32_t reserved32;
-    uint64_t reserved[5];
+    uint32_t max_wait_ms;      /* the requester's bound on waiting for the first token (0: the agent's default) */
+    uint32_t predicted_ttft_us;/* the agent's prediction of this request's time to first token, at claim time */
+    uint32_t predicted_wait_us;/* of it, the wait: the prediction minus its own uncached prompt on an idle server */
+    uint64_t reserved[4];
 };
 
 struct ep_result_header {
@@ -164,8 +178,10 @@ struct ep_result_header {
     uint64_t t_first_ns;       /* first output token produced (0: none); sent with every progress word */
     /* -- second cache line: written with the final result -- */
     uint32_t cached_tokens;    /* prompt tokens the model side took from its prefix cache (not recomputed) */
+    uint32_t prefill_us;       /* what its uncached prompt costs on an idle server (the step cost model) */
+    uint32_t refusal_wait_us;  /* OVER_BOUND: the least predicted wait among the servers tried */
     uint32_t reserved32;
-    uint64_t reserved[7];
+    uint64_t reserved[6];
 };
 /* CDEF-END */
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from edgepath.dpu.link_state import LinkTracker, Reason
 from edgepath.dpu.port import DeliveryStats, SlotServerStatus
 from edgepath.edge.metrics import EdgeMetrics, LatencyWindow
@@ -33,7 +35,7 @@ def test_window_forgets_old_samples() -> None:
 def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
     stats = DeliveryStats(delivered=3, duplicates=0, unknown=1, abandoned=2, late=2)
     metrics = EdgeMetrics(lambda: 7, lambda: stats)
-    metrics.first_token(3_000_000)
+    metrics.first_token(3_000_000, now_ns=S)
     metrics.inter_token(400_000, 3)
     metrics.answered("/v1/generate", 200, 150_000)
     metrics.answered("/v1/generate", 429, 20_000)
@@ -78,3 +80,24 @@ def test_every_slot_server_has_its_own_series_read_when_scraped() -> None:
         assert line in text, line
     listing.pop()
     assert "/b.sock" not in metrics.exposition().decode()  # read at each scrape, not kept
+
+
+def test_refusals_by_reason_waits_and_predictions_are_exposed_and_windowed() -> None:
+    metrics = EdgeMetrics(lambda: 0, DeliveryStats)
+    metrics.refused("no_slot")
+    metrics.refused("over_bound")
+    metrics.refused("over_bound")
+    metrics.first_token(900_000_000, now_ns=S)
+    metrics.waited(300_000_000, predicted_ns=1_000_000_000, actual_ns=900_000_000, now_ns=S)
+    metrics.waited(5_000_000, predicted_ns=0, actual_ns=50_000_000, now_ns=S)  # no prediction: no ratio
+    text = metrics.exposition().decode()
+    assert 'edgepath_refusals_total{reason="no_slot"} 1.0' in text
+    assert 'edgepath_refusals_total{reason="over_bound"} 2.0' in text
+    assert "edgepath_wait_seconds_count 2.0" in text
+    assert "edgepath_predicted_time_to_first_token_seconds_count 1.0" in text
+    assert 'edgepath_time_to_first_token_prediction_ratio_bucket{le="0.9"} 1.0' in text
+    assert 'edgepath_time_to_first_token_prediction_ratio_bucket{le="0.8"} 0.0' in text
+    value, count, _ = metrics.wait_window.percentile(100, now_ns=S)
+    assert value == pytest.approx(300_000, rel=1e-3) and count == 2  # HDR: 3 significant digits
+    value, count, _ = metrics.ttft_window.percentile(100, now_ns=S)
+    assert value == pytest.approx(900_000, rel=1e-3) and count == 1

@@ -78,9 +78,18 @@ def test_magic_spells_edgepool() -> None:
 def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
     assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
-    assert abi.POOL_HEADER.fields["reserved"][0].shape == (2,)
+    assert abi.POOL_HEADER.fields["load"][0] == abi.POOL_HEADER.fields["pace"][0] == np.dtype(np.uint64)
     assert abi.POOL_HEADER.fields["prefix_entries"][0] == np.dtype(np.uint64)
     assert abi.REQUEST_HEADER.fields["temperature"][0] == np.dtype(np.float32)
+
+
+def test_the_load_words_come_after_the_heartbeat_in_its_cache_line() -> None:
+    """Read in the same READ as the heartbeat and state words: between the two, aligned."""
+    heartbeat = abi.field_offset(abi.POOL_HEADER, "heartbeat")
+    load, pace = abi.field_offset(abi.POOL_HEADER, "load"), abi.field_offset(abi.POOL_HEADER, "pace")
+    layout = abi.ffi.new("struct ep_pool_header *")
+    assert abi.lib.ep_pool_layout(4, 16, 16, layout) == abi.lib.EP_OK
+    assert heartbeat < load < pace < layout.states_offset and load % 8 == pace % 8 == 0
 
 
 def test_the_heartbeat_sits_in_the_pool_headers_last_cache_line_before_the_state_words() -> None:
