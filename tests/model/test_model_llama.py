@@ -441,3 +441,20 @@ def test_the_heartbeat_moves_inside_llama_decode(tok: GGUFTokenizer) -> None:
         assert int(word[0]) > beats
     finally:
         h.close()
+
+
+def test_the_load_it_reports_follows_its_prompts_and_streams(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    """What the slot server publishes for admission: prompt tokens still to compute, then a decoding stream."""
+    pool = Pool()
+    idle = handler.load()
+    assert (idle.pending_tokens, idle.decoding, idle.prefilling) == (0, 0, 0) and idle.token_ms > 0
+    assert idle.stall_ms == handler.options.stall_ms
+    prompt = chat(tok, "Name a colour.")
+    handler.add(pool.request(0, prompt, 8), 0.0)
+    waiting = handler.load()
+    assert (waiting.pending_tokens, waiting.decoding, waiting.prefilling) == (len(prompt), 0, 1)
+    handler.step(0.0)  # the whole prompt in one step: nothing else runs
+    decoding = handler.load()
+    assert (decoding.pending_tokens, decoding.decoding, decoding.prefilling) == (0, 1, 0)
+    drive(handler)
+    assert handler.load().decoding == 0

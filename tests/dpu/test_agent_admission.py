@@ -1,0 +1,100 @@
+"""Admission within a bound on waiting, against real slot servers over the chosen transport: the slot server
+publishes its handler's load in the pool header (read with the heartbeat), and the agent claims where the
+predicted wait fits the request's bound, or refuses OVER_BOUND at once.  The handler here reports a load the
+test sets (a stand-in for a model: the unit is the data path's words and the agent's decision)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.datapath import send, serve_once
+from helpers.loaded import Loaded
+
+from edgepath.dma.handlers import ReportsLoad
+from edgepath.dma.wire import Load
+from edgepath.dpu.admission import predict
+from edgepath.dpu.agent import Agent
+from edgepath.dpu.frame import write_request
+from edgepath.native.abi import State, Status
+
+pytestmark = pytest.mark.transport
+
+PACE = {"token_ms": 3.0, "overhead_ms": 6.0, "stall_ms": 1500.0}
+BUSY = Load(pending_tokens=2000, prefilling=2, **PACE)  # about 6 s of prompts ahead
+IDLE = Load(**PACE)
+
+
+def submit(agent: Agent, tokens: int, max_wait_ms: int = 0) -> tuple[int, Status | None]:
+    index = agent.acquire()
+    assert index is not None
+    write_request(agent.frames, index, list(range(1, tokens + 1)), request_id=index + 1, max_new_tokens=4)
+    agent.frames.request_headers[index].bound(max_wait_ms)
+    return index, agent.submit(index)
+
+
+def test_the_pool_header_carries_the_handlers_load_to_the_agent(make_server, new_agent) -> None:
+    assert isinstance(Loaded(IDLE), ReportsLoad)
+    server = make_server(Loaded(BUSY))
+    link = new_agent().attach(server.address)
+    assert Load.of(*server.pool.header[["load", "pace"]].tolist()) == BUSY
+    assert link.load == BUSY  # read with the heartbeat when it attached
+
+
+def test_a_request_is_refused_at_once_when_every_server_would_make_it_wait_past_its_bound(
+    make_server, new_agent
+) -> None:
+    server = make_server(Loaded(BUSY))
+    agent: Agent = new_agent(max_wait=2.0)
+    agent.attach(server.address)
+    index, status = submit(agent, 40)
+    assert status is Status.OVER_BOUND
+    expected = predict(BUSY, 40, 0, 40).wait_ms
+    assert agent.frames.result_headers[index].refusal_wait_us == int(expected * 1e3)
+    assert server.pool.count(State.CLAIMED) == 0  # nothing claimed, nothing written
+    agent.release(index)
+
+
+def test_an_idle_server_admits_a_long_prompt_whatever_the_bound(make_server, new_agent) -> None:
+    server = make_server(Loaded(IDLE), cap=64)
+    agent: Agent = new_agent(max_wait=0.001)
+    agent.attach(server.address)
+    index, status = submit(agent, 60)
+    assert status is None
+    req = agent.frames.request_headers[index]
+    assert req.predicted_ttft_us == int(IDLE.prefill_ms(60) * 1e3) and req.predicted_wait_us == 0
+    assert serve_once(server) == 1
+
+
+def test_a_request_may_ask_for_less_never_for_more(make_server, new_agent) -> None:
+    load = Load(decoding=8, **PACE)  # a short wait: about half a step beside 8 streams
+    server = make_server(Loaded(load), slots=4)
+    wait = predict(load, 20, 0, 20).wait_ms
+    assert 1 < wait < 100
+    agent: Agent = new_agent(max_wait=1.0)
+    agent.attach(server.address)
+    assert submit(agent, 20)[1] is None  # within the server's bound
+    assert submit(agent, 20, max_wait_ms=int(wait / 2))[1] is Status.OVER_BOUND  # asks for less than it would wait
+    # more than the server allows is the server's bound: the busy server refuses it all the same
+    busy = make_server(Loaded(BUSY))
+    other: Agent = new_agent(max_wait=1.0)
+    other.attach(busy.address)
+    assert submit(other, 20, max_wait_ms=600_000)[1] is Status.OVER_BOUND
+
+
+def test_the_claim_goes_to_the_server_with_the_lowest_predicted_first_token(make_server, new_agent) -> None:
+    busy = make_server(Loaded(Load(decoding=12, **PACE)), slots=4)
+    calm = make_server(Loaded(Load(decoding=1, **PACE)), slots=1)
+    agent: Agent = new_agent()
+    agent.attach(busy.address)
+    agent.attach(calm.address)
+    send(agent, list(range(1, 30)))
+    assert (busy.pool.count(State.CLAIMED), calm.pool.count(State.CLAIMED)) == (0, 1)  # fewer free slots, sooner
+
+
+def test_a_server_that_publishes_no_load_is_never_refused_over_a_bound(make_server, new_agent) -> None:
+    from edgepath.dma.handlers import echo
+
+    server = make_server(echo)
+    agent: Agent = new_agent(max_wait=0.001)
+    link = agent.attach(server.address)
+    assert not link.load.published and int(server.pool.header["pace"]) == 0
+    assert submit(agent, 30)[1] is None

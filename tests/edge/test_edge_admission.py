@@ -1,0 +1,88 @@
+"""The edge's side of admission within a bound: the request's X-Max-Wait, the 429 that says the predicted
+wait and when to come back, the measured wait as X-Queue-Time and the prediction in Server-Timing -- a real
+agent and slot server over loopback, with a handler that reports the load a test gives it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from helpers.loaded import Loaded
+from helpers.tokenizers import CharTokenizer
+from test_edge_service import Server, generate, serve_requests, start_server
+
+from edgepath.dma.wire import Load
+from edgepath.dpu.admission import predict
+from edgepath.edge.http import HttpError, Request, max_wait_of
+
+PACE = {"token_ms": 3.0, "overhead_ms": 6.0, "stall_ms": 1500.0}
+
+
+@pytest.fixture
+def loaded(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Server, Loaded]]:
+    """A slot server whose handler reports the load the test names (``indirect`` parameter; idle without),
+    published from the start: a slot server rewrites the words when its handler's work changes."""
+    handler = Loaded(getattr(request, "param", Load(**PACE)))
+    for server in start_server(tmp_path, handler):
+        yield server, handler
+
+
+def with_header(request: Request, name: bytes, value: bytes) -> Request:
+    request.headers = [*request.headers, (name, value)]
+    return request
+
+
+def header(response, name: bytes) -> str:  # type: ignore[no-untyped-def]
+    return next(v for k, v in response.headers if k == name).decode()
+
+
+def test_x_max_wait_asks_for_less_never_more_and_nonsense_is_400() -> None:
+    assert max_wait_of([], 2000) == 0
+    assert max_wait_of([(b"X-Max-Wait", b"0.5")], 2000) == 500
+    assert max_wait_of([(b"x-max-wait", b"60")], 2000) == 2000
+    for bad in (b"0", b"-1", b"soon", b"inf", b"nan"):
+        with pytest.raises(HttpError) as raised:
+            max_wait_of([(b"x-max-wait", bad)], 2000)
+        assert raised.value.status == 400 and "X-Max-Wait must be a positive number of seconds" in str(raised.value)
+
+
+@pytest.mark.parametrize("loaded", [Load(pending_tokens=3000, prefilling=2, **PACE)], indirect=True)
+def test_over_the_bound_is_429_with_the_predicted_wait_and_when_to_come_back(loaded) -> None:
+    server, handler = loaded
+    prompt = "x" * 20
+    replies, _ = asyncio.run(serve_requests(server, CharTokenizer(), 2, [generate(prompt)]))
+    response = replies[0].response
+    assert response.status == 429
+    error = orjson.loads(response.body)["error"]
+    wait = predict(handler.current, len(prompt), 0, len(prompt)).wait_ms  # one token per character
+    assert error["type"] == "over_bound"
+    assert (
+        f"the predicted wait for a first token is {wait / 1e3:.2f} s, over this request's bound of 2.00 s"
+        in (error["message"])
+    )
+    assert header(response, b"retry-after") == str(int(-(-(wait - 2000) // 1000)))
+
+
+@pytest.mark.parametrize("loaded", [Load(decoding=8, **PACE)], indirect=True)  # a few ms beside 8 streams
+def test_a_request_that_asks_for_less_is_refused_where_the_default_admits_it(loaded) -> None:
+    server, _ = loaded
+    asks = with_header(generate("hello"), b"x-max-wait", b"0.001")
+    replies, _ = asyncio.run(serve_requests(server, CharTokenizer(), 2, [generate("hello"), asks]))
+    assert [r.response.status for r in replies] == [200, 429]
+
+
+def test_the_measured_wait_is_x_queue_time_and_the_prediction_is_in_server_timing(loaded) -> None:
+    server, handler = loaded
+    replies, _ = asyncio.run(serve_requests(server, CharTokenizer(), 2, [generate("hello there")]))
+    response = replies[0].response
+    assert response.status == 200
+    timing = dict(part.split(";dur=") for part in header(response, b"server-timing").split(", "))
+    own_ms = handler.current.prefill_ms(len("hello there"))
+    assert float(timing["predicted_ttft"]) == pytest.approx(own_ms, abs=0.01)  # an idle server: its own prompt
+    assert float(timing["predicted_wait"]) == 0.0
+    first, wait = float(timing["first_token"]), float(timing["wait"])
+    assert wait == pytest.approx(max(0.0, first - own_ms), abs=0.01)
+    assert header(response, b"x-queue-time") == f"{wait * 1e3:.1f}us"
