@@ -33,10 +33,11 @@ class Write:
     length: int
 
 
-def progress_writes(result: int, entry: int, sent: int, count: int) -> tuple[Write, Write]:
+def progress_writes(result: int, entry: int, sent: int, count: int, offset: int = 0) -> tuple[Write, Write]:
     """Streamed output ``[sent, count)`` of the slot whose result part starts at pool offset ``result`` into
-    the reply entry at ``entry``, then the progress word and first-token time (rung with the immediate)."""
-    tokens = Write(result + _HEADER + 4 * sent, entry + _HEADER + 4 * sent, 4 * (count - sent))
+    the reply entry at ``entry`` (``offset`` tokens further on: a migrated request's answer so far), then the
+    progress word and first-token time (rung with the immediate)."""
+    tokens = Write(result + _HEADER + 4 * sent, entry + _HEADER + 4 * (offset + sent), 4 * (count - sent))
     return tokens, Write(result + _PROGRESS_FIELD, entry + _PROGRESS_FIELD, _PROGRESS_BYTES)
 
 
@@ -71,10 +72,12 @@ class AgentPeer:
         return self.replies_offset + index * self._stride
 
     # -- the result write-back (each raises TransportError when the agent is gone) -------------------
-    def send_progress(self, pool: MemoryRegion, result: int, index: int, sent: int, count: int) -> None:
-        """New output tokens, then the progress word with WRITE_WITH_IMM (RC ordering places the tokens
-        before the agent hears of them)."""
-        tokens, bell = progress_writes(result, self.entry(index), sent, count)
+    def send_progress(
+        self, pool: MemoryRegion, result: int, index: int, sent: int, count: int, offset: int = 0
+    ) -> None:
+        """New output tokens (``offset`` further on in the entry), then the progress word with WRITE_WITH_IMM
+        (RC ordering places the tokens before the agent hears of them)."""
+        tokens, bell = progress_writes(result, self.entry(index), sent, count, offset)
         self.conn.write_then_imm(
             pool,
             tokens.local,
@@ -87,10 +90,16 @@ class AgentPeer:
             wire.progress_imm(index),
         )
 
-    def send_final(self, pool: MemoryRegion, result: int, index: int, output_count: int) -> None:
+    def send_final(self, pool: MemoryRegion, result: int, index: int, output_count: int, offset: int = 0) -> None:
         """The whole result -- header and the first ``output_count`` output tokens -- into the reply entry, in
-        one WRITE (the agent is told by :meth:`notify_final`)."""
-        self.conn.write(pool, result, self.replies, self.entry(index), _HEADER + 4 * output_count)
+        one WRITE (the agent is told by :meth:`notify_final`); with an ``offset`` (a migrated request) the
+        tokens go that far on, then the header, in two."""
+        entry = self.entry(index)
+        if not offset:
+            self.conn.write(pool, result, self.replies, entry, _HEADER + 4 * output_count)
+            return
+        self.conn.write(pool, result + _HEADER, self.replies, entry + _HEADER + 4 * offset, 4 * output_count)
+        self.conn.write(pool, result, self.replies, entry, _HEADER)
 
     def notify_final(self, pool: MemoryRegion, index: int) -> None:
         """A zero-length WRITE_WITH_IMM: entry ``index`` holds its final result."""

@@ -82,6 +82,13 @@ class ServerStats:
     longest_step: float = 0.0  # seconds of the longest model step so far
 
 
+#: seconds the loop may stand still (a step, a wait that overran, a SIGSTOP) before it asks every agent's
+#: connection whether it is still there before writing anything: an agent lets go of a server only after its
+#: heartbeat stood still for a whole hang timeout (seconds), and may have moved the server's requests, whose
+#: frames must then get nothing more from here.  Well below any hang timeout; a check is one call per agent.
+STOOD_STILL = 0.25
+
+
 @dataclass(eq=False, slots=True, kw_only=True)
 class _Running(OutputStream):
     """A RUNNING slot between its start and its final result, and its output as its agent heard of it."""
@@ -90,6 +97,7 @@ class _Running(OutputStream):
     generation: int
     peer: AgentPeer | None
     reply_index: int
+    offset: int = 0  # output tokens the request's answer already has (a migrated request): its own go after
 
 
 class SlotServer:
@@ -136,6 +144,7 @@ class SlotServer:
         self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go
         self._lock = threading.Lock()
         self.stats = ServerStats()
+        self._turned = time.monotonic()  # when the loop last ended a turn (poll_once)
         try:
             self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
         except BaseException:
@@ -177,6 +186,18 @@ class SlotServer:
             self.stats.connections += 1
         return {}
 
+    def _drop_gone_peers(self) -> None:
+        """After the loop stood still (a long step, a SIGSTOP): which agents are still connected, asked of each
+        connection now -- one that let go of this server meanwhile (and may have moved its requests to
+        another) gets nothing more written into its memory: its running slots are cancelled."""
+        for peer in list(self.peers.values()):
+            if peer.conn.check_alive():
+                continue
+            log.warning("agent on connection %d went away while this server stood still", peer.conn.conn_id)
+            for run in [r for r in self.running.values() if r.peer is peer]:
+                run.peer = None
+                self._cancel_running(run)
+
     def _reap_gone(self) -> None:
         """Drop peers whose connection ended: their CLAIMED slots are reclaimed at once and their
         running slots are cancelled (nobody is left to read the output)."""
@@ -216,6 +237,10 @@ class SlotServer:
             out_cap = min(out_cap, peer.layout.output_capacity)
             if not 0 <= req.reply_index < peer.frames:
                 return f"reply_index {req.reply_index} outside the agent's {peer.frames} frames"
+        if req.output_offset:
+            if req.output_offset > out_cap:
+                return f"output_offset {req.output_offset} is past the {out_cap} output tokens of a reply entry"
+            out_cap -= req.output_offset  # the migrated request's own output goes after what its answer has
         problem = wire.request_problem(req.token_count, req.max_new_tokens, self.config.input_capacity, out_cap)
         if problem is None:
             try:
@@ -238,6 +263,7 @@ class SlotServer:
             generation=gen,
             peer=peer,
             reply_index=req.reply_index,
+            offset=req.output_offset,
         )
         sampling = req.sampling()
         problem = self._problem(req, sampling, peer)
@@ -275,7 +301,10 @@ class SlotServer:
             emits = [Emit(slot, run.count, Status.HANDLER_ERROR) for slot, run in self.running.items()]
             for run in list(self.running.values()):
                 self.handler.cancel(run.slot)
-        self._timed_step(time.monotonic() - started)
+        took = time.monotonic() - started
+        self._timed_step(took)
+        if took > STOOD_STILL:
+            self._drop_gone_peers()  # it stood still: agents may have let go of it meanwhile
         self._apply(emits, now)
         return len(emits)
 
@@ -338,11 +367,11 @@ class SlotServer:
         peer = run.peer
         if peer is None:
             return
-        self._res_hdr[run.slot].placed(run.generation, run.count)
+        self._res_hdr[run.slot].placed(run.generation, run.offset + run.count)
         self.memory.publish_result(run.slot, run.count)
         try:
             peer.send_progress(
-                self.pool_mr, self.pool.slots.result_offset(run.slot), run.reply_index, run.sent, run.count
+                self.pool_mr, self.pool.slots.result_offset(run.slot), run.reply_index, run.sent, run.count, run.offset
             )
         except TransportError as exc:
             log.warning("streamed output for slot %d lost: %s", run.slot, exc)
@@ -400,7 +429,7 @@ class SlotServer:
         the slot's memory: then it stays DONE until the handler lets go)."""
         slot, gen, memory = run.slot, run.generation, self.memory
         del self.running[slot]
-        self._res_hdr[slot].end(gen, status, output_count)
+        self._res_hdr[slot].end(gen, status, run.offset + output_count)  # counted in the whole answer
         if status in (Status.OK, Status.LENGTH, Status.STOP):
             self.stats.served += 1
         memory.publish_result(slot, output_count)
@@ -416,7 +445,9 @@ class SlotServer:
             self.stats.results_dropped += 1
             return
         try:
-            peer.send_final(self.pool_mr, self.pool.slots.result_offset(slot), run.reply_index, output_count)
+            peer.send_final(
+                self.pool_mr, self.pool.slots.result_offset(slot), run.reply_index, output_count, run.offset
+            )
         except TransportError as exc:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
@@ -467,6 +498,8 @@ class SlotServer:
         Returns the time it ended (monotonic seconds).  The heartbeat advances at its start and after a
         model step: a loop that waits no longer than the lease-scan interval beats at least that often."""
         now = time.monotonic()
+        if now - self._turned > STOOD_STILL:
+            self._drop_gone_peers()  # the loop stood still (frozen): before anything is written for anyone
         memory = self.memory
         memory.beat(now)
         wait = self.handler.wake_in(now)
@@ -476,8 +509,11 @@ class SlotServer:
                 timeout = min(timeout, t)
         if self._held:
             timeout = min(timeout, self.config.scan_interval)
+        waited = time.monotonic()
         completions = self.transport.cq.wait(max(0.0, timeout), spin=self.config.spin, max_entries=256)
         now = time.monotonic()
+        if now - waited > max(0.0, timeout) + STOOD_STILL:
+            self._drop_gone_peers()  # frozen while it waited: before the completions are acted on
         if completions or self.poller.hands_over:
             self.process(completions, now)
         wait = self.handler.wake_in(now)
@@ -486,6 +522,7 @@ class SlotServer:
             now = time.monotonic()
             memory.beat(now)
         self.flush(now)
+        self._turned = now
         return now
 
     def stop(self) -> None:

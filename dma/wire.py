@@ -533,6 +533,8 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     max_wait_ms: int  # the requester's bound on waiting for its first token (0: the agent's default)
     predicted_ttft_us: int  # the agent's prediction at claim time (0: none made) ...
     predicted_wait_us: int  # ... and the wait in it (the prediction minus its own prompt on an idle server)
+    output_offset: int  # a migrated request: output tokens its answer already has; its output goes after them
+    migrations: int  # how often it has moved to another slot server
 
     def fill(
         self,
@@ -568,6 +570,15 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         p = self._p
         p.predicted_ttft_us = min(int(ttft_ms * 1e3), 0xFFFFFFFF)
         p.predicted_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
+
+    def migrate(self, token_count: int, max_new_tokens: int, output_offset: int, migrations: int) -> None:
+        """The request moves to another slot server: its prompt is the old prompt and the answer so far, it may
+        produce what is left, and its output goes after the ``output_offset`` tokens its answer has."""
+        p = self._p
+        p.token_count = token_count
+        p.max_new_tokens = max_new_tokens
+        p.output_offset = output_offset
+        p.migrations = migrations
 
     def stamp(self, generation: int, slot: int, reply_index: int) -> None:
         """What a claim decides, just before the request is written: the generation claimed, the doorbell

@@ -19,6 +19,7 @@ the cached state words), the answer is NO_SLOT at once.  A link that goes down a
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from edgepath.dma.wire import claim_next
 from edgepath.dpu.admission import Admission, Choice, Decision, Prediction
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
-from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
 from edgepath.dpu.links import REATTACH_BACKOFF, REATTACH_TIMEOUT, AgentError, LinkSet, ServerLink
 from edgepath.dpu.port import Delivery, SlotServerStatus
 from edgepath.native.abi import REQUEST_HEADER, Status, field_offset, lib
@@ -49,6 +50,10 @@ _ONLY = Choice(0, 0, _AT_ONCE)
 #: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
 #: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
 DEFAULT_MAX_WAIT = 2.0
+#: how often one request may move to another slot server when its own goes away (``--migration-limit``): a
+#: second move covers a failover during a failover; a request that outlives more servers than that is unlucky
+#: in a way a retry by the client handles as well
+DEFAULT_MIGRATION_LIMIT = 2
 
 
 @dataclass(slots=True, kw_only=True)
@@ -58,7 +63,10 @@ class InFlight(Flight):
     link: ServerLink
     slot: int
     generation: int
+    prompt: int  # the request's own prompt tokens (a migrated one's prompt also holds its answer so far)
+    max_new: int  # output tokens it may produce in all
     cancelled: bool = False
+    moves: int = 0  # times it moved to another slot server
 
 
 class Agent:
@@ -79,6 +87,7 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
         reattach: Backoff = REATTACH_BACKOFF,
         max_wait: float = DEFAULT_MAX_WAIT,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -89,7 +98,12 @@ class Agent:
         still heartbeat that make a slot server UNRESPONSIVE; ``clock``: monotonic seconds (a test's own);
         ``reattach``: how often :meth:`revive` tries a slot server that went away; ``max_wait``: seconds a
         request may be predicted to wait for its first token beyond its own prompt's time (its own bound,
-        ``max_wait_ms`` in its request header, may only be smaller)."""
+        ``max_wait_ms`` in its request header, may only be smaller); ``migration_limit``: how often one request
+        may move to another slot server when its own goes down or unresponsive (0: never: it is answered 503 or
+        504 then)."""
+        if migration_limit < 0:
+            raise ValueError(f"migration limit must be >= 0, got {migration_limit}")
+        self.migration_limit = migration_limit
         if not max_wait > 0:
             raise ValueError(f"max wait must be positive seconds, got {max_wait}")
         self.max_wait_ms = max_wait * 1e3
@@ -167,13 +181,79 @@ class Agent:
         return self.link_set.revive(timeout)
 
     def _lose(self, link: ServerLink) -> None:
-        """``link`` went down: what was in flight there is lost -- abandoned frames go back to the free list,
-        the others wait in ``_lost`` for :meth:`check_links` to return them."""
+        """``link`` went down: what was in flight there moves to another slot server when it can
+        (:meth:`_migrate`); the rest is lost -- abandoned frames go back to the free list, the others wait in
+        ``_lost`` for :meth:`check_links` to return them."""
+        if self.migration_limit:
+            for index, flight in list(self.book.inflight.items()):
+                if flight.link is link and not (flight.abandoned or flight.cancelled):
+                    self._migrate(index, flight)
         self._lost += self.book.lose(lambda flight: flight.link is link)
 
     def _stall(self, link: ServerLink) -> None:
-        """``link`` became unresponsive: the frames in flight there are reported once by :meth:`stalled`."""
+        """``link`` became unresponsive.  When another server is up and requests may move, the link is taken
+        down at once (its connection closed, so a server that thaws cannot write into frames that moved) and
+        its requests migrate; otherwise the frames in flight there are reported once by :meth:`stalled`."""
+        moving = self.migration_limit and any(other.up for other in self.links if other is not link)
+        if moving and any(f.link is link for f in self.book.inflight.values()):
+            link.conn.close()
+            self.link_set.down(link, Reason.DROPPED, "its heartbeat stood still for the hang timeout")
+            return
         self._stalled += [i for i, f in self.book.inflight.items() if f.link is link and not f.abandoned]
+
+    def _migrate(self, index: int, flight: InFlight) -> bool:
+        """Claim frame ``index`` again on another UP slot server: its prompt followed by the answer so far as
+        the new prompt, what is left of its output to produce, the same sampling and seed; the new server
+        places its output after the answer so far in the same reply entry, so the caller sees one stream.
+        False when it cannot move (limit reached, nothing left to produce, too long for every server, no slot
+        free): it is then lost like the others."""
+        gone = flight.link
+        produced = flight.count
+        prompt = flight.prompt + produced
+        remaining = flight.max_new - produced
+        why = ""
+        if flight.moves >= self.migration_limit:
+            why = f"it moved {flight.moves} times already (the limit)"
+        elif remaining <= 0:
+            why = "its answer is complete but for the final word"
+        candidates = [link for link in self.links if link.up and link is not gone and prompt <= link.input_capacity]
+        if not why and (prompt > self.layout.input_capacity or not candidates):
+            why = f"no other slot server is up with room for a prompt of {prompt} tokens"
+        if not why:
+            frames = self.frames
+            frames.tokens[index, flight.prompt : prompt] = frames.outputs[index, :produced]
+            frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
+            for choice in self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices:
+                link = candidates[choice.server]
+                try:
+                    claimed = self.claim(link)
+                except TransportError as exc:
+                    self.link_set.failed(link, exc)
+                    continue
+                if claimed is None:
+                    continue
+                slot, gen = claimed
+                flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
+                try:
+                    self._send(link, index, slot, gen, prompt, choice.prediction, flight)
+                except TransportError as exc:
+                    flight.link = gone  # not moved: lost with the link it was on
+                    link.inflight -= 1
+                    self.link_set.failed(link, exc)
+                    break
+                self.delivery_stats.migrated += 1
+                log.info(
+                    "frame %d moved from %s to %s with %d tokens of its answer (%d to go)",
+                    index,
+                    gone.address,
+                    link.address,
+                    produced,
+                    remaining,
+                )
+                return True
+            why = "no other slot server had a free slot"
+        log.warning("frame %d cannot move from %s: %s", index, gone.address, why)
+        return False
 
     # -- claiming -------------------------------------------------------------------
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
@@ -288,14 +368,25 @@ class Agent:
         return self.admission.decide(self.frames.tokens[index, :count], fits, bound)
 
     def _send(
-        self, link: ServerLink, index: int, slot: int, gen: int, count: int, prediction: Prediction = _AT_ONCE
+        self,
+        link: ServerLink,
+        index: int,
+        slot: int,
+        gen: int,
+        count: int,
+        prediction: Prediction = _AT_ONCE,
+        flight: InFlight | None = None,
     ) -> None:
+        """Write frame ``index`` into ``slot`` of ``link`` and ring its doorbell (``flight``: a request that
+        moved, in flight already)."""
         frame_off = self.frames.frame_offset(index)
         req = self.frames.request_headers[index]
         req.stamp(gen, slot, index)
         req.predicted(prediction.ttft_ms, prediction.wait_ms)
         pool = link.pool
-        self.book.sent(index, InFlight(link=link, slot=slot, generation=gen))
+        if flight is None:
+            flight = InFlight(link=link, slot=slot, generation=gen, prompt=count, max_new=req.max_new_tokens)
+        self.book.sent(index, flight)
         link.inflight += 1
         link.conn.write_then_imm(
             self.frames_mr,
@@ -317,6 +408,9 @@ class Agent:
         flight = book.inflight.get(index)
         link = self.link_set.by_conn.get(conn_id)
         progress = wire.is_progress_imm(imm)
+        if flight is not None and flight.moves and link is not None and flight.link is not link:
+            book.stats.late += 1  # from a server the request moved away from: fenced like an abandoned frame's
+            return None
         if flight is None or link is None or flight.link is not link:
             answered = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
             book.stray(index, not progress, answered)

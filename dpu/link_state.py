@@ -50,6 +50,7 @@ class Reason(enum.IntEnum):
     DISCONNECTED = 2  # DOWN: the connection ended (the server process exited, or dropped us)
     FAILED = 3  # DOWN: an operation on the link failed (a read, a compare-and-swap, a write)
     NOT_ATTACHED = 4  # DOWN: never attached, or attaching again failed
+    DROPPED = 5  # DOWN: the agent let go of it (it stood unresponsive; its requests moved to another server)
 
 
 _STATE_CODES = {LinkState.UP: 1, LinkState.UNRESPONSIVE: 2, LinkState.DOWN: 3}
@@ -60,6 +61,7 @@ _REASONS = {
     Reason.DISCONNECTED: "the connection to the slot server ended",
     Reason.FAILED: "an operation on the link to the slot server failed",
     Reason.NOT_ATTACHED: "not attached to the slot server",
+    Reason.DROPPED: "the agent let go of the unresponsive slot server and moved its requests",
 }
 
 
@@ -155,7 +157,7 @@ class LinkTracker:
         return self._state
 
     def lost(self, reason: Reason, now: float, detail: str = "") -> None:
-        """The link is gone (``reason``: DISCONNECTED, FAILED, NOT_ATTACHED); a first loss is kept, later
+        """The link is gone (``reason``: DISCONNECTED, FAILED, NOT_ATTACHED, DROPPED); a first loss is kept, later
         ones (the same loss seen again) change nothing."""
         if reason is Reason.NONE or reason is Reason.NO_HEARTBEAT:
             raise ValueError(f"a lost link needs a reason of DOWN, got {reason.name}")

@@ -44,6 +44,7 @@ class DeliveryStats:
     unknown: int = 0  # a completion for a frame that was never in flight, or for another generation
     abandoned: int = 0  # frames given up by the caller
     late: int = 0  # completions for abandoned frames, discarded
+    migrated: int = 0  # requests moved to another slot server when theirs went away (each move counted)
 
 
 @dataclass(frozen=True, slots=True)

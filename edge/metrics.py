@@ -323,6 +323,7 @@ class _DeliveryCollector:
         "unknown": "Completions naming a frame not in flight, or another generation of it",
         "abandoned": "Frames the edge gave up (deadline passed, client gone)",
         "late": "Completions for abandoned frames, discarded by the generation fence",
+        "migrated": "Requests moved to another slot server when theirs went down or unresponsive (each move)",
     }
 
     def __init__(self, stats: Callable[[], DeliveryStats]) -> None:

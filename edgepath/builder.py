@@ -98,6 +98,7 @@ def build_agent(settings: AgentSettings, transport: Transport, flags: Mapping[st
         output_capacity=settings.output_capacity,
         hang_timeout=settings.hang_timeout,
         max_wait=settings.max_wait,
+        migration_limit=settings.migration_limit,
     )
     attach_all(agent, settings.slot_servers, flags)
     return agent
@@ -130,6 +131,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 frames_access=Access.REMOTE_WRITE,
                 hang_timeout=spec.hang_timeout,
                 max_wait=spec.max_wait,
+                migration_limit=spec.migration_limit,
             )
         else:
             edge_frames = edge_regions(edge_transport, spec.frames, spec.input_capacity, spec.output_capacity)
@@ -143,6 +145,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
                 replies_buffer=edge_frames[1].buf,
                 hang_timeout=spec.hang_timeout,
                 max_wait=spec.max_wait,
+                migration_limit=spec.migration_limit,
             )
         attach_all(agent, spec.slot_servers)
         return AgentService(

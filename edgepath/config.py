@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
 from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
-from edgepath.dpu.agent import DEFAULT_MAX_WAIT
+from edgepath.dpu.agent import DEFAULT_MAX_WAIT, DEFAULT_MIGRATION_LIMIT
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
@@ -200,6 +200,11 @@ _MAX_WAIT_HELP = (
     "decided at claim time from each slot server's published load; over it on every server, 429 at once "
     "(a request's X-Max-Wait header may ask for less; default %(default)s)"
 )
+_MIGRATION_LIMIT_HELP = (
+    "how often one request may move to another slot server when its own goes down or unresponsive (claimed "
+    "again there with its answer so far; the stream goes on); 0: never -- such requests end 503 or 504 "
+    "(default %(default)s)"
+)
 _HANG_TIMEOUT_HELP = (
     "seconds a slot server's heartbeat may stand still before it is unresponsive: no new request is claimed "
     "there (503 at once when no other is up), the requests it holds end 504 (default %(default)s)"
@@ -221,6 +226,7 @@ class AgentSettings:
     output_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="output tokens per frame")
     hang_timeout: float = option(DEFAULT_HANG_TIMEOUT, type=positive_float, help=_HANG_TIMEOUT_HELP)
     max_wait: float = option(DEFAULT_MAX_WAIT, type=positive_float, help=_MAX_WAIT_HELP)
+    migration_limit: int = option(DEFAULT_MIGRATION_LIMIT, type=non_negative_int, help=_MIGRATION_LIMIT_HELP)
     data_path: DataPath = field(default_factory=DataPath)
 
 
@@ -366,6 +372,7 @@ class ServeOptions:
         "for as long again)",
     )
     max_wait: float = option(DEFAULT_MAX_WAIT, type=positive_float, help=_MAX_WAIT_HELP)
+    migration_limit: int = option(DEFAULT_MIGRATION_LIMIT, type=non_negative_int, help=_MIGRATION_LIMIT_HELP)
     request_timeout: float = option(
         60.0,
         type=positive_float,

@@ -128,6 +128,8 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->max_wait_ms = 0;  /* a frame is reused: the writer sets its bound after filling */
     req->predicted_ttft_us = 0;
     req->predicted_wait_us = 0;
+    req->output_offset = 0;
+    req->migrations = 0;
 }
 
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)

@@ -23,7 +23,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 6  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27) */
+#define EP_ABI_VERSION 6  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -162,7 +162,10 @@ struct ep_request_header {
     uint32_t max_wait_ms;      /* the requester's bound on waiting for the first token (0: the agent's default) */
     uint32_t predicted_ttft_us;/* the agent's prediction of this request's time to first token, at claim time */
     uint32_t predicted_wait_us;/* of it, the wait: the prediction minus its own uncached prompt on an idle server */
-    uint64_t reserved[4];
+    uint32_t output_offset;    /* a migrated request: output tokens its answer has already (the prompt's tail);
+                                  the slot server places its output from there in the reply entry and counts it */
+    uint32_t migrations;       /* how often the request has moved to another slot server */
+    uint64_t reserved[3];
 };
 
 struct ep_result_header {

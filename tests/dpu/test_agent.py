@@ -189,9 +189,11 @@ def test_agent_answers_unavailable_while_its_slot_server_is_gone_and_recovers_wh
         second.close()
 
 
-def test_a_link_that_fails_an_operation_loses_its_flights_at_the_next_check(agent: Agent, make_server) -> None:
+def test_a_link_that_fails_an_operation_loses_its_flights_at_the_next_check(new_agent, make_server) -> None:
     """An operation that fails (not a disconnect) takes the link out of admission at once; what was in
-    flight there is answered by the next check_links -- never left waiting for a result that cannot come."""
+    flight there (and cannot move: migration off here, tests/dpu/test_migration.py has it on) is answered by
+    the next check_links -- never left waiting for a result that cannot come."""
+    agent: Agent = new_agent(migration_limit=0)
     a, b = make_server(slots=1), make_server(slots=1)
     first, second = agent.attach(a.address), agent.attach(b.address)
     write_request(agent.frames, 0, [1], request_id=1, max_new_tokens=1)

@@ -100,13 +100,15 @@ def test_a_local_slot_server_alongside_a_running_one_is_started_supervised_and_l
     assert {x.status for x in load.answers} == {200}
 
 
-def test_one_of_two_slot_servers_frozen_under_load_is_left_out_and_used_again_when_it_thaws(
+def test_one_of_two_slot_servers_frozen_under_load_is_dropped_its_requests_move_and_it_is_used_again_when_it_thaws(
     tokenizer: str, edgepath_process: Callable[..., Child], new_address: Callable[[str], str]
 ) -> None:
-    """A hang, not a death (issue 20's heartbeat seen from the failover side): the frozen slot server is listed
-    unresponsive within the hang timeout, nothing more is claimed there, the other serves everything, and
-    once thawed its slots are used again -- nobody restarts it (``serve`` restarts only a slot server it
-    started): the same link comes back up."""
+    """A hang, not a death (issue 20's heartbeat seen from the failover side), with stream migration (issue 28):
+    within the hang timeout the agent lets go of the frozen slot server -- it closes the link, so the server
+    cannot write into frames that moved -- and claims what it held again on the other, which serves everything;
+    the frozen one is listed down with the reason.  Once thawed it finds its agent gone (it writes nothing for
+    it), is attached again by itself and its slots are used again -- nobody restarts it (``serve`` restarts only
+    a slot server it started)."""
     hang = 1.0
     a, b = new_address("slots-a"), new_address("slots-b")
     frozen = edgepath_process("slot-server", "--listen", a, "--slots", str(SLOTS), "--handler", "echo")
@@ -121,9 +123,12 @@ def test_one_of_two_slot_servers_frozen_under_load_is_left_out_and_used_again_wh
         stopped_at = time.monotonic()
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
-            wait_for(lambda: listing(port)[a]["state"] == "unresponsive", 10 * hang, "the frozen one listed")
+            wait_for(lambda: listing(port)[a]["state"] != "up", 10 * hang, "the frozen one left out")
             listed = listing(port)[a]
-            assert listed["link"] == "up" and "no heartbeat" in listed["reason"]
+            if listed["state"] == "down":  # it held requests when found: dropped, they moved
+                assert "let go of the unresponsive slot server" in listed["reason"], listed
+            else:  # found with nothing in flight: left out, connected
+                assert listed["state"] == "unresponsive" and "no heartbeat" in listed["reason"], listed
             held = claims(port, a)
             settled = time.monotonic()
             wait_for(lambda: len(load.oks_after(settled)) >= AFTER_KILL, 60, "200s from the other slot server")
@@ -131,10 +136,9 @@ def test_one_of_two_slot_servers_frozen_under_load_is_left_out_and_used_again_wh
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         wait_for(lambda: listing(port)[a]["state"] == "up", 30, "the thawed slot server up again")
-        assert listing(port)[a]["reattaches"] == 0  # the same link: it never went down
         wait_for(lambda: claims(port, a) >= held + 20, 30, "its slots to be used again")
     answers = load.answers
-    assert {x.status for x in answers} <= {200, 504, 429}, {x.status for x in answers}
+    assert {x.status for x in answers} <= {200, 429}, {x.status for x in answers}  # what it held moved: no 504
     assert all(x.status == 200 for x in answers if x.sent > settled), "after detection everything is served"
     slowest = max(x.seconds for x in answers if x.sent > stopped_at)
     assert slowest < SLOWEST_S, f"an answer took {slowest:.2f} s"

@@ -1,0 +1,79 @@
+"""A stream migrated mid-answer on the real model: two slot servers running SmolLM2 (in process, over the chosen
+data path), the one answering is stopped after some tokens, the agent claims the request again on the other
+with its prompt and the answer so far -- and at temperature 0 the whole answer is token for token the one an
+uninterrupted run gives (with llamafile off, a prompt decoded in one step and token by token give the same
+logits bit for bit: docs/MODEL.md)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
+
+from helpers.datapath import collect, send
+
+from edgepath.dma.handlers import HandlerConfig
+from edgepath.dpu.agent import Agent
+from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.model.gguf import default_model_path
+from edgepath.model.llama import LlamaHandler
+from edgepath.native.abi import Status
+
+CAP = 256
+MAX_NEW = 40
+OPTIONS = {"threads": "1", "ctx_per_slot": "320", "prefix_cache": "off"}
+
+
+def handler() -> LlamaHandler:
+    return LlamaHandler.from_config(HandlerConfig(1, CAP, CAP, dict(OPTIONS)))
+
+
+def prompt() -> list[int]:
+    tok = GGUFTokenizer(default_model_path())
+    frame = np.zeros(CAP, dtype=np.int32)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Describe a walk along a river in spring, in three sentences."},
+    ]
+    return frame[: tok.encode_chat_into(messages, frame)].tolist()
+
+
+@pytest.mark.slow
+def test_a_greedy_answer_migrated_mid_stream_is_the_uninterrupted_one(new_agent, serve) -> None:
+    ids = prompt()
+    alone = serve(handler(), slots=1, cap=CAP)
+    agent: Agent = new_agent(cap=CAP, max_servers=1)
+    agent.attach(alone.address)
+    index = send(agent, ids, max_new=MAX_NEW)
+    got = collect(agent, index, timeout=120)
+    assert got[-1].final
+    reference = agent.frames.outputs[index, : got[-1].count].tolist()
+    assert len(reference) >= 16, "the reference answer is long enough to be cut in the middle"
+
+    first, second = serve(handler(), slots=1, cap=CAP), serve(handler(), slots=1, cap=CAP)
+    moving: Agent = new_agent(cap=CAP)
+    on = moving.attach(first.address)
+    moving.attach(second.address)
+    index = send(moving, ids, max_new=MAX_NEW)
+    assert moving.inflight[index].link is on
+    deadline = time.monotonic() + 120
+    while moving.inflight[index].count < 8 and time.monotonic() < deadline:
+        moving.poll(timeout=0.2)
+    cut = moving.inflight[index].count
+    assert 8 <= cut < len(reference)
+    first.stop()
+    first.close()
+    while moving.inflight[index].link is on and time.monotonic() < deadline:
+        moving.check_links()
+        time.sleep(0.01)
+    assert moving.delivery_stats.migrated == 1
+    after = collect(moving, index, timeout=120)
+    assert after[-1].final
+    result = moving.frames.result_headers[index]
+    assert result.status in (Status.STOP, Status.LENGTH)
+    assert moving.frames.outputs[index, : after[-1].count].tolist() == reference  # token for token
+    stats = moving.delivery_stats
+    assert (stats.duplicates, stats.unknown) == (0, 0)
