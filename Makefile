@@ -45,7 +45,7 @@ test-fast: build
 bench: build
 	mkdir -p out
 	$(PY) -m pytest bench -q --benchmark-enable --benchmark-json=out/bench.json
-	$(PY) -m edgepath.bench.report out/bench.json --readme README.md
+	$(PY) -m edgepath.bench.report out/bench.json --doc docs/PERFORMANCE.md
 
 lint: build
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """Data-path microbenchmarks on the loopback transport, 128-token requests.
 
-Run: ``make bench`` (pytest-benchmark; JSON in out/bench.json, table in README).
+Run: ``make bench`` (pytest-benchmark; JSON in out/bench.json, table in docs/PERFORMANCE.md).
 In ``make test`` they run once each as smoke tests (benchmarking disabled).
 
 - frame: validate a tokenized request and write its ids into the registered frame (the one write);

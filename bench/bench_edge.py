@@ -1,5 +1,5 @@
 """Edge-stage microbenchmarks, 128-token prompt: HTTP request parse (the sans-I/O core) and
-tokenize straight into a registered frame.  Run with ``make bench`` (table in README)."""
+tokenize straight into a registered frame.  Run with ``make bench`` (table in docs/PERFORMANCE.md)."""
 
 from __future__ import annotations
 

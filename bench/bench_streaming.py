@@ -1,6 +1,6 @@
 """Return-path microbenchmarks on the loopback transport: streamed tokens and cancellation.
 
-Run with ``make bench`` (pytest-benchmark; table in the README).  The slot server runs in another
+Run with ``make bench`` (pytest-benchmark; table in docs/PERFORMANCE.md).  The slot server runs in another
 process with the paced echo (one token per ``token_delay``, the first at once), so the agent and the
 server do not share a GIL; times come from the CLOCK_MONOTONIC stamps both processes write.
 

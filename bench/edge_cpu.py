@@ -8,7 +8,7 @@ bounded in count; this process's CPU (user + system, from /proc/self/stat) is re
 measured requests only, after a warm-up.  After ``--runs`` measured runs, one more run is profiled
 (cProfile) and its time is split into the stages below: the shares say where the time goes (cProfile
 inflates Python-heavy parts, so the figure is the unprofiled runs' median, never the profiled one).
-``--readme`` rewrites the README's ``bench:edge-cpu`` block; ``--profile FILE`` keeps the profile.
+``--doc docs/PERFORMANCE.md`` rewrites that page's ``bench:edge-cpu`` block; ``--profile FILE`` keeps the profile.
 """
 
 from __future__ import annotations
@@ -222,6 +222,6 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"not every request was answered 200: {bad}")
         return 1
-    if args.readme:
-        rewrite_block(Path(args.readme), "edge-cpu", text)
+    if args.doc:
+        rewrite_block(Path(args.doc), "edge-cpu", text)
     return 0

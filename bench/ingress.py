@@ -21,7 +21,7 @@ run says "client-bound at N req/s" and is never taken as a server's capacity.
 
 Plan: a geometric rate sweep finds each system's capacity; then each system runs at one offered load
 common to all (half the smallest capacity) and at half its own capacity.  Output: ingress.json, a
-PNG of percentile curves, a Markdown table (``--readme`` rewrites the README's block).
+PNG of percentile curves, a Markdown table (``--doc docs/PERFORMANCE.md`` rewrites that page's block).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import socket
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from hdrh.histogram import HdrHistogram
 
 from edgepath.bench.loadgen import new_histogram
 from edgepath.bench.proc import cpu_seconds, descendants
-from edgepath.bench.readme import rewrite_block
+from edgepath.bench.readme import place_plot, rewrite_block
 from edgepath.bench.schedule import parse
 from edgepath.children import free_port
 
@@ -761,12 +760,12 @@ def table(report: dict) -> str:
 INGRESS_BEGIN, INGRESS_END = "<!-- bench:ingress:begin -->", "<!-- bench:ingress:end -->"
 
 
-def rewrite_readme(readme: Path, text: str, png: Path) -> None:
-    """Replace the README's ingress block with ``text`` and the plot (copied to docs/ next to the README)."""
-    target = readme.parent / "docs" / "ingress.png"
-    target.parent.mkdir(exist_ok=True)
-    shutil.copyfile(png, target)
-    rewrite_block(readme, "ingress", f"{text}\n\n![latency percentiles](docs/ingress.png)")
+def rewrite_doc(doc: Path, text: str, png: Path) -> None:
+    """Replace the page's ingress block with ``text`` and the plot (copied next to the page)."""
+    if INGRESS_BEGIN not in doc.read_text():  # before the plot is copied
+        raise SystemExit(f"{doc}: no {INGRESS_BEGIN} ... {INGRESS_END} block to rewrite")
+    link = place_plot(doc, png, "ingress.png")
+    rewrite_block(doc, "ingress", f"{text}\n\n![latency percentiles]({link})")
 
 
 QUICK_SCHEDULE, QUICK_COUNT = "poisson:100", 100
@@ -802,6 +801,6 @@ def main(args: argparse.Namespace) -> int:
     text = table(report)
     print(text)
     print(f"report: {out / 'ingress.json'}, plot: {out / 'ingress.png'}")
-    if args.readme:
-        rewrite_readme(Path(args.readme), text, out / "ingress.png")
+    if args.doc:
+        rewrite_doc(Path(args.doc), text, out / "ingress.png")
     return 0

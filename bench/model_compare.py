@@ -43,10 +43,11 @@ tokens/s of edgepath's llama handler in-process (:mod:`edgepath.bench.model_batc
 ``llama-batched-bench`` at the same threads, one sequence and ``slots`` sequences.
 
 Writes ``results.json``, ``model.png`` and a Markdown report (:mod:`edgepath.bench.model_report`);
-``--readme`` rewrites the README's block and ``docs/model.png``.  Figures depend on the machine and on
-what else runs on it (the report records the load average at every phase).
+``--doc docs/PERFORMANCE.md`` rewrites that page's block and the plot next to it (``docs/model.png``).
+Figures depend on the machine and on what else runs on it (the report records the load average at every
+phase).
 
-    edgepath bench model [--systems llama-server,edgepath] [--threads 1,default] [--readme README.md] [--quick]
+    edgepath bench model [--systems llama-server,edgepath] [--threads 1,default] [--doc docs/PERFORMANCE.md] [--quick]
 """
 
 from __future__ import annotations
@@ -733,7 +734,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="smoke test, for every one of these flags not given: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()),
     )
     p.add_argument("--out", default="out/model_compare", help="folder for results.json, model.png and server logs")
-    p.add_argument("--readme", default=None, help="rewrite this README's model block (between its markers)")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        default=None,
+        help="rewrite this page's model block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
 
 
 @dataclass(frozen=True)
@@ -945,15 +952,15 @@ def command_line(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``edgepath bench model``: 0 when every system answered in every phase, else 1."""
-    from edgepath.bench.model_report import rewrite_readme, table
+    from edgepath.bench.model_report import rewrite_doc, table
 
     report = run(args, command_line(args))
     out = Path(args.out)
     text = table(report)
     print(text)
     print(f"report: {out / 'results.json'}, plot: {out / 'model.png'}")
-    if args.readme:
-        rewrite_readme(Path(args.readme), text, out / "model.png")
+    if args.doc:
+        rewrite_doc(Path(args.doc), text, out / "model.png")
     failed = [r["system"] for r in report["results"] if "error" in r or any(not row["ok"] for row in r["phases"])]
     broken = [b for b in report["batching"] if any("error" in b[k] for k in ("edgepath", "llama-batched-bench"))]
     return 1 if failed or broken else 0

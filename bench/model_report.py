@@ -1,4 +1,4 @@
-"""``edgepath bench model``'s report: the issue's targets judged, the README block, the plot.
+"""``edgepath bench model``'s report: the issue's targets judged, the performance page's block, the plot.
 
 Every ratio is edgepath / llama-server in the same thread setting, from the same phase.  TTFT and ITL
 are over answered requests only, so each target row says how many of each system's requests were
@@ -7,12 +7,11 @@ answered and how many refused; goodput counts refused and failed requests as mis
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from edgepath.bench.model_compare import CLIENT_BOUND_CPU, CLIENT_BOUND_LAG, EDGEPATH, LLAMA_SERVER
-from edgepath.bench.readme import rewrite_block
+from edgepath.bench.readme import place_plot, rewrite_block
 
 PHASES = {
     "lone": "one request at a time",
@@ -161,7 +160,7 @@ def _rates_line(report: dict[str, Any]) -> str:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The README block: how it was measured, one table per thread setting, the targets, what the columns mean."""
+    """The performance page's block: how it was measured, a table per thread setting, the targets, the columns."""
     setup, prompts, slo = report["setup"], report["prompts"], report["slo"]
     peer = ""
     if LLAMA_SERVER in report["systems"]:
@@ -288,11 +287,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 MODEL_BEGIN, MODEL_END = "<!-- bench:model:begin -->", "<!-- bench:model:end -->"
 
 
-def rewrite_readme(readme: Path, text: str, png: Path) -> None:
-    """Replace the README's model block with ``text`` and the plot (copied to docs/ next to the README)."""
-    if MODEL_BEGIN not in readme.read_text():  # before the plot is copied
-        raise SystemExit(f"{readme}: no {MODEL_BEGIN} ... {MODEL_END} block to rewrite")
-    target = readme.parent / "docs" / "model.png"
-    target.parent.mkdir(exist_ok=True)
-    shutil.copyfile(png, target)
-    rewrite_block(readme, "model", f"{text}\n\n![time to first token and throughput per phase](docs/model.png)")
+def rewrite_doc(doc: Path, text: str, png: Path) -> None:
+    """Replace the page's model block with ``text`` and the plot (copied next to the page)."""
+    if MODEL_BEGIN not in doc.read_text():  # before the plot is copied
+        raise SystemExit(f"{doc}: no {MODEL_BEGIN} ... {MODEL_END} block to rewrite")
+    link = place_plot(doc, png, "model.png")
+    rewrite_block(doc, "model", f"{text}\n\n![time to first token and throughput per phase]({link})")

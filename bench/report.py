@@ -1,7 +1,7 @@
-"""Turn pytest-benchmark JSON into the README's performance table (never typed by hand).
+"""Turn pytest-benchmark JSON into the data-path table of docs/PERFORMANCE.md (never typed by hand).
 
-``python -m edgepath.bench.report out/bench.json --readme README.md`` rewrites the block between
-``<!-- bench:datapath:begin -->`` and ``<!-- bench:datapath:end -->``.
+``python -m edgepath.bench.report out/bench.json --doc docs/PERFORMANCE.md`` rewrites the block between
+``<!-- bench:datapath:begin -->`` and ``<!-- bench:datapath:end -->`` (``--readme`` is the option's old name).
 """
 
 from __future__ import annotations
@@ -80,12 +80,12 @@ def table(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("json", type=Path)
-    parser.add_argument("--readme", type=Path)
+    parser.add_argument("--doc", "--readme", dest="doc", type=Path, help="the page to rewrite the block in")
     args = parser.parse_args()
     block = table(json.loads(args.json.read_text()))
     print(block)
-    if args.readme:
-        rewrite_block(args.readme, "datapath", block)
+    if args.doc:
+        rewrite_block(args.doc, "datapath", block)
 
 
 if __name__ == "__main__":

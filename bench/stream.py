@@ -132,7 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-delay", type=float, default=0.005, help="seconds between the paced echo's tokens")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="out/stream", help="folder for results.json")
-    p.add_argument("--readme", type=Path, default=None, help="rewrite the README's bench:stream block")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        type=Path,
+        default=None,
+        help="rewrite this page's stream block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -155,6 +162,6 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    if args.readme is not None:
-        rewrite_block(args.readme, "stream", text)
+    if args.doc is not None:
+        rewrite_block(args.doc, "stream", text)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -24,6 +24,8 @@ import orjson
 from edgepath.dma.wire import Sampling
 from edgepath.dpu.link_state import Readiness
 from edgepath.edge.auth import ApiKeys
+from edgepath.edge.sampling import FIELDS as SAMPLING_FIELDS
+from edgepath.edge.sampling import GENERATE_DEFAULT, SamplingInvalid, parse_sampling
 
 JSON = b"application/json"
 SERVER = b"edgepath"  # the Server header of every answer, over either adapter
@@ -367,13 +369,14 @@ class HttpCore:
         if not isinstance(doc, dict):
             raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
         kind = "generate" if path == GENERATE else "tokenize"
-        allowed = {"prompt", "tokens"} | ({"max_tokens", "stream"} if kind == "generate" else set())
+        allowed = {"prompt", "tokens"} | ({"max_tokens", "stream", *SAMPLING_FIELDS} if kind == "generate" else set())
         unknown = sorted(set(doc) - allowed)
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
         prompt, tokens = self._input(doc)
-        max_tokens, stream = (self._max_tokens(doc), self._stream(doc)) if kind == "generate" else (0, False)
-        return Work(kind, prompt, tokens, max_tokens, stream, route=path)
+        if kind == "tokenize":
+            return Work(kind, prompt, tokens, 0, False, route=path)
+        return Work(kind, prompt, tokens, self._max_tokens(doc), self._stream(doc), self._sampling(doc), route=path)
 
     def _input(self, doc: dict[str, Any]) -> tuple[str | None, list[int] | None]:
         has_prompt, has_tokens = "prompt" in doc, "tokens" in doc
@@ -404,6 +407,14 @@ class HttpCore:
         if type(value) is not int or not 1 <= value <= cap:
             raise HttpError(400, "invalid_max_tokens", f"'max_tokens' must be an integer in 1..{cap}, got {value!r}")
         return value
+
+    @staticmethod
+    def _sampling(doc: dict[str, Any]) -> Sampling:
+        """The sampling fields, parsed and refused exactly as on the OpenAI routes (greedy by default)."""
+        try:
+            return parse_sampling(doc, GENERATE_DEFAULT)
+        except SamplingInvalid as exc:
+            raise HttpError(400, "invalid_request", exc.message) from None
 
     @staticmethod
     def _stream(doc: dict[str, Any]) -> bool:

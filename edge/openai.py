@@ -8,13 +8,14 @@ Nothing here touches a socket, a clock or a random source: the service passes th
 ``created`` time and the token counts in, and sends the bytes that come back.  Options that would
 change the answer and that edgepath cannot honour (``n > 1``, ``logprobs``, tools, …) are refused
 with a 400 naming the option: a client must never get a silently different answer.  Unknown keys are
-ignored, as OpenAI-compatible servers commonly do.
+ignored, as OpenAI-compatible servers commonly do.  The sampling fields (``temperature``, ``top_p``, ``seed``,
+and ``top_k`` as vLLM's and llama.cpp's servers take it) are parsed by :mod:`edgepath.edge.sampling`, the
+one parser ``/v1/generate`` uses too.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from edgepath.dma.wire import Sampling
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type
+from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
 
 Kind = Literal["completion", "chat"]
@@ -32,7 +34,6 @@ FinishReason = Literal["stop", "length"]
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -96,7 +97,7 @@ def invalid_request(message: str, *, param: str | None = None, code: str | None 
 def unsupported(param: str, value: Any, allowed: str) -> OpenAIError:
     """400 for an option edgepath cannot honour without changing the answer."""
     return invalid_request(
-        f"'{param}' = {_show(value)} is not supported by this server; allowed: {allowed}",
+        f"'{param}' = {show(value)} is not supported by this server; allowed: {allowed}",
         param=param,
         code="unsupported_parameter",
     )
@@ -203,7 +204,7 @@ def _common(
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise invalid_request(
-            f"'model' must be a non-empty string naming a served model, got {_show(model)}; "
+            f"'model' must be a non-empty string naming a served model, got {show(model)}; "
             f"available: {', '.join(map(repr, limits.models))}",
             param="model",
             code="missing_required_parameter" if model is None else "invalid_type",
@@ -215,11 +216,7 @@ def _common(
         kind=kind,
         model=model,
         max_tokens=max_tokens,
-        sampling=Sampling(
-            temperature=_number(doc, "temperature", 1.0, 0.0, 2.0, low_open=False),
-            top_p=_number(doc, "top_p", 1.0, 0.0, 1.0, low_open=True),
-            seed=_seed(doc),
-        ),
+        sampling=_sampling(doc),
         stop=_stop(doc),
         stream=stream,
         include_usage=_include_usage(doc, stream),
@@ -262,7 +259,7 @@ def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
         raise unsupported("logit_bias", doc["logit_bias"], "null or {}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = doc.get(name)
-        if value is not None and (not _is_number(value) or value != 0):
+        if value is not None and (not is_number(value) or value != 0):
             raise unsupported(name, value, "0")
 
 
@@ -293,14 +290,14 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
             param="prompt",
             code="unsupported_value",
         )
-    raise invalid_request(f"'prompt' must be {shape}, got {_show(prompt)}", param="prompt", code="invalid_type")
+    raise invalid_request(f"'prompt' must be {shape}, got {show(prompt)}", param="prompt", code="invalid_type")
 
 
 def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_request(
-            f"'messages' must be a non-empty list of {{role, content}} objects, got {_show(messages)}",
+            f"'messages' must be a non-empty list of {{role, content}} objects, got {show(messages)}",
             param="messages",
             code="missing_required_parameter" if messages is None else "invalid_type",
         )
@@ -313,7 +310,7 @@ def _message(m: Any, where: str) -> ChatMessage:
     role = m.get("role")
     if role not in ROLES:
         raise invalid_request(
-            f"'{where}.role' = {_show(role)} is not supported; allowed: {', '.join(ROLES)}",
+            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(ROLES)}",
             param=f"{where}.role",
             code="invalid_value",
         )
@@ -329,7 +326,7 @@ def _message(m: Any, where: str) -> ChatMessage:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise invalid_request(
-                    f'\'{where}.content[{j}]\' must be {{"type": "text", "text": str}}, got {_show(part)}; '
+                    f'\'{where}.content[{j}]\' must be {{"type": "text", "text": str}}, got {show(part)}; '
                     "only text parts are supported",
                     param=f"{where}.content[{j}]",
                     code="invalid_value" if kind != "text" else "invalid_type",
@@ -339,7 +336,7 @@ def _message(m: Any, where: str) -> ChatMessage:
         # Several text parts are one message: joined by newlines, as vLLM does.
         return ChatMessage(role, "\n".join(texts))
     raise invalid_request(
-        f"'{where}.content' must be a string or a list of text parts, got {_show(content)}",
+        f"'{where}.content' must be a string or a list of text parts, got {show(content)}",
         param=f"{where}.content",
         code="invalid_type",
     )
@@ -351,40 +348,19 @@ def _max_tokens(doc: Mapping[str, Any], cap: int, name: str = "max_tokens") -> i
         return cap
     if type(value) is not int or not 1 <= value <= cap:
         raise invalid_request(
-            f"'{name}' must be an integer in 1..{cap} (this server's most tokens per answer), got {_show(value)}",
+            f"'{name}' must be an integer in 1..{cap} (this server's most tokens per answer), got {show(value)}",
             param=name,
             code="invalid_value",
         )
     return value
 
 
-def _number(doc: Mapping[str, Any], name: str, default: float, low: float, high: float, *, low_open: bool) -> float:
-    value = doc.get(name)
-    if value is None:
-        return default
-    in_range = _is_number(value) and (low < value if low_open else low <= value) and value <= high
-    if not in_range:
-        bracket = "(" if low_open else "["
-        raise invalid_request(
-            f"'{name}' must be a number in {bracket}{low:g}, {high:g}], got {_show(value)}",
-            param=name,
-            code="invalid_value",
-        )
-    return float(value)
-
-
-def _seed(doc: Mapping[str, Any]) -> int:
-    """OpenAI's seed (an int64) as the request header carries it: its two's-complement u64; none given: 0."""
-    value = doc.get("seed")
-    if value is None:
-        return 0
-    if type(value) is not int or not SEED_MIN <= value <= SEED_MAX:
-        raise invalid_request(
-            f"'seed' must be an integer in {SEED_MIN}..{SEED_MAX}, got {_show(value)}",
-            param="seed",
-            code="invalid_value",
-        )
-    return value % 2**64
+def _sampling(doc: Mapping[str, Any]) -> Sampling:
+    """The request's sampling (OpenAI's defaults), parsed as on every route (:mod:`edgepath.edge.sampling`)."""
+    try:
+        return parse_sampling(doc, OPENAI_DEFAULT)
+    except SamplingInvalid as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 
 
 def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
@@ -394,7 +370,7 @@ def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise invalid_request(
-            f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, got {_show(value)}",
+            f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, got {show(value)}",
             param="stop",
             code="invalid_value",
         )
@@ -426,7 +402,7 @@ def _optional_bool(doc: Mapping[str, Any], name: str, default: bool, *, where: s
         return default
     if not isinstance(value, bool):
         where = where or name
-        raise invalid_request(f"'{where}' must be true or false, got {_show(value)}", param=where, code="invalid_type")
+        raise invalid_request(f"'{where}' must be true or false, got {show(value)}", param=where, code="invalid_type")
     return value
 
 
@@ -441,19 +417,6 @@ def _check_utf8(text: str, where: str) -> None:
 
 def _given(doc: Mapping[str, Any], name: str) -> bool:
     return doc.get(name) is not None
-
-
-def _is_number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def _show(value: Any) -> str:
-    """A short JSON rendering of a client's value for an error message."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- responses ------------------------------------------------------------------------------------------

@@ -216,7 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--slots", type=positive_int, default=64)
     p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
-    p.add_argument("--readme", default=None, help="rewrite this README's ingress table (between its markers)")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        default=None,
+        help="rewrite this page's ingress block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
     p.set_defaults(func=cmd_bench_ingress)
     p = bench.add_parser(
         "model", help="streamed chat load on the same GGUF, phase by phase: edgepath vs llama.cpp's own llama-server"
@@ -240,7 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
     p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
-    p.add_argument("--readme", default=None, help="rewrite this README's edge-cpu block (between its markers)")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        default=None,
+        help="rewrite this page's edge-cpu block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
     p.set_defaults(func=cmd_bench_edge_cpu)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")

@@ -351,6 +351,7 @@ field_names = st.sampled_from(
         "max_completion_tokens",
         "temperature",
         "top_p",
+        "top_k",
         "seed",
         "stop",
         "stream",

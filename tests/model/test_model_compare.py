@@ -31,7 +31,7 @@ from edgepath.bench.model_compare import (
     summarize,
     threads_reported,
 )
-from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_readme, table, targets
+from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_doc, table, targets
 from edgepath.bench.model_workload import Workload, log_uniform
 from edgepath.model.known_answer import LLAMA_CMAKE_ARGS
 
@@ -341,16 +341,18 @@ def test_the_table_is_well_formed_and_says_what_its_columns_mean() -> None:
     assert "There is no queue-time column" in text and "refused and failed requests count as missing it" in text
 
 
-def test_readme_block_is_rewritten(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
+def test_the_performance_block_is_rewritten(tmp_path: Path) -> None:
+    doc = tmp_path / "docs" / "PERFORMANCE.md"  # the plot goes next to the page, linked by its name
+    doc.parent.mkdir()
     png = tmp_path / "model.png"
     png.write_bytes(b"png")
-    readme.write_text("# x\n")
+    doc.write_text("# x\n")
     with pytest.raises(SystemExit, match="bench:model:begin"):
-        rewrite_readme(readme, "table", png)
-    readme.write_text(f"# x\n{MODEL_BEGIN}\nold\n{MODEL_END}\ntail\n")
-    rewrite_readme(readme, "| new |", png)
-    content = readme.read_text()
+        rewrite_doc(doc, "table", png)
+    doc.write_text(f"# x\n{MODEL_BEGIN}\nold\n{MODEL_END}\ntail\n")
+    rewrite_doc(doc, "| new |", png)
+    content = doc.read_text()
+    assert "](model.png)" in content
     assert "old" not in content and "| new |" in content and content.endswith(f"{MODEL_END}\ntail\n")
     assert (tmp_path / "docs" / "model.png").read_bytes() == b"png"
 

@@ -1,5 +1,5 @@
 """``edgepath bench edge-cpu``: the edge's own CPU per request over a real echo slot server, and the
-README block its profiled run writes."""
+performance page's block its profiled run writes."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def test_runs_every_request_to_a_200_and_splits_the_profiled_time_by_stage(tmp_p
     assert text.count("\n| ") == len(shares) + 1  # header row and one row per stage
 
 
-def test_the_command_rewrites_its_readme_block_and_refuses_bad_counts(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n<!-- bench:edge-cpu:begin -->\nold\n<!-- bench:edge-cpu:end -->\nafter\n")
+def test_the_command_rewrites_its_block_and_refuses_bad_counts(tmp_path: Path) -> None:
+    doc = tmp_path / "PERFORMANCE.md"
+    doc.write_text("before\n<!-- bench:edge-cpu:begin -->\nold\n<!-- bench:edge-cpu:end -->\nafter\n")
     parser = build_parser()
-    command = ["bench", "edge-cpu", "--requests", "200", "--runs", "1", "--warmup", "20", "--readme", str(readme)]
+    command = ["bench", "edge-cpu", "--requests", "200", "--runs", "1", "--warmup", "20", "--doc", str(doc)]
     args = parser.parse_args(command)
     assert main(args) == 0
-    content = readme.read_text()
+    content = doc.read_text()
     assert "old" not in content and "| share of a profiled run | stage |" in content
     assert content.startswith("before\n") and content.endswith("<!-- bench:edge-cpu:end -->\nafter\n")
     with pytest.raises(ValueError, match="--runs must be at least 1"):

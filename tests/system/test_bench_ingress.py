@@ -1,5 +1,5 @@
 """``edgepath bench ingress``: the verdicts of a run (sustained, client-bound), the split of one schedule over
-generator processes, the comparisons and the README block -- and, slow-marked, the whole ``--quick`` run."""
+generator processes, the comparisons and the performance page's block -- and, slow-marked, the whole ``--quick`` run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from edgepath.bench.ingress import (
     SYSTEMS,
     RunStats,
     ratios,
-    rewrite_readme,
+    rewrite_doc,
     summarize,
     system,
     table,
@@ -176,10 +176,12 @@ def test_ratios_compare_cpu_per_request_at_the_same_load_and_the_table_shows_eve
 
     png = tmp_path / "ingress.png"
     png.write_bytes(b"png")
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n{INGRESS_BEGIN}\nstale figures\n{INGRESS_END}\ntail\n")
-    rewrite_readme(readme, text, png)
-    content = readme.read_text()
+    doc = tmp_path / "docs" / "PERFORMANCE.md"  # the plot goes next to the page, linked by its name
+    doc.parent.mkdir()
+    doc.write_text(f"# x\n{INGRESS_BEGIN}\nstale figures\n{INGRESS_END}\ntail\n")
+    rewrite_doc(doc, text, png)
+    content = doc.read_text()
+    assert "![latency percentiles](ingress.png)" in content
     assert "stale figures" not in content and text in content and content.endswith("tail\n")
     assert (tmp_path / "docs" / "ingress.png").read_bytes() == b"png"
 
@@ -238,3 +240,13 @@ def test_the_command_runs_every_system_by_default_and_its_help_names_them_all() 
     ingress = next(a for a in bench._subparsers._group_actions if a.dest == "bench").choices["ingress"]  # type: ignore[union-attr]
     text = ingress.format_help().replace("\n", " ").replace(" ", "")
     assert all(name.replace("-", "") in text.replace("-", "") for name in SYSTEMS)
+
+
+@pytest.mark.parametrize("command", ["ingress", "model", "stream", "edge-cpu"])
+def test_every_benchmark_takes_the_page_to_rewrite_as_doc_and_as_its_old_name_readme(command: str) -> None:
+    from edgepath.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", command]).doc is None  # no page named: nothing is rewritten
+    for flag in ("--doc", "--readme"):
+        assert str(parser.parse_args(["bench", command, flag, "docs/PERFORMANCE.md"]).doc) == "docs/PERFORMANCE.md"

@@ -29,13 +29,12 @@ PHASES = [
 def _run(tmp_path: Path, *flags: str) -> tuple[dict, str]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"## Performance\n{MODEL_BEGIN}\nthe previous block\n{MODEL_END}\n")
-    args = parser.parse_args(
-        ["--quick", "--loads", "2", "--out", str(tmp_path / "out"), "--readme", str(readme), *flags]
-    )
+    doc = tmp_path / "docs" / "PERFORMANCE.md"
+    doc.parent.mkdir()
+    doc.write_text(f"## Performance\n{MODEL_BEGIN}\nthe previous block\n{MODEL_END}\n")
+    args = parser.parse_args(["--quick", "--loads", "2", "--out", str(tmp_path / "out"), "--doc", str(doc), *flags])
     assert main(args) == 0
-    return json.loads((tmp_path / "out" / "results.json").read_text()), readme.read_text()
+    return json.loads((tmp_path / "out" / "results.json").read_text()), doc.read_text()
 
 
 def _well_formed(block: str) -> None:
@@ -56,14 +55,14 @@ def _answered_everywhere(result: dict) -> None:
         assert row["server_cpu_s"] > 0, (result["system"], row)  # the servers' CPU was read around the phase
 
 
-def test_a_quick_comparison_of_edgepath_alone_fills_the_readme(tmp_path: Path) -> None:
-    report, readme = _run(tmp_path, "--systems", "edgepath", "--no-batching")
+def test_a_quick_comparison_of_edgepath_alone_fills_its_block(tmp_path: Path) -> None:
+    report, doc = _run(tmp_path, "--systems", "edgepath", "--no-batching")
     (result,) = report["results"]
     _answered_everywhere(result)
     assert result["threads"] == "1" and result["threads_reported"] == 1  # the count it was asked for, as it logged it
     prefix = [row for row in result["phases"] if row["phase"].startswith("prefix")]
     assert all(row["prompt_tokens_p50"] >= 200 for row in prefix)  # the shared system prompt reached the model
-    block = readme.split(MODEL_BEGIN)[1].split(MODEL_END)[0]
+    block = doc.split(MODEL_BEGIN)[1].split(MODEL_END)[0]
     assert (
         "the previous block" not in block
         and "| one request at a time | edgepath |" in block
@@ -80,7 +79,7 @@ def test_a_quick_comparison_against_llama_server(tmp_path: Path) -> None:
             f"llama-server is not built (about 6 minutes on 2 cores): `{llama_server.BUILD_COMMAND}`; "
             "this test never builds it"
         )
-    report, readme = _run(tmp_path, "--systems", "llama-server,edgepath", "--no-build")
+    report, doc = _run(tmp_path, "--systems", "llama-server,edgepath", "--no-build")
     assert [r["system"] for r in report["results"]] == ["llama-server", "edgepath"]  # the reference first
     for result in report["results"]:
         _answered_everywhere(result)
@@ -91,4 +90,4 @@ def test_a_quick_comparison_against_llama_server(tmp_path: Path) -> None:
     assert not [t for t in report["targets"] if t["verdict"].startswith("not measured")], report["targets"]
     (batching,) = report["batching"]
     assert batching["edgepath"]["many"] > 0 and batching["llama-batched-bench"]["many"] > 0
-    _well_formed(readme.split(MODEL_BEGIN)[1].split(MODEL_END)[0])
+    _well_formed(doc.split(MODEL_BEGIN)[1].split(MODEL_END)[0])

@@ -1,0 +1,92 @@
+"""The sampling fields of a request body, for every route: one parser, one set of messages.
+
+Both APIs take the same fields -- ``temperature``, ``top_p``, ``top_k``, ``seed`` -- and refuse a bad one the
+same way: 400 naming the field and what is allowed (:class:`SamplingInvalid`; each route puts it in its own
+error shape).  What is parsed is one :class:`~edgepath.dma.wire.Sampling`, the value the request header carries
+to the model side unchanged.  Only the defaults differ by route (OpenAI's temperature is 1, edgepath's
+``/v1/generate`` is greedy), so each route passes its own.
+
+A new sampling parameter is a field of ``Sampling`` (and of the request header it travels in), one entry of
+:data:`RULES` here and its use on the model side; ``tests/edge/test_edge_sampling.py`` fails until
+:data:`RULES` covers every field of ``Sampling``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from edgepath.dma.wire import Sampling
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
+TOP_K_MAX = 2**31 - 1  # the request header's top_k is an int32
+
+
+class SamplingInvalid(ValueError):
+    """A sampling field's value is not allowed: ``param`` names the field, the message what is allowed."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def is_number(value: Any) -> bool:
+    """A finite JSON number (a boolean is not one)."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def show(value: Any) -> str:
+    """A short JSON rendering of a client's value for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(name: str, low: float, high: float, *, low_open: bool) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        if is_number(value) and (low < value if low_open else low <= value) and value <= high:
+            return float(value)
+        bracket = "(" if low_open else "["
+        raise SamplingInvalid(name, f"'{name}' must be a number in {bracket}{low:g}, {high:g}], got {show(value)}")
+
+    return parse
+
+
+def _top_k(value: Any) -> int:
+    if type(value) is int and 0 <= value <= TOP_K_MAX:
+        return value
+    raise SamplingInvalid("top_k", f"'top_k' must be an integer in 0..{TOP_K_MAX} (0: off), got {show(value)}")
+
+
+def _seed(value: Any) -> int:
+    """OpenAI's seed (an int64) as the request header carries it: its two's-complement u64."""
+    if type(value) is int and SEED_MIN <= value <= SEED_MAX:
+        return value % 2**64
+    raise SamplingInvalid("seed", f"'seed' must be an integer in {SEED_MIN}..{SEED_MAX}, got {show(value)}")
+
+
+#: every sampling field a body may carry (the names of ``Sampling``'s fields), each with its parser
+RULES: Mapping[str, Callable[[Any], Any]] = {
+    "temperature": _number("temperature", 0.0, 2.0, low_open=False),
+    "top_p": _number("top_p", 0.0, 1.0, low_open=True),
+    "top_k": _top_k,
+    "seed": _seed,
+}
+FIELDS = frozenset(RULES)
+
+#: OpenAI's defaults (temperature 1); a field not given (or null) keeps its default
+OPENAI_DEFAULT = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=0)
+#: ``/v1/generate``'s defaults: greedy
+GENERATE_DEFAULT = Sampling()
+
+
+def parse_sampling(doc: Mapping[str, Any], default: Sampling) -> Sampling:
+    """The sampling a request body asks for, on top of ``default``; :class:`SamplingInvalid` for a bad field."""
+    given = {name: parse(doc[name]) for name, parse in RULES.items() if doc.get(name) is not None}
+    return replace(default, **given) if given else default
