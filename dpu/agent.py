@@ -576,6 +576,11 @@ class Agent:
         flight = book.inflight.get(index)
         link = self.by_conn.get(conn_id)
         progress = wire.is_progress_imm(imm)
+        if link is not None and not link.alive:
+            # Sent before its link went down, polled after: what was in flight there is answered already (lost,
+            # 503) and its frame maybe reused -- late, never a second answer (nor "unknown").
+            book.stats.late += 1
+            return None
         if flight is None or link is None or flight.link is not link:
             answered = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1
             book.stray(index, not progress, answered)

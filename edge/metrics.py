@@ -274,7 +274,7 @@ class _DeliveryCollector:
         "duplicates": "A second final delivery for a frame already answered (must stay 0)",
         "unknown": "Completions naming a frame not in flight, or another generation of it",
         "abandoned": "Frames the edge gave up (deadline passed, client gone)",
-        "late": "Completions for abandoned frames, discarded by the generation fence",
+        "late": "Completions for abandoned frames, or sent on a slot server link given up on since, discarded",
     }
 
     def __init__(self, stats: Callable[[], DeliveryStats]) -> None:
