@@ -11,6 +11,10 @@ call, from Python, what the agent does per request:
 
 Each operation returns after its send completion, i.e. after the responder's ACK: a full round
 trip.  Prints one JSON object: p50/p99/mean in microseconds per operation.
+
+Across two hosts (the soft-RoCE lane's two VMs): ``--serve IP:PORT`` on one runs the responder alone (its
+pool, its receive queue drained; ``ready IP:PORT`` once it listens, the immediates it received at the end),
+``--connect IP:PORT`` on the other times the same operations against it.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgepath.dma.registry import make_transport
-from edgepath.dma.transport import Access
+from edgepath.dma.transport import Access, Connection, MemoryRegion
 
 
 def _stats(samples: list[int]) -> dict[str, float]:
@@ -38,11 +43,62 @@ def _stats(samples: list[int]) -> dict[str, float]:
     }
 
 
+#: the responder's pool: what the operations below (and the lane's transport test) write, read and swap
+POOL_ACCESS = Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
+
+
+def measure(
+    conn: Connection, local: MemoryRegion, iterations: int, warmup: int, drain: Callable[[], None]
+) -> dict[str, object]:
+    """Time each operation ``iterations`` times (after ``warmup``) on ``conn``; ``drain`` empties the responder's
+    receive queue now and then (a no-op when the responder is another process, which drains its own)."""
+    remote = conn.remote["pool"]
+    clock = time.perf_counter_ns
+    results: dict[str, object] = {"iterations": iterations}
+
+    samples = []
+    for i in range(warmup + iterations):
+        t0 = clock()
+        conn.write_with_imm(local, 0, remote, 1024, 64, i)
+        t1 = clock()
+        if i >= warmup:
+            samples.append(t1 - t0)
+        if i % 256 == 0:
+            drain()
+    results["write_imm64"] = _stats(samples)
+    drain()
+
+    samples = []
+    for i in range(warmup + iterations):
+        t0 = clock()
+        conn.write_then_imm(local, 0, remote, 1024, 64, 64, 2048, 8, i)
+        t1 = clock()
+        if i >= warmup:
+            samples.append(t1 - t0)
+        if i % 256 == 0:
+            drain()
+    results["write64_doorbell"] = _stats(samples)
+    drain()
+
+    samples = []
+    for i in range(warmup + iterations):
+        t0 = clock()
+        found = conn.compare_and_swap(remote, 0, i, i + 1)
+        t1 = clock()
+        if found != i:
+            raise RuntimeError(f"CAS found {found}, expected {i}")
+        if i >= warmup:
+            samples.append(t1 - t0)
+    results["cas"] = _stats(samples)
+    return results
+
+
 def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warmup: int) -> dict[str, object]:
+    """Both ends on ``device``, in this process."""
     server = make_transport("verbs", device=device, gid_index=gid_index)
     client = make_transport("verbs", device=device, gid_index=gid_index)
     try:
-        pool = server.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+        pool = server.register("pool", 4096, POOL_ACCESS)
         local = client.register("local", 4096, Access.NONE)
         listener = server.listen(f"{addr}:{port}", [pool], {})
         box: dict[str, object] = {}
@@ -50,52 +106,49 @@ def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warm
         thread.start()
         conn = client.connect(listener.address, [], {}, timeout=30.0)
         thread.join(30.0)
-        remote = conn.remote["pool"]
-        clock = time.perf_counter_ns
-        results: dict[str, object] = {"device": device, "iterations": iterations}
 
         def drain() -> None:
             while server.cq.poll(256):
                 pass
 
-        samples = []
-        for i in range(warmup + iterations):
-            t0 = clock()
-            conn.write_with_imm(local, 0, remote, 1024, 64, i)
-            t1 = clock()
-            if i >= warmup:
-                samples.append(t1 - t0)
-            if i % 256 == 0:
-                drain()
-        results["write_imm64"] = _stats(samples)
-        drain()
-
-        samples = []
-        for i in range(warmup + iterations):
-            t0 = clock()
-            conn.write_then_imm(local, 0, remote, 1024, 64, 64, 2048, 8, i)
-            t1 = clock()
-            if i >= warmup:
-                samples.append(t1 - t0)
-            if i % 256 == 0:
-                drain()
-        results["write64_doorbell"] = _stats(samples)
-        drain()
-
-        samples = []
-        for i in range(warmup + iterations):
-            t0 = clock()
-            found = conn.compare_and_swap(remote, 0, i, i + 1)
-            t1 = clock()
-            if found != i:
-                raise RuntimeError(f"CAS found {found}, expected {i}")
-            if i >= warmup:
-                samples.append(t1 - t0)
-        results["cas"] = _stats(samples)
+        results = {"device": device, **measure(conn, local, iterations, warmup, drain)}
         listener.close()
         return results
     finally:
         client.close()
+        server.close()
+
+
+def connect(device: str, gid_index: int, address: str, iterations: int, warmup: int) -> dict[str, object]:
+    """The operations against a responder (``--serve``) at ``address``, from ``device``."""
+    client = make_transport("verbs", device=device, gid_index=gid_index)
+    try:
+        local = client.register("local", 4096, Access.NONE)
+        conn = client.connect(address, [], {}, timeout=30.0)
+        return {"device": device, "peer": address, **measure(conn, local, iterations, warmup, lambda: None)}
+    finally:
+        client.close()
+
+
+def serve(device: str, gid_index: int, address: str, lifetime: float) -> dict[str, object]:
+    """The responder: one pool at ``address``, one peer at a time until one has come and gone (or ``lifetime``
+    seconds passed); the immediates it received."""
+    server = make_transport("verbs", device=device, gid_index=gid_index)
+    try:
+        pool = server.register("pool", 4096, POOL_ACCESS)
+        listener = server.listen(address, [pool], {})
+        print(f"ready {address}", flush=True)
+        deadline = time.monotonic() + lifetime
+        conn = None
+        while conn is None and time.monotonic() < deadline:
+            conn = listener.accept(timeout=1.0)
+        received = 0
+        while conn is not None and conn.check_alive() and time.monotonic() < deadline:
+            received += len(server.cq.wait(0.1, max_entries=256))
+        received += len(server.cq.poll(256))
+        listener.close()
+        return {"device": device, "connected": conn is not None, "received": received}
+    finally:
         server.close()
 
 
@@ -138,12 +191,25 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=19999)
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
+    peer = parser.add_mutually_exclusive_group()
+    peer.add_argument("--serve", metavar="IP:PORT", help="be the responder for a --connect on another host")
+    peer.add_argument("--connect", metavar="IP:PORT", help="time the operations against a --serve responder")
+    parser.add_argument("--lifetime", type=float, default=600.0, help="--serve: seconds at most")
+    parser.add_argument("--result", type=Path, help="--serve: also write the outcome (JSON) here")
     args = parser.parse_args()
     if args.compare:
         ours, write_lat, atomic_lat = (Path(f).read_text() for f in args.compare)
         print("\n".join(compare(json.loads(ours), write_lat, atomic_lat)))
         return
-    print(json.dumps(run(args.device, args.gid_index, args.addr, args.port, args.iterations, args.warmup)))
+    if args.serve:
+        outcome = serve(args.device, args.gid_index, args.serve, args.lifetime)
+        if args.result is not None:
+            args.result.write_text(json.dumps(outcome))
+    elif args.connect:
+        outcome = connect(args.device, args.gid_index, args.connect, args.iterations, args.warmup)
+    else:
+        outcome = run(args.device, args.gid_index, args.addr, args.port, args.iterations, args.warmup)
+    print(json.dumps(outcome))
 
 
 if __name__ == "__main__":

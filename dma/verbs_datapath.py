@@ -40,8 +40,8 @@ HELLO_CAP = 16384
 #: the default hang timeout, since whoever waits -- an agent, or a slot server writing a result -- stands still
 #: meanwhile (its loop, its heartbeat: a slot server waiting longer on an agent that died would be called hung
 #: by every other agent; an edge's event loop waits with its agent); far above the ACK timeout's retry budget
-#: (8 x 67 ms) and a few-second wire cut, which are ridden out.  On rxe a peer killed with an operation in flight
-#: to it was seen to time out here rather than fail by retries (the lane's wire: docs/DEPLOY.md)
+#: (7 x 67 ms: an operation to a peer that is gone fails by retries first, verbs_setup.RETRY_COUNT), so this
+#: wait is a backstop; an operation that does run out of it is stopped (the QP moved to ERR), never left queued
 _OP_TIMEOUT_NS = int(0.8 * DEFAULT_HANG_TIMEOUT * 1e9)
 _OP_WRITE, _OP_WRITE_IMM, _T = lib.EP_V_WRITE, lib.EP_V_WRITE_IMM, _OP_TIMEOUT_NS
 
@@ -186,12 +186,25 @@ class VerbsConnection(Connection):
     def _failed(self, rc: int, what: str) -> None:
         self._alive = False
         if rc == lib.EP_V_E_TIMEOUT:
+            self._stop_queue()
             why = "no completion in time"
         elif rc < 0:
             why = "could not post the work request"
         else:
             why = ffi.string(lib.ep_v_status_str(rc)).decode()
         raise TransportError(f"{what} on connection {self.conn_id} failed: {why}")
+
+    def _stop_queue(self) -> None:
+        """Move the QP to ERR: a work request given up on is flushed, not retransmitted until the wire is back
+        and run then -- a doorbell the agent already answered 503, a result into a frame it has reused."""
+        from pyverbs import enums as e
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_ERR
+        with contextlib.suppress(PyverbsError):  # already in ERR (nothing is queued then)
+            self.qp.modify(attr, e.IBV_QP_STATE)
 
     # Hot path: one cffi call per verb, no further Python calls when it succeeds (Connection checked it).
     def _cas(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:

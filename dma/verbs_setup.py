@@ -84,18 +84,27 @@ def _expect(channel: Any, fd: int, wanted: int, timeout: float, doing: str) -> A
     return ev
 
 
+#: The RC ACK timeout exponent set at RTR -> RTS (4.096 us x 2^14 = 67 ms; it cannot change in RTS). rdma_cm
+#: picks 19 (2.1 s) here, which makes every lost packet cost 2.1 s and outlasts the slot server's 1 s lease,
+#: so a retransmitted doorbell arrives after its slot was reclaimed (docs/VERBS.md, "Two hosts on a wire").
+ACK_TIMEOUT = 14
+#: Retransmissions of an unacknowledged packet before the work request fails (RETRY_EXC_ERR), set at
+#: RTR -> RTS: 6, not the 7 rdma_cm is usually given, because rxe treats a retry count of 7 like an RNR
+#: retry count of 7 -- for ever (``rxe_completer``: ``if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--``).
+#: With 7 an operation to a peer that is gone never fails (it waited out the data plane's 4 s instead) and
+#: stays queued after that wait, to run when the wire is back.  6 x 67 ms: a silent peer fails an operation in
+#: about 0.5 s on rxe and on a hardware NIC alike (docs/VERBS.md, "A peer that is gone").
+RETRY_COUNT = 6
+
+
 def _conn_param(qp_num: int, private: bytes) -> Any:
     from pyverbs.cmid import ConnParam
 
-    param = ConnParam(resources=16, depth=16, retry=7, rnr_retry=7, srq=1, qp_num=qp_num, data_len=len(private))
+    param = ConnParam(
+        resources=16, depth=16, retry=RETRY_COUNT, rnr_retry=7, srq=1, qp_num=qp_num, data_len=len(private)
+    )
     param.set_private_data(private)
     return param
-
-
-#: The RC ACK timeout exponent set at RTR -> RTS (4.096 us x 2^14 = 67 ms; it cannot change in RTS). rdma_cm
-#: picks 19 (2.1 s) here, which makes every lost packet cost 2.1 s and outlasts the slot server's 1 s lease,
-#: so a retransmitted doorbell arrives after its slot was reclaimed (docs/VERBS.md, "Two devices on a wire").
-ACK_TIMEOUT = 14
 
 
 def _modify(conn: VerbsConnection, state: int) -> None:
@@ -106,7 +115,8 @@ def _modify(conn: VerbsConnection, state: int) -> None:
         attr.qp_access_flags = conn.transport.qp_access
     elif state == e.IBV_QPS_RTS:
         attr.timeout = ACK_TIMEOUT
-        mask |= e.IBV_QP_TIMEOUT
+        attr.retry_cnt = RETRY_COUNT  # an acceptor's comes from the connector's request: set it on both sides
+        mask |= e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT
     conn.qp.modify(attr, mask)
 
 

@@ -408,8 +408,11 @@ class Agent:
         flight = book.inflight.get(index)
         link = self.link_set.by_conn.get(conn_id)
         progress = wire.is_progress_imm(imm)
-        if flight is not None and flight.moves and link is not None and flight.link is not link:
-            book.stats.late += 1  # from a server the request moved away from: fenced like an abandoned frame's
+        if link is not None and (not link.alive or (flight is not None and flight.moves and flight.link is not link)):
+            # Sent on a link given up on since (what was in flight there is answered, 503, or moved, and its frame
+            # maybe reused), or by a server the request moved away from: late, never a second answer (nor
+            # "unknown").
+            book.stats.late += 1
             return None
         if flight is None or link is None or flight.link is not link:
             answered = self.frames.result_headers[index].generation if 0 <= index < self.frames.count else -1

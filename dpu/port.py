@@ -43,7 +43,8 @@ class DeliveryStats:
     duplicates: int = 0  # a second final for a frame already answered
     unknown: int = 0  # a completion for a frame that was never in flight, or for another generation
     abandoned: int = 0  # frames given up by the caller
-    late: int = 0  # completions for abandoned frames, discarded
+    late: int = 0  # completions for abandoned frames, from a link given up on after they were sent, or from a server
+    # the request moved away from: discarded
     migrated: int = 0  # requests moved to another slot server when theirs went away (each move counted)
 
 

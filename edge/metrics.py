@@ -322,7 +322,8 @@ class _DeliveryCollector:
         "duplicates": "A second final delivery for a frame already answered (must stay 0)",
         "unknown": "Completions naming a frame not in flight, or another generation of it",
         "abandoned": "Frames the edge gave up (deadline passed, client gone)",
-        "late": "Completions for abandoned frames, discarded by the generation fence",
+        "late": "Completions for abandoned frames, or sent on a slot server link given up on since (or that a "
+        "request moved away from), discarded",
         "migrated": "Requests moved to another slot server when theirs went down or unresponsive (each move)",
     }
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.datapath import collect, send, serve_once, wait_free
+from helpers.datapath import collect, roundtrip, send, serve_once, wait_free
 
 from edgepath.dma import wire
 from edgepath.dma.handlers import PacedEcho, echo
@@ -242,6 +242,28 @@ def test_a_second_final_for_a_frame_is_counted_as_a_duplicate(agent: Agent, serv
     assert agent.delivery_stats.duplicates == 1
     assert agent.deliver(link.conn.conn_id, wire.final_imm(3)) is None  # never in flight
     assert agent.delivery_stats.unknown == 1 and agent.delivery_stats.delivered == 1
+
+
+def test_a_result_that_crossed_as_its_link_went_down_is_late_not_a_second_answer(agent: Agent, make_server) -> None:
+    """The agent gives up on a link (an operation on it failed: the soft-RoCE lane's wire) while a result from it
+    already waits in the completion queue: the frame is lost with the link (answered 503 once) and reused; the
+    result, polled afterwards, is counted late and dropped -- not as a second answer for the frame, even when its
+    generation is the one the frame last answered (slots are claimed in turn, so neighbours share generations)."""
+    server = make_server(slots=2)
+    link = agent.attach(server.address)
+    first = roundtrip(agent, server, [1, 2])  # answered on slot 0, generation 1
+    answered = int(agent.frames.result_headers[first].generation)
+    agent.release(first)
+    again = agent.acquire()
+    assert again == first  # the frame just released is the next one handed out
+    write_request(agent.frames, again, [3, 4], request_id=2, max_new_tokens=2)
+    assert agent.submit(again) is None
+    assert agent.inflight[again].generation == answered  # slot 1's first claim: the same generation number
+    assert serve_once(server) == 1  # its result and notification now wait in the agent's completion queue
+    assert agent.fail_link(link) == [again]
+    assert agent.poll(timeout=1.0) == []
+    stats = agent.delivery_stats
+    assert (stats.delivered, stats.duplicates, stats.unknown, stats.late) == (1, 0, 0, 1), stats
 
 
 def test_attach_returns_only_once_the_server_has_admitted_the_agent(serve, new_transport) -> None:

@@ -1,14 +1,18 @@
-"""The data path over a wire: the agent and the slot server on two soft-RoCE devices joined by a veth
-pair, each device with its own address (set up inside the lane's VM by ``tests/softroce/wire``,
-which passes ``--wire FILE``), first clean, then under faults injected on the wire with ``tc netem``:
-loss, delay, and the wire cut for a few seconds; then ``edgepath serve`` on the agent's side in front of
-two slot servers on the other (issue 21's failover across the wire): one killed and restarted, the same
-under 1% loss, and the slot side's link taken down and up.
+"""The data path between two hosts: the agent on one VM, its slot servers on another, each VM with its own
+kernel and rxe device on its own virtio NIC, the two NICs joined by a qemu network backend (set up by the
+soft-RoCE lane's ``tests/softroce/two-vms``, which passes ``--wire FILE``).  The slot VM runs its processes on
+request over a small control channel (:mod:`helpers.remote`); faults on its end of the wire are made there.
 
-Every scenario checks what must hold whatever the wire does: each request is answered exactly
-once, nothing is duplicated or late, every slot is FREE afterwards; and what the wire costs: the
-latency of each request (submit -> final answer) goes to the lane's results file.  Elsewhere (no
-``--wire``) these tests skip: the host kernel has no RDMA."""
+First the transport between the two devices, and what rxe does when the peer is gone; then ``edgepath serve``
+here in front of two slot servers there and one of its own (``--local-slot-server``): one killed and
+restarted, the same under 1% loss, and the slot VM's link down and up; then an ``edgepath agent`` here and a
+slot server there, clean and under faults (``tc netem`` loss and delay inside both guests, this side of the
+wire cut for less and for more than the retry budget).  The module's processes start once, serve's first,
+while the VMs are quiet (serve gives its own slot server 30 s to be ready).
+
+Every scenario checks what must hold whatever the wire does: each request answered exactly once, nothing
+duplicated or late, every slot FREE afterwards; and what the wire costs: the latency of each request goes to
+the lane's results file.  Elsewhere (no ``--wire``) these tests skip: the host kernel has no RDMA."""
 
 from __future__ import annotations
 
@@ -28,14 +32,15 @@ import numpy as np
 import pytest
 from helpers import failover
 from helpers.procs import slot_states
+from helpers.remote import Remote, RemoteChild
 from helpers.supervised import Load, scrape, series
 from helpers.tokenizers import byte_tokenizer
 from helpers.waiting import wait_for
 
 from edgepath.children import Child, free_port
+from edgepath.dma import verbs_datapath, verbs_setup
 from edgepath.dma.registry import make_transport
-from edgepath.dma.transport import Access
-from edgepath.dma.verbs_setup import ACK_TIMEOUT
+from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -45,15 +50,16 @@ pytestmark = pytest.mark.slow
 SLOTS, TOKENS, FRAMES, WINDOW = 8, 64, 32, 8
 # A CLAIMED slot's lease must outlast the wire's retransmissions, or the slot server drops a late doorbell
 # as a stale writer's (and nobody answers the request).  edgepath sets the ACK timeout to 4.096 us * 2^14 =
-# 67 ms (rdma_cm alone gives 2.1 s, past the default 1 s lease); 20 s still covers rdma_cm's whole retry
-# budget, so these tests do not depend on that setting.
+# 67 ms (rdma_cm alone gives 2.1 s, past the default 1 s lease); 20 s keeps these tests independent of it.
 LEASE_S = 20
+#: how long rxe retransmits into silence before an operation fails: (RETRY_COUNT + 1) ACK timeouts
+RETRY_BUDGET_S = (verbs_setup.RETRY_COUNT + 1) * 4.096e-6 * 2**verbs_setup.ACK_TIMEOUT
 _ports = iter(range(7500, 7600))
 
 
 @dataclass(frozen=True)
 class Side:
-    """One end of the wire: its RDMA device, GID index, address and veth."""
+    """One end of the wire: its RDMA device, GID index, address and NIC (on its own VM)."""
 
     device: str
     gid_index: int
@@ -66,10 +72,11 @@ class Side:
 
 @dataclass
 class Wire:
-    """The topology ``tests/softroce/wire`` built, and where the results go."""
+    """The two hosts ``tests/softroce/two-vms`` made: this one (the agent's) and the slot VM behind ``remote``."""
 
     agent: Side
     slot: Side
+    remote: Remote
     results: Path
     tmp: Path
 
@@ -80,122 +87,381 @@ class Wire:
         self.results.write_text(json.dumps(old, indent=1))
 
     def probe_options(self) -> dict[str, Any]:
-        """Transport options for a probe on the agent's side (reads the slot server's state words)."""
+        """Transport options for a probe on the agent's side (reads a slot server's state words)."""
         return {"device": self.agent.device, "gid_index": self.agent.gid_index}
+
+    def slot_server(self, name: str, address: str, *args: str) -> RemoteChild:
+        """``edgepath slot-server`` on the slot VM at ``address`` (echo handler, the long lease)."""
+        argv = [*self.slot.flags(), "--listen", address, "--lease", str(LEASE_S), "--handler", "echo", *args]
+        self.remote.call("slot_server", name=name, args=argv)
+        return RemoteChild(self.remote, name, address)
+
+    def counters(self) -> dict[str, Any]:
+        """Both ends' NIC packet counts and rxe counters."""
+        net = Path("/sys/class/net", self.agent.netdev, "statistics")
+        hw = Path("/sys/class/infiniband", self.agent.device, "ports/1/hw_counters")
+        here = {
+            "tx_packets": int((net / "tx_packets").read_text()),
+            "rx_packets": int((net / "rx_packets").read_text()),
+            "rxe": {p.name: int(p.read_text()) for p in sorted(hw.iterdir())},
+        }
+        return {"agent": here, "slot": self.remote.call("counters")}
 
 
 @pytest.fixture(scope="module")
-def wire(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Wire:
+def wire(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
     path = request.config.getoption("--wire")
     if path is None:
-        pytest.skip("needs the two-device wire of the soft-RoCE lane (tests/softroce/wire sets it up, --wire FILE)")
+        pytest.skip("needs the soft-RoCE lane's two VMs (tests/softroce/two-vms sets them up, --wire FILE)")
     spec = json.loads(Path(path).read_text())
-    return Wire(
-        Side(**spec["agent"]),
-        Side(**spec["slot"]),
-        Path(spec["results"]),
-        tmp_path_factory.mktemp("wire"),
-    )
+    remote = Remote.reach(spec["control"], patience=60)
+    yield Wire(Side(**spec["agent"]), Side(**spec["slot"]), remote, Path(spec["results"]), tmp_path_factory.mktemp("w"))
+    remote.close()
 
 
 def _run(*args: str) -> str:
     return subprocess.run(args, check=True, capture_output=True, text=True, timeout=30).stdout
 
 
-def _tx_packets(netdev: str) -> int:
-    return int(Path(f"/sys/class/net/{netdev}/statistics/tx_packets").read_text())
-
-
 def _netem_drops(netdev: str) -> int:
-    """Packets the netem qdisc on ``netdev`` dropped so far."""
-    return sum(int(q.get("drops", 0)) for q in json.loads(_run("tc", "-s", "-j", "qdisc", "show", "dev", netdev)))
+    """Packets the netem qdisc on this VM's ``netdev`` dropped so far."""
+    shown = json.loads(_run("tc", "-s", "-j", "qdisc", "show", "dev", netdev))
+    return sum(int(q.get("drops", 0)) for q in shown if q.get("kind") == "netem")
 
 
 @contextlib.contextmanager
-def netem(wire: Wire, *spec: str) -> Iterator[None]:
-    """``tc netem SPEC`` on both ends' egress (so both directions), removed afterwards."""
+def netem(wire: Wire, *spec: str) -> Iterator[dict[str, int]]:
+    """``tc netem SPEC`` on both hosts' egress (so both directions), removed afterwards; the dict it yields
+    holds each end's netem drops once the block is left.  The slot VM's is set and removed over the control
+    channel, whose messages cross the same wire (so SPEC must let some through: not a cut)."""
+    drops: dict[str, int] = {}
     try:
-        for side in (wire.agent, wire.slot):
-            _run("tc", "qdisc", "replace", "dev", side.netdev, "root", "netem", *spec)
-        yield
+        wire.remote.call("netem", spec=list(spec))
+        _run("tc", "qdisc", "replace", "dev", wire.agent.netdev, "root", "netem", *spec)
+        yield drops
     finally:
-        for side in (wire.agent, wire.slot):
-            subprocess.run(["tc", "qdisc", "del", "dev", side.netdev, "root"], capture_output=True, timeout=30)
+        drops["agent"] = _netem_drops(wire.agent.netdev)
+        subprocess.run(["tc", "qdisc", "del", "dev", wire.agent.netdev, "root"], capture_output=True, timeout=30)
+        drops["slot"] = int(wire.remote.call("netem", spec=[])["drops"])
 
 
-def wire_cut(wire: Wire, seconds: float) -> Callable[[], None]:
-    """A fault: the wire passes nothing for ``seconds`` (netem drops every packet both ways); links
-    and routes stay up, as when a cable or a switch between two hosts fails."""
+@dataclass
+class Cut:
+    """A fault: this VM's side of the wire passes nothing for ``seconds`` (netem drops all it sends: requests and
+    ACKs; the slot VM's sends arrive and are never acknowledged), links and routes up, as when a cable or a switch
+    port fails.  Made here alone, by one ``tc -batch`` that is up before the cut starts (starting ``tc`` takes
+    half a second in the emulated VM): ``lasted`` brackets it, from when it was set to when its removal was
+    asked for, and to when ``tc`` had done it."""
 
-    def act() -> None:
-        with netem(wire, "loss", "100%"):
-            time.sleep(seconds)
+    wire: Wire
+    seconds: float
+    lasted: tuple[float, float] = (0.0, 0.0)
 
-    return act
+    def __call__(self) -> None:
+        netdev = self.wire.agent.netdev
+        batch = ["stdbuf", "-oL", "tc", "-force", "-batch", "-"]  # its output line by line: it says when it is up
+        tc = subprocess.Popen(batch, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert tc.stdin is not None and tc.stdout is not None
+        set_at = time.monotonic()
+        try:
+            tc.stdin.write(f"qdisc show dev {netdev}\n")
+            tc.stdin.flush()
+            tc.stdout.readline()  # tc is up and reading
+            tc.stdin.write(f"qdisc replace dev {netdev} root netem loss 100%\n")
+            tc.stdin.flush()
+            set_at = time.monotonic()
+            time.sleep(self.seconds)
+        finally:
+            removing = time.monotonic()
+            tc.communicate(f"qdisc del dev {netdev} root\n", timeout=30)
+            self.lasted = (round(removing - set_at, 3), round(time.monotonic() - set_at, 3))
+
+
+# -- the transport alone ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def responder(wire: Wire, name: str) -> Iterator[Any]:
+    """A connection from this host's device to a responder on the slot VM (``verbs_lat --serve``: a pool, its
+    receive queue drained); closed afterwards."""
+    address = f"{wire.slot.addr}:{next(_ports)}"
+    wire.remote.call("responder", name=name, address=address)
+    client = make_transport("verbs", device=wire.agent.device, gid_index=wire.agent.gid_index)
+    try:
+        local = client.register("local", 4096, Access.NONE)
+        conn = client.connect(address, [], {}, timeout=60.0)
+        yield conn, local
+    finally:
+        client.close()
+
+
+def test_the_transport_crosses_the_wire_between_the_two_hosts(wire: Wire) -> None:
+    """CAS, WRITE_WITH_IMM, write + doorbell and READ from this VM's device to the slot VM's, each seen on both
+    NICs, each waited for by its own completion; the QP has the ACK timeout and retry count edgepath sets."""
+    from pyverbs import enums as e
+
+    with responder(wire, "transport") as (conn, local):
+        attr, _ = conn.qp.query(e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY)
+        assert (attr.timeout, attr.retry_cnt) == (verbs_setup.ACK_TIMEOUT, verbs_setup.RETRY_COUNT), attr
+        remote = conn.remote["pool"]
+        before = wire.counters()
+        assert conn.compare_and_swap(remote, 0, 0, 41) == 0
+        assert conn.compare_and_swap(remote, 0, 0, 42) == 41  # failed: the word is 41
+        local.buf[:256] = np.arange(256, dtype=np.uint8)
+        for i in range(50):
+            conn.write_with_imm(local, 0, remote, 1024, 256, i)
+        for i in range(20):
+            conn.write_then_imm(local, 0, remote, 1024, 256, 256, 3072, 8, 50 + i)
+        conn.read(local, 2048, remote, 1024, 256)
+        assert conn.scq.poll(16)[0] == 0  # each operation waited for its own completion, none left behind
+        after = wire.counters()
+        assert bytes(local.buf[2048:2304]) == bytes(range(256))
+    outcome = wire.remote.call("outcome", name="transport")
+    assert outcome["received"] == 70, outcome  # every immediate arrived once on the slot VM
+    # 93 requests (CAS, WRITE, READ) leave this VM's NIC, an ACK or response per request leaves the slot VM's.
+    sent = {end: after[end]["tx_packets"] - before[end]["tx_packets"] for end in ("agent", "slot")}
+    assert sent["agent"] >= 93 and sent["slot"] >= 73, sent
+    wire.record(
+        "qp",
+        {
+            "timeout": attr.timeout,
+            "timeout_ms": round(4.096 * 2**attr.timeout / 1000, 1),
+            "retry_cnt": attr.retry_cnt,
+            "rnr_retry": attr.rnr_retry,
+            "packets_sent": sent,
+        },
+    )
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], end: str, counter: str) -> int:
+    return int(after[end]["rxe"][counter]) - int(before[end]["rxe"][counter])
+
+
+@pytest.mark.parametrize("retry_count", [7, verbs_setup.RETRY_COUNT])
+def test_a_read_to_a_killed_peer_fails_by_retries_only_below_a_retry_count_of_seven(
+    wire: Wire, retry_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer process dies: its kernel destroys the QP, and rxe there drops what arrives for a QP number it no
+    longer has -- it answers nothing, no NAK.  Here rxe retransmits at every ACK timeout; with a retry count of
+    7 it never gives up (rxe counts 7 as "for ever", as the spec does for the RNR retry count only), so the READ
+    waits out the data plane's wait; with 6 it fails with RETRY_EXC_ERR after 7 ACK timeouts."""
+    monkeypatch.setattr(verbs_setup, "RETRY_COUNT", retry_count)
+    name = f"killed-{retry_count}"
+    with responder(wire, name) as (conn, local):
+        wire.remote.call("kill", name=name)
+        time.sleep(1.0)  # the peer's QP is gone (and its rdma_cm's disconnect has arrived, or not: no matter)
+        before = wire.counters()
+        started = time.monotonic()
+        with pytest.raises(TransportError) as failed:
+            conn.read(local, 0, conn.remote["pool"], 0, 64)
+        took = time.monotonic() - started
+        after = wire.counters()
+    why = str(failed.value)
+    retries = _delta(before, after, "agent", "completer_retry_err")
+    arrived = after["slot"]["rx_packets"] - before["slot"]["rx_packets"]
+    wire.record(
+        f"READ to a killed peer, retry_cnt {retry_count}",
+        {
+            "failed_after_s": round(took, 2),
+            "why": why.rsplit(": ", 1)[-1],
+            "retransmissions": retries,
+            "retry_exceeded": _delta(before, after, "agent", "retry_exceeded_err"),
+            "arrived_at_peer": arrived,
+            "peer_rxe_sent": _delta(before, after, "slot", "sent_pkts"),
+        },
+    )
+    assert arrived >= retries > 0, "the retransmissions did not reach the peer's kernel"
+    if retry_count == 7:
+        assert "no completion in time" in why and took >= verbs_datapath._OP_TIMEOUT_NS / 1e9, (why, took)
+        assert _delta(before, after, "agent", "retry_exceeded_err") == 0
+    else:
+        assert "retry counter exceeded" in why, why
+        assert took < RETRY_BUDGET_S + 1.5, f"failed after {took:.2f} s; the retry budget is {RETRY_BUDGET_S:.2f} s"
+        assert _delta(before, after, "agent", "retry_exceeded_err") == 1
+
+
+def test_an_operation_given_up_on_never_runs_when_the_wire_is_back(wire: Wire, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation that runs out of its wait is stopped, not left queued: with the wire cut for less than the
+    retry budget, a WRITE_WITH_IMM given up on after 0.1 s would otherwise be retransmitted once the wire is back
+    and land (a doorbell for a request already answered 503, a result into a frame reused since)."""
+    monkeypatch.setattr(verbs_datapath, "_T", int(0.1e9))
+    with responder(wire, "given-up") as (conn, local):
+        _run("tc", "qdisc", "replace", "dev", wire.agent.netdev, "root", "netem", "loss", "100%")
+        try:
+            with pytest.raises(TransportError, match="no completion in time"):
+                conn.write_with_imm(local, 0, conn.remote["pool"], 0, 8, 7)
+        finally:
+            _run("tc", "qdisc", "del", "dev", wire.agent.netdev, "root")
+        time.sleep(2 * RETRY_BUDGET_S)  # a retransmission, had the work request stayed queued, lands by now
+    outcome = wire.remote.call("outcome", name="given-up")
+    assert outcome["received"] == 0, f"the write given up on ran at the peer: {outcome}"
+
+
+# -- serve across the wire: two slot servers there and one here; one killed, loss, the link down and up ------
+
+
+@dataclass
+class Served:
+    """``edgepath serve`` (HTTP/1.1 at ``port``) on this VM in front of two slot servers on the slot VM (``a``
+    first) and one it started here (``local``); ``restart`` starts a slot server at ``a`` again."""
+
+    port: int
+    local: str
+    a: str
+    b: str
+    first: RemoteChild
+    restart: Callable[[], RemoteChild]
+
+
+@pytest.fixture(scope="module")
+def served(wire: Wire) -> Iterator[Served]:
+    """One edge and its slot servers for the failover scenarios (run in file order, each leaving all up)."""
+    a, b = (f"{wire.slot.addr}:{next(_ports)}" for _ in range(2))
+    local = f"{wire.agent.addr}:{next(_ports)}"
+    slots = ["--slots", str(failover.SLOTS)]
+    first = wire.slot_server("a", a, *slots)
+    second = wire.slot_server("b", b, *slots)
+    port = free_port(socket.SOCK_STREAM)
+    tokenizer = byte_tokenizer(wire.tmp / "tokenizer.json")
+    box: Served | None = None
+    try:
+        serve = Child.start(
+            ["serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", str(tokenizer),
+             "--frames", "64", *wire.agent.flags(), "--slot-server", a, "--slot-server", b,
+             "--local-slot-server", "--slot-server-listen", local, *slots],
+            ready_timeout=failover.START_S,
+        )  # fmt: skip
+        try:
+            box = Served(port, local, a, b, first, lambda: wire.slot_server("a", a, *slots))
+            yield box
+        finally:
+            serve.stop()
+    finally:
+        second.stop()
+        (first if box is None else box.first).stop()
+
+
+def _slots_free(wire: Wire, served: Served) -> bool:
+    return all(check_slots_free(wire, address, failover.SLOTS) for address in (served.local, served.a, served.b))
+
+
+def _kill_and_restart(served: Served) -> failover.KillRun:
+    run = failover.kill_one_and_bring_it_back(served.port, served.first, served.a, served.b, served.restart)
+    assert isinstance(run.restarted, RemoteChild)
+    served.first = run.restarted
+    return run
+
+
+@pytest.mark.timeout(900)  # processes start slowly in the emulated VMs
+def test_serve_across_the_wire_survives_a_killed_slot_server_and_uses_it_again(wire: Wire, served: Served) -> None:
+    run = _kill_and_restart(served)
+    wire.record("serve: slot server killed", run.summary())
+    run.check()
+    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on the three slot servers")
+
+
+@pytest.mark.timeout(900)  # processes start slowly in the emulated VMs
+def test_serve_across_the_wire_under_one_percent_loss_survives_a_killed_slot_server(wire: Wire, served: Served) -> None:
+    """Loss delays what it hits by the ACK timeout; nothing is lost or answered twice, and the failover holds."""
+    with netem(wire, "loss", "1%") as drops:
+        run = _kill_and_restart(served)
+    wire.record("serve: slot server killed, loss 1% each way", {**run.summary(), "netem_drops": drops})
+    assert sum(drops.values()) > 0, "netem dropped nothing: the scenario did not test loss"
+    run.check(slowest=None)  # latency under loss is measured (recorded above), not bounded
+    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on the three slot servers")
+
+
+@pytest.mark.timeout(900)  # processes start slowly in the emulated VMs
+def test_serve_across_the_wire_rides_the_slot_vms_link_down_and_up(wire: Wire, served: Served) -> None:
+    """The slot VM's link down for 6 s under load: both slot servers there are lost to the edge (what was in flight
+    there is answered 503), the one on this VM serves everything meanwhile (200, or 429 when its slots are all
+    taken); when the link is up again both are re-attached on their own and serve, and every request was answered
+    exactly once -- no second completion for a frame already answered, none for an unknown one."""
+    port, local, a, b = served.port, served.local, served.a, served.b
+    down_s = 6.0  # in the emulated VMs finding both links down takes about a second of it
+    before = {address: failover.listing(port)[address]["reattaches"] for address in (a, b)}
+    counted = failover.generated(scrape(port))
+    text = scrape(port)
+    fenced_before = series(text, "edgepath_port_duplicates_total") or 0.0
+    outage = threading.Thread(target=lambda: wire.remote.call("outage", seconds=down_s), name="outage", daemon=True)
+    with Load(port, threads=3, max_requests=4000, max_seconds=600) as load:
+        wait_for(lambda: load.count >= 50, 60, "requests before the link goes down")
+        down_at = time.monotonic()
+        outage.start()
+        remote_down = lambda: {failover.listing(port)[x]["state"] for x in (a, b)} == {"down"}  # noqa: E731
+        wait_for(remote_down, 60, "both slot servers on the slot VM down")
+        detected = time.monotonic()
+        local_claims = failover.claims(port, local)
+        wait_for(lambda: len(load.sent_after(detected)) >= 20, 60, "requests while the link is down")
+        outage.join(60)
+        up_at = time.monotonic()  # the outage's answer came back: its link is up (at most this long ago)
+        local_served = failover.claims(port, local) - local_claims
+        assert local_served >= 10, "the local slot server did not serve meanwhile"
+        wait_for(lambda: {s["state"] for s in failover.listing(port).values()} == {"up"}, 120, "all three up")
+        back = time.monotonic()
+        claimed = {address: failover.claims(port, address) for address in (a, b)}
+        wait_for(lambda: all(failover.claims(port, x) >= claimed[x] + 5 for x in (a, b)), 60, "both claimed again")
+    answers = load.answers
+    text = scrape(port)
+    assert {x.status for x in answers} <= {200, 503, 429}, {x.status for x in answers}
+    assert failover.generated(text) - counted == len(answers), "an answer missing or counted twice"
+    assert (series(text, "edgepath_port_duplicates_total") or 0.0) == fenced_before, "a second completion arrived"
+    assert (series(text, "edgepath_port_unknown_total") or 0.0) == 0
+    while_down = [x for x in answers if detected < x.sent and x.answered < down_at + down_s]
+    assert while_down and {x.status for x in while_down} <= {200, 429}, {x.status for x in while_down}
+    assert all(x.status == 200 for x in answers if x.sent > back), "not every request after the re-attach got 200"
+    listed = failover.listing(port)
+    assert all(listed[x]["reattaches"] == before[x] + 1 for x in (a, b)), listed
+    wire.record(
+        "serve: slot VM's link down and up",
+        {
+            "requests": len(answers),
+            "status": dict(collections.Counter(str(x.status) for x in answers)),
+            "detected_s": round(detected - down_at, 2),
+            "outage_answered_s": round(up_at - down_at, 2),
+            "back_after_up_s": round(back - up_at, 2),
+            "while_down": dict(collections.Counter(str(x.status) for x in while_down)),
+            "local_claims_while_down": local_served,
+            "port_duplicates_fenced": (series(text, "edgepath_port_duplicates_total") or 0.0) - fenced_before,
+        },
+    )
+    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on the three slot servers")
+
+
+# -- the data path: an agent process here, a slot server there ------------------------
 
 
 @dataclass
 class Pair:
-    """A slot server on the slot side of the wire and an agent on the agent side, as processes."""
+    """A slot server on the slot VM and an agent process on this one."""
 
     server_addr: str
     agent_addr: str
-    children: list[Child]
+    server: RemoteChild
+    agent: Child
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-
-
-def start_pair(wire: Wire) -> Pair:
-    server_addr = f"{wire.slot.addr}:{next(_ports)}"
-    agent_addr = str(wire.tmp / f"agent-{server_addr.rsplit(':', 1)[1]}.sock")
-    sizes = ["--input-capacity", str(TOKENS), "--output-capacity", str(TOKENS)]
-    children = [
-        Child.start(
-            [
-                "slot-server",
-                *wire.slot.flags(),
-                "--listen",
-                server_addr,
-                "--slots",
-                str(SLOTS),
-                "--lease",
-                str(LEASE_S),
-                *sizes,
-            ],
-            ready_timeout=120,
-        )
-    ]
-    try:
-        children.append(
-            Child.start(
-                [
-                    "agent",
-                    *wire.agent.flags(),
-                    "--slot-server",
-                    server_addr,
-                    "--listen",
-                    agent_addr,
-                    "--frames",
-                    str(2 * FRAMES),
-                    "--frames-per-edge",
-                    str(FRAMES),
-                    *sizes,
-                ],
-                ready_timeout=120,
-            )
-        )
-    except Exception:
-        children[0].stop()
-        raise
-    return Pair(server_addr, agent_addr, children)
+        self.agent.stop()
+        self.server.stop()
 
 
 @pytest.fixture(scope="module")
 def pair(wire: Wire) -> Iterator[Pair]:
     """One slot server and agent for the scenarios that keep the connection (run in file order)."""
-    p = start_pair(wire)
+    server_addr = f"{wire.slot.addr}:{next(_ports)}"
+    agent_addr = str(wire.tmp / "agent.sock")
+    sizes = ["--input-capacity", str(TOKENS), "--output-capacity", str(TOKENS)]
+    server = wire.slot_server("pair", server_addr, "--slots", str(SLOTS), *sizes)
+    try:
+        agent = Child.start(
+            ["agent", *wire.agent.flags(), "--slot-server", server_addr, "--listen", agent_addr,
+             "--frames", str(2 * FRAMES), "--frames-per-edge", str(FRAMES), *sizes],
+            ready_timeout=failover.START_S,
+        )  # fmt: skip
+    except Exception:
+        server.stop()
+        raise
+    p = Pair(server_addr, agent_addr, server, agent)
     yield p
     p.stop()
 
@@ -289,247 +555,73 @@ def drive(agent_addr: str, requests: int, fault: Callable[[], None] | None = Non
         client.close()
 
 
-def check_slots_free(wire: Wire, pair: Pair) -> None:
-    states = slot_states(pair.server_addr, SLOTS, "verbs", wire.probe_options())
-    assert all(s == State.FREE for s in states), f"slots not FREE after the run: {states}"
-
-
-# -- the transport alone ---------------------------------------------------------------
-
-
-def test_the_transport_crosses_the_wire_between_the_two_devices(wire: Wire) -> None:
-    """CAS, WRITE_WITH_IMM, write + doorbell and READ from the agent's device to the slot side's, each
-    seen on the veths, each waited for by its own completion."""
-    server = make_transport("verbs", device=wire.slot.device, gid_index=wire.slot.gid_index)
-    client = make_transport("verbs", device=wire.agent.device, gid_index=wire.agent.gid_index)
-    try:
-        pool = server.register("pool", 4096, Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC)
-        local = client.register("local", 4096, Access.NONE)
-        listener = server.listen(f"{wire.slot.addr}:{next(_ports)}", [pool], {})
-        box: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: box.update(conn=listener.accept(timeout=30.0)), daemon=True)
-        thread.start()
-        conn = client.connect(listener.address, [], {}, timeout=30.0)
-        thread.join(30.0)
-        assert box.get("conn") is not None
-        from pyverbs import enums as e
-
-        attr, _ = conn.qp.query(e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY)
-        assert attr.timeout == ACK_TIMEOUT, f"ACK timeout exponent {attr.timeout}, set {ACK_TIMEOUT} at RTS"
-        remote = conn.remote["pool"]
-        before = {side.netdev: _tx_packets(side.netdev) for side in (wire.agent, wire.slot)}
-        assert conn.compare_and_swap(remote, 0, 0, 41) == 0
-        assert conn.compare_and_swap(remote, 0, 0, 42) == 41  # failed: the word is 41
-        local.buf[:256] = np.arange(256, dtype=np.uint8)
-        for i in range(50):
-            conn.write_with_imm(local, 0, remote, 1024, 256, i)
-        for i in range(20):
-            conn.write_then_imm(local, 0, remote, 1024, 256, 256, 3072, 8, 50 + i)
-        conn.read(local, 2048, remote, 1024, 256)
-        # Each operation waited for its own completion and left none behind for the next one.
-        assert conn.scq.poll(16)[0] == 0
-        got, deadline = 0, time.monotonic() + 30
-        while got < 70 and time.monotonic() < deadline:
-            got += len(server.cq.wait(1.0))
-        after = {side.netdev: _tx_packets(side.netdev) for side in (wire.agent, wire.slot)}
-        assert got == 70
-        assert bytes(pool.buf[1024:1280]) == bytes(range(256)) == bytes(local.buf[2048:2304])
-        # 93 requests (CAS, WRITE, READ) go out on the agent's veth, and an ACK or response per request
-        # comes back on the slot side's.
-        assert after[wire.agent.netdev] - before[wire.agent.netdev] >= 93, (before, after)
-        assert after[wire.slot.netdev] - before[wire.slot.netdev] >= 73, (before, after)
-        wire.record(
-            "qp",
-            {
-                "timeout": attr.timeout,
-                "timeout_ms": round(4.096 * 2**attr.timeout / 1000, 1),
-                "retry_cnt": attr.retry_cnt,
-                "rnr_retry": attr.rnr_retry,
-            },
-        )
-    finally:
-        client.close()
-        server.close()
-
-
-# -- the data path: agent and slot server processes on either side ------------------------
+def check_slots_free(wire: Wire, address: str, slots: int = SLOTS) -> bool:
+    return all(s == State.FREE for s in slot_states(address, slots, "verbs", wire.probe_options()))
 
 
 def test_clean_wire_every_request_answered_once(wire: Wire, pair: Pair) -> None:
-    before = _tx_packets(wire.agent.netdev)
-    run = drive(pair.agent_addr, 300, budget=60)
+    before = wire.counters()
+    run = drive(pair.agent_addr, 300, budget=120)
+    after = wire.counters()
     wire.record("clean", run.summary())
     run.check_exactly_once({Status.OK, Status.NO_SLOT})
-    assert (run.status == Status.OK).sum() > 0
-    # Claim, request + doorbell and the slot server's answer cross the veth for each OK request.
-    assert _tx_packets(wire.agent.netdev) - before >= (run.status == Status.OK).sum()
-    check_slots_free(wire, pair)
+    ok = int((run.status == Status.OK).sum())
+    assert ok > 0
+    # Claim, request + doorbell cross this VM's NIC, the slot server's answer the slot VM's, for each OK request.
+    assert min(after[end]["tx_packets"] - before[end]["tx_packets"] for end in ("agent", "slot")) >= ok
+    assert check_slots_free(wire, pair.server_addr)
 
 
 def test_one_percent_loss_each_way_retransmits_and_loses_nothing(wire: Wire, pair: Pair) -> None:
-    with netem(wire, "loss", "1%"):
-        run = drive(pair.agent_addr, 200, budget=150)
-        drops = {side.netdev: _netem_drops(side.netdev) for side in (wire.agent, wire.slot)}
+    with netem(wire, "loss", "1%") as drops:
+        run = drive(pair.agent_addr, 200, budget=180)
     wire.record("loss 1% each way", {**run.summary(), "netem_drops": drops})
     assert sum(drops.values()) > 0, "netem dropped nothing: the scenario did not test loss"
     run.check_exactly_once({Status.OK, Status.NO_SLOT})
-    check_slots_free(wire, pair)
+    assert check_slots_free(wire, pair.server_addr)
 
 
 def test_added_delay_shows_in_every_answer(wire: Wire, pair: Pair) -> None:
     with netem(wire, "delay", "5ms"):
-        run = drive(pair.agent_addr, 100, budget=60)
+        run = drive(pair.agent_addr, 100, budget=120)
     wire.record("delay 5 ms each way", run.summary())
     run.check_exactly_once({Status.OK, Status.NO_SLOT})
     ok = run.latency_ns[run.status == Status.OK]
     # A request needs at least its claim's round trip and its write's: 2 x 10 ms.
     assert ok.size and ok.min() >= 20e6, f"fastest answer {ok.min() / 1e6:.1f} ms under a 10 ms round trip"
-    check_slots_free(wire, pair)
+    assert check_slots_free(wire, pair.server_addr)
 
 
-def test_wire_cut_for_two_seconds_delays_requests_in_flight_and_loses_none(wire: Wire, pair: Pair) -> None:
-    """A cut well inside one operation's 4 s wait is ridden out (the operation in flight at the cut completed
-    about 0.85 s after a 3 s cut ended: within 0.1 s of that wait, so a 3 s cut sometimes took the link down)."""
-    run = drive(pair.agent_addr, 200, fault=wire_cut(wire, 2.0), budget=60)
-    wire.record("wire cut 2 s", run.summary())
+def test_wire_cut_shorter_than_the_retry_budget_delays_requests_in_flight_and_loses_none(
+    wire: Wire, pair: Pair
+) -> None:
+    """A cut of 0.15 s is ridden out by retransmission: well inside the retry budget (7 ACK timeouts, 0.47 s)."""
+    cut = Cut(wire, 0.15)
+    run = drive(pair.agent_addr, 200, fault=cut, budget=120)
+    wire.record("wire cut 0.15 s", {**run.summary(), "cut_s": cut.lasted})
+    assert cut.lasted[1] < RETRY_BUDGET_S, f"the cut lasted up to {cut.lasted[1]} s: not shorter than the budget"
     run.check_exactly_once({Status.OK, Status.NO_SLOT})
-    assert run.latency_ns.max() >= 2e9, "no request waited out the cut: the fault missed the traffic"
-    check_slots_free(wire, pair)
+    assert run.latency_ns.max() >= 0.15e9, "no request waited out the cut: the fault missed the traffic"
+    assert check_slots_free(wire, pair.server_addr)
 
 
-# -- serve across the wire: two slot servers on the far side, one killed, loss, the link down and up ----------
-
-
-@dataclass
-class Served:
-    """``edgepath serve`` (HTTP/1.1 at ``port``) on the agent's side of the wire, in front of two slot servers
-    on the other side (``a`` first); ``restart`` starts a slot server at ``a`` again."""
-
-    port: int
-    a: str
-    b: str
-    first: Child
-    restart: Callable[[], Child]
-
-
-@pytest.fixture(scope="module")
-def served(wire: Wire) -> Iterator[Served]:
-    """One edge and its slot servers for the failover scenarios (run in file order, each leaving both up)."""
-    children: list[Child] = []
-
-    def start(*args: str) -> Child:
-        children.append(Child.start(args, ready_timeout=failover.START_S))
-        return children[-1]
-
-    def slot_server(address: str) -> Child:
-        return start(
-            "slot-server", *wire.slot.flags(), "--listen", address, "--slots", str(failover.SLOTS),
-            "--lease", str(LEASE_S), "--handler", "echo",
-        )  # fmt: skip
-
-    a, b = (f"{wire.slot.addr}:{next(_ports)}" for _ in range(2))
-    first = slot_server(a)
-    slot_server(b)
-    port = free_port(socket.SOCK_STREAM)
-    tokenizer = byte_tokenizer(wire.tmp / "tokenizer.json")
-    try:
-        start(
-            "serve", "--transport", "tcp", "--port", str(port), "--handler", "echo", "--tokenizer", str(tokenizer),
-            "--frames", "64", *wire.agent.flags(), "--slot-server", a, "--slot-server", b,
-        )  # fmt: skip
-        yield Served(port, a, b, first, lambda: slot_server(a))
-    finally:
-        for child in reversed(children):
-            child.stop()
-
-
-def _slots_free(wire: Wire, served: Served) -> bool:
-    return all(
-        all(s == State.FREE for s in slot_states(address, failover.SLOTS, "verbs", wire.probe_options()))
-        for address in (served.a, served.b)
-    )
-
-
-def _kill_and_restart(served: Served) -> failover.KillRun:
-    run = failover.kill_one_and_bring_it_back(served.port, served.first, served.a, served.b, served.restart)
-    served.first = run.restarted
-    return run
-
-
-@pytest.mark.timeout(900)  # processes start slowly in the emulated VM
-def test_serve_across_the_wire_survives_a_killed_slot_server_and_uses_it_again(wire: Wire, served: Served) -> None:
-    run = _kill_and_restart(served)
-    wire.record("serve: slot server killed", run.summary())
-    run.check()
-    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on both slot servers")
-
-
-@pytest.mark.timeout(900)  # processes start slowly in the emulated VM
-def test_serve_across_the_wire_under_one_percent_loss_survives_a_killed_slot_server(wire: Wire, served: Served) -> None:
-    """Loss delays what it hits by the ACK timeout; nothing is lost or answered twice, and the failover holds."""
-    with netem(wire, "loss", "1%"):
-        run = _kill_and_restart(served)
-        drops = {side.netdev: _netem_drops(side.netdev) for side in (wire.agent, wire.slot)}
-    wire.record("serve: slot server killed, loss 1% each way", {**run.summary(), "netem_drops": drops})
-    assert sum(drops.values()) > 0, "netem dropped nothing: the scenario did not test loss"
-    run.check(slowest=None)  # latency under loss is measured (recorded above), not bounded
-    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on both slot servers")
-
-
-@pytest.mark.timeout(900)  # processes start slowly in the emulated VM
-def test_serve_across_the_wire_rides_the_slot_side_link_down_and_up(wire: Wire, served: Served) -> None:
-    """Both slot servers behind one link: while it is down every request is answered 503 (those in flight
-    when it went, and new ones at once once both links are known down); when it is up again (and the
-    route its going down removed is back, as a routing daemon would put it) both are re-attached on their
-    own and serve, and every request was answered exactly once."""
-    port, a, b = served.port, served.a, served.b
-    down_s = 3.0
-    route = f"{wire.agent.addr}/32 dev {wire.slot.netdev} src {wire.slot.addr}"  # as tests/softroce/wire made it
-    before = {address: failover.listing(port)[address]["reattaches"] for address in (a, b)}
-    counted = failover.generated(scrape(port))
-    with Load(port, threads=3, max_requests=4000, max_seconds=600) as load:
-        wait_for(lambda: load.count >= 50, 60, "requests before the link goes down")
-        down_at = time.monotonic()
-        _run("ip", "link", "set", wire.slot.netdev, "down")
-        try:
-            wait_for(lambda: {s["state"] for s in failover.listing(port).values()} == {"down"}, 60, "both links down")
-            detected = time.monotonic()
-            wait_for(lambda: len(load.sent_after(detected)) >= 20, 60, "requests while the link is down")
-            time.sleep(max(0.0, down_at + down_s - time.monotonic()))  # the fault lasts its time, at least
-        finally:
-            _run("ip", "link", "set", wire.slot.netdev, "up")
-            _run("ip", "route", "replace", *route.split())
-        up_at = time.monotonic()
-        wait_for(lambda: {s["state"] for s in failover.listing(port).values()} == {"up"}, 120, "both back up")
-        back = time.monotonic()
-        claimed = {address: failover.claims(port, address) for address in (a, b)}
-        wait_for(lambda: all(failover.claims(port, x) >= claimed[x] + 5 for x in (a, b)), 60, "both claimed again")
-    answers = load.answers
-    text = scrape(port)
-    assert {x.status for x in answers} <= {200, 503, 429}, {x.status for x in answers}
-    assert failover.generated(text) - counted == len(answers), "an answer missing or counted twice"
-    # A second completion for a frame the edge already answered is fenced by the port (counted, dropped: no
-    # client gets two answers, checked above). Two of five lane runs saw one here when the link came back up;
-    # why it is sent is not understood yet, so it is recorded rather than allowed to pass unseen.
-    fenced = series(text, "edgepath_port_duplicates_total") or 0.0
-    assert (series(text, "edgepath_port_unknown_total") or 0.0) == 0
-    while_down = [x for x in answers if detected < x.sent and x.answered < up_at]
-    assert while_down and all(x.status == 503 for x in while_down), {x.status for x in while_down}
-    assert all(x.status == 200 for x in answers if x.sent > back), "not every request after the re-attach got 200"
-    listed = failover.listing(port)
-    assert all(listed[x]["reattaches"] == before[x] + 1 for x in (a, b)), listed
-    seconds = np.array([x.seconds for x in while_down]) * 1e3
-    wire.record(
-        "serve: slot-side link down and up",
-        {
-            "requests": len(answers),
-            "status": dict(collections.Counter(str(x.status) for x in answers)),
-            "detected_s": round(detected - down_at, 2),
-            "link_down_s": round(up_at - down_at, 2),
-            "back_after_up_s": round(back - up_at, 2),
-            "while_down_p50_ms": round(float(np.percentile(seconds, 50)), 1),
-            "while_down_max_ms": round(float(seconds.max()), 1),
-            "port_duplicates_fenced": fenced,
-        },
-    )
-    wait_for(lambda: _slots_free(wire, served), 60, "every slot FREE on both slot servers")
+def test_wire_cut_of_two_seconds_takes_the_link_down_answers_what_it_held_and_comes_back(
+    wire: Wire, pair: Pair
+) -> None:
+    """A cut of 2 s (shorter than an operation's 4 s wait, longer than the retry budget): the operation in flight
+    fails by retries, the link is down and what was in flight on it is answered UNAVAILABLE, as is what comes
+    until the agent has re-attached after the cut (every request answered once); then it serves again."""
+    cut = Cut(wire, 2.0)
+    run = drive(pair.agent_addr, 200, fault=cut, budget=180)
+    run.check_exactly_once({Status.OK, Status.NO_SLOT, Status.UNAVAILABLE})
+    assert (run.status == Status.UNAVAILABLE).any(), "nothing was answered UNAVAILABLE: the cut missed the link"
+    ended = time.monotonic()  # the run with the cut in it
+    deadline = ended + 120
+    while drive(pair.agent_addr, 1, budget=30).status[0] != Status.OK:
+        assert time.monotonic() < deadline, "the agent did not re-attach within 120 s"
+        time.sleep(0.5)
+    served_again = time.monotonic() - ended
+    after = drive(pair.agent_addr, 100, budget=120)
+    wire.record("wire cut 2 s", {**run.summary(), "cut_s": cut.lasted, "served_again_s": round(served_again, 1)})
+    after.check_exactly_once({Status.OK, Status.NO_SLOT})
+    wait_for(lambda: check_slots_free(wire, pair.server_addr), 60, "every slot FREE")
