@@ -260,7 +260,8 @@ def test_a_result_that_crossed_as_its_link_went_down_is_late_not_a_second_answer
     assert agent.submit(again) is None
     assert agent.inflight[again].generation == answered  # slot 1's first claim: the same generation number
     assert serve_once(server) == 1  # its result and notification now wait in the agent's completion queue
-    assert agent.fail_link(link) == [again]
+    agent.link_set.failed(link, TransportError("an operation on the wire failed"))
+    assert agent.check_links() == [again]
     assert agent.poll(timeout=1.0) == []
     stats = agent.delivery_stats
     assert (stats.delivered, stats.duplicates, stats.unknown, stats.late) == (1, 0, 0, 1), stats
