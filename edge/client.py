@@ -7,7 +7,6 @@ streams collapses (stream limits, loss recovery), see DESIGN.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -197,31 +196,43 @@ async def h3_client(
         yield H3Client(cast(H3ClientProtocol, protocol), f"{server_name or host}:{port}", api_key)
 
 
-async def request_main(args: argparse.Namespace) -> int:
+async def request_main(
+    prompt: str,
+    host: str,
+    port: int,
+    *,
+    max_tokens: int | None,
+    stream: bool,
+    tokenize: bool,
+    cacert: str | None,
+    insecure: bool,
+    api_key: str | None,
+    timeout: float,
+) -> int:
     """``edgepath request``: one request, then the answer and where the time went."""
     from edgepath.edge.tls import default_certificate
 
     logging.getLogger("quic").setLevel(logging.WARNING)
-    cafile = args.cacert
-    if cafile is None and not args.insecure and default_certificate().is_file():
+    cafile = cacert
+    if cafile is None and not insecure and default_certificate().is_file():
         cafile = str(default_certificate())
-    server_name = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
-    api_key = args.api_key or os.environ.get("EDGEPATH_API_KEY")
+    server_name = "localhost" if host in ("127.0.0.1", "::1") else host
+    api_key = api_key or os.environ.get("EDGEPATH_API_KEY")
     try:
         async with (
-            asyncio.timeout(args.timeout),
-            h3_client(args.host, args.port, cafile, args.insecure, server_name, api_key) as c,
+            asyncio.timeout(timeout),
+            h3_client(host, port, cafile, insecure, server_name, api_key) as c,
         ):
-            if args.tokenize:
-                response = await c.request("POST", "/v1/tokenize", {"prompt": args.prompt})
+            if tokenize:
+                response = await c.request("POST", "/v1/tokenize", {"prompt": prompt})
             else:
-                response = await c.generate(args.prompt, args.max_tokens, args.stream)
+                response = await c.generate(prompt, max_tokens, stream)
     except (ConnectionError, OSError, TimeoutError) as exc:
-        reason = str(exc) or f"no answer within {args.timeout:g} s"
-        print(f"edgepath request: cannot reach https://{args.host}:{args.port}: {reason}", file=sys.stderr)
+        reason = str(exc) or f"no answer within {timeout:g} s"
+        print(f"edgepath request: cannot reach https://{host}:{port}: {reason}", file=sys.stderr)
         return 2
     print(f"HTTP/3 {response.status}")
-    if args.stream and response.status == 200:
+    if stream and response.status == 200:
         print(response.body.decode(), end="")
     else:
         print(json.dumps(response.json(), indent=2, ensure_ascii=False))

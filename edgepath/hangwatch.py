@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edgepath.builder import data_path_transport
-from edgepath.config import DataPath
 from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent, AgentError, ServerLink
 from edgepath.supervisor import Supervisor, hang_verdict
@@ -34,39 +32,26 @@ COUNTS_FILE = "supervision.json"
 
 class HangWatch:
     """Kills ``supervisor``'s slot server (at ``address``) once it has stayed unresponsive past the hang
-    timeout; :meth:`check` is one look (what the thread does every probe interval)."""
+    timeout; :meth:`check` is one look (what the thread does every probe interval).  Made by
+    :func:`edgepath.builder.build_hang_watch`."""
 
     def __init__(
         self,
         supervisor: Supervisor,
         address: str,
-        data_path: DataPath,
-        slots: int,
-        hang_timeout: float,
+        agent: Agent,
         counts_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``slots``: the server's slot count (the watch reads its state words with the heartbeat);
+        """``agent``: the watch's own (one frame, never used; it reads the server's state words with the
+        heartbeat, judging by its hang timeout on ``clock``), whose transport the watch closes;
         ``counts_dir``: where the edge workers read the supervision counts from (None: nobody needs the file)."""
         self.supervisor = supervisor
         self.address = address
-        self.transport: Transport = data_path_transport(data_path)
-        try:
-            self.agent = Agent(
-                self.transport,
-                frames=1,
-                input_capacity=1,
-                output_capacity=1,
-                max_servers=1,
-                max_slots_per_server=slots,
-                hang_timeout=hang_timeout,
-                clock=clock,
-            )
-        except BaseException:
-            self.transport.close()
-            raise
+        self.agent = agent
+        self.transport: Transport = agent.transport
         self._clock = clock
-        self._connect_timeout = min(1.0, hang_timeout / 2)  # on the watch's own thread: it may wait
+        self._connect_timeout = min(1.0, agent.hang_timeout / 2)  # on the watch's own thread: it may wait
         self._counts = Path(counts_dir) / COUNTS_FILE if counts_dir is not None else None
         self._written: tuple[int, int] | None = None
         self._killed: ServerLink | None = None  # the link whose server was killed (never twice for one)
