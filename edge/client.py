@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import os
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -194,50 +191,3 @@ async def h3_client(
     config = client_configuration(cafile, insecure, server_name or host)
     async with connect(host, port, configuration=config, create_protocol=H3ClientProtocol) as protocol:
         yield H3Client(cast(H3ClientProtocol, protocol), f"{server_name or host}:{port}", api_key)
-
-
-async def request_main(
-    prompt: str,
-    host: str,
-    port: int,
-    *,
-    max_tokens: int | None,
-    stream: bool,
-    tokenize: bool,
-    cacert: str | None,
-    insecure: bool,
-    api_key: str | None,
-    timeout: float,
-) -> int:
-    """``edgepath request``: one request, then the answer and where the time went."""
-    from edgepath.edge.tls import default_certificate
-
-    logging.getLogger("quic").setLevel(logging.WARNING)
-    cafile = cacert
-    if cafile is None and not insecure and default_certificate().is_file():
-        cafile = str(default_certificate())
-    server_name = "localhost" if host in ("127.0.0.1", "::1") else host
-    api_key = api_key or os.environ.get("EDGEPATH_API_KEY")
-    try:
-        async with (
-            asyncio.timeout(timeout),
-            h3_client(host, port, cafile, insecure, server_name, api_key) as c,
-        ):
-            if tokenize:
-                response = await c.request("POST", "/v1/tokenize", {"prompt": prompt})
-            else:
-                response = await c.generate(prompt, max_tokens, stream)
-    except (ConnectionError, OSError, TimeoutError) as exc:
-        reason = str(exc) or f"no answer within {timeout:g} s"
-        print(f"edgepath request: cannot reach https://{host}:{port}: {reason}", file=sys.stderr)
-        return 2
-    print(f"HTTP/3 {response.status}")
-    if stream and response.status == 200:
-        print(response.body.decode(), end="")
-    else:
-        print(json.dumps(response.json(), indent=2, ensure_ascii=False))
-    timings = response.timings()
-    if timings:
-        print("server timing (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in timings.items()))
-    print(f"queue time: {response.headers.get('x-queue-time', '?')}")
-    return 0 if response.status == 200 else 1

@@ -260,7 +260,7 @@ def build_hang_watch(
     except BaseException:
         transport.close()
         raise
-    return HangWatch(supervisor, address, agent, counts_dir, clock)
+    return HangWatch(supervisor, address, agent, counts_dir)
 
 
 # -- serve ------------------------------------------------------------------------------------------------

@@ -96,16 +96,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from edgepath.demo import run_demo
 
-    settings = from_args(DemoSettings, args)
-    report = run_demo(
-        requests=settings.requests,
-        slots=settings.slots,
-        concurrency=settings.concurrency,
-        tokens=settings.tokens,
-        spin=settings.spin,
-        data_path=settings.data_path,
-        slot_server_listen=settings.slot_server_listen,
-    )
+    report = run_demo(from_args(DemoSettings, args))
     print("edgepath demo: edge frames -> agent (CAS claim, write, doorbell) -> slot server (echo) -> result")
     for line in report.lines():
         print(line)
@@ -122,23 +113,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_request(args: argparse.Namespace) -> int:
     import asyncio
 
-    from edgepath.edge.client import request_main
+    from edgepath.request import request
 
-    s = from_args(RequestSettings, args)
-    return asyncio.run(
-        request_main(
-            s.prompt,
-            s.host,
-            s.port,
-            max_tokens=s.max_tokens,
-            stream=s.stream,
-            tokenize=s.tokenize,
-            cacert=s.cacert,
-            insecure=s.insecure,
-            api_key=s.api_key,
-            timeout=s.timeout,
-        )
-    )
+    return asyncio.run(request(from_args(RequestSettings, args)))
 
 
 #: the entry-point group through which other distributions add commands (``edgepath-bench``: ``edgepath bench``)

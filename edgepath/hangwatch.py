@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from edgepath.dma.transport import Transport
@@ -35,22 +33,14 @@ class HangWatch:
     timeout; :meth:`check` is one look (what the thread does every probe interval).  Made by
     :func:`edgepath.builder.build_hang_watch`."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        address: str,
-        agent: Agent,
-        counts_dir: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, supervisor: Supervisor, address: str, agent: Agent, counts_dir: str | None) -> None:
         """``agent``: the watch's own (one frame, never used; it reads the server's state words with the
-        heartbeat, judging by its hang timeout on ``clock``), whose transport the watch closes;
+        heartbeat, judging by its hang timeout on its clock), whose transport the watch closes;
         ``counts_dir``: where the edge workers read the supervision counts from (None: nobody needs the file)."""
         self.supervisor = supervisor
         self.address = address
         self.agent = agent
         self.transport: Transport = agent.transport
-        self._clock = clock
         self._connect_timeout = min(1.0, agent.hang_timeout / 2)  # on the watch's own thread: it may wait
         self._counts = Path(counts_dir) / COUNTS_FILE if counts_dir is not None else None
         self._written: tuple[int, int] | None = None
@@ -85,7 +75,7 @@ class HangWatch:
         else:
             agent.check_links()
             agent.revive(timeout=self._connect_timeout)
-        now = self._clock()
+        now = self.agent.clock()
         for link in agent.links:
             why = hang_verdict(link.tracker.health(), now)
             if why is not None and link is not self._killed and self.supervisor.kill(why):
