@@ -264,7 +264,10 @@ class AgentServiceSettings:
         factory=lambda: (default_address("slot-server"),),
         name="--slot-server",
         repeat=True,
-        help="slot server address (repeat for several; default: the local one)",
+        metavar="ADDR",
+        default_text="the local one",
+        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
+        "by free slots, one that fails is left out until it is back); default: %(default)s",
     )
     agent: AgentSettings = section(AgentSettings)
     capacity: Capacity = section(Capacity)
@@ -454,13 +457,8 @@ class ServeOptions:
     (``--workers``) and are not given to the edge workers."""
 
     edge: EdgeSettings = section(EdgeSettings)
-    slot_servers: tuple[str, ...] = option(
-        (),
-        name="--slot-server",
-        repeat=True,
-        metavar="ADDR",
-        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
-        "by free slots, one that fails is left out until it is back); default: start one as a child process",
+    slot_servers: tuple[str, ...] = like(
+        AgentServiceSettings, "slot_servers", default=(), default_text="start one as a child process"
     )
     agent_process: str | None = option(
         None,
