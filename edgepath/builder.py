@@ -107,17 +107,15 @@ def _handler_config(settings: SlotServerSettings) -> HandlerConfig:
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
     from edgepath.dma.slot_server import SlotServer
-    from edgepath.handlers import find_handler
+    from edgepath.handlers import load_handler
 
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
         require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
-    config = _handler_config(settings)
-    handler = find_handler(settings.handler.name)
-    built = handler.build(handler.options(config), config)
+    handler = load_handler(settings.handler.name, _handler_config(settings))
     transport = data_path_transport(settings.data_path, settings.hang_timeout)
-    server = SlotServer(transport, settings.listen, built, slot_server_config(settings))
+    server = SlotServer(transport, settings.listen, handler, slot_server_config(settings))
     log.info(
         "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
         settings.listen,
@@ -269,12 +267,11 @@ def build_hang_watch(
 @dataclass(frozen=True)
 class ServePlan:
     """``serve``'s options with everything checked before anything starts: the model found (``options``
-    resolved), the port free, the API keys read, the handler's options typed and checked, and -- when serve
-    starts a slot server -- that slot server's settings."""
+    resolved), the port free, the API keys read, and -- when serve starts a slot server -- that slot server's
+    settings, its handler's options read (typed) and checked here, before the child that runs them starts."""
 
     options: ServeOptions
     keys: ApiKeys | None
-    handler_options: Any  # typed, as the handler reads them (the llama handler's: LlamaOptions)
     slot_server: SlotServerSettings | None
 
 
@@ -286,8 +283,9 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     check_listen(options.edge)
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
     keys = load_keys(options.edge.api_keys_file, options.edge.protect_ops)  # checked before anything starts or logs
-    typed = handler_options(slot_server or started_slot_server(options, ""))  # before any child is started
-    return ServePlan(options, keys, typed, slot_server)
+    if slot_server is not None:
+        handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
+    return ServePlan(options, keys, slot_server)
 
 
 def started_slot_server(options: ServeOptions, listen: str) -> SlotServerSettings:

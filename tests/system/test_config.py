@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from edgepath.builder import started_slot_server, worker_argv
+from edgepath.builder import plan_serve, started_slot_server, worker_argv
+from edgepath.children import free_port
 from edgepath.cli import build_parser
 from edgepath.config import (
     AgentServiceSettings,
@@ -25,6 +27,7 @@ from edgepath.config import (
     StartedSlotServer,
     Supervision,
 )
+from edgepath.dma.handlers import HandlerError
 from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
 
 
@@ -338,3 +341,30 @@ def test_the_configured_hang_timeout_reaches_the_slot_server_and_the_verbs_wait(
     assert options.data_path.options(options.agent.hang_timeout) == {"hang_timeout": 2.0}
     assert op_timeout_ns(options.agent.hang_timeout) == 1_600_000_000
     assert SlotServerSettings(listen="x", step_budget=0.5).model_step_budget == 0.5
+
+
+def test_serve_refuses_a_wrong_handler_option_before_its_slot_server_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The handler's options are read into its typed ones in serve's own process (the child would refuse the
+    same way, later, from its own command line)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    options = ServeOptions(
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM)),
+        handler=HandlerSettings("paced-echo", (("token_delay", "soon"),)),
+    )
+    with pytest.raises(HandlerError, match=r"paced-echo: token_delay must be a number of seconds"):
+        plan_serve(options)
+    fine = plan_serve(replace(options, handler=HandlerSettings("paced-echo", (("token_delay", "0.01"),))))
+    assert fine.slot_server is not None and fine.slot_server.handler.options == (("token_delay", "0.01"),)
+
+
+def test_the_llama_handler_options_are_declared_once_with_their_defaults() -> None:
+    """What ``--help`` and the benchmarks say of a default is read off the declaration that sets it."""
+    from edgepath.model.llama import OPTIONS, LlamaOptions
+
+    assert LlamaOptions.default("cache_mb") == "1024" and OPTIONS["cache_mb"].endswith("(default 1024)")
+    assert LlamaOptions.default("prefix_cache") == "on" and LlamaOptions.default("kv_unified") == "off"
+    assert LlamaOptions.default("threads") == "every CPU this process may use"
+    parsed = LlamaOptions.parse({"model": "m.gguf", "cache_mb": "2", "prefix_cache": "off"}, 300)
+    assert (parsed.cache_mb, parsed.prefix_cache, parsed.ctx_per_slot, parsed.stall_ms) == (2.0, False, 300, 1500.0)
