@@ -163,14 +163,15 @@ def _dest(flag: Flag, field_name: str) -> str:
     return field_name if flag.positional else flag.flag(field_name).lstrip("-").replace("-", "_")
 
 
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """The configuration ``cls`` from parsed flags (built by :func:`add_options`)."""
+def from_args(cls: type[T], args: argparse.Namespace, defaults: Any = None) -> T:
+    """The configuration ``cls`` from parsed flags (built by :func:`add_options`); what no flag filled keeps
+    its default (that of ``defaults``, the section's default instance, when given)."""
     values: dict[str, Any] = {}
-    for item in _declared(cls):
+    for item in _declared(cls, defaults):
         flag = item.flag
         if flag is None:
             assert item.group is not None
-            values[item.field] = from_args(item.group, args)
+            values[item.field] = from_args(item.group, args, item.default)
             continue
         value = getattr(args, _dest(flag, item.field))
         if flag.repeat:
@@ -180,7 +181,7 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
             values.update((name, v) for name, v in zip(flag.spread, value, strict=True) if v is not None)
         else:
             values[item.field] = value
-    return cls(**values)
+    return cls(**values) if defaults is None else dataclasses.replace(defaults, **values)
 
 
 def to_argv(config: Any, keep: Callable[[Flag], bool] = lambda flag: True) -> list[str]:
