@@ -209,7 +209,7 @@ def table(results: list[EdgeCpu], shares: list[tuple[float, str]] | None, comman
 
 
 def main(args: argparse.Namespace) -> int:
-    """``edgepath bench edge-cpu`` (arguments defined in edgepath/cli.py)."""
+    """``edgepath bench edge-cpu`` (arguments defined in bench/cli.py)."""
     for name in ("requests", "concurrency", "runs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
