@@ -151,8 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_request)
 
     for command in entry_points(group=COMMANDS):
-        command.load()(sub)
+        try:
+            add = command.load()
+        except ImportError as exc:  # a broken install must not take the product's own commands with it
+            _unloadable(sub, command.name, f"{command.value} cannot be loaded ({exc})")
+        else:
+            add(sub)
     return parser
+
+
+def _unloadable(sub: Any, name: str, why: str) -> None:
+    """Command ``name`` that another distribution registers but that cannot be loaded: it says so when used."""
+
+    def fail(_: argparse.Namespace) -> int:
+        raise RuntimeError(f"{why}; reinstall it (`pip install ./bench` for edgepath bench)")
+
+    p = sub.add_parser(name, help=f"(not available: {why})")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -368,3 +368,20 @@ def test_the_llama_handler_options_are_declared_once_with_their_defaults() -> No
     assert LlamaOptions.default("threads") == "every CPU this process may use"
     parsed = LlamaOptions.parse({"model": "m.gguf", "cache_mb": "2", "prefix_cache": "off"}, 300)
     assert (parsed.cache_mb, parsed.prefix_cache, parsed.ctx_per_slot, parsed.stall_ms) == (2.0, False, 300, 1500.0)
+
+
+def test_a_registered_command_that_cannot_be_loaded_leaves_the_others_working(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The product wheel beside the metadata of a benchmarks install it cannot import (the entry point is there,
+    the package is not): every product command still parses, and ``edgepath bench`` says what is wrong."""
+    from importlib.metadata import EntryPoint
+
+    from edgepath import cli
+
+    broken = EntryPoint("bench", "edgepath.no_such_bench.cli:add_command", cli.COMMANDS)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken] if group == cli.COMMANDS else [])
+    assert build_parser().parse_args(["serve", "--port", "9000"]).port == 9000
+    assert cli.main(["bench", "edge-cpu", "--runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgepath bench: error: edgepath.no_such_bench.cli:add_command cannot be loaded"), err
