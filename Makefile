@@ -14,12 +14,12 @@ LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
 
 # The editable install builds the cffi extensions too (setup.py); $(NATIVE) rebuilds them in place
 # when a C source changes, without reinstalling.
-$(STAMP): pyproject.toml setup.py scripts/setup-system scripts/install-llama
+$(STAMP): pyproject.toml bench/pyproject.toml setup.py scripts/setup-system scripts/install-llama
 	scripts/setup-system
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	scripts/install-llama $(PY) "$(LLAMA_CMAKE_ARGS)"  # llama.cpp builds once per machine (~5-15 min), cached
-	$(PY) -m pip install -q -e '.[test,bench,model]'
+	$(PY) -m pip install -q -e '.[test,model]' -e ./bench  # the benchmarks: a distribution of their own
 	$(PY) -m edgepath.model.known_answer  # the CPU and llama.cpp's build; fails on a build with other flags
 	touch $@
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from edgepath.bench.proc import cpu_seconds
 from edgepath.bench.readme import rewrite_block
 from edgepath.children import Child
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.http import Headers, Request, Response
 from edgepath.edge.tokenizer import load_tokenizer
 from edgepath.native.abi import lib
@@ -127,18 +127,25 @@ async def measure(
     requests: int, concurrency: int, warmup: int, runs: int, profile: bool
 ) -> tuple[list[EdgeCpu], cProfile.Profile | None]:
     """``runs`` measured runs, then (``profile``) one profiled run, on one edge and one slot server."""
-    from edgepath.builder import build_agent, build_edge, data_path_transport
+    from edgepath.builder import build_agent, build_edge, serve_transport, started_slot_server
 
     with tempfile.TemporaryDirectory(prefix="edgepath-edge-cpu-") as tmp:
         listen = str(Path(tmp) / "slots.sock")
-        options = ServeOptions(handler="echo", slots=max(64, 2 * concurrency), frames=max(256, 4 * concurrency))
-        child = Child.start(options.slot_server_settings(listen).argv())
-        transport = data_path_transport(options.data_path)
+        options = ServeOptions(
+            handler=HandlerSettings("echo"),
+            sizing=Sizing(slots=max(64, 2 * concurrency)),
+            agent=AgentSettings(frames=max(256, 4 * concurrency)),
+        )
+        child = Child.start(started_slot_server(options, listen).argv())
+        transport = serve_transport(options)
+        assert transport is not None
         executor = ThreadPoolExecutor(max_workers=2)
         try:
-            agent = build_agent(options.agent_settings((child.address or listen,)), transport)
+            capacity = options.sizes.capacity
+            agent = build_agent(options.agent, capacity, transport, (child.address or listen,))
             loop = asyncio.get_running_loop()
-            service = build_edge(options, load_tokenizer(None), agent, None, loop, executor)
+            tokenizer = load_tokenizer(None)
+            service = build_edge(options.edge, capacity, tokenizer, agent, None, loop, executor, options.agent.max_wait)
             service.start()
             try:
                 await _drive(service, warmup, concurrency, None)
@@ -203,7 +210,7 @@ def table(results: list[EdgeCpu], shares: list[tuple[float, str]] | None, comman
 
 
 def main(args: argparse.Namespace) -> int:
-    """``edgepath bench edge-cpu`` (arguments defined in edgepath/cli.py)."""
+    """``edgepath bench edge-cpu`` (arguments defined in bench/cli.py)."""
     for name in ("requests", "concurrency", "runs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")

@@ -950,11 +950,12 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
         sys.modules["cupy"] = FakeCupy(build_twin(tmp))
         gpu.build_poller = lambda *_: Path("host-twin")
+    from edgepath.config import DemoSettings
     from edgepath.demo import run_demo
 
     out: dict[str, Any] = {}
     for concurrency in (1, 8):
-        r = run_demo(requests=args.requests, slots=8, concurrency=concurrency, tokens=128, memory="gpu")
+        r = run_demo(DemoSettings(requests=args.requests, slots=8, concurrency=concurrency, tokens=128), memory="gpu")
         run = {
             "requests": r.requests,
             "ok": r.ok,

@@ -772,7 +772,7 @@ QUICK_SCHEDULE, QUICK_COUNT = "poisson:100", 100
 
 
 def main(args: argparse.Namespace) -> int:
-    """``edgepath bench ingress`` (arguments defined in edgepath/cli.py)."""
+    """``edgepath bench ingress`` (arguments defined in bench/cli.py)."""
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip()) if args.systems else SYSTEMS
     for name in systems:
         system(name)  # a clear error for an unknown name, before anything starts

@@ -144,9 +144,9 @@ def _fastapi_batcher(s: Setup, port: int, threads: int | None) -> list[str]:
 
 
 def _handler_default() -> str:
-    from edgepath.model.llama import OPTIONS  # lazily: building the CLI parser must not load the model code
+    from edgepath.model.llama import LlamaOptions  # lazily: building the CLI parser must not load the model code
 
-    return "edgepath's llama handler: " + OPTIONS["threads"].partition("(default: ")[2].rstrip(")")
+    return "edgepath's llama handler: " + LlamaOptions.default("threads")
 
 
 EDGEPATH = "edgepath"

@@ -308,6 +308,8 @@ class PacedEcho:
     """Echo one token per slot every ``token_delay`` seconds, the first at once: a model stand-in with
     a known pace, so streaming, cancellation and time to first token are testable without a model."""
 
+    TOKEN_DELAY = 0.005  # seconds, when ``--handler-option token_delay`` does not say
+
     def __init__(self, token_delay: float) -> None:
         if token_delay < 0:
             raise HandlerError(f"paced-echo: token_delay must be >= 0 seconds, got {token_delay}")
@@ -316,7 +318,7 @@ class PacedEcho:
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> PacedEcho:
-        return cls(seconds_option(config, "paced-echo", "token_delay", 0.005))
+        return cls(seconds_option(config, "paced-echo", "token_delay", cls.TOKEN_DELAY))
 
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
         total = min(len(request.tokens), len(request.output))

@@ -36,8 +36,16 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT
 from edgepath.dma.transport import Access, MemoryRegion, Transport, TransportUnavailable, check_buffer
-from edgepath.dma.verbs_datapath import VerbsConnection, VerbsCQ, VerbsDeviceRegion, VerbsRegion, ibv_access
+from edgepath.dma.verbs_datapath import (
+    VerbsConnection,
+    VerbsCQ,
+    VerbsDeviceRegion,
+    VerbsRegion,
+    ibv_access,
+    op_timeout_ns,
+)
 from edgepath.dma.verbs_setup import VerbsListener, connect
 from edgepath.dma.verbs_shim import comp_channel_handle, context_handle, cq_handle, srq_handle
 
@@ -61,7 +69,8 @@ NO_DEVICE = (
 
 class VerbsTransport(Transport):
     """An endpoint on one RDMA device (``device``, default the first); ``gid_index`` is checked
-    to exist (rdma_cm picks the GID from the IP address of each connection)."""
+    to exist (rdma_cm picks the GID from the IP address of each connection); ``hang_timeout``: the one
+    its peers are judged by, which bounds how long one operation waits (:func:`op_timeout_ns`)."""
 
     name = "verbs"
 
@@ -72,7 +81,9 @@ class VerbsTransport(Transport):
         port: int = 1,
         recv_depth: int = 1024,
         cq_entries: int = 4096,
+        hang_timeout: float = DEFAULT_HANG_TIMEOUT,
     ) -> None:
+        self.op_timeout_ns = op_timeout_ns(hang_timeout)
         try:
             from pyverbs import device as d
             from pyverbs.cq import CQ, CompChannel

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT
 from edgepath.dma.transport import (
     Access,
     Completion,
@@ -36,14 +35,18 @@ if TYPE_CHECKING:
 CTL_HEADER = 64
 #: largest hello (exports and info, JSON) either side publishes
 HELLO_CAP = 16384
-#: how long one synchronous operation may wait for its completion before it fails (and its link is down): under
-#: the default hang timeout, since whoever waits -- an agent, or a slot server writing a result -- stands still
-#: meanwhile (its loop, its heartbeat: a slot server waiting longer on an agent that died would be called hung
-#: by every other agent; an edge's event loop waits with its agent); far above the ACK timeout's retry budget
-#: (7 x 67 ms: an operation to a peer that is gone fails by retries first, verbs_setup.RETRY_COUNT), so this
-#: wait is a backstop; an operation that does run out of it is stopped (the QP moved to ERR), never left queued
-_OP_TIMEOUT_NS = int(0.8 * DEFAULT_HANG_TIMEOUT * 1e9)
-_OP_WRITE, _OP_WRITE_IMM, _T = lib.EP_V_WRITE, lib.EP_V_WRITE_IMM, _OP_TIMEOUT_NS
+_OP_WRITE, _OP_WRITE_IMM = lib.EP_V_WRITE, lib.EP_V_WRITE_IMM
+
+
+def op_timeout_ns(hang_timeout: float) -> int:
+    """How long one synchronous operation may wait for its completion before it fails (and its link is down):
+    0.8 of the hang timeout its peers are judged by, since whoever waits -- an agent, or a slot server writing a
+    result -- stands still meanwhile (its loop, its heartbeat: a slot server waiting longer on an agent that died
+    would be called hung by every other agent; an edge's event loop waits with its agent).  Far above the retry
+    budget (6 retries of a 67 ms ACK timeout: an operation to a peer that is gone fails by retries first,
+    verbs_setup.RETRY_COUNT), so this wait is a backstop; an operation that does run out of it is stopped (its QP
+    moved to ERR), never left queued to run later."""
+    return int(0.8 * hang_timeout * 1e9)
 
 
 def ibv_access(access: Access) -> int:
@@ -174,12 +177,13 @@ class VerbsConnection(Connection):
         self.ctl = VerbsRegion.allocate(transport.pd, "ctl", CTL_HEADER + HELLO_CAP, Access.NONE)
         self._ctl_ptr = ffi.cast("uint64_t *", self.ctl.addr)
         self._ctl_lkey = self.ctl.lkey
+        self._t = transport.op_timeout_ns
 
     def post_wait(
         self, op: int, laddr: int, lkey: int, length: int, raddr: int, rkey: int, imm: int, what: str
     ) -> None:
         """One work request (``lib.EP_V_*``), waited for; a failure closes the connection for use."""
-        rc = lib.ep_v_post_wait(self._qp, self._scq, op, laddr, lkey, length, raddr, rkey, imm, _OP_TIMEOUT_NS)
+        rc = lib.ep_v_post_wait(self._qp, self._scq, op, laddr, lkey, length, raddr, rkey, imm, self._t)
         if rc:
             self._failed(rc, what)
 
@@ -210,7 +214,7 @@ class VerbsConnection(Connection):
     def _cas(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
         addr, rkey = remote.handle
         rc = lib.ep_v_cas(
-            self._qp, self._scq, self._ctl_ptr, self._ctl_lkey, addr + offset, rkey, expected, desired, _T
+            self._qp, self._scq, self._ctl_ptr, self._ctl_lkey, addr + offset, rkey, expected, desired, self._t
         )
         if rc:
             self._failed(rc, "compare-and-swap")
@@ -220,7 +224,7 @@ class VerbsConnection(Connection):
         laddr, lkey = _local(local, lo, n)
         addr, rkey = remote.handle
         op = _OP_WRITE if imm is None else _OP_WRITE_IMM
-        rc = lib.ep_v_post_wait(self._qp, self._scq, op, laddr, lkey, n, addr + ro, rkey, imm or 0, _T)
+        rc = lib.ep_v_post_wait(self._qp, self._scq, op, laddr, lkey, n, addr + ro, rkey, imm or 0, self._t)
         if rc:
             self._failed(rc, "write" if imm is None else "write-with-immediate")
 
@@ -232,7 +236,7 @@ class VerbsConnection(Connection):
         bell_laddr, _ = _local(local, bell[0], bell[2])
         addr, rkey = remote.handle
         rc = lib.ep_v_write_then_imm(
-            self._qp, self._scq, laddr, lkey, n, addr + ro, rkey, bell_laddr, bell[2], addr + bell[1], imm, _T
+            self._qp, self._scq, laddr, lkey, n, addr + ro, rkey, bell_laddr, bell[2], addr + bell[1], imm, self._t
         )
         if rc:
             self._failed(rc, "write + doorbell")

@@ -7,13 +7,9 @@ streams collapses (stream limits, loss recovery), see DESIGN.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import logging
-import os
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -195,38 +191,3 @@ async def h3_client(
     config = client_configuration(cafile, insecure, server_name or host)
     async with connect(host, port, configuration=config, create_protocol=H3ClientProtocol) as protocol:
         yield H3Client(cast(H3ClientProtocol, protocol), f"{server_name or host}:{port}", api_key)
-
-
-async def request_main(args: argparse.Namespace) -> int:
-    """``edgepath request``: one request, then the answer and where the time went."""
-    from edgepath.edge.tls import default_certificate
-
-    logging.getLogger("quic").setLevel(logging.WARNING)
-    cafile = args.cacert
-    if cafile is None and not args.insecure and default_certificate().is_file():
-        cafile = str(default_certificate())
-    server_name = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
-    api_key = args.api_key or os.environ.get("EDGEPATH_API_KEY")
-    try:
-        async with (
-            asyncio.timeout(args.timeout),
-            h3_client(args.host, args.port, cafile, args.insecure, server_name, api_key) as c,
-        ):
-            if args.tokenize:
-                response = await c.request("POST", "/v1/tokenize", {"prompt": args.prompt})
-            else:
-                response = await c.generate(args.prompt, args.max_tokens, args.stream)
-    except (ConnectionError, OSError, TimeoutError) as exc:
-        reason = str(exc) or f"no answer within {args.timeout:g} s"
-        print(f"edgepath request: cannot reach https://{args.host}:{args.port}: {reason}", file=sys.stderr)
-        return 2
-    print(f"HTTP/3 {response.status}")
-    if args.stream and response.status == 200:
-        print(response.body.decode(), end="")
-    else:
-        print(json.dumps(response.json(), indent=2, ensure_ascii=False))
-    timings = response.timings()
-    if timings:
-        print("server timing (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in timings.items()))
-    print(f"queue time: {response.headers.get('x-queue-time', '?')}")
-    return 0 if response.status == 200 else 1

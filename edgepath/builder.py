@@ -1,67 +1,135 @@
 """Building edgepath's parts from :mod:`edgepath.config`: the one place that wires them together.
 
 The command line (``edgepath.cli``), ``edgepath serve`` and the demo call these; none of them knows
-which regions an agent shares with whom or how a transport is chosen.
+which regions an agent shares with whom, how a transport is chosen, or what an option means for the
+parts it reaches.  ``serve`` (:mod:`edgepath.serve`) only orchestrates: it asks :func:`plan_serve` for
+everything checked before anything starts, then for each part when its turn comes, and starts, supervises
+and stops them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from edgepath.config import AgentServiceSettings, AgentSettings, DataPath, ServeOptions, SlotServerSettings
+from edgepath.config import (
+    AgentServiceSettings,
+    AgentSettings,
+    Capacity,
+    DataPath,
+    EdgeSettings,
+    ServeOptions,
+    SlotServerSettings,
+    StartedSlotServer,
+)
+from edgepath.options import to_argv
+from edgepath.runtime import runtime_dir
 
 if TYPE_CHECKING:
+    from aioquic.asyncio.server import QuicServer
+
+    from edgepath.dma.handlers import HandlerConfig
+    from edgepath.dma.slot_config import SlotServerConfig
     from edgepath.dma.slot_server import SlotServer
     from edgepath.dma.transport import Transport
     from edgepath.dpu.agent import Agent
+    from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.service import EdgeService
+    from edgepath.edge.tls import TlsFiles
     from edgepath.edge.tokenizer import Tokenizer
+    from edgepath.hangwatch import HangWatch
+    from edgepath.supervisor import Supervisor
 
 log = logging.getLogger("edgepath")
 
 
-def data_path_transport(data_path: DataPath) -> Transport:
-    """A transport endpoint for the agent <-> slot-server link; when it cannot be had, an error that
-    names the flags that chose it."""
+def data_path_transport(data_path: DataPath, hang_timeout: float) -> Transport:
+    """A transport endpoint for the agent <-> slot-server link, whose operations wait less than
+    ``hang_timeout`` (the one its peers are judged by); when it cannot be had, an error that names the
+    flags that chose it."""
     from edgepath.dma.registry import make_transport
     from edgepath.dma.transport import TransportUnavailable
 
     try:
-        return make_transport(data_path.kind, **data_path.options())
+        return make_transport(data_path.kind, **data_path.options(hang_timeout))
     except TransportUnavailable as exc:
         raise TransportUnavailable(f"{' '.join(data_path.flags())}: {exc}") from exc
 
 
+# -- slot servers -----------------------------------------------------------------------------------------
+
+
+def slot_server_config(settings: SlotServerSettings) -> SlotServerConfig:
+    """The slot server's own configuration (:mod:`edgepath.dma.slot_config`) of ``settings``."""
+    from edgepath.dma.slot_config import SlotServerConfig
+
+    return SlotServerConfig(
+        slots=settings.slots,
+        input_capacity=settings.capacity.input_capacity,
+        output_capacity=settings.capacity.output_capacity,
+        lease=settings.lease,
+        spin=settings.spin,
+        scan_interval=settings.scan_interval,
+        memory=settings.memory,
+        gpu_device=settings.gpu_device,
+        handoff_wait=settings.handoff_wait,
+        handler_deadline=settings.handler_deadline,
+        stream_window=settings.stream_window,
+        step_budget=settings.model_step_budget,
+    )
+
+
+def handler_options(settings: SlotServerSettings) -> Any:
+    """The typed options of ``settings``' handler (the llama handler's: LlamaOptions), read for its pool; a
+    wrong one is a HandlerError naming what is allowed."""
+    from edgepath.handlers import find_handler
+
+    return find_handler(settings.handler.name).options(_handler_config(settings))
+
+
+def _handler_config(settings: SlotServerSettings) -> HandlerConfig:
+    from edgepath.dma.slot_server import handler_config
+
+    return handler_config(slot_server_config(settings), dict(settings.handler.options))
+
+
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.slot_server import SlotServer, handler_config
+    from edgepath.dma.slot_server import SlotServer
     from edgepath.handlers import load_handler
 
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.dma.gpu import require_device
 
         require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
-    handler = load_handler(settings.handler, handler_config(settings, dict(settings.handler_options)))
-    server = SlotServer(data_path_transport(settings.data_path), settings.listen, handler, settings)
+    handler = load_handler(settings.handler.name, _handler_config(settings))
+    transport = data_path_transport(settings.data_path, settings.hang_timeout)
+    server = SlotServer(transport, settings.listen, handler, slot_server_config(settings))
     log.info(
         "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
         settings.listen,
         settings.data_path.kind,
         settings.slots,
         settings.memory,
-        settings.input_capacity,
-        settings.output_capacity,
-        settings.handler,
+        settings.capacity.input_capacity,
+        settings.capacity.output_capacity,
+        settings.handler.name,
     )
     return server
+
+
+# -- agents -----------------------------------------------------------------------------------------------
 
 
 def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, str] | None = None) -> None:
@@ -85,22 +153,28 @@ def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, 
         )
 
 
-def build_agent(settings: AgentSettings, transport: Transport, flags: Mapping[str, str] | None = None) -> Agent:
+def build_agent(
+    settings: AgentSettings,
+    capacity: Capacity,
+    transport: Transport,
+    slot_servers: tuple[str, ...],
+    flags: Mapping[str, str] | None = None,
+) -> Agent:
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
-    is reported before anything else starts), attached to its slot servers (``flags``: see
-    :func:`attach_all`); the caller closes ``transport``."""
+    is reported before anything else starts) whose frames hold ``capacity``, attached to ``slot_servers``
+    (``flags``: see :func:`attach_all`); the caller closes ``transport``."""
     from edgepath.dpu.agent import Agent
 
     agent = Agent(
         transport,
         frames=settings.frames,
-        input_capacity=settings.input_capacity,
-        output_capacity=settings.output_capacity,
+        input_capacity=capacity.input_capacity,
+        output_capacity=capacity.output_capacity,
         hang_timeout=settings.hang_timeout,
         max_wait=settings.max_wait,
         migration_limit=settings.migration_limit,
     )
-    attach_all(agent, settings.slot_servers, flags)
+    attach_all(agent, slot_servers, flags)
     return agent
 
 
@@ -111,49 +185,45 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
     request frames are exported to edges (never to slot servers, which see only the replies region);
     over verbs the requests and replies live in shared memory that edges map, and the same pages are
     registered with the NIC, so the edge's one write of the tokens is what is sent and results land
-    where the edge reads them."""
+    where the edges read them."""
     from edgepath.dma.loopback import LoopbackTransport
     from edgepath.dma.transport import Access
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService, edge_regions
 
-    spec = settings.agent
+    agent_settings, capacity = settings.agent, settings.capacity
+
+    def agent_on(transport: Transport, **memory: Any) -> Agent:
+        return Agent(
+            transport,
+            frames=agent_settings.frames,
+            input_capacity=capacity.input_capacity,
+            output_capacity=capacity.output_capacity,
+            hang_timeout=agent_settings.hang_timeout,
+            max_wait=agent_settings.max_wait,
+            migration_limit=agent_settings.migration_limit,
+            **memory,
+        )
+
     edge_transport = LoopbackTransport()
     made: list[Transport] = [edge_transport]
     try:
-        if spec.data_path.kind == "loopback":
+        if settings.data_path.kind == "loopback":
             edge_frames = None
-            agent = Agent(
-                edge_transport,
-                frames=spec.frames,
-                input_capacity=spec.input_capacity,
-                output_capacity=spec.output_capacity,
-                frames_access=Access.REMOTE_WRITE,
-                hang_timeout=spec.hang_timeout,
-                max_wait=spec.max_wait,
-                migration_limit=spec.migration_limit,
-            )
+            agent = agent_on(edge_transport, frames_access=Access.REMOTE_WRITE)
         else:
-            edge_frames = edge_regions(edge_transport, spec.frames, spec.input_capacity, spec.output_capacity)
-            made.append(data_path_transport(spec.data_path))
-            agent = Agent(
-                made[-1],
-                frames=spec.frames,
-                input_capacity=spec.input_capacity,
-                output_capacity=spec.output_capacity,
-                frames_buffer=edge_frames[0].buf,
-                replies_buffer=edge_frames[1].buf,
-                hang_timeout=spec.hang_timeout,
-                max_wait=spec.max_wait,
-                migration_limit=spec.migration_limit,
+            edge_frames = edge_regions(
+                edge_transport, agent_settings.frames, capacity.input_capacity, capacity.output_capacity
             )
-        attach_all(agent, spec.slot_servers)
+            made.append(data_path_transport(settings.data_path, agent_settings.hang_timeout))
+            agent = agent_on(made[-1], frames_buffer=edge_frames[0].buf, replies_buffer=edge_frames[1].buf)
+        attach_all(agent, settings.slot_servers)
         return AgentService(
             agent,
             edge_transport,
             settings.listen,
             frames_per_edge=settings.frames_per_edge,
-            spin=settings.spin_us / 1e6,
+            spin=settings.spin,
             edge_frames=edge_frames,
         )
     except BaseException:
@@ -162,20 +232,263 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
         raise
 
 
+def build_hang_watch(
+    supervisor: Supervisor,
+    address: str,
+    data_path: DataPath,
+    slots: int,
+    hang_timeout: float,
+    counts_dir: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> HangWatch:
+    """A watch on ``supervisor``'s slot server at ``address`` (``slots`` slots): a link set of its own on its own
+    transport (no frames: it only reads the heartbeat), judging by ``hang_timeout`` on ``clock``; ``counts_dir``:
+    where edge workers read the supervision counts (None: nobody needs them)."""
+    from edgepath.dma import wire
+    from edgepath.dma.pool import AgentFrames, FrameLayout
+    from edgepath.dpu.links import LinkSet
+    from edgepath.hangwatch import HangWatch
+
+    transport = data_path_transport(data_path, hang_timeout)
+    try:
+        # A slot server admits an agent that gives it a replies region to write: the smallest there is.
+        _, replies = AgentFrames.sizes(1, FrameLayout(1, 1))
+        region = transport.register(wire.REPLIES_REGION, replies, wire.REPLIES_ACCESS)
+        links = LinkSet(transport, wire.AgentHello(1, 1, 1), [region], 1, slots, hang_timeout, clock)
+    except BaseException:
+        transport.close()
+        raise
+    return HangWatch(supervisor, address, links, counts_dir)
+
+
+# -- serve ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """``serve``'s options with everything checked before anything starts: the model found (``options``
+    resolved), the port free, the API keys read, and -- when serve starts a slot server -- that slot server's
+    settings, its handler's options read (typed) and checked here, before the child that runs them starts."""
+
+    options: ServeOptions
+    keys: ApiKeys | None
+    slot_server: SlotServerSettings | None
+
+
+def plan_serve(options: ServeOptions) -> ServePlan:
+    """What ``serve`` runs, each choice checked in the order its mistakes are reported."""
+    from edgepath.edge.auth import load_keys
+
+    options = options.resolved()  # the model found and checked before anything starts
+    check_listen(options.edge)
+    slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
+    keys = load_keys(options.edge.api_keys_file, options.edge.protect_ops)  # checked before anything starts or logs
+    if slot_server is not None:
+        handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
+    return ServePlan(options, keys, slot_server)
+
+
+def started_slot_server(options: ServeOptions, listen: str) -> SlotServerSettings:
+    """The slot server ``serve`` starts, listening at ``listen``: sized by serve, running serve's handler over
+    serve's data path, within the hang timeout serve's agents judge it by."""
+    sizes = options.sizes
+    return SlotServerSettings(
+        listen=listen,
+        slots=sizes.slots,
+        capacity=sizes.capacity,
+        spin=options.started.spin,
+        handler_deadline=options.started.handler_deadline,
+        hang_timeout=options.agent.hang_timeout,
+        handler=options.handler,
+        data_path=options.data_path,
+    )
+
+
+def _slot_server_listen(options: ServeOptions) -> str:
+    if options.started.listen:
+        return options.started.listen
+    if options.data_path.kind == "verbs":
+        raise RuntimeError(
+            "--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device) for the "
+            "started slot server, or --slot-server ADDR of a running one"
+        )
+    return str(runtime_dir() / f"{options.name}.sock")
+
+
+def check_listen(edge: EdgeSettings) -> None:
+    """Fail before anything starts when ``--host``/``--port`` cannot be listened on (in use, say);
+    the real bind later reports the same way if it loses a race for the port."""
+    kind = socket.SOCK_STREAM if edge.transport == "tcp" else socket.SOCK_DGRAM
+    try:
+        infos = socket.getaddrinfo(edge.host, edge.port, type=kind)
+        with socket.socket(infos[0][0], kind) as probe:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+            if edge.reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # the workers share the port
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise _cannot_listen(edge, exc) from exc
+
+
+def _cannot_listen(edge: EdgeSettings, exc: OSError) -> RuntimeError:
+    return RuntimeError(
+        f"--host {edge.host} --port {edge.port}: cannot listen on {edge.host}:{edge.port} "
+        f"({edge.transport}): {exc.strerror or exc}; give a free port and an address of this machine"
+    )
+
+
+def serve_transport(options: ServeOptions) -> Transport | None:
+    """The in-process agents' transport (None: serve uses an agent process); an unusable device fails here,
+    before any child starts."""
+    if options.agent_process is not None:
+        return None
+    return data_path_transport(options.data_path, options.agent.hang_timeout)
+
+
+def watch_started_slot_server(
+    options: ServeOptions, supervisor: Supervisor, address: str, counts_dir: str | None
+) -> HangWatch:
+    """The hang watch on the slot server ``serve`` started (see :func:`build_hang_watch`)."""
+    return build_hang_watch(
+        supervisor, address, options.data_path, options.sizes.slots, options.agent.hang_timeout, counts_dir
+    )
+
+
+def with_one_certificate(options: ServeOptions) -> ServeOptions:
+    """``options`` naming the TLS files every edge worker uses: the given ones, or one self-signed pair made
+    here once."""
+    tls = serve_tls(options.edge)
+    if tls is None:
+        return options
+    return replace(
+        options, edge=replace(options.edge, certificate=str(tls.certificate), private_key=str(tls.private_key))
+    )
+
+
+def worker_argv(options: ServeOptions, slot_servers: tuple[str, ...]) -> list[str]:
+    """``edgepath`` arguments of one edge worker: this edge, on the shared port (SO_REUSEPORT), with
+    its own agent attached to the shared ``slot_servers`` (the started one among them); what the slot
+    servers run decides the worker's tokenizer and limits, so the handler and its options go along."""
+    worker = replace(
+        options,
+        slot_servers=slot_servers,
+        started=StartedSlotServer(),
+        edge=replace(options.edge, reuse_port=True),
+    )
+    return ["serve", *to_argv(worker, keep=lambda flag: flag.worker)]
+
+
+def serve_agent(
+    options: ServeOptions, transport: Transport | None, slot_servers: tuple[str, ...], listen: str | None
+) -> Agent | AgentClient:
+    """The edge's agent: the agent process at ``--agent``, or one in this process on ``transport`` attached to
+    ``slot_servers`` (``listen``: the started slot server's address among them); the caller closes its
+    transport."""
+    if transport is None:
+        from edgepath.dpu.agent_client import AgentClient
+
+        assert options.agent_process is not None
+        return _named("--agent", options.agent_process, AgentClient)
+    flags = {listen: "--slot-server-listen"} if listen is not None else {}
+    return build_agent(options.agent, options.sizes.capacity, transport, slot_servers, flags)
+
+
+def _named(option: str, address: str, connect: Callable[[str], Any]) -> Any:
+    """``connect(address)``; a failure names the option the address came from."""
+    try:
+        return connect(address)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(f"{option} {address}: {exc}") from exc
+
+
+async def start_edge(
+    plan: ServePlan,
+    agent: AgentPort,
+    loop: asyncio.AbstractEventLoop,
+    cleanup: contextlib.ExitStack,
+    supervision: Callable[[], tuple[int, int] | None] | None,
+) -> None:
+    """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse.
+    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none)."""
+    from edgepath.edge.service import TOKENIZER_WORKERS
+    from edgepath.edge.tokenizer import load_tokenizer
+
+    edge = plan.options.edge
+    tokenizer = load_tokenizer(edge.tokenizer)
+    if edge.chat_template is not None:
+        use_chat_template(tokenizer, edge.chat_template)
+    log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
+    executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
+    cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
+    options = plan.options
+    service = build_edge(
+        edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, options.agent.max_wait, supervision
+    )
+    service.start()
+    cleanup.callback(service.stop)
+    try:
+        server = await _listen(edge, service, serve_tls(edge))
+    except OSError as exc:
+        raise _cannot_listen(edge, exc) from exc
+    cleanup.callback(server.close)
+
+
+def serve_tls(edge: EdgeSettings) -> TlsFiles | None:
+    """The edge's TLS files (QUIC only): the given ones, or the self-signed pair (made when missing)."""
+    from edgepath.edge.tls import resolve
+
+    return resolve(edge.certificate, edge.private_key) if edge.transport == "quic" else None
+
+
+async def _listen(edge: EdgeSettings, service: EdgeService, tls: TlsFiles | None) -> asyncio.Server | QuicServer:
+    if tls is None:
+        from edgepath.edge.tcp import serve_tcp
+
+        return await serve_tcp(service, edge.host, edge.port, reuse_port=edge.reuse_port)
+    from edgepath.edge.quic import serve_quic, server_configuration
+
+    configuration = server_configuration(str(tls.certificate), str(tls.private_key), edge.quic_engine)
+    return await serve_quic(
+        service,
+        edge.host,
+        edge.port,
+        configuration,
+        reuse_port=edge.reuse_port,
+        retry=edge.quic_retry,
+        engine=edge.quic_engine,
+    )
+
+
+def use_chat_template(tokenizer: Tokenizer, path: str) -> None:
+    """``--chat-template FILE`` replaces the model's own template; chats are tokenized with the template's
+    markers as control tokens, which only the GGUF tokenizer can do (checked here, before serving)."""
+    from edgepath.edge.chat import load_chat_template
+
+    set_template = getattr(tokenizer, "set_chat_template", None)
+    if set_template is None:
+        raise ValueError(
+            f"--chat-template: {tokenizer.name} cannot tokenize a chat template's control tokens; "
+            "use it with a GGUF tokenizer (--model or --tokenizer PATH.gguf)"
+        )
+    set_template(load_chat_template(path).source)
+
+
 def build_edge(
-    options: ServeOptions,
+    edge: EdgeSettings,
+    capacity: Capacity,
     tokenizer: Tokenizer,
     agent: AgentPort,
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
+    max_wait: float,
     supervision: Callable[[], tuple[int, int] | None] | None = None,
 ) -> EdgeService:
-    """The edge service of ``serve``: HTTP core with limits no larger than the slot server's, API keys
-    (None: no authentication), tokenizer and agent (not started: call ``start()``); ``supervision``: the
-    supervised slot server's (restarts, hangs), for /metrics."""
-    import time
-
+    """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
+    servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``);
+    ``max_wait``: the agent's bound on waiting, the most a request's X-Max-Wait may ask for; ``supervision``:
+    the supervised slot server's (restarts, hangs), for /metrics."""
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
@@ -183,14 +496,14 @@ def build_edge(
 
     upstream = agent.capacity()
     limits = Limits(
-        max_body=options.max_body,
-        input_capacity=min(options.input_capacity, upstream.input_capacity),
-        output_capacity=min(options.output_capacity, upstream.output_capacity),
+        max_body=edge.max_body,
+        input_capacity=min(capacity.input_capacity, upstream.input_capacity),
+        output_capacity=min(capacity.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
-        max_wait_ms=round(options.max_wait * 1e3),
+        max_wait_ms=round(max_wait * 1e3),
     )
     openai = OpenAIRoutes(
-        served_model_name(options, tokenizer),
+        served_model_name(edge, tokenizer),
         limits.output_capacity,
         tokenizer.vocab_size,
         chat_support(tokenizer),
@@ -204,17 +517,17 @@ def build_edge(
         loop,
         executor,
         workers=TOKENIZER_WORKERS,
-        request_timeout=options.request_timeout,
-        body_timeout=options.body_timeout,
+        request_timeout=edge.request_timeout,
+        body_timeout=edge.body_timeout,
         formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
         supervision=supervision,
     )
 
 
-def served_model_name(options: ServeOptions, tokenizer: Tokenizer) -> str:
+def served_model_name(edge: EdgeSettings, tokenizer: Tokenizer) -> str:
     """The model id the OpenAI routes answer to: ``--served-model-name``, else the GGUF's file stem (or the
     tokenizer's name when no model is served)."""
-    if options.served_model_name:
-        return options.served_model_name
+    if edge.served_model_name:
+        return edge.served_model_name
     path = getattr(tokenizer, "path", None)
     return Path(path).stem if path else tokenizer.name

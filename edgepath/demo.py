@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgepath.builder import build_agent, build_slot_server, data_path_transport
-from edgepath.config import AgentSettings, DataPath, SlotServerSettings
+from edgepath.config import AgentSettings, Capacity, DemoSettings, SlotServerSettings
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status, lib
 from edgepath.runtime import runtime_dir
@@ -43,50 +43,41 @@ class DemoReport:
         return out
 
 
-def run_demo(
-    requests: int = 10_000,
-    slots: int = 8,
-    concurrency: int = 4,
-    tokens: int = 128,
-    spin: float = 0.0,
-    memory: str = "host",
-    data_path: DataPath | None = None,
-    slot_server_listen: str | None = None,
-) -> DemoReport:
-    """Push ``requests`` echo requests, ``concurrency`` at a time, through a fresh slot server
-    whose doorbells are polled by the CPU (``memory="host"``) or the CUDA poller (``"gpu"``), over
-    ``data_path`` (loopback by default; verbs needs ``slot_server_listen``, an IP:PORT of the device)."""
+def run_demo(settings: DemoSettings, memory: str = "host") -> DemoReport:
+    """Push ``settings.requests`` echo requests, ``settings.concurrency`` at a time, through a fresh slot server
+    whose doorbells are polled by the CPU (``memory="host"``) or the CUDA poller (``"gpu"``), over the
+    settings' data path (verbs needs ``slot_server_listen``, an IP:PORT of the device)."""
+    requests, slots, concurrency, tokens, spin = (
+        settings.requests,
+        settings.slots,
+        settings.concurrency,
+        settings.tokens,
+        settings.spin,
+    )
     if concurrency > 256:
         raise ValueError(f"--concurrency must be at most 256, got {concurrency}")
-    data_path = data_path or DataPath()
-    if data_path.kind == "verbs" and not slot_server_listen:
+    data_path = settings.data_path
+    if data_path.kind == "verbs" and not settings.slot_server_listen:
         raise ValueError("--data-path verbs: give --slot-server-listen IP:PORT (an address of the RDMA device)")
-    address = slot_server_listen or str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
+    address = settings.slot_server_listen or str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
+    capacity = Capacity(tokens, tokens)
+    agent_settings = AgentSettings(frames=max(concurrency, 1))
     server = build_slot_server(
         SlotServerSettings(
             listen=address,
             slots=slots,
             memory=memory,
-            input_capacity=tokens,
-            output_capacity=tokens,
+            capacity=capacity,
             spin=spin,
+            hang_timeout=agent_settings.hang_timeout,
             data_path=data_path,
         )
     )
     worker = threading.Thread(target=server.serve, name="slot-server", daemon=True)
     worker.start()
-    agent_transport = data_path_transport(data_path)
+    agent_transport = data_path_transport(data_path, agent_settings.hang_timeout)
     try:
-        agent = build_agent(
-            AgentSettings(
-                slot_servers=(address,),
-                frames=max(concurrency, 1),
-                input_capacity=tokens,
-                output_capacity=tokens,
-                data_path=data_path,
-            ),
-            agent_transport,
-        )
+        agent = build_agent(agent_settings, capacity, agent_transport, (address,))
         link = agent.links[0]
         stamps = np.zeros((requests, len(STAGES)), dtype=np.int64)
         t_submit = {}

@@ -4,6 +4,10 @@ The slot server takes a built :class:`~edgepath.dma.handlers.BatchHandler` and n
 model side (``edgepath.model``) implements handlers against the API in :mod:`edgepath.dma.handlers`.
 Only the app layer knows both and the names that tie them together: the built-ins (``echo``,
 ``paced-echo``, ``llama``) and ``package.module:attribute`` for anything else.
+
+Each is a :class:`Handler`: how its ``--handler-option`` text becomes typed options (checked where they are
+given, so a parent process refuses a wrong option before it starts the slot server that would run it), and
+how it is built from those.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from edgepath.dma.handlers import (
     BatchHandler,
@@ -25,16 +31,30 @@ from edgepath.dma.handlers import (
 )
 
 
-def _llama(config: HandlerConfig) -> BatchHandler:
-    from edgepath.model.llama import LlamaHandler  # optional extra: imported only when asked for
+@dataclass(frozen=True)
+class Handler:
+    """A handler ``--handler`` names: ``options`` reads its typed options from a pool's configuration (a
+    HandlerError naming what is allowed), ``build`` makes it from them (a model is loaded here, once)."""
 
-    return LlamaHandler.from_config(config)
+    options: Callable[[HandlerConfig], Any]
+    build: Callable[[Any, HandlerConfig], BatchHandler]
 
 
-def _echo(config: HandlerConfig) -> BatchHandler:
+def _llama_options(config: HandlerConfig) -> Any:
+    from edgepath.model.llama import LlamaOptions  # optional extra: imported only when asked for
+
+    return LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
+
+
+def _llama(options: Any, config: HandlerConfig) -> BatchHandler:
+    from edgepath.model.llama import LlamaHandler
+
+    return LlamaHandler(config.slots, options)
+
+
+def _echo(delay: float, config: HandlerConfig) -> BatchHandler:
     """Echo; with ``delay=SECONDS`` each request holds the server for that long first -- a stand-in for a
     model with a known capacity (one request per delay, one at a time)."""
-    delay = seconds_option(config, "echo", "delay", 0.0)
     if not delay:
         return FunctionHandler(echo, config.deadline, max(1, config.slots))
 
@@ -45,17 +65,21 @@ def _echo(config: HandlerConfig) -> BatchHandler:
     return FunctionHandler(delayed_echo, config.deadline, max(1, config.slots))
 
 
-BUILTIN: dict[str, Callable[[HandlerConfig], BatchHandler]] = {
-    "echo": _echo,
-    "paced-echo": PacedEcho.from_config,
-    "llama": _llama,
+BUILTIN: dict[str, Handler] = {
+    "echo": Handler(lambda config: seconds_option(config, "echo", "delay", 0.0), _echo),
+    "paced-echo": Handler(
+        lambda config: seconds_option(config, "paced-echo", "token_delay", PacedEcho.TOKEN_DELAY),
+        lambda delay, _: PacedEcho(delay),
+    ),
+    "llama": Handler(_llama_options, _llama),
 }
 
 
-def find_handler(spec: str) -> Callable[[HandlerConfig], BatchHandler]:
+def find_handler(spec: str) -> Handler:
     """What ``spec`` names -- a built-in (``echo``, ``paced-echo``, ``llama``) or
-    ``package.module:attribute`` -- resolved but not built (no model is loaded): a clear error for
-    anything else, so a command line can be checked before anything starts."""
+    ``package.module:attribute`` (its options are its own: handed over as given) -- resolved but not built
+    (no model is loaded): a clear error for anything else, so a command line can be checked before anything
+    starts."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
@@ -68,9 +92,10 @@ def find_handler(spec: str) -> Callable[[HandlerConfig], BatchHandler]:
     obj = getattr(module, attr, None)
     if obj is None:
         raise HandlerError(f"handler {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    return lambda config: adapt(obj, config)
+    return Handler(lambda config: config.options, lambda _, config: adapt(obj, config))
 
 
 def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
-    """The handler ``spec`` names (see :func:`find_handler`), built for ``config``."""
-    return find_handler(spec)(config)
+    """The handler ``spec`` names (see :func:`find_handler`), its options read from ``config`` and built."""
+    handler = find_handler(spec)
+    return handler.build(handler.options(config), config)

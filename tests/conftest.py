@@ -15,6 +15,7 @@ from edgepath.builder import data_path_transport
 from edgepath.children import Child
 from edgepath.config import DataPath
 from edgepath.dma.transport import Transport
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 
 _ports = itertools.count(int(os.environ.get("EDGEPATH_TEST_PORT_BASE", "20000")))
 
@@ -75,7 +76,7 @@ def new_transport(transport_name: str, transport_options: dict[str, Any]) -> Ite
     made: list[Transport] = []
 
     def factory() -> Transport:
-        t = data_path_transport(DataPath(transport_name, **transport_options))
+        t = data_path_transport(DataPath(transport_name, **transport_options), DEFAULT_HANG_TIMEOUT)
         made.append(t)
         return t
 

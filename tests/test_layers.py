@@ -1,15 +1,18 @@
-"""Imports run one way: native <- dma <- {dpu, model} <- edge <- the app layer.
+"""Imports run one way: native <- dma <- {dpu, model} <- edge <- the app layer <- bench.
 
 Read from the source (every ``import`` statement, at module level or inside a function, ``TYPE_CHECKING``
 included: a lazy import is still a dependency).  The app layer (``edgepath/``: cli, config, builder,
-serve, demo, supervision, registries) is the only place that wires components; ``bench/`` holds the
-``edgepath bench`` commands and counts as part of it.  ``model`` sits beside ``dpu`` and ``edge`` as the
-slot server's handler side: it implements the handler API of ``dma`` and imports nothing above it.
+serve, demo, supervision, registries) is the only place that wires components.  ``model`` sits beside
+``dpu`` and ``edge`` as the slot server's handler side: it implements the handler API of ``dma`` and
+imports nothing above it.  ``bench/`` holds the benchmarks, a distribution of their own
+(``edgepath-bench``, which adds ``edgepath bench`` through an entry point): it may use the whole product,
+and the product never imports it, nor does its wheel carry it.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,8 +26,10 @@ PACKAGES = {
     "model": ("edgepath.model", "model"),
     "edge": ("edgepath.edge", "edge"),
     "edgepath": ("edgepath", "app"),
-    "bench": ("edgepath.bench", "app"),
+    "bench": ("edgepath.bench", "bench"),
 }
+#: the layers the product's wheel is made of: every one but the benchmarks
+PRODUCT = {"native", "dma", "dpu", "model", "edge", "app"}
 
 #: layer -> the layers it may import (its own always)
 ALLOWED = {
@@ -34,6 +39,7 @@ ALLOWED = {
     "model": {"dma", "native"},
     "edge": {"dpu", "model", "dma", "native"},  # model: the GGUF reader behind the model's own tokenizer
     "app": {"edge", "dpu", "model", "dma", "native"},
+    "bench": {"app", "edge", "dpu", "model", "dma", "native"},
 }
 
 
@@ -117,10 +123,32 @@ def test_nothing_below_the_app_layer_imports_it() -> None:
     upward = [
         where
         for (src, dst), found in _cross_layer_imports().items()
-        if dst == "app" and src != "app"
+        if dst == "app" and src not in ("app", "bench")
         for where in found
     ]
     assert upward == []
+
+
+def test_the_product_never_imports_the_benchmarks() -> None:
+    into_bench = [
+        where
+        for (src, dst), found in _cross_layer_imports().items()
+        if dst == "bench" and src in PRODUCT
+        for where in found
+    ]
+    assert into_bench == []
+
+
+def test_the_product_wheel_does_not_carry_the_benchmarks() -> None:
+    """The product's packages are every folder but bench/, which is packaged on its own and adds its command
+    through the entry point the command line reads."""
+    product = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())
+    assert set(product["tool"]["setuptools"]["packages"]) == {PACKAGES[f][0] for f in PACKAGES if f != "bench"}
+    assert "bench" not in product["tool"]["setuptools"]["package-dir"].values()
+    assert product["project"]["optional-dependencies"].keys().isdisjoint({"bench"})
+    assert bench["tool"]["setuptools"]["packages"] == ["edgepath.bench"]
+    assert bench["project"]["entry-points"]["edgepath.commands"] == {"bench": "edgepath.bench.cli:add_command"}
 
 
 def test_the_scan_sees_imports_of_every_kind(tmp_path: Path) -> None:

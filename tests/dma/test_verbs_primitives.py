@@ -16,6 +16,7 @@ from edgepath.dma.transport import Access, RemoteRegion, TransferCounters, Trans
 
 LOCAL_ADDR, LKEY, REMOTE_ADDR, RKEY = 0x10000, 11, 0x7F0000, 22
 C = vd.lib  # the real data plane's constants
+HANG = 2.0  # the hang timeout its transport was made with (not the default): 0.8 of it is each operation's wait
 
 
 class Recorder:
@@ -42,6 +43,7 @@ def conn(monkeypatch: pytest.MonkeyPatch) -> tuple[vd.VerbsConnection, Recorder]
     c = vd.VerbsConnection.__new__(vd.VerbsConnection)
     c.conn_id, c._alive, c.counters = 3, True, TransferCounters()
     c._qp, c._scq, c._ctl_ptr, c._ctl_lkey = "qp", "scq", [42], 5
+    c._t = vd.op_timeout_ns(HANG)
     return c, recorder
 
 
@@ -63,7 +65,7 @@ def test_write_write_with_imm_and_read(conn: tuple[vd.VerbsConnection, Recorder]
     c.write(local, 64, REMOTE, 128, 100)
     c.write_with_imm(local, 8, REMOTE, 16, 8, 0x1_0000_0007)  # the immediate is 32 bits on the wire
     c.read(local, 0, REMOTE, 256, 32)
-    timeout = vd._T
+    timeout = vd.op_timeout_ns(HANG)
     assert rec.calls == [
         (
             "ep_v_post_wait",
@@ -96,7 +98,7 @@ def test_a_write_and_its_doorbell_go_in_one_post(conn: tuple[vd.VerbsConnection,
                 8,
                 REMOTE_ADDR + 1024,
                 9,
-                vd._T,
+                vd.op_timeout_ns(HANG),
             ),
         )
     ]
@@ -106,7 +108,7 @@ def test_a_write_and_its_doorbell_go_in_one_post(conn: tuple[vd.VerbsConnection,
 def test_compare_and_swap_returns_what_the_nic_found(conn: tuple[vd.VerbsConnection, Recorder]) -> None:
     c, rec = conn
     assert c.compare_and_swap(REMOTE, 24, 1, 2) == 42
-    assert rec.calls == [("ep_v_cas", ("qp", "scq", [42], 5, REMOTE_ADDR + 24, RKEY, 1, 2, vd._T))]
+    assert rec.calls == [("ep_v_cas", ("qp", "scq", [42], 5, REMOTE_ADDR + 24, RKEY, 1, 2, vd.op_timeout_ns(HANG)))]
     assert c.counters.cas == 1
 
 

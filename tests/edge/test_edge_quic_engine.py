@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from edgepath.builder import worker_argv
 from edgepath.cli import build_parser
-from edgepath.config import ServeOptions
+from edgepath.config import EdgeSettings, ServeOptions, Supervision
 from edgepath.edge import quic_engine
 from edgepath.edge.quic import protocol_class
 from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
@@ -58,10 +59,11 @@ def test_missing_engine_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_serve_options_check_the_engine_and_hand_it_to_every_worker() -> None:
-    argv = ServeOptions(workers=2, quic_engine="qh3").worker_argv(("/tmp/slots.sock",))
+    options = ServeOptions(edge=EdgeSettings(quic_engine="qh3"), supervision=Supervision(workers=2))
+    argv = worker_argv(options, ("/tmp/slots.sock",))
     assert argv[argv.index("--quic-engine") + 1] == "qh3"
     with pytest.raises(ValueError, match=r"quic_engine must be one of aioquic, qh3, got 'quiche'"):
-        ServeOptions(quic_engine="quiche")
+        EdgeSettings(quic_engine="quiche")
 
 
 @pytest.mark.parametrize("name", ENGINES)

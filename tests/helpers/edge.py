@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.quic_engine import QuicEngineError, load_engine
 from edgepath.serve import run
 
@@ -26,14 +25,15 @@ class RunningEdge:
 
     @property
     def port(self) -> int:
-        return self.options.port
+        return self.options.edge.port
 
 
 @contextmanager
 def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -> Iterator[RunningEdge]:
     """``serve`` (edge, agent, slot-server child) on a thread; stopped and joined on exit."""
-    if options.slot_server_listen is None and options.starts_slot_server:
-        options = replace(options, slot_server_listen=str(tmp_path / f"slots-{options.port}.sock"))
+    if options.started.listen is None and options.starts_slot_server:
+        listen = str(tmp_path / f"slots-{options.edge.port}.sock")
+        options = replace(options, started=replace(options.started, listen=listen))
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     errors: list[BaseException] = []
@@ -58,7 +58,7 @@ def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -
         finally:
             loop.close()
 
-    thread = threading.Thread(target=target, name=f"edge-{options.port}", daemon=True)
+    thread = threading.Thread(target=target, name=f"edge-{options.edge.port}", daemon=True)
     thread.start()
     if not ready.wait(timeout) or errors:
         raise RuntimeError(f"edge did not start: {errors}")
@@ -71,13 +71,18 @@ def running_edge(options: ServeOptions, tmp_path: Path, timeout: float = 60.0) -
 
 
 @contextmanager
-def echo_edge_on(engine: str, tmp_path: Path, **options: Any) -> Iterator[RunningEdge]:
-    """An echo ``serve`` on QUIC engine ``engine`` with ``options`` on a free port (the test is skipped where
-    that engine is not installed)."""
+def echo_edge_on(engine: str, tmp_path: Path, sizing: Sizing, frames: int) -> Iterator[RunningEdge]:
+    """An echo ``serve`` on QUIC engine ``engine`` of ``sizing`` with ``frames`` agent frames, on a free port
+    (the test is skipped where that engine is not installed)."""
     try:
         load_engine(engine)
     except QuicEngineError as exc:
         pytest.skip(str(exc))
-    serve_options = ServeOptions(port=free_port(), handler="echo", quic_engine=engine, **options)
+    serve_options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port(), quic_engine=engine),
+        handler=HandlerSettings("echo"),
+        sizing=sizing,
+        agent=AgentSettings(frames=frames),
+    )
     with running_edge(serve_options, tmp_path) as running:
         yield running

@@ -10,6 +10,7 @@ from pathlib import Path
 from edgepath.builder import data_path_transport
 from edgepath.config import DataPath
 from edgepath.dpu.agent import Agent
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.native.abi import State
 
 CLAIMER = str(Path(__file__).with_name("claimer.py"))
@@ -35,7 +36,7 @@ def slot_states(address: str, slots: int, transport: str = "loopback", options: 
     """The state (low byte of each state word) of every slot of the slot server at ``address``,
     read by a probe agent with one RDMA READ."""
     probe = Agent(
-        data_path_transport(DataPath(transport, **(options or {}))),
+        data_path_transport(DataPath(transport, **(options or {})), DEFAULT_HANG_TIMEOUT),
         frames=1,
         input_capacity=16,
         output_capacity=16,

@@ -10,7 +10,7 @@ import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 from helpers.supervised import metric
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 openai = pytest.importorskip("openai", reason="the openai client is in the test extras")
@@ -24,15 +24,10 @@ def model_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge
 
     gguf = str(default_model_path())
     options = ServeOptions(
-        transport="tcp",
-        port=free_port(kind=socket.SOCK_STREAM),
-        slots=2,
-        frames=8,
-        input_capacity=256,
-        output_capacity=64,
-        tokenizer=gguf,
-        handler="llama",
-        handler_options=(("model", gguf), ("threads", "1"), ("ctx_per_slot", "256")),
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf),
+        sizing=Sizing(slots=2, input_capacity=256, output_capacity=64),
+        agent=AgentSettings(frames=8),
+        handler=HandlerSettings("llama", (("model", gguf), ("threads", "1"), ("ctx_per_slot", "256"))),
     )
     with running_edge(options, tmp_path_factory.mktemp("model"), timeout=120.0) as running:
         yield running

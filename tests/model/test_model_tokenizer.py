@@ -152,9 +152,9 @@ def test_chat_bad_messages_are_named(tok: GGUFTokenizer) -> None:
 
 
 def test_chat_template_flag_replaces_the_models_template_and_needs_a_gguf_tokenizer(tmp_path) -> None:
+    from edgepath.builder import use_chat_template
     from edgepath.edge.tokenizer import load_tokenizer
     from edgepath.model.gguf import default_model_path
-    from edgepath.serve import use_chat_template
 
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")

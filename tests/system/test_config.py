@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from edgepath.builder import plan_serve, started_slot_server, worker_argv
+from edgepath.children import free_port
 from edgepath.cli import build_parser
-from edgepath.config import AgentServiceSettings, AgentSettings, DataPath, ServeOptions, SlotServerSettings
+from edgepath.config import (
+    AgentServiceSettings,
+    AgentSettings,
+    Capacity,
+    DataPath,
+    EdgeSettings,
+    HandlerSettings,
+    ServeOptions,
+    Sizing,
+    SlotServerSettings,
+    StartedSlotServer,
+    Supervision,
+)
+from edgepath.dma.handlers import HandlerError
 from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
 
 
@@ -20,12 +36,10 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
         listen="/tmp/x.sock",
         slots=7,
         memory="host",
-        input_capacity=300,
-        output_capacity=200,
+        capacity=Capacity(input_capacity=300, output_capacity=200),
         lease=0.25,
         spin=12.5e-6,
-        handler="paced-echo",
-        handler_options=(("token_delay", "0.01"), ("note", "a=b")),
+        handler=HandlerSettings("paced-echo", (("token_delay", "0.01"), ("note", "a=b"))),
         handler_deadline=1.5,
         stream_window=0.5e-3,
         data_path=DataPath("verbs", "rxe0", 1),
@@ -46,23 +60,25 @@ def test_a_worker_command_line_is_the_edge_on_a_shared_port_and_slot_server(tmp_
     files = {name: str(tmp_path / name) for name in ("c.pem", "k.pem", "keys")}
     for path in files.values():
         Path(path).write_text("checked for existence only\n")
-    options = ServeOptions(
+    edge = EdgeSettings(
         transport="tcp",
-        port=9000,
-        frames=33,
+        port_asked=9000,
         max_body=4096,
         request_timeout=2.5,
         certificate=files["c.pem"],
         private_key=files["k.pem"],
         protect_ops=True,
         api_keys_file=files["keys"],
-        workers=3,
     )
-    args = build_parser().parse_args(options.worker_argv(("/tmp/slots.sock", "/tmp/other.sock")))
+    options = ServeOptions(edge=edge, agent=AgentSettings(frames=33), supervision=Supervision(workers=3))
+    args = build_parser().parse_args(worker_argv(options, ("/tmp/slots.sock", "/tmp/other.sock")))
     # the same edge, on the shared slot servers and port; what only the supervising process uses is not given
-    supervisor_only = {"workers": 1}
+    supervisor_only = {"supervision": Supervision(workers=1)}
     assert from_args(ServeOptions, args) == replace(
-        options, slot_servers=("/tmp/slots.sock", "/tmp/other.sock"), reuse_port=True, **supervisor_only
+        options,
+        slot_servers=("/tmp/slots.sock", "/tmp/other.sock"),
+        edge=replace(edge, reuse_port=True),
+        **supervisor_only,
     )
     assert args.func.__name__ == "cmd_serve"
     assert (args.transport, args.port, args.slot_server, args.reuse_port, args.workers) == (
@@ -95,7 +111,7 @@ def test_a_data_path_that_makes_no_sense_is_refused(kwargs: dict[str, str], matc
 
 def test_workers_with_an_agent_process_is_refused() -> None:
     with pytest.raises(ValueError, match="--workers N gives every worker its own in-process agent"):
-        ServeOptions(workers=2, agent="/tmp/agent.sock")
+        ServeOptions(supervision=Supervision(workers=2), agent_process="/tmp/agent.sock")
 
 
 def test_flags_of_a_data_path() -> None:
@@ -104,74 +120,84 @@ def test_flags_of_a_data_path() -> None:
     assert DataPath("verbs", "rxe0").options() == {"device": "rxe0"}
 
 
+def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every option of ``config``, through its sections."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
 def test_a_worker_gets_every_edge_option_and_none_of_the_supervisors(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_text("checked for existence only\n")
     options = ServeOptions(
-        transport="tcp",
-        port=9001,
-        quic_engine="qh3",
-        slots=3,
-        frames=5,
-        input_capacity=70,
-        output_capacity=30,
+        edge=EdgeSettings(
+            transport="tcp",
+            port_asked=9001,
+            quic_engine="qh3",
+            served_model_name="m",
+            tokenizer=str(model),
+            request_timeout=9.0,
+            body_timeout=0.5,
+            quic_retry=True,
+        ),
+        sizing=Sizing(slots=3, input_capacity=70, output_capacity=30),
+        agent=AgentSettings(frames=5),
         model=str(model),
-        served_model_name="m",
-        tokenizer=str(model),
-        handler_options=(("threads", "1"), ("model", str(model))),
-        slot_spin_us=7.0,
+        handler=HandlerSettings("llama", (("threads", "1"), ("model", str(model)))),
         data_path=DataPath("verbs", "rxe0", 2),
-        slot_server_listen="10.0.0.1:7000",
-        handler_deadline=3.0,
-        request_timeout=9.0,
-        body_timeout=0.5,
-        quic_retry=True,
-        max_restarts=2,
-        restart_window=10.0,
-        workers=2,
+        started=StartedSlotServer(spin=7e-6, listen="10.0.0.1:7000", handler_deadline=3.0),
+        supervision=Supervision(max_restarts=2, restart_window=10.0, workers=2),
     )
-    worker = from_args(ServeOptions, build_parser().parse_args(options.worker_argv(("10.0.0.1:7000",))))
-    edge_only = ("slots", "slot_spin_us", "slot_server_listen", "local_slot_server", "agent", "handler_deadline",
-                 "max_restarts", "restart_window", "workers")  # fmt: skip
-    defaults = ServeOptions(handler="llama")
-    for f in fields(ServeOptions):
-        if f.name in edge_only:
-            assert getattr(worker, f.name) == getattr(defaults, f.name), f.name
-        elif f.name not in ("slot_servers", "reuse_port"):
-            assert getattr(worker, f.name) == getattr(options, f.name), f.name
-    assert (worker.slot_servers, worker.reuse_port) == (("10.0.0.1:7000",), True)
+    worker = from_args(ServeOptions, build_parser().parse_args(worker_argv(options, ("10.0.0.1:7000",))))
+    edge_only = ("sizing.slots", "started.spin", "started.listen", "started.alongside", "agent_process",
+                 "started.handler_deadline", "supervision.max_restarts", "supervision.restart_window",
+                 "supervision.workers")  # fmt: skip
+    defaults = dict(_leaves(ServeOptions(handler=HandlerSettings("llama"))))
+    given = dict(_leaves(options))
+    for name, value in _leaves(worker):
+        if name in edge_only:
+            assert value == defaults[name], name
+        elif name not in ("slot_servers", "edge.reuse_port"):
+            assert value == given[name], name
+    assert (worker.slot_servers, worker.edge.reuse_port) == (("10.0.0.1:7000",), True)
 
 
 def test_an_agent_command_line_parses_into_its_settings() -> None:
     settings = AgentServiceSettings(
         listen="/tmp/agent.sock",
-        agent=AgentSettings(slot_servers=("/tmp/a.sock", "/tmp/b.sock"), frames=12, input_capacity=64),
+        slot_servers=("/tmp/a.sock", "/tmp/b.sock"),
+        agent=AgentSettings(frames=12),
+        capacity=Capacity(input_capacity=64),
         frames_per_edge=6,
-        spin_us=1.5,
+        spin=1.5e-6,
     )
     argv = ["agent", "--listen", "/tmp/agent.sock", "--slot-server", "/tmp/a.sock", "--slot-server", "/tmp/b.sock"]
     argv += ["--frames", "12", "--input-capacity", "64", "--frames-per-edge", "6", "--spin-us", "1.5"]
     assert from_args(AgentServiceSettings, build_parser().parse_args(argv)) == settings
     default = from_args(AgentServiceSettings, build_parser().parse_args(["agent"]))
-    assert default.agent.slot_servers == AgentSettings().slot_servers and len(default.agent.slot_servers) == 1
+    assert default.slot_servers == AgentServiceSettings().slot_servers and len(default.slot_servers) == 1
 
 
 def test_serve_fills_what_is_left_unset_from_one_place() -> None:
-    model, echo = ServeOptions(), ServeOptions(handler="echo", transport="tcp")
-    assert (model.handler, model.port, model.slots, model.input_capacity, model.output_capacity) == (
-        "llama",
-        4433,
-        8,
-        1024,
-        512,
-    )
-    assert (echo.port, echo.slots, echo.input_capacity, echo.output_capacity) == (8080, 64, 4096, 4096)
+    model = ServeOptions()
+    echo = ServeOptions(handler=HandlerSettings("echo"), edge=EdgeSettings(transport="tcp"))
+    assert (model.handler.name, model.edge.port, model.sizes.slots, *_capacity(model)) == ("llama", 4433, 8, 1024, 512)
+    assert (echo.edge.port, echo.sizes.slots, *_capacity(echo)) == (8080, 64, 4096, 4096)
     assert from_args(ServeOptions, build_parser().parse_args(["serve"])) == model
-    assert ServeOptions(handler="echo", slots=3).slots == 3
+    assert ServeOptions(handler=HandlerSettings("echo"), sizing=Sizing(slots=3)).sizes.slots == 3
     with pytest.raises(ValueError, match="--certificate and --private-key go together"):
-        ServeOptions(certificate="c.pem")
+        ServeOptions(edge=EdgeSettings(certificate="c.pem"))
     with pytest.raises(ValueError, match="--model goes with the llama handler"):
-        ServeOptions(handler="echo", model="m.gguf")
+        ServeOptions(handler=HandlerSettings("echo"), model="m.gguf")
+
+
+def _capacity(options: ServeOptions) -> tuple[int, int]:
+    capacity = options.sizes.capacity
+    return capacity.input_capacity, capacity.output_capacity
 
 
 @pytest.mark.parametrize(
@@ -252,16 +278,16 @@ def test_the_slot_server_option_of_serve_collects_addresses_each_given_once() ->
     with pytest.raises(ValueError, match=r"--slot-server /a is given twice"):
         ServeOptions(slot_servers=("/a", "/b", "/a"))
     with pytest.raises(ValueError, match=r"--slot-server-listen is where the started slot server listens"):
-        ServeOptions(slot_servers=("/a",), slot_server_listen="/b")
+        ServeOptions(slot_servers=("/a",), started=StartedSlotServer(listen="/b"))
     with pytest.raises(ValueError, match=r"--slot-server-listen /a is also a --slot-server"):
-        ServeOptions(slot_servers=("/a",), slot_server_listen="/a", local_slot_server=True)
+        ServeOptions(slot_servers=("/a",), started=StartedSlotServer(listen="/a", alongside=True))
     with pytest.raises(ValueError, match=r"--agent uses a running agent process"):
-        ServeOptions(agent="/agent.sock", slot_servers=("/a",))
+        ServeOptions(agent_process="/agent.sock", slot_servers=("/a",))
 
 
 def test_a_repeatable_option_collects_every_value() -> None:
     args = build_parser().parse_args(["serve", "--handler-option", "a=1", "--handler-option", "b=x=y"])
-    assert from_args(ServeOptions, args).handler_options == (("a", "1"), ("b", "x=y"))
+    assert from_args(ServeOptions, args).handler.options == (("a", "1"), ("b", "x=y"))
 
 
 def test_a_configuration_field_without_an_option_is_refused_when_the_parser_is_built() -> None:
@@ -276,33 +302,86 @@ def test_a_configuration_field_without_an_option_is_refused_when_the_parser_is_b
         add_options(argparse.ArgumentParser(), Half)
 
 
-def test_serve_fills_its_slot_server_and_agent_by_name(tmp_path: Path) -> None:
+def test_serve_gives_its_slot_server_and_agent_their_parts(tmp_path: Path) -> None:
     options = ServeOptions(
-        slots=3,
-        frames=9,
-        input_capacity=70,
-        output_capacity=30,
-        handler="paced-echo",
-        handler_options=(("token_delay", "0.1"),),
-        handler_deadline=2.0,
-        slot_spin_us=4.0,
+        sizing=Sizing(slots=3, input_capacity=70, output_capacity=30),
+        agent=AgentSettings(frames=9),
+        handler=HandlerSettings("paced-echo", (("token_delay", "0.1"),)),
+        started=StartedSlotServer(handler_deadline=2.0, spin=4e-6),
         data_path=DataPath("verbs", "rxe0"),
     )
-    assert options.slot_server_settings("10.0.0.1:1") == SlotServerSettings(
+    assert started_slot_server(options, "10.0.0.1:1") == SlotServerSettings(
         listen="10.0.0.1:1",
         slots=3,
-        input_capacity=70,
-        output_capacity=30,
+        capacity=Capacity(input_capacity=70, output_capacity=30),
         spin=4e-6,
-        handler="paced-echo",
-        handler_options=(("token_delay", "0.1"),),
+        handler=HandlerSettings("paced-echo", (("token_delay", "0.1"),)),
         handler_deadline=2.0,
         data_path=DataPath("verbs", "rxe0"),
     )
-    assert options.agent_settings(("10.0.0.1:1", "10.0.0.2:1")) == AgentSettings(
-        slot_servers=("10.0.0.1:1", "10.0.0.2:1"),
-        frames=9,
-        input_capacity=70,
-        output_capacity=30,
-        data_path=DataPath("verbs", "rxe0"),
+    # the agent: its own section, the sizes and the data path it shares with the slot server
+    assert (options.agent, options.sizes.capacity, options.data_path) == (
+        AgentSettings(frames=9),
+        Capacity(input_capacity=70, output_capacity=30),
+        DataPath("verbs", "rxe0"),
     )
+
+
+def test_the_configured_hang_timeout_reaches_the_slot_server_and_the_verbs_wait() -> None:
+    """One ``--hang-timeout``: the agents judge by it, serve's slot server reports model steps over half of it,
+    and a verbs operation waits 0.8 of it at most, on either side."""
+    from edgepath.dma.verbs_datapath import op_timeout_ns
+
+    options = from_args(
+        ServeOptions, build_parser().parse_args(["serve", "--hang-timeout", "2", "--data-path", "verbs"])
+    )
+    assert options.agent.hang_timeout == 2.0
+    child = from_args(SlotServerSettings, build_parser().parse_args(started_slot_server(options, "10.0.0.1:1").argv()))
+    assert (child.hang_timeout, child.model_step_budget) == (2.0, 1.0)
+    assert options.data_path.options(options.agent.hang_timeout) == {"hang_timeout": 2.0}
+    assert op_timeout_ns(options.agent.hang_timeout) == 1_600_000_000
+    assert SlotServerSettings(listen="x", step_budget=0.5).model_step_budget == 0.5
+
+
+def test_serve_refuses_a_wrong_handler_option_before_its_slot_server_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The handler's options are read into its typed ones in serve's own process (the child would refuse the
+    same way, later, from its own command line)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    options = ServeOptions(
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM)),
+        handler=HandlerSettings("paced-echo", (("token_delay", "soon"),)),
+    )
+    with pytest.raises(HandlerError, match=r"paced-echo: token_delay must be a number of seconds"):
+        plan_serve(options)
+    fine = plan_serve(replace(options, handler=HandlerSettings("paced-echo", (("token_delay", "0.01"),))))
+    assert fine.slot_server is not None and fine.slot_server.handler.options == (("token_delay", "0.01"),)
+
+
+def test_the_llama_handler_options_are_declared_once_with_their_defaults() -> None:
+    """What ``--help`` and the benchmarks say of a default is read off the declaration that sets it."""
+    from edgepath.model.llama import OPTIONS, LlamaOptions
+
+    assert LlamaOptions.default("cache_mb") == "1024" and OPTIONS["cache_mb"].endswith("(default 1024)")
+    assert LlamaOptions.default("prefix_cache") == "on" and LlamaOptions.default("kv_unified") == "off"
+    assert LlamaOptions.default("threads") == "every CPU this process may use"
+    parsed = LlamaOptions.parse({"model": "m.gguf", "cache_mb": "2", "prefix_cache": "off"}, 300)
+    assert (parsed.cache_mb, parsed.prefix_cache, parsed.ctx_per_slot, parsed.stall_ms) == (2.0, False, 300, 1500.0)
+
+
+def test_a_registered_command_that_cannot_be_loaded_leaves_the_others_working(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The product wheel beside the metadata of a benchmarks install it cannot import (the entry point is there,
+    the package is not): every product command still parses, and ``edgepath bench`` says what is wrong."""
+    from importlib.metadata import EntryPoint
+
+    from edgepath import cli
+
+    broken = EntryPoint("bench", "edgepath.no_such_bench.cli:add_command", cli.COMMANDS)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken] if group == cli.COMMANDS else [])
+    assert build_parser().parse_args(["serve", "--port", "9000"]).port == 9000
+    assert cli.main(["bench", "edge-cpu", "--runs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgepath bench: error: edgepath.no_such_bench.cli:add_command cannot be loaded"), err

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers.edge import RunningEdge, echo_edge_on, free_port, running_edge
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.client import H3Client, H3Response, h3_client
 from edgepath.edge.quic_engine import ENGINES
 from edgepath.edge.tls import default_certificate
@@ -38,8 +38,8 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module", params=ENGINES)
 def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
-    options = {"slots": 8, "frames": 64, "input_capacity": INPUT_CAPACITY, "output_capacity": 64}
-    with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), **options) as running:
+    sizing = Sizing(slots=8, input_capacity=INPUT_CAPACITY, output_capacity=64)
+    with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), sizing, frames=64) as running:
         yield running
 
 
@@ -260,7 +260,12 @@ def test_large_prompt_is_tokenized_off_the_event_loop(edge: RunningEdge) -> None
 @pytest.fixture(scope="module")
 def slow_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """Two slots held 0.2 s each by the handler: a burst of requests outnumbers them."""
-    options = ServeOptions(port=free_port(), slots=2, frames=32, handler="echo", handler_options=(("delay", "0.2"),))
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port()),
+        sizing=Sizing(slots=2),
+        agent=AgentSettings(frames=32),
+        handler=HandlerSettings("echo", (("delay", "0.2"),)),
+    )
     with running_edge(options, tmp_path_factory.mktemp("slow")) as running:
         yield running
 
@@ -302,7 +307,12 @@ def test_existing_slot_server_and_its_loss(
     when it is back, the edge re-attaches and serves again without a restart."""
     address = str(tmp_path / "slots.sock")
     slots = edgepath_process("slot-server", "--listen", address, "--slots", "3")
-    options = ServeOptions(port=free_port(), slot_servers=(address,), frames=16, handler="echo")
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port()),
+        slot_servers=(address,),
+        agent=AgentSettings(frames=16),
+        handler=HandlerSettings("echo"),
+    )
     with running_edge(options, tmp_path_factory.mktemp("attached")) as edge:
 
         async def before(c: H3Client) -> tuple[H3Response, H3Response]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.client import H3Response, h3_client
 from edgepath.edge.tls import default_certificate
 
@@ -37,7 +37,12 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def quic_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
-    options = ServeOptions(port=free_port(), slots=4, frames=8, handler="echo", body_timeout=BODY_TIMEOUT)
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port(), body_timeout=BODY_TIMEOUT),
+        sizing=Sizing(slots=4),
+        agent=AgentSettings(frames=8),
+        handler=HandlerSettings("echo"),
+    )
     with running_edge(options, tmp_path_factory.mktemp("quic")) as edge:
         yield edge
 
@@ -45,14 +50,10 @@ def quic_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]
 @pytest.fixture(scope="module")
 def tcp_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     options = ServeOptions(
-        transport="tcp",
-        port=free_port(socket.SOCK_STREAM),
-        slots=4,
-        frames=8,
-        body_timeout=BODY_TIMEOUT,
-        handler="paced-echo",  # one token every 5 ms: a stream lasts long enough to walk away from
-        input_capacity=512,
-        output_capacity=512,
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(socket.SOCK_STREAM), body_timeout=BODY_TIMEOUT),
+        sizing=Sizing(slots=4, input_capacity=512, output_capacity=512),
+        agent=AgentSettings(frames=8),
+        handler=HandlerSettings("paced-echo"),  # one token every 5 ms: a stream lasts long enough to walk away from
     )
     with running_edge(options, tmp_path_factory.mktemp("tcp")) as edge:
         yield edge
@@ -148,7 +149,12 @@ def test_tcp_client_leaving_mid_stream_abandons_and_frees_its_slot(tcp_edge: Run
 
 
 def test_quic_retry_validates_the_client_address_before_serving(tmp_path: Path) -> None:
-    options = ServeOptions(port=free_port(), slots=2, frames=4, handler="echo", quic_retry=True)
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port(), quic_retry=True),
+        sizing=Sizing(slots=2),
+        agent=AgentSettings(frames=4),
+        handler=HandlerSettings("echo"),
+    )
     with running_edge(options, tmp_path) as edge:
 
         async def go() -> tuple[int, int]:
@@ -179,7 +185,10 @@ def test_quic_client_walking_away_mid_stream_abandons_and_frees_its_slot(tmp_pat
     """Every way a QUIC client walks away from a streaming answer cancels it: RESET_STREAM with STOP_SENDING,
     STOP_SENDING alone, and a connection closed mid-stream."""
     options = ServeOptions(
-        port=free_port(), slots=2, frames=4, handler="paced-echo", input_capacity=512, output_capacity=512
+        edge=EdgeSettings(port_asked=free_port()),
+        sizing=Sizing(slots=2, input_capacity=512, output_capacity=512),
+        agent=AgentSettings(frames=4),
+        handler=HandlerSettings("paced-echo"),
     )
     prompt = " ".join(f"word{i}" for i in range(120))  # a few hundred tokens, one every 5 ms
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, echo_edge_on, free_port, running_edge
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.quic_engine import ENGINES
 from edgepath.edge.tls import default_certificate
 
@@ -23,7 +23,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """The edge on each QUIC engine (aioquic, the reference, and qh3)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
-        with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), slots=4, frames=16) as e:
+        with echo_edge_on(request.param, tmp_path_factory.mktemp("edge"), Sizing(slots=4), frames=16) as e:
             yield e
 
 
@@ -74,7 +74,12 @@ def test_ngtcp2_gtlsclient(edge: RunningEdge, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def paced_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """A paced echo (one token every 5 ms) and a small body limit."""
-    options = ServeOptions(port=free_port(), slots=4, frames=16, handler="paced-echo", max_body=4096)
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port(), max_body=4096),
+        sizing=Sizing(slots=4),
+        agent=AgentSettings(frames=16),
+        handler=HandlerSettings("paced-echo"),
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
         with running_edge(options, tmp_path_factory.mktemp("paced")) as e:

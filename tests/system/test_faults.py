@@ -16,7 +16,7 @@ import pytest
 from helpers.edge import free_port, running_edge
 from helpers.procs import all_claimed, all_free
 
-from edgepath.config import ServeOptions
+from edgepath.config import EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.client import H3Client, h3_client
 from edgepath.edge.tls import default_certificate
 
@@ -79,7 +79,12 @@ def test_agent_killed_mid_flight_gives_503_then_a_restarted_agent_resumes_withou
         "256",
     )
     agent = edgepath_process(*agent_args)
-    options = ServeOptions(port=free_port(), agent=agent_addr, handler="echo", input_capacity=256, output_capacity=256)
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port()),
+        agent_process=agent_addr,
+        handler=HandlerSettings("echo"),
+        sizing=Sizing(input_capacity=256, output_capacity=256),
+    )
     with running_edge(options, tmp_path / "edge") as edge:
 
         async def burst_and_kill(c: H3Client) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edgepath.builder import build_hang_watch
 from edgepath.config import DataPath
 from edgepath.dma.handlers import echo
 from edgepath.dma.loopback import LoopbackTransport
@@ -57,7 +58,7 @@ def frozen(tmp_path: Path) -> Iterator[SlotServer]:
 
 def watch_of(server: SlotServer, tmp_path: Path, clock: Clock, recorder: Recorder) -> HangWatch:
     supervisor: Supervisor = recorder  # type: ignore[assignment]
-    return HangWatch(supervisor, server.address, DataPath(), 2, HANG, str(tmp_path), clock=clock)
+    return build_hang_watch(supervisor, server.address, DataPath(), 2, HANG, str(tmp_path), clock=clock)
 
 
 def test_a_frozen_server_is_killed_once_after_two_hang_timeouts(frozen: SlotServer, tmp_path: Path) -> None:

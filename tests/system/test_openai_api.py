@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
@@ -31,16 +31,12 @@ def tls_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _options(transport: str) -> ServeOptions:
+    port = free_port() if transport == "quic" else free_port(kind=socket.SOCK_STREAM)
     return ServeOptions(
-        transport=transport,
-        port=free_port() if transport == "quic" else free_port(kind=socket.SOCK_STREAM),
-        slots=4,
-        frames=32,
-        input_capacity=256,
-        output_capacity=64,
-        handler="paced-echo",
-        handler_options=(("token_delay", str(TOKEN_DELAY)),),
-        served_model_name="echo",
+        edge=EdgeSettings(transport=transport, port_asked=port, served_model_name="echo"),
+        sizing=Sizing(slots=4, input_capacity=256, output_capacity=64),
+        agent=AgentSettings(frames=32),
+        handler=HandlerSettings("paced-echo", (("token_delay", str(TOKEN_DELAY)),)),
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers.edge import free_port, running_edge
 
-from edgepath.config import ServeOptions
+from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.client import h3_client
 from edgepath.edge.tls import default_certificate
 
@@ -18,7 +18,12 @@ pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-ser
 def test_over_quic_a_missing_key_is_401_and_a_good_one_is_served(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("k-123\n")
-    options = ServeOptions(port=free_port(), slots=2, frames=4, handler="echo", api_keys_file=str(keys))
+    options = ServeOptions(
+        edge=EdgeSettings(port_asked=free_port(), api_keys_file=str(keys)),
+        sizing=Sizing(slots=2),
+        agent=AgentSettings(frames=4),
+        handler=HandlerSettings("echo"),
+    )
     with running_edge(options, tmp_path) as edge:
 
         async def main() -> tuple[int, int, int]:

@@ -12,7 +12,15 @@ import pytest
 from helpers.edge import free_port, running_edge
 from helpers.procs import all_free
 
-from edgepath.config import DataPath, ServeOptions
+from edgepath.config import (
+    AgentSettings,
+    DataPath,
+    EdgeSettings,
+    HandlerSettings,
+    ServeOptions,
+    Sizing,
+    StartedSlotServer,
+)
 from edgepath.edge.client import h3_client
 from edgepath.edge.tls import default_certificate
 
@@ -25,14 +33,12 @@ def test_serve_over_the_data_path(
 ) -> None:
     address = new_address("slot-server")
     options = ServeOptions(
-        port=free_port(),
-        slots=4,
-        frames=16,
-        input_capacity=256,
-        output_capacity=256,
-        handler="echo",
+        edge=EdgeSettings(port_asked=free_port()),
+        sizing=Sizing(slots=4, input_capacity=256, output_capacity=256),
+        agent=AgentSettings(frames=16),
+        handler=HandlerSettings("echo"),
         data_path=data_path,
-        slot_server_listen=address,
+        started=StartedSlotServer(listen=address),
     )
     with running_edge(options, tmp_path) as edge:
 

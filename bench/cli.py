@@ -1,0 +1,106 @@
+"""``edgepath bench ...``: the benchmarks' commands, added to the ``edgepath`` command line through the
+``edgepath.commands`` entry point of the ``edgepath-bench`` distribution (bench/pyproject.toml), so the
+product never imports its benchmarks and its wheel does not carry them.
+
+Only argparse and the light ``add_arguments`` of each benchmark are imported here: building the parser
+runs for every ``edgepath`` command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from edgepath.options import positive_float, positive_int
+
+
+def cmd_ingress(args: argparse.Namespace) -> int:
+    from edgepath.bench.ingress import main
+
+    return main(args)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from edgepath.bench.model_compare import main
+
+    return main(args)
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from edgepath.bench.stream import main
+
+    return main(args)
+
+
+def cmd_edge_cpu(args: argparse.Namespace) -> int:
+    from edgepath.bench.edge_cpu import main
+
+    return main(args)
+
+
+def add_command(sub: Any) -> None:
+    """``edgepath bench`` and its benchmarks, on ``edgepath``'s subcommands ``sub``."""
+    from edgepath.bench.model_compare import add_arguments as add_model_arguments
+    from edgepath.bench.stream import add_arguments as add_stream_arguments
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser(
+        "ingress", help="open-loop HTTP latency and server CPU per request: edgepath vs the QUIC floors vs FastAPI"
+    )
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="comma-separated, from: edgepath-aioquic, edgepath-qh3, edgepath-aioquic-w2, floor-aioquic, floor-qh3, "
+        "fastapi-batch, fastapi-direct (default: all)",
+    )
+    p.add_argument("--quick", action="store_true", help="smoke test: one short low-rate run per system, no sweep")
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="one run on this schedule (poisson:RATE or uniform:LOW_MS-HIGH_MS) instead of a rate sweep",
+    )
+    p.add_argument("--count", type=positive_int, default=1000, help="requests for --schedule")
+    p.add_argument("--seconds", type=positive_float, default=4.0, help="length of each measured run")
+    p.add_argument("--sweep-seconds", type=positive_float, default=2.0, help="length of each capacity-sweep step")
+    p.add_argument("--start-rate", type=positive_float, default=200.0, help="first rate of the sweep (req/s)")
+    p.add_argument("--max-rate", type=positive_float, default=20_000.0, help="the sweep stops here (req/s)")
+    p.add_argument("--generators", type=positive_int, default=1, help="load-generator processes to start with")
+    p.add_argument(
+        "--max-generators", type=positive_int, default=2, help="a client-bound run is retried with more, up to this"
+    )
+    p.add_argument("--slots", type=positive_int, default=64)
+    p.add_argument("--out", default="out/ingress", help="folder for ingress.json and ingress.png")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        default=None,
+        help="rewrite this page's ingress block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
+    p.set_defaults(func=cmd_ingress)
+    p = bench.add_parser(
+        "model", help="streamed chat load on the same GGUF, phase by phase: edgepath vs llama.cpp's own llama-server"
+    )
+    add_model_arguments(p)
+    p.set_defaults(func=cmd_model)
+    p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
+    add_stream_arguments(p)
+    p.set_defaults(func=cmd_stream)
+    p = bench.add_parser(
+        "edge-cpu", help="the edge process's CPU per request without the QUIC engine (echo slot server, closed loop)"
+    )
+    # defined here, not in bench/edge_cpu.py: importing that module (the edge, numpy) would slow every command
+    p.add_argument("--requests", type=int, default=10_000, help="measured requests per run (default 10,000)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs (default 3; the figure is their median)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    p.add_argument("--warmup", type=int, default=2_000, help="requests before the measurement (default 2,000)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    p.add_argument("--profile", default=None, help="keep the profiled run's cProfile here")
+    p.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        default=None,
+        help="rewrite this page's edge-cpu block between its markers (docs/PERFORMANCE.md; --readme: its old name)",
+    )
+    p.set_defaults(func=cmd_edge_cpu)
