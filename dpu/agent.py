@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,16 +223,8 @@ class Agent:
             frames = self.frames
             frames.tokens[index, flight.prompt : prompt] = frames.outputs[index, :produced]
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
-            for choice in self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices:
-                link = candidates[choice.server]
-                try:
-                    claimed = self.claim(link)
-                except TransportError as exc:
-                    self.link_set.failed(link, exc)
-                    continue
-                if claimed is None:
-                    continue
-                slot, gen = claimed
+            choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices
+            for link, choice, (slot, gen) in self._claims(choices, candidates):
                 flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
                 try:
                     self._send(link, index, slot, gen, prompt, choice.prediction, flight)
@@ -256,6 +248,22 @@ class Agent:
         return False
 
     # -- claiming -------------------------------------------------------------------
+    def _claims(
+        self, choices: list[Choice], links: list[ServerLink]
+    ) -> Iterator[tuple[ServerLink, Choice, tuple[int, int]]]:
+        """A claim on each chosen server in turn, for as long as the caller asks for another (one whose send
+        failed): (link, choice, (slot, generation)); a server without a free slot is passed over, one whose
+        compare-and-swap fails is taken down."""
+        for choice in choices:
+            link = links[choice.server]
+            try:
+                claimed = self.claim(link)
+            except TransportError as exc:
+                self.link_set.failed(link, exc)
+                continue
+            if claimed is not None:
+                yield link, choice, claimed
+
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
         """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
         offset = link.states_offset + 8 * slot
@@ -336,18 +344,9 @@ class Agent:
             if not choices and decision.over_bound_ms is not None:
                 self.frames.result_headers[index].over_bound(decision.over_bound_ms)
                 return Status.OVER_BOUND
-        for choice in choices:
-            link = fits[choice.server]
-            try:
-                claimed = self.claim(link)
-            except TransportError as exc:
-                self.link_set.failed(link, exc)
-                continue
-            if claimed is None:
-                continue
+        for link, choice, (slot, gen) in self._claims(choices, fits):
             if choice.matched:
                 link.stats.affine += 1
-            slot, gen = claimed
             try:
                 self._send(link, index, slot, gen, count, choice.prediction)
             except TransportError as exc:

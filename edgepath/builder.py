@@ -163,9 +163,17 @@ def build_agent(
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
     is reported before anything else starts) whose frames hold ``capacity``, attached to ``slot_servers``
     (``flags``: see :func:`attach_all`); the caller closes ``transport``."""
+    agent = make_agent(settings, capacity, transport)
+    attach_all(agent, slot_servers, flags)
+    return agent
+
+
+def make_agent(settings: AgentSettings, capacity: Capacity, transport: Transport, **memory: Any) -> Agent:
+    """An agent on ``transport`` as ``settings`` say, its frames holding ``capacity``, attached to nothing yet
+    (``memory``: where its frames live, for an agent process whose edges share them)."""
     from edgepath.dpu.agent import Agent
 
-    agent = Agent(
+    return Agent(
         transport,
         frames=settings.frames,
         input_capacity=capacity.input_capacity,
@@ -173,9 +181,8 @@ def build_agent(
         hang_timeout=settings.hang_timeout,
         max_wait=settings.max_wait,
         migration_limit=settings.migration_limit,
+        **memory,
     )
-    attach_all(agent, slot_servers, flags)
-    return agent
 
 
 def build_agent_service(settings: AgentServiceSettings) -> AgentService:
@@ -188,22 +195,12 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
     where the edges read them."""
     from edgepath.dma.loopback import LoopbackTransport
     from edgepath.dma.transport import Access
-    from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_service import AgentService, edge_regions
 
     agent_settings, capacity = settings.agent, settings.capacity
 
     def agent_on(transport: Transport, **memory: Any) -> Agent:
-        return Agent(
-            transport,
-            frames=agent_settings.frames,
-            input_capacity=capacity.input_capacity,
-            output_capacity=capacity.output_capacity,
-            hang_timeout=agent_settings.hang_timeout,
-            max_wait=agent_settings.max_wait,
-            migration_limit=agent_settings.migration_limit,
-            **memory,
-        )
+        return make_agent(agent_settings, capacity, transport, **memory)
 
     edge_transport = LoopbackTransport()
     made: list[Transport] = [edge_transport]
