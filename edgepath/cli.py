@@ -127,20 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("slot-server", help="own a slot pool and serve it with a handler")
-    add_options(p, SlotServerSettings)
-    _add_renamed_transport(p)
-    p.set_defaults(func=cmd_slot_server)
-
-    p = sub.add_parser("agent", help="claim slots and write requests for edges (a separate process)")
-    add_options(p, AgentServiceSettings)
-    _add_renamed_transport(p)
-    p.set_defaults(func=cmd_agent)
-
-    p = sub.add_parser("demo", help="run the whole loopback data path in one process and report")
-    add_options(p, DemoSettings)
-    _add_renamed_transport(p)
-    p.set_defaults(func=cmd_demo)
+    data_path_commands = (
+        ("slot-server", "own a slot pool and serve it with a handler", SlotServerSettings, cmd_slot_server),
+        ("agent", "claim slots and write requests for edges (a separate process)", AgentServiceSettings, cmd_agent),
+        ("demo", "run the whole loopback data path in one process and report", DemoSettings, cmd_demo),
+    )
+    for name, help_text, settings, run in data_path_commands:
+        p = sub.add_parser(name, help=help_text)
+        add_options(p, settings)
+        _add_renamed_transport(p)
+        p.set_defaults(func=run)
 
     p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     add_options(p, ServeOptions)
