@@ -38,8 +38,6 @@ class PoolMemory:
     poller: Poller
     #: the pool in GPU memory, when it is there (``gpu-device``), for code that works on the device
     device_slots: DeviceSlots | None = None
-    #: :meth:`close` frees memory a running loop still touches: close only after the loop returned
-    frees_memory: bool = False
 
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
@@ -134,8 +132,6 @@ class HostMemory(PoolMemory):
 class MappedMemory(PoolMemory):
     """``--slots gpu``: the pool in host memory, mapped into the GPU, where the CUDA poller watches it."""
 
-    frees_memory = True
-
     def __init__(self, transport: Transport, spec: PoolSpec) -> None:
         from edgepath.dma.gpu import start_mapped_poller
 
@@ -150,8 +146,6 @@ class DeviceMemory(PoolMemory):
     transport's NIC (``register_device``: dma-buf, else nvidia-peermem), so agents write the ids straight
     into HBM; the host works on the pool's pinned mirror, and state words it steps are stored on the
     device."""
-
-    frees_memory = True
 
     def __init__(self, transport: Transport, spec: PoolSpec) -> None:
         register = getattr(transport, "register_device", None)

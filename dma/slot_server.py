@@ -529,18 +529,17 @@ class SlotServer:
         self._stop.set()
 
     def close(self) -> None:
+        """Stop the loop and free what it uses only after it has returned: freeing the model's context (or GPU
+        memory) under a step still running in the serve thread is a segfault, not an error."""
         self.stop()
-        self.connections.close()
-        for peer in list(self.peers.values()):
-            peer.conn.close()
-        self.peers.clear()
-        self.handler.close()
-        if not self.memory.frees_memory:
-            self.memory.close()
-            return
         if not self._serving.acquire(timeout=5.0):
-            raise RuntimeError("slot server: serve() did not return within 5 s; GPU poller left running")
+            raise RuntimeError("slot server: serve() did not return within 5 s; its model and memory left in place")
         try:
+            self.connections.close()
+            for peer in list(self.peers.values()):
+                peer.conn.close()
+            self.peers.clear()
+            self.handler.close()
             self.memory.close()
         finally:
             self._serving.release()
