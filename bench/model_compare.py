@@ -7,7 +7,8 @@ Systems (each started fresh on loopback, one at a time: they share the CPUs):
   cached; built on first use unless ``--no-build``), run with ``-np <slots> -c <slots x ctx>`` (continuous
   batching, its prompt cache on, as it ships);
 * ``edgepath`` -- ``edgepath serve --transport tcp --handler llama`` with the same slots and context,
-  handler options passed through (``--handler-option KEY=VALUE``);
+  handler options passed through (``--handler-option KEY=VALUE``), at its default bound on waiting;
+* ``edgepath-no-bound`` -- the same with ``--max-wait`` an hour: what the bound costs in throughput;
 * ``llama-cpp-python`` (llama-cpp-python's own server, one request at a time) and ``fastapi-batcher``
   (FastAPI + queue + dynamic batcher over edgepath's handler): kept for reference, not run by default.
 
@@ -22,20 +23,25 @@ OpenAI chat completions at temperature 0 over HTTP/1.1:
 a. ``lone``: one request at a time -- TTFT and ITL of a request with nothing else running;
 b. ``concurrent``: closed loop with concurrency = slots -- throughput; its answered requests/s is the
    system's *capacity*;
-c. ``poisson-P``: open loop, Poisson arrivals at P% of capacity (50/100/200 by default).  The capacity
+c. ``poisson-P``: open loop, Poisson arrivals at P% of capacity (100/200/400 by default).  The capacity
    is the *reference* system's (llama-server's when it runs; ``--rate-basis own`` for each system's own),
    so every system gets the same arrivals at the same absolute rate: goodput and queueing compare
-   at equal offered load, which is what "goodput at 2x capacity" is judged on;
+   at equal offered load, which is what "goodput at 2x capacity" is judged on; then ``burst``: 2 x slots
+   requests at once;
 d. shared prefix: chats sharing one ~450-token system prompt, each with its own question --
    ``prefix-seq-cold`` (the first of a sequence) and ``prefix-seq-warm`` (the next ones, one at a
    time); then with another system prompt, ``prefix-burst-cold`` (slots chats at once, nothing cached)
    and ``prefix-conc-warm`` (a closed loop at concurrency = slots over more chats with that prompt).
 
-Per system and phase: TTFT p50/p99, ITL p50/p99 (gaps between streamed content chunks), output tokens/s
-(``usage.completion_tokens``, ``stream_options.include_usage``), goodput (requests/s that got a first
-token within 2 s AND a median inter-token gap within 100 ms; refused and failed requests count as
-missing it), the share answered 429, and the servers' CPU per answered request (utime + stime of every
-server process from /proc, read just before the phase's first request and after its last answer).
+Per system and phase: TTFT p50/p99, wait p50/p99 (TTFT less what the request's uncached prompt took the
+same system in its lone phase: a least-squares line of TTFT over uncached prompt tokens), ITL p50/p99
+(gaps between streamed content chunks), output tokens/s (``usage.completion_tokens``,
+``stream_options.include_usage``), goodput (requests/s that waited within edgepath's default bound, 2 s,
+AND had a median inter-token gap within 100 ms; refused and failed requests count as missing it), the
+share answered 429; for edgepath also the wait it measured itself and its prediction's error (its own
+time to first token over the agent's prediction, Server-Timing); and the servers' CPU per answered
+request (utime + stime of every server process from /proc, read just before the phase's first request
+and after its last answer).
 Start-up, a warm-up request and teardown are outside every measured window.  The load generator is
 this process (asyncio + h11): a phase in which it sent late (p99 > 50 ms behind schedule) or used more
 than 80% of a core is marked client-bound.  Plus ``batching`` (per numeric thread count): decode
@@ -76,6 +82,7 @@ from edgepath.bench import llama_server
 from edgepath.bench.model_workload import Workload
 from edgepath.bench.proc import tree_cpu_seconds
 from edgepath.children import free_port
+from edgepath.dpu.agent import DEFAULT_MAX_WAIT
 
 
 # -- systems --------------------------------------------------------------------------------------------
@@ -117,6 +124,11 @@ def _edgepath(s: Setup, port: int, threads: int | None) -> list[str]:
     return argv
 
 
+def _edgepath_no_bound(s: Setup, port: int, threads: int | None) -> list[str]:
+    """edgepath with its bound on waiting out of reach (an hour): what the bound costs in throughput."""
+    return [*_edgepath(s, port, threads), "--max-wait", str(NO_BOUND_S)]
+
+
 def _llama_server(s: Setup, port: int, threads: int | None) -> list[str]:
     argv = [
         str(llama_server.require().server), "-m", s.model, "--host", "127.0.0.1", "--port", str(port),
@@ -150,7 +162,10 @@ def _handler_default() -> str:
 
 
 EDGEPATH = "edgepath"
+EDGEPATH_NO_BOUND = "edgepath-no-bound"
 LLAMA_SERVER = "llama-server"
+#: ``--max-wait`` of the no-bound run: no request on this project's machines is predicted to wait that long
+NO_BOUND_S = 3600.0
 SYSTEMS = {
     s.name: s
     for s in (
@@ -161,6 +176,7 @@ SYSTEMS = {
             r"n_threads = (\d+)",
         ),
         System(EDGEPATH, _edgepath, _handler_default, r"(\d+) threads"),
+        System(EDGEPATH_NO_BOUND, _edgepath_no_bound, _handler_default, r"(\d+) threads"),
         System(
             "llama-cpp-python",
             _llama_cpp_python,
@@ -171,16 +187,39 @@ SYSTEMS = {
         System("fastapi-batcher", _fastapi_batcher, _handler_default, None),
     )
 }
-DEFAULT_SYSTEMS = (LLAMA_SERVER, EDGEPATH)
+DEFAULT_SYSTEMS = (LLAMA_SERVER, EDGEPATH, EDGEPATH_NO_BOUND)
 
 
 # -- one streamed request over HTTP/1.1 -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Slo:
-    """What a request must get to count towards goodput."""
+    """What a request must get to count towards goodput: a wait within edgepath's default bound, a median
+    inter-token gap within 100 ms."""
 
-    ttft_s: float = 2.0
+    wait_s: float = DEFAULT_MAX_WAIT
     itl_p50_s: float = 0.1
+
+
+@dataclass(frozen=True)
+class IdleCost:
+    """What a prompt costs a system with nothing else running: time to first token over uncached prompt
+    tokens, a least-squares line through its lone phase.  A request's wait is its TTFT minus this -- the
+    admission issue's definition, measured from outside and the same way for every system."""
+
+    base_s: float
+    per_token_s: float
+
+    def of(self, tokens: int) -> float:
+        return self.base_s + self.per_token_s * tokens
+
+    @classmethod
+    def fit(cls, outcomes: list[Outcome]) -> IdleCost | None:
+        """None without two answered requests of different uncached lengths."""
+        points = [(float(o.uncached), o.ttft) for o in outcomes if o.ok and o.uncached is not None and o.ttft]
+        if len({x for x, _ in points}) < 2:
+            return None
+        slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+        return cls(max(0.0, intercept), max(0.0, slope))
 
 
 @dataclass
@@ -193,6 +232,9 @@ class Outcome:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens the server took from its cache (usage, or llama-server's timings)
     edge_ms: float | None = None  # edgepath: the edge's own stages (Server-Timing), request in to doorbell
+    server_wait_ms: float | None = None  # edgepath: the wait it measured (Server-Timing ``wait``, X-Queue-Time)
+    server_ttft_ms: float | None = None  # edgepath: its own time to first token (Server-Timing ``first_token``)
+    predicted_ttft_ms: float | None = None  # edgepath: the agent's prediction at claim time
     lag: float = 0.0  # how late the client sent it against its schedule (seconds)
     error: str | None = None
 
@@ -208,15 +250,37 @@ class Outcome:
     def tokens(self) -> int:
         return self.completion_tokens if self.completion_tokens is not None else len(self.chunks)
 
+    @property
+    def uncached(self) -> int | None:
+        """Prompt tokens the server computed (its usage less what it took from its cache)."""
+        return None if self.prompt_tokens is None else self.prompt_tokens - (self.cached_tokens or 0)
+
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
 
-    def met(self, slo: Slo) -> bool:
-        """Answered, first token within the SLO, median gap within it (one chunk: no gap to miss)."""
-        if not self.ok or self.ttft is None or self.ttft > slo.ttft_s:
+    def wait(self, idle: IdleCost | None) -> float | None:
+        """TTFT less what the uncached prompt takes on the idle system; without a fit (or a prompt count)
+        the whole TTFT, an upper bound."""
+        if self.ttft is None:
+            return None
+        if idle is None or self.uncached is None:
+            return self.ttft
+        return max(0.0, self.ttft - idle.of(self.uncached))
+
+    def met(self, slo: Slo, idle: IdleCost | None) -> bool:
+        """Answered, waited within the bound, median gap within it (one chunk: no gap to miss)."""
+        wait = self.wait(idle)
+        if not self.ok or wait is None or wait > slo.wait_s:
             return False
         gaps = self.gaps()
         return not gaps or statistics.median(gaps) <= slo.itl_p50_s
+
+    def prediction_ratio(self) -> float | None:
+        """edgepath's time to first token over what its agent predicted when it claimed the slot."""
+        actual = self.server_ttft_ms if self.server_ttft_ms is not None else _ms(self.ttft)
+        if not self.predicted_ttft_ms or actual is None:
+            return None
+        return actual / self.predicted_ttft_ms
 
 
 #: The edge's own stages in Server-Timing (edgepath.edge.http.STAGES up to the doorbell): request in,
@@ -225,12 +289,16 @@ EDGE_STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell")
 
 
 def read_headers(out: Outcome, headers: Iterable[tuple[bytes, bytes]]) -> None:
-    """edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up to the doorbell."""
+    """edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up to the doorbell, the wait it
+    measured, its own time to first token and the agent's prediction of it."""
     for name, value in headers:
         if name == b"server-timing":
-            stages = dict(re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode()))
+            stages = {k: float(v) for k, v in re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode())}
             if any(stage in stages for stage in EDGE_STAGES):
-                out.edge_ms = sum(float(stages.get(stage, 0.0)) for stage in EDGE_STAGES)
+                out.edge_ms = sum(stages.get(stage, 0.0) for stage in EDGE_STAGES)
+            out.server_wait_ms = stages.get("wait")
+            out.server_ttft_ms = stages.get("first_token")
+            out.predicted_ttft_ms = stages.get("predicted_ttft")
 
 
 def read_event(out: Outcome, line: bytes, now: float) -> None:
@@ -257,6 +325,8 @@ def read_event(out: Outcome, line: bytes, now: float) -> None:
     timings = chunk.get("timings")
     if isinstance(timings, dict) and out.cached_tokens is None and "cache_n" in timings:
         out.cached_tokens = int(timings["cache_n"])
+        if out.prompt_tokens is None and "prompt_n" in timings:  # llama-server: computed + cached
+            out.prompt_tokens = int(timings["prompt_n"]) + out.cached_tokens
 
 
 async def stream_chat(port: int, body: dict[str, Any], timeout: float) -> Outcome:
@@ -391,13 +461,28 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+#: The prediction is good when actual / predicted is within these (the admission issue's target band)
+PREDICTION_BAND = (0.75, 1.33)
+
+
 def summarize(
-    phase: str, outcomes: list[Outcome], window: Window, slo: Slo, rate: float | None = None
+    phase: str,
+    outcomes: list[Outcome],
+    window: Window,
+    slo: Slo,
+    rate: float | None = None,
+    idle: IdleCost | None = None,
 ) -> dict[str, Any]:
-    """One phase's figures.  TTFT and ITL are over answered requests only: ``ok``/``requests`` and the
-    429 share say how many that is; goodput counts every sent request."""
+    """One phase's figures.  TTFT, wait and ITL are over answered requests only: ``ok``/``requests`` and
+    the 429 share say how many that is; goodput counts every sent request.  ``idle``: the system's lone
+    cost, which a request's wait is measured against."""
     ok = [o for o in outcomes if o.ok]
     ttft = [o.ttft for o in ok if o.ttft is not None]
+    waits = [w for w in (o.wait(idle) for o in ok) if w is not None]
+    server_waits = [o.server_wait_ms for o in ok if o.server_wait_ms is not None]
+    ratios = [r for r in (o.prediction_ratio() for o in ok) if r is not None]
+    low, high = PREDICTION_BAND
+    met = sum(o.met(slo, idle) for o in outcomes)
     gaps = [g for o in ok for g in o.gaps()]
     first = min((o.sent for o in outcomes), default=0.0)
     span = max((o.done for o in outcomes), default=first) - first
@@ -420,14 +505,24 @@ def summarize(
         "errors": sorted({o.error or f"HTTP {o.status}" for o in outcomes if not o.ok and o.status != 429})[:3],
         "ttft_p50_ms": _ms(percentile(ttft, 50)),
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "wait_p50_ms": _ms(percentile(waits, 50)),
+        "wait_p99_ms": _ms(percentile(waits, 99)),
+        "wait_measured_against": "lone-phase fit" if idle is not None else "TTFT (no lone-phase fit)",
+        "server_wait_p50_ms": percentile(server_waits, 50),
+        "server_wait_p99_ms": percentile(server_waits, 99),
+        "predicted": len(ratios),
+        "prediction_p10": percentile(ratios, 10),
+        "prediction_p50": percentile(ratios, 50),
+        "prediction_p90": percentile(ratios, 90),
+        "prediction_in_band": sum(low <= r <= high for r in ratios) / len(ratios) if ratios else None,
         "itl_p50_ms": _ms(percentile(gaps, 50)),
         "itl_p99_ms": _ms(percentile(gaps, 99)),
         "output_tokens": tokens,
         "tokens_per_chunk": tokens / chunks if chunks else None,
         "output_tok_s": tokens / span if span > 0 else None,
         "answered_rps": len(ok) / span if span > 0 else None,
-        "goodput_rps": sum(o.met(slo) for o in outcomes) / span if span > 0 else None,
-        "goodput_share": sum(o.met(slo) for o in outcomes) / max(1, len(outcomes)),
+        "goodput_rps": met / span if span > 0 else None,
+        "goodput_share": met / max(1, len(outcomes)),
         "span_s": span,
         "server_cpu_s": window.server_cpu_s,
         "server_cpu_ms_per_request": window.server_cpu_s / len(ok) * 1e3 if ok else None,
@@ -516,6 +611,7 @@ class Chats:
     lone: list[list[dict[str, str]]]
     concurrent: list[list[dict[str, str]]]
     poisson: dict[float, list[list[dict[str, str]]]]
+    burst: list[list[dict[str, str]]]  # 2 x slots at once
     prefix_seq: list[list[dict[str, str]]]
     prefix_conc: list[list[dict[str, str]]]  # the first `slots` are the cold burst
 
@@ -526,6 +622,7 @@ class Chats:
             lone=workload.chats("lone", plan.lone),
             concurrent=workload.chats("concurrent", plan.concurrent),
             poisson={f: workload.chats(f"poisson-{f:g}", plan.requests) for f in plan.fractions},
+            burst=workload.chats("burst", 2 * slots),
             prefix_seq=workload.shared_prefix("sequential", plan.prefix_chats, prefix_tokens),
             prefix_conc=workload.shared_prefix("concurrent", slots + plan.prefix_concurrent, prefix_tokens),
         )
@@ -574,10 +671,16 @@ async def run_system(
                 for messages in chat_list
             ]  # fmt: skip
 
+        idle: IdleCost | None = None
+
         async def phase(name: str, load: Coroutine[Any, Any, list[Outcome]], rate: float | None = None) -> dict:
+            nonlocal idle
             print(f"{system.name} (threads {label}): {name}" + (f", {rate:.3f} requests/s" if rate else ""), flush=True)
             outcomes, window = await measured(proc.pid, load)
-            row = summarize(name, outcomes, window, slo, rate)
+            if name == "lone":  # the idle cost every later wait is measured against
+                idle = IdleCost.fit(outcomes)
+                result["idle_cost"] = asdict(idle) if idle else None
+            row = summarize(name, outcomes, window, slo, rate, idle)
             result["phases"].append(row)
             return row
 
@@ -596,12 +699,14 @@ async def run_system(
                 offsets = arrivals(fraction * basis, plan.requests, plan.seconds, plan.seed * 1000 + i)
                 chosen = bodies(chats.poisson[fraction])[: len(offsets)]
                 await phase(phase_name(fraction), open_loop(port, chosen, offsets, plan.timeout), fraction * basis)
+        burst = bodies(chats.burst)
+        await phase("burst", open_loop(port, burst, [0.0] * len(burst), plan.timeout))
         sequence = bodies(chats.prefix_seq)
         await phase("prefix-seq-cold", one_at_a_time(port, sequence[:1], plan.timeout))
         await phase("prefix-seq-warm", one_at_a_time(port, sequence[1:], plan.timeout))
         shared = bodies(chats.prefix_conc)
-        burst = shared[: setup.slots]
-        await phase("prefix-burst-cold", open_loop(port, burst, [0.0] * len(burst), plan.timeout))
+        cold = shared[: setup.slots]
+        await phase("prefix-burst-cold", open_loop(port, cold, [0.0] * len(cold), plan.timeout))
         rest = shared[setup.slots :]
         await phase("prefix-conc-warm", closed_loop(port, rest, setup.slots, plan.timeout, plan.seconds))
     except (RuntimeError, OSError) as exc:
@@ -709,7 +814,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrent-requests", type=int, default=None, help="requests of the concurrency = slots phase (3 x slots)"
     )
-    p.add_argument("--loads", default="0.5,1,2", help="Poisson rates, as fractions of capacity")
+    p.add_argument("--loads", default="1,2,4", help="Poisson rates, as fractions of capacity")
     p.add_argument(
         "--rate-basis",
         choices=("common", "own"),

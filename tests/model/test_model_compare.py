@@ -18,6 +18,7 @@ import pytest
 from edgepath.bench import llama_server
 from edgepath.bench.model_compare import (
     SYSTEMS,
+    IdleCost,
     Outcome,
     Setup,
     Slo,
@@ -72,16 +73,44 @@ def test_edge_stages_come_from_server_timing() -> None:
     other = Outcome()
     read_headers(other, [(b"server-timing", b"app;dur=3.0"), (b"x-queued-ms", b"4.5")])
     assert other.edge_ms is None
+    assert (other.server_wait_ms, other.server_ttft_ms, other.predicted_ttft_ms) == (None, None, None)
 
 
-def test_a_request_meets_the_slo_only_when_answered_soon_and_streamed_fast() -> None:
-    slo = Slo(ttft_s=2.0, itl_p50_s=0.1)
-    assert Outcome(status=200, sent=0.0, chunks=[1.0, 1.05, 1.1]).met(slo)
-    assert Outcome(status=200, sent=0.0, chunks=[1.0]).met(slo)  # one chunk: no gap to miss
-    assert not Outcome(status=200, sent=0.0, chunks=[2.5, 2.55]).met(slo)  # first token too late
-    assert not Outcome(status=200, sent=0.0, chunks=[1.0, 1.2, 1.4, 1.45]).met(slo)  # median gap 200 ms
-    assert not Outcome(status=429, sent=0.0).met(slo)
-    assert not Outcome(status=200, sent=0.0, chunks=[0.5], error="timed out after 5 s").met(slo)
+def test_edgepaths_wait_and_prediction_come_from_server_timing() -> None:
+    out = Outcome(status=200, sent=0.0, chunks=[1.3])
+    timing = b"claim;dur=0.010, first_token;dur=1200.000, wait;dur=150.500, predicted_ttft;dur=1000.000"
+    read_headers(out, [(b"server-timing", timing), (b"x-queue-time", b"150500.0us")])
+    assert (out.server_wait_ms, out.server_ttft_ms, out.predicted_ttft_ms) == (150.5, 1200.0, 1000.0)
+    assert out.prediction_ratio() == pytest.approx(1.2)  # its own TTFT, not the client's
+    assert Outcome(status=200, sent=0.0, chunks=[1.3]).prediction_ratio() is None  # no prediction: no ratio
+
+
+def test_the_idle_cost_is_a_line_through_the_lone_phase_and_the_wait_is_what_lies_above_it() -> None:
+    lone = [
+        Outcome(status=200, sent=0.0, chunks=[0.1 + 0.002 * n], prompt_tokens=n + 10, cached_tokens=10)
+        for n in (100, 300, 500)
+    ]
+    idle = IdleCost.fit([*lone, Outcome(status=429)])
+    assert idle is not None
+    assert (idle.base_s, idle.per_token_s) == (pytest.approx(0.1), pytest.approx(0.002))
+    late = Outcome(status=200, sent=0.0, chunks=[2.0], prompt_tokens=400)  # 0.9 s of its own, 1.1 s waited
+    assert late.wait(idle) == pytest.approx(1.1)
+    assert late.wait(None) == 2.0  # no fit: the whole TTFT, an upper bound
+    early = Outcome(status=200, sent=0.0, chunks=[0.5], prompt_tokens=400)
+    assert early.wait(idle) == 0.0  # faster than the fit: it waited for nothing
+    assert IdleCost.fit(lone[:1]) is None and IdleCost.fit([lone[0], lone[0]]) is None  # one length: no line
+
+
+def test_a_request_meets_the_slo_only_when_it_waited_within_the_bound_and_streamed_fast() -> None:
+    slo = Slo(wait_s=2.0, itl_p50_s=0.1)
+    assert Outcome(status=200, sent=0.0, chunks=[1.0, 1.05, 1.1]).met(slo, None)
+    assert Outcome(status=200, sent=0.0, chunks=[1.0]).met(slo, None)  # one chunk: no gap to miss
+    assert not Outcome(status=200, sent=0.0, chunks=[2.5, 2.55]).met(slo, None)  # waited too long
+    long = Outcome(status=200, sent=0.0, chunks=[2.5, 2.55], prompt_tokens=1000)
+    assert long.met(slo, IdleCost(0.0, 0.002))  # a 2 s prompt of its own: waited 0.5 s
+    assert not Outcome(status=200, sent=0.0, chunks=[1.0, 1.2, 1.4, 1.45]).met(slo, None)  # median gap 200 ms
+    assert not Outcome(status=429, sent=0.0).met(slo, None)
+    assert not Outcome(status=200, sent=0.0, chunks=[0.5], error="timed out after 5 s").met(slo, None)
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -153,7 +182,7 @@ def test_bad_flags_are_named_with_what_is_allowed(argv: tuple[str, ...], message
 def test_flags_become_the_plan() -> None:
     checked = _check(_parsed("--systems", "fastapi-batcher,edgepath,llama-server", "--threads", "2,default"))
     assert checked.systems == ["llama-server", "edgepath", "fastapi-batcher"]  # the reference runs first
-    assert checked.threads == [2, None] and checked.fractions == (0.5, 1.0, 2.0)
+    assert checked.threads == [2, None] and checked.fractions == (1.0, 2.0, 4.0)
     assert checked.prompt_range == (128, 1024)
     checked = _check(_parsed("--handler-option", "prefill_budget=64", "--handler-option", "x=y=z"))
     assert checked.handler_options == ("prefill_budget=64", "x=y=z")
@@ -243,10 +272,18 @@ def _row(phase: str, **figures: Any) -> dict[str, Any]:
     return row
 
 
-def _report(edge: dict[str, dict], peer: dict[str, dict] | None, batching: list[dict] | None = None) -> dict:
+def _report(
+    edge: dict[str, dict],
+    peer: dict[str, dict] | None,
+    batching: list[dict] | None = None,
+    no_bound: dict[str, dict] | None = None,
+) -> dict:
     results = [{"system": "edgepath", "threads": "1", "phases": [_row(p, **f) for p, f in edge.items()]}]
     if peer is not None:
         results.insert(0, {"system": "llama-server", "threads": "1", "phases": [_row(p, **f) for p, f in peer.items()]})
+    if no_bound is not None:
+        phases = [_row(p, **f) for p, f in no_bound.items()]
+        results.append({"system": "edgepath-no-bound", "threads": "1", "phases": phases})
     report = {
         "measured_at": "2026-01-01T00:00:00Z",
         "machine": "x86_64, 2 CPUs",
@@ -261,7 +298,7 @@ def _report(edge: dict[str, dict], peer: dict[str, dict] | None, batching: list[
             "handler_options": [],
         },
         "prompts": {"tokens": "128-1024", "prefix_tokens": 450, "seed": 1},
-        "slo": {"ttft_s": 2.0, "itl_p50_s": 0.1},
+        "slo": {"wait_s": 2.0, "itl_p50_s": 0.1},
         "systems": ["llama-server", "edgepath"] if peer is not None else ["edgepath"],
         "threads": ["1"],
         "results": results,
@@ -291,7 +328,8 @@ PEER = {
 def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
     batching = [{"threads": 1, "slots": 8, "edgepath": {"one": 70.0, "many": 100.0}, "llama-batched-bench": {
         "one": 77.0, "many": 105.0}}]  # fmt: skip
-    judged = {t["name"].split(",")[0]: t for t in _report(EDGE, PEER, batching)["targets"]}
+    rows = _report(EDGE, PEER, batching)["targets"]
+    judged = {t["name"].split(",")[0]: t for t in rows if t["name"] not in ADMISSION_TARGETS}
     assert {name: (round(t["value"], 3), t["verdict"]) for name, t in judged.items()} == {
         "output tokens/s at concurrency = slots": (1.042, "met"),
         "ITL p50 at concurrency = slots": (0.976, "met"),
@@ -310,6 +348,51 @@ def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
     assert goodput["verdict"] == "no ratio: both are 0"
 
 
+ADMISSION_TARGETS = {
+    "poisson-200: edgepath wait p99 / the bound",
+    "poisson-200: edgepath TTFT p99 / its lone TTFT p99",
+    "poisson-400: edgepath wait p99 / the bound",
+    "poisson-400: edgepath TTFT p99 / its lone TTFT p99",
+    "output tokens/s at 100% of capacity, edgepath / edgepath-no-bound",
+    "poisson-100: share of edgepath's TTFT within 0.75-1.33 x its prediction",
+    "poisson-200: share of edgepath's TTFT within 0.75-1.33 x its prediction",
+    "poisson-400: share of edgepath's TTFT within 0.75-1.33 x its prediction",
+    "burst: share of edgepath's TTFT within 0.75-1.33 x its prediction",
+    "edgepath refusals with nothing else running (lone phase), share",
+}
+
+
+def test_the_admission_targets_hold_edgepath_to_its_bound_its_prediction_and_its_unbounded_self() -> None:
+    edge = {
+        "lone": {"ttft_p99_ms": 3000.0, "refused_429": 0},
+        "poisson-100": {"output_tok_s": 50.0, "prediction_in_band": 0.95},
+        "poisson-200": {"wait_p99_ms": 2300.0, "ttft_p99_ms": 7000.0, "prediction_in_band": 0.8},
+        "poisson-400": {"wait_p99_ms": 3000.0, "ttft_p99_ms": 5000.0, "prediction_in_band": 0.9},
+    }
+    rows = {t["name"]: t for t in _report(edge, PEER, no_bound={"poisson-100": {"output_tok_s": 52.0}})["targets"]}
+    assert set(rows) >= ADMISSION_TARGETS
+    got = {name: (None if rows[name]["value"] is None else round(rows[name]["value"], 3), rows[name]["verdict"])
+           for name in ADMISSION_TARGETS}  # fmt: skip
+    assert got == {
+        "poisson-200: edgepath wait p99 / the bound": (1.15, "met"),  # 2.3 s over a 2 s bound
+        "poisson-200: edgepath TTFT p99 / its lone TTFT p99": (2.333, "missed"),
+        "poisson-400: edgepath wait p99 / the bound": (1.5, "missed"),
+        "poisson-400: edgepath TTFT p99 / its lone TTFT p99": (1.667, "met"),
+        "output tokens/s at 100% of capacity, edgepath / edgepath-no-bound": (0.962, "met"),
+        "poisson-100: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.95, "met"),
+        "poisson-200: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.8, "missed"),
+        "poisson-400: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.9, "met"),
+        "burst: share of edgepath's TTFT within 0.75-1.33 x its prediction": (
+            None, "not measured: needs edgepath's burst phase with predictions"),
+        "edgepath refusals with nothing else running (lone phase), share": (0.0, "met"),
+    }  # fmt: skip
+    refused = _report({**edge, "lone": {"refused_429": 1}}, PEER)["targets"]
+    (idle,) = [t for t in refused if t["name"].startswith("edgepath refusals")]
+    assert (idle["value"], idle["verdict"]) == (0.25, "missed")  # one of 4 refused with nothing running
+    (cost,) = [t for t in refused if t["name"].startswith("output tokens/s at 100%")]
+    assert cost["verdict"] == "not measured: needs a poisson-100 phase of edgepath and edgepath-no-bound"
+
+
 def test_targets_without_the_peer_say_why_they_were_not_measured() -> None:
     failed = {"threads": 1, "slots": 8, "edgepath": {"one": 1.0, "many": 2.0}}
     failed["llama-batched-bench"] = {"error": "llama-server ... is not built"}
@@ -317,7 +400,7 @@ def test_targets_without_the_peer_say_why_they_were_not_measured() -> None:
     verdicts = [t["verdict"] for t in rows]
     assert verdicts[0] == "not measured: needs a concurrent phase of both"
     assert verdicts[5] == "met"  # edgepath against itself needs no peer
-    assert verdicts[6] == "not measured: llama-server ... is not built"
+    assert verdicts[-1] == "not measured: llama-server ... is not built"
 
 
 def test_the_table_is_well_formed_and_says_what_its_columns_mean() -> None:
@@ -338,7 +421,8 @@ def test_the_table_is_well_formed_and_says_what_its_columns_mean() -> None:
     assert "| Poisson, 200% of capacity | edgepath | 7/10 (30% 429) |" in text
     assert "| - | fastapi-batcher | did not finish: exited with 1 |" in text
     assert "llama.cpp 0c1e570 from llama-cpp-python 0.3.36" in text and "-np 8 -c 9728" in text
-    assert "There is no queue-time column" in text and "refused and failed requests count as missing it" in text
+    assert "the same measure for every system" in text and "refused and failed requests count as missing it" in text
+    assert "| phase | system | answered/sent | TTFT p50 / p99 ms | wait p50 / p99 ms |" in text
 
 
 def test_the_performance_block_is_rewritten(tmp_path: Path) -> None:

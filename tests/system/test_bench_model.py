@@ -21,9 +21,7 @@ from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-PHASES = [
-    "lone", "concurrent", "poisson-200", "prefix-seq-cold", "prefix-seq-warm", "prefix-burst-cold", "prefix-conc-warm",
-]  # fmt: skip
+PREFIX = ["prefix-seq-cold", "prefix-seq-warm", "prefix-burst-cold", "prefix-conc-warm"]
 
 
 def _run(tmp_path: Path, *flags: str) -> tuple[dict, str]:
@@ -32,7 +30,7 @@ def _run(tmp_path: Path, *flags: str) -> tuple[dict, str]:
     doc = tmp_path / "docs" / "PERFORMANCE.md"
     doc.parent.mkdir()
     doc.write_text(f"## Performance\n{MODEL_BEGIN}\nthe previous block\n{MODEL_END}\n")
-    args = parser.parse_args(["--quick", "--loads", "2", "--out", str(tmp_path / "out"), "--doc", str(doc), *flags])
+    args = parser.parse_args(["--quick", "--out", str(tmp_path / "out"), "--doc", str(doc), *flags])
     assert main(args) == 0
     return json.loads((tmp_path / "out" / "results.json").read_text()), doc.read_text()
 
@@ -47,18 +45,20 @@ def _well_formed(block: str) -> None:
         assert set(rows[1].replace("|", "")) == {"-"} and len(rows) > 2
 
 
-def _answered_everywhere(result: dict) -> None:
+def _answered_everywhere(result: dict, loads: list[str]) -> None:
     assert "error" not in result, result
-    assert [row["phase"] for row in result["phases"]] == PHASES
+    assert [row["phase"] for row in result["phases"]] == [
+        "lone", "concurrent", *(f"poisson-{load}" for load in loads), "burst", *PREFIX,
+    ]  # fmt: skip
     for row in result["phases"]:
         assert row["ok"] > 0 and row["ttft_p50_ms"] > 0 and row["output_tokens"] > 0, (result["system"], row)
         assert row["server_cpu_s"] > 0, (result["system"], row)  # the servers' CPU was read around the phase
 
 
 def test_a_quick_comparison_of_edgepath_alone_fills_its_block(tmp_path: Path) -> None:
-    report, doc = _run(tmp_path, "--systems", "edgepath", "--no-batching")
+    report, doc = _run(tmp_path, "--systems", "edgepath", "--loads", "2", "--no-batching")
     (result,) = report["results"]
-    _answered_everywhere(result)
+    _answered_everywhere(result, ["200"])
     assert result["threads"] == "1" and result["threads_reported"] == 1  # the count it was asked for, as it logged it
     prefix = [row for row in result["phases"] if row["phase"].startswith("prefix")]
     assert all(row["prompt_tokens_p50"] >= 200 for row in prefix)  # the shared system prompt reached the model
@@ -79,12 +79,13 @@ def test_a_quick_comparison_against_llama_server(tmp_path: Path) -> None:
             f"llama-server is not built (about 6 minutes on 2 cores): `{llama_server.BUILD_COMMAND}`; "
             "this test never builds it"
         )
-    report, doc = _run(tmp_path, "--systems", "llama-server,edgepath", "--no-build")
-    assert [r["system"] for r in report["results"]] == ["llama-server", "edgepath"]  # the reference first
+    report, doc = _run(tmp_path, "--no-build")  # every default system, every default load
+    assert [r["system"] for r in report["results"]] == ["llama-server", "edgepath", "edgepath-no-bound"]
     for result in report["results"]:
-        _answered_everywhere(result)
-    peer, ours = report["results"]
-    assert peer["reference"] and ours["rate_basis_rps"] == peer["capacity_rps"]  # the same arrivals for both
+        _answered_everywhere(result, ["100", "200", "400"])
+    peer, ours, free = report["results"]  # the reference first
+    assert peer["reference"] and ours["rate_basis_rps"] == free["rate_basis_rps"] == peer["capacity_rps"]
+    assert all(row["predicted"] > 0 for row in ours["phases"])  # the agent's prediction came with every phase
     warm = next(row for row in peer["phases"] if row["phase"] == "prefix-seq-warm")
     assert warm["cached_tokens_mean"] >= 200  # llama-server reused the shared system prompt, as it reports
     assert not [t for t in report["targets"] if t["verdict"].startswith("not measured")], report["targets"]
