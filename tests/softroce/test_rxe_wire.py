@@ -38,7 +38,7 @@ from helpers.tokenizers import byte_tokenizer
 from helpers.waiting import wait_for
 
 from edgepath.children import Child, free_port
-from edgepath.dma import verbs_datapath, verbs_setup
+from edgepath.dma import verbs_setup
 from edgepath.dma.registry import make_transport
 from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.agent_client import AgentClient
@@ -181,12 +181,12 @@ class Cut:
 
 
 @contextlib.contextmanager
-def responder(wire: Wire, name: str) -> Iterator[Any]:
+def responder(wire: Wire, name: str, **options: Any) -> Iterator[Any]:
     """A connection from this host's device to a responder on the slot VM (``verbs_lat --serve``: a pool, its
-    receive queue drained); closed afterwards."""
+    receive queue drained); closed afterwards.  ``options`` go to the verbs transport (``hang_timeout``)."""
     address = f"{wire.slot.addr}:{next(_ports)}"
     wire.remote.call("responder", name=name, address=address)
-    client = make_transport("verbs", device=wire.agent.device, gid_index=wire.agent.gid_index)
+    client = make_transport("verbs", device=wire.agent.device, gid_index=wire.agent.gid_index, **options)
     try:
         local = client.register("local", 4096, Access.NONE)
         conn = client.connect(address, [], {}, timeout=60.0)
@@ -272,7 +272,7 @@ def test_a_read_to_a_killed_peer_fails_by_retries_only_below_a_retry_count_of_se
     )
     assert arrived >= retries > 0, "the retransmissions did not reach the peer's kernel"
     if retry_count == 7:
-        assert "no completion in time" in why and took >= verbs_datapath._OP_TIMEOUT_NS / 1e9, (why, took)
+        assert "no completion in time" in why and took >= conn.transport.op_timeout_ns / 1e9, (why, took)
         assert _delta(before, after, "agent", "retry_exceeded_err") == 0
     else:
         assert "retry counter exceeded" in why, why
@@ -280,12 +280,12 @@ def test_a_read_to_a_killed_peer_fails_by_retries_only_below_a_retry_count_of_se
         assert _delta(before, after, "agent", "retry_exceeded_err") == 1
 
 
-def test_an_operation_given_up_on_never_runs_when_the_wire_is_back(wire: Wire, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_operation_given_up_on_never_runs_when_the_wire_is_back(wire: Wire) -> None:
     """An operation that runs out of its wait is stopped, not left queued: with the wire cut for less than the
     retry budget, a WRITE_WITH_IMM given up on after 0.1 s would otherwise be retransmitted once the wire is back
     and land (a doorbell for a request already answered 503, a result into a frame reused since)."""
-    monkeypatch.setattr(verbs_datapath, "_T", int(0.1e9))
-    with responder(wire, "given-up") as (conn, local):
+    with responder(wire, "given-up", hang_timeout=0.125) as (conn, local):
+        assert conn.transport.op_timeout_ns == int(0.1e9)
         _run("tc", "qdisc", "replace", "dev", wire.agent.netdev, "root", "netem", "loss", "100%")
         try:
             with pytest.raises(TransportError, match="no completion in time"):
