@@ -127,7 +127,7 @@ async def measure(
     requests: int, concurrency: int, warmup: int, runs: int, profile: bool
 ) -> tuple[list[EdgeCpu], cProfile.Profile | None]:
     """``runs`` measured runs, then (``profile``) one profiled run, on one edge and one slot server."""
-    from edgepath.builder import build_agent, build_edge, serve_transport, started_slot_server
+    from edgepath.builder import build_agent, build_edge, serve_transport, slot_server_argv, started_slot_server
 
     with tempfile.TemporaryDirectory(prefix="edgepath-edge-cpu-") as tmp:
         listen = str(Path(tmp) / "slots.sock")
@@ -136,7 +136,7 @@ async def measure(
             sizing=Sizing(slots=max(64, 2 * concurrency)),
             agent=AgentSettings(frames=max(256, 4 * concurrency)),
         )
-        child = Child.start(started_slot_server(options, listen).argv())
+        child = Child.start(slot_server_argv(started_slot_server(options, listen)))
         transport = serve_transport(options)
         assert transport is not None
         executor = ThreadPoolExecutor(max_workers=2)

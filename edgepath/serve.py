@@ -31,6 +31,7 @@ from edgepath.builder import (
     plan_serve,
     serve_agent,
     serve_transport,
+    slot_server_argv,
     start_edge,
     watch_started_slot_server,
     with_one_certificate,
@@ -78,7 +79,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         counts = _shared_counts()  # this is an edge worker: its parent keeps the counts in the shared directory
         listen = None
         if plan.slot_server is not None:
-            local = supervisor("slot server", plan.slot_server.argv())
+            local = supervisor("slot server", slot_server_argv(plan.slot_server))
             listen = local.start().address or plan.slot_server.listen
             watch = watch_started_slot_server(options, local, listen, shared)
             cleanup.callback(watch.stop)  # before the supervisor stops: no kill while everything stops

@@ -20,6 +20,7 @@ import pytest
 from helpers.gpu_twin import FakeCupy, TwinNicTransport, build_twin
 
 from edgepath import cli, config
+from edgepath.builder import slot_server_argv
 from edgepath.dma import gpu, slot_server, wire
 from edgepath.dma.handlers import PacedEcho, echo
 from edgepath.dma.loopback import LoopbackTransport
@@ -361,7 +362,7 @@ def test_settings_check_the_placement_and_round_trip_gpu_device() -> None:
     settings = config.SlotServerSettings(
         listen="10.0.0.1:7471", memory="gpu-device", data_path=config.DataPath("verbs")
     )
-    args = cli.build_parser().parse_args(settings.argv())
+    args = cli.build_parser().parse_args(slot_server_argv(settings))
     assert args.slots == ("gpu-device", settings.slots) and args.data_path == "verbs"
 
 

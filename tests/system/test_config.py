@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 
-from edgepath.builder import plan_serve, started_slot_server, worker_argv
+from edgepath.builder import (
+    plan_serve,
+    slot_server_argv,
+    started_slot_server,
+    transport_options,
+    worker_argv,
+)
 from edgepath.children import free_port
 from edgepath.cli import build_parser
 from edgepath.config import (
@@ -44,13 +50,16 @@ def test_a_slot_server_command_line_carries_every_setting() -> None:
         stream_window=0.5e-3,
         data_path=DataPath("verbs", "rxe0", 1),
     )
-    args = build_parser().parse_args(settings.argv())
+    args = build_parser().parse_args(slot_server_argv(settings))
     assert from_args(SlotServerSettings, args) == settings
     assert args.func.__name__ == "cmd_slot_server"
     assert (args.listen, args.slots) == ("/tmp/x.sock", ("host", 7))
     assert (args.input_capacity, args.output_capacity) == (300, 200)
     # --spin-us and --stream-window-ms are given in their units and held in seconds, as the slot server takes them
-    assert "--spin-us" in settings.argv() and settings.argv()[settings.argv().index("--spin-us") + 1] == "12.5"
+    assert (
+        "--spin-us" in slot_server_argv(settings)
+        and slot_server_argv(settings)[slot_server_argv(settings).index("--spin-us") + 1] == "12.5"
+    )
     assert (args.lease, args.spin_us, args.handler_deadline, args.stream_window_ms) == (0.25, 12.5e-6, 1.5, 0.5e-3)
     assert args.handler == "paced-echo" and args.handler_option == [("token_delay", "0.01"), ("note", "a=b")]
     assert (args.data_path, args.device, args.gid_index) == ("verbs", "rxe0", 1)
@@ -115,9 +124,9 @@ def test_workers_with_an_agent_process_is_refused() -> None:
 
 
 def test_flags_of_a_data_path() -> None:
-    assert DataPath().flags() == ["--data-path", "loopback"] and DataPath().options() == {}
+    assert DataPath().flags() == ["--data-path", "loopback"] and transport_options(DataPath()) == {}
     assert DataPath("verbs", gid_index=0).flags() == ["--data-path", "verbs", "--gid-index", "0"]
-    assert DataPath("verbs", "rxe0").options() == {"device": "rxe0"}
+    assert transport_options(DataPath("verbs", "rxe0")) == {"device": "rxe0"}
 
 
 def _leaves(config: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -336,9 +345,11 @@ def test_the_configured_hang_timeout_reaches_the_slot_server_and_the_verbs_wait(
         ServeOptions, build_parser().parse_args(["serve", "--hang-timeout", "2", "--data-path", "verbs"])
     )
     assert options.agent.hang_timeout == 2.0
-    child = from_args(SlotServerSettings, build_parser().parse_args(started_slot_server(options, "10.0.0.1:1").argv()))
+    child = from_args(
+        SlotServerSettings, build_parser().parse_args(slot_server_argv(started_slot_server(options, "10.0.0.1:1")))
+    )
     assert (child.hang_timeout, child.model_step_budget) == (2.0, 1.0)
-    assert options.data_path.options(options.agent.hang_timeout) == {"hang_timeout": 2.0}
+    assert transport_options(options.data_path, options.agent.hang_timeout) == {"hang_timeout": 2.0}
     assert op_timeout_ns(options.agent.hang_timeout) == 1_600_000_000
     assert SlotServerSettings(listen="x", step_budget=0.5).model_step_budget == 0.5
 
