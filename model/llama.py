@@ -49,10 +49,12 @@ log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
-# Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine); the model
-# then follows the steps as they run.
+# Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine) until the
+# warm-up steps measure it here (a context too small for two sizes keeps them); it then follows the steps as they run.
 _STEP_OVERHEAD_MS = 6.0
 _TOKEN_MS_ONE_THREAD = 6.0
+#: prompt sizes of the warm-up steps that measure the step cost model's start on this machine
+CALIBRATION_TOKENS = (16, 128)
 _FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
@@ -473,13 +475,32 @@ class LlamaHandler:
             self._model = None
 
     def _warm_up(self) -> None:
-        """One throw-away step before the first request, as llama-server does at start: the weights are
-        paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
-        first token.  The KV cache is emptied afterwards."""
+        """Throw-away steps before the first request.  The first, as llama-server does at start: the weights
+        are paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
+        first token.  Then prompt steps of two sizes (:data:`CALIBRATION_TOKENS`) whose times set the step
+        cost model's start (:meth:`CostModel.fit`): the agents' admission predicts from it before any request
+        has run, and a start value taken on another machine mispredicted the first prompts' time to first
+        token by tens of percent (docs/ADMISSION.md).  The KV cache is emptied after each."""
         lib = self._lib
         bos, eos = int(lib.llama_vocab_bos(self._vocab)), int(lib.llama_vocab_eos(self._vocab))
-        ids = [t for t in (bos, eos) if t >= 0] or [0]
-        n = len(ids)
+        started = time.perf_counter()
+        self._throwaway_step(np.array([t for t in (bos, eos) if t >= 0] or [0], dtype=np.int32))
+        log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
+        sizes = sorted({min(n, self.batch_capacity, self.ctx_per_slot) for n in CALIBRATION_TOKENS})
+        if len(sizes) < 2:
+            return
+        ids = np.arange(sizes[-1], dtype=np.int32) * 7919 % self.n_vocab  # which ids does not change the cost
+        times = [1e3 * self._throwaway_step(ids[:n]) for n in sizes]
+        self.policy.cost.fit(sizes, times)
+        cost = self.policy.cost
+        log.info(
+            "llama: step cost model from prompt steps of %s tokens (%s ms): %.2f ms + %.3f ms/token",
+            "/".join(map(str, sizes)), "/".join(f"{t:.0f}" for t in times), cost.overhead_ms, cost.token_ms,
+        )  # fmt: skip
+
+    def _throwaway_step(self, ids: np.ndarray) -> float:
+        """Decode ``ids`` as one prompt of sequence 0 and empty the KV cache; the seconds ``llama_decode`` took."""
+        lib, n = self._lib, len(ids)
         self._tokens[:n] = ids
         self._pos[:n] = np.arange(n, dtype=np.int32)
         self._seq[:n] = 0
@@ -490,10 +511,11 @@ class LlamaHandler:
         started = time.perf_counter()
         rc = lib.llama_decode(self._ctx, self._batch)
         lib.llama_synchronize(self._ctx)
+        took = time.perf_counter() - started
         lib.llama_memory_clear(self._mem, True)
         if rc != 0:
-            raise HandlerError(f"llama: the warm-up step failed (llama_decode returned {rc})")
-        log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
+            raise HandlerError(f"llama: a warm-up step of {n} tokens failed (llama_decode returned {rc})")
+        return took
 
     def _check_numbers(self) -> None:
         """The known-answer check (:mod:`edgepath.model.known_answer`), on a context of its own (one sequence,

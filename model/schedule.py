@@ -58,6 +58,19 @@ class CostModel:
         residual = ms - self.token_ms * tokens
         self.overhead_ms = max(0.0, self.overhead_ms + self.alpha * (residual - self.overhead_ms))
 
+    def fit(self, tokens: Sequence[int], ms: Sequence[float]) -> None:
+        """Start from measured steps (``tokens[i]`` took ``ms[i]``): the least-squares line through them.  A
+        line that is no cost model (not rising, or no two sizes) leaves the estimates as they were."""
+        if len(set(tokens)) < 2 or len(tokens) != len(ms) or not all(math.isfinite(t) and t >= 0 for t in ms):
+            return
+        mean_n, mean_ms = sum(tokens) / len(tokens), sum(ms) / len(ms)
+        spread = sum((n - mean_n) ** 2 for n in tokens)
+        slope = sum((n - mean_n) * (t - mean_ms) for n, t in zip(tokens, ms, strict=True)) / spread
+        if slope <= 0:
+            return
+        self.token_ms = slope
+        self.overhead_ms = max(0.0, mean_ms - slope * mean_n)
+
     def predict(self, tokens: int) -> float:
         """Milliseconds a step of ``tokens`` tokens should take."""
         return self.overhead_ms + self.token_ms * tokens

@@ -7,7 +7,9 @@ exactly as the slot server hands them over.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from edgepath.dma.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
-from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama import CALIBRATION_TOKENS, LlamaHandler
 from edgepath.native.abi import Status, ffi, lib
 
 SLOTS = 4
@@ -94,6 +96,23 @@ def text_of(tok: GGUFTokenizer, pool: Pool, emit: Emit) -> str:
 def kv_empty(handler: LlamaHandler) -> bool:
     """No llama.cpp sequence holds a cell (prefix reuse off: a finished request leaves nothing)."""
     return all(handler.kv_positions(stream) == 0 for stream in range(handler.slots))
+
+
+def test_the_step_cost_model_starts_from_this_machines_warm_up_steps(caplog: pytest.LogCaptureFixture) -> None:
+    """Not the start constants of another machine: the line through the two warm-up prompt steps' times, as
+    logged (the admission predicts from it before the first request)."""
+    with caplog.at_level(logging.INFO, logger="edgepath.model.llama"):
+        h = LlamaHandler.from_config(HandlerConfig(1, IN_CAP, OUT_CAP, dict(OPTIONS)))
+    try:
+        line = next(r.getMessage() for r in caplog.records if "step cost model from prompt steps" in r.getMessage())
+        found = re.findall(r"of ([\d/]+) tokens \(([\d/]+) ms", line)[0]
+        sizes, times = (list(map(float, part.split("/"))) for part in found)
+        assert sizes == [float(n) for n in CALIBRATION_TOKENS]
+        slope = (times[1] - times[0]) / (sizes[1] - sizes[0])  # the times are logged rounded to 1 ms
+        assert h.policy.cost.token_ms == pytest.approx(slope, abs=1.0 / (sizes[1] - sizes[0]) + 1e-9)
+        assert h.load().token_ms == pytest.approx(h.policy.cost.token_ms, abs=1e-6)  # what the agents read
+    finally:
+        h.close()
 
 
 def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:

@@ -89,6 +89,24 @@ def test_cost_model_ignores_empty_and_nonsense_observations() -> None:
     assert (model.overhead_ms, model.token_ms) == (5.0, 2.0)
 
 
+def test_cost_model_starts_from_the_line_through_measured_steps() -> None:
+    model = CostModel(6.0, 3.0)
+    model.fit([16, 128], [5.5 + 1.9 * 16, 5.5 + 1.9 * 128])
+    assert (model.overhead_ms, model.token_ms) == (pytest.approx(5.5), pytest.approx(1.9))
+    model.fit([16, 64, 128], [40.0, 130.0, 250.0])  # least squares over more points
+    assert model.token_ms == pytest.approx(1.875, rel=0.01) and model.overhead_ms == pytest.approx(10.0, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ms"),
+    [([16, 16], [30.0, 40.0]), ([16, 128], [50.0, 40.0]), ([16, 128], [30.0, float("nan")]), ([16], [30.0])],
+)
+def test_cost_model_keeps_its_estimates_when_the_steps_make_no_line(tokens: list[int], ms: list[float]) -> None:
+    model = CostModel(6.0, 3.0)
+    model.fit(tokens, ms)
+    assert (model.overhead_ms, model.token_ms) == (6.0, 3.0)
+
+
 def test_cost_model_never_predicts_room_below_zero() -> None:
     assert CostModel(50.0, 2.0).tokens_within(20.0) == 0
 
