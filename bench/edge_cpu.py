@@ -174,7 +174,7 @@ def breakdown(profiler: cProfile.Profile) -> list[tuple[float, str]]:
     """Shares of the profiled run's time by stage (the rest: the lifecycle, the service and the event loop)."""
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     total = max(v[3] for v in stats.values())
-    doorbell = _own(stats, "ep_write_imm")
+    doorbell = _own(stats, "ep_write_imm") + _own(stats, "ep_write_then_imm")
     stages = [
         (_cumulative(stats, "edge/tokenizer.py", "encode_into"), "tokenizing the prompt into the frame"),
         (_cumulative(stats, "dpu/agent.py", "submit") - doorbell, "claim + send in Python (`Agent.submit`)"),

@@ -240,15 +240,31 @@ class LoopbackConnection(Connection):
         rc = lib.ep_write_imm(
             remote.handle.ptr + ro, _local(local, lo, n), n, peer_cq.ptr, self._tag | imm, peer_cq.event_fd
         )
+        self._posted(rc)
+
+    def _posted(self, rc: int) -> None:
         if rc != lib.EP_OK:
             raise TransportError(f"peer completion queue overrun on connection {self.conn_id}")
 
     def _put_then_imm(
         self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int, bell: tuple[int, int, int], imm: int
     ) -> None:
-        """The data copied in place, then the doorbell with its completion (one Python call fewer)."""
-        lib.ep_copy(remote.handle.ptr + ro, _local(local, lo, n), n)
-        self._put(local, bell[0], remote, bell[1], bell[2], imm)
+        """The data and the doorbell copied in place, then the doorbell's completion: one C call."""
+        bo, bro, bn = bell
+        peer_cq = self._peer_cq
+        base = remote.handle.ptr
+        rc = lib.ep_write_then_imm(
+            base + ro,
+            _local(local, lo, n),
+            n,
+            base + bro,
+            _local(local, bo, bn),
+            bn,
+            peer_cq.ptr,
+            self._tag | imm,
+            peer_cq.event_fd,
+        )
+        self._posted(rc)
 
     def _get(self, local: MemoryRegion, lo: int, remote: RemoteRegion, ro: int, n: int) -> None:
         lib.ep_copy(_local(local, lo, n), remote.handle.ptr + ro, n)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,7 +224,11 @@ class Agent:
             frames.tokens[index, flight.prompt : prompt] = frames.outputs[index, :produced]
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
             choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices
-            for link, choice, (slot, gen) in self._claims(choices, candidates):
+            claimed = self._first_claim(choices, candidates)
+            if claimed is None:
+                why = "no other slot server had a free slot"
+            else:
+                link, choice, slot, gen = claimed
                 flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
                 try:
                     self._send(link, index, slot, gen, prompt, choice.prediction, flight)
@@ -232,28 +236,27 @@ class Agent:
                     flight.link = gone  # not moved: lost with the link it was on
                     link.inflight -= 1
                     self.link_set.failed(link, exc)
-                    break
-                self.delivery_stats.migrated += 1
-                log.info(
-                    "frame %d moved from %s to %s with %d tokens of its answer (%d to go)",
-                    index,
-                    gone.address,
-                    link.address,
-                    produced,
-                    remaining,
-                )
-                return True
-            why = "no other slot server had a free slot"
+                    why = "no other slot server had a free slot"
+                else:
+                    self.delivery_stats.migrated += 1
+                    log.info(
+                        "frame %d moved from %s to %s with %d tokens of its answer (%d to go)",
+                        index,
+                        gone.address,
+                        link.address,
+                        produced,
+                        remaining,
+                    )
+                    return True
         log.warning("frame %d cannot move from %s: %s", index, gone.address, why)
         return False
 
     # -- claiming -------------------------------------------------------------------
-    def _claims(
+    def _first_claim(
         self, choices: list[Choice], links: list[ServerLink]
-    ) -> Iterator[tuple[ServerLink, Choice, tuple[int, int]]]:
-        """A claim on each chosen server in turn, for as long as the caller asks for another (one whose send
-        failed): (link, choice, (slot, generation)); a server without a free slot is passed over, one whose
-        compare-and-swap fails is taken down."""
+    ) -> tuple[ServerLink, Choice, int, int] | None:
+        """A claim on the first chosen server that has a free slot: (link, choice, slot, generation), or None;
+        a server without a free slot is passed over, one whose compare-and-swap fails is taken down."""
         for choice in choices:
             link = links[choice.server]
             try:
@@ -262,7 +265,8 @@ class Agent:
                 self.link_set.failed(link, exc)
                 continue
             if claimed is not None:
-                yield link, choice, claimed
+                return link, choice, claimed[0], claimed[1]
+        return None
 
     def _try_claim(self, link: ServerLink, slot: int) -> int | None:
         """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
@@ -327,15 +331,17 @@ class Agent:
             return Status.BAD_REQUEST
         count = self.frames.request_headers[index].token_count
         links = self.links
-        live = [link for link in links if link.up]
-        if len(live) < len(links):
-            self.link_set.probe_stale()  # an unresponsive server may have come back
-            live = [link for link in links if link.up]
-        if not live:
-            return Status.UNAVAILABLE
-        fits = [link for link in live if count <= link.input_capacity]
-        if not fits:
-            return Status.BAD_REQUEST
+        fits = [link for link in links if link.up and count <= link.input_capacity]  # one pass in the common case
+        if len(fits) < len(links):
+            up = sum(link.up for link in links)
+            if up < len(links):
+                self.link_set.probe_stale()  # an unresponsive server may have come back
+                fits = [link for link in links if link.up and count <= link.input_capacity]
+                up = sum(link.up for link in links)
+            if not up:
+                return Status.UNAVAILABLE
+            if not fits:
+                return Status.BAD_REQUEST
         if len(fits) == 1 and not fits[0].loads[1]:
             choices = [_ONLY]  # one server, and it publishes no load: nothing to predict or order
         else:
@@ -344,20 +350,20 @@ class Agent:
             if not choices and decision.over_bound_ms is not None:
                 self.frames.result_headers[index].over_bound(decision.over_bound_ms)
                 return Status.OVER_BOUND
-        for link, choice, (slot, gen) in self._claims(choices, fits):
-            if choice.matched:
-                link.stats.affine += 1
-            try:
-                self._send(link, index, slot, gen, count, choice.prediction)
-            except TransportError as exc:
-                self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
-                link.inflight -= 1
-                self.link_set.failed(link, exc)
-                return Status.UNAVAILABLE
-            return None
-        if not any(link.up for link in links):
+        claimed = self._first_claim(choices, fits)
+        if claimed is None:
+            return Status.NO_SLOT if any(link.up for link in links) else Status.UNAVAILABLE
+        link, choice, slot, gen = claimed
+        if choice.matched:
+            link.stats.affine += 1
+        try:
+            self._send(link, index, slot, gen, count, choice.prediction)
+        except TransportError as exc:
+            self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
+            link.inflight -= 1
+            self.link_set.failed(link, exc)
             return Status.UNAVAILABLE
-        return Status.NO_SLOT
+        return None
 
     def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
         """The admission decision for frame ``index``, within its bound: the request's own (its header's

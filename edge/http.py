@@ -238,6 +238,17 @@ def error_response(exc: HttpError) -> Response:
     return Response(exc.status, [(b"content-type", JSON), *exc.headers], body)
 
 
+def load_json(body: bytes) -> Any:
+    """A request body's JSON document, exactly as the standard library reads it, and its errors
+    (UnicodeDecodeError, ValueError, RecursionError) with their positions; orjson reads the common case
+    at a fifth of the cost, and whatever it refuses (bad UTF-8, NaN, integers past 64 bits, unpaired
+    surrogate escapes, deep nesting) is read again by the standard library, so no answer changes."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body.decode("utf-8"))
+
+
 def json_response(status: int, payload: dict[str, Any]) -> Response:
     """A JSON answer, compact and UTF-8; numpy arrays (token ids) are written as arrays without a list copy."""
     body = orjson.dumps(payload, default=_as_list, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -359,11 +370,9 @@ class HttpCore:
 
     def _parse_body(self, path: str, body: bytes) -> Work:
         try:
-            text = body.decode("utf-8")
+            doc = load_json(body)
         except UnicodeDecodeError as exc:
             raise HttpError(400, "invalid_utf8", f"request body is not valid UTF-8 (byte {exc.start})") from None
-        try:
-            doc = json.loads(text)
         except ValueError as exc:
             raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
         if not isinstance(doc, dict):

@@ -386,7 +386,7 @@ class EdgeLifecycle:
             return []
         self._first_tokens(t, count - t.sent, now)
         if t.work.stream:
-            self._waited(t, now - t.request.t_receive_ns)
+            self._waited(t, now - t.request.t_receive_ns, now)
         work, formatter, frame = t.work, t.formatter, t.frame
         assert frame is not None and formatter is not None
         if not (work.stream or formatter.watch):
@@ -417,7 +417,7 @@ class EdgeLifecycle:
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
-        self._waited(t, first_ns)
+        self._waited(t, first_ns, now)
         self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
@@ -435,7 +435,7 @@ class EdgeLifecycle:
             self.metrics.inter_token((now - t.t_last_ns) / new, new)
         t.t_last_ns = now
 
-    def _waited(self, t: Tracked, first_ns: int) -> None:
+    def _waited(self, t: Tracked, first_ns: int, now: int) -> None:
         """Measure the request's wait for its first token, once: its time to first token (``first_ns``) minus
         what its own uncached prompt takes on an idle server, as the model side's cost model says (sent with
         the first token); with the agent's prediction, for the prediction's error."""
@@ -445,7 +445,7 @@ class EdgeLifecycle:
         own = self.port.frames.result_headers[t.frame].prefill_us * 1000
         wait = max(0, first_ns - own)
         t.timings["wait"] = wait
-        self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, self.clock())
+        self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, now)
 
     def _return_path(self, t: Tracked, frame: int, now: int) -> None:
         """The return path's cost for a stream's first token: the model side stamped when it produced it
@@ -492,7 +492,7 @@ class EdgeLifecycle:
         first_ns = first_at - t.request.t_receive_ns if first_at else 0
         if first_ns:
             t.timings["first_token"] = first_ns
-            self._waited(t, first_ns)
+            self._waited(t, first_ns, now)
         if not t.work.stream:
             outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
             return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
@@ -643,8 +643,11 @@ def slot_server_entry(server: SlotServerStatus, now: float) -> dict[str, Any]:
     return entry
 
 
+_STATUS_NAMES = {int(status): status.name for status in Status}
+
+
 def _status_name(status: int) -> str:
-    return Status(status).name if status in Status._value2member_map_ else str(status)
+    return _STATUS_NAMES.get(status) or str(status)
 
 
 def _route_of(request: Request) -> str:

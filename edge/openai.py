@@ -15,7 +15,6 @@ one parser ``/v1/generate`` uses too.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,7 +24,7 @@ import orjson
 from edgepath.dma.wire import Sampling
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
-from edgepath.edge.http import Headers, HttpError, json_type
+from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
 
@@ -180,11 +179,9 @@ def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(body, Mapping):
         return body
     try:
-        text = bytes(body).decode("utf-8")
+        doc = load_json(bytes(body))
     except UnicodeDecodeError as exc:
         raise invalid_request(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
-    try:
-        doc = json.loads(text)
     except ValueError as exc:
         raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:

@@ -88,5 +88,7 @@ GENERATE_DEFAULT = Sampling()
 
 def parse_sampling(doc: Mapping[str, Any], default: Sampling) -> Sampling:
     """The sampling a request body asks for, on top of ``default``; :class:`SamplingInvalid` for a bad field."""
+    if FIELDS.isdisjoint(doc):
+        return default  # most requests name none: no per-field look-ups
     given = {name: parse(doc[name]) for name, parse in RULES.items() if doc.get(name) is not None}
     return replace(default, **given) if given else default

@@ -422,6 +422,14 @@ int ep_write_imm(void *dst, const void *src, size_t n, void *ring, uint64_t valu
     return ep_cq_push(ring, value, efd);
 }
 
+int ep_write_then_imm(void *dst, const void *src, size_t n, void *bell_dst, const void *bell_src, size_t bell_n,
+                      void *ring, uint64_t value, int efd)
+{
+    if (n > 0)
+        memcpy(dst, src, n);
+    return ep_write_imm(bell_dst, bell_src, bell_n, ring, value, efd);
+}
+
 /* ---- slot-server poller core ------------------------------------------- */
 
 static inline uint64_t *pool_states(void *pool)

@@ -69,6 +69,9 @@ int ep_cq_wait(void *ring, int efd, uint64_t *out, int max, int64_t timeout_ns, 
 
 /* Loopback WRITE_WITH_IMM: copy then post the completion (conn << 32 | imm). */
 int ep_write_imm(void *dst, const void *src, size_t n, void *ring, uint64_t value, int efd);
+/* Loopback WRITE then WRITE_WITH_IMM (a request and its doorbell): both copies, then the completion. */
+int ep_write_then_imm(void *dst, const void *src, size_t n, void *bell_dst, const void *bell_src, size_t bell_n,
+                      void *ring, uint64_t value, int efd);
 
 /* Slot-server poller core. */
 int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *ready_slots,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hdrh.histogram import HdrHistogram
 
 from edgepath.dpu.link_state import LinkTracker, Reason
 from edgepath.dpu.port import DeliveryStats, SlotServerStatus
@@ -30,6 +32,29 @@ def test_window_forgets_old_samples() -> None:
     value, count, _ = window.percentile(100, now_ns=22 * S)
     assert (value, count) == (20.0, 2)
     assert window.percentile(99, now_ns=100 * S)[1] == 0  # idle long enough: empty
+
+
+def test_window_batches_give_the_histogram_of_recording_each_value() -> None:
+    """The batched window's histogram is the one hdrh builds recording every value itself: clamped, rounded
+    (half to even, as round() does) and bucketed alike, from 0.4 µs to past the highest trackable value."""
+    rng = np.random.default_rng(7)
+    values = np.concatenate(
+        [
+            rng.lognormal(7, 3, 5000),  # ~1 ms, spread over every bucket size
+            [0.0, 0.4, 0.5, 1.5, 2.5, 2047.5, 2048.0, 4095.0, 4097.0, 1e12],
+            np.arange(2040, 2060, 0.5),
+        ]
+    )
+    window = LatencyWindow(interval_ns=10 * S)
+    direct = HdrHistogram(1, 60_000_000, 3)
+    for v in values.tolist():
+        window.record(v, now_ns=S)
+        direct.record_value(min(max(round(v), 1), 60_000_000))
+    window.percentile(50, now_ns=S)  # folds what is still batched
+    assert list(window._current.counts) == list(direct.counts)
+    assert window._current.get_total_count() == direct.get_total_count() == len(values) > 2 * LatencyWindow.BATCH
+    for pct in (1, 50, 90, 99, 99.9, 100):
+        assert window.percentile(pct, now_ns=S)[0] == direct.get_value_at_percentile(pct)
 
 
 def test_prometheus_exposition_has_counts_latency_and_free_slots() -> None:
