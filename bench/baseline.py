@@ -29,11 +29,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.wire import FINISHED
+from edgepath.contract.wire import FINISHED
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import Status
+from edgepath.transports.loopback import LoopbackTransport
 
 Ids = Sequence[int] | np.ndarray  # token ids: a JSON list, or the tokenizer's array
 DEFAULT_MAX_BATCH = 10

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from edgepath.dma.handlers import echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.wire import SlotWord
+from edgepath.contract.wire import SlotWord
 from edgepath.dpu.agent import Agent, ServerLink
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State
+from edgepath.slots.handlers import echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 128
 ROUNDS = 5000

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from edgepath.dma.loopback import LoopbackTransport
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import HttpCore, Limits, Request, Work
 from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 128
 ROUNDS = 5000

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from edgepath.dma import wire
-from edgepath.dma.loopback import LoopbackTransport
+from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status, lib
+from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 16
 ROUNDS = 2000

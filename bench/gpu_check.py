@@ -12,7 +12,7 @@ stops takes only its step), no step stops the run, and ``report.json`` is rewrit
   baseline     the GPU timer's resolution and the SM clock; bare ping-pong (round trip, timer calibration)
   poller_rtt   the real poller: one way (doorbell -> the kernel sees it, %globaltimer), round trips, in-kernel
   device_pool  the pool in device memory: claims, requests, doorbells in HBM, ids checked in place
-  gpu_tests    pytest -m gpu tests/dma/test_gpu_poller.py (named: nothing else is collected)
+  gpu_tests    pytest -m gpu tests/slots/test_gpu_poller.py (named: nothing else is collected)
   echo         echo requests through a --slots gpu slot server and an agent, concurrency 1 and 8
 
 Needs on the GPU machine only Python 3.12, numpy, cupy-cuda13x and pytest; nvcc and gcc only if nothing
@@ -105,7 +105,7 @@ def build(work: Path) -> dict[str, Any]:
 
 
 def package_view(work: Path) -> Path:
-    """A folder where ``import edgepath.dma`` works without installing: symlinks to the repository's
+    """A folder where ``import edgepath.slots`` works without installing: symlinks to the repository's
     folders under the package names pyproject.toml maps them to, and in ``native`` the cffi extension
     carried for this Python (``.gpu-carry/native/``) beside the repository's own files."""
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]

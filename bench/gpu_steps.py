@@ -710,7 +710,7 @@ class Poller:
         seen, tail = g.zeros(8 * slots, self.stream), g.zeros(8, self.stream)
         self.head = ctypes.c_uint64(0)
         args = (pool_dev, seen, expire_dev, ring_dev, np.uint32(self.capacity), tail, ctrl_dev)
-        threads = min(1024, max(32, (slots + 31) // 32 * 32))  # as edgepath.dma.gpu.GpuPoller launches it
+        threads = min(1024, max(32, (slots + 31) // 32 * 32))  # as edgepath.slots.gpu.GpuPoller launches it
         launch_args = (*args, np.uint32(min_sleep_ns), np.uint32(max_sleep_ns))
         g.launch("ep_gpu_poller", 1, threads, launch_args, stream=self.stream, stop=self._ask_stop)
         wait_until(lambda: self.word("RUNNING") == 1 or self.stream.done, 10, "poller start")
@@ -904,7 +904,7 @@ def step_device_pool(args: argparse.Namespace) -> dict[str, Any]:
 def step_gpu_tests(args: argparse.Namespace) -> dict[str, Any]:
     """The GPU test file, named (no collection of the rest): on a GPU its gpu-marked tests, which must
     pass; in a dry run its twin tests."""
-    files = ["tests/dma/test_gpu_poller.py"]  # the one file with gpu-marked tests
+    files = ["tests/slots/test_gpu_poller.py"]  # the one file with gpu-marked tests
     marker = "not gpu" if args.dry_run else "gpu"
     # -P: the working directory (the repository root, whose edgepath/ holds only part of the package)
     # must not shadow the package view on PYTHONPATH.  faulthandler: a test that hangs prints where.
@@ -944,7 +944,7 @@ def step_echo(args: argparse.Namespace) -> dict[str, Any]:
         sys.path.insert(0, str(ROOT / "tests"))
         from helpers.gpu_twin import FakeCupy, build_twin
 
-        from edgepath.dma import gpu
+        from edgepath.slots import gpu
 
         tmp = Path(tempfile.mkdtemp(prefix="edgepath-echo-twin-"))
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"

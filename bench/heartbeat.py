@@ -21,12 +21,12 @@ import time
 import numpy as np
 
 from edgepath.bench.model_workload import Workload
-from edgepath.dma.handlers import HandlerConfig, Heartbeat, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import ffi, lib
+from edgepath.slots.handlers import HandlerConfig, Heartbeat, SlotRequest
 
 
 class Silence:

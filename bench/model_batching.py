@@ -23,10 +23,10 @@ import time
 import numpy as np
 
 from edgepath.bench.model_workload import Workload
-from edgepath.dma.handlers import HandlerConfig, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.llama import LlamaHandler
+from edgepath.slots.handlers import HandlerConfig, SlotRequest
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.handlers import HandlerConfig, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.llama import LlamaHandler
+from edgepath.slots.handlers import HandlerConfig, SlotRequest
 
 END = -1  # sentinel on a request's token queue: generation over
 

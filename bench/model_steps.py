@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.handlers import HandlerError
 from edgepath.model.gguf import llama_cpp, load_model
 from edgepath.model.llama import LlamaOptions, context_params
+from edgepath.slots.handlers import HandlerError
 
 PREFILL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DECODE = (1, 2, 4, 8)
@@ -187,10 +187,10 @@ def handler_decode(options: dict[str, str], slots: int, context: int, tokens: in
     sampling, bookkeeping: what the slot server runs), for 1 and ``slots`` sequences of ``context`` prompt
     tokens each (prefill untimed) -- the figure to set beside llama-batched-bench's S_TG with
     ``-npp context -ntg tokens -npl 1,slots``."""
-    from edgepath.dma.handlers import HandlerConfig, SlotRequest
-    from edgepath.dma.wire import Sampling
+    from edgepath.contract.wire import Sampling
     from edgepath.edge.tokenizer import GGUFTokenizer
     from edgepath.model.llama import LlamaHandler
+    from edgepath.slots.handlers import HandlerConfig, SlotRequest
 
     # Every prompt in one step, as llama-batched-bench does: the sequences then decode in lockstep and end together.
     lockstep = {"stall_ms": "1e9", "batch": str(slots * context + slots)}
@@ -254,10 +254,10 @@ def arrival(options: dict[str, str], slots: int, context: int, prompt: int, roun
     """Time to first token of a ``prompt``-token request on an idle handler, and while ``slots - 1`` sequences of
     ``context`` prompt tokens generate (the policy's objective 5: near the idle one), with the generating
     sequences' inter-token gaps (one step each) until that first token (objective 2: at most ``stall_ms``)."""
-    from edgepath.dma.handlers import HandlerConfig, SlotRequest
-    from edgepath.dma.wire import Sampling
+    from edgepath.contract.wire import Sampling
     from edgepath.edge.tokenizer import GGUFTokenizer
     from edgepath.model.llama import LlamaHandler
+    from edgepath.slots.handlers import HandlerConfig, SlotRequest
 
     out_cap = 4096
     config = {**options, "ctx_per_slot": str(max(context, prompt) + out_cap), "prefix_cache": "off"}

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.registry import make_transport
-from edgepath.dma.transport import Access, Connection, MemoryRegion
+from edgepath.transports.base import Access, Connection, MemoryRegion
+from edgepath.transports.registry import make_transport
 
 
 def _stats(samples: list[int]) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 A free slot is not a fast slot: prompts admitted together share the model's steps, and each waits for the
 others.  So the policy predicts, for every candidate server, this request's **time to first token** from
-what the agent last read of it -- the load and pace words in its pool header (:class:`~edgepath.dma.wire.Load`:
+what the agent last read of it -- the load and pace words in its pool header (:class:`~edgepath.contract.wire.Load`:
 prompt tokens admitted and not yet computed, streams decoding, the step cost model and stall bound its
 model side learned) and its prefix table (what of this prompt it would not compute) -- all of it in the READ
 that also carries the heartbeat and the state words: no extra round trip, no queue.
@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgepath.dma import wire
+from edgepath.contract import wire
 
 #: prompt tokens a step carries at least while a prompt waits (the llama handler's ``min_prefill`` default)
 MIN_PREFILL = 16

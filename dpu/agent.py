@@ -27,11 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma import wire
-from edgepath.dma.pool import AgentFrames, FrameLayout
-from edgepath.dma.slot_config import DEFAULT_CAPACITY
-from edgepath.dma.transport import Access, MemoryRegion, Transport, TransportError
-from edgepath.dma.wire import claim_next
+from edgepath.contract import wire
+from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
+from edgepath.contract.wire import claim_next
 from edgepath.dpu.admission import Admission, Choice, Decision, Prediction
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
@@ -39,6 +37,7 @@ from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
 from edgepath.dpu.links import REATTACH_BACKOFF, REATTACH_TIMEOUT, AgentError, LinkSet, ServerLink
 from edgepath.dpu.port import Delivery, SlotServerStatus
 from edgepath.native.abi import REQUEST_HEADER, Status, field_offset, lib
+from edgepath.transports.base import Access, MemoryRegion, Transport, TransportError
 
 __all__ = ["Agent", "AgentError", "InFlight", "ServerLink"]
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 import time
 
-from edgepath.dma import wire
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.pool import AgentFrames, FrameLayout, reply_stride, request_stride
-from edgepath.dma.transport import Access, TransportError
+from edgepath.contract import wire
+from edgepath.contract.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.native.abi import Status
+from edgepath.transports.base import Access, TransportError
+from edgepath.transports.loopback import LoopbackTransport
 
 log = logging.getLogger("edgepath.agent_client")
 

@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edgepath.dma import wire
-from edgepath.dma.connections import ConnectionManager
-from edgepath.dma.pool import AgentFrames, FrameLayout
-from edgepath.dma.transport import Access, Connection, Listener, MemoryRegion, Transport, TransportError
+from edgepath.contract import wire
+from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Status
+from edgepath.transports.base import Access, Connection, Listener, MemoryRegion, Transport, TransportError
+from edgepath.transports.connections import ConnectionManager
 
 log = logging.getLogger("edgepath.agent_service")
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgepath.dma.pool import AgentFrames, FrameArray
-from edgepath.dma.wire import TOKEN_MAX, TOKEN_MIN, RequestHeader, RequestInvalid, Sampling, request_problem
+from edgepath.contract.pool import AgentFrames, FrameArray
+from edgepath.contract.wire import TOKEN_MAX, TOKEN_MIN, RequestHeader, RequestInvalid, Sampling, request_problem
 from edgepath.native.abi import lib
 
 FrameError = RequestInvalid

@@ -24,7 +24,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edgepath.dma.slot_config import DEFAULT_HANG_TIMEOUT as DEFAULT_HANG_TIMEOUT  # the agents' default
+from edgepath.transports.base import DEFAULT_HANG_TIMEOUT as DEFAULT_HANG_TIMEOUT  # the agents' default
 
 
 def check_hang_timeout(seconds: float) -> float:
@@ -87,7 +87,7 @@ class LinkHealth:
 
     def words(self) -> tuple[int, int, int, int, int]:
         """This health as integers -- state, reason, since, heard, hang timeout (times in ns) -- for an agent
-        process's status region (:class:`~edgepath.dma.wire.AgentStatus`); the detail stays behind."""
+        process's status region (:class:`~edgepath.contract.wire.AgentStatus`); the detail stays behind."""
         times = (round(self.since * 1e9), round(self.heard * 1e9), round(self.hang_timeout * 1e9))
         return (_STATE_CODES[self.state], int(self.reason), *times)
 

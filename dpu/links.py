@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma import wire
-from edgepath.dma.transport import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
+from edgepath.contract import wire
 from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason, check_hang_timeout
 from edgepath.dpu.port import SlotServerStatus
 from edgepath.native.abi import ABI_VERSION, MAGIC, POOL_HEADER, State, ffi
+from edgepath.transports.base import Access, Connection, MemoryRegion, RemoteRegion, Transport, TransportError
 
 log = logging.getLogger("edgepath.agent")
 
@@ -118,7 +118,7 @@ class ServerLink:
 
     @property
     def load(self) -> wire.Load:
-        """What the server's model side had to do when last read (:class:`~edgepath.dma.wire.Load`)."""
+        """What the server's model side had to do when last read (:class:`~edgepath.contract.wire.Load`)."""
         return wire.Load.of(int(self.loads[0]), int(self.loads[1]))
 
     @property

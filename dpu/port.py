@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.link_state import LinkHealth
 from edgepath.native.abi import Status
 

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import orjson
 
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.dpu.link_state import Readiness
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.sampling import FIELDS as SAMPLING_FIELDS

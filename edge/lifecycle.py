@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma import wire
+from edgepath.contract import wire
 from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import orjson
 
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json

@@ -2,7 +2,7 @@
 
 Both APIs take the same fields -- ``temperature``, ``top_p``, ``top_k``, ``seed`` -- and refuse a bad one the
 same way: 400 naming the field and what is allowed (:class:`SamplingInvalid`; each route puts it in its own
-error shape).  What is parsed is one :class:`~edgepath.dma.wire.Sampling`, the value the request header carries
+error shape).  What is parsed is one :class:`~edgepath.contract.wire.Sampling`, the value the request header carries
 to the model side unchanged.  Only the defaults differ by route (OpenAI's temperature is 1, edgepath's
 ``/v1/generate`` is greedy), so each route passes its own.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
 TOP_K_MAX = 2**31 - 1  # the request header's top_k is an int32

@@ -36,10 +36,6 @@ from edgepath.runtime import runtime_dir
 if TYPE_CHECKING:
     from aioquic.asyncio.server import QuicServer
 
-    from edgepath.dma.handlers import HandlerConfig
-    from edgepath.dma.slot_config import SlotServerConfig
-    from edgepath.dma.slot_server import SlotServer
-    from edgepath.dma.transport import Transport
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
@@ -49,7 +45,11 @@ if TYPE_CHECKING:
     from edgepath.edge.tls import TlsFiles
     from edgepath.edge.tokenizer import Tokenizer
     from edgepath.hangwatch import HangWatch
+    from edgepath.slots.config import SlotServerConfig
+    from edgepath.slots.handlers import HandlerConfig
+    from edgepath.slots.server import SlotServer
     from edgepath.supervisor import Supervisor
+    from edgepath.transports.base import Transport
 
 log = logging.getLogger("edgepath")
 
@@ -58,8 +58,8 @@ def data_path_transport(data_path: DataPath, hang_timeout: float) -> Transport:
     """A transport endpoint for the agent <-> slot-server link, whose operations wait less than
     ``hang_timeout`` (the one its peers are judged by); when it cannot be had, an error that names the
     flags that chose it."""
-    from edgepath.dma.registry import make_transport
-    from edgepath.dma.transport import TransportUnavailable
+    from edgepath.transports.base import TransportUnavailable
+    from edgepath.transports.registry import make_transport
 
     try:
         return make_transport(data_path.kind, **transport_options(data_path, hang_timeout))
@@ -68,7 +68,7 @@ def data_path_transport(data_path: DataPath, hang_timeout: float) -> Transport:
 
 
 def transport_options(data_path: DataPath, hang_timeout: float | None = None) -> dict[str, Any]:
-    """Keyword arguments of :func:`edgepath.dma.registry.make_transport` for ``data_path``; ``hang_timeout``:
+    """Keyword arguments of :func:`edgepath.transports.registry.make_transport` for ``data_path``; ``hang_timeout``:
     the one its peers are judged by, which a verbs operation's wait stays under."""
     named = (("device", data_path.device), ("gid_index", data_path.gid_index))
     given: dict[str, Any] = {k: v for k, v in named if v is not None}
@@ -81,8 +81,8 @@ def transport_options(data_path: DataPath, hang_timeout: float | None = None) ->
 
 
 def slot_server_config(settings: SlotServerSettings) -> SlotServerConfig:
-    """The slot server's own configuration (:mod:`edgepath.dma.slot_config`) of ``settings``."""
-    from edgepath.dma.slot_config import SlotServerConfig
+    """The slot server's own configuration (:mod:`edgepath.slots.config`) of ``settings``."""
+    from edgepath.slots.config import SlotServerConfig
 
     return SlotServerConfig(
         slots=settings.slots,
@@ -114,18 +114,18 @@ def handler_options(settings: SlotServerSettings) -> Any:
 
 
 def _handler_config(settings: SlotServerSettings) -> HandlerConfig:
-    from edgepath.dma.slot_server import handler_config
+    from edgepath.slots.server import handler_config
 
     return handler_config(slot_server_config(settings), dict(settings.handler.options))
 
 
 def build_slot_server(settings: SlotServerSettings) -> SlotServer:
     """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
-    from edgepath.dma.slot_server import SlotServer
     from edgepath.handlers import load_handler
+    from edgepath.slots.server import SlotServer
 
     if settings.memory in ("gpu", "gpu-device"):
-        from edgepath.dma.gpu import require_device
+        from edgepath.slots.gpu import require_device
 
         require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
     handler = load_handler(settings.handler.name, _handler_config(settings))
@@ -208,9 +208,9 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
     over verbs the requests and replies live in shared memory that edges map, and the same pages are
     registered with the NIC, so the edge's one write of the tokens is what is sent and results land
     where the edges read them."""
-    from edgepath.dma.loopback import LoopbackTransport
-    from edgepath.dma.transport import Access
     from edgepath.dpu.agent_service import AgentService, edge_regions
+    from edgepath.transports.base import Access
+    from edgepath.transports.loopback import LoopbackTransport
 
     agent_settings, capacity = settings.agent, settings.capacity
 
@@ -256,8 +256,8 @@ def build_hang_watch(
     """A watch on ``supervisor``'s slot server at ``address`` (``slots`` slots): a link set of its own on its own
     transport (no frames: it only reads the heartbeat), judging by ``hang_timeout`` on ``clock``; ``counts_dir``:
     where edge workers read the supervision counts (None: nobody needs them)."""
-    from edgepath.dma import wire
-    from edgepath.dma.pool import AgentFrames, FrameLayout
+    from edgepath.contract import wire
+    from edgepath.contract.pool import AgentFrames, FrameLayout
     from edgepath.dpu.links import LinkSet
     from edgepath.hangwatch import HangWatch
 

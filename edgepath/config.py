@@ -31,8 +31,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from edgepath.dma.slot_config import DEFAULT_CAPACITY, DEFAULT_SLOTS, SlotServerConfig
-from edgepath.dma.slot_config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
+from edgepath.contract.pool import DEFAULT_CAPACITY, DEFAULT_SLOTS
 from edgepath.dpu.agent import DEFAULT_MAX_WAIT, DEFAULT_MIGRATION_LIMIT
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
@@ -55,6 +54,8 @@ from edgepath.options import (
     to_argv,
 )
 from edgepath.runtime import default_address
+from edgepath.slots.config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
+from edgepath.slots.config import SlotServerConfig
 
 DATA_PATHS = ("loopback", "verbs")
 EDGE_TRANSPORTS = ("quic", "tcp")
@@ -243,7 +244,7 @@ class SlotServerSettings:
     data_path: DataPath = section(DataPath)
 
     def __post_init__(self) -> None:
-        from edgepath.dma.gpu import check_placement
+        from edgepath.slots.gpu import check_placement
 
         check_placement(self.data_path.kind, self.memory)
 

@@ -1,7 +1,7 @@
 """The handler registry: what ``--handler NAME`` means.
 
-The slot server takes a built :class:`~edgepath.dma.handlers.BatchHandler` and never learns a name; the
-model side (``edgepath.model``) implements handlers against the API in :mod:`edgepath.dma.handlers`.
+The slot server takes a built :class:`~edgepath.slots.handlers.BatchHandler` and never learns a name; the
+model side (``edgepath.model``) implements handlers against the API in :mod:`edgepath.slots.handlers`.
 Only the app layer knows both and the names that tie them together: the built-ins (``echo``,
 ``paced-echo``, ``llama``) and ``package.module:attribute`` for anything else.
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edgepath.dma.handlers import (
+from edgepath.slots.handlers import (
     BatchHandler,
     FunctionHandler,
     HandlerConfig,

@@ -18,9 +18,9 @@ import os
 import threading
 from pathlib import Path
 
-from edgepath.dma.transport import Transport
 from edgepath.dpu.links import AgentError, LinkSet, ServerLink
 from edgepath.supervisor import Supervisor, hang_verdict
+from edgepath.transports.base import Transport
 
 log = logging.getLogger("edgepath.hangwatch")
 

@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
-from edgepath.dma.wire import Load, Sampling
+from edgepath.contract.wire import Load, Sampling
 from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
@@ -44,6 +43,7 @@ from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
 from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
 log = logging.getLogger("edgepath.model.llama")
 
@@ -294,7 +294,7 @@ class StepStats:
 
 
 class LlamaHandler:
-    """A :class:`~edgepath.dma.handlers.BatchHandler` running a GGUF model with llama.cpp on the CPU."""
+    """A :class:`~edgepath.slots.handlers.BatchHandler` running a GGUF model with llama.cpp on the CPU."""
 
     def __init__(self, slots: int, options: LlamaOptions) -> None:
         if not 1 <= slots <= MAX_SEQ:

@@ -2,7 +2,7 @@
  * The CUDA persistent poller: one block watches every slot's doorbell word and
  * moves a rung slot CLAIMED -> READY -> RUNNING with the same ep_step the CPU
  * poller uses, then hands it to the model side through a ring in mapped host
- * memory.  Loaded by edgepath.dma.gpu (cupy RawModule, eagerly, from a
+ * memory.  Loaded by edgepath.slots.gpu (cupy RawModule, eagerly, from a
  * cubin/fatbin nvcc builds); built with nvcc -std=c++17 -arch=sm_80 or newer.
  *
  * The per-slot pass is edgepath_poller.h, shared with a host twin the CPU tests

@@ -14,8 +14,8 @@ import pytest
 from edgepath.builder import data_path_transport
 from edgepath.children import Child
 from edgepath.config import DataPath
-from edgepath.dma.transport import Transport
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
+from edgepath.transports.base import Transport
 
 _ports = itertools.count(int(os.environ.get("EDGEPATH_TEST_PORT_BASE", "20000")))
 

@@ -1,12 +1,14 @@
-"""Imports run one way: native <- dma <- {dpu, model} <- edge <- the app layer <- bench.
+"""Imports run one way: native <- transports <- contract <- {dpu, slots <- model} <- edge <- the app layer <- bench.
 
 Read from the source (every ``import`` statement, at module level or inside a function, ``TYPE_CHECKING``
-included: a lazy import is still a dependency).  The app layer (``edgepath/``: cli, config, builder,
-serve, demo, supervision, registries) is the only place that wires components.  ``model`` sits beside
-``dpu`` and ``edge`` as the slot server's handler side: it implements the handler API of ``dma`` and
-imports nothing above it.  ``bench/`` holds the benchmarks, a distribution of their own
-(``edgepath-bench``, which adds ``edgepath bench`` through an entry point): it may use the whole product,
-and the product never imports it, nor does its wheel carry it.
+included: a lazy import is still a dependency).  The transports move bytes and know no slot; the contract
+(the slot ABI's words and headers, the pool views) is written in the transports' terms (regions and their
+access); the agent side (``dpu``) and the slot server (``slots``) each build on the contract and never on
+each other.  ``model`` is the slot server's handler side: it implements the handler API of ``slots`` and
+imports nothing above it.  The app layer (``edgepath/``: cli, config, builder, serve, demo, supervision,
+registries) is the only place that wires components.  ``bench/`` holds the benchmarks, a distribution of
+their own (``edgepath-bench``, which adds ``edgepath bench`` through an entry point): it may use the whole
+product, and the product never imports it, nor does its wheel carry it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: folder -> the import package it is (pyproject's package-dir) and the layer it belongs to
 PACKAGES = {
     "native": ("edgepath.native", "native"),
-    "dma": ("edgepath.dma", "dma"),
+    "transports": ("edgepath.transports", "transports"),
+    "contract": ("edgepath.contract", "contract"),
+    "slots": ("edgepath.slots", "slots"),
     "dpu": ("edgepath.dpu", "dpu"),
     "model": ("edgepath.model", "model"),
     "edge": ("edgepath.edge", "edge"),
@@ -29,17 +33,19 @@ PACKAGES = {
     "bench": ("edgepath.bench", "bench"),
 }
 #: the layers the product's wheel is made of: every one but the benchmarks
-PRODUCT = {"native", "dma", "dpu", "model", "edge", "app"}
+PRODUCT = {"native", "transports", "contract", "slots", "dpu", "model", "edge", "app"}
 
 #: layer -> the layers it may import (its own always)
 ALLOWED = {
     "native": set(),
-    "dma": {"native"},
-    "dpu": {"dma", "native"},
-    "model": {"dma", "native"},
-    "edge": {"dpu", "model", "dma", "native"},  # model: the GGUF reader behind the model's own tokenizer
-    "app": {"edge", "dpu", "model", "dma", "native"},
-    "bench": {"app", "edge", "dpu", "model", "dma", "native"},
+    "transports": {"native"},
+    "contract": {"transports", "native"},
+    "slots": {"contract", "transports", "native"},
+    "dpu": {"contract", "transports", "native"},
+    "model": {"slots", "contract", "transports", "native"},
+    "edge": {"dpu", "model", "contract", "native"},  # model: the GGUF reader behind the model's own tokenizer
+    "app": {"edge", "dpu", "model", "slots", "contract", "transports", "native"},
+    "bench": {"app", "edge", "dpu", "model", "slots", "contract", "transports", "native"},
 }
 
 
@@ -156,7 +162,7 @@ def test_the_scan_sees_imports_of_every_kind(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
-        "import edgepath.dma.wire\n"
+        "import edgepath.contract.wire\n"
         "from .tokenizer import Tokenizer\n"
         "from ..config import DataPath\n"
         "if TYPE_CHECKING:\n    from edgepath.dpu.agent import Agent\n"
@@ -165,11 +171,11 @@ def test_the_scan_sees_imports_of_every_kind(tmp_path: Path) -> None:
     found = [module for _, module in _imports(source, "edgepath.edge")]
     assert found == [
         "typing",
-        "edgepath.dma.wire",
+        "edgepath.contract.wire",
         "edgepath.edge.tokenizer",
         "edgepath.config",
         "edgepath.dpu.agent",
         "edgepath.builder",
     ]
-    assert [_layer_of(m) for m in found] == [None, "dma", "edge", "app", "dpu", "app"]
+    assert [_layer_of(m) for m in found] == [None, "contract", "edge", "app", "dpu", "app"]
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from edgepath.dma.handlers import BatchHandler, HandlerConfig, HandlerError
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.registry import TRANSPORTS, make_transport
 from edgepath.handlers import BUILTIN, load_handler
+from edgepath.slots.handlers import BatchHandler, HandlerConfig, HandlerError
+from edgepath.transports.loopback import LoopbackTransport
+from edgepath.transports.registry import TRANSPORTS, make_transport
 
 CAP = 64
 

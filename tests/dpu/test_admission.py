@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from edgepath.dma import wire
-from edgepath.dma.wire import Load
+from edgepath.contract import wire
+from edgepath.contract.wire import Load
 from edgepath.dpu.admission import MIN_PREFILL, Admission, Choice, Prediction, predict
 
 BLOCK = wire.PREFIX_BLOCK

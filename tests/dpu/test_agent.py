@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from helpers.datapath import collect, roundtrip, send, serve_once, wait_free
 
-from edgepath.dma import wire
-from edgepath.dma.handlers import PacedEcho, echo
-from edgepath.dma.pool import FrameLayout, SlotPool
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Access, TransportError
+from edgepath.contract import wire
+from edgepath.contract.pool import FrameLayout, SlotPool
 from edgepath.dpu.agent import Agent, AgentError
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.native.abi import ABI_VERSION, State, Status
+from edgepath.slots.handlers import PacedEcho, echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.base import Access, TransportError
 
 pytestmark = pytest.mark.transport
 

@@ -9,12 +9,12 @@ import pytest
 from helpers.datapath import send, serve_once
 from helpers.loaded import Loaded
 
-from edgepath.dma.handlers import ReportsLoad
-from edgepath.dma.wire import Load
+from edgepath.contract.wire import Load
 from edgepath.dpu.admission import predict
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.slots.handlers import ReportsLoad
 
 pytestmark = pytest.mark.transport
 
@@ -91,7 +91,7 @@ def test_the_claim_goes_to_the_server_with_the_lowest_predicted_first_token(make
 
 
 def test_a_server_that_publishes_no_load_is_never_refused_over_a_bound(make_server, new_agent) -> None:
-    from edgepath.dma.handlers import echo
+    from edgepath.slots.handlers import echo
 
     server = make_server(echo)
     agent: Agent = new_agent(max_wait=0.001)

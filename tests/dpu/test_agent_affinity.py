@@ -10,10 +10,10 @@ import pytest
 from helpers.datapath import send, serve_once
 from helpers.prefix import prefix_match
 
-from edgepath.dma import wire
-from edgepath.dma.handlers import Emit, HoldsPrefixes, SlotRequest, echo
+from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import State, Status
+from edgepath.slots.handlers import Emit, HoldsPrefixes, SlotRequest, echo
 
 pytestmark = pytest.mark.transport
 

@@ -16,12 +16,12 @@ import pytest
 from helpers.datapath import send, serve_once
 from helpers.waiting import wait_for
 
-from edgepath.dma.handlers import Emit, Heartbeat, SlotRequest
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import Emit, Heartbeat, SlotRequest
 
 pytestmark = pytest.mark.transport
 

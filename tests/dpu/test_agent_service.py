@@ -14,12 +14,8 @@ import pytest
 from helpers.datapath import serve_once
 from helpers.waiting import eventually
 
-from edgepath.dma import wire
-from edgepath.dma.handlers import PacedEcho, echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.pool import FrameLayout
-from edgepath.dma.slot_server import SlotServer
-from edgepath.dma.transport import Access, TransportError
+from edgepath.contract import wire
+from edgepath.contract.pool import FrameLayout
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.agent_service import AgentService
@@ -27,6 +23,10 @@ from edgepath.dpu.frame import write_request
 from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import PacedEcho, echo
+from edgepath.slots.server import SlotServer
+from edgepath.transports.base import Access, TransportError
+from edgepath.transports.loopback import LoopbackTransport
 
 CAP = 32
 FRAMES, PER_EDGE = 8, 4

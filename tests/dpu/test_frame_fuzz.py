@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.dma.pool import FrameArray, FrameLayout
+from edgepath.contract.pool import FrameArray, FrameLayout
 from edgepath.dpu.frame import FrameError, write_request
 
 LAYOUT = FrameLayout(16, 8)

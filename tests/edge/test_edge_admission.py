@@ -14,7 +14,7 @@ from helpers.loaded import Loaded
 from helpers.tokenizers import CharTokenizer
 from test_edge_service import Server, generate, serve_requests, start_server
 
-from edgepath.dma.wire import Load
+from edgepath.contract.wire import Load
 from edgepath.dpu.admission import predict
 from edgepath.edge.http import HttpError, Request, max_wait_of
 

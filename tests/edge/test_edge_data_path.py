@@ -14,9 +14,6 @@ import numpy as np
 import pytest
 from helpers.tokenizers import CharTokenizer
 
-from edgepath.dma.handlers import echo
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Transport
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, Respond
@@ -24,6 +21,9 @@ from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
 from edgepath.native.abi import REQUEST_HEADER, State, lib
+from edgepath.slots.handlers import echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.base import Transport
 
 
 class RecordingTokenizer:

@@ -17,8 +17,8 @@ from helpers.tokenizers import CharTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.dma import wire
-from edgepath.dma.pool import AgentFrames, FrameLayout
+from edgepath.contract import wire
+from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.http import HttpCore, HttpError, Limits, Request, body_too_large

@@ -16,10 +16,7 @@ from typing import Any
 import pytest
 from helpers.tokenizers import CharTokenizer
 
-from edgepath.dma.handlers import SlotRequest, echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import COMPLETIONS, Headers, HttpCore, Limits, Request, Response, Work
 from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
@@ -28,6 +25,9 @@ from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_fac
 from edgepath.edge.sampling import RULES
 from edgepath.edge.service import EdgeService
 from edgepath.native.abi import lib
+from edgepath.slots.handlers import SlotRequest, echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.loopback import LoopbackTransport
 
 CAP = 16
 LIMITS = Limits(max_body=1 << 16, input_capacity=CAP, output_capacity=CAP, vocab_size=CharTokenizer.vocab_size)

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from helpers.tokenizers import CharTokenizer
 
-from edgepath.dma.handlers import BatchHandler, PacedEcho, SlotRequest, echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
 from edgepath.edge.service import EdgeService
 from edgepath.edge.tokenizer import INLINE_CHARS
 from edgepath.native.abi import lib
+from edgepath.slots.handlers import BatchHandler, PacedEcho, SlotRequest, echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.loopback import LoopbackTransport
 
 CAP = 64
 

@@ -14,12 +14,12 @@ import time
 
 import numpy as np
 
-from edgepath.dma.registry import make_transport
-from edgepath.dma.transport import Access
-from edgepath.dma.wire import SlotWord, claim_word
+from edgepath.contract.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.transports.base import Access
+from edgepath.transports.registry import make_transport
 
 
 def race_cas(cfg: dict) -> dict:

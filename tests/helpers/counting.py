@@ -4,8 +4,8 @@ tokens as one never interrupted -- what a greedy model does -- so a migrated str
 
 from __future__ import annotations
 
-from edgepath.dma.handlers import Emit, SlotRequest
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import Emit, SlotRequest
 
 
 class Counting:

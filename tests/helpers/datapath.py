@@ -1,4 +1,4 @@
-"""Slot servers and agents on the chosen transport, for the dma and dpu suites.
+"""Slot servers and agents on the chosen transport, for the slots and dpu suites.
 
 ``make_server`` builds a slot server whose loop the test turns by hand (:func:`serve_once`); ``serve``
 runs the real loop on a thread.  ``new_agent`` builds agents; all are closed after the test.  A
@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from edgepath.dma import wire
-from edgepath.dma.handlers import echo
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
-from edgepath.dma.transport import Transport
+from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.port import Delivery
+from edgepath.slots.handlers import echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
+from edgepath.transports.base import Transport
 from helpers.waiting import eventually
 
 CAP = 64  # tokens in and out, unless a test says otherwise

@@ -3,7 +3,7 @@
 ``edgepath_poller.h`` (the kernel's per-slot pass, ring hand-off included) is compiled with gcc and
 C11 atomics (``bench/gpu_host.c``, the same C ``gpu_check --dry-run`` runs) and run on a CPU thread;
 :class:`FakeCupy` stands in for the few cupy calls
-``edgepath.dma.gpu`` makes (mapped host memory, a stream, a module, a launch), so ``GpuPoller``, the
+``edgepath.slots.gpu`` makes (mapped host memory, a stream, a module, a launch), so ``GpuPoller``, the
 slot server's ``--slots gpu`` loop and the device-memory pool (``DeviceSlots``) run unchanged on top;
 :class:`TwinNicTransport` lets agents write that "device memory" as a NIC would, so a ``--slots
 gpu-device`` slot server runs unchanged too.
@@ -31,8 +31,8 @@ from typing import Any
 import cffi
 import numpy as np
 
-from edgepath.dma.loopback import LoopbackRegion, LoopbackTransport, _Mapping
-from edgepath.dma.transport import Access
+from edgepath.transports.base import Access
+from edgepath.transports.loopback import LoopbackRegion, LoopbackTransport, _Mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
@@ -136,7 +136,7 @@ class _Kernel:
 
 
 class FakeCupy(types.ModuleType):
-    """The cupy surface edgepath.dma.gpu uses, backed by host memory and the twin."""
+    """The cupy surface edgepath.slots.gpu uses, backed by host memory and the twin."""
 
     uint64 = np.uint64
     int32 = np.int32
@@ -319,7 +319,7 @@ class LocalWriter:
 
     def claim(self, slot: int) -> int:
         """FREE -> CLAIMED by CAS (claimers own FREE words); the generation claimed."""
-        from edgepath.dma.wire import claim_word
+        from edgepath.contract.wire import claim_word
         from edgepath.native.abi import lib
 
         cur = self.pool.word(slot)
@@ -339,7 +339,7 @@ class LocalWriter:
 
     def ring(self, slot: int, generation: int, value: int | None = None) -> None:
         """Store the doorbell word last, with release (the loopback NIC's WRITE of it)."""
-        from edgepath.dma.wire import doorbell_word
+        from edgepath.contract.wire import doorbell_word
         from edgepath.native.abi import lib
 
         lib.ep_store64(self._doorbells + slot, doorbell_word(slot, generation) if value is None else value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from edgepath.dma.handlers import SlotRequest
+from edgepath.slots.handlers import SlotRequest
 
 #: ``max_tokens`` that makes the handler block for good: a model call that never returns
 HANG_ON = 13

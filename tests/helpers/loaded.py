@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from edgepath.dma.handlers import Emit, SlotRequest
-from edgepath.dma.wire import Load
+from edgepath.contract.wire import Load
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import Emit, SlotRequest
 
 
 class Loaded:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from edgepath.dma.handlers import HandlerConfig
 from edgepath.model.llama import LlamaHandler, LlamaOptions
+from edgepath.slots.handlers import HandlerConfig
 
 
 def stream_of(handler: LlamaHandler, slot: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgepath.dma import wire
+from edgepath.contract import wire
 
 
 def prefix_match(table: np.ndarray, tokens: np.ndarray) -> int:

@@ -12,14 +12,14 @@ from helpers.prefix import prefix_match
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-from edgepath.dma import wire
-from edgepath.dma.handlers import HandlerConfig
+from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import HandlerConfig
 
 IN_CAP = 640
 OUT_CAP = 8  # tokens of each answer

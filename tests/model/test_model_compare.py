@@ -489,11 +489,11 @@ def test_an_sdist_member_that_would_land_outside_is_refused(tmp_path: Path) -> N
 def test_batcher_runs_a_batch_to_completion_and_queues_the_rest() -> None:
     pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
     from edgepath.bench.model_fastapi import END, Batcher, Job
-    from edgepath.dma.handlers import HandlerConfig
-    from edgepath.dma.wire import Sampling
+    from edgepath.contract.wire import Sampling
     from edgepath.edge.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
     from edgepath.model.llama import LlamaHandler
+    from edgepath.slots.handlers import HandlerConfig
 
     handler = LlamaHandler.from_config(HandlerConfig(2, 64, 8, {"threads": "1", "ctx_per_slot": "64"}))
     tok = GGUFTokenizer(default_model_path())

@@ -114,8 +114,8 @@ def shipped(model: Path) -> KnownAnswer:
 
 
 def handler(options: dict[str, str]):  # type: ignore[no-untyped-def]
-    from edgepath.dma.handlers import HandlerConfig
     from edgepath.model.llama import LlamaHandler
+    from edgepath.slots.handlers import HandlerConfig
 
     return LlamaHandler.from_config(HandlerConfig(1, 64, 16, {"threads": "1", "prefix_cache": "off", **options}))
 
@@ -156,7 +156,7 @@ def test_the_handler_starts_when_its_known_answer_holds(model: Path, caplog: pyt
 
 
 def test_a_wrong_reference_refuses_to_start_in_one_line(model: Path, shipped: KnownAnswer, tmp_path: Path) -> None:
-    from edgepath.dma.handlers import HandlerError
+    from edgepath.slots.handlers import HandlerError
 
     with pytest.raises(HandlerError) as raised:
         handler({"known_answer": str(wrong(shipped, tmp_path))})
@@ -169,7 +169,7 @@ def test_a_wrong_reference_refuses_to_start_in_one_line(model: Path, shipped: Kn
 
 
 def test_a_references_file_without_this_model_or_unreadable_is_refused(model: Path, tmp_path: Path) -> None:
-    from edgepath.dma.handlers import HandlerError
+    from edgepath.slots.handlers import HandlerError
 
     empty = tmp_path / "empty.json"
     empty.write_text("[]")

@@ -19,13 +19,13 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import max_prompt_tokens, stream_of
 
-from edgepath.dma.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import CALIBRATION_TOKENS, LlamaHandler
 from edgepath.native.abi import Status, ffi, lib
+from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
 SLOTS = 4
 IN_CAP = 256

@@ -16,12 +16,12 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.datapath import collect, send
 
-from edgepath.dma.handlers import HandlerConfig
 from edgepath.dpu.agent import Agent
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import HandlerConfig
 
 CAP = 256
 MAX_NEW = 40

@@ -11,13 +11,13 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import stream_of
 
-from edgepath.dma.handlers import Emit, HandlerConfig, SlotRequest
-from edgepath.dma.wire import Sampling
+from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.model.prefix import common_prefix
 from edgepath.native.abi import Status
+from edgepath.slots.handlers import Emit, HandlerConfig, SlotRequest
 
 SLOTS = 2
 IN_CAP = 512

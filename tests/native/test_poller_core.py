@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgepath.dma.pool import SlotPool
-from edgepath.dma.wire import SlotWord, claim_word, doorbell_imm
+from edgepath.contract.pool import SlotPool
+from edgepath.contract.wire import SlotWord, claim_word, doorbell_imm
 from edgepath.native.abi import State, ffi, lib
 
 LEASE_NS = 1_000_000

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from edgepath.dma.pool import PoolError, SlotPool
-from edgepath.dma.wire import SlotWord, TransitionRefused, claim_word, doorbell_imm, doorbell_word, step
+from edgepath.contract.pool import PoolError, SlotPool
+from edgepath.contract.wire import SlotWord, TransitionRefused, claim_word, doorbell_imm, doorbell_word, step
 from edgepath.native.abi import Event, State, StepError, ffi, lib
 
 # The reference model: event -> (state it needs, state it leads to).

@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from edgepath.dma.pool import SlotPool
-from edgepath.dma.wire import SlotWord, claim_word, doorbell_imm
+from edgepath.contract.pool import SlotPool
+from edgepath.contract.wire import SlotWord, claim_word, doorbell_imm
 from edgepath.native.abi import Event, State, ffi, lib
 
 SLOTS, CLAIMERS, LEASE = 3, 3, 100

@@ -38,12 +38,12 @@ from helpers.tokenizers import byte_tokenizer
 from helpers.waiting import wait_for
 
 from edgepath.children import Child, free_port
-from edgepath.dma import verbs_setup
-from edgepath.dma.registry import make_transport
-from edgepath.dma.transport import Access, TransportError
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.transports import verbs_setup
+from edgepath.transports.base import Access, TransportError
+from edgepath.transports.registry import make_transport
 
 pytestmark = pytest.mark.slow
 

@@ -33,8 +33,8 @@ from edgepath.config import (
     StartedSlotServer,
     Supervision,
 )
-from edgepath.dma.handlers import HandlerError
 from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
+from edgepath.slots.handlers import HandlerError
 
 
 def test_a_slot_server_command_line_carries_every_setting() -> None:
@@ -339,7 +339,7 @@ def test_serve_gives_its_slot_server_and_agent_their_parts(tmp_path: Path) -> No
 def test_the_configured_hang_timeout_reaches_the_slot_server_and_the_verbs_wait() -> None:
     """One ``--hang-timeout``: the agents judge by it, serve's slot server reports model steps over half of it,
     and a verbs operation waits 0.8 of it at most, on either side."""
-    from edgepath.dma.verbs_datapath import op_timeout_ns
+    from edgepath.transports.verbs_datapath import op_timeout_ns
 
     options = from_args(
         ServeOptions, build_parser().parse_args(["serve", "--hang-timeout", "2", "--data-path", "verbs"])

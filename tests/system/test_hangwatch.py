@@ -15,12 +15,12 @@ import pytest
 
 from edgepath.builder import build_hang_watch
 from edgepath.config import DataPath
-from edgepath.dma.handlers import echo
-from edgepath.dma.loopback import LoopbackTransport
-from edgepath.dma.slot_server import SlotServer, SlotServerConfig
 from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
 from edgepath.hangwatch import HangWatch, read_counts
+from edgepath.slots.handlers import echo
+from edgepath.slots.server import SlotServer, SlotServerConfig
 from edgepath.supervisor import Supervisor, hang_verdict
+from edgepath.transports.loopback import LoopbackTransport
 
 HANG = 2.0
 

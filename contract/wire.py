@@ -1,0 +1,718 @@
+"""The wire contract: everything two edgepath processes agree on, in one place.
+
+Layouts come from the C header (``native/edgepath_slot.h``, via :mod:`edgepath.native.abi`); this
+module owns what the header cannot say on its own and every component needs: the names of the
+regions peers export and the access each grants, the encodings of the 64-bit words written
+through the transport (state, doorbell, cancel, progress) and of the 32-bit immediates that
+announce them (slot server <-> agent and edge <-> agent), the private data each side sends when a
+connection is set up, the agent's status region, typed views of the request and result headers, the
+prefix table a slot server publishes (chain hashes of token blocks), and the request validation both
+the writer and the reader apply.  No component imports another component to learn a name, and no
+component decodes a word with its own bit masks.
+
+Streams of a request, by direction:
+
+* agent -> slot server: request header + tokens (one WRITE), then the doorbell word with
+  ``doorbell_imm``; later, maybe, the cancel word with ``cancel_imm``.
+* slot server -> agent: output tokens as they are produced (WRITEs into the reply entry), each
+  batch followed by the ``progress`` word of the result header with ``progress_imm``; at the end
+  the whole result header with ``final_imm``.  Every word carries the request's generation, so a
+  write for an older request of the same entry is recognised and ignored.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ffi, field_offset, lib
+from edgepath.transports.base import Access
+
+# -- regions -------------------------------------------------------------------------------------
+#: a slot server's pool: header, state/doorbell/cancel words, slots
+POOL_REGION = "pool"
+POOL_ACCESS = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
+#: an agent's request entries ``[request header][tokens]``: edges fill them, the agent sends from them
+REQUESTS_REGION = "requests"
+#: an agent's reply entries ``[result header][output]``: the one region a slot server may write
+REPLIES_REGION = "replies"
+REPLIES_ACCESS = Access.REMOTE_WRITE
+#: an agent process's published status (free slots, total slots, slot servers alive), read by edges
+STATUS_REGION = "status"
+#: an edge's 8-byte landing spot for its agent's zero-length WRITE_WITH_IMM answers
+COMPLETIONS_REGION = "completions"
+
+#: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
+#: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
+HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
+#: byte offsets of the load and pace words (after the heartbeat: read with it, :class:`Load`)
+LOAD_OFFSET = field_offset(POOL_HEADER, "load")
+PACE_OFFSET = field_offset(POOL_HEADER, "pace")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a slot server's model side has to do before a new prompt's first token, and how fast it works:
+    the pool header's load and pace words (native/edgepath_slot.h).  ``token_ms == 0``: the server publishes
+    no load (a handler without a step cost model, such as echo)."""
+
+    pending_tokens: int = 0  # prompt tokens admitted and not computed yet
+    decoding: int = 0  # streams generating, one token per step each
+    prefilling: int = 0  # requests whose prompt is not computed yet
+    token_ms: float = 0.0  # the step cost model: per token ...
+    overhead_ms: float = 0.0  # ... and per step
+    stall_ms: float = 0.0  # the handler's bound on a step while streams decode
+
+    @property
+    def published(self) -> bool:
+        return self.token_ms > 0
+
+    def prefill_ms(self, tokens: int) -> float:
+        """What ``tokens`` prompt tokens cost in one step of an idle server (0: no load published)."""
+        return self.overhead_ms + self.token_ms * tokens if self.published and tokens > 0 else 0.0
+
+    def words(self) -> tuple[int, int]:
+        """(load, pace), saturated to their fields' widths."""
+        load = min(self.pending_tokens, 0xFFFFFFFF) | min(self.decoding, 0xFFFF) << 32
+        load |= min(self.prefilling, 0xFFFF) << 48
+        pace = min(round(self.token_ms * 1e6), 0xFFFFFFFF) | min(round(self.overhead_ms * 1e3), 0xFFFFF) << 32
+        pace |= min(round(self.stall_ms / 10), 0xFFF) << 52
+        return load, pace
+
+    @classmethod
+    def of(cls, load: int, pace: int) -> Load:
+        return cls(
+            load & 0xFFFFFFFF,
+            load >> 32 & 0xFFFF,
+            load >> 48,
+            (pace & 0xFFFFFFFF) / 1e6,
+            (pace >> 32 & 0xFFFFF) / 1e3,
+            (pace >> 52) * 10.0,
+        )
+
+
+# -- connection private data (what each side tells the other when a connection is set up) ---------------
+#: keys both hops send: token capacities of a frame
+INPUT_CAPACITY, OUTPUT_CAPACITY = "input_capacity", "output_capacity"
+#: keys an agent sends a slot server: how many reply entries it exports, and where the first one starts
+FRAMES, REPLIES_OFFSET = "frames", "replies_offset"
+#: keys an agent process sends an edge on accept: the edge's own range of frames
+FRAME_BASE, FRAME_COUNT = "frame_base", "frame_count"
+#: the key an agent process sends every edge: its slot servers' addresses (the status region's links, in order)
+SLOT_SERVERS = "slot_servers"
+#: the key an edge sends an agent process, and its value: who is connecting
+ROLE, ROLE_EDGE = "role", "edge"
+
+
+class InfoInvalid(ValueError):
+    """Connection private data that lacks a key or carries a value of the wrong kind."""
+
+
+def _ints(info: Mapping[str, Any], *keys: str) -> list[int]:
+    try:
+        return [int(info[key]) for key in keys]
+    except KeyError as exc:
+        raise InfoInvalid(f"missing {exc.args[0]!r} (has {sorted(info)})") from None
+    except (TypeError, ValueError) as exc:
+        raise InfoInvalid(f"not an integer: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHello:
+    """What an agent tells a slot server: its ``replies`` region holds ``frames`` entries of
+    ``[result header][output]`` from byte ``replies_offset``, for frames of these capacities."""
+
+    frames: int
+    input_capacity: int
+    output_capacity: int
+    replies_offset: int = 0
+
+    def info(self) -> dict[str, int]:
+        return {
+            FRAMES: self.frames,
+            INPUT_CAPACITY: self.input_capacity,
+            OUTPUT_CAPACITY: self.output_capacity,
+            REPLIES_OFFSET: self.replies_offset,
+        }
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any]) -> AgentHello:
+        frames, inputs, outputs = _ints(info, FRAMES, INPUT_CAPACITY, OUTPUT_CAPACITY)
+        (offset,) = _ints({REPLIES_OFFSET: 0, **info}, REPLIES_OFFSET)
+        return cls(frames, inputs, outputs, offset)
+
+
+def edge_hello() -> dict[str, str]:
+    """What an edge tells an agent process."""
+    return {ROLE: ROLE_EDGE}
+
+
+def is_edge_hello(info: Mapping[str, Any]) -> bool:
+    return info.get(ROLE) == ROLE_EDGE
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeGrant:
+    """What an agent process tells an edge: frame capacities and its slot servers' addresses, in the order
+    of the status region's links (for every edge, at listen), and the edge's own range of frames
+    ``[frame_base, frame_base + frame_count)`` (at accept)."""
+
+    input_capacity: int
+    output_capacity: int
+    frame_base: int
+    frame_count: int
+    slot_servers: tuple[str, ...] = ()
+
+    @staticmethod
+    def capacities(input_capacity: int, output_capacity: int, slot_servers: Sequence[str] = ()) -> dict[str, Any]:
+        return {INPUT_CAPACITY: input_capacity, OUTPUT_CAPACITY: output_capacity, SLOT_SERVERS: list(slot_servers)}
+
+    @staticmethod
+    def frames(base: int, count: int) -> dict[str, int]:
+        return {FRAME_BASE: base, FRAME_COUNT: count}
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any]) -> EdgeGrant:
+        servers = info.get(SLOT_SERVERS, [])
+        if not isinstance(servers, list) or not all(isinstance(a, str) for a in servers):
+            raise InfoInvalid(f"{SLOT_SERVERS!r} must be a list of addresses, got {servers!r}")
+        inputs, outputs, base, count = _ints(info, INPUT_CAPACITY, OUTPUT_CAPACITY, FRAME_BASE, FRAME_COUNT)
+        return cls(inputs, outputs, base, count, tuple(servers))
+
+
+# -- state word: generation (32) | claimant (24) | state (8) ----------------------------------------
+_STATE_MASK = 0xFF
+_STATE_MASK_U64 = np.uint64(_STATE_MASK)
+CLAIMANT_MAX = lib.EP_CLAIMANT_MAX
+
+
+def word_state(word: int) -> int:
+    return word & _STATE_MASK
+
+
+def word_generation(word: int) -> int:
+    return word >> 32
+
+
+def word_claimant(word: int) -> int:
+    return (word >> 8) & CLAIMANT_MAX
+
+
+def is_free(word: int) -> bool:
+    return word & _STATE_MASK == State.FREE
+
+
+def claimed_by(word: int, claimant: int) -> bool:
+    """The slot is CLAIMED (no doorbell yet) by ``claimant``."""
+    return word & _STATE_MASK == State.CLAIMED and (word >> 8) & CLAIMANT_MAX == claimant
+
+
+def in_state(words: np.ndarray, state: State) -> np.ndarray:
+    """Which of an array of state words are in ``state`` (a boolean array of the same shape)."""
+    return (words & _STATE_MASK_U64) == int(state)
+
+
+def free_word(generation: int) -> int:
+    """A FREE word in ``generation`` (what a slot server leaves when it releases a slot)."""
+    return (generation & 0xFFFFFFFF) << 32
+
+
+@dataclass(frozen=True, slots=True)
+class SlotWord:
+    generation: int
+    state: State | int
+    claimant: int
+
+    @classmethod
+    def unpack(cls, word: int) -> SlotWord:
+        """Unpack a word; a state byte outside the ABI (corrupt memory) is kept as a plain int."""
+        code = word & _STATE_MASK
+        state = State(code) if code in State._value2member_map_ else code
+        return cls(word >> 32, state, word_claimant(word))
+
+    def pack(self) -> int:
+        return (self.generation << 32) | ((self.claimant & CLAIMANT_MAX) << 8) | int(self.state)
+
+
+class TransitionRefused(Exception):
+    """``ep_step`` refused an event: the word is left as it was."""
+
+    def __init__(self, word: int, event: Event, reason: StepError) -> None:
+        self.word, self.event, self.reason = word, event, reason
+        name = event.name if isinstance(event, Event) else f"event {event}"
+        super().__init__(f"{name} refused on {SlotWord.unpack(word)}: {reason.name.lower()}")
+
+
+def step(word: int, event: Event, generation: int = 0, claimant: int = 0) -> int:
+    """The state word after ``event``; raises :class:`TransitionRefused` when not allowed."""
+    out = ffi.new("uint64_t *")
+    rc = lib.ep_step_word(word, int(event), generation & 0xFFFFFFFF, claimant, out)
+    if rc != lib.EP_OK:
+        raise TransitionRefused(word, event, StepError(rc))
+    return int(out[0])
+
+
+def claim_word(free_word: int, claimant: int) -> int:
+    """The word a claimer CASes in for ``free_word`` (FREE): generation + 1, CLAIMED, claimant."""
+    return step(free_word, Event.CLAIM, 0, claimant)
+
+
+#: the claimer's hot path: ``claim_next(word, claimant)`` is :func:`claim_word` without the exception,
+#: 0 when ``word`` cannot be claimed (no claimed word is 0)
+claim_next = lib.ep_claim_next
+
+
+# -- towards a slot server: doorbell and cancel ------------------------------------------------------
+IMM_CANCEL = lib.EP_IMM_CANCEL
+IMM_GEN_MASK = lib.EP_IMM_GEN_MASK
+
+
+def doorbell_imm(slot: int, generation: int) -> int:
+    """32-bit immediate of a doorbell: generation's low 15 bits << 16 | slot (bit 31 clear)."""
+    return lib.ep_doorbell_imm_of(generation & 0xFFFFFFFF, slot)
+
+
+def doorbell_word(slot: int, generation: int) -> int:
+    """The u64 rung into ``doorbell[slot]`` (what a GPU poller watches)."""
+    return lib.ep_doorbell_word(generation & 0xFFFFFFFF, slot)
+
+
+def cancel_imm(slot: int, generation: int) -> int:
+    """32-bit immediate of a cancel: bit 31 | generation's low 15 bits << 16 | slot."""
+    return IMM_CANCEL | ((generation & IMM_GEN_MASK) << 16) | (slot & lib.EP_SLOT_MAX)
+
+
+def cancel_word(generation: int) -> int:
+    """The u64 written into ``cancel[slot]``: the generation being cancelled, and a set bit."""
+    return ((generation & 0xFFFFFFFF) << 32) | 1
+
+
+def is_cancel_imm(imm: int) -> bool:
+    return bool(imm & IMM_CANCEL)
+
+
+def imm_slot(imm: int) -> int:
+    return imm & lib.EP_SLOT_MAX
+
+
+def imm_generation_matches(imm: int, generation: int) -> bool:
+    """Whether an immediate names ``generation`` (it carries only the low 15 bits)."""
+    return (imm >> 16) & IMM_GEN_MASK == generation & IMM_GEN_MASK
+
+
+def doorbell_entry(conn_id: int, imm: int) -> int:
+    """A doorbell completion as the poller core takes it (``ep_accept_doorbells``): the connection that
+    rang in the high 32 bits, the immediate in the low 32."""
+    return (conn_id << 32) | (imm & 0xFFFFFFFF)
+
+
+# -- towards an agent: progress and final results ---------------------------------------------------
+IMM_PROGRESS = lib.EP_IMM_PROGRESS
+IMM_FINAL = lib.EP_IMM_FINAL
+IMM_STALLED = lib.EP_IMM_STALLED
+IMM_KIND_MASK = lib.EP_IMM_KIND_MASK
+IMM_INDEX_MASK = lib.EP_IMM_INDEX_MASK
+
+
+def progress_imm(index: int) -> int:
+    return IMM_PROGRESS | (index & IMM_INDEX_MASK)
+
+
+def final_imm(index: int) -> int:
+    return IMM_FINAL | (index & IMM_INDEX_MASK)
+
+
+def imm_index(imm: int) -> int:
+    return imm & IMM_INDEX_MASK
+
+
+def is_progress_imm(imm: int) -> bool:
+    return imm & IMM_KIND_MASK == IMM_PROGRESS
+
+
+def stalled_imm(index: int) -> int:
+    """An agent process tells its edge: frame ``index``'s slot server is unresponsive (it stays in flight)."""
+    return IMM_STALLED | (index & IMM_INDEX_MASK)
+
+
+def is_stalled_imm(imm: int) -> bool:
+    return imm & IMM_KIND_MASK == IMM_STALLED
+
+
+def progress_word(generation: int, count: int) -> int:
+    """``progress`` of a result header: the generation it belongs to and the tokens placed so far."""
+    return ((generation & 0xFFFFFFFF) << 32) | (count & 0xFFFFFFFF)
+
+
+def progress_generation(word: int) -> int:
+    return word >> 32
+
+
+def progress_count(word: int) -> int:
+    return word & 0xFFFFFFFF
+
+
+# -- edge <-> agent process: submissions and cancels (the answers are final_imm / progress_imm) -----------
+def submit_imm(index: int) -> int:
+    """An edge hands its frame ``index`` (within its own range) to the agent."""
+    return index & IMM_INDEX_MASK
+
+
+def edge_cancel_imm(index: int) -> int:
+    """An edge asks the agent to cancel its frame ``index``."""
+    return IMM_CANCEL | (index & IMM_INDEX_MASK)
+
+
+def edge_imm_frame(imm: int) -> int:
+    """The frame (within the edge's range) an edge's immediate names."""
+    return imm & IMM_INDEX_MASK
+
+
+# -- the status region an agent process publishes for its edges ----------------------------------------
+#: slot servers whose links an agent process publishes, and u64 words per link (the agent's own encoding of
+#: a link's state: :meth:`edgepath.dpu.link_state.LinkHealth.words`)
+STATUS_LINKS, LINK_WORDS = 8, 5
+STATUS_BYTES = 8 * (4 + STATUS_LINKS * LINK_WORDS)
+
+
+class AgentStatus:
+    """The agent process's ``status`` region: free slots, all slots, whether a slot server is reachable, and
+    each slot server's link (:data:`LINK_WORDS` words each).  The agent publishes it, edges read it in place
+    (aligned u64 words; a reader may see one publication half-written, which the next one mends)."""
+
+    __slots__ = ("_links", "_words")
+
+    def __init__(self, buf: np.ndarray) -> None:
+        if buf.nbytes < STATUS_BYTES:
+            raise ValueError(f"status region needs {STATUS_BYTES} bytes, got {buf.nbytes}")
+        self._words = buf[:32].view(np.uint64)
+        self._links = buf[32:STATUS_BYTES].view(np.uint64).reshape(STATUS_LINKS, LINK_WORDS)
+
+    def publish(self, free: int, total: int, alive: bool, links: Sequence[Sequence[int]] = ()) -> None:
+        if len(links) > STATUS_LINKS:
+            raise ValueError(f"the status region holds {STATUS_LINKS} links, got {len(links)}")
+        for i, words in enumerate(links):
+            self._links[i] = words
+        self._words[:] = (free, total, int(alive), len(links))
+
+    def read(self) -> tuple[int, int, bool]:
+        free, total, alive, _ = (int(v) for v in self._words)
+        return free, total, bool(alive)
+
+    def links(self) -> list[tuple[int, ...]]:
+        """Each published link's words, in the agent's order of its slot servers."""
+        count = min(int(self._words[3]), STATUS_LINKS)
+        return [tuple(int(v) for v in row) for row in self._links[:count]]
+
+
+# -- prefix affinity: what a slot server's model side holds, as chain hashes of token blocks -------------
+#: tokens per block: a prefix is published and matched in whole blocks
+PREFIX_BLOCK = lib.EP_PREFIX_BLOCK
+#: the prefix table a slot server publishes when its handler keeps KV of earlier requests (8 bytes each)
+PREFIX_ENTRIES = 256
+PREFIX_ENTRIES_MAX = lib.EP_PREFIX_ENTRIES_MAX
+
+
+def prefix_chain(tokens: np.ndarray) -> np.ndarray:
+    """The chain hashes of the whole blocks of ``tokens`` (int32 ids): entry ``b`` names the prefix of
+    blocks ``0..b`` (the hash is defined in ``native/edgepath_slot.h``)."""
+    ids = np.ascontiguousarray(tokens, dtype=np.int32)
+    out = np.empty(len(ids) // PREFIX_BLOCK, dtype=np.uint64)
+    n = lib.ep_prefix_chain(ffi.from_buffer("int32_t[]", ids), len(ids), ffi.from_buffer("uint64_t[]", out), len(out))
+    return out[:n]
+
+
+def prefix_table(sequences: Iterable[np.ndarray], entries: int) -> np.ndarray:
+    """The table a slot server publishes for the token sequences its model side holds, the most useful first:
+    the chain hashes of every whole block of each, each hash once, in that order, until ``entries`` are
+    taken; unused entries are 0 (never a chain hash)."""
+    table = np.zeros(entries, dtype=np.uint64)
+    seen: set[int] = set()
+    for tokens in sequences:
+        chain = prefix_chain(tokens).tolist()
+        if not chain or chain[-1] in seen:  # its last block is in: so is every block before it
+            continue
+        for h in chain:
+            if len(seen) == entries:
+                return table
+            if h not in seen:
+                table[len(seen)] = h
+                seen.add(h)
+    return table
+
+
+class PrefixChain:
+    """A request's chain hashes in a reusable buffer (an agent computes them once per request, from the ids
+    already in its frame), and how much of it a server's published table holds."""
+
+    __slots__ = ("_out", "blocks", "hashes")
+
+    def __init__(self, max_tokens: int) -> None:
+        self.hashes = np.zeros(max(1, max_tokens // PREFIX_BLOCK), dtype=np.uint64)
+        self._out = ffi.from_buffer("uint64_t[]", self.hashes)
+        self.blocks = 0
+
+    def compute(self, tokens: np.ndarray) -> int:
+        """Hash the whole blocks of ``tokens`` (a contiguous int32 view; those beyond the buffer are left
+        out); how many."""
+        self.blocks = lib.ep_prefix_chain(
+            ffi.from_buffer("int32_t[]", tokens), len(tokens), self._out, len(self.hashes)
+        )
+        return self.blocks
+
+    def matched(self, table: np.ndarray) -> int:
+        """How many leading blocks of the chain ``table`` (a published prefix table) holds."""
+        if not self.blocks or not len(table):
+            return 0
+        return lib.ep_prefix_match(ffi.from_buffer("uint64_t[]", table), len(table), self._out, self.blocks)
+
+
+# -- typed views of the request and result headers ---------------------------------------------------
+class _StructView:
+    """A typed view of one C struct in registered memory, through a cffi pointer (reading a field costs
+    about a tenth of a numpy structured field).  Subclasses declare the struct's scalar fields as
+    annotations; each becomes a property read through the pointer, and the declaration is checked
+    against the C header when the class is made, so a field added to the ABI cannot go unseen."""
+
+    __slots__ = ("_p",)
+    ctype: ClassVar[str]
+
+    def __init__(self, pointer: Any) -> None:
+        self._p = pointer
+
+    def __init_subclass__(cls, struct: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.ctype = f"struct {struct} *"
+        fields = [name for name, f in ffi.typeof(f"struct {struct}").fields if f.type.kind == "primitive"]
+        declared = [name for name in inspect.get_annotations(cls) if name != "ctype"]
+        if declared != fields:
+            raise TypeError(
+                f"{cls.__name__} declares {declared}, but struct {struct} (native/edgepath_slot.h) has {fields}: "
+                "declare exactly the header's scalar fields, in order"
+            )
+        for name in fields:
+            setattr(cls, name, property(operator.attrgetter(f"_p.{name}"), _setter(name)))
+
+    @classmethod
+    def at(cls, address: int) -> Any:
+        """A view of the struct at ``address`` (memory its owner keeps alive)."""
+        return cls(ffi.cast(cls.ctype, address))
+
+
+def _setter(name: str) -> Any:
+    def set_field(self: _StructView, value: Any) -> None:
+        setattr(self._p, name, value)
+
+    return set_field
+
+
+class RequestHeader(_StructView, struct="ep_request_header"):
+    """A slot's or a frame's request header: the writer's fields, the agent's stamp, sampling."""
+
+    __slots__ = ()
+    request_id: int
+    token_count: int
+    max_new_tokens: int
+    flags: int  # FLAG_STREAM: stream the output
+    generation: int  # the claim's generation, stamped by the agent
+    t_receive_ns: int  # CLOCK_MONOTONIC, at the edge: the request arrived ...
+    t_tokenized_ns: int  # ... its ids are in the frame ...
+    t_written_ns: int  # ... the agent sends it
+    doorbell: int  # the word rung into doorbell[slot] (doorbell_word)
+    reply_index: int
+    top_k: int
+    temperature: float
+    top_p: float
+    seed: int
+    stream_window_us: int
+    max_wait_ms: int  # the requester's bound on waiting for its first token (0: the agent's default)
+    predicted_ttft_us: int  # the agent's prediction at claim time (0: none made) ...
+    predicted_wait_us: int  # ... and the wait in it (the prediction minus its own prompt on an idle server)
+    output_offset: int  # a migrated request: output tokens its answer already has; its output goes after them
+    migrations: int  # how often it has moved to another slot server
+
+    def fill(
+        self,
+        request_id: int,
+        token_count: int,
+        max_new_tokens: int,
+        flags: int,
+        sampling: Sampling,
+        t_receive_ns: int,
+        t_tokenized_ns: int,
+    ) -> None:
+        """The writer's fields (values already checked); the agent stamps the rest when it sends."""
+        lib.ep_request_fill(
+            self._p,
+            request_id,
+            token_count,
+            max_new_tokens,
+            flags,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.seed,
+            t_receive_ns,
+            t_tokenized_ns,
+        )
+
+    def bound(self, max_wait_ms: int) -> None:
+        """The requester's bound on waiting for the first token (0: the agent's default)."""
+        self._p.max_wait_ms = max_wait_ms
+
+    def predicted(self, ttft_ms: float, wait_ms: float) -> None:
+        """The agent's prediction at claim time, for the edge's ``Server-Timing`` and metrics."""
+        p = self._p
+        p.predicted_ttft_us = min(int(ttft_ms * 1e3), 0xFFFFFFFF)
+        p.predicted_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
+
+    def migrate(self, token_count: int, max_new_tokens: int, output_offset: int, migrations: int) -> None:
+        """The request moves to another slot server: its prompt is the old prompt and the answer so far, it may
+        produce what is left, and its output goes after the ``output_offset`` tokens its answer has."""
+        p = self._p
+        p.token_count = token_count
+        p.max_new_tokens = max_new_tokens
+        p.output_offset = output_offset
+        p.migrations = migrations
+
+    def stamp(self, generation: int, slot: int, reply_index: int) -> None:
+        """What a claim decides, just before the request is written: the generation claimed, the doorbell
+        word that rings for it, the reply entry, the time."""
+        lib.ep_request_stamp(self._p, generation & 0xFFFFFFFF, slot, reply_index)
+
+    def streaming(self, default_window: float) -> float | None:
+        """None: the request wants only its final result; else the seconds within which its streamed tokens
+        after the first are coalesced (``default_window`` when the request names none)."""
+        p = self._p
+        if not p.flags & FLAG_STREAM:
+            return None
+        us = p.stream_window_us
+        return us / 1e6 if us else default_window
+
+    def sampling(self) -> Sampling:
+        """The request's sampling parameters (a zeroed header, greedy, is one shared value: no allocation)."""
+        p = self._p
+        temperature, top_p, top_k, seed = p.temperature, p.top_p, p.top_k, p.seed
+        if not (temperature or top_p or top_k or seed):
+            return _ZEROED
+        return Sampling(temperature, top_p, top_k, seed)
+
+
+class ResultHeader(_StructView, struct="ep_result_header"):
+    """A slot's or a reply entry's result header: whose result, how it ended, what is placed so far."""
+
+    __slots__ = ()
+    request_id: int
+    generation: int
+    slot: int
+    status: int  # a Status
+    output_count: int
+    t_ready_ns: int  # CLOCK_MONOTONIC, at the slot server: the poller saw the doorbell ...
+    t_start_ns: int  # ... the handler started ...
+    t_done_ns: int  # ... it finished
+    progress: int  # progress_word(generation, tokens placed so far): see placed_for
+    t_first_ns: int
+    cached_tokens: int  # prompt tokens the model side took from its prefix cache (sent with every progress word)
+    prefill_us: int  # its uncached prompt's cost on an idle server (the step cost model; with cached_tokens)
+    refusal_wait_us: int  # OVER_BOUND: the least predicted wait among the servers tried
+    reserved32: int
+
+    def begin(self, request_id: int, generation: int, slot: int) -> None:
+        """A slot starts running a request: whose it is, when (now), nothing produced yet."""
+        lib.ep_result_begin(self._p, request_id, generation & 0xFFFFFFFF, slot)
+
+    def first_token(self, t_first_ns: int) -> None:
+        """When the first output token was produced (sent with every progress word)."""
+        self._p.t_first_ns = t_first_ns
+
+    def cached(self, tokens: int) -> None:
+        """How many prompt tokens the model side reused from its prefix cache (not recomputed)."""
+        self._p.cached_tokens = tokens
+
+    def prefill(self, seconds: float) -> None:
+        """What the request's uncached prompt costs on an idle server, by the model side's cost model."""
+        self._p.prefill_us = min(int(seconds * 1e6), 0xFFFFFFFF)
+
+    def placed(self, generation: int, count: int) -> None:
+        """``count`` output tokens of ``generation`` are placed (the progress word)."""
+        self._p.progress = progress_word(generation, count)
+
+    def end(self, generation: int, status: int, output_count: int) -> None:
+        """The final result: how it ended, how many tokens, when (now)."""
+        lib.ep_result_end(self._p, generation & 0xFFFFFFFF, status, output_count)
+
+    def refuse(self, status: int) -> None:
+        """An answer without a slot (NO_SLOT, OVER_BOUND, UNAVAILABLE, BAD_REQUEST), written by an agent
+        process (an OVER_BOUND's wait is already written: :meth:`over_bound`)."""
+        p = self._p
+        p.status = status
+        p.output_count = 0
+
+    def over_bound(self, wait_ms: float) -> None:
+        """Refused OVER_BOUND: the least predicted wait among the servers, for the edge's answer."""
+        p = self._p
+        p.status = Status.OVER_BOUND
+        p.output_count = 0
+        p.refusal_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
+
+    def placed_for(self, generation: int) -> int | None:
+        """Output tokens placed for ``generation`` as the progress word says, or None when the word is
+        another generation's (a late write for an older request of the same entry)."""
+        word = self._p.progress
+        return progress_count(word) if progress_generation(word) == generation & 0xFFFFFFFF else None
+
+
+#: final statuses that mean "the model side ran the request" (output, if any, is valid)
+FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED)
+#: statuses the data path answers before any slot ran the request
+REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.UNAVAILABLE, Status.BAD_REQUEST)
+FLAG_STREAM = lib.EP_FLAG_STREAM
+
+
+# -- request validation (writer and reader apply the same rules) ---------------------------------------
+TOKEN_MIN = -(2**31)
+TOKEN_MAX = 2**31 - 1
+
+
+class RequestInvalid(ValueError):
+    """A request that does not fit the slot format; the message says what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters carried in the request header to the model side."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 0 (a zeroed header) or 1: no nucleus cut
+    top_k: int = 0  # 0: off
+    seed: int = 0
+
+    def check(self) -> None:
+        if not 0.0 <= self.temperature <= 2.0:
+            raise RequestInvalid(f"temperature must be between 0 and 2, got {self.temperature}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise RequestInvalid(f"top_p must be between 0 and 1 (0 or 1: off), got {self.top_p}")
+        if not 0 <= self.top_k < 2**31:
+            raise RequestInvalid(f"top_k must be a non-negative integer, got {self.top_k}")
+        if not 0 <= self.seed < 2**64:
+            raise RequestInvalid(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+
+
+#: the sampling of a zeroed request header: greedy, no nucleus cut
+_ZEROED = Sampling(0.0, 0.0, 0, 0)
+
+
+def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:
+    """Why a request with these counts cannot go into a slot of these capacities (None: it can)."""
+    if token_count <= 0:
+        return f"a request needs at least 1 token, got {token_count}"
+    if token_count > input_capacity:
+        return f"request has {token_count} tokens; a slot holds at most {input_capacity}"
+    if not 0 <= max_new_tokens <= output_capacity:
+        return f"max_new_tokens must be between 0 and {output_capacity}, got {max_new_tokens}"
+    return None

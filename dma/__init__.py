@@ -1,1 +1,0 @@
-"""Slot pools, transports and pollers: the memory the requests land in."""
