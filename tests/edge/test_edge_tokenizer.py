@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgepath.edge.tokenizer import HFTokenizer, TekkenTokenizer, default_tekken_path, load_tokenizer
 
@@ -59,6 +61,17 @@ def test_tekken_fast_path_matches_mistral_common(tekken: TekkenTokenizer, text: 
     official = tekken._tok.encode(text, bos=True, eos=False)
     assert tekken.encode(text).tolist() == official
     assert tekken.decode(np.asarray(official)) == tekken._tok.decode(official, tekken._policy)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=300))
+def test_tekken_ordinary_encoding_is_mistral_commons_on_any_text(tekken: TekkenTokenizer, text: str) -> None:
+    """The fast path encodes with tiktoken's ordinary path (no special-token search); mistral-common's own
+    encode goes through the special-token one: the same ids for any text, straight into a frame too."""
+    official = tekken._tok.encode(text, bos=True, eos=False)
+    out = np.full(len(official) + 1, -1, dtype=np.int32)
+    assert tekken.encode_into(text, out) == len(official)
+    assert out[: len(official)].tolist() == official and tekken.encode(text).tolist() == official
 
 
 def test_encode_into_writes_once_or_reports_the_count(tekken: TekkenTokenizer) -> None:
