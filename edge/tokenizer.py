@@ -89,9 +89,9 @@ class TekkenTokenizer:
         n = len(core) + 1
         if n <= len(out):
             out[0] = self._bos
-            ids = out[1:n]
-            ids[:] = core
-            ids += self._offset
+            dest = out[1:n]
+            dest[:] = core
+            dest += self._offset
         return n
 
     def encode(self, text: str) -> np.ndarray:
