@@ -49,9 +49,9 @@ class TekkenTokenizer:
     ``encode_ordinary``: mistral-common keeps Tekken's special tokens out of tiktoken (they are the ids
     below the offset), so tiktoken's special-token path finds nothing, yet it cost 2.7x the ordinary one
     (a 130-token prompt: 32 against 12 µs, AMD EPYC); the ids are offset by the special-token count straight
-    into the caller's buffer.  At load, the fast path is checked against ``Tekkenizer.encode``/``decode``
-    (and used only while tiktoken holds no special token); if a future mistral-common changes its
-    internals, the official (slower) API is used, with a warning.
+    into the caller's buffer, its one write of them.  At load, the fast path is checked against
+    ``Tekkenizer.encode``/``decode`` (and used only while tiktoken holds no special token); if a future
+    mistral-common changes its internals, the official (slower) API is used, with a warning.
     """
 
     def __init__(self, path: Path) -> None:
@@ -89,9 +89,7 @@ class TekkenTokenizer:
         n = len(core) + 1
         if n <= len(out):
             out[0] = self._bos
-            dest = out[1:n]
-            dest[:] = core
-            dest += self._offset
+            np.add(np.array(core, dtype=np.int32), self._offset, out=out[1:n])  # the frame's one write of them
         return n
 
     def encode(self, text: str) -> np.ndarray:
@@ -100,8 +98,7 @@ class TekkenTokenizer:
         core = self._model.encode_ordinary(text)
         out = np.empty(len(core) + 1, dtype=np.int32)
         out[0] = self._bos
-        out[1:] = core
-        out[1:] += self._offset
+        np.add(np.array(core, dtype=np.int32), self._offset, out=out[1:])
         return out
 
     def decode(self, ids: np.ndarray) -> str:
