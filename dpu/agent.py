@@ -224,9 +224,8 @@ class Agent:
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
             choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices
             claimed = self._first_claim(choices, candidates)
-            if claimed is None:
-                why = "no other slot server had a free slot"
-            else:
+            why = "no other slot server had a free slot"
+            if claimed is not None:
                 link, choice, slot, gen = claimed
                 flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
                 try:
@@ -235,7 +234,6 @@ class Agent:
                     flight.link = gone  # not moved: lost with the link it was on
                     link.inflight -= 1
                     self.link_set.failed(link, exc)
-                    why = "no other slot server had a free slot"
                 else:
                     self.delivery_stats.migrated += 1
                     log.info(

@@ -88,17 +88,20 @@ class TekkenTokenizer:
         core = self._model.encode_ordinary(text)
         n = len(core) + 1
         if n <= len(out):
-            out[0] = self._bos
-            np.add(np.array(core, dtype=np.int32), self._offset, out=out[1:n])  # the frame's one write of them
+            self._place(core, out[:n])
         return n
+
+    def _place(self, core: list[int], out: np.ndarray) -> None:
+        """BOS, then tiktoken's ids offset by the special-token count: ``out``'s one write of them."""
+        out[0] = self._bos
+        np.add(np.array(core, dtype=np.int32), self._offset, out=out[1:])
 
     def encode(self, text: str) -> np.ndarray:
         if self._model is None:
             return np.asarray(self._tok.encode(text, bos=True, eos=False), dtype=np.int32)
         core = self._model.encode_ordinary(text)
         out = np.empty(len(core) + 1, dtype=np.int32)
-        out[0] = self._bos
-        np.add(np.array(core, dtype=np.int32), self._offset, out=out[1:])
+        self._place(core, out)
         return out
 
     def decode(self, ids: np.ndarray) -> str:
