@@ -62,6 +62,35 @@ int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, 
     }
 }
 
+int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint64_t *restored)
+{
+    uint64_t cur = atomic_load_explicit(AS_ATOMIC64(word), memory_order_acquire);
+    for (;;) {
+        uint64_t from = ep_word_reverted(cur, *owned) ? *owned : cur, next;
+        int rc = ep_step(from, event, generation, 0, &next);
+        if (rc != EP_OK)
+            return rc;
+        if (atomic_compare_exchange_weak_explicit(AS_ATOMIC64(word), &cur, next,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            *restored += from != cur;
+            *owned = next;
+            return EP_OK;
+        }
+    }
+}
+
+/* Put `owned` back over a word written back to an older value of its generation; 1 if it did. */
+static int restore_owned(uint64_t *word, uint64_t *cur, uint64_t owned)
+{
+    if (!ep_word_reverted(*cur, owned))
+        return 0;
+    if (!atomic_compare_exchange_strong_explicit(AS_ATOMIC64(word), cur, owned,
+                                                 memory_order_acq_rel, memory_order_acquire))
+        return 0; /* moved again meanwhile: the next scan looks at it */
+    *cur = owned;
+    return 1;
+}
+
 uint64_t ep_cas64(uint64_t *addr, uint64_t expected, uint64_t desired)
 {
     atomic_compare_exchange_strong_explicit(AS_ATOMIC64(addr), &expected, desired,
@@ -452,8 +481,8 @@ static inline struct ep_request_header *pool_request(void *pool, uint32_t slot)
  * late doorbell after a lease expired, a peer ringing someone else's slot)
  * is counted in *rejected and changes nothing.
  */
-int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *ready_slots,
-                        uint32_t *ready_conns, uint64_t now_ns, int *rejected)
+int ep_accept_doorbells(void *pool, uint64_t *owned, uint64_t *restored, const uint64_t *entries, int n,
+                        uint32_t *ready_slots, uint32_t *ready_conns, uint64_t now_ns, int *rejected)
 {
     struct ep_pool_header *h = pool;
     uint64_t *states = pool_states(pool);
@@ -473,7 +502,7 @@ int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *re
             (*rejected)++;
             continue;
         }
-        if (ep_apply(&states[slot], EP_EV_DOORBELL, gen, 0, NULL) != EP_OK) {
+        if (ep_apply_owned(&states[slot], &owned[slot], EP_EV_DOORBELL, gen, restored) != EP_OK) {
             (*rejected)++;
             continue;
         }
@@ -490,16 +519,19 @@ int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *re
 /*
  * Reclaim slots left CLAIMED longer than the pool's lease.  The lease runs
  * from the first scan that saw the slot CLAIMED in that generation, so the
- * server needs no clock shared with its writers.
+ * server needs no clock shared with its writers.  First, a word written back
+ * to one the server had already moved past (ep_word_reverted) gets the
+ * server's word again: nothing else would, when it was the last of a cycle.
  */
-int ep_scan_leases(void *pool, uint64_t *seen_word, uint64_t *seen_ns, uint64_t now_ns,
-                   uint32_t *expired, int max)
+int ep_scan_leases(void *pool, uint64_t *owned, uint64_t *restored, uint64_t *seen_word, uint64_t *seen_ns,
+                   uint64_t now_ns, uint32_t *expired, int max)
 {
     struct ep_pool_header *h = pool;
     uint64_t *states = pool_states(pool);
     int n = 0;
     for (uint32_t i = 0; i < h->slot_count; i++) {
         uint64_t cur = atomic_load_explicit(AS_ATOMIC64(&states[i]), memory_order_acquire);
+        *restored += restore_owned(&states[i], &cur, owned[i]);
         if (ep_word_state(cur) != EP_CLAIMED) {
             seen_word[i] = cur;
             continue;
@@ -510,7 +542,7 @@ int ep_scan_leases(void *pool, uint64_t *seen_word, uint64_t *seen_ns, uint64_t 
             continue;
         }
         if (now_ns - seen_ns[i] >= h->lease_ns && n < max &&
-            ep_apply(&states[i], EP_EV_EXPIRE, ep_word_generation(cur), 0, NULL) == EP_OK)
+            ep_apply_owned(&states[i], &owned[i], EP_EV_EXPIRE, ep_word_generation(cur), restored) == EP_OK)
             expired[n++] = i;
     }
     return n;

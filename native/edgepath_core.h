@@ -19,6 +19,11 @@ uint64_t ep_claim_next(uint64_t cur, uint32_t claimant);
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot);
 uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot);
 int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev);
+/* The owner's step (the slot server's: any event but CLAIM) on a word it may share with remote CAS: `owned`
+   is what the owner last stored there (0: nothing yet), kept by it and updated here.  A word found written
+   back to an older value of its generation (ep_word_reverted: soft-RoCE's failed CAS) is stepped from
+   `owned` instead, and *restored counts it. */
+int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint64_t *restored);
 
 /* Loopback "NIC" operations on shared memory. */
 uint64_t ep_cas64(uint64_t *addr, uint64_t expected, uint64_t desired);
@@ -73,11 +78,11 @@ int ep_write_imm(void *dst, const void *src, size_t n, void *ring, uint64_t valu
 int ep_write_then_imm(void *dst, const void *src, size_t n, void *bell_dst, const void *bell_src, size_t bell_n,
                       void *ring, uint64_t value, int efd);
 
-/* Slot-server poller core. */
-int ep_accept_doorbells(void *pool, const uint64_t *entries, int n, uint32_t *ready_slots,
-                        uint32_t *ready_conns, uint64_t now_ns, int *rejected);
-int ep_scan_leases(void *pool, uint64_t *seen_word, uint64_t *seen_ns, uint64_t now_ns,
-                   uint32_t *expired, int max);
+/* Slot-server poller core; `owned` and `restored` as ep_apply_owned's, one owned word per slot. */
+int ep_accept_doorbells(void *pool, uint64_t *owned, uint64_t *restored, const uint64_t *entries, int n,
+                        uint32_t *ready_slots, uint32_t *ready_conns, uint64_t now_ns, int *rejected);
+int ep_scan_leases(void *pool, uint64_t *owned, uint64_t *restored, uint64_t *seen_word, uint64_t *seen_ns,
+                   uint64_t now_ns, uint32_t *expired, int max);
 
 /* Prefix affinity (edgepath_slot.h): the chain hashes of the first min(count / EP_PREFIX_BLOCK, max_blocks)
    whole blocks of `tokens` into out; how many. */

@@ -83,4 +83,29 @@ EP_HD int ep_step(uint64_t cur, int event, uint32_t generation, uint32_t claiman
     }
 }
 
+/*
+ * Where a word stands in its generation's cycle: CLAIMED 1, READY 2, RUNNING 3, DONE 4, and FREE 5 (a
+ * generation's FREE word, written by RELEASE or EXPIRE, comes after everything else in it).
+ */
+EP_HD uint32_t ep_cycle_rank(uint64_t w)
+{
+    uint32_t st = ep_word_state(w);
+    return st == EP_FREE ? 5u : st;
+}
+
+/*
+ * True when `cur` is a word its owner already moved past: `owned` is what the owner last stored (0: nothing
+ * yet), and `cur` is of the same generation but earlier in its cycle.  Within a generation only the owner
+ * moves the word on (the claim that began it is the last remote write), so such a word can only have been
+ * written back: soft-RoCE's responder (Linux 6.1, rxe_resp.c atomic_reply) stores the value it read even
+ * when a CAS's compare fails, and a failed remote CAS that read the word before the owner's CAS can store
+ * it after.  (Remote atomics are serialized with each other, so no claim falls between that read and
+ * store: the stale word is always of the current generation.)
+ */
+EP_HD int ep_word_reverted(uint64_t cur, uint64_t owned)
+{
+    return owned != 0 && ep_word_generation(cur) == ep_word_generation(owned) &&
+           ep_cycle_rank(cur) < ep_cycle_rank(owned);
+}
+
 #endif

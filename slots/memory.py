@@ -21,6 +21,7 @@ from edgepath.contract.pool import SlotPool
 from edgepath.native.abi import Event, ffi, lib
 from edgepath.slots.config import SLOT_MEMORY, SlotServerConfig
 from edgepath.slots.handlers import Heartbeat
+from edgepath.slots.owned import OwnedWords
 from edgepath.slots.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
 from edgepath.transports.base import MemoryRegion, Transport
 
@@ -41,6 +42,8 @@ class PoolMemory:
 
     def __init__(self) -> None:
         self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
+        #: what the server last stored in each state word (its own steps go through it)
+        self.owned = OwnedWords(self.pool.slot_count)
         self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
         self._load_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.LOAD_OFFSET :]))
 
@@ -62,7 +65,7 @@ class PoolMemory:
     def step(self, slot: int, event: Event, generation: int) -> bool:
         """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
         it was allowed."""
-        return bool(lib.ep_apply(self._states_ptr + slot, event, generation, 0, ffi.NULL) == lib.EP_OK)
+        return self.owned.step(self._states_ptr, slot, event, generation) == lib.EP_OK
 
     def publish_result(self, slot: int, output_count: int) -> None:
         """Make ``slot``'s result header and first ``output_count`` tokens, as the host wrote them, what the
@@ -125,8 +128,8 @@ class HostMemory(PoolMemory):
 
     def __init__(self, transport: Transport, spec: PoolSpec) -> None:
         self.region, self.pool = _host_pool(transport, spec)
-        self.poller = HostPoller(self.pool)
         super().__init__()
+        self.poller = HostPoller(self.pool, self.owned)
 
 
 class MappedMemory(PoolMemory):

@@ -18,6 +18,7 @@ import numpy as np
 from edgepath.contract import wire
 from edgepath.contract.pool import SlotPool
 from edgepath.native.abi import Event, State, ffi, lib
+from edgepath.slots.owned import OwnedWords
 
 if TYPE_CHECKING:
     from edgepath.slots.gpu import DeviceSlots
@@ -53,12 +54,14 @@ class Poller(Protocol):
 
 class HostPoller:
     """The CPU poller: ``ep_accept_doorbells`` (CLAIMED -> READY, same C code as the kernel) then
-    READY -> RUNNING at once, in one pass over the completion batch."""
+    READY -> RUNNING at once, in one pass over the completion batch.  Its steps are the server's own
+    (``owned``: what the server last stored in each word, shared with the server's other steps)."""
 
     hands_over = False
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: SlotPool, owned: OwnedWords) -> None:
         self.pool = pool
+        self.owned = owned
         self.rejected_doorbells = 0
         self.expired_leases = 0
         self._pool_ptr = ffi.cast("char *", ffi.from_buffer(pool.buf))
@@ -77,19 +80,34 @@ class HostPoller:
         for base in range(0, len(doorbells), 256):
             n = min(256, len(doorbells) - base)
             got = lib.ep_accept_doorbells(
-                self._pool_ptr, entries + base, n, self._ready_slots, self._ready_conns, now_ns, self._rejected
+                self._pool_ptr,
+                self.owned.ptr,
+                self.owned.restored_ptr,
+                entries + base,
+                n,
+                self._ready_slots,
+                self._ready_conns,
+                now_ns,
+                self._rejected,
             )
             self.rejected_doorbells += self._rejected[0]
             for i in range(got):
                 slot = int(self._ready_slots[i])
-                gen = wire.word_generation(self.pool.word(slot))
-                lib.ep_apply(self._states_ptr + slot, Event.START, gen, 0, ffi.NULL)
+                gen = wire.word_generation(int(self.owned.words[slot]))
+                self.owned.step(self._states_ptr, slot, Event.START, gen)
                 out.append((slot, int(self._ready_conns[i]), gen))
         return out
 
     def scan_leases(self, now_ns: int) -> int:
         n = lib.ep_scan_leases(
-            self._pool_ptr, self._seen_word, self._seen_ns, now_ns, self._expired, self.pool.slot_count
+            self._pool_ptr,
+            self.owned.ptr,
+            self.owned.restored_ptr,
+            self._seen_word,
+            self._seen_ns,
+            now_ns,
+            self._expired,
+            self.pool.slot_count,
         )
         self.expired_leases += n
         return int(n)
@@ -99,7 +117,7 @@ class HostPoller:
         for slot in range(self.pool.slot_count):
             w = self.pool.word(slot)
             if wire.claimed_by(w, claimant) and (
-                lib.ep_apply(self._states_ptr + slot, Event.EXPIRE, wire.word_generation(w), 0, ffi.NULL) == lib.EP_OK
+                self.owned.step(self._states_ptr, slot, Event.EXPIRE, wire.word_generation(w)) == lib.EP_OK
             ):
                 n += 1
         self.expired_leases += n

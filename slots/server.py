@@ -71,6 +71,7 @@ class ServerStats:
     bad_requests: int = 0
     rejected_doorbells: int = 0
     expired_leases: int = 0
+    restored_words: int = 0  # state words found written back by a failed remote CAS and restored (slots/owned.py)
     results_dropped: int = 0
     deadline_exceeded: int = 0  # handlers answered HANDLER_ERROR at their deadline
     quarantined: int = 0  # slots held (DONE) until their handler lets go of them
@@ -469,6 +470,15 @@ class SlotServer:
     def scan_leases(self, now_ns: int | None = None) -> int:
         n = self.poller.scan_leases(now_ns or lib.ep_now_ns())
         self.stats.expired_leases = self.poller.expired_leases
+        restored = self.memory.owned.restored
+        if restored > self.stats.restored_words:
+            log.warning(
+                "%d slot state word(s) written back behind the server by a failed remote CAS (soft-RoCE stores "
+                "what it read even when the compare fails) and restored; %d so far",
+                restored - self.stats.restored_words,
+                restored,
+            )
+            self.stats.restored_words = restored
         return n
 
     # -- lifecycle ------------------------------------------------------------------

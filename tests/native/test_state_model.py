@@ -1,9 +1,11 @@
 """Model-based test of the slot pool under adversarial interleavings (hypothesis).
 
 Claimers CAS slots, write, ring (in time, late, or for the wrong generation), stall or crash;
-the poller accepts doorbells, runs, completes and releases; time advances and leases expire.
-The real C code (CAS, ep_accept_doorbells, ep_apply, ep_scan_leases) runs on real pool memory,
-and after every step the pool must equal an independent model of what should have happened.
+the poller accepts doorbells, runs, completes and releases; time advances and leases expire;
+a failed remote CAS stores back a word it read before some of the server's steps (soft-RoCE on
+Linux 6.1 does).  The real C code (CAS, ep_accept_doorbells, ep_apply_owned, ep_scan_leases) runs
+on real pool memory, and after every step the pool must equal an independent model of what should
+have happened -- a written-back word until the server's next step or scan on it puts it right.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from edgepath.contract.pool import SlotPool
 from edgepath.contract.wire import SlotWord, claim_word, doorbell_imm
 from edgepath.native.abi import Event, State, ffi, lib
+from edgepath.slots.owned import OwnedWords
 
 SLOTS, CLAIMERS, LEASE = 3, 3, 100
 
@@ -29,17 +32,20 @@ class PoolModel(RuleBasedStateMachine):
         self.states = ffi.cast("uint64_t *", self.ptr + self.pool.states_offset)
         self.seen_w, self.seen_t = ffi.new(f"uint64_t[{SLOTS}]"), ffi.new(f"uint64_t[{SLOTS}]")
         self.out = ffi.new(f"uint32_t[{SLOTS}]")
+        self.owned = OwnedWords(SLOTS)
         self.now = 0
         # the model
         self.model = [SlotWord(0, State.FREE, 0) for _ in range(SLOTS)]
         self.first_seen: dict[int, int] = {}  # slot -> time the scan first saw this CLAIMED word
         self.holds: dict[int, tuple[int, int]] = {}  # claimant -> (slot, generation) it believes it owns
         self.rejected = 0
+        self.read_back: dict[int, int] = {}  # slot -> the word a failed remote CAS read and will store back
+        self.written_back: dict[int, int] = {}  # slot -> the stale word it stored, until the server puts it right
 
     # -- claimers -------------------------------------------------------------------
     @rule(claimant=st.integers(1, CLAIMERS), slot=st.integers(0, SLOTS - 1), stale_guess=st.booleans())
     def claim(self, claimant: int, slot: int, stale_guess: bool) -> None:
-        if claimant in self.holds:
+        if claimant in self.holds or self.read_back:  # remote atomics run one at a time (rxe: one lock)
             return
         cur = int(self.states[slot])
         expected = cur if not stale_guess else SlotWord(max(0, (cur >> 32) - 1), State.FREE, 0).pack()
@@ -55,7 +61,7 @@ class PoolModel(RuleBasedStateMachine):
             req = self.pool.slots.requests[slot]
             req["generation"] = m.generation + 1
         else:
-            assert found != expected and found == m.pack()
+            assert found != expected and found == self.written_back.get(slot, m.pack())
 
     @rule(claimant=st.integers(1, CLAIMERS), generation_skew=st.sampled_from([0, 0, 0, -1, 1]))
     def ring(self, claimant: int, generation_skew: int) -> None:
@@ -66,7 +72,10 @@ class PoolModel(RuleBasedStateMachine):
         rung = gen + generation_skew
         entries = ffi.new("uint64_t[1]", [(claimant << 32) | doorbell_imm(slot, rung)])
         ready_s, ready_c, rejected = ffi.new("uint32_t[1]"), ffi.new("uint32_t[1]"), ffi.new("int *")
-        n = lib.ep_accept_doorbells(self.ptr, entries, 1, ready_s, ready_c, self.now, rejected)
+        o = self.owned
+        n = lib.ep_accept_doorbells(self.ptr, o.ptr, o.restored_ptr, entries, 1, ready_s, ready_c, self.now, rejected)
+        if n:
+            self.written_back.pop(slot, None)
         m = self.model[slot]
         valid = (
             m.state == State.CLAIMED
@@ -85,6 +94,23 @@ class PoolModel(RuleBasedStateMachine):
         """The claimer vanishes without ringing: only the lease can free its slot."""
         self.holds.pop(claimant, None)
 
+    @precondition(lambda self: not self.read_back)
+    @rule(slot=st.integers(0, SLOTS - 1))
+    def failed_remote_cas_reads(self, slot: int) -> None:
+        """A claim whose compare fails reads the word (soft-RoCE, Linux 6.1: and will store it back)."""
+        word = int(self.states[slot])
+        if SlotWord.unpack(word).state != State.FREE:  # a FREE word stored back is the same word: no one moves it
+            self.read_back[slot] = word
+
+    @precondition(lambda self: bool(self.read_back))
+    @rule()
+    def failed_remote_cas_stores_back(self) -> None:
+        """... stores it back, after whatever steps the server took on the slot meanwhile."""
+        slot, word = self.read_back.popitem()
+        self.states[slot] = word
+        if word != self.model[slot].pack():
+            self.written_back[slot] = word
+
     # -- the slot server ------------------------------------------------------------
     @precondition(lambda self: any(m.state in (State.READY, State.RUNNING, State.DONE) for m in self.model))
     @rule(slot=st.integers(0, SLOTS - 1))
@@ -97,13 +123,15 @@ class PoolModel(RuleBasedStateMachine):
         }.get(m.state, (None, None))
         if event is None:
             return
-        assert lib.ep_apply(self.states + slot, event, m.generation, 0, ffi.NULL) == lib.EP_OK
+        assert self.owned.step(self.states, slot, event, m.generation) == lib.EP_OK
         self.model[slot] = SlotWord(m.generation, nxt, 0 if nxt == State.FREE else m.claimant)
+        self.written_back.pop(slot, None)
 
     @rule(dt=st.sampled_from([1, 10, 50, LEASE, 2 * LEASE]))
     def tick(self, dt: int) -> None:
         self.now += dt
-        n = lib.ep_scan_leases(self.ptr, self.seen_w, self.seen_t, self.now, self.out, SLOTS)
+        n = self._scan()
+        self.written_back.clear()
         expired = {self.out[i] for i in range(n)}
         for slot, m in enumerate(self.model):
             if m.state != State.CLAIMED:
@@ -123,7 +151,11 @@ class PoolModel(RuleBasedStateMachine):
     # -- what must always hold ------------------------------------------------------------
     @invariant()
     def memory_equals_model(self) -> None:
-        assert [SlotWord.unpack(int(self.states[i])) for i in range(SLOTS)] == self.model
+        for i in range(SLOTS):
+            if i in self.written_back:
+                assert int(self.states[i]) == self.written_back[i]
+            else:
+                assert SlotWord.unpack(int(self.states[i])) == self.model[i]
 
     @invariant()
     def no_slot_has_two_owners(self) -> None:
@@ -134,6 +166,12 @@ class PoolModel(RuleBasedStateMachine):
         ]
         assert len(owners) == len(set(owners))
 
+    def _scan(self) -> int:
+        o = self.owned
+        return int(
+            lib.ep_scan_leases(self.ptr, o.ptr, o.restored_ptr, self.seen_w, self.seen_t, self.now, self.out, SLOTS)
+        )
+
     def teardown(self) -> None:
         """Drain: whatever is in flight finishes and leases run out -> every slot FREE."""
         for slot, m in enumerate(self.model):
@@ -142,10 +180,10 @@ class PoolModel(RuleBasedStateMachine):
                 State.RUNNING: (Event.COMPLETE, Event.RELEASE),
                 State.DONE: (Event.RELEASE,),
             }.get(m.state, ()):
-                assert lib.ep_apply(self.states + slot, event, m.generation, 0, ffi.NULL) == lib.EP_OK
+                assert self.owned.step(self.states, slot, event, m.generation) == lib.EP_OK
         for _ in range(2):
             self.now += LEASE
-            lib.ep_scan_leases(self.ptr, self.seen_w, self.seen_t, self.now, self.out, SLOTS)
+            self._scan()
         assert all(SlotWord.unpack(int(self.states[i])).state == State.FREE for i in range(SLOTS))
 
 
