@@ -122,7 +122,13 @@ def cmd_request(args: argparse.Namespace) -> int:
 COMMANDS = "edgepath.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the commands this package defines itself (the others come from :data:`COMMANDS` entry points)
+BUILT_IN = ("slot-server", "agent", "demo", "serve", "request")
+
+
+def build_parser(added: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; with ``added`` false, without the commands other distributions add (loading
+    them is a third of a child's start-up: ``serve`` starts its slot server and workers by built-in commands)."""
     parser = _Parser(prog="edgepath", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, RequestSettings)
     p.set_defaults(func=cmd_request)
 
-    for command in entry_points(group=COMMANDS):
+    for command in entry_points(group=COMMANDS) if added else ():
         try:
             add = command.load()
         except ImportError as exc:  # a broken install must not take the product's own commands with it
@@ -168,7 +174,9 @@ def _unloadable(sub: Any, name: str, why: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(added=named not in BUILT_IN).parse_args(argv)
     setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)

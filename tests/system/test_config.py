@@ -396,3 +396,21 @@ def test_a_registered_command_that_cannot_be_loaded_leaves_the_others_working(
     assert cli.main(["bench", "edge-cpu", "--runs", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("edgepath bench: error: edgepath.no_such_bench.cli:add_command cannot be loaded"), err
+
+
+def test_the_product_s_own_commands_parse_without_loading_the_added_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child ``serve`` starts (``slot-server``, an edge worker) does not load other distributions' commands,
+    which are a third of its start-up; the names it skips them for are exactly the commands defined here."""
+    from edgepath import cli
+
+    def no_loading(group: str) -> list:
+        raise AssertionError(f"entry points of {group} loaded for a built-in command")
+
+    sub = next(a for a in build_parser(added=False)._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(cli.BUILT_IN)
+    monkeypatch.setattr(cli, "entry_points", no_loading)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["-v", "slot-server", "--help"])
+    assert exited.value.code == 0
+    with pytest.raises(AssertionError, match=r"entry points of edgepath\.commands loaded"):
+        cli.main(["bench", "edge-cpu"])

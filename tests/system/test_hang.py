@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-ser
 HANG = 1.5  # --hang-timeout of these tests: seconds (the soft-RoCE lane's emulated VM gets a longer one)
 HANG_VERBS = 4.0
 REQUEST_TIMEOUT = 60  # --request-timeout: far from every bound checked here
+CHILD_START = 120.0  # seconds a child process may take to start: the emulated VM of the soft-RoCE lane is slow
 TESTS = Path(__file__).resolve().parent.parent
 
 
@@ -74,7 +75,7 @@ def serve_hangable(
             "--tokenizer",
             word_tokenizer,
             *transport_cli_args,
-            timeout=120.0,  # the soft-RoCE lane's emulated VM starts processes slowly
+            timeout=CHILD_START,
         )
 
     yield start
@@ -130,6 +131,8 @@ def test_a_frozen_slot_server_is_reported_refused_at_once_ended_at_detection_and
             assert get(port, "/health/live")[0] == 200  # the edge lives: only readiness goes
             wait_for(lambda: slot_server_of(serve) not in (None, frozen), 30, "serve to replace the hung child")
             replaced = time.monotonic()
+            # a process start takes 12-30 s in the soft-RoCE lane's emulated VM (seen in CI: 30 s, loaded)
+            wait_for(lambda: get(port, "/health/ready")[0] == 200, CHILD_START, "the new slot server to be ready")
             wait_for(lambda: bool(load.oks_after(replaced)), 30, "200s from the new slot server")
         finally:
             thaw(frozen)
