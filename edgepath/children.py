@@ -19,10 +19,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
 STDERR_TAIL_LINES = 20
+#: seconds between looks at a start's ``cancel`` event while it waits for the ready line
+CANCEL_POLL = 0.05
 
 
 class ChildError(RuntimeError):
@@ -80,10 +83,11 @@ class Child:
         env: Mapping[str, str] | None = None,
         forward_stderr: bool = True,
         argv: Sequence[str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Child:
         """Run ``edgepath ARGS`` (or ``argv``, a whole command line that prints the same ready line)
         and return once it is ready; :class:`ChildError` with its stderr tail when it is not within
-        ``ready_timeout`` seconds (the child is then stopped)."""
+        ``ready_timeout`` seconds, or at once when ``cancel`` is set meanwhile (the child is then stopped)."""
         command = list(argv) if argv is not None else edgepath_argv(*args)
         name = command[3] if argv is None and len(command) > 3 else os.path.basename(command[0])
         proc = subprocess.Popen(
@@ -95,13 +99,16 @@ class Child:
             start_new_session=True,  # a Ctrl-C reaches the parent only, which stops its children in order
         )
         child = cls(proc, name, forward_stderr)
-        child._await_ready(" ".join(command[1:] if argv is None else command), ready_timeout)
+        child._await_ready(" ".join(command[1:] if argv is None else command), ready_timeout, cancel)
         return child
 
-    def _await_ready(self, what: str, timeout: float) -> None:
-        closed = self._ready.wait(timeout)
+    def _await_ready(self, what: str, timeout: float, cancel: threading.Event | None) -> None:
+        closed = self._wait_ready(timeout, cancel)
         if self.address is not None:
             return
+        if cancel is not None and cancel.is_set():
+            self.stop()
+            raise ChildError(f"{self.name} was stopped while it started: {what!r}")
         if closed:  # stdout ended without the line: the child is on its way out
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5.0)
@@ -113,6 +120,16 @@ class Child:
             how = f"ended ({exit_reason(self.proc.returncode)}) before it was ready"
         tail = self.stderr_tail()
         raise ChildError(f"{self.name} did not start: {what!r} {how}" + (f"; its stderr ends:\n{tail}" if tail else ""))
+
+    def _wait_ready(self, timeout: float, cancel: threading.Event | None) -> bool:
+        """Whether the ready line (or the end of stdout) came within ``timeout`` seconds and before ``cancel``."""
+        if cancel is None:
+            return self._ready.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(min(CANCEL_POLL, max(0.0, deadline - time.monotonic()))):
+            if cancel.is_set() or time.monotonic() >= deadline:
+                return False
+        return True
 
     def _pump_stdout(self, stream: IO[bytes]) -> None:
         for raw in stream:

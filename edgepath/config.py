@@ -433,6 +433,13 @@ class Supervision:
         worker=False,
         help="seconds over which --max-restarts counts (default %(default)s)",
     )
+    start_timeout: float = option(
+        120.0,
+        type=positive_float,
+        worker=False,
+        help="seconds a child serve starts (the slot server, an edge worker) may take to say it is ready, at "
+        "start and at each restart; a slot server loads its model first (default %(default)s)",
+    )
     workers: int = option(
         1,
         type=positive_int,

@@ -65,7 +65,7 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
 
     def supervisor(name: str, argv: list[str], env: dict[str, str] | None = None) -> Supervisor:
         policy = RestartPolicy(max_restarts=options.supervision.max_restarts, window=options.supervision.restart_window)
-        made = Supervisor(name, argv, policy, give_up, env=env)
+        made = Supervisor(name, argv, policy, give_up, ready_timeout=options.supervision.start_timeout, env=env)
         cleanup.callback(made.stop)
         return made
 

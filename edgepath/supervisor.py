@@ -110,7 +110,7 @@ class Supervisor:
     def start(self) -> Child:
         """Start the child and wait until it is ready (:class:`ChildError` if it is not, or if
         :meth:`stop` was called meanwhile), then watch it."""
-        child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env)
+        child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
         with self._lock:
             if self._stopping.is_set():
                 child.stop()
@@ -169,7 +169,7 @@ class Supervisor:
             if self._stopping.wait(delay):
                 return
             try:
-                child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env)
+                child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
             except ChildError as exc:
                 child, reason = None, f"restart failed: {exc}"
                 continue

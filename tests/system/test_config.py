@@ -159,12 +159,12 @@ def test_a_worker_gets_every_edge_option_and_none_of_the_supervisors(tmp_path: P
         handler=HandlerSettings("llama", (("threads", "1"), ("model", str(model)))),
         data_path=DataPath("verbs", "rxe0", 2),
         started=StartedSlotServer(spin=7e-6, listen="10.0.0.1:7000", handler_deadline=3.0),
-        supervision=Supervision(max_restarts=2, restart_window=10.0, workers=2),
+        supervision=Supervision(max_restarts=2, restart_window=10.0, start_timeout=300.0, workers=2),
     )
     worker = from_args(ServeOptions, build_parser().parse_args(worker_argv(options, ("10.0.0.1:7000",))))
     edge_only = ("sizing.slots", "started.spin", "started.listen", "started.alongside", "agent_process",
                  "started.handler_deadline", "supervision.max_restarts", "supervision.restart_window",
-                 "supervision.workers")  # fmt: skip
+                 "supervision.start_timeout", "supervision.workers")  # fmt: skip
     defaults = dict(_leaves(ServeOptions(handler=HandlerSettings("llama"))))
     given = dict(_leaves(options))
     for name, value in _leaves(worker):

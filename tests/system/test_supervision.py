@@ -11,6 +11,8 @@ import itertools
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,6 +70,26 @@ def test_a_child_that_fails_to_start_reports_its_stderr(tmp_path: Path) -> None:
     message = str(failed.value)
     assert "slot-server did not start" in message and "exit code 2" in message
     assert "argument --handler: unknown handler 'nosuch'" in message  # the child's own one-line error
+
+
+def test_a_child_that_never_says_ready_is_stopped_at_its_start_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    hangs = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(600)"
+    with pytest.raises(ChildError, match=r"printed no 'ready' line within 0\.5 s"):
+        Child.start([], argv=[sys.executable, "-c", hangs], ready_timeout=0.5, forward_stderr=False)
+    assert not Path(f"/proc/{pid_file.read_text()}").exists()  # stopped and reaped
+
+
+def test_a_start_that_is_cancelled_stops_its_child_at_once(tmp_path: Path) -> None:
+    """serve stopping while a slot server (re)starts does not wait out --start-timeout (a model may load for
+    minutes): the start gives up when its supervisor is stopped."""
+    pid_file = tmp_path / "pid"
+    hangs = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(600)"
+    cancel = threading.Event()
+    threading.Thread(target=lambda: wait_for(pid_file.exists, 30, "the child's pid") or cancel.set()).start()
+    with pytest.raises(ChildError, match="was stopped while it started"):
+        Child.start([], argv=[sys.executable, "-c", hangs], ready_timeout=600, forward_stderr=False, cancel=cancel)
+    assert not Path(f"/proc/{pid_file.read_text()}").exists()
 
 
 # -- the promise, on a real serve process ----------------------------------------------------------
