@@ -110,7 +110,7 @@ class Supervisor:
     def start(self) -> Child:
         """Start the child and wait until it is ready (:class:`ChildError` if it is not, or if
         :meth:`stop` was called meanwhile), then watch it."""
-        child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
+        child = self._start_child()
         with self._lock:
             if self._stopping.is_set():
                 child.stop()
@@ -119,6 +119,11 @@ class Supervisor:
         log.info("%s started (pid %d) at %s", self.name, child.pid, child.address)
         self._thread.start()
         return child
+
+    def _start_child(self) -> Child:
+        """A new child, once ready; given up at once when :meth:`stop` is called meanwhile (a start may be long:
+        a slot server loads its model before it is ready)."""
+        return Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop watching and stop the child (SIGTERM, then SIGKILL after ``timeout``)."""
@@ -169,7 +174,7 @@ class Supervisor:
             if self._stopping.wait(delay):
                 return
             try:
-                child = Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
+                child = self._start_child()
             except ChildError as exc:
                 child, reason = None, f"restart failed: {exc}"
                 continue

@@ -41,9 +41,8 @@ class PoolMemory:
     device_slots: DeviceSlots | None = None
 
     def __init__(self) -> None:
-        self._states_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.states))
         #: what the server last stored in each state word (its own steps go through it)
-        self.owned = OwnedWords(self.pool.slot_count)
+        self.owned = OwnedWords(self.pool.states)
         self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
         self._load_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.LOAD_OFFSET :]))
 
@@ -65,7 +64,7 @@ class PoolMemory:
     def step(self, slot: int, event: Event, generation: int) -> bool:
         """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
         it was allowed."""
-        return self.owned.step(self._states_ptr, slot, event, generation) == lib.EP_OK
+        return self.owned.step(slot, event, generation) == lib.EP_OK
 
     def publish_result(self, slot: int, output_count: int) -> None:
         """Make ``slot``'s result header and first ``output_count`` tokens, as the host wrote them, what the

@@ -18,11 +18,12 @@ from edgepath.native.abi import Event, ffi, lib
 
 
 class OwnedWords:
-    """One word per slot: the state word the server last stored there (0: none yet), and how many times a
-    word was found written back and restored."""
+    """For each of a pool's state words (``states``), the word the server last stored there (0: none yet), and
+    how many times a word was found written back and restored."""
 
-    def __init__(self, slots: int) -> None:
-        self.words = np.zeros(slots, dtype=np.uint64)
+    def __init__(self, states: np.ndarray) -> None:
+        self._states = ffi.cast("uint64_t *", ffi.from_buffer(states))
+        self.words = np.zeros(len(states), dtype=np.uint64)
         self.ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
         self.restored_ptr = ffi.new("uint64_t *")
 
@@ -31,7 +32,6 @@ class OwnedWords:
         """Words found written back to an older value of their generation and restored."""
         return int(self.restored_ptr[0])
 
-    def step(self, states: ffi.CData, slot: int, event: Event, generation: int) -> int:
-        """``event`` (any but CLAIM) on ``slot``'s word in the state array at ``states``: ``EP_OK`` or an
-        ``EP_E_*`` code (``ep_apply_owned``)."""
-        return int(lib.ep_apply_owned(states + slot, self.ptr + slot, event, generation, self.restored_ptr))
+    def step(self, slot: int, event: Event, generation: int) -> int:
+        """``event`` (any but CLAIM) on ``slot``'s state word: ``EP_OK`` or an ``EP_E_*`` code (``ep_apply_owned``)."""
+        return int(lib.ep_apply_owned(self._states + slot, self.ptr + slot, event, generation, self.restored_ptr))

@@ -65,7 +65,6 @@ class HostPoller:
         self.rejected_doorbells = 0
         self.expired_leases = 0
         self._pool_ptr = ffi.cast("char *", ffi.from_buffer(pool.buf))
-        self._states_ptr = ffi.cast("uint64_t *", self._pool_ptr + pool.states_offset)
         n = pool.slot_count
         self._seen_word = ffi.new("uint64_t[]", n)
         self._seen_ns = ffi.new("uint64_t[]", n)
@@ -94,7 +93,7 @@ class HostPoller:
             for i in range(got):
                 slot = int(self._ready_slots[i])
                 gen = wire.word_generation(int(self.owned.words[slot]))
-                self.owned.step(self._states_ptr, slot, Event.START, gen)
+                self.owned.step(slot, Event.START, gen)
                 out.append((slot, int(self._ready_conns[i]), gen))
         return out
 
@@ -117,7 +116,7 @@ class HostPoller:
         for slot in range(self.pool.slot_count):
             w = self.pool.word(slot)
             if wire.claimed_by(w, claimant) and (
-                self.owned.step(self._states_ptr, slot, Event.EXPIRE, wire.word_generation(w)) == lib.EP_OK
+                self.owned.step(slot, Event.EXPIRE, wire.word_generation(w)) == lib.EP_OK
             ):
                 n += 1
         self.expired_leases += n

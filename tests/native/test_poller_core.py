@@ -25,8 +25,7 @@ class Core:
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self.ptr = ffi.cast("char *", ffi.from_buffer(pool.buf))
-        self.states = ffi.cast("uint64_t *", self.ptr + pool.states_offset)
-        self.owned = OwnedWords(pool.slot_count)
+        self.owned = OwnedWords(pool.states)
         self.seen_w, self.seen_t = ffi.new("uint64_t[4]"), ffi.new("uint64_t[4]")
         self.out = ffi.new("uint32_t[4]")
 
@@ -44,7 +43,7 @@ class Core:
         return int(lib.ep_scan_leases(self.ptr, o.ptr, o.restored_ptr, self.seen_w, self.seen_t, now, self.out, 4))
 
     def step(self, slot: int, event: Event) -> int:
-        return self.owned.step(self.states, slot, event, self.pool.slot_word(slot).generation)
+        return self.owned.step(slot, event, self.pool.slot_word(slot).generation)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ class PoolModel(RuleBasedStateMachine):
         self.states = ffi.cast("uint64_t *", self.ptr + self.pool.states_offset)
         self.seen_w, self.seen_t = ffi.new(f"uint64_t[{SLOTS}]"), ffi.new(f"uint64_t[{SLOTS}]")
         self.out = ffi.new(f"uint32_t[{SLOTS}]")
-        self.owned = OwnedWords(SLOTS)
+        self.owned = OwnedWords(self.pool.states)
         self.now = 0
         # the model
         self.model = [SlotWord(0, State.FREE, 0) for _ in range(SLOTS)]
@@ -123,7 +123,7 @@ class PoolModel(RuleBasedStateMachine):
         }.get(m.state, (None, None))
         if event is None:
             return
-        assert self.owned.step(self.states, slot, event, m.generation) == lib.EP_OK
+        assert self.owned.step(slot, event, m.generation) == lib.EP_OK
         self.model[slot] = SlotWord(m.generation, nxt, 0 if nxt == State.FREE else m.claimant)
         self.written_back.pop(slot, None)
 
@@ -180,7 +180,7 @@ class PoolModel(RuleBasedStateMachine):
                 State.RUNNING: (Event.COMPLETE, Event.RELEASE),
                 State.DONE: (Event.RELEASE,),
             }.get(m.state, ()):
-                assert self.owned.step(self.states, slot, event, m.generation) == lib.EP_OK
+                assert self.owned.step(slot, event, m.generation) == lib.EP_OK
         for _ in range(2):
             self.now += LEASE
             self._scan()

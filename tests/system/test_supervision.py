@@ -72,11 +72,17 @@ def test_a_child_that_fails_to_start_reports_its_stderr(tmp_path: Path) -> None:
     assert "argument --handler: unknown handler 'nosuch'" in message  # the child's own one-line error
 
 
+def _never_ready(pid_file: Path) -> list[str]:
+    """A command line that writes its pid to ``pid_file`` and never prints a ready line."""
+    code = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(600)"
+    return [sys.executable, "-c", code]
+
+
 def test_a_child_that_never_says_ready_is_stopped_at_its_start_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    hangs = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(600)"
+    hangs = _never_ready(pid_file)
     with pytest.raises(ChildError, match=r"printed no 'ready' line within 0\.5 s"):
-        Child.start([], argv=[sys.executable, "-c", hangs], ready_timeout=0.5, forward_stderr=False)
+        Child.start([], argv=hangs, ready_timeout=0.5, forward_stderr=False)
     assert not Path(f"/proc/{pid_file.read_text()}").exists()  # stopped and reaped
 
 
@@ -84,11 +90,11 @@ def test_a_start_that_is_cancelled_stops_its_child_at_once(tmp_path: Path) -> No
     """serve stopping while a slot server (re)starts does not wait out --start-timeout (a model may load for
     minutes): the start gives up when its supervisor is stopped."""
     pid_file = tmp_path / "pid"
-    hangs = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(600)"
+    hangs = _never_ready(pid_file)
     cancel = threading.Event()
     threading.Thread(target=lambda: wait_for(pid_file.exists, 30, "the child's pid") or cancel.set()).start()
     with pytest.raises(ChildError, match="was stopped while it started"):
-        Child.start([], argv=[sys.executable, "-c", hangs], ready_timeout=600, forward_stderr=False, cancel=cancel)
+        Child.start([], argv=hangs, ready_timeout=600, forward_stderr=False, cancel=cancel)
     assert not Path(f"/proc/{pid_file.read_text()}").exists()
 
 
