@@ -343,6 +343,10 @@ class Agent:
             choices = [_ONLY]  # one server, and it publishes no load: nothing to predict or order
         else:
             decision = self._decide(index, count, fits)
+            if not decision.choices and decision.over_bound_ms is not None and self._reread(fits):
+                # A refusal rests on a view a heartbeat old at most: decide again on what was just read.
+                fits = [link for link in fits if link.up]
+                decision = self._decide(index, count, fits) if fits else Decision([])
             choices = decision.choices
             if not choices and decision.over_bound_ms is not None:
                 self.frames.result_headers[index].over_bound(decision.over_bound_ms)
@@ -361,6 +365,16 @@ class Agent:
             self.link_set.failed(link, exc)
             return Status.UNAVAILABLE
         return None
+
+    def _reread(self, links: list[ServerLink]) -> bool:
+        """Read again the links whose load was last read more than a probe interval ago (the heartbeat's
+        period), before refusing on it; whether any was read.  Refusals under a flood cost at most one READ
+        per link and interval."""
+        now = self.link_set.clock()
+        stale = [link for link in links if now - link.tracker.observed >= self.link_set.probe_interval]
+        for link in stale:
+            self.link_set.probe(link)
+        return bool(stale)
 
     def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
         """The admission decision for frame ``index``, within its bound: the request's own (its header's

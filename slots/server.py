@@ -422,6 +422,7 @@ class SlotServer:
     def _cancel_running(self, run: _Running) -> None:
         released = self.handler.cancel(run.slot)
         self._publish_prefixes()
+        self._publish_load()  # before the slot is freed: a cancelled prompt leaves no load behind it
         self.stats.cancelled += 1
         self._finish(run, Status.CANCELLED, run.count, hold=not released)
 
@@ -532,6 +533,10 @@ class SlotServer:
             now = time.monotonic()
             memory.beat(now)
         self.flush(now)
+        # Whatever happened this turn (a cancel, a peer gone, a handler's own timer), the load agents read is
+        # the handler's now: an idle server never publishes work it no longer has (a stale load refused
+        # every request for good: issue 34).
+        self._publish_load()
         self._turned = now
         return now
 

@@ -98,3 +98,57 @@ def test_a_server_that_publishes_no_load_is_never_refused_over_a_bound(make_serv
     link = agent.attach(server.address)
     assert not link.load.published and int(server.pool.header["pace"]) == 0
     assert submit(agent, 30)[1] is None
+
+
+class Prefilling(Loaded):
+    """Holds every request in prefill until it is cancelled (a model whose prompt steps have not run yet):
+    its load counts the prompts it holds."""
+
+    def __init__(self) -> None:
+        super().__init__(IDLE)
+        self.held: dict[int, int] = {}
+
+    def add(self, request, now):  # type: ignore[no-untyped-def]
+        self.held[request.slot] = len(request.tokens)
+        return []
+
+    def cancel(self, slot: int) -> bool:
+        self.held.pop(slot, None)
+        return True
+
+    def load(self) -> Load:
+        return Load(sum(self.held.values()), 0, len(self.held), **PACE)
+
+
+def test_a_cancelled_prompt_leaves_no_load_behind(make_server, new_agent) -> None:
+    """The lock-out of issue 34: a request cancelled while its prompt waited left its tokens in the published
+    load, the idle server then stepped no more (nothing ran), so the stale load stood for good."""
+    handler = Prefilling()
+    server = make_server(handler)
+    agent: Agent = new_agent()
+    link = agent.attach(server.address)
+    index, status = submit(agent, 40)
+    assert status is None and serve_once(server, timeout=0.5) == 1
+    assert Load.of(*server.pool.header[["load", "pace"]].tolist()).pending_tokens == 40
+    agent.abandon(index)
+    server.poll_once(0.5)
+    assert not handler.held and not server.running
+    assert Load.of(*server.pool.header[["load", "pace"]].tolist()) == IDLE
+    agent.link_set.refresh(link)
+    assert link.load == IDLE
+
+
+def test_a_refusal_never_rests_on_a_view_older_than_a_heartbeat(make_server, new_agent) -> None:
+    handler = Loaded(BUSY)
+    server = make_server(handler)
+    now = [0.0]
+    agent: Agent = new_agent(max_wait=2.0, clock=lambda: now[0])
+    agent.attach(server.address)
+    handler.current = IDLE
+    server.poll_once(0.01)  # the server is idle now; the agent's view (read at attach) is not
+    index, status = submit(agent, 40)
+    assert status is Status.OVER_BOUND  # a view younger than a heartbeat is what it decides on
+    agent.release(index)
+    now[0] += agent.link_set.probe_interval
+    index, status = submit(agent, 40)
+    assert status is None  # older: read again before refusing, and admitted
