@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ffi, field_offset, lib
+from edgepath.contract.plan import Costs, Load, PolicyOptions, Prompt
+from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ffi, field_offset, lib, struct_dtype
 from edgepath.transports.base import Access
 
 # -- regions -------------------------------------------------------------------------------------
@@ -50,50 +51,56 @@ COMPLETIONS_REGION = "completions"
 #: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
 #: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
 HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
-#: byte offsets of the load and pace words (after the heartbeat: read with it, :class:`Load`)
-LOAD_OFFSET = field_offset(POOL_HEADER, "load")
-PACE_OFFSET = field_offset(POOL_HEADER, "pace")
+#: the load region (ABI 7, ``struct ep_load``): right after the pool header, before the state words, so the READ
+#: from the heartbeat on carries it; the step policy's costs, knobs and work (:class:`~edgepath.contract.plan.Load`)
+LOAD_REGION = struct_dtype("ep_load")
+LOAD_OFFSET = POOL_HEADER.itemsize
+#: prompts in prefill the region lists one by one (more are summed into the last entry)
+LOAD_PROMPTS = int(lib.EP_LOAD_PROMPTS)
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
-    """What a slot server's model side has to do before a new prompt's first token, and how fast it works:
-    the pool header's load and pace words (native/edgepath_slot.h).  ``token_ms == 0``: the server publishes
-    no load (a handler without a step cost model, such as echo)."""
+def load_record(load: Load) -> np.ndarray:
+    """The load region's fields for ``load`` (its sequence-lock words left 0: ``ep_load_publish`` sets them)."""
+    record = np.zeros(1, dtype=LOAD_REGION)
+    if not load.published:
+        return record
+    r = record[0]
+    costs, options = load.costs, load.options
+    assert options is not None
+    r["overhead_ms"], r["prompt_ms"], r["decode_ms"] = costs.overhead_ms, costs.prompt_ms, costs.decode_ms
+    r["context_ms"], r["stall_ms"] = costs.context_ms, options.stall_ms
+    r["min_prefill"], r["batch"] = options.min_prefill, options.batch
+    r["decoding"], r["context"], r["prefilling"] = load.decoding, load.context, len(load.waiting)
+    waiting = load.waiting
+    if len(waiting) > LOAD_PROMPTS:  # the rest summed into the last entry: they follow it, oldest first
+        rest = waiting[LOAD_PROMPTS - 1 :]
+        waiting = (*waiting[: LOAD_PROMPTS - 1], Prompt(rest[0].done, sum(p.remaining for p in rest)))
+    r["listed"] = len(waiting)
+    pairs = r["prompts"]
+    for i, prompt in enumerate(waiting):
+        pairs[2 * i], pairs[2 * i + 1] = min(prompt.done, 0xFFFFFFFF), min(prompt.remaining, 0xFFFFFFFF)
+    return record
 
-    pending_tokens: int = 0  # prompt tokens admitted and not computed yet
-    decoding: int = 0  # streams generating, one token per step each
-    prefilling: int = 0  # requests whose prompt is not computed yet
-    token_ms: float = 0.0  # the step cost model: per token ...
-    overhead_ms: float = 0.0  # ... and per step
-    stall_ms: float = 0.0  # the handler's bound on a step while streams decode
 
-    @property
-    def published(self) -> bool:
-        return self.token_ms > 0
-
-    def prefill_ms(self, tokens: int) -> float:
-        """What ``tokens`` prompt tokens cost in one step of an idle server (0: no load published)."""
-        return self.overhead_ms + self.token_ms * tokens if self.published and tokens > 0 else 0.0
-
-    def words(self) -> tuple[int, int]:
-        """(load, pace), saturated to their fields' widths."""
-        load = min(self.pending_tokens, 0xFFFFFFFF) | min(self.decoding, 0xFFFF) << 32
-        load |= min(self.prefilling, 0xFFFF) << 48
-        pace = min(round(self.token_ms * 1e6), 0xFFFFFFFF) | min(round(self.overhead_ms * 1e3), 0xFFFFF) << 32
-        pace |= min(round(self.stall_ms / 10), 0xFFF) << 52
-        return load, pace
-
-    @classmethod
-    def of(cls, load: int, pace: int) -> Load:
-        return cls(
-            load & 0xFFFFFFFF,
-            load >> 32 & 0xFFFF,
-            load >> 48,
-            (pace & 0xFFFFFFFF) / 1e6,
-            (pace >> 32 & 0xFFFFF) / 1e3,
-            (pace >> 52) * 10.0,
-        )
+def read_load(region: np.void) -> Load | None:
+    """The :class:`~edgepath.contract.plan.Load` in a copy of a load region; None when the copy is torn (read
+    while the server rewrote it: keep the previous one).  All zero: the server publishes no load."""
+    if int(region["end"]) != int(region["begin"]):
+        return None
+    batch = int(region["batch"])
+    if not batch:
+        return Load()
+    costs = Costs(
+        float(region["overhead_ms"]),
+        float(region["prompt_ms"]),
+        float(region["decode_ms"]),
+        float(region["context_ms"]),
+    )
+    options = PolicyOptions(float(region["stall_ms"]), int(region["min_prefill"]), batch)
+    pairs = region["prompts"]
+    listed = min(int(region["listed"]), LOAD_PROMPTS)
+    waiting = tuple(Prompt(int(pairs[2 * i]), int(pairs[2 * i + 1])) for i in range(listed) if pairs[2 * i + 1])
+    return Load(costs, options, int(region["decoding"]), int(region["context"]), waiting)
 
 
 # -- connection private data (what each side tells the other when a connection is set up) ---------------

@@ -2,10 +2,11 @@
 
 A free slot is not a fast slot: prompts admitted together share the model's steps, and each waits for the
 others.  So the policy predicts, for every candidate server, this request's **time to first token** from
-what the agent last read of it -- the load and pace words in its pool header (:class:`~edgepath.contract.wire.Load`:
-prompt tokens admitted and not yet computed, streams decoding, the step cost model and stall bound its
-model side learned) and its prefix table (what of this prompt it would not compute) -- all of it in the READ
-that also carries the heartbeat and the state words: no extra round trip, no queue.
+what the agent last read of it -- its load region (:class:`~edgepath.contract.plan.Load`: the step costs
+and the policy's knobs its model side uses, the streams decoding, the prompts in prefill) and its prefix
+table (what of this prompt it would not compute) -- all of it in the READ that also carries the heartbeat and
+the state words: no extra round trip, no queue.  The prediction runs the model side's own step policy
+forward (:func:`~edgepath.contract.plan.predict`): one code plans the steps and predicts them.
 
 The bound is on **waiting, not on work**: a request's wait is its predicted time to first token minus what
 its own uncached prompt takes on an idle server.  A server is a candidate when its predicted wait is within
@@ -14,18 +15,13 @@ time to first token first (a server that holds the prompt's prefix computes less
 the cost), then the longest prefix held, then the most free slots; the others last (the agent's claim
 reads their state words again).  When every server's wait is over the bound, the request is refused at
 once (429) with the least predicted wait, from which the edge says when to come back.  A server that
-publishes no load (a handler without a model, such as echo) is predicted to answer at once.
-
-The prediction follows the step policy of the model side (``edgepath.model.schedule``): while streams
-decode, each step carries one token per stream and prompt tokens up to the stall bound (at least
-``MIN_PREFILL``), oldest prompts first; with nothing decoding, the prompts ahead go in one step, and then
-decode.  Slots claimed but not yet seen by the model side (CLAIMED or READY in the cached state words) are
-counted as prompts as long as this one.
+publishes no load (a handler without a model, such as echo) is predicted to answer at once.  Slots claimed
+but not yet seen by the model side (CLAIMED or READY in the cached state words) are counted as prompts as
+long as this one, ahead of it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,9 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from edgepath.contract import wire
-
-#: prompt tokens a step carries at least while a prompt waits (the llama handler's ``min_prefill`` default)
-MIN_PREFILL = 16
+from edgepath.contract.plan import Load, Prediction, Prompt, predict
 
 
 class Server(Protocol):
@@ -48,20 +42,12 @@ class Server(Protocol):
     def prefixes(self) -> np.ndarray: ...
 
     @property
-    def load(self) -> wire.Load: ...
+    def load(self) -> Load: ...
 
     @property
     def unseen(self) -> int:
         """Slots claimed whose request the model side has not taken yet (CLAIMED or READY)."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """A request's predicted time to first token on one server, and the wait in it (milliseconds)."""
-
-    ttft_ms: float
-    wait_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +69,6 @@ class Decision:
     over_bound_ms: float | None = None
 
 
-def predict(load: wire.Load, uncached: int, unseen: int = 0, tokens: int = 0) -> Prediction:
-    """The time to first token of a prompt of ``uncached`` tokens to compute, arriving at a server under
-    ``load`` with ``unseen`` more requests claimed there (each counted as ``tokens`` prompt tokens)."""
-    if not load.published:
-        return Prediction(0.0, 0.0)
-    own = load.prefill_ms(uncached)
-    pending = load.pending_tokens + unseen * tokens
-    ahead = load.prefilling + unseen
-    decoding = load.decoding
-    if decoding == 0 and pending == 0:
-        return Prediction(own, 0.0)
-
-    def step(n: int) -> float:
-        return load.overhead_ms + load.token_ms * n
-
-    if decoding == 0:
-        elapsed = step(pending)  # nobody decodes: the prompts ahead go in one step ...
-        decoding, pending = ahead, 0  # ... and decode from then on
-    else:
-        decoding += ahead  # the prompts ahead decode too before this one is done
-        elapsed = 0.5 * step(decoding)  # the step under way, half done on average
-    budget = max(MIN_PREFILL, math.floor((load.stall_ms - load.overhead_ms) / load.token_ms) - decoding)
-    work = pending + max(uncached, 1)
-    full = (work - 1) // budget
-    elapsed += full * step(decoding + budget) + step(decoding + work - full * budget)
-    return Prediction(elapsed, max(0.0, elapsed - own))
-
-
 class Admission:
     """The claim decision for requests of at most ``input_capacity`` tokens."""
 
@@ -130,8 +88,8 @@ class Admission:
         over: float | None = None
         for i, server in enumerate(servers):
             matched = chain.matched(server.prefixes)
-            uncached = count - min(count - 1, matched * wire.PREFIX_BLOCK)  # the last token is always computed
-            prediction = predict(server.load, uncached, server.unseen, count)
+            cached = min(count - 1, matched * wire.PREFIX_BLOCK)  # the last token is always computed
+            prediction = predict(server.load, Prompt(cached, count - cached), server.unseen, count)
             if prediction.wait_ms > bound_ms:
                 over = prediction.wait_ms if over is None else min(over, prediction.wait_ms)
                 continue

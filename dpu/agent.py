@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
+from edgepath.contract.plan import Prediction
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
-from edgepath.dpu.admission import Admission, Choice, Decision, Prediction
+from edgepath.dpu.admission import Admission, Choice, Decision
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
@@ -339,7 +340,7 @@ class Agent:
                 return Status.UNAVAILABLE
             if not fits:
                 return Status.BAD_REQUEST
-        if len(fits) == 1 and not fits[0].loads[1]:
+        if len(fits) == 1 and not fits[0].load.published:
             choices = [_ONLY]  # one server, and it publishes no load: nothing to predict or order
         else:
             decision = self._decide(index, count, fits)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
+from edgepath.contract.plan import Load
 from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason, check_hang_timeout
 from edgepath.dpu.port import SlotServerStatus
@@ -33,7 +34,7 @@ log = logging.getLogger("edgepath.agent")
 
 #: bytes before each link's cached state words in the scratch region: ``[heartbeat .. state[0])`` of the
 #: pool header lands there, read with the state words in one READ
-HEAD = 64
+HEAD = 256
 
 #: re-attaching to a slot server that went away: first after 0.1 s, then doubling to one try every 2 s --
 #: a restarted server (serve's own restarts after 0.1 s at first) is back in use within about 2 s of
@@ -80,7 +81,7 @@ class ServerLink:
     words_offset: int
     pool: RemoteRegion
     beat: np.ndarray  # the heartbeat word as last read, in the same region, ``head`` bytes before the words
-    loads: np.ndarray  # the load and pace words as last read (with the heartbeat)
+    loads: np.ndarray  # the load region as last read (with the heartbeat): one record of wire.LOAD_REGION
     tracker: LinkTracker
     cursor: int = 0
     inflight: int = 0
@@ -94,8 +95,11 @@ class ServerLink:
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
-        #: bytes of the pool header read before the state words: from its heartbeat word on
+        #: bytes of the pool header and load region read before the state words: from the heartbeat word on
         self.head = self.states_offset - wire.HEARTBEAT_OFFSET
+        self._load = Load()  # the last whole load region read, parsed (a torn read keeps it)
+        self._load_version = 0
+        self._load_end = self.loads.view(np.uint64)[:1]  # its version word, cheap to read
 
     @property
     def claimant(self) -> int:
@@ -117,9 +121,15 @@ class ServerLink:
         return int(np.count_nonzero(wire.in_state(self.words, State.FREE)))
 
     @property
-    def load(self) -> wire.Load:
-        """What the server's model side had to do when last read (:class:`~edgepath.contract.wire.Load`)."""
-        return wire.Load.of(int(self.loads[0]), int(self.loads[1]))
+    def load(self) -> Load:
+        """What the server's model side had to do when last read whole (:class:`~edgepath.contract.plan.Load`;
+        parsed once per version it publishes)."""
+        version = int(self._load_end[0])
+        if version != self._load_version:
+            load = wire.read_load(self.loads[0])
+            if load is not None:
+                self._load, self._load_version = load, version
+        return self._load
 
     @property
     def unseen(self) -> int:
@@ -288,16 +298,16 @@ class LinkSet:
         if n > self._words_per_link:
             raise AgentError(f"{address}: pool has {n} slots, this agent caches at most {self._words_per_link}")
         head = int(header["states_offset"]) - wire.HEARTBEAT_OFFSET
-        if not 8 <= head <= HEAD:
+        if int(header["load_offset"]) != wire.LOAD_OFFSET or not 8 <= head <= HEAD:
             raise AgentError(
-                f"{address}: the pool's state words start at byte {int(header['states_offset'])}, not right after "
-                "its header"
+                f"{address}: the pool's load region starts at byte {int(header['load_offset'])} and its state words "
+                f"at byte {int(header['states_offset'])}, not right after its header"
             )
         words_offset = self._link_bytes * position + HEAD
         words = self.scratch_mr.buf[words_offset : words_offset + 8 * n].view(np.uint64)
         beat = self.scratch_mr.buf[words_offset - head : words_offset - head + 8].view(np.uint64)
         at = words_offset - head + wire.LOAD_OFFSET - wire.HEARTBEAT_OFFSET
-        loads = self.scratch_mr.buf[at : at + 16].view(np.uint64)
+        loads = self.scratch_mr.buf[at : at + wire.LOAD_REGION.itemsize].view(wire.LOAD_REGION)
         entries, gap = int(header["prefix_entries"]), int(header["prefixes_offset"]) - int(header["states_offset"])
         if entries and not (8 * n <= gap and HEAD + gap + 8 * entries <= self._link_bytes):
             raise AgentError(

@@ -1,7 +1,7 @@
 """llama.cpp over the slot pool: one context, one KV stream per running request, continuous batching.
 
 Every :meth:`LlamaHandler.step` is ONE ``llama_decode`` over every running slot: the next token of each
-decoding slot, plus the prompt tokens that :class:`~edgepath.model.schedule.StepPolicy` plans for the
+decoding slot, plus the prompt tokens that :class:`~edgepath.contract.plan.StepPolicy` plans for the
 slots still in prefill (decode steps stay short; prompts go in few large steps within a stall bound; a
 whole prompt at once when nothing decodes).  Each slot samples with its own sampler (greedy is a numpy
 argmax over its logits row; otherwise a llama.cpp sampler chain built from the request's sampling
@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.contract.wire import Load, Sampling
+from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, Step, StepPolicy, chunk_attended
+from edgepath.contract.wire import Sampling
 from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
-from edgepath.model.schedule import CostModel, PolicyOptions, StepPolicy
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -50,11 +50,13 @@ log = logging.getLogger("edgepath.model.llama")
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine) until the
-# warm-up steps measure it here (a context too small for two sizes keeps them); it then follows the steps as they run.
-_STEP_OVERHEAD_MS = 6.0
-_TOKEN_MS_ONE_THREAD = 6.0
-#: prompt sizes of the warm-up steps that measure the step cost model's start on this machine
+# warm-up steps measure it here (a context too small for them keeps these); it then follows the steps as they run.
+_START_COSTS_ONE_THREAD = Costs(overhead_ms=6.0, prompt_ms=4.0, decode_ms=7.0, context_ms=0.5)
+#: prompt sizes of the warm-up steps that measure the step cost model on this machine: a short and a long prompt
+#: from position 0, then the long one again after itself (what attending a longer context adds)
 CALIBRATION_TOKENS = (16, 128)
+#: sequences decoding together in the warm-up's decode steps (at most the slots)
+CALIBRATION_STREAMS = 8
 _FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
@@ -312,10 +314,9 @@ class LlamaHandler:
         self.slots = slots
         self.ctx_per_slot = options.ctx_per_slot
         self.batch_capacity = batch
-        self.policy = StepPolicy(
-            PolicyOptions(options.stall_ms, options.min_prefill, batch),
-            CostModel(_STEP_OVERHEAD_MS, _TOKEN_MS_ONE_THREAD / options.threads),
-        )
+        stall = float(np.float32(options.stall_ms))  # as published: the agents replay the plan with it
+        self.policy = StepPolicy(PolicyOptions(stall, options.min_prefill, batch))
+        self.cost = CostModel(_START_COSTS_ONE_THREAD.scaled(1.0 / options.threads))
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
         self.stats = StepStats()
         self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
@@ -413,10 +414,11 @@ class LlamaHandler:
         if n == 0:
             return out
         self._logits[:n] = 0
-        prompt_tokens = 0
+        prompt_tokens = attended = 0
         for seq, start, length, first in segments:
             self._seq[start : start + length] = seq.stream
             self._pos[start : start + length] = np.arange(first, first + length, dtype=np.int32)
+            attended += chunk_attended(first, length)
             if seq.prefilled < seq.prompt_len:
                 prompt_tokens += length
             if first + length == seq.prompt_len or seq.count > 0:
@@ -444,7 +446,7 @@ class LlamaHandler:
             for seq, *_ in segments:
                 out.append(self._finish(seq, Status.HANDLER_ERROR))
             return out
-        self.policy.observe(n, decoded - decode_start)
+        self.cost.observe(Step(prompt_tokens, n - prompt_tokens, attended), (decoded - decode_start) * 1e3, now)
         for seq, _, length, first in segments:
             if seq.prefilled < seq.prompt_len:
                 seq.prefilled = first + length
@@ -477,45 +479,74 @@ class LlamaHandler:
     def _warm_up(self) -> None:
         """Throw-away steps before the first request.  The first, as llama-server does at start: the weights
         are paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
-        first token.  Then prompt steps of two sizes (:data:`CALIBRATION_TOKENS`) whose times set the step
-        cost model's start (:meth:`CostModel.fit`): the agents' admission predicts from it before any request
-        has run, and a start value taken on another machine mispredicted the first prompts' time to first
-        token by tens of percent (docs/ADMISSION.md).  The KV cache is emptied after each."""
+        first token.  Then the steps that measure the step cost model on this machine
+        (:meth:`~edgepath.contract.plan.CostModel.calibrate`): prompts of two sizes from position 0 and the long
+        one again after itself (what a longer context adds), and decode steps of one and of several streams
+        (a decoded token also computes its logits).  The agents' admission predicts from it before any request
+        has run; start values from another machine mispredicted the first prompts by tens of percent
+        (docs/ADMISSION.md).  The KV cache is emptied afterwards."""
         lib = self._lib
         bos, eos = int(lib.llama_vocab_bos(self._vocab)), int(lib.llama_vocab_eos(self._vocab))
         started = time.perf_counter()
-        self._throwaway_step(np.array([t for t in (bos, eos) if t >= 0] or [0], dtype=np.int32))
+        first = [t for t in (bos, eos) if t >= 0] or [0]
+        self._timed_step([(0, 0, len(first), False)], np.array(first, dtype=np.int32))
+        lib.llama_memory_clear(self._mem, True)
         log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
-        sizes = sorted({min(n, self.batch_capacity, self.ctx_per_slot) for n in CALIBRATION_TOKENS})
-        if len(sizes) < 2:
+        short, long = (min(n, self.batch_capacity, self.ctx_per_slot // 2 - 2) for n in CALIBRATION_TOKENS)
+        streams = min(CALIBRATION_STREAMS, self.slots, self.batch_capacity)
+        if short < 2 or long <= short:
+            return  # a context too small to measure in: the start values stay
+        ids = np.arange(2 * long, dtype=np.int32) * 7919 % self.n_vocab  # which ids does not change the cost
+        steps, times = [], []
+        # a short prompt, a long one, the long one again after itself (cleared after the first and the third)
+        for parts, clear in (
+            ([(0, 0, short, False)], True),
+            ([(0, 0, long, False)], False),
+            ([(0, long, long, False)], True),
+        ):
+            times.append(self._timed_step(parts, ids))
+            steps.append(Step(sum(p[2] for p in parts), 0, sum(chunk_attended(p[1], p[2]) for p in parts)))
+            if clear:
+                lib.llama_memory_clear(self._mem, True)
+        held = [0] * streams  # positions each calibration stream holds
+        for _ in range(2):  # one stream decoding, then all of them; twice
+            for count in (1, streams):
+                times.append(self._timed_step([(seq, held[seq], 1, True) for seq in range(count)], ids))
+                steps.append(Step(0, count, sum(held[seq] + 1 for seq in range(count))))
+                for seq in range(count):
+                    held[seq] += 1
+        lib.llama_memory_clear(self._mem, True)
+        if not self.cost.calibrate(steps, times):
+            log.warning("llama: the warm-up steps made no cost model (%s ms); the start values stay", times)
             return
-        ids = np.arange(sizes[-1], dtype=np.int32) * 7919 % self.n_vocab  # which ids does not change the cost
-        times = [1e3 * self._throwaway_step(ids[:n]) for n in sizes]
-        self.policy.cost.fit(sizes, times)
-        cost = self.policy.cost
+        c = self.cost.base
         log.info(
-            "llama: step cost model from prompt steps of %s tokens (%s ms): %.2f ms + %.3f ms/token",
-            "/".join(map(str, sizes)), "/".join(f"{t:.0f}" for t in times), cost.overhead_ms, cost.token_ms,
+            "llama: step cost model from %d warm-up steps: %.2f ms per step + %.3f ms per prompt token + %.3f ms per "
+            "decoded token + %.3f ms per 1,000 attended positions",
+            len(steps), c.overhead_ms, c.prompt_ms, c.decode_ms, c.context_ms,
         )  # fmt: skip
 
-    def _throwaway_step(self, ids: np.ndarray) -> float:
-        """Decode ``ids`` as one prompt of sequence 0 and empty the KV cache; the seconds ``llama_decode`` took."""
-        lib, n = self._lib, len(ids)
-        self._tokens[:n] = ids
-        self._pos[:n] = np.arange(n, dtype=np.int32)
-        self._seq[:n] = 0
-        self._logits[:n] = 0
-        self._logits[n - 1] = 1
+    def _timed_step(self, parts: list[tuple[int, int, int, bool]], ids: np.ndarray) -> float:
+        """One throw-away ``llama_decode`` of ``parts`` (sequence, first position, tokens, logits for every token
+        or only the last), token ids from ``ids``; the milliseconds it took."""
+        lib, n = self._lib, 0
+        self._logits[:] = 0
+        for seq, first, length, every in parts:
+            self._tokens[n : n + length] = ids[first : first + length]
+            self._pos[n : n + length] = np.arange(first, first + length, dtype=np.int32)
+            self._seq[n : n + length] = seq
+            self._logits[n if every else n + length - 1 : n + length] = 1
+            n += length
         self._batch.token = self._tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.n_tokens = n
         started = time.perf_counter()
         rc = lib.llama_decode(self._ctx, self._batch)
         lib.llama_synchronize(self._ctx)
         took = time.perf_counter() - started
-        lib.llama_memory_clear(self._mem, True)
         if rc != 0:
+            lib.llama_memory_clear(self._mem, True)
             raise HandlerError(f"llama: a warm-up step of {n} tokens failed (llama_decode returned {rc})")
-        return took
+        return took * 1e3
 
     def _check_numbers(self) -> None:
         """The known-answer check (:mod:`edgepath.model.known_answer`), on a context of its own (one sequence,
@@ -616,16 +647,19 @@ class LlamaHandler:
 
     # -- ReportsLoad: what the slot server publishes for the agents' admission -----------------------
     def load(self) -> Load:
-        """Prompt tokens still to compute (a request not placed yet counts whole: what it will reuse is not
-        known before), streams decoding, the step cost model as learned so far, the stall bound."""
-        pending = prefilling = 0
+        """What the step policy will plan from, as the agents replay it: the costs it plans with, its knobs, the
+        streams decoding and the positions they hold, the prompts in prefill oldest first (a request not placed
+        yet counts whole: what it will reuse is not known before)."""
+        decoding = context = 0
+        waiting = []
         for seq in self._running.values():
             if seq.prefilled < seq.prompt_len:
-                pending += seq.prompt_len - seq.prefilled
-                prefilling += 1
-        cost = self.policy.cost
-        decoding = len(self._running) - prefilling
-        return Load(pending, decoding, prefilling, cost.token_ms, cost.overhead_ms, self.options.stall_ms)
+                waiting.append(Prompt(seq.prefilled, seq.prompt_len - seq.prefilled))
+            else:
+                decoding += 1
+                context += seq.prompt_len + seq.count - 1
+        self.cost.forget(time.monotonic())
+        return Load(self.cost.costs(), self.policy.options, decoding, context, tuple(waiting))
 
     # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
     def prefixes_version(self) -> int:
@@ -648,8 +682,11 @@ class LlamaHandler:
         waiting: list[_Sequence] = []
         for seq in self._running.values():
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
+        context = sum(seq.prompt_len + seq.count - 1 for seq in decoding)
+        costs = self.cost.costs()
         while True:
-            takes = self.policy.plan(len(decoding), [seq.prompt_len - seq.prefilled for seq in waiting])
+            prompts = [Prompt(seq.prefilled, seq.prompt_len - seq.prefilled) for seq in waiting]
+            takes = self.policy.plan(costs, len(decoding), context, prompts)
             # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
             # not on arrival: requests that arrive together with a shared prefix then copy it from the one
             # that computed it first.  Placing one can shorten its prompt: plan again.

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <time.h>
@@ -106,6 +107,27 @@ uint64_t ep_load64(const uint64_t *addr)
 void ep_store64(uint64_t *addr, uint64_t value)
 {
     atomic_store_explicit(AS_ATOMIC64(addr), value, memory_order_release);
+}
+
+void ep_load_publish(struct ep_load *dst, const struct ep_load *fields)
+{
+    uint64_t version = atomic_load_explicit(AS_ATOMIC64(&dst->begin), memory_order_relaxed) + 1;
+    atomic_store_explicit(AS_ATOMIC64(&dst->begin), version, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release); /* begin is seen to change before any field does */
+    const char *from = (const char *)fields + offsetof(struct ep_load, overhead_ms);
+    char *to = (char *)dst + offsetof(struct ep_load, overhead_ms);
+    /* word by word: a reader racing with this copy sees each word old or new, never half of one */
+    for (size_t at = 0; at < offsetof(struct ep_load, begin) - offsetof(struct ep_load, overhead_ms); at += 8) {
+        uint64_t word;
+        memcpy(&word, from + at, 8);
+        atomic_store_explicit(AS_ATOMIC64(to + at), word, memory_order_relaxed);
+    }
+    atomic_store_explicit(AS_ATOMIC64(&dst->end), version, memory_order_release);
+}
+
+_Bool ep_load_whole(const struct ep_load *copy)
+{
+    return copy->end == copy->begin;
 }
 
 _Bool ep_heartbeat_tick(void *word)
@@ -215,7 +237,8 @@ int ep_pool_layout_prefixes(uint32_t slot_count, uint32_t input_capacity, uint32
     out->input_capacity = input_capacity;
     out->output_capacity = output_capacity;
     out->slot_stride = ep_frame_stride(input_capacity, output_capacity);
-    out->states_offset = ALIGN_UP(sizeof(struct ep_pool_header));
+    out->load_offset = ALIGN_UP(sizeof(struct ep_pool_header));
+    out->states_offset = out->load_offset + ALIGN_UP(sizeof(struct ep_load));
     uint64_t after_states = out->states_offset + ALIGN_UP((uint64_t)slot_count * 8u);
     out->prefix_entries = prefix_entries;
     out->prefixes_offset = prefix_entries ? after_states : 0;
@@ -249,7 +272,8 @@ int ep_pool_validate(const void *base, uint64_t size)
     if (h->prefix_entries > EP_PREFIX_ENTRIES_MAX ||
         ep_pool_layout_prefixes(h->slot_count, h->input_capacity, h->output_capacity, (uint32_t)h->prefix_entries,
                                 &expect) != EP_OK ||
-        expect.slot_stride != h->slot_stride || expect.states_offset != h->states_offset ||
+        expect.slot_stride != h->slot_stride || expect.load_offset != h->load_offset ||
+        expect.states_offset != h->states_offset ||
         expect.prefixes_offset != h->prefixes_offset ||
         expect.doorbells_offset != h->doorbells_offset || expect.cancels_offset != h->cancels_offset ||
         expect.slots_offset != h->slots_offset ||

@@ -8,9 +8,10 @@
  * (an independent gcc-compiled offset dump).
  *
  * Pool memory (one registered region):
- *   [ep_pool_header][u64 state[n]][u64 prefix[m]][u64 doorbell[n]][u64 cancel[n]][slots...]
+ *   [ep_pool_header][ep_load][u64 state[n]][u64 prefix[m]][u64 doorbell[n]][u64 cancel[n]][slots...]
  * each array starts on a 64-byte boundary (the prefix table is there only when m > 0, and then
- * follows the state words, so one READ gets both); each slot is slot_stride bytes:
+ * follows the state words, so one READ from the heartbeat gets the load region, the state words and
+ * the prefix table); each slot is slot_stride bytes:
  *   [ep_request_header][int32 tokens[input_capacity]][ep_result_header][int32 output[output_capacity]]
  * A requester's reply region uses the same per-entry layout (a "frame"), so
  * the request part is sent with one RDMA WRITE and the result part comes back
@@ -23,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 6  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28) */
+#define EP_ABI_VERSION 7  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free (issue 34) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -128,18 +129,41 @@ struct ep_pool_header {
     uint64_t heartbeat;
     uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
     uint64_t prefix_entries;   /* chain hashes the slot server publishes at most (0..EP_PREFIX_ENTRIES_MAX) */
-    /*
-     * What the model side has to do before a new prompt's first token, for the agents' admission
-     * (edgepath.dpu.admission), rewritten by the slot server after every step and every admitted request,
-     * and read in the same READ as the heartbeat.  Each word is whole in itself (one aligned store), so
-     * a reader never sees half of one; the two may be from different steps.
-     *   load: prompt tokens admitted and not yet computed (bits 0-31) | decoding streams (32-47) |
-     *         requests still in prefill (48-63)
-     *   pace: the step cost model, per token in ns (bits 0-31) | per step in us (32-51) |
-     *         the handler's stall bound in units of 10 ms (52-63); 0: the handler publishes no load
-     */
-    uint64_t load;
-    uint64_t pace;
+    uint64_t load_offset;      /* the load region (struct ep_load), right after this header */
+    uint64_t reserved_load;
+};
+
+/*
+ * The load region (ABI 7): what the model side has to do before a new prompt's first token and how it plans
+ * its steps, for the agents' admission, which runs the same step policy forward over it
+ * (edgepath.contract.plan).  Rewritten by the slot server whenever it changes (after steps, admissions,
+ * cancels), read in the same READ as the heartbeat and the state words.
+ *
+ * Tear-free by a sequence lock across the region: the writer stores `begin` (the highest word) first, then
+ * the fields, then `end` (the lowest word) last, with a release fence between; a reader that copies the region
+ * in address order (end first, begin last: loopback's copy and soft-RoCE's READ do) takes it only when `end`
+ * equals `begin`, and keeps its previous copy otherwise.  All zero: the handler publishes no load (echo).
+ *
+ * Costs of a step, in ms: overhead + prompt_ms * prompt tokens + decode_ms * decoded tokens
+ *   + context_ms * (positions attended by the step's tokens, summed) / 1000.
+ */
+#define EP_LOAD_PROMPTS 16  /* prompts in prefill listed; more are summed into the last entry */
+
+struct ep_load {
+    uint64_t end;              /* the version, stored last */
+    float overhead_ms;
+    float prompt_ms;
+    float decode_ms;
+    float context_ms;
+    float stall_ms;            /* the policy's bound on a step while streams decode */
+    uint32_t min_prefill;      /* prompt tokens a step carries at least while a prompt waits */
+    uint32_t batch;            /* tokens at most in one step */
+    uint32_t decoding;         /* streams decoding, one token per step each */
+    uint64_t context;          /* positions the decoding streams hold, summed */
+    uint32_t prefilling;       /* requests whose prompt is not all computed */
+    uint32_t listed;           /* entries of prompts[] in use (at most EP_LOAD_PROMPTS) */
+    uint32_t prompts[32];      /* per prompt in prefill, oldest first: positions held, tokens to compute */
+    uint64_t begin;            /* the version, stored first */
 };
 
 struct ep_request_header {
@@ -195,6 +219,8 @@ struct ep_result_header {
 #define EP_STATIC_ASSERT _Static_assert
 #endif
 EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 128, "ep_pool_header must be 128 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_load) == 192, "ep_load must be 192 bytes (three cache lines)");
+EP_STATIC_ASSERT(sizeof(((struct ep_load *)0)->prompts) == 8 * EP_LOAD_PROMPTS, "prompts: two words per entry");
 EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 128, "ep_request_header must be 128 bytes");
 EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 128, "ep_result_header must be 128 bytes");
 

@@ -576,6 +576,13 @@ class DeviceSlots:
         rt = self._cp.cuda.runtime
         self._copy(self.address + off, self._host(off), nbytes, rt.memcpyHostToDevice)
 
+    def push_range(self, offset: int, nbytes: int) -> None:
+        """Copy bytes ``[offset, offset + nbytes)`` of the pool from the mirror onto the device (and wait)."""
+        if not 0 <= offset <= offset + nbytes <= self.nbytes:
+            raise ValueError(f"range {offset}+{nbytes}: expected within the pool's {self.nbytes} bytes")
+        rt = self._cp.cuda.runtime
+        self._copy(self.address + offset, self._host(offset), nbytes, rt.memcpyHostToDevice)
+
     def pull_states(self) -> np.ndarray:
         """Copy every state word from the device into the mirror (lease scans); the mirror's array."""
         off = self.mirror.states_offset

@@ -26,7 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from edgepath.contract.wire import Load, Sampling
+from edgepath.contract.plan import Load
+from edgepath.contract.wire import Sampling
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.handlers")
@@ -119,7 +120,7 @@ class BeatsWithinSteps(Protocol):
 class ReportsLoad(Protocol):
     """Optional for a batch handler with a step cost model (a model): what it has to do before a new
     prompt's first token, which the slot server publishes in its pool header for the agents' admission
-    (:class:`~edgepath.contract.wire.Load`).  Handlers that answer at once (echo) leave it out."""
+    (:class:`~edgepath.contract.plan.Load`).  Handlers that answer at once (echo) leave it out."""
 
     def load(self) -> Load:
         """Now: prompt tokens admitted and not computed, streams decoding, the cost model (cheap: asked after

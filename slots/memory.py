@@ -44,7 +44,7 @@ class PoolMemory:
         #: what the server last stored in each state word (its own steps go through it)
         self.owned = OwnedWords(self.pool.states)
         self._heartbeat_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.HEARTBEAT_OFFSET :]))
-        self._load_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.LOAD_OFFSET :]))
+        self._load_ptr = ffi.cast("struct ep_load *", ffi.from_buffer(self.pool.buf[wire.LOAD_OFFSET :]))
 
     @property
     def beats(self) -> int:
@@ -73,11 +73,10 @@ class PoolMemory:
     def cancel_word(self, slot: int) -> int:
         return int(self.pool.cancels[slot])
 
-    def publish_load(self, load: int, pace: int) -> None:
-        """The pool header's load and pace words (:class:`~edgepath.contract.wire.Load`), one aligned store each: a
-        reader sees each word whole, old or new."""
-        lib.ep_store64(self._load_ptr, load)
-        lib.ep_store64(self._load_ptr + 1, pace)
+    def publish_load(self, fields: np.ndarray) -> None:
+        """The pool's load region (``fields``: a :func:`~edgepath.contract.wire.load_record`), under its sequence
+        lock: a reader that copies it in address order sees one version whole, or knows it did not."""
+        lib.ep_load_publish(self._load_ptr, ffi.cast("struct ep_load *", ffi.from_buffer(fields)))
 
     def publish_prefixes(self, table: np.ndarray) -> None:
         """Make ``table`` (a :func:`~edgepath.contract.wire.prefix_table` of the pool's size) the prefix table
@@ -199,11 +198,15 @@ class DeviceMemory(PoolMemory):
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]
 
-    def publish_load(self, load: int, pace: int) -> None:
-        """Written in the mirror and stored on the device (the NIC reads the device's header)."""
-        super().publish_load(load, pace)
-        self.device_slots.store_word(wire.LOAD_OFFSET, load)  # type: ignore[union-attr]
-        self.device_slots.store_word(wire.PACE_OFFSET, pace)  # type: ignore[union-attr]
+    def publish_load(self, fields: np.ndarray) -> None:
+        """Written in the mirror, then stored on the device in the sequence lock's order (the NIC reads the
+        device's copy): the begin word, the fields, the end word, each store after the copies before it."""
+        super().publish_load(fields)
+        device, at = self.device_slots, wire.LOAD_OFFSET
+        mirror = self.pool.buf[at : at + wire.LOAD_REGION.itemsize].view(np.uint64)
+        device.store_word(at + wire.LOAD_REGION.itemsize - 8, int(mirror[-1]))  # type: ignore[union-attr]
+        device.push_range(at + 8, wire.LOAD_REGION.itemsize - 16)  # type: ignore[union-attr]
+        device.store_word(at, int(mirror[0]))  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Deregister the pool from the NIC before its memory is freed (a region's close may run again when

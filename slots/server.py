@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepath.contract import wire
+from edgepath.contract.plan import Load, Prompt, own_ms
 from edgepath.contract.wire import RequestHeader
 from edgepath.native.abi import Event, Status, lib
 from edgepath.slots.config import SLOT_MEMORY, SlotServerConfig
@@ -131,8 +132,8 @@ class SlotServer:
         self._publish_prefixes()  # a handler may hold prefixes from the start
         #: the handler whose load the pool header publishes (None: it reports none; the pace word stays 0)
         self._reporter = self.handler if isinstance(self.handler, ReportsLoad) else None
-        self._load = wire.Load()
-        self._load_words = (0, 0)
+        self._load = Load()
+        self._load_fields = wire.load_record(self._load)
         self._publish_load()
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller
@@ -339,8 +340,8 @@ class SlotServer:
             if run.produced(emit.count):
                 result = self._res_hdr[run.slot]
                 result.first_token(lib.ep_now_ns())
-                uncached = self._req_hdr[run.slot].token_count - emit.cached_tokens
-                result.prefill(self._load.prefill_ms(uncached) / 1e3)
+                uncached = max(1, self._req_hdr[run.slot].token_count - emit.cached_tokens)
+                result.prefill(own_ms(self._load, Prompt(emit.cached_tokens, uncached)) / 1e3)
             if emit.status is not None:
                 if emit.status == Status.HANDLER_ERROR:
                     self.stats.handler_errors += 1
@@ -410,14 +411,14 @@ class SlotServer:
         self.memory.publish_prefixes(wire.prefix_table(holder.prefixes(), len(self.pool.prefixes)))
 
     def _publish_load(self) -> None:
-        """Rewrite the pool header's load and pace words when the handler's load has changed."""
+        """Rewrite the pool's load region when the handler's load has changed."""
         if self._reporter is None:
             return
         self._load = self._reporter.load()
-        words = self._load.words()
-        if words != self._load_words:
-            self._load_words = words
-            self.memory.publish_load(*words)
+        fields = wire.load_record(self._load)
+        if fields.tobytes() != self._load_fields.tobytes():
+            self._load_fields = fields
+            self.memory.publish_load(fields)
 
     def _cancel_running(self, run: _Running) -> None:
         released = self.handler.cancel(run.slot)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 from helpers.datapath import send, serve_once
-from helpers.loaded import Loaded
+from helpers.loaded import PACE, Loaded, published
 
-from edgepath.contract.wire import Load
-from edgepath.dpu.admission import predict
+from edgepath.contract.plan import Load, Prompt, own_ms, predict
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -18,8 +17,7 @@ from edgepath.slots.handlers import ReportsLoad
 
 pytestmark = pytest.mark.transport
 
-PACE = {"token_ms": 3.0, "overhead_ms": 6.0, "stall_ms": 1500.0}
-BUSY = Load(pending_tokens=2000, prefilling=2, **PACE)  # about 6 s of prompts ahead
+BUSY = Load(waiting=(Prompt(0, 1000), Prompt(0, 1000)), **PACE)  # about 6 s of prompts ahead
 IDLE = Load(**PACE)
 
 
@@ -35,7 +33,7 @@ def test_the_pool_header_carries_the_handlers_load_to_the_agent(make_server, new
     assert isinstance(Loaded(IDLE), ReportsLoad)
     server = make_server(Loaded(BUSY))
     link = new_agent().attach(server.address)
-    assert Load.of(*server.pool.header[["load", "pace"]].tolist()) == BUSY
+    assert published(server.pool) == BUSY
     assert link.load == BUSY  # read with the heartbeat when it attached
 
 
@@ -47,7 +45,7 @@ def test_a_request_is_refused_at_once_when_every_server_would_make_it_wait_past_
     agent.attach(server.address)
     index, status = submit(agent, 40)
     assert status is Status.OVER_BOUND
-    expected = predict(BUSY, 40, 0, 40).wait_ms
+    expected = predict(BUSY, Prompt(0, 40)).wait_ms
     assert agent.frames.result_headers[index].refusal_wait_us == int(expected * 1e3)
     assert server.pool.count(State.CLAIMED) == 0  # nothing claimed, nothing written
     agent.release(index)
@@ -60,14 +58,14 @@ def test_an_idle_server_admits_a_long_prompt_whatever_the_bound(make_server, new
     index, status = submit(agent, 60)
     assert status is None
     req = agent.frames.request_headers[index]
-    assert req.predicted_ttft_us == int(IDLE.prefill_ms(60) * 1e3) and req.predicted_wait_us == 0
+    assert req.predicted_ttft_us == int(own_ms(IDLE, Prompt(0, 60)) * 1e3) and req.predicted_wait_us == 0
     assert serve_once(server) == 1
 
 
 def test_a_request_may_ask_for_less_never_for_more(make_server, new_agent) -> None:
     load = Load(decoding=8, **PACE)  # a short wait: about half a step beside 8 streams
     server = make_server(Loaded(load), slots=4)
-    wait = predict(load, 20, 0, 20).wait_ms
+    wait = predict(load, Prompt(0, 20)).wait_ms
     assert 1 < wait < 100
     agent: Agent = new_agent(max_wait=1.0)
     agent.attach(server.address)
@@ -96,7 +94,7 @@ def test_a_server_that_publishes_no_load_is_never_refused_over_a_bound(make_serv
     server = make_server(echo)
     agent: Agent = new_agent(max_wait=0.001)
     link = agent.attach(server.address)
-    assert not link.load.published and int(server.pool.header["pace"]) == 0
+    assert not link.load.published and published(server.pool) == Load()
     assert submit(agent, 30)[1] is None
 
 
@@ -117,7 +115,7 @@ class Prefilling(Loaded):
         return True
 
     def load(self) -> Load:
-        return Load(sum(self.held.values()), 0, len(self.held), **PACE)
+        return Load(waiting=tuple(Prompt(0, n) for n in self.held.values()), **PACE)
 
 
 def test_a_cancelled_prompt_leaves_no_load_behind(make_server, new_agent) -> None:
@@ -129,11 +127,11 @@ def test_a_cancelled_prompt_leaves_no_load_behind(make_server, new_agent) -> Non
     link = agent.attach(server.address)
     index, status = submit(agent, 40)
     assert status is None and serve_once(server, timeout=0.5) == 1
-    assert Load.of(*server.pool.header[["load", "pace"]].tolist()).pending_tokens == 40
+    assert published(server.pool).pending_tokens == 40  # type: ignore[union-attr]
     agent.abandon(index)
     server.poll_once(0.5)
     assert not handler.held and not server.running
-    assert Load.of(*server.pool.header[["load", "pace"]].tolist()) == IDLE
+    assert published(server.pool) == IDLE
     agent.link_set.refresh(link)
     assert link.load == IDLE
 

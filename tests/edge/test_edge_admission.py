@@ -10,15 +10,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers.loaded import Loaded
+from helpers.loaded import PACE, Loaded
 from helpers.tokenizers import CharTokenizer
 from test_edge_service import Server, generate, serve_requests, start_server
 
-from edgepath.contract.wire import Load
-from edgepath.dpu.admission import predict
+from edgepath.contract.plan import Load, Prompt, own_ms, predict
 from edgepath.edge.http import HttpError, Request, max_wait_of
-
-PACE = {"token_ms": 3.0, "overhead_ms": 6.0, "stall_ms": 1500.0}
 
 
 @pytest.fixture
@@ -49,7 +46,7 @@ def test_x_max_wait_asks_for_less_never_more_and_nonsense_is_400() -> None:
         assert raised.value.status == 400 and "X-Max-Wait must be a positive number of seconds" in str(raised.value)
 
 
-@pytest.mark.parametrize("loaded", [Load(pending_tokens=3000, prefilling=2, **PACE)], indirect=True)
+@pytest.mark.parametrize("loaded", [Load(waiting=(Prompt(0, 1500), Prompt(0, 1500)), **PACE)], indirect=True)
 def test_over_the_bound_is_429_with_the_predicted_wait_and_when_to_come_back(loaded) -> None:
     server, handler = loaded
     prompt = "x" * 20
@@ -57,7 +54,7 @@ def test_over_the_bound_is_429_with_the_predicted_wait_and_when_to_come_back(loa
     response = replies[0].response
     assert response.status == 429
     error = orjson.loads(response.body)["error"]
-    wait = predict(handler.current, len(prompt), 0, len(prompt)).wait_ms  # one token per character
+    wait = predict(handler.current, Prompt(0, len(prompt))).wait_ms  # one token per character
     assert error["type"] == "over_bound"
     assert (
         f"the predicted wait for a first token is {wait / 1e3:.2f} s, over this request's bound of 2.00 s"
@@ -80,9 +77,10 @@ def test_the_measured_wait_is_x_queue_time_and_the_prediction_is_in_server_timin
     response = replies[0].response
     assert response.status == 200
     timing = dict(part.split(";dur=") for part in header(response, b"server-timing").split(", "))
-    own_ms = handler.current.prefill_ms(len("hello there"))
-    assert float(timing["predicted_ttft"]) == pytest.approx(own_ms, abs=0.01)  # an idle server: its own prompt
+    own = own_ms(handler.current, Prompt(0, len("hello there")))
+    assert float(timing["predicted_ttft"]) == pytest.approx(own, abs=0.01)  # an idle server: its own prompt
     assert float(timing["predicted_wait"]) == 0.0
     first, wait = float(timing["first_token"]), float(timing["wait"])
-    assert wait == pytest.approx(max(0.0, first - own_ms), abs=0.01)
-    assert header(response, b"x-queue-time") == f"{wait * 1e3:.1f}us"
+    assert wait == pytest.approx(max(0.0, first - own), abs=0.01)
+    queue_time = header(response, b"x-queue-time")
+    assert queue_time.endswith("us") and float(queue_time[:-2]) == pytest.approx(wait * 1e3, abs=1.0)  # to the us

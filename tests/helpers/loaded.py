@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from edgepath.contract.wire import Load
+from edgepath.contract import wire
+from edgepath.contract.plan import Costs, Load, PolicyOptions
+from edgepath.contract.pool import SlotPool
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, SlotRequest
+
+#: a model's pace for admission tests: 6 ms a step, 3 ms a token of either kind, a 1.5 s stall bound
+PACE = {"costs": Costs(overhead_ms=6.0, prompt_ms=3.0, decode_ms=3.0), "options": PolicyOptions(1500.0, 16, 4096)}
+
+
+def published(pool: SlotPool) -> Load | None:
+    """The load a pool's load region holds now (None: torn)."""
+    return wire.read_load(
+        pool.buf[wire.LOAD_OFFSET : wire.LOAD_OFFSET + wire.LOAD_REGION.itemsize].view(wire.LOAD_REGION)[0]
+    )
 
 
 class Loaded:

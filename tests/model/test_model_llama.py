@@ -19,11 +19,12 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import max_prompt_tokens, stream_of
 
+from edgepath.contract.plan import Prompt, StepPolicy
 from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
-from edgepath.model.llama import CALIBRATION_TOKENS, LlamaHandler
+from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status, ffi, lib
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -98,21 +99,44 @@ def kv_empty(handler: LlamaHandler) -> bool:
     return all(handler.kv_positions(stream) == 0 for stream in range(handler.slots))
 
 
-def test_the_step_cost_model_starts_from_this_machines_warm_up_steps(caplog: pytest.LogCaptureFixture) -> None:
-    """Not the start constants of another machine: the line through the two warm-up prompt steps' times, as
-    logged (the admission predicts from it before the first request)."""
+def test_the_step_cost_model_is_measured_by_this_machines_warm_up_steps(caplog: pytest.LogCaptureFixture) -> None:
+    """Not the start constants of another machine: the four costs fitted to the warm-up's steps, as logged, and
+    what the agents read is what the handler plans with."""
     with caplog.at_level(logging.INFO, logger="edgepath.model.llama"):
-        h = LlamaHandler.from_config(HandlerConfig(1, IN_CAP, OUT_CAP, dict(OPTIONS)))
+        h = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, dict(OPTIONS)))
     try:
-        line = next(r.getMessage() for r in caplog.records if "step cost model from prompt steps" in r.getMessage())
-        found = re.findall(r"of ([\d/]+) tokens \(([\d/]+) ms", line)[0]
-        sizes, times = (list(map(float, part.split("/"))) for part in found)
-        assert sizes == [float(n) for n in CALIBRATION_TOKENS]
-        slope = (times[1] - times[0]) / (sizes[1] - sizes[0])  # the times are logged rounded to 1 ms
-        assert h.policy.cost.token_ms == pytest.approx(slope, abs=1.0 / (sizes[1] - sizes[0]) + 1e-9)
-        assert h.load().token_ms == pytest.approx(h.policy.cost.token_ms, abs=1e-6)  # what the agents read
+        line = next(r.getMessage() for r in caplog.records if "step cost model from" in r.getMessage())
+        logged = [float(v) for v in re.findall(r"([\d.]+) ms per", line)]
+        base = h.cost.base
+        costs = (base.overhead_ms, base.prompt_ms, base.decode_ms, base.context_ms)
+        assert logged == [pytest.approx(v, abs=6e-3) for v in costs]  # logged rounded
+        assert base.prompt_ms > 0 and base.decode_ms > 0 and h.cost.factor == 1.0
+        assert base != LlamaHandler.__init__.__globals__["_START_COSTS_ONE_THREAD"]  # measured, not the start
+        load = h.load()
+        assert load.costs == h.cost.costs() and load.options == h.policy.options  # what the agents read
+        assert load.options.min_prefill == h.options.min_prefill and load.options.batch == h.batch_capacity
     finally:
         h.close()
+
+
+def test_every_step_is_the_one_the_published_load_plans(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    """One planner on both sides: before each step the handler's load, replayed through the policy, says how many
+    prompt and decoded tokens the step will carry -- and the step carries exactly those."""
+    pool = Pool()
+    for slot, question in enumerate(["Name a colour.", "What is the capital of France?", "Count to ten."]):
+        handler.add(pool.request(slot, chat(tok, question), max_new=12), 0.0)
+    steps = 0
+    while handler.wake_in(0.0) is not None and steps < 200:
+        load = handler.load()
+        takes = StepPolicy(load.options).plan(load.costs, load.decoding, load.context, list(load.waiting))
+        before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
+        handler.step(0.0)
+        steps += 1
+        assert (handler.stats.prompt_tokens - before[0], handler.stats.decode_tokens - before[1]) == (
+            sum(takes),
+            load.decoding,
+        )
+    assert steps > 3 and handler.wake_in(0.0) is None
 
 
 def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:
@@ -466,14 +490,16 @@ def test_the_load_it_reports_follows_its_prompts_and_streams(handler: LlamaHandl
     """What the slot server publishes for admission: prompt tokens still to compute, then a decoding stream."""
     pool = Pool()
     idle = handler.load()
-    assert (idle.pending_tokens, idle.decoding, idle.prefilling) == (0, 0, 0) and idle.token_ms > 0
-    assert idle.stall_ms == handler.options.stall_ms
+    assert idle.idle and idle.published and idle.costs.prompt_ms > 0
+    assert idle.options is not None and idle.options.stall_ms == handler.options.stall_ms
     prompt = chat(tok, "Name a colour.")
     handler.add(pool.request(0, prompt, 8), 0.0)
     waiting = handler.load()
-    assert (waiting.pending_tokens, waiting.decoding, waiting.prefilling) == (len(prompt), 0, 1)
+    assert (waiting.waiting, waiting.decoding, waiting.context) == ((Prompt(0, len(prompt)),), 0, 0)
     handler.step(0.0)  # the whole prompt in one step: nothing else runs
     decoding = handler.load()
-    assert (decoding.pending_tokens, decoding.decoding, decoding.prefilling) == (0, 1, 0)
+    assert (decoding.waiting, decoding.decoding, decoding.context) == ((), 1, len(prompt))  # the first token sampled
+    handler.step(0.0)
+    assert handler.load().context == len(prompt) + 1
     drive(handler)
-    assert handler.load().decoding == 0
+    assert handler.load().idle

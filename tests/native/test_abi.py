@@ -12,8 +12,10 @@ import pytest
 from edgepath.native import abi
 
 NATIVE = Path(abi.__file__).resolve().parent
+LOAD = abi.struct_dtype("ep_load")
 STRUCTS = {
     "ep_pool_header": abi.POOL_HEADER,
+    "ep_load": LOAD,
     "ep_request_header": abi.REQUEST_HEADER,
     "ep_result_header": abi.RESULT_HEADER,
 }
@@ -33,6 +35,7 @@ CONSTANTS = [
     "EP_PREFIX_SEED",
     "EP_PREFIX_MUL",
     "EP_PREFIX_ENTRIES_MAX",
+    "EP_LOAD_PROMPTS",
 ]
 
 
@@ -69,6 +72,7 @@ def test_fixed_parts_are_whole_cache_lines() -> None:
     assert abi.REQUEST_HEADER.itemsize % 64 == 0
     assert abi.RESULT_HEADER.itemsize % 64 == 0
     assert abi.POOL_HEADER.itemsize % 64 == 0
+    assert LOAD.itemsize % 64 == 0
 
 
 def test_magic_spells_edgepool() -> None:
@@ -78,26 +82,44 @@ def test_magic_spells_edgepool() -> None:
 def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
     assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
-    assert abi.POOL_HEADER.fields["load"][0] == abi.POOL_HEADER.fields["pace"][0] == np.dtype(np.uint64)
+    assert LOAD.fields["begin"][0] == LOAD.fields["end"][0] == LOAD.fields["context"][0] == np.dtype(np.uint64)
+    assert LOAD.fields["prompt_ms"][0] == np.dtype(np.float32)
+    assert LOAD.fields["prompts"][0] == np.dtype((np.uint32, 2 * abi.lib.EP_LOAD_PROMPTS))
     assert abi.POOL_HEADER.fields["prefix_entries"][0] == np.dtype(np.uint64)
     assert abi.REQUEST_HEADER.fields["temperature"][0] == np.dtype(np.float32)
 
 
-def test_the_load_words_come_after_the_heartbeat_in_its_cache_line() -> None:
-    """Read in the same READ as the heartbeat and state words: between the two, aligned."""
+def test_the_load_region_lies_between_the_heartbeat_and_the_state_words() -> None:
+    """Read in the same READ as the heartbeat and state words: right after the header, whole cache lines, its
+    sequence lock's end word first and begin word last."""
     heartbeat = abi.field_offset(abi.POOL_HEADER, "heartbeat")
-    load, pace = abi.field_offset(abi.POOL_HEADER, "load"), abi.field_offset(abi.POOL_HEADER, "pace")
     layout = abi.ffi.new("struct ep_pool_header *")
     assert abi.lib.ep_pool_layout(4, 16, 16, layout) == abi.lib.EP_OK
-    assert heartbeat < load < pace < layout.states_offset and load % 8 == pace % 8 == 0
+    assert heartbeat < layout.load_offset == abi.POOL_HEADER.itemsize
+    assert layout.load_offset + LOAD.itemsize == layout.states_offset and layout.load_offset % 64 == 0
+    assert abi.field_offset(LOAD, "end") == 0 and abi.field_offset(LOAD, "begin") == LOAD.itemsize - 8
 
 
-def test_the_heartbeat_sits_in_the_pool_headers_last_cache_line_before_the_state_words() -> None:
-    """One READ of [heartbeat .. state[n-1]] gives an agent both: the word is an aligned u64 in the cache
-    line that ends where the state words begin."""
+def test_a_published_load_region_is_whole_and_its_version_moves() -> None:
+    region = np.zeros(1, dtype=LOAD)
+    fields = np.zeros(1, dtype=LOAD)
+    fields["prompt_ms"], fields["decoding"], fields["prompts"][0][:2] = 1.5, 3, (7, 9)
+    ptr = abi.ffi.cast("struct ep_load *", abi.ffi.from_buffer(region))
+    for version in (1, 2):
+        abi.lib.ep_load_publish(ptr, abi.ffi.cast("struct ep_load *", abi.ffi.from_buffer(fields)))
+        assert int(region["end"][0]) == int(region["begin"][0]) == version and abi.lib.ep_load_whole(ptr)
+        assert region["prompt_ms"][0] == np.float32(1.5) and region["decoding"][0] == 3
+        assert list(region["prompts"][0][:2]) == [7, 9]
+    region["begin"] = 3  # a writer that has begun the next version
+    assert not abi.lib.ep_load_whole(ptr)
+
+
+def test_the_heartbeat_sits_in_the_pool_headers_last_cache_line_before_the_load_region() -> None:
+    """One READ of [heartbeat .. state[n-1]] gives an agent the heartbeat, the load region and the state words:
+    the word is an aligned u64 in the header's last cache line, which ends where the load region begins."""
     offset = abi.field_offset(abi.POOL_HEADER, "heartbeat")
     assert abi.POOL_HEADER.fields["heartbeat"][0] == np.dtype(np.uint64)
     assert offset % 8 == 0
     layout = abi.ffi.new("struct ep_pool_header *")
     assert abi.lib.ep_pool_layout(4, 16, 16, layout) == abi.lib.EP_OK
-    assert layout.states_offset - 64 <= offset < layout.states_offset
+    assert layout.load_offset - 64 <= offset < layout.load_offset

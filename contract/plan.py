@@ -1,0 +1,412 @@
+"""The step plan, sans I/O: which prompt tokens ride in a model step, what a step costs, and when a new prompt
+gets its first token -- one code for both sides of the data path.
+
+The slot server's model handler plans every step with :class:`StepPolicy` and learns step costs with
+:class:`CostModel`; it publishes the costs, the policy's knobs and what it has to do (:class:`Load`) in its
+pool's load region.  An agent predicts a request's time to first token by running **the same policy** forward
+over what it read (:func:`first_token_ms`): there is no second copy of the arithmetic to drift apart.
+
+**The policy** (one ``llama_decode`` per step over every running slot; on a CPU a prompt token costs about what a
+decoded one does, and every decoding stream waits for the whole step), its objectives in order:
+
+1. *Decoding never stops*: every decoding slot has its one token in every step.
+2. *A stall is bounded*: while any slot decodes, a step is planned to cost at most ``stall_ms``.
+3. *Prompts are prefilled in as few steps as that bound allows*, oldest first: concentrating a prompt keeps most
+   steps pure decode steps and gives its first token as early as the bound allows.
+4. *A whole prompt at once when nothing decodes* (up to ``batch`` tokens): nobody waits on that step; other
+   prompts join it only within the stall bound.
+5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step.
+
+**The cost of a step** (:class:`Costs`): ``overhead + prompt_ms x prompt tokens + decode_ms x decoded tokens +
+context_ms x attended / 1000``, where ``attended`` sums, over the step's tokens, the positions each one attends
+(its position + 1): attention grows with the context, the rest does not.  Measured at warm-up on the machine it
+runs on (:meth:`CostModel.calibrate`), then followed robustly (:meth:`CostModel.observe`: the median ratio of
+recent steps' times to the calibrated prediction, bounded, forgotten after a horizon): one pathological step --
+a neighbour's burst, a stolen CPU -- moves it little, and it returns to the calibration when steps run as
+measured again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """Milliseconds a step costs: per step, per prompt token, per decoded token, per 1,000 attended positions."""
+
+    overhead_ms: float = 0.0
+    prompt_ms: float = 0.0
+    decode_ms: float = 0.0
+    context_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = (self.overhead_ms, self.prompt_ms, self.decode_ms, self.context_ms)
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"step costs must be finite and >= 0 ms, got {values}")
+
+    @property
+    def known(self) -> bool:
+        """Whether these are a cost model at all (a handler without one, such as echo, publishes zeros)."""
+        return self.prompt_ms > 0 or self.decode_ms > 0
+
+    def step_ms(self, step: Step) -> float:
+        return (
+            self.overhead_ms
+            + self.prompt_ms * step.prompt
+            + self.decode_ms * step.decode
+            + self.context_ms * step.attended / 1e3
+        )
+
+    def scaled(self, factor: float) -> Costs:
+        return Costs(
+            self.overhead_ms * factor, self.prompt_ms * factor, self.decode_ms * factor, self.context_ms * factor
+        )
+
+    def published(self) -> Costs:
+        """These costs as the load region carries them (float32): the planner uses exactly what agents read."""
+        f = _f32
+        return Costs(f(self.overhead_ms), f(self.prompt_ms), f(self.decode_ms), f(self.context_ms))
+
+
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The shape of one step: prompt tokens, decoded tokens (one per decoding stream), positions attended."""
+
+    prompt: int = 0
+    decode: int = 0
+    attended: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.decode
+
+
+def chunk_attended(done: int, length: int) -> int:
+    """Positions attended by ``length`` prompt tokens at positions ``done``.. (each attends itself and all
+    before it)."""
+    return length * done + length * (length + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt in prefill: positions its sequence already holds (computed or reused), tokens still to compute."""
+
+    done: int
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyOptions:
+    """The policy's knobs (the llama handler's ``--handler-option`` values of the same names)."""
+
+    stall_ms: float  # while slots decode, a step is planned within this many milliseconds
+    min_prefill: int  # prompt tokens a step carries at least while a prompt waits
+    batch: int  # tokens at most in one step (llama.cpp's n_batch)
+
+    def __post_init__(self) -> None:
+        if not self.stall_ms > 0 or not math.isfinite(self.stall_ms):
+            raise ValueError(f"stall_ms must be > 0 milliseconds, got {self.stall_ms}")
+        if self.min_prefill < 1:
+            raise ValueError(f"min_prefill must be >= 1 token, got {self.min_prefill}")
+        if self.batch < 2:
+            raise ValueError(f"batch must be >= 2 tokens, got {self.batch}")
+
+
+class StepPolicy:
+    """Plans each step's prompt tokens (see the module's objectives)."""
+
+    def __init__(self, options: PolicyOptions) -> None:
+        self.options = options
+
+    def plan(self, costs: Costs, decoding: int, context: int, waiting: Sequence[Prompt]) -> list[int]:
+        """Prompt tokens to compute this step from each waiting prompt, oldest first.
+
+        ``decoding``: slots that decode one token each this step, holding ``context`` positions in all;
+        ``waiting``: the prompts in prefill, oldest first.  One count per waiting prompt, in order (0: it waits
+        for a later step); the step holds ``decoding + sum(...)`` tokens, never more than ``batch``."""
+        options = self.options
+        if decoding < 0 or context < 0 or any(p.remaining < 1 or p.done < 0 for p in waiting):
+            raise ValueError(
+                f"plan: need decoding >= 0, context >= 0 and every waiting prompt >= 1 token, got {decoding}, "
+                f"{context}, {[p.remaining for p in waiting]}"
+            )
+        room = options.batch - decoding
+        if room < 1:
+            raise ValueError(f"plan: {decoding} decoding slots leave no room in a batch of {options.batch}")
+        if not waiting:
+            return []
+        # The bound: what the step may cost beyond its decoding streams, spent oldest prompt first at each one's
+        # own positions.  The floor: what it carries whatever the bound -- while streams decode, min_prefill in
+        # all (admitted prompts always progress); while nobody decodes, the oldest prompt whole.
+        room_ms = options.stall_ms - costs.step_ms(Step(0, decoding, context + decoding))
+        floor = options.min_prefill if decoding else waiting[0].remaining
+        plan = []
+        for prompt in waiting:
+            take = min(prompt.remaining, room, max(floor, _tokens_within(costs, room_ms, prompt.done)))
+            plan.append(take)
+            room -= take
+            floor = max(0, floor - take)
+            room_ms -= _prompt_ms(costs, prompt.done, take)
+        return plan
+
+
+def _prompt_ms(costs: Costs, done: int, tokens: int) -> float:
+    """What ``tokens`` prompt tokens at positions ``done``.. add to a step."""
+    return costs.prompt_ms * tokens + costs.context_ms * chunk_attended(done, tokens) / 1e3
+
+
+def _tokens_within(costs: Costs, room_ms: float, done: int) -> int:
+    """The most prompt tokens at positions ``done``.. that add at most ``room_ms`` to a step (0: none fit)."""
+    if room_ms <= 0:
+        return 0
+    a = costs.context_ms / 2e3  # a * n^2 + b * n <= room
+    b = costs.prompt_ms + costs.context_ms * (done + 0.5) / 1e3
+    if a <= 0:
+        n = math.floor(room_ms / b) if b > 0 else 1 << 30
+    else:
+        n = math.floor((-b + math.sqrt(b * b + 4 * a * room_ms)) / (2 * a))
+    while n > 0 and _prompt_ms(costs, done, n) > room_ms:  # the root's rounding, never one token past the bound
+        n -= 1
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What a slot server's model side publishes for admission: its costs and knobs, and what it has to do
+    before a new prompt's first token (the streams decoding and the prompts in prefill, oldest first).
+    ``costs`` all zero: the server publishes no load (a handler without a cost model, such as echo)."""
+
+    costs: Costs = Costs()
+    options: PolicyOptions | None = None
+    decoding: int = 0
+    context: int = 0  # positions the decoding streams hold, summed
+    waiting: tuple[Prompt, ...] = ()
+
+    @property
+    def published(self) -> bool:
+        return self.options is not None and self.costs.known
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(p.remaining for p in self.waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self.decoding and not self.waiting
+
+
+#: steps one prediction follows at most (a prompt behind more is over any bound a person would set)
+MAX_STEPS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A request's predicted time to first token on one server, and the wait in it (milliseconds)."""
+
+    ttft_ms: float
+    wait_ms: float
+
+
+def own_ms(load: Load, prompt: Prompt) -> float:
+    """What ``prompt`` costs on the same server when idle: the part of its time to first token that is not
+    waiting (the bound is on waiting, not on work)."""
+    if not load.published:
+        return 0.0
+    return _run(load.costs, StepPolicy(load.options), 0, 0, [prompt], 0.0)  # type: ignore[arg-type]
+
+
+def predict(load: Load, prompt: Prompt, unseen: int = 0, unseen_tokens: int = 0) -> Prediction:
+    """The time to first token of ``prompt`` arriving now at a server under ``load``, and its wait, by running
+    the server's own policy forward.  ``unseen`` more requests are claimed there and not yet taken by its model
+    side (each counted as ``unseen_tokens`` prompt tokens, ahead of this one).  The step under way when the
+    request arrives counts half (it arrives, on average, half-way through it) and the request joins from the
+    next step.  Streams ahead are taken to go on decoding (their lengths are unknown)."""
+    if not load.published:
+        return Prediction(0.0, 0.0)
+    own = own_ms(load, prompt)
+    if load.idle and not unseen:
+        return Prediction(own, 0.0)
+    policy = StepPolicy(load.options)  # type: ignore[arg-type]
+    costs = load.costs
+    decoding, context, waiting = load.decoding, load.context, list(load.waiting)
+    elapsed = 0.0
+    if decoding >= policy.options.batch:
+        return Prediction(math.inf, math.inf)
+    if decoding or waiting:  # the step under way: half of it, then the state after it
+        takes = policy.plan(costs, decoding, context, waiting)
+        elapsed = 0.5 * costs.step_ms(_shape(decoding, context, waiting, takes))
+        decoding, context, waiting = _advance(decoding, context, waiting, takes)
+    waiting += [Prompt(0, unseen_tokens)] * (unseen if unseen_tokens > 0 else 0)
+    ttft = _run(costs, policy, decoding, context, [*waiting, prompt], elapsed)
+    return Prediction(ttft, max(0.0, ttft - own))
+
+
+def _shape(decoding: int, context: int, waiting: Sequence[Prompt], takes: Sequence[int]) -> Step:
+    prompt = attended = 0
+    for p, take in zip(waiting, takes, strict=True):
+        prompt += take
+        attended += chunk_attended(p.done, take)
+    return Step(prompt, decoding, attended + context + decoding)
+
+
+def _advance(
+    decoding: int, context: int, waiting: Sequence[Prompt], takes: Sequence[int]
+) -> tuple[int, int, list[Prompt]]:
+    """The state after one step: decoding streams hold one more position each; finished prompts decode."""
+    context += decoding
+    left = []
+    for p, take in zip(waiting, takes, strict=True):
+        if take == p.remaining:
+            decoding += 1
+            context += p.done + take
+        else:
+            left.append(Prompt(p.done + take, p.remaining - take))
+    return decoding, context, left
+
+
+def _run(costs: Costs, policy: StepPolicy, decoding: int, context: int, waiting: list[Prompt], elapsed: float) -> float:
+    """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed."""
+    last = len(waiting) - 1
+    for _ in range(MAX_STEPS):
+        if decoding >= policy.options.batch:
+            return math.inf
+        takes = policy.plan(costs, decoding, context, waiting)
+        elapsed += costs.step_ms(_shape(decoding, context, waiting, takes))
+        if takes[last] == waiting[last].remaining:
+            return elapsed
+        decoding, context, waiting = _advance(decoding, context, waiting, takes)
+        last = len(waiting) - 1
+    return math.inf
+
+
+class CostModel:
+    """The step costs: the calibration measured on this machine, followed online, robustly, within bounds.
+
+    Online, over the last ``window`` steps within ``horizon_s`` seconds, two numbers are fitted: a speed factor
+    ``f`` over the calibration's overhead, prompt and decode costs (the machine, or its neighbours, running
+    faster or slower) and the context cost ``c`` (per 1,000 attended positions: the warm-up's prompts are too
+    short to show it, llama.cpp padding a sequence's KV window to 256 cells), by least squares with Huber weights
+    (a step far off the fit weighs little) and a weak pull towards the calibration.  ``f`` stays within
+    ``bounds``, ``c`` within ``[0, bounds[1] x prompt_ms]``; with no recent step both return to the calibration.
+    So one step slowed 15x by a neighbour moves nothing, a machine that stays 2x slower is followed within a
+    few steps, and a model that learned from starved steps cannot lock admission out: it returns to what was
+    measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps)."""
+
+    #: a Huber weight's corner: a step within 25 % of the fit counts fully, beyond that less and less
+    HUBER = 0.25
+    #: how much the attended positions must vary across steps (relative to their mean) before they move the context
+    #: cost away from the calibration's
+    PRIOR = 0.05
+
+    def __init__(
+        self,
+        base: Costs,
+        window: int = 64,
+        horizon_s: float = 30.0,
+        bounds: tuple[float, float] = (0.5, 4.0),
+        big: int = 4,
+    ) -> None:
+        if not base.known:
+            raise ValueError(f"cost model: need a prompt or a decode cost > 0 ms, got {base}")
+        if not (window >= 1 and horizon_s > 0 and 0 < bounds[0] <= 1 <= bounds[1] and big >= 1):
+            raise ValueError(f"cost model: bad window {window}, horizon {horizon_s}, bounds {bounds}, big {big}")
+        self.bounds = bounds
+        self.horizon_s = horizon_s
+        self.big = big  # steps of fewer tokens are too short to say much (timer and scheduler noise)
+        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=window)  # when, base ms, attended, ms
+        self._set_base(base)
+
+    def _set_base(self, base: Costs) -> None:
+        self.base = base
+        self._flat = replace(base, context_ms=0.0)  # what the factor scales
+        self._steps.clear()
+        self._factor, self._context = 1.0, base.context_ms
+        self._costs = base.published()
+
+    @property
+    def factor(self) -> float:
+        return self._factor
+
+    def costs(self) -> Costs:
+        """The costs to plan and publish with now (as published: float32)."""
+        return self._costs
+
+    def observe(self, step: Step, ms: float, now: float) -> None:
+        """A step of this shape took ``ms`` milliseconds at ``now`` (monotonic seconds)."""
+        self.forget(now)
+        if step.tokens < self.big or not math.isfinite(ms) or ms <= 0:
+            return
+        self._steps.append((now, self._flat.step_ms(step), step.attended / 1e3, ms))
+        self._refit()
+
+    def forget(self, now: float) -> None:
+        """Drop what is older than the horizon (with nothing recent left, the calibration is what holds)."""
+        steps = self._steps
+        if steps and now - steps[0][0] > self.horizon_s:
+            while steps and now - steps[0][0] > self.horizon_s:
+                steps.popleft()
+            self._refit()
+
+    def _refit(self) -> None:
+        base = self.base
+        if not self._steps:
+            self._factor, self._context = 1.0, base.context_ms
+        else:
+            data = np.array(self._steps)[:, 1:]
+            x, z = data[:, 1] / data[:, 0], data[:, 2] / data[:, 0]  # per step: z = f + (f * c) * x
+            f, c, c0 = self._factor, self._context, base.context_ms
+            low, high = self.bounds
+            for _ in range(3):  # iteratively reweighted: Huber weights on the relative residual
+                fit = f * (1 + c * x)
+                r = np.abs(z - fit) / np.maximum(fit, 1e-9)
+                w = np.where(r <= self.HUBER, 1.0, self.HUBER / np.maximum(r, 1e-12))
+                mx, mz = float(w @ x) / float(w.sum()), float(w @ z) / float(w.sum())
+                # the slope only from how the context varies across steps, pulled towards the calibration's
+                # (steps all of one shape say nothing of it); the level from the rest
+                spread = float(w @ ((x - mx) ** 2)) + float(w.sum()) * (self.PRIOR * mx) ** 2 + 1e-18
+                prior = f * c0
+                slope = prior + float(w @ ((x - mx) * (z - mz - prior * (x - mx)))) / spread
+                f = min(high, max(low, mz - max(0.0, slope) * mx))
+                c = min(high * base.prompt_ms, max(0.0, slope / f))
+            self._factor, self._context = f, c
+        f = self._factor
+        self._costs = replace(self._flat.scaled(f), context_ms=f * self._context).published()
+
+    def calibrate(self, steps: Sequence[Step], ms: Sequence[float]) -> bool:
+        """Set the calibration from measured steps (``steps[i]`` took ``ms[i]``): non-negative least squares
+        over the four costs.  Whether it took: steps that make no cost model (too few, not finite, nothing
+        rising with tokens) leave it as it was."""
+        if len(steps) != len(ms) or len(steps) < 2 or not all(math.isfinite(t) and t > 0 for t in ms):
+            return False
+        x = np.array([[1.0, s.prompt, s.decode, s.attended / 1e3] for s in steps])
+        y = np.array(ms, dtype=float)
+        active = [i for i in range(4) if np.any(x[:, i] != x[0, i]) or i == 0]
+        while True:
+            solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+            negative = [a for a, v in zip(active, solution, strict=True) if v < 0]
+            if not negative:
+                break
+            active.remove(negative[0])
+            if not active:
+                return False
+        values = [0.0] * 4
+        for a, v in zip(active, solution, strict=True):
+            values[a] = float(v)
+        fitted = Costs(*values)
+        if not fitted.known:
+            return False
+        if fitted.prompt_ms == 0 or fitted.decode_ms == 0:  # one kind unmeasured: it costs what the other does
+            rate = fitted.prompt_ms or fitted.decode_ms
+            fitted = replace(fitted, prompt_ms=fitted.prompt_ms or rate, decode_ms=fitted.decode_ms or rate)
+        self._set_base(fitted)
+        return True

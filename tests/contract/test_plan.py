@@ -1,0 +1,413 @@
+"""The one step planner (sans I/O): the policy the slot server's model side runs, the cost model it learns, and
+the prediction an agent makes by running that policy forward -- checked against a slot server simulated
+sequence by sequence."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgepath.contract import wire
+from edgepath.contract.plan import (
+    CostModel,
+    Costs,
+    Load,
+    PolicyOptions,
+    Prediction,
+    Prompt,
+    Step,
+    StepPolicy,
+    chunk_attended,
+    own_ms,
+    predict,
+)
+
+FLAT = Costs(overhead_ms=10.0, prompt_ms=2.0, decode_ms=2.0)  # one rate, no context term: easy arithmetic
+
+
+def policy(stall_ms: float = 100.0, min_prefill: int = 8, batch: int = 512) -> StepPolicy:
+    return StepPolicy(PolicyOptions(stall_ms, min_prefill, batch))
+
+
+def fresh(*remaining: int) -> list[Prompt]:
+    return [Prompt(0, n) for n in remaining]
+
+
+# -- the policy ---------------------------------------------------------------------------------------------
+def test_decoding_slots_alone_carry_no_prompt_tokens() -> None:
+    assert policy().plan(FLAT, 6, 600, []) == []
+
+
+def test_nothing_decoding_takes_the_oldest_prompt_whole() -> None:
+    assert policy().plan(FLAT, 0, 0, fresh(300)) == [300]  # 610 ms, past the 100 ms bound: nobody waits on it
+
+
+def test_nothing_decoding_whole_prompt_is_capped_by_the_batch() -> None:
+    assert policy(batch=256).plan(FLAT, 0, 0, fresh(300)) == [256]
+
+
+def test_nothing_decoding_later_prompts_join_only_within_the_stall_bound() -> None:
+    assert policy().plan(FLAT, 0, 0, fresh(60, 20)) == [60, 0]  # 45 tokens fit 100 ms; the first takes them all
+    assert policy().plan(FLAT, 0, 0, fresh(10, 20, 30)) == [10, 20, 15]
+
+
+def test_while_slots_decode_prompt_tokens_fill_the_stall_bound() -> None:
+    assert policy().plan(FLAT, 5, 0, fresh(100)) == [40]  # 45 fit, 5 of them the decoding slots'
+    assert policy().plan(FLAT, 5, 0, fresh(30, 100)) == [30, 10]
+
+
+def test_prompts_are_concentrated_not_spread() -> None:
+    assert policy().plan(FLAT, 2, 0, fresh(200, 200, 200)) == [43, 0, 0]
+
+
+def test_under_load_a_waiting_prompt_still_progresses() -> None:
+    assert policy(min_prefill=8).plan(FLAT, 40, 0, fresh(100, 50)) == [8, 0]  # 40 streams alone fill 90 ms
+    assert policy(min_prefill=8).plan(FLAT, 60, 0, fresh(5, 50)) == [5, 3]
+
+
+def test_a_step_never_exceeds_the_batch() -> None:
+    plan = policy(stall_ms=10_000.0, batch=64).plan(FLAT, 10, 0, fresh(100, 100))
+    assert plan == [54, 0]
+
+
+def test_a_longer_context_means_fewer_prompt_tokens_within_the_bound() -> None:
+    costs = Costs(overhead_ms=10.0, prompt_ms=2.0, decode_ms=2.0, context_ms=10.0)
+    early = policy(stall_ms=300.0).plan(costs, 2, 0, [Prompt(0, 1000)])[0]
+    late = policy(stall_ms=300.0).plan(costs, 2, 0, [Prompt(2000, 1000)])[0]
+    assert late < early
+    for done, take in ((0, early), (2000, late)):  # the most that fits: one more would not
+        step = Step(take, 2, chunk_attended(done, take) + 2)
+        assert costs.step_ms(step) <= 300.0 < costs.step_ms(Step(take + 1, 2, chunk_attended(done, take + 1) + 2))
+
+
+def test_a_slower_machine_means_smaller_prompt_steps() -> None:
+    """The bound is in milliseconds: when steps get slower the policy carries fewer tokens."""
+    model = CostModel(FLAT)
+    before = policy().plan(model.costs(), 4, 0, fresh(500))[0]
+    for i in range(40):  # every step now takes twice what the calibration says
+        model.observe(Step(40, 4, 100), 2 * FLAT.step_ms(Step(40, 4, 100)), now=float(i))
+    after = policy().plan(model.costs(), 4, 0, fresh(500))[0]
+    assert model.factor == pytest.approx(2.0) and after < before
+
+
+@pytest.mark.parametrize(
+    ("decoding", "waiting", "message"),
+    [(-1, [], "decoding >= 0"), (2, [Prompt(0, 5), Prompt(0, 0)], "every waiting prompt >= 1"), (512, [], "no room")],
+)
+def test_impossible_plans_are_refused(decoding: int, waiting: list[Prompt], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy().plan(FLAT, decoding, 0, waiting)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stall_ms": 0.0}, "stall_ms must be > 0"),
+        ({"stall_ms": float("nan")}, "stall_ms must be > 0"),
+        ({"min_prefill": 0}, "min_prefill must be >= 1"),
+        ({"batch": 1}, "batch must be >= 2"),
+    ],
+)
+def test_bad_options_say_what_is_allowed(kwargs: dict[str, float], message: str) -> None:
+    options = {"stall_ms": 100.0, "min_prefill": 8, "batch": 64, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        PolicyOptions(**options)  # type: ignore[arg-type]
+
+
+def test_bad_costs_are_refused() -> None:
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        Costs(1.0, -2.0)
+    with pytest.raises(ValueError, match="need a prompt or a decode cost"):
+        CostModel(Costs(overhead_ms=5.0))
+
+
+# -- the cost model -----------------------------------------------------------------------------------------
+TRUE = Costs(overhead_ms=5.5, prompt_ms=1.9, decode_ms=3.5, context_ms=2.5)
+CALIBRATION = [
+    Step(16, 0, chunk_attended(0, 16)),
+    Step(128, 0, chunk_attended(0, 128)),
+    Step(128, 0, chunk_attended(128, 128)),
+    Step(0, 1, 1),
+    Step(0, 8, 8),
+    Step(0, 1, 2),
+    Step(0, 8, 10),
+]
+
+
+def test_calibration_recovers_the_four_costs_from_the_warm_up_steps() -> None:
+    model = CostModel(FLAT)
+    assert model.calibrate(CALIBRATION, [TRUE.step_ms(s) for s in CALIBRATION])
+    for name in ("overhead_ms", "prompt_ms", "decode_ms", "context_ms"):
+        assert getattr(model.base, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
+    assert model.costs() == TRUE.published()  # what it plans with is what the load region carries
+
+
+def test_calibration_keeps_no_negative_cost() -> None:
+    model = CostModel(FLAT)
+    steps = [Step(16, 0, 136), Step(128, 0, 8256)]
+    assert model.calibrate(steps, [40.0, 250.0])  # two points: overhead and one rate; no context, no decode cost
+    assert min(model.base.overhead_ms, model.base.prompt_ms, model.base.decode_ms, model.base.context_ms) >= 0
+    assert model.base.decode_ms == model.base.prompt_ms  # unmeasured: it costs what a prompt token does
+
+
+@pytest.mark.parametrize(
+    ("steps", "ms"),
+    [
+        ([Step(16, 0, 0)], [30.0]),
+        ([Step(16, 0, 0), Step(128, 0, 0)], [30.0, float("nan")]),
+        ([Step(16, 0, 0), Step(128, 0, 0)], [30.0, 0.0]),
+        ([Step(16, 0, 0), Step(128, 0, 0)], [50.0, 40.0]),  # falls with tokens: no cost model
+    ],
+)
+def test_calibration_that_makes_no_cost_model_changes_nothing(steps: list[Step], ms: list[float]) -> None:
+    model = CostModel(FLAT)
+    assert not model.calibrate(steps, ms)
+    assert model.base == FLAT
+
+
+def test_one_pathological_step_moves_nothing_and_a_slower_machine_is_followed_within_bounds() -> None:
+    model = CostModel(TRUE)
+    step = Step(100, 4, 5000)
+    for i in range(10):
+        model.observe(step, TRUE.step_ms(step), now=float(i))
+    model.observe(step, 15 * TRUE.step_ms(step), now=10.0)  # a step starved by a neighbour: 15x
+    assert model.factor == pytest.approx(1.0, abs=0.05)  # a Huber weight: it counts as a step 1.25x off at most
+    for i in range(40):  # the machine stays 10x slower: followed, but no further than the bound (4x)
+        model.observe(step, 10 * TRUE.step_ms(step), now=11.0 + i)
+    assert model.factor == 4.0
+
+
+def test_the_context_cost_is_learned_from_steps_whose_contexts_differ() -> None:
+    """The warm-up cannot measure it (its prompts are short); steps at contexts of a few hundred to a few thousand
+    positions can, and a machine that is also 1.5x slower than calibrated is told apart from it."""
+    model = CostModel(replace(TRUE, context_ms=0.0))
+    for i in range(64):
+        step = Step(64, 4, chunk_attended(50 * i, 64) + 4 * (100 + 50 * i))
+        model.observe(step, 1.5 * replace(TRUE, context_ms=0.0).step_ms(step) + 2.5 * step.attended / 1e3, now=i / 10)
+    assert model.factor == pytest.approx(1.5, rel=0.02)
+    assert model.costs().context_ms == pytest.approx(2.5, rel=0.05)  # what a step pays, the factor in it
+
+
+def test_steps_all_of_one_shape_leave_the_context_cost_as_calibrated() -> None:
+    model = CostModel(TRUE)
+    step = Step(40, 4, 3000)
+    for i in range(32):
+        model.observe(step, 2 * TRUE.step_ms(step), now=float(i))
+    assert model.factor == pytest.approx(2.0)  # the machine is slower, all of its costs alike
+    assert model.costs().context_ms == pytest.approx(2 * TRUE.context_ms, rel=1e-6)
+
+
+def test_the_cost_model_returns_to_its_calibration_when_nothing_recent_is_left() -> None:
+    model = CostModel(TRUE, horizon_s=30.0)
+    step = Step(100, 4, 5000)
+    for i in range(32):
+        model.observe(step, 3 * TRUE.step_ms(step), now=float(i))
+    assert model.factor == pytest.approx(3.0)
+    model.forget(now=100.0)
+    assert model.factor == 1.0 and model.costs() == TRUE.published()
+
+
+def test_the_cost_model_ignores_tiny_and_nonsense_steps() -> None:
+    model = CostModel(TRUE)
+    for step, ms in ((Step(1, 0, 1), 500.0), (Step(0, 8, 8), float("nan")), (Step(0, 8, 8), -1.0)):
+        model.observe(step, ms, now=0.0)
+    assert model.factor == 1.0
+
+
+# -- the prediction -----------------------------------------------------------------------------------------
+OPTIONS = PolicyOptions(1500.0, 16, 2048)
+PACED = Costs(overhead_ms=6.0, prompt_ms=3.0, decode_ms=3.0)
+
+
+def loaded(**kwargs: object) -> Load:
+    return Load(PACED, OPTIONS, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_server_without_a_published_load_answers_at_once() -> None:
+    assert predict(Load(), Prompt(0, 500)) == Prediction(0.0, 0.0)
+
+
+def test_an_idle_server_makes_a_prompt_wait_for_nothing_but_its_own_compute() -> None:
+    assert predict(loaded(), Prompt(0, 300)) == Prediction(6.0 + 3.0 * 300, 0.0)
+    assert own_ms(loaded(), Prompt(0, 300)) == 6.0 + 3.0 * 300
+
+
+def test_streams_that_decode_add_their_tokens_and_half_a_step() -> None:
+    got = predict(loaded(decoding=4), Prompt(0, 100))  # half of (6 + 12), then one step of 4 + 100 tokens
+    assert got.ttft_ms == pytest.approx(9.0 + 6.0 + 3.0 * 104)
+    assert got.wait_ms == pytest.approx(got.ttft_ms - 306.0)
+
+
+def test_a_prompt_ahead_with_nothing_decoding_is_under_way_then_decodes() -> None:
+    got = predict(loaded(waiting=(Prompt(0, 500),)), Prompt(0, 100))
+    assert got.ttft_ms == pytest.approx(0.5 * (6.0 + 1500.0) + (6.0 + 3.0 * 101))
+
+
+def test_a_prompt_larger_than_a_steps_budget_takes_several_steps_within_the_stall_bound() -> None:
+    load = Load(PACED, PolicyOptions(300.0, 16, 2048), decoding=8)
+    budget = (300 - 6 - 24) // 3  # 90 prompt tokens a step beside 8 streams
+    got = predict(load, Prompt(0, 200))
+    assert got.ttft_ms == pytest.approx(0.5 * 30 + 2 * (6 + 3 * (8 + budget)) + (6 + 3 * (8 + 200 - 2 * budget)))
+
+
+def test_a_step_always_carries_some_prompt_however_many_decode() -> None:
+    load = Load(PACED, PolicyOptions(300.0, 16, 2048), decoding=200)  # the streams alone fill the bound
+    got = predict(load, Prompt(0, 32))
+    assert got.ttft_ms == pytest.approx(0.5 * (6 + 600) + 2 * (6 + 3 * (200 + 16)))
+
+
+def test_claims_the_server_has_not_seen_count_as_prompts_as_long_as_this_one_ahead_of_it() -> None:
+    got = predict(loaded(), Prompt(0, 400), unseen=1, unseen_tokens=400)
+    # the other whole and 98 of this one within the 1500 ms bound; then beside the other, now decoding
+    assert got.ttft_ms == pytest.approx((6.0 + 3.0 * 498) + (6.0 + 3.0 * (1 + 302)))
+
+
+def test_a_prediction_past_any_bound_is_infinite_not_a_hang() -> None:
+    load = Load(PACED, PolicyOptions(10.0, 1, 2048), decoding=1000)
+    assert math.isinf(predict(load, Prompt(0, 100_000)).ttft_ms)
+
+
+# -- the same policy on both sides: a slot server simulated sequence by sequence -------------------------------
+@dataclass
+class Sequence:
+    """One running request of the simulated server: its prompt, what of it is computed, what it decoded."""
+
+    prompt: int
+    done: int
+    decoded: int = 0
+    arrived_ms: float = 0.0
+    first_ms: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < self.prompt
+
+
+@dataclass
+class SimulatedServer:
+    """A slot server as the handler runs it: one step at a time, each planned by the policy from its sequences
+    (a decoding sequence holds its prompt and all but its last decoded token), each costing what the costs say."""
+
+    costs: Costs
+    options: PolicyOptions
+    running: list[Sequence] = field(default_factory=list)
+    now: float = 0.0
+
+    def load(self) -> Load:
+        decoding = [s for s in self.running if not s.prefilling]
+        waiting = tuple(Prompt(s.done, s.prompt - s.done) for s in self.running if s.prefilling)
+        context = sum(s.prompt + s.decoded - 1 for s in decoding)
+        return Load(self.costs, self.options, len(decoding), context, waiting)
+
+    def step(self) -> None:
+        decoding = [s for s in self.running if not s.prefilling]
+        waiting = [s for s in self.running if s.prefilling]
+        load = self.load()
+        takes = StepPolicy(self.options).plan(self.costs, len(decoding), load.context, load.waiting)
+        attended = sum(s.prompt + s.decoded for s in decoding)  # each attends what it holds and itself
+        attended += sum(chunk_attended(s.done, take) for s, take in zip(waiting, takes, strict=True))
+        self.now += self.costs.step_ms(Step(sum(takes), len(decoding), attended))
+        for s in decoding:
+            s.decoded += 1
+        for s, take in zip(waiting, takes, strict=True):
+            s.done += take
+            if not s.prefilling:
+                s.decoded, s.first_ms = 1, self.now
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    decoding=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 60)), max_size=6),
+    waiting=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 900)), max_size=4),
+    unseen=st.integers(0, 2),
+    new=st.tuples(st.integers(0, 300), st.integers(1, 900)),
+    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5)),
+    stall=st.floats(20, 3000),
+    min_prefill=st.integers(1, 64),
+)
+def test_the_agents_prediction_is_what_the_slot_server_then_does(
+    decoding: list[tuple[int, int]],
+    waiting: list[tuple[int, int]],
+    unseen: int,
+    new: tuple[int, int],
+    costs: tuple[float, float, float, float],
+    stall: float,
+    min_prefill: int,
+) -> None:
+    """The server publishes its load at the start of a step; the request arrives half-way through that step (a
+    step under way counts half), joins from the next one behind ``unseen`` claims of its own length, and its
+    first token comes exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs
+    say)."""
+    published = Costs(*costs).published()
+    options = PolicyOptions(float(wire.np.float32(stall)), min_prefill, 4096)
+    server = SimulatedServer(published, options)
+    server.running = [Sequence(prompt, prompt, decoded) for prompt, decoded in decoding]
+    server.running += [Sequence(done + left, done) for done, left in waiting]
+    record = wire.load_record(server.load())
+    record["end"] = record["begin"] = 1
+    seen = wire.read_load(record[0])  # what the agent reads: the load region, float32 and all
+    assert seen == server.load()
+    cached, uncached = new
+    prediction = predict(seen, Prompt(cached, uncached), unseen, cached + uncached)
+    started = server.now
+    if server.running:
+        server.step()  # the step under way when it arrives
+    arrival = started + (server.now - started) / 2
+    server.running += [Sequence(cached + uncached, 0) for _ in range(unseen)]
+    mine = Sequence(cached + uncached, cached, arrived_ms=arrival)
+    server.running.append(mine)
+    while mine.first_ms is None:
+        server.step()
+    assert mine.first_ms - arrival == pytest.approx(prediction.ttft_ms, rel=1e-9, abs=1e-6)
+    alone = SimulatedServer(published, options, [Sequence(cached + uncached, cached)])
+    while alone.running[0].first_ms is None:
+        alone.step()
+    assert prediction.wait_ms == pytest.approx(max(0.0, prediction.ttft_ms - alone.now), rel=1e-9, abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    decoding=st.integers(1, 32),
+    context=st.integers(0, 20_000),
+    waiting=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 3000)), min_size=1, max_size=4),
+    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5)),
+    stall=st.floats(50, 3000),
+)
+def test_while_streams_decode_a_planned_step_stays_within_the_stall_bound_but_for_min_prefill(
+    decoding: int, context: int, waiting: list[tuple[int, int]], costs: tuple[float, float, float, float], stall: float
+) -> None:
+    c = Costs(*costs)
+    options = PolicyOptions(stall, 16, 4096)
+    prompts = [Prompt(done, left) for done, left in waiting]
+    takes = StepPolicy(options).plan(c, decoding, context, prompts)
+    step = Step(
+        sum(takes),
+        decoding,
+        context + decoding + sum(chunk_attended(p.done, t) for p, t in zip(prompts, takes, strict=True)),
+    )
+    if sum(takes) > options.min_prefill:  # more than the least it must carry: then it is within the bound
+        assert c.step_ms(step) <= stall * (1 + 1e-9)
+
+
+def test_the_load_region_carries_the_load_whole_and_sums_what_it_cannot_list() -> None:
+    load = Load(TRUE.published(), OPTIONS, 7, 12_345, tuple(Prompt(i, 100 + i) for i in range(3)))
+    record = wire.load_record(load)
+    record["end"] = record["begin"] = 5
+    assert wire.read_load(record[0]) == load
+    many = Load(TRUE.published(), OPTIONS, 0, 0, tuple(Prompt(0, 10) for _ in range(wire.LOAD_PROMPTS + 4)))
+    record = wire.load_record(many)
+    record["end"] = record["begin"] = 6
+    got = wire.read_load(record[0])
+    assert got is not None and len(got.waiting) == wire.LOAD_PROMPTS
+    assert got.pending_tokens == many.pending_tokens and got.waiting[-1].remaining == 50
+    assert wire.read_load(wire.load_record(Load())[0]) == Load()  # all zero: publishes no load
+
+
+def test_a_torn_load_region_is_not_taken() -> None:
+    record = wire.load_record(Load(TRUE.published(), OPTIONS, 1))
+    record["end"], record["begin"] = 5, 6  # the writer began version 6 while the reader copied
+    assert wire.read_load(record[0]) is None
