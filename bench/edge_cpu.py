@@ -145,7 +145,7 @@ async def measure(
             agent = build_agent(options.agent, capacity, transport, (child.address or listen,))
             loop = asyncio.get_running_loop()
             tokenizer = load_tokenizer(None)
-            service = build_edge(options.edge, capacity, tokenizer, agent, None, loop, executor, options.agent.max_wait)
+            service = build_edge(options.edge, capacity, tokenizer, agent, None, loop, executor)
             service.start()
             try:
                 await _drive(service, warmup, concurrency, None)

@@ -23,6 +23,7 @@ Streams of a request, by direction:
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -627,6 +628,8 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     cached_tokens: int  # prompt tokens the model side took from its prefix cache (sent with every progress word)
     prefill_us: int  # its uncached prompt's cost on an idle server (the step cost model; with cached_tokens)
     refusal_wait_us: int  # OVER_BOUND: the least predicted wait among the servers tried
+    refusal_bound_ms: int  # OVER_BOUND: the bound the agent applied
+    retry_after_ms: int  # NO_SLOT, OVER_BOUND: when a retry is predicted to be admitted (0: no estimate)
     reserved32: int
 
     def begin(self, request_id: int, generation: int, slot: int) -> None:
@@ -660,12 +663,22 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         p.status = status
         p.output_count = 0
 
-    def over_bound(self, wait_ms: float) -> None:
-        """Refused OVER_BOUND: the least predicted wait among the servers, for the edge's answer."""
+    def over_bound(self, wait_ms: float, bound_ms: float, retry_ms: float) -> None:
+        """Refused OVER_BOUND: the least predicted wait among the servers, the bound it is over and when to come
+        back, for the edge's answer."""
         p = self._p
         p.status = Status.OVER_BOUND
         p.output_count = 0
         p.refusal_wait_us = min(int(wait_ms * 1e3), 0xFFFFFFFF)
+        p.refusal_bound_ms = min(round(bound_ms), 0xFFFFFFFF)
+        p.retry_after_ms = min(math.ceil(retry_ms), 0xFFFFFFFF)
+
+    def no_slot(self, retry_ms: float) -> None:
+        """Refused NO_SLOT: when the first slot is predicted to free (0: no estimate)."""
+        p = self._p
+        p.status = Status.NO_SLOT
+        p.output_count = 0
+        p.retry_after_ms = min(math.ceil(retry_ms), 0xFFFFFFFF)
 
     def placed_for(self, generation: int) -> int | None:
         """Output tokens placed for ``generation`` as the progress word says, or None when the word is

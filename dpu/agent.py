@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.contract.plan import Prediction
+from edgepath.contract.plan import Prediction, Step
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
 from edgepath.dpu.admission import Admission, Choice, Decision
@@ -50,6 +51,9 @@ _ONLY = Choice(0, 0, _AT_ONCE)
 #: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
 #: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
 DEFAULT_MAX_WAIT = 2.0
+#: a refused client's advised retry: at least this long (ms; one model step is about that), at most this long (the
+#: openai SDK honours a retry-after-ms of up to 60 s), stretched by up to this share at random
+RETRY_MIN_MS, RETRY_MAX_MS, RETRY_JITTER = 20.0, 60_000.0, 0.25
 #: how often one request may move to another slot server when its own goes away (``--migration-limit``): a
 #: second move covers a failover during a failover; a request that outlives more servers than that is unlucky
 #: in a way a retry by the client handles as well
@@ -88,6 +92,7 @@ class Agent:
         reattach: Backoff = REATTACH_BACKOFF,
         max_wait: float = DEFAULT_MAX_WAIT,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        seed: int | None = None,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -100,13 +105,14 @@ class Agent:
         request may be predicted to wait for its first token beyond its own prompt's time (its own bound,
         ``max_wait_ms`` in its request header, may only be smaller); ``migration_limit``: how often one request
         may move to another slot server when its own goes down or unresponsive (0: never: it is answered 503 or
-        504 then)."""
+        504 then); ``seed``: of the jitter on refused clients' retry times (a test's own)."""
         if migration_limit < 0:
             raise ValueError(f"migration limit must be >= 0, got {migration_limit}")
         self.migration_limit = migration_limit
         if not max_wait > 0:
             raise ValueError(f"max wait must be positive seconds, got {max_wait}")
         self.max_wait_ms = max_wait * 1e3
+        self._random = random.Random(seed)
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
@@ -350,11 +356,15 @@ class Agent:
                 decision = self._decide(index, count, fits) if fits else Decision([])
             choices = decision.choices
             if not choices and decision.over_bound_ms is not None:
-                self.frames.result_headers[index].over_bound(decision.over_bound_ms)
+                wait, bound = decision.over_bound_ms, self._bound(index)
+                self.frames.result_headers[index].over_bound(wait, bound, self._retry(wait - bound))
                 return Status.OVER_BOUND
         claimed = self._first_claim(choices, fits)
         if claimed is None:
-            return Status.NO_SLOT if any(link.up for link in links) else Status.UNAVAILABLE
+            if not any(link.up for link in links):
+                return Status.UNAVAILABLE
+            self.frames.result_headers[index].no_slot(self._slot_frees_in(fits))
+            return Status.NO_SLOT
         link, choice, slot, gen = claimed
         if choice.matched:
             link.stats.affine += 1
@@ -377,12 +387,35 @@ class Agent:
             self.link_set.probe(link)
         return bool(stale)
 
-    def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
-        """The admission decision for frame ``index``, within its bound: the request's own (its header's
-        ``max_wait_ms``), never more than the agent's."""
+    def _bound(self, index: int) -> float:
+        """Frame ``index``'s bound on waiting (ms): the request's own (its header's ``max_wait_ms``), never more
+        than the agent's -- the one owner of the server's bound."""
         asked = self.frames.request_headers[index].max_wait_ms
-        bound = min(asked, self.max_wait_ms) if asked else self.max_wait_ms
-        return self.admission.decide(self.frames.tokens[index, :count], fits, bound)
+        return min(asked, self.max_wait_ms) if asked else self.max_wait_ms
+
+    def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
+        """The admission decision for frame ``index``, within its bound."""
+        return self.admission.decide(self.frames.tokens[index, :count], fits, self._bound(index))
+
+    def _retry(self, ms: float) -> float:
+        """When to tell a refused client to come back: ``ms`` from now (at least :data:`RETRY_MIN_MS`, at most
+        :data:`RETRY_MAX_MS`), stretched by up to :data:`RETRY_JITTER` at random so refused clients do not return
+        in lockstep."""
+        ms = min(RETRY_MAX_MS, max(RETRY_MIN_MS, ms))
+        return ms * self._random.uniform(1.0, 1.0 + RETRY_JITTER)
+
+    def _slot_frees_in(self, links: list[ServerLink]) -> float:
+        """A NO_SLOT's retry time: when the first slot of ``links`` is predicted to free -- the soonest of this
+        agent's requests there to reach its ``max_tokens`` at the server's decode step cost (a stream that stops
+        earlier frees its slot sooner); 0 (no estimate: the edge's default) when none is known."""
+        soonest = math.inf
+        for flight in self.book.inflight.values():
+            load = flight.link.load
+            if flight.link not in links or not load.published:
+                continue
+            step = load.costs.step_ms(Step(0, load.decoding, load.context + load.decoding))
+            soonest = min(soonest, max(1, flight.max_new - flight.count) * step)
+        return self._retry(soonest) if soonest < math.inf else 0.0
 
     def _send(
         self,

@@ -168,8 +168,7 @@ class Limits:
     input_capacity: int
     output_capacity: int
     vocab_size: int
-    retry_after_s: int = 1
-    max_wait_ms: int = 2000  # the server's bound on waiting for a first token (``--max-wait``)
+    retry_after_s: int = 1  # a 429's Retry-After when the agent has no estimate of when to come back
 
 
 class HttpError(Exception):
@@ -278,9 +277,10 @@ def timing_headers(timings: dict[str, int]) -> Headers:
     ]
 
 
-def max_wait_of(headers: Headers, server_ms: int) -> int:
-    """The bound a request asks for in ``X-Max-Wait`` (seconds), in milliseconds and never more than the
-    server's (``server_ms``); 0 when it asks for none.  HttpError 400 for a value that is no bound."""
+def max_wait_of(headers: Headers) -> int:
+    """The bound a request asks for in ``X-Max-Wait`` (seconds), in milliseconds; 0 when it asks for none.  The
+    agent applies it only when it is below its own (``--max-wait``: the one owner of the server's bound).
+    HttpError 400 for a value that is no bound."""
     raw = next((value for name, value in headers if name.lower() == MAX_WAIT_HEADER), None)
     if raw is None:
         return 0
@@ -292,10 +292,10 @@ def max_wait_of(headers: Headers, server_ms: int) -> int:
         raise HttpError(
             400,
             "invalid_request",
-            f"X-Max-Wait must be a positive number of seconds (at most this server's {server_ms / 1e3:g}), "
+            f"X-Max-Wait must be a positive number of seconds (the server's own bound applies when it is smaller), "
             f"got {raw.decode(errors='replace')!r}",
         )
-    return max(1, min(round(seconds * 1e3), server_ms))
+    return max(1, min(round(seconds * 1e3), 0xFFFFFFFF))
 
 
 class HttpCore:
@@ -349,7 +349,7 @@ class HttpCore:
         else:
             work = self._parse_body(parts.path, request.body)
         if isinstance(work, Work) and work.kind == "generate":
-            work.max_wait_ms = max_wait_of(request.headers, self.limits.max_wait_ms)
+            work.max_wait_ms = max_wait_of(request.headers)
         return work
 
     def _authorize(self, path: str, headers: Headers) -> None:
@@ -447,32 +447,36 @@ class HttpCore:
     def tokenize_response(ids: Sequence[int]) -> Response:
         return json_response(200, {"tokens": list(ids), "count": len(ids)})
 
-    def no_slot(self) -> HttpError:
-        """429 at once: nothing is queued, the client retries."""
-        return self._retry_later("no_slot", "every slot is busy; this server does not queue requests")
+    def no_slot(self, retry_ms: float = 0.0) -> HttpError:
+        """429 at once: nothing is queued, the client retries -- when the agent predicts the first slot frees
+        (``retry_ms``; 0: no estimate, the default ``Retry-After``)."""
+        return self._retry_later("no_slot", "every slot is busy; this server does not queue requests", retry_ms)
 
     def busy(self) -> HttpError:
         """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
         return self._retry_later(
-            "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue"
+            "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue", 0.0
         )
 
-    def over_bound(self, wait_ms: float, bound_ms: float) -> HttpError:
+    def over_bound(self, wait_ms: float, bound_ms: float, retry_ms: float) -> HttpError:
         """429 at once: every slot server's predicted wait for a first token is over the request's bound;
-        ``Retry-After`` is how much longer than the bound that wait is (at least a second)."""
-        retry = max(1, math.ceil((wait_ms - bound_ms) / 1e3))
-        return HttpError(
-            429,
+        ``retry_ms``: when the agent predicts the wait will be back within it."""
+        return self._retry_later(
             "over_bound",
             f"the predicted wait for a first token is {wait_ms / 1e3:.2f} s, over this request's bound of "
-            f"{bound_ms / 1e3:.2f} s (X-Max-Wait, at most the server's); this server does not queue requests, "
-            "retry later",
-            [(b"retry-after", str(retry).encode())],
+            f"{bound_ms / 1e3:.2f} s (X-Max-Wait, at most the server's); this server does not queue requests",
+            retry_ms,
         )
 
-    def _retry_later(self, type_: str, why: str) -> HttpError:
-        retry_after = [(b"retry-after", str(self.limits.retry_after_s).encode())]
-        return HttpError(429, type_, f"{why}, retry later", retry_after)
+    def _retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
+        """A 429 that says when to come back: ``retry-after-ms`` (what the openai SDK reads first) and
+        ``Retry-After`` in whole seconds, rounded up (every other client); without an estimate, the default."""
+        if retry_ms > 0:
+            ms = math.ceil(retry_ms)
+            headers = [(b"retry-after-ms", str(ms).encode()), (b"retry-after", str(math.ceil(ms / 1e3)).encode())]
+        else:
+            headers = [(b"retry-after", str(self.limits.retry_after_s).encode())]
+        return HttpError(429, type_, f"{why}, retry later", headers)
 
     @staticmethod
     def health_response(

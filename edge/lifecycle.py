@@ -356,7 +356,7 @@ class EdgeLifecycle:
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,
         )
-        req.bound(work.max_wait_ms or self.core.limits.max_wait_ms)
+        req.bound(work.max_wait_ms)  # 0: the agent's own bound
         t1 = self.clock()
         status = port.submit(frame)
         t2 = self.clock()
@@ -551,13 +551,13 @@ class EdgeLifecycle:
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame, whose
         headers say the bound and, for OVER_BOUND, the least predicted wait)."""
+        result = self.port.frames.result_headers[frame]
         if status == Status.NO_SLOT:
             self.metrics.refused("no_slot")
-            return self.core.no_slot()
+            return self.core.no_slot(result.retry_after_ms)
         if status == Status.OVER_BOUND:
             self.metrics.refused("over_bound")
-            wait_ms = self.port.frames.result_headers[frame].refusal_wait_us / 1e3
-            return self.core.over_bound(wait_ms, self.port.frames.request_headers[frame].max_wait_ms)
+            return self.core.over_bound(result.refusal_wait_us / 1e3, result.refusal_bound_ms, result.retry_after_ms)
         if status == Status.UNAVAILABLE:
             return HttpError(503, "unavailable", "no slot server is reachable")
         return HttpError(400, "bad_request", "the data path refused this request")

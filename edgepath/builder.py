@@ -465,9 +465,7 @@ async def start_edge(
     executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
-    service = build_edge(
-        edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, options.agent.max_wait, supervision
-    )
+    service = build_edge(edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, supervision)
     service.start()
     cleanup.callback(service.stop)
     try:
@@ -525,12 +523,11 @@ def build_edge(
     keys: ApiKeys | None,
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
-    max_wait: float,
     supervision: Callable[[], tuple[int, int] | None] | None = None,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
-    servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``);
-    ``max_wait``: the agent's bound on waiting, the most a request's X-Max-Wait may ask for; ``supervision``:
+    servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``; the bound
+    on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics."""
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
@@ -543,7 +540,6 @@ def build_edge(
         input_capacity=min(capacity.input_capacity, upstream.input_capacity),
         output_capacity=min(capacity.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
-        max_wait_ms=round(max_wait * 1e3),
     )
     openai = OpenAIRoutes(
         served_model_name(edge, tokenizer),

@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 7  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free (issue 34) */
+#define EP_ABI_VERSION 7  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -207,8 +207,10 @@ struct ep_result_header {
     uint32_t cached_tokens;    /* prompt tokens the model side took from its prefix cache (not recomputed) */
     uint32_t prefill_us;       /* what its uncached prompt costs on an idle server (the step cost model) */
     uint32_t refusal_wait_us;  /* OVER_BOUND: the least predicted wait among the servers tried */
+    uint32_t refusal_bound_ms; /* OVER_BOUND: the bound on waiting the agent applied (the request's or its own) */
+    uint32_t retry_after_ms;   /* NO_SLOT, OVER_BOUND: when the agent predicts a retry would be admitted (jittered) */
     uint32_t reserved32;
-    uint64_t reserved[6];
+    uint64_t reserved[5];
 };
 /* CDEF-END */
 

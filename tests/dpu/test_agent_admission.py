@@ -9,7 +9,7 @@ import pytest
 from helpers.datapath import send, serve_once
 from helpers.loaded import PACE, Loaded, published
 
-from edgepath.contract.plan import Load, Prompt, own_ms, predict
+from edgepath.contract.plan import Load, Prompt, Step, own_ms, predict
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
@@ -150,3 +150,37 @@ def test_a_refusal_never_rests_on_a_view_older_than_a_heartbeat(make_server, new
     now[0] += agent.link_set.probe_interval
     index, status = submit(agent, 40)
     assert status is None  # older: read again before refusing, and admitted
+
+
+class Decoding(Prefilling):
+    """Holds every request as a decoding stream (it never ends on its own)."""
+
+    def load(self) -> Load:
+        return Load(decoding=len(self.held), context=sum(self.held.values()), **PACE)
+
+
+def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, new_agent) -> None:
+    """NO_SLOT: when the soonest request there reaches its max_tokens at the server's decode step; OVER_BOUND: when
+    the predicted wait is back within the bound; each stretched by up to a quarter at random (no lockstep)."""
+    server = make_server(Decoding(), slots=1)
+    agent: Agent = new_agent(seed=7)
+    agent.attach(server.address)
+    first, status = submit(agent, 10)  # 4 tokens to go, one 9 ms decode step each (6 ms + 3 ms per stream)
+    assert status is None and serve_once(server, timeout=0.5) == 1
+    agent.link_set.refresh(agent.links[0])
+    retries = []
+    for _ in range(20):
+        index, status = submit(agent, 10)
+        assert status is Status.NO_SLOT
+        retries.append(agent.frames.result_headers[index].retry_after_ms)
+        agent.release(index)
+    step = PACE["costs"].step_ms(Step(0, 1, 11))
+    assert all(4 * step <= r <= 1.25 * 4 * step + 1 for r in retries) and len(set(retries)) > 1
+    busy = make_server(Loaded(BUSY))
+    other: Agent = new_agent(seed=7)
+    other.attach(busy.address)
+    index, status = submit(other, 40)
+    assert status is Status.OVER_BOUND
+    result = other.frames.result_headers[index]
+    excess = result.refusal_wait_us / 1e3 - other.max_wait_ms
+    assert result.refusal_bound_ms == 2000 and excess <= result.retry_after_ms <= 1.25 * excess + 1
