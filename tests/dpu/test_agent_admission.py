@@ -165,7 +165,7 @@ def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, ne
     server = make_server(Decoding(), slots=1)
     agent: Agent = new_agent(seed=7)
     agent.attach(server.address)
-    first, status = submit(agent, 10)  # 4 tokens to go, one 9 ms decode step each (6 ms + 3 ms per stream)
+    _, status = submit(agent, 10)  # 4 tokens to go, one 9 ms decode step each (6 ms + 3 ms per stream)
     assert status is None and serve_once(server, timeout=0.5) == 1
     agent.link_set.refresh(agent.links[0])
     retries = []
