@@ -6,11 +6,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NATIVE := native/.built
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) native/build.py
-# llama.cpp without llamafile's batched kernels: a logit must not depend on how its step was batched
-# (docs/MODEL.md, "Right on every CPU"); the same string as edgepath.model.known_answer.LLAMA_CMAKE_ARGS.
-LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
+# llama.cpp's kernels as llama-server's users get them from llama.cpp's own cmake defaults (native CPU flags,
+# llamafile's batched kernels: 2x the prompt speed here; llama-cpp-python's build turns llamafile off unless asked);
+# and, for the llama handler's deterministic=on, a build without llamafile, whose logits do not depend on how a
+# step was batched (docs/MODEL.md, "Right on every CPU"); the same strings as
+# edgepath.model.known_answer.LLAMA_CMAKE_ARGS and DETERMINISTIC_CMAKE_ARGS.
+LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=ON
+DETERMINISTIC_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
+DETERMINISTIC := .venv/.deterministic
 
-.PHONY: run demo test test-fast lint build bench clean
+.PHONY: run demo test test-fast lint build deterministic bench clean
 
 # The editable install builds the cffi extensions too (setup.py); $(NATIVE) rebuilds them in place
 # when a C source changes, without reinstalling.
@@ -29,17 +34,25 @@ $(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 
 build: $(NATIVE)
 
+# The deterministic=on build of llama.cpp (its libraries only, ~5-15 min once per machine): the tests need it,
+# `make run` does not.
+$(DETERMINISTIC): $(STAMP) scripts/install-llama
+	scripts/install-llama --deterministic $(PY) "$(DETERMINISTIC_CMAKE_ARGS)"
+	touch $@
+
+deterministic: $(DETERMINISTIC)
+
 run: build
 	$(VENV)/bin/edgepath serve --transport quic
 
 demo: build
 	$(VENV)/bin/edgepath demo
 
-test: build
+test: build deterministic
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The edit loop: everything but the multi-process, long-running tests (marked slow).
-test-fast: build
+test-fast: build deterministic
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: build
@@ -53,4 +66,4 @@ lint: build
 	scripts/typecheck
 
 clean:
-	rm -rf $(VENV) $(NATIVE) native/_core*.so native/_verbs*.so build edgepath.egg-info
+	rm -rf $(VENV) $(NATIVE) $(DETERMINISTIC) native/_core*.so native/_verbs*.so build edgepath.egg-info

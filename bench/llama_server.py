@@ -4,8 +4,8 @@ The peer ``edgepath bench model`` compares against must run the same kernels as 
 handler, so it is built from the llama.cpp source that ships inside the sdist of the *installed*
 llama-cpp-python (``vendor/llama.cpp``), never from another checkout: ``pip download --no-deps
 --no-binary :all: llama-cpp-python==<installed>``, then CMake (Release, ``-DLLAMA_CURL=OFF
--DLLAMA_OPENSSL=OFF``, static, and the flags edgepath's own llama-cpp-python is built with: llama.cpp's default
-CPU flags but ``-DGGML_LLAMAFILE=OFF``, docs/MODEL.md),
+-DLLAMA_OPENSSL=OFF``, static, and otherwise cmake's defaults -- native CPU flags, llamafile's kernels -- as its
+users build it, and as edgepath's own llama-cpp-python is built: docs/MODEL.md),
 targets ``llama-server`` and ``llama-batched-bench`` (about 6 minutes on 2 cores).  Nothing of
 llama.cpp lands in the repository: the two binaries, the build log and ``build.json`` are kept in
 ``$XDG_CACHE_HOME/edgepath/llama.cpp-<version>-<flags>/`` (``~/.cache`` without it) and reused while the
@@ -36,7 +36,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
-from edgepath.model.known_answer import LLAMA_CMAKE_ARGS
 
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-server", "llama-batched-bench")
@@ -46,7 +45,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # standalone binaries: the cache holds two files, not a tree of .so
     "-DLLAMA_BUILD_TESTS=OFF",
-    *LLAMA_CMAKE_ARGS.split(),  # the kernels edgepath's handler runs (a peer with other numbers is no peer)
+    # as its users build it: llama.cpp's own defaults, llamafile on -- the kernels edgepath's handler runs by default
 )
 BUILD_COMMAND = "python -m edgepath.bench.llama_server --build"
 

@@ -60,9 +60,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import random
 import re
 import shlex
 import socket
@@ -237,6 +239,10 @@ class Outcome:
     predicted_ttft_ms: float | None = None  # edgepath: the agent's prediction at claim time
     lag: float = 0.0  # how late the client sent it against its schedule (seconds)
     error: str | None = None
+    retry_after_s: float | None = None  # a 429's advice: retry-after-ms, else Retry-After (seconds)
+    attempts: int = 1  # a retrying client's calls for this request (this one the last)
+    advised: int = 0  # of its retries, those sent when the server advised
+    advised_admitted: int = 0  # of those, the ones not refused again
 
     @property
     def ok(self) -> bool:
@@ -292,7 +298,13 @@ def read_headers(out: Outcome, headers: Iterable[tuple[bytes, bytes]]) -> None:
     """edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up to the doorbell, the wait it
     measured, its own time to first token and the agent's prediction of it."""
     for name, value in headers:
-        if name == b"server-timing":
+        if name == b"retry-after-ms":
+            with contextlib.suppress(ValueError):  # what the SDK ignores, so does this client
+                out.retry_after_s = float(value) / 1e3
+        elif name == b"retry-after" and out.retry_after_s is None:
+            with contextlib.suppress(ValueError):
+                out.retry_after_s = float(value)
+        elif name == b"server-timing":
             stages = {k: float(v) for k, v in re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode())}
             if any(stage in stages for stage in EDGE_STAGES):
                 out.edge_ms = sum(stages.get(stage, 0.0) for stage in EDGE_STAGES)
@@ -382,6 +394,56 @@ async def _stream(port: int, body: dict[str, Any], out: Outcome) -> None:
 Body = dict[str, Any]
 
 
+#: the openai Python SDK's retry schedule, as it ships (openai/_base_client.py: _calculate_retry_timeout): a 429's
+#: retry-after-ms, else Retry-After, when within 60 s; else 0.5 s x 2^n, at most 8 s, less up to a quarter at random
+SDK_RETRY_LIMIT_S, SDK_INITIAL_DELAY_S, SDK_MAX_DELAY_S = 60.0, 0.5, 8.0
+
+
+def sdk_retry_delay(advised: float | None, retries_so_far: int, rng: random.Random) -> tuple[float, bool]:
+    """How long the openai SDK waits before its next attempt, and whether that is the server's advice."""
+    if advised is not None and 0 < advised <= SDK_RETRY_LIMIT_S:
+        return advised, True
+    delay = min(SDK_INITIAL_DELAY_S * 2.0**retries_so_far, SDK_MAX_DELAY_S)
+    return delay * (1 - 0.25 * rng.random()), False
+
+
+async def retrying_chat(port: int, body: Body, timeout: float, max_retries: int, rng: random.Random) -> Outcome:
+    """One user's call as the openai SDK makes it: retried on 429 up to ``max_retries`` times, honouring the
+    server's advice.  The outcome is the last attempt's, timed from the first call (``sent``): what the user
+    waited for the first token."""
+    first = time.perf_counter()
+    advised = admitted = 0
+    attempt, was_advised = 0, False
+    while True:
+        out = await stream_chat(port, body, timeout)
+        if attempt and was_advised:
+            admitted += out.status != 429
+        if out.status != 429 or attempt >= max_retries:
+            break
+        delay, was_advised = sdk_retry_delay(out.retry_after_s, attempt, rng)
+        advised += was_advised
+        attempt += 1
+        await asyncio.sleep(delay)
+    out.sent, out.attempts, out.advised, out.advised_admitted = first, attempt + 1, advised, admitted
+    return out
+
+
+async def retrying_open_loop(
+    port: int, bodies: list[Body], offsets: list[float], timeout: float, max_retries: int, seed: int
+) -> list[Outcome]:
+    """Users arriving at ``offsets`` (seconds from the start), each calling through the SDK's retries."""
+    start = time.perf_counter()
+    rng = random.Random(seed)
+
+    async def user(body: Body, at: float) -> Outcome:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        outcome = await retrying_chat(port, body, timeout, max_retries, rng)
+        outcome.lag = max(0.0, outcome.sent - (start + at))
+        return outcome
+
+    return list(await asyncio.gather(*(user(b, at) for b, at in zip(bodies, offsets, strict=True))))
+
+
 async def one_at_a_time(port: int, bodies: list[Body], timeout: float) -> list[Outcome]:
     return [await stream_chat(port, body, timeout) for body in bodies]
 
@@ -461,6 +523,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+#: a retrying user's goodput: the first token within this long of its first call
+FIRST_TOKEN_SOON_S = 5.0
 #: The prediction is good when actual / predicted is within these (the admission issue's target band)
 PREDICTION_BAND = (0.75, 1.33)
 
@@ -494,6 +558,8 @@ def summarize(
     cached = [o.cached_tokens for o in ok if o.cached_tokens is not None]
     edge = [o.edge_ms for o in ok if o.edge_ms is not None]
     refused = sum(o.status == 429 for o in outcomes)
+    advised = sum(o.advised for o in outcomes)
+    soon = sum(o.ok and o.ttft is not None and o.ttft <= FIRST_TOKEN_SOON_S for o in outcomes)
     return {
         "phase": phase,
         "rate_rps": rate,
@@ -523,6 +589,10 @@ def summarize(
         "answered_rps": len(ok) / span if span > 0 else None,
         "goodput_rps": met / span if span > 0 else None,
         "goodput_share": met / max(1, len(outcomes)),
+        "first_token_5s_rps": soon / span if span > 0 else None,  # a first token within 5 s of the user's call
+        "attempts_mean": statistics.mean(o.attempts for o in outcomes) if outcomes else None,
+        "advised_retries": advised,
+        "advised_admitted_share": sum(o.advised_admitted for o in outcomes) / advised if advised else None,
         "span_s": span,
         "server_cpu_s": window.server_cpu_s,
         "server_cpu_ms_per_request": window.server_cpu_s / len(ok) * 1e3 if ok else None,
@@ -591,6 +661,8 @@ class Plan:
     requests: int
     seconds: float
     fractions: tuple[float, ...]
+    retry_fractions: tuple[float, ...]  # Poisson rates of the phases whose users retry as the openai SDK does
+    retries: tuple[int, ...]  # the SDK's max_retries in those phases
     prefix_chats: int
     prefix_concurrent: int
     seed: int
@@ -611,6 +683,7 @@ class Chats:
     lone: list[list[dict[str, str]]]
     concurrent: list[list[dict[str, str]]]
     poisson: dict[float, list[list[dict[str, str]]]]
+    retrying: dict[tuple[float, int], list[list[dict[str, str]]]]
     burst: list[list[dict[str, str]]]  # 2 x slots at once
     prefix_seq: list[list[dict[str, str]]]
     prefix_conc: list[list[dict[str, str]]]  # the first `slots` are the cold burst
@@ -622,6 +695,11 @@ class Chats:
             lone=workload.chats("lone", plan.lone),
             concurrent=workload.chats("concurrent", plan.concurrent),
             poisson={f: workload.chats(f"poisson-{f:g}", plan.requests) for f in plan.fractions},
+            retrying={
+                (f, r): workload.chats(f"retry-{f:g}-{r}", plan.requests)
+                for f in plan.retry_fractions
+                for r in plan.retries
+            },
             burst=workload.chats("burst", 2 * slots),
             prefix_seq=workload.shared_prefix("sequential", plan.prefix_chats, prefix_tokens),
             prefix_conc=workload.shared_prefix("concurrent", slots + plan.prefix_concurrent, prefix_tokens),
@@ -630,6 +708,10 @@ class Chats:
 
 def phase_name(fraction: float) -> str:
     return f"poisson-{fraction * 100:.0f}"
+
+
+def retry_phase_name(fraction: float, retries: int) -> str:
+    return f"retry-{fraction * 100:.0f}-r{retries}"
 
 
 async def run_system(
@@ -699,6 +781,13 @@ async def run_system(
                 offsets = arrivals(fraction * basis, plan.requests, plan.seconds, plan.seed * 1000 + i)
                 chosen = bodies(chats.poisson[fraction])[: len(offsets)]
                 await phase(phase_name(fraction), open_loop(port, chosen, offsets, plan.timeout), fraction * basis)
+            for i, fraction in enumerate(plan.retry_fractions):
+                # the same arrivals for every system and every max_retries: only the clients' patience differs
+                offsets = arrivals(fraction * basis, plan.requests, plan.seconds, plan.seed * 1000 + 100 + i)
+                for retries in plan.retries:
+                    chosen = bodies(chats.retrying[(fraction, retries)])[: len(offsets)]
+                    load = retrying_open_loop(port, chosen, offsets, plan.timeout, retries, plan.seed + i)
+                    await phase(retry_phase_name(fraction, retries), load, fraction * basis)
         burst = bodies(chats.burst)
         await phase("burst", open_loop(port, burst, [0.0] * len(burst), plan.timeout))
         sequence = bodies(chats.prefix_seq)
@@ -778,7 +867,7 @@ def _quiet(argv: list[str], timeout: float) -> tuple[str | None, str]:
 QUICK = {
     "slots": 2, "threads": "1", "lone": 2, "concurrent_requests": 4, "requests": 4, "seconds": 8.0,
     "prompt_tokens": "128-192", "prefix_tokens": 200, "prefix_chats": 3, "prefix_concurrent": 2, "max_tokens": 8,
-    "batching_tokens": 8, "batching_rounds": 1,
+    "batching_tokens": 8, "batching_rounds": 1, "retry_loads": "2", "retries": "2",
 }  # fmt: skip
 
 
@@ -815,6 +904,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrent-requests", type=int, default=None, help="requests of the concurrency = slots phase (3 x slots)"
     )
     p.add_argument("--loads", default="1,2,4", help="Poisson rates, as fractions of capacity")
+    p.add_argument(
+        "--retry-loads",
+        default="1,2",
+        help="Poisson rates, as fractions of capacity, of the phases whose users call through the openai SDK's "
+        "retries (429 retried, its advice honoured); '' for none",
+    )
+    p.add_argument("--retries", default="2,8", help="the SDK's max_retries in those phases (2: its default)")
     p.add_argument(
         "--rate-basis",
         choices=("common", "own"),
@@ -855,6 +951,8 @@ class Checked:
     systems: list[str]
     threads: list[int | None]
     fractions: tuple[float, ...]
+    retry_fractions: tuple[float, ...]
+    retries: tuple[int, ...]
     prompt_range: tuple[int, int]
     handler_options: tuple[str, ...]
 
@@ -887,6 +985,17 @@ def _check(args: argparse.Namespace) -> Checked:
         raise ValueError(f"--loads must be comma-separated numbers, got {args.loads!r}") from None
     if not all(0 < x <= 4 for x in fractions) or len(set(fractions)) != len(fractions):
         raise ValueError(f"--loads: distinct fractions of capacity in (0, 4], got {args.loads!r}")
+    try:
+        retry_fractions = tuple(float(x) for x in args.retry_loads.split(",") if x.strip())
+        retries = tuple(int(x) for x in args.retries.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(
+            f"--retry-loads and --retries must be comma-separated numbers, got {args.retry_loads!r}, {args.retries!r}"
+        ) from None
+    if not all(0 < x <= 4 for x in retry_fractions) or len(set(retry_fractions)) != len(retry_fractions):
+        raise ValueError(f"--retry-loads: distinct fractions of capacity in (0, 4], got {args.retry_loads!r}")
+    if retry_fractions and (not retries or not all(0 <= r <= 20 for r in retries) or len(set(retries)) != len(retries)):
+        raise ValueError(f"--retries: distinct counts in 0..20, got {args.retries!r}")
     low, _, high = args.prompt_tokens.partition("-")
     if not (low.isdigit() and high.isdigit() and 16 <= int(low) <= int(high)):
         raise ValueError(f"--prompt-tokens: LOW-HIGH with 16 <= LOW <= HIGH, got {args.prompt_tokens!r}")
@@ -917,7 +1026,9 @@ def _check(args: argparse.Namespace) -> Checked:
             f"give >= {needed} or leave it out"
         )
     order = sorted(chosen, key=lambda name: list(SYSTEMS).index(name))  # llama-server first: the reference
-    return Checked(order, threads, fractions, (int(low), int(high)), tuple(args.handler_option))
+    return Checked(
+        order, threads, fractions, retry_fractions, retries, (int(low), int(high)), tuple(args.handler_option)
+    )
 
 
 def machine() -> str:
@@ -952,6 +1063,8 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         requests=args.requests,
         seconds=args.seconds,
         fractions=checked.fractions,
+        retry_fractions=checked.retry_fractions,
+        retries=checked.retries,
         prefix_chats=args.prefix_chats,
         prefix_concurrent=args.prefix_concurrent or 2 * args.slots,
         seed=args.seed,

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +25,35 @@ class ModelFileError(ValueError):
     """A GGUF path that does not exist, is not a GGUF file, or that llama.cpp cannot load."""
 
 
-def llama_cpp() -> Any:
+def deterministic_libs() -> Path:
+    """Where ``scripts/install-llama --deterministic`` (``make deterministic``) unpacks the libraries of llama.cpp
+    built without llamafile's batched kernels, for the installed llama-cpp-python's version."""
+    try:
+        version = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "edgepath" / f"llama-deterministic-{version}"
+
+
+def llama_cpp(deterministic: bool = False) -> Any:
     """The ``llama_cpp`` module, with llama.cpp's load chatter kept to warnings unless asked for.
+
+    ``deterministic``: llama.cpp built without llamafile (:func:`deterministic_libs`), whose logits do not depend on
+    how a step was batched; chosen before the module is first imported (llama-cpp-python loads its library then,
+    from ``LLAMA_CPP_LIB_PATH``), so a process that loaded the other build already cannot switch: ModelFileError.
 
     The low-level module alone leaves llama.cpp's own log callback in place, which prints every loader
     line to stderr; ``llama_cpp._logger`` installs the callback that filters by the Python logger's level
     (llama-cpp-python's high-level API imports it, the low-level one does not)."""
+    if deterministic and "llama_cpp" not in sys.modules:
+        libs = deterministic_libs()
+        if not (libs / "libllama.so").exists():
+            raise ModelFileError(
+                f"deterministic=on needs llama.cpp built without llamafile in {libs}: run `make deterministic` "
+                "(scripts/install-llama --deterministic, about 5-15 minutes once per machine)"
+            )
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(libs)
     try:
         import llama_cpp as lib
         import llama_cpp._logger
@@ -35,6 +61,12 @@ def llama_cpp() -> Any:
         raise ModelFileError(
             f"llama-cpp-python is not installed ({exc}); install the model extra: pip install -e '.[model]'"
         ) from exc
+    if deterministic and "LLAMAFILE = 1" in lib.llama_print_system_info().decode():
+        raise ModelFileError(
+            "deterministic=on: this process already loaded llama.cpp built with llamafile (its logits depend on how a "
+            "step is batched); the choice is made before llama.cpp is first loaded -- run the model in a slot server "
+            "process of its own"
+        )
     quiet = logging.getLogger("llama-cpp-python")
     if quiet.level == logging.NOTSET:
         # llama.cpp logs its loader dump at warning level; failures come back to us as NULL handles, which

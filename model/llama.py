@@ -165,6 +165,14 @@ class LlamaOptions:
     min_prefill: int = _knob(
         16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", read=_integer(1)
     )
+    deterministic: bool = _knob(
+        False,
+        help="off|on: on -- llama.cpp built without llamafile's batched kernels (`make deterministic`), so a token's "
+        "logits do not depend on how its step was batched: a reused prefix, a migrated or a batched stream give "
+        "bit-identical greedy answers, at about half the prompt speed; off -- llama.cpp as its users build it, "
+        "logits equal within the stated tolerance (docs/MODEL.md)",
+        **_choice(off=False, on=True),
+    )
     flash_attn: str = _knob(
         "off",
         help="off|on|auto: llama.cpp's flash attention; on this CPU it decodes slower, and its results depend on how "
@@ -309,7 +317,10 @@ class LlamaHandler:
                 f"llama: batch must be > slots ({slots}): each decoding slot takes one token of every "
                 f"step and prompts need room too; got {batch}"
             )
-        self._lib = lib = llama_cpp()
+        try:
+            self._lib = lib = llama_cpp(options.deterministic)
+        except ModelFileError as exc:
+            raise HandlerError(f"llama: {exc}") from exc
         self.options = options
         self.slots = slots
         self.ctx_per_slot = options.ctx_per_slot
@@ -350,8 +361,6 @@ class LlamaHandler:
                 options.flash_attn,
                 f"on ({options.cache_mb:g} MB of host memory)" if options.prefix_cache else "off",
             )
-            for problem in known_answer.build_problems(lib.llama_print_system_info().decode()):
-                log.warning("llama: %s", problem)
         except BaseException:
             self.close()
             raise

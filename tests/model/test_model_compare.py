@@ -34,7 +34,7 @@ from edgepath.bench.model_compare import (
 )
 from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_doc, table, targets
 from edgepath.bench.model_workload import Workload, log_uniform
-from edgepath.model.known_answer import LLAMA_CMAKE_ARGS
+from edgepath.model.known_answer import DETERMINISTIC_CMAKE_ARGS, LLAMA_CMAKE_ARGS
 
 
 def words(text: str) -> int:
@@ -459,11 +459,17 @@ def test_a_missing_build_is_refused_with_the_command_that_makes_it(
     assert found.server == root / "llama-server" and found.describe() == "llama.cpp from llama-cpp-python 0.0.1"
 
 
-def test_the_peer_is_built_with_the_flags_of_edgepaths_own_llama_cpp() -> None:
-    """llama-server runs the kernels the handler runs, and a build with other flags is kept apart."""
+def test_the_peer_is_built_as_its_users_build_it_with_the_flags_of_edgepaths_own_llama_cpp() -> None:
+    """llama-server with llama.cpp's cmake defaults (llamafile on), the kernels the handler runs by default
+    (llama-cpp-python's build needs llamafile asked for); a build with other flags is kept apart."""
     makefile = (Path(__file__).parents[2] / "Makefile").read_text()
-    assert f"LLAMA_CMAKE_ARGS := {LLAMA_CMAKE_ARGS}" in makefile
-    assert set(LLAMA_CMAKE_ARGS.split()) <= set(llama_server.CMAKE_FLAGS)
+    declared = {
+        name.strip(): value.strip()
+        for name, value in (line.split(":=", 1) for line in makefile.splitlines() if ":=" in line)
+    }
+    assert declared["LLAMA_CMAKE_ARGS"] == LLAMA_CMAKE_ARGS == "-DGGML_LLAMAFILE=ON"
+    assert declared["DETERMINISTIC_CMAKE_ARGS"] == DETERMINISTIC_CMAKE_ARGS == "-DGGML_LLAMAFILE=OFF"
+    assert not [flag for flag in llama_server.CMAKE_FLAGS if "GGML" in flag]  # llama.cpp's defaults: llamafile on
     assert llama_server.cache_root("1.0").name.startswith("llama.cpp-1.0-")
 
 

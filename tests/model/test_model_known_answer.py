@@ -85,9 +85,9 @@ def test_a_collapsed_continuation_is_degenerate() -> None:
     assert degenerate([5] * (n - 1)) == []  # stopped early (an end-of-generation token): not judged
 
 
-def test_a_llamafile_build_is_a_problem_and_the_default_flags_are_not() -> None:
-    assert known_answer.build_problems("CPU : AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 |")
-    assert known_answer.build_problems("CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |") == []
+def test_only_a_build_without_llamafile_is_batch_invariant() -> None:
+    assert not known_answer.batch_invariant("CPU : AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 |")
+    assert known_answer.batch_invariant("CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |")
 
 
 def test_cpu_name_reads_cpuinfo(tmp_path: Path) -> None:

@@ -1,0 +1,78 @@
+"""A prompt's last logits computed in one step and cut into steps several ways, on the default model: how far
+they differ by how the prompt was batched (0 on a batch-invariant build).  Run as a program it loads the build
+``--deterministic`` names first (llama.cpp's library is chosen before its first load) and prints the largest
+difference per cut as JSON: ``python -m helpers.split_logits [--deterministic]`` with ``tests`` on the path."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+
+import numpy as np
+
+from edgepath.model.gguf import default_model_path, llama_cpp, load_model
+from edgepath.model.llama import LlamaOptions, context_params
+
+CAP = 256
+QUESTION = "Which platform does the night train leave from?"
+
+
+def differences(deterministic: bool = False) -> dict[str, float]:
+    """{cuts: largest |logit difference| from the prompt computed in one step} (and ``argmax``: 1 when every cut's
+    best token is the one step's)."""
+    from edgepath.edge.tokenizer import GGUFTokenizer
+
+    lib = llama_cpp(deterministic)
+    options = LlamaOptions.parse({"threads": "1", "flash_attn": "off"}, CAP)
+    frame = np.zeros(CAP, dtype=np.int32)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": QUESTION}]
+    prompt = frame[: GGUFTokenizer(default_model_path()).encode_chat_into(messages, frame)]
+    model = load_model(options.model, vocab_only=False)
+    ctx = lib.llama_init_from_model(model, context_params(lib, 1, options, CAP))
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+    def logits(cuts: list[int]) -> np.ndarray:
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        start = 0
+        for end in [*cuts, len(prompt)]:
+            batch = lib.llama_batch_init(end - start, 0, 1)
+            for i in range(end - start):
+                batch.token[i] = int(prompt[start + i])
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = int(start + i == len(prompt) - 1)
+            batch.n_tokens = end - start
+            try:
+                assert lib.llama_decode(ctx, batch) == 0
+            finally:
+                lib.llama_batch_free(batch)
+            start = end
+        row = lib.llama_get_logits_ith(ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,)).copy()
+
+    try:
+        whole = logits([])
+        n = len(prompt)
+        out: dict[str, float] = {}
+        best = 1.0
+        for cuts in ([n - 1], [n // 2], [7, n // 3, n - 5], list(range(8, n, 8))):
+            other = logits(cuts)
+            out[str(cuts if len(cuts) < 4 else "every 8")] = float(np.abs(other - whole).max())
+            best = min(best, float(other.argmax() == whole.argmax()))
+        out["argmax"] = best
+        return out
+    finally:
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deterministic", action="store_true")
+    print(json.dumps(differences(parser.parse_args().deterministic)))
+
+
+if __name__ == "__main__":
+    main()
