@@ -36,7 +36,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO
 
-
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-server", "llama-batched-bench")
 CMAKE_FLAGS = (
