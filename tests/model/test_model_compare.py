@@ -32,7 +32,7 @@ from edgepath.bench.model_compare import (
     summarize,
     threads_reported,
 )
-from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, rewrite_doc, table, targets
+from edgepath.bench.model_report import MODEL_BEGIN, MODEL_END, VERSUS, rewrite_doc, table, targets
 from edgepath.bench.model_workload import Workload, log_uniform
 from edgepath.model.known_answer import DETERMINISTIC_CMAKE_ARGS, LLAMA_CMAKE_ARGS
 
@@ -315,6 +315,8 @@ EDGE = {
     "poisson-200": {"goodput_rps": 0.3, "refused_429": 3, "refused_share": 0.3, "requests": 10, "ok": 7},
     "prefix-seq-cold": {"ttft_p50_ms": 2000.0},
     "prefix-seq-warm": {"ttft_p50_ms": 150.0},
+    "retry-200-r2": {"first_token_5s_rps": 0.3},
+    "retry-200-r8": {"answered_rps": 0.5, "first_token_5s_rps": 0.4},
 }
 PEER = {
     "lone": {"ttft_p50_ms": 400.0},
@@ -322,6 +324,8 @@ PEER = {
     "poisson-200": {"goodput_rps": 0.1},
     "prefix-seq-cold": {"ttft_p50_ms": 2500.0},
     "prefix-seq-warm": {"ttft_p50_ms": 80.0},
+    "retry-200-r2": {"first_token_5s_rps": 0.1},
+    "retry-200-r8": {"answered_rps": 0.6, "first_token_5s_rps": 0.1},
 }
 
 
@@ -329,7 +333,9 @@ def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
     batching = [{"threads": 1, "slots": 8, "edgepath": {"one": 70.0, "many": 100.0}, "llama-batched-bench": {
         "one": 77.0, "many": 105.0}}]  # fmt: skip
     rows = _report(EDGE, PEER, batching)["targets"]
-    judged = {t["name"].split(",")[0]: t for t in rows if t["name"] not in ADMISSION_TARGETS}
+    judged = {
+        t["name"].split(",")[0]: t for t in rows if t["name"] not in ADMISSION_TARGETS and "advised" not in t["name"]
+    }
     assert {name: (round(t["value"], 3), t["verdict"]) for name, t in judged.items()} == {
         "output tokens/s at concurrency = slots": (1.042, "met"),
         "ITL p50 at concurrency = slots": (0.976, "met"),
@@ -338,6 +344,9 @@ def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
         "goodput at 200% of capacity": (3.0, "met"),
         "shared prefix: edgepath warm TTFT p50 / its cold TTFT": (0.075, "met"),
         "decode tokens/s at 8 sequences": (0.952, "met"),
+        "completed requests/s at 200% with clients retrying (max_retries 8)": (0.833, "missed"),
+        "first tokens within 5 s of the call per second at 200% (max_retries 2)": (3.0, "met"),
+        "first tokens within 5 s of the call per second at 200% (max_retries 8)": (4.0, "met"),
     }
     assert judged["goodput at 200% of capacity"]["answered"] == "7/10 (3 refused) vs 4/4"
     none_good = {**PEER, "poisson-200": {"goodput_rps": 0.0}}
@@ -374,14 +383,14 @@ def test_the_admission_targets_hold_edgepath_to_its_bound_its_prediction_and_its
     got = {name: (None if rows[name]["value"] is None else round(rows[name]["value"], 3), rows[name]["verdict"])
            for name in ADMISSION_TARGETS}  # fmt: skip
     assert got == {
-        "poisson-200: edgepath wait p99 / the bound": (1.15, "met"),  # 2.3 s over a 2 s bound
+        "poisson-200: edgepath wait p99 / the bound": (1.15, "missed"),  # 2.3 s over a 2 s bound: past 1.1
         "poisson-200: edgepath TTFT p99 / its lone TTFT p99": (2.333, "missed"),
         "poisson-400: edgepath wait p99 / the bound": (1.5, "missed"),
         "poisson-400: edgepath TTFT p99 / its lone TTFT p99": (1.667, "met"),
         "output tokens/s at 100% of capacity, edgepath / edgepath-no-bound": (0.962, "met"),
         "poisson-100: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.95, "met"),
         "poisson-200: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.8, "missed"),
-        "poisson-400: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.9, "met"),
+        "poisson-400: share of edgepath's TTFT within 0.75-1.33 x its prediction": (0.9, "missed"),  # 0.95 wanted
         "burst: share of edgepath's TTFT within 0.75-1.33 x its prediction": (
             None, "not measured: needs edgepath's burst phase with predictions"),
         "edgepath refusals with nothing else running (lone phase), share": (0.0, "met"),
@@ -399,7 +408,7 @@ def test_targets_without_the_peer_say_why_they_were_not_measured() -> None:
     rows = _report(EDGE, None, [failed])["targets"]
     verdicts = [t["verdict"] for t in rows]
     assert verdicts[0] == "not measured: needs a concurrent phase of both"
-    assert verdicts[5] == "met"  # edgepath against itself needs no peer
+    assert verdicts[len(VERSUS)] == "met"  # edgepath against itself needs no peer
     assert verdicts[-1] == "not measured: llama-server ... is not built"
 
 
