@@ -867,7 +867,7 @@ def _quiet(argv: list[str], timeout: float) -> tuple[str | None, str]:
 QUICK = {
     "slots": 2, "threads": "1", "lone": 2, "concurrent_requests": 4, "requests": 4, "seconds": 8.0,
     "prompt_tokens": "128-192", "prefix_tokens": 200, "prefix_chats": 3, "prefix_concurrent": 2, "max_tokens": 8,
-    "batching_tokens": 8, "batching_rounds": 1, "retry_loads": "2", "retries": "2",
+    "batching_tokens": 8, "batching_rounds": 1, "retry_loads": "2", "retries": "2,8",
 }  # fmt: skip
 
 

@@ -45,11 +45,17 @@ def _well_formed(block: str) -> None:
         assert set(rows[1].replace("|", "")) == {"-"} and len(rows) > 2
 
 
-def _answered_everywhere(result: dict, loads: list[str]) -> None:
+def _answered_everywhere(
+    result: dict, loads: list[str], retrying: tuple[str, ...] = ("retry-200-r2", "retry-200-r8")
+) -> None:
+    """Every phase answered something (--quick: retrying phases at 200 % of capacity, max_retries 2 and 8)."""
     assert "error" not in result, result
     assert [row["phase"] for row in result["phases"]] == [
-        "lone", "concurrent", *(f"poisson-{load}" for load in loads), "burst", *PREFIX,
+        "lone", "concurrent", *(f"poisson-{load}" for load in loads), *retrying, "burst", *PREFIX,
     ]  # fmt: skip
+    for row in result["phases"]:
+        if row["phase"] in retrying:  # users calling through the SDK's retries: at least one call each
+            assert row["attempts_mean"] >= 1 and row["first_token_5s_rps"] is not None, row
     for row in result["phases"]:
         assert row["ok"] > 0 and row["ttft_p50_ms"] > 0 and row["output_tokens"] > 0, (result["system"], row)
         assert row["server_cpu_s"] > 0, (result["system"], row)  # the servers' CPU was read around the phase
