@@ -95,7 +95,10 @@ async def _run(args: argparse.Namespace, setup: Setup, flood_bodies: list[list[d
         model = await model_id(port)
 
         def body(messages: list[dict], max_tokens: int) -> Body:
-            return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+            return {
+                "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True},
+            }  # fmt: skip
 
         warm = await stream_chat(port, body(sweep_chats[0], 4), 120)
         if not warm.ok:
