@@ -2,7 +2,8 @@
 except by :func:`load_keys`).
 
 Keys are held as SHA-256 digests and compared with ``hmac.compare_digest`` against every key, so
-neither a key's length nor which key nearly matched shows in the timing.
+neither a key's length nor which key nearly matched shows in the timing.  Each key stands for a tenant
+(:mod:`edgepath.edge.tenants`): with a flat list, a tenant of its own.
 """
 
 from __future__ import annotations
@@ -13,26 +14,52 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from edgepath.edge.tenants import Tenant, key_tenant
+
 ENV_VAR = "EDGEPATH_API_KEYS"
 
 
 class ApiKeys:
-    """The accepted keys, and whether ``/health`` and ``/metrics`` need one too."""
+    """The accepted keys (each key's tenant), and whether ``/health`` and ``/metrics`` need one too."""
 
     def __init__(self, keys: Iterable[str], protect_ops: bool = False) -> None:
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
-        if not self._digests:
+        digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        self._tenants = [(digest, key_tenant(digest)) for digest in digests]
+        if not self._tenants:
             raise ValueError("API keys are enabled but none was given (empty file or variable)")
         self.protect_ops = protect_ops
 
-    def allows(self, presented: bytes | None) -> bool:
+    @classmethod
+    def of_digests(cls, tenants: Iterable[tuple[bytes, Tenant]], protect_ops: bool = False) -> ApiKeys:
+        """Keys given as SHA-256 digests, each with its tenant (a tenants file)."""
+        keys = cls.__new__(cls)
+        keys._tenants = list(tenants)
+        keys.protect_ops = protect_ops
+        if not keys._tenants:
+            raise ValueError("API keys are enabled but none was given (no key in the tenants file)")
+        return keys
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        """Every tenant a key stands for, each once, in the order first given."""
+        seen: dict[str, Tenant] = {}
+        for _, tenant in self._tenants:
+            seen.setdefault(tenant.name, tenant)
+        return list(seen.values())
+
+    def identify(self, presented: bytes | None) -> Tenant | None:
+        """The tenant of the key ``presented`` (None: missing or not valid); every known key is compared."""
         if not presented:
-            return False
+            return None
         digest = hashlib.sha256(presented).digest()
-        ok = False
-        for known in self._digests:
-            ok |= hmac.compare_digest(digest, known)
-        return ok
+        found = None
+        for known, tenant in self._tenants:
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        return found
+
+    def allows(self, presented: bytes | None) -> bool:
+        return self.identify(presented) is not None
 
     @staticmethod
     def presented(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:

@@ -357,6 +357,7 @@ class EdgeLifecycle:
             t_tokenized_ns=t0,
         )
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
+        req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
         t1 = self.clock()
         status = port.submit(frame)
         t2 = self.clock()
