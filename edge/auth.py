@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from edgepath.edge.tenants import Tenant, key_tenant
+from edgepath.edge.tenants_file import TenantsFileError, read_tenants
 
 ENV_VAR = "EDGEPATH_API_KEYS"
 
@@ -23,8 +24,7 @@ class ApiKeys:
     """The accepted keys (each key's tenant), and whether ``/health`` and ``/metrics`` need one too."""
 
     def __init__(self, keys: Iterable[str], protect_ops: bool = False) -> None:
-        digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
-        self._tenants = [(digest, key_tenant(digest)) for digest in digests]
+        self._tenants = _flat_pairs(keys)
         if not self._tenants:
             raise ValueError("API keys are enabled but none was given (empty file or variable)")
         self.protect_ops = protect_ops
@@ -73,14 +73,42 @@ class ApiKeys:
         return None
 
 
-def load_keys(path: str | None, protect_ops: bool = False, environ: dict[str, str] | None = None) -> ApiKeys | None:
-    """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated);
-    None when neither is set (no authentication)."""
+def load_keys(
+    path: str | None,
+    protect_ops: bool = False,
+    environ: dict[str, str] | None = None,
+    tenants_file: str | None = None,
+) -> ApiKeys | None:
+    """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated), each a
+    tenant of its own, and those of ``tenants_file`` (:mod:`edgepath.edge.tenants_file`) with their tenants; None
+    when none is set (no authentication)."""
     env = (os.environ if environ is None else environ).get(ENV_VAR)
-    if path is None and env is None:
+    if path is None and env is None and tenants_file is None:
         if protect_ops:
-            raise ValueError("--protect-ops needs API keys: give --api-keys-file or set EDGEPATH_API_KEYS")
+            raise ValueError(
+                "--protect-ops needs API keys: give --api-keys-file or --tenants-file, or set EDGEPATH_API_KEYS"
+            )
         return None
+    if tenants_file is not None:
+        named = read_tenants(tenants_file)
+        flat = _flat_pairs(_flat_keys(path, env))
+        clash = {digest for digest, _ in named} & {digest for digest, _ in flat}
+        if clash:
+            raise TenantsFileError(
+                f"tenants file {tenants_file}: key sha256:{min(clash).hex()} is also in the flat key list "
+                "(--api-keys-file or $EDGEPATH_API_KEYS); a key stands for one tenant"
+            )
+        return ApiKeys.of_digests([*named, *flat], protect_ops)
+    return ApiKeys(_flat_keys(path, env), protect_ops)
+
+
+def _flat_pairs(keys: Iterable[str]) -> list[tuple[bytes, Tenant]]:
+    """Each key of a flat list, as its digest and its own tenant."""
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+    return [(digest, key_tenant(digest)) for digest in digests]
+
+
+def _flat_keys(path: str | None, env: str | None) -> list[str]:
     keys: list[str] = []
     if path is not None:
         try:
@@ -90,4 +118,4 @@ def load_keys(path: str | None, protect_ops: bool = False, environ: dict[str, st
         keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if env is not None:
         keys += [k.strip() for k in env.split(",") if k.strip()]
-    return ApiKeys(keys, protect_ops)
+    return keys

@@ -24,6 +24,7 @@ import orjson
 from edgepath.contract.wire import Sampling
 from edgepath.dpu.link_state import Readiness
 from edgepath.edge.auth import ApiKeys
+from edgepath.edge.quota import Refused
 from edgepath.edge.sampling import FIELDS as SAMPLING_FIELDS
 from edgepath.edge.sampling import GENERATE_DEFAULT, SamplingInvalid, parse_sampling
 from edgepath.edge.tenants import ANONYMOUS, Tenant, parse_cache_salt
@@ -481,6 +482,17 @@ class HttpCore:
             f"{bound_ms / 1e3:.2f} s (X-Max-Wait, at most the server's); this server does not queue requests",
             retry_ms,
         )
+
+    def over_quota(self, refused: Refused) -> HttpError:
+        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` do not fit what
+        is left of its tenant's token quota; ``retry-after-ms`` says when enough will have refilled (none when the
+        request alone is more than the whole quota: it never fits)."""
+        need = f"this request needs {refused.tokens} tokens (its prompt and max_tokens)"
+        if math.isinf(refused.retry_after):
+            why = f"{need}, more than the whole {refused.limit}-token quota per {refused.window}: lower max_tokens"
+            return HttpError(429, "quota_exceeded", why)
+        why = f"{need}; {refused.remaining} of the {refused.limit}-token quota per {refused.window} are left"
+        return self._retry_later("quota_exceeded", why, max(1.0, refused.retry_after * 1e3))
 
     def _retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
         """A 429 that says when to come back: ``retry-after-ms`` (what the openai SDK reads first) and

@@ -30,6 +30,7 @@ from edgepath.contract import wire
 from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
+from edgepath.edge import quota
 from edgepath.edge.http import (
     GENERATE,
     LIVE,
@@ -51,6 +52,7 @@ from edgepath.edge.http import (
     timing_headers,
 )
 from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.quota import Quotas, Reservation
 from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
 from edgepath.native.abi import Status
 
@@ -110,6 +112,9 @@ Action = Respond | StartStream | SendChunk | EndStream | Tokenize
 #: before the answer was complete (nginx's "client closed request"; nothing is sent)
 CLIENT_GONE = 499
 
+#: ``_forget``'s output count for a request the data path refused before any slot ran it (charged nothing)
+NOTHING_RAN = -1
+
 #: how a route's formatter is made for one request (``/v1/generate`` by default)
 FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
@@ -141,6 +146,8 @@ class Tracked:
     t_last_ns: int = 0  # latest delivery that carried tokens
     gone: bool = False  # the client went away while a worker held the frame
     waited: bool = False  # its wait for the first token is measured (once)
+    reservation: Reservation | None = None  # tokens reserved against its tenant's quota, until settled
+    limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
 
 
 class EdgeLifecycle:
@@ -175,6 +182,7 @@ class EdgeLifecycle:
         self.by_frame: dict[int, Tracked] = {}
         self._request_ids = itertools.count(1)
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
+        self.quotas = Quotas()  # every tenant's token quotas at this edge
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -336,8 +344,26 @@ class EdgeLifecycle:
         except HttpError as exc:
             self._forget(t)
             self.port.release(t.frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, exc))]
+            return [self._answer(t, self._failure(t, exc))]
+        over = self._reserve(t)
+        if over is not None:
+            self._forget(t)
+            self.port.release(t.frame)
+            return [self._answer(t, self._failure(t, over))]
         return self._submit(t, now)
+
+    def _reserve(self, t: Tracked) -> HttpError | None:
+        """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, before any work; the
+        429 ``quota_exceeded`` when that does not fit (and the rate-limit headers of its answer either way)."""
+        tenant, tokens, now = t.work.tenant, t.input_count + t.work.max_tokens, self.clock() / 1e9
+        got = self.quotas.reserve(tenant, tokens, now)
+        limits = self.quotas.limits(tenant, now)
+        t.limits = quota.headers(limits) if limits is not None else []
+        if not isinstance(got, quota.Refused):
+            t.reservation = got
+            return None
+        self.metrics.refused("quota_exceeded")
+        return self.core.over_quota(got)
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
         port, frame, work = self.port, t.frame, t.work
@@ -367,7 +393,7 @@ class EdgeLifecycle:
             self._forget(t)
             port.release(frame)
             t.timings["claim"] = t2 - t1
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
+            return [self._answer(t, self._failure(t, refusal))]
         written = req.t_written_ns
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
@@ -412,7 +438,7 @@ class EdgeLifecycle:
         what came so far and abandon the frame, which cancels the slot -- it stops costing model time."""
         frame, formatter = t.frame, t.formatter
         assert frame is not None and formatter is not None
-        self._forget(t)
+        self._forget(t, t.sent)
         tokens = np.array(self.port.frames.outputs[frame, : t.sent])
         cached = self.port.frames.result_headers[frame].cached_tokens  # placed with every progress word
         self.port.abandon(frame)
@@ -422,7 +448,7 @@ class EdgeLifecycle:
         self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
-            return self._respond(t.rid, t.route, t.request, t.timings, formatter.complete(outcome))
+            return self._answer(t, formatter.complete(outcome))
         self._count(t, 200, now)
         return EndStream(t.rid, formatter.end(outcome))
 
@@ -460,18 +486,21 @@ class EdgeLifecycle:
         assert t.formatter is not None
         status, headers = t.formatter.start()
         t.phase = Phase.STREAMING
-        return StartStream(t.rid, status, headers + timing_headers(t.timings))
+        return StartStream(t.rid, status, headers + t.limits + timing_headers(t.timings))
 
     def _final(self, t: Tracked, now: int) -> list[Action]:
         port, frame = self.port, t.frame
         assert frame is not None and t.formatter is not None
-        self._forget(t)
         result = port.frames.result_headers[frame]
         status = result.status
+        if status in wire.REFUSALS:
+            self._forget(t, NOTHING_RAN)
+        else:
+            self._forget(t, min(result.output_count, t.work.max_tokens) if status in wire.FINISHED else None)
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
             refusal = self._refusal(Status(status), frame)
             port.release(frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
+            return [self._answer(t, self._failure(t, refusal))]
         edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns
         self.metrics.edge(edge_ns, now)
@@ -496,7 +525,7 @@ class EdgeLifecycle:
             self._waited(t, first_ns, now)
         if not t.work.stream:
             outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
-            return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
+            return [self._answer(t, t.formatter.complete(outcome))]
         actions: list[Action] = []
         if t.phase is not Phase.STREAMING:
             actions.append(self._start(t))
@@ -547,7 +576,7 @@ class EdgeLifecycle:
             log.error("tokenizer failed on a %d-character prompt: %r", len(t.work.prompt or ""), exc)
             error = HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}")
         failure = self._failure(t, error)
-        return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
+        return [self._answer(t, failure)]
 
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame, whose
@@ -574,7 +603,7 @@ class EdgeLifecycle:
             assert t.formatter is not None
             self._count(t, error.status, self.clock())
             return EndStream(t.rid, t.formatter.error(error))
-        return self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, error))
+        return self._answer(t, self._failure(t, error))
 
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == METRICS:
@@ -604,15 +633,28 @@ class EdgeLifecycle:
             },
         )
 
-    def _forget(self, t: Tracked) -> None:
+    def _forget(self, t: Tracked, output: int | None = None) -> None:
+        """The edge owes ``t`` nothing more; its quota reservation is settled: a request that ran is charged its
+        prompt and ``output`` tokens (None: those the client was sent), one refused before any slot ran it
+        (never submitted, or ``output`` :data:`NOTHING_RAN`) nothing."""
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
+        if t.reservation is not None:
+            ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
+            used = t.input_count + (t.sent if output is None else output) if ran else 0
+            self.quotas.settle(t.reservation, used, self.clock() / 1e9)
+            t.reservation = None
 
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns
         t.timings["total"] = total
         self.metrics.answered(t.route, status, total)
+
+    def _answer(self, t: Tracked, response: Response) -> Respond:
+        """The one answer to ``t``, with its rate-limit headers."""
+        response.headers += t.limits
+        return self._respond(t.rid, t.route, t.request, t.timings, response)
 
     def _respond(self, rid: int, route: str, request: Request, timings: dict[str, int], response: Response) -> Respond:
         total = self.clock() - request.t_receive_ns

@@ -321,6 +321,12 @@ class EdgeSettings:
         help="require an API key (x-api-key or Authorization: Bearer) from this file, one per line; "
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
+    tenants_file: str | None = option(
+        None,
+        type=readable_file,
+        help="require an API key and map keys (SHA-256 digests) to named tenants with their limits: a TOML file "
+        "(docs/TENANTS.md); reloaded on SIGHUP",
+    )
     protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
     request_timeout: float = option(
         60.0,
