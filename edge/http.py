@@ -483,6 +483,11 @@ class HttpCore:
             retry_ms,
         )
 
+    def over_cap(self, cap: int) -> HttpError:
+        """429 ``slot_cap`` at once: the tenant already has ``cap`` requests in flight at this edge, its most."""
+        why = f"this API key's tenant has {cap} requests in flight at this edge, its slot_cap"
+        return self._retry_later("slot_cap", why, 0.0)
+
     def over_quota(self, refused: Refused) -> HttpError:
         """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` do not fit what
         is left of its tenant's token quota; ``retry-after-ms`` says when enough will have refilled (none when the

@@ -17,6 +17,7 @@ needed -- so a test can drive everything with a fake port and a fake clock.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections.abc import Callable, Mapping
@@ -147,6 +148,7 @@ class Tracked:
     gone: bool = False  # the client went away while a worker held the frame
     waited: bool = False  # its wait for the first token is measured (once)
     reservation: Reservation | None = None  # tokens reserved against its tenant's quota, until settled
+    capped: bool = False  # counted in its tenant's requests in flight at this edge (its slot_cap), until forgotten
     limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
 
 
@@ -183,6 +185,7 @@ class EdgeLifecycle:
         self._request_ids = itertools.count(1)
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
         self.quotas = Quotas()  # every tenant's token quotas at this edge
+        self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -353,17 +356,27 @@ class EdgeLifecycle:
         return self._submit(t, now)
 
     def _reserve(self, t: Tracked) -> HttpError | None:
-        """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, before any work; the
-        429 ``quota_exceeded`` when that does not fit (and the rate-limit headers of its answer either way)."""
+        """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, and a place within its
+        ``slot_cap``, before any work; the 429 ``slot_cap`` or ``quota_exceeded`` when that does not fit (and the
+        rate-limit headers of its answer either way)."""
         tenant, tokens, now = t.work.tenant, t.input_count + t.work.max_tokens, self.clock() / 1e9
-        got = self.quotas.reserve(tenant, tokens, now)
+        refusal: HttpError | None = None
+        if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
+            self.metrics.refused("slot_cap")
+            refusal = self.core.over_cap(tenant.slot_cap)
+        else:
+            got = self.quotas.reserve(tenant, tokens, now)
+            if isinstance(got, quota.Refused):
+                self.metrics.refused("quota_exceeded")
+                refusal = self.core.over_quota(got)
+            else:
+                t.reservation = got
+                if tenant.slot_cap:
+                    t.capped = True
+                    self.in_flight[tenant.name] += 1
         limits = self.quotas.limits(tenant, now)
         t.limits = quota.headers(limits) if limits is not None else []
-        if not isinstance(got, quota.Refused):
-            t.reservation = got
-            return None
-        self.metrics.refused("quota_exceeded")
-        return self.core.over_quota(got)
+        return refusal
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
         port, frame, work = self.port, t.frame, t.work
@@ -640,6 +653,9 @@ class EdgeLifecycle:
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
+        if t.capped:
+            t.capped = False
+            self.in_flight[t.work.tenant.name] -= 1
         if t.reservation is not None:
             ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
             used = t.input_count + (t.sent if output is None else output) if ran else 0

@@ -36,7 +36,7 @@ _TOKEN_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-
 # actual / predicted time to first token: 1 is a perfect prediction
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.33, 1.5, 2.0, 4.0)
 #: the reasons a request is refused 429 at claim time (edgepath_refusals_total's label)
-REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded")
+REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded", "slot_cap")
 
 
 class LatencyWindow:
@@ -170,8 +170,8 @@ class EdgeMetrics:
         self.refusals = Counter(
             "edgepath_refusals",
             "Requests refused 429 at claim time, by reason: no free slot (no_slot), or every server's predicted "
-            "wait for a first token over the request's bound (over_bound), or its tenant's token quota spent "
-            "(quota_exceeded)",
+            "wait for a first token over the request's bound (over_bound), its tenant's token quota spent "
+            "(quota_exceeded) or its slot_cap reached at this edge (slot_cap)",
             ["reason"],
             registry=self.registry,
         )

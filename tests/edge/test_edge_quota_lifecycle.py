@@ -127,3 +127,16 @@ def test_a_tenant_without_quota_gets_no_rate_limit_headers(port: FakePort) -> No
     (answer,) = edge.deliveries([port.finish(frame)], now=1)
     assert answer.response.status == 200
     assert not any(name.startswith(b"x-ratelimit") for name, _ in answer.response.headers)
+
+
+def test_a_tenant_at_its_slot_cap_is_refused_at_once_until_one_of_its_requests_ends(port: FakePort) -> None:
+    capped = Tenant("capped", b"tenant:capped", slot_cap=2)
+    edge = lifecycle(port, capped)
+    assert edge.receive(1, generate(3), now=0) == [] and edge.receive(2, generate(3), now=0) == []
+    (refused,) = edge.receive(3, generate(3), now=0)
+    assert isinstance(refused, Respond) and refused.response.status == 429
+    assert json.loads(refused.response.body)["error"]["type"] == "slot_cap"
+    assert len(port.submitted) == 2
+    edge.client_gone(1, now=1)  # one ends (any way): a place is free again
+    assert edge.receive(4, generate(3), now=2) == [] and len(port.submitted) == 3
+    assert edge.in_flight["capped"] == 2
