@@ -55,6 +55,7 @@ from edgepath.edge.http import (
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.quota import Quotas, Reservation
 from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
+from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.edge")
@@ -186,6 +187,7 @@ class EdgeLifecycle:
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
         self.quotas = Quotas()  # every tenant's token quotas at this edge
         self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
+        self.usage: Callable[[Usage], None] | None = None  # where each request's usage line goes (--usage-log)
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -239,7 +241,7 @@ class EdgeLifecycle:
         if t.phase is Phase.TOKENIZING:
             t.gone = True  # a worker is writing into the frame: give it back when the worker is done
             return []
-        self._forget(t)
+        self._forget(t, finish="cancelled")
         if t.frame is not None:
             self.port.abandon(t.frame)
         self._count(t, CLIENT_GONE, now)
@@ -287,7 +289,7 @@ class EdgeLifecycle:
                 port.abandon(index)
                 actions.append(self._fail(t, HttpError(504, "unresponsive", f"no result: {why}")))
         for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
-            self._forget(t)
+            self._forget(t, finish="timeout")
             assert t.frame is not None
             port.abandon(t.frame)
             actions.append(self._fail(t, HttpError(504, "timeout", "no result from the slot server in time")))
@@ -451,13 +453,13 @@ class EdgeLifecycle:
         what came so far and abandon the frame, which cancels the slot -- it stops costing model time."""
         frame, formatter = t.frame, t.formatter
         assert frame is not None and formatter is not None
-        self._forget(t, t.sent)
         tokens = np.array(self.port.frames.outputs[frame, : t.sent])
         cached = self.port.frames.result_headers[frame].cached_tokens  # placed with every progress word
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
         self._waited(t, first_ns, now)
+        self._forget(t, t.sent, cached, "stop")
         self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
@@ -506,11 +508,8 @@ class EdgeLifecycle:
         assert frame is not None and t.formatter is not None
         result = port.frames.result_headers[frame]
         status = result.status
-        if status in wire.REFUSALS:
-            self._forget(t, NOTHING_RAN)
-        else:
-            self._forget(t, min(result.output_count, t.work.max_tokens) if status in wire.FINISHED else None)
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
+            self._forget(t, NOTHING_RAN)
             refusal = self._refusal(Status(status), frame)
             port.release(frame)
             return [self._answer(t, self._failure(t, refusal))]
@@ -518,6 +517,7 @@ class EdgeLifecycle:
         t.timings["edge"] = edge_ns
         self.metrics.edge(edge_ns, now)
         if status not in wire.FINISHED:
+            self._forget(t, finish="failed")
             port.release(frame)
             return [self._fail(t, HttpError(502, "slot_error", f"slot server answered status {_status_name(status)}"))]
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
@@ -536,6 +536,8 @@ class EdgeLifecycle:
         if first_ns:
             t.timings["first_token"] = first_ns
             self._waited(t, first_ns, now)
+        finish = "stop" if t.formatter.done or status in (Status.STOP, Status.OK) else _status_name(status).lower()
+        self._forget(t, count, cached, finish)
         if not t.work.stream:
             outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
             return [self._answer(t, t.formatter.complete(outcome))]
@@ -646,21 +648,44 @@ class EdgeLifecycle:
             },
         )
 
-    def _forget(self, t: Tracked, output: int | None = None) -> None:
-        """The edge owes ``t`` nothing more; its quota reservation is settled: a request that ran is charged its
-        prompt and ``output`` tokens (None: those the client was sent), one refused before any slot ran it
-        (never submitted, or ``output`` :data:`NOTHING_RAN`) nothing."""
+    def _forget(self, t: Tracked, output: int | None = None, cached: int = 0, finish: str = "failed") -> None:
+        """The edge owes ``t`` nothing more.  A request that ran on a slot (submitted, and not refused by the data
+        path: ``output`` :data:`NOTHING_RAN`) is charged its prompt and ``output`` tokens (None: those the client
+        was sent) against its quota, and its usage (``cached`` prompt tokens from the cache, how it ended:
+        ``finish``) goes to the per-tenant metrics and the usage log; one that did not run is charged nothing."""
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
         if t.capped:
             t.capped = False
             self.in_flight[t.work.tenant.name] -= 1
+        ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
+        completion = (t.sent if output is None else output) if ran else 0
         if t.reservation is not None:
-            ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
-            used = t.input_count + (t.sent if output is None else output) if ran else 0
-            self.quotas.settle(t.reservation, used, self.clock() / 1e9)
+            self.quotas.settle(t.reservation, t.input_count + completion if ran else 0, self.clock() / 1e9)
             t.reservation = None
+        if ran:
+            self._account(t, completion, cached, finish)
+
+    def _account(self, t: Tracked, completion: int, cached: int, finish: str) -> None:
+        """One request's usage: per-tenant counters, and a line of the usage log (when there is one)."""
+        tenant = t.work.tenant.name
+        self.metrics.tenant_usage(tenant, finish, t.input_count, cached, completion)
+        if self.usage is not None:
+            first, wait = t.timings.get("first_token"), t.timings.get("wait")
+            self.usage(
+                Usage(
+                    tenant,
+                    t.request_id,
+                    t.route,
+                    t.input_count,
+                    cached,
+                    completion,
+                    finish,
+                    None if first is None else round(first / 1e6, 3),
+                    None if wait is None else round(wait / 1e6, 3),
+                )
+            )
 
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns

@@ -165,6 +165,20 @@ class EdgeMetrics:
             "Prompt tokens the model side reused from its prefix cache instead of computing them",
             registry=self.registry,
         )
+        self.tenant_requests = Counter(
+            "edgepath_tenant_requests",
+            "Requests that ran on a slot, by tenant (the configuration's: a tenants file's names, key-<digest> for a "
+            "flat key list, anonymous without keys) and how they ended",
+            ["tenant", "finish"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "edgepath_tenant_tokens",
+            "Tokens of requests that ran, by tenant and kind: prompt (cached ones included), cached, completion -- "
+            "what each was charged, and for an answer with usage exactly its usage",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
         self._hit = self.cache_requests.labels("hit")
         self._miss = self.cache_requests.labels("miss")
         self.refusals = Counter(
@@ -216,6 +230,12 @@ class EdgeMetrics:
             )
         children[0].inc()
         children[1].observe(total_ns / 1e9)
+
+    def tenant_usage(self, tenant: str, finish: str, prompt: int, cached: int, completion: int) -> None:
+        """A request of ``tenant`` that ran has ended (``finish``) with these token counts."""
+        self.tenant_requests.labels(tenant, finish).inc()
+        for kind, tokens in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            self.tenant_tokens.labels(tenant, kind).inc(tokens)
 
     def prompt(self, tokens: int, cached: int) -> None:
         """A request the model side answered: ``tokens`` prompt tokens, ``cached`` of them from its cache."""

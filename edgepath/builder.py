@@ -469,6 +469,12 @@ async def start_edge(
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
     service = build_edge(edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, supervision)
+    if edge.usage_log is not None:
+        from edgepath.edge.usage import UsageLog
+
+        usage = UsageLog(edge.usage_log)
+        cleanup.callback(usage.close)
+        service.lifecycle.usage = usage
     service.start()
     cleanup.callback(service.stop)
     if on_sighup(loop, lambda: reload_keys(edge, service.core)):

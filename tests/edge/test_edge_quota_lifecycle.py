@@ -17,6 +17,7 @@ from edgepath.edge.http import HttpCore, Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.tenants import Tenant
+from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status
 
 INPUT, OUTPUT = 64, 64
@@ -140,3 +141,30 @@ def test_a_tenant_at_its_slot_cap_is_refused_at_once_until_one_of_its_requests_e
     edge.client_gone(1, now=1)  # one ends (any way): a place is free again
     assert edge.receive(4, generate(3), now=2) == [] and len(port.submitted) == 3
     assert edge.in_flight["capped"] == 2
+
+
+def test_each_request_that_ran_is_one_usage_record_equal_to_its_answer_and_counted_per_tenant(port: FakePort) -> None:
+    edge = lifecycle(port, ACME)
+    records: list[Usage] = []
+    edge.usage = records.append
+    edge.receive(1, generate(3), now=0)
+    (frame,) = port.submitted
+    port.produce(frame, [104, 105])
+    port.frames.results[frame]["cached_tokens"] = 2
+    (answer,) = edge.deliveries([port.finish(frame, Status.STOP)], now=1)
+    doc = json.loads(answer.response.body)  # type: ignore[union-attr]
+    edge.receive(2, generate(3, stream=True), now=2)  # goes away after one token
+    second = port.submitted[-1]
+    edge.deliveries([port.produce(second, [110])], now=3)
+    edge.client_gone(2, now=4)
+    port.refuse_with = Status.NO_SLOT
+    edge.receive(3, generate(3), now=5)  # refused by the data path: no record
+    assert [(r.tenant, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.finish) for r in records] == [
+        ("acme", doc["input_count"], doc["cached_tokens"], doc["output_count"], "stop"),
+        ("acme", 5, 0, 1, "cancelled"),
+    ]
+    assert records[0].ttft_ms is not None and records[1].request_id != records[0].request_id
+    text = edge.metrics.exposition().decode()
+    assert 'edgepath_tenant_tokens_total{kind="completion",tenant="acme"} 3.0' in text
+    assert 'edgepath_tenant_tokens_total{kind="prompt",tenant="acme"} 10.0' in text
+    assert 'edgepath_tenant_requests_total{finish="cancelled",tenant="acme"} 1.0' in text

@@ -94,3 +94,57 @@ def test_sighup_reloads_the_tenants_without_dropping_a_stream_and_a_bad_file_kee
         time.sleep(0.1)
     assert "keeping the tenants in use" in serve.stderr_tail()
     assert generate(port, "key-b")[0] == 200
+
+
+def complete(port: int, key: str, prompt: str, max_tokens: int) -> tuple[int, dict, dict[str, str]]:
+    """One OpenAI completion: status, document, headers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+MODEL = "echo"
+
+
+def test_usage_log_lines_sum_to_the_answers_usage_and_quota_headers_come_with_every_answer(
+    edgepath_process: Callable[..., Child], tmp_path: Path
+) -> None:
+    path, log = tmp_path / "tenants.toml", tmp_path / "usage.jsonl"
+    path.write_text(tenants(("acme", "key-a"), ("beta", "key-b")) + "tokens_per_minute = 200\n")
+    _, port = start_serve_tcp(
+        edgepath_process,
+        "--handler",
+        "echo",
+        "--served-model-name",
+        MODEL,
+        "--tenants-file",
+        str(path),
+        "--usage-log",
+        str(log),
+    )
+    answered: dict[str, list[dict]] = {"acme": [], "beta": []}
+    for i in range(6):
+        key, tenant = ("key-a", "acme") if i % 2 else ("key-b", "beta")
+        status, doc, headers = complete(port, key, f"request number {i} of the usage test", 8)
+        if tenant == "beta":
+            assert headers["x-ratelimit-limit-tokens"] == "200"
+            assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) < 200
+            assert headers["x-ratelimit-reset-tokens"].endswith("s")
+        else:
+            assert "x-ratelimit-limit-tokens" not in headers  # no quota
+        if status == 200:
+            answered[tenant].append(doc["usage"])
+    status, doc, headers = complete(port, "key-b", "a long one", 190)  # its reservation cannot fit what is left
+    assert status == 429 and doc["error"]["code"] == "quota_exceeded" and int(headers["retry-after-ms"]) > 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == sum(len(v) for v in answered.values())  # one line per request that ran, refused ones none
+    for tenant, usages in answered.items():
+        mine = [line for line in lines if line["tenant"] == tenant]
+        for field, usage_field in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens")):
+            assert sum(line[field] for line in mine) == sum(u[usage_field] for u in usages) > 0
+    assert {line["finish"] for line in lines} <= {"stop", "length"}
