@@ -469,6 +469,7 @@ async def start_edge(
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
     service = build_edge(edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, supervision)
+    warn_unenforced(plan.keys)
     if edge.usage_log is not None:
         from edgepath.edge.usage import UsageLog
 
@@ -499,7 +500,17 @@ def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
         return False
     core.api_keys = keys
     log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
+    warn_unenforced(keys)
     return True
+
+
+def warn_unenforced(keys: ApiKeys | None) -> None:
+    """Say so, once per start or reload, when a tenant asks for what is not built (docs/TENANTS.md)."""
+    for tenant in keys.tenants if keys is not None else []:
+        if tenant.slot_floor:
+            log.warning(
+                "tenant %s: slot_floor %d is not enforced yet (docs/TENANTS.md)", tenant.name, tenant.slot_floor
+            )
 
 
 def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
