@@ -25,6 +25,12 @@ def cmd_model(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_lockout(args: argparse.Namespace) -> int:
+    from edgepath.bench.lockout import main
+
+    return main(args)
+
+
 def cmd_stream(args: argparse.Namespace) -> int:
     from edgepath.bench.stream import main
 
@@ -39,6 +45,7 @@ def cmd_edge_cpu(args: argparse.Namespace) -> int:
 
 def add_command(sub: Any) -> None:
     """``edgepath bench`` and its benchmarks, on ``edgepath``'s subcommands ``sub``."""
+    from edgepath.bench.lockout import add_arguments as add_lockout_arguments
     from edgepath.bench.model_compare import add_arguments as add_model_arguments
     from edgepath.bench.stream import add_arguments as add_stream_arguments
 
@@ -83,6 +90,11 @@ def add_command(sub: Any) -> None:
     )
     add_model_arguments(p)
     p.set_defaults(func=cmd_model)
+    p = bench.add_parser(
+        "lockout", help="a flood that never backs off on 429, then a sequential sweep that must all be admitted"
+    )
+    add_lockout_arguments(p)
+    p.set_defaults(func=cmd_lockout)
     p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
     add_stream_arguments(p)
     p.set_defaults(func=cmd_stream)

@@ -63,10 +63,12 @@ class Choice:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The candidates to try, in order; when there are none, the least predicted wait among the servers
-    (``over_bound_ms``: every one is over the bound; None when no server was given)."""
+    (``over_bound_ms``: every one is over the bound; None when no server was given) and what the request's own
+    prompt costs that server (``over_bound_work_ms``: what a retry there brings it)."""
 
     choices: list[Choice]
     over_bound_ms: float | None = None
+    over_bound_work_ms: float = 0.0
 
 
 class Admission:
@@ -86,14 +88,16 @@ class Admission:
         free = [server.free_hint for server in servers]
         ranked = []
         over: float | None = None
+        work = 0.0
         for i, server in enumerate(servers):
             matched = chain.matched(server.prefixes)
             cached = min(count - 1, matched * wire.PREFIX_BLOCK)  # the last token is always computed
             prediction = predict(server.load, Prompt(cached, count - cached), server.unseen, count)
             if prediction.wait_ms > bound_ms:
-                over = prediction.wait_ms if over is None else min(over, prediction.wait_ms)
+                if over is None or prediction.wait_ms < over:
+                    over, work = prediction.wait_ms, prediction.ttft_ms - prediction.wait_ms
                 continue
             ranked.append((not free[i], prediction.ttft_ms, -matched, -free[i], i, Choice(i, matched, prediction)))
         ranked.sort()
         choices = [entry[-1] for entry in ranked]
-        return Decision(choices, over if not choices else None)
+        return Decision(choices) if choices or over is None else Decision([], over, work)

@@ -38,6 +38,7 @@ from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
 from edgepath.dpu.links import REATTACH_BACKOFF, REATTACH_TIMEOUT, AgentError, LinkSet, ServerLink
 from edgepath.dpu.port import Delivery, SlotServerStatus
+from edgepath.dpu.retry_advice import RetryAdvice
 from edgepath.native.abi import REQUEST_HEADER, Status, field_offset, lib
 from edgepath.transports.base import Access, MemoryRegion, Transport, TransportError
 
@@ -51,9 +52,6 @@ _ONLY = Choice(0, 0, _AT_ONCE)
 #: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
 #: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
 DEFAULT_MAX_WAIT = 2.0
-#: a refused client's advised retry: at least this long (ms; one model step is about that), at most this long (the
-#: openai SDK honours a retry-after-ms of up to 60 s), stretched by up to this share at random
-RETRY_MIN_MS, RETRY_MAX_MS, RETRY_JITTER = 20.0, 60_000.0, 0.25
 #: how often one request may move to another slot server when its own goes away (``--migration-limit``): a
 #: second move covers a failover during a failover; a request that outlives more servers than that is unlucky
 #: in a way a retry by the client handles as well
@@ -112,7 +110,7 @@ class Agent:
         if not max_wait > 0:
             raise ValueError(f"max wait must be positive seconds, got {max_wait}")
         self.max_wait_ms = max_wait * 1e3
-        self._random = random.Random(seed)
+        self.retry_advice = RetryAdvice(random.Random(seed))
         self.transport = transport
         self.layout = FrameLayout(input_capacity, output_capacity)
         req_size, rep_size = AgentFrames.sizes(frames, self.layout)
@@ -358,7 +356,8 @@ class Agent:
             choices = decision.choices
             if not choices and decision.over_bound_ms is not None:
                 wait, bound = decision.over_bound_ms, self._bound(index)
-                self.frames.result_headers[index].over_bound(wait, bound, self._retry(wait - bound))
+                retry = self.retry_advice.advise(self.link_set.clock(), wait - bound, decision.over_bound_work_ms)
+                self.frames.result_headers[index].over_bound(wait, bound, retry)
                 return Status.OVER_BOUND
         claimed = self._first_claim(choices, fits)
         if claimed is None:
@@ -399,25 +398,21 @@ class Agent:
         salt = self.frames.request_headers[index].cache_salt
         return self.admission.decide(self.frames.tokens[index, :count], fits, self._bound(index), salt)
 
-    def _retry(self, ms: float) -> float:
-        """When to tell a refused client to come back: ``ms`` from now (at least :data:`RETRY_MIN_MS`, at most
-        :data:`RETRY_MAX_MS`), stretched by up to :data:`RETRY_JITTER` at random so refused clients do not return
-        in lockstep."""
-        ms = min(RETRY_MAX_MS, max(RETRY_MIN_MS, ms))
-        return ms * self._random.uniform(1.0, 1.0 + RETRY_JITTER)
-
     def _slot_frees_in(self, links: list[ServerLink]) -> float:
-        """A NO_SLOT's retry time: when the first slot of ``links`` is predicted to free -- the soonest of this
-        agent's requests there to reach its ``max_tokens`` at the server's decode step cost (a stream that stops
-        earlier frees its slot sooner); 0 (no estimate: the edge's default) when none is known."""
-        soonest = math.inf
+        """A NO_SLOT's retry time (ms): when a slot of ``links`` is predicted to free for this client -- the soonest
+        of this agent's requests there to reach its ``max_tokens`` at the server's decode step cost (a stream that
+        stops earlier frees its slot sooner), booked for the mean time between two slots freeing
+        (:class:`~edgepath.dpu.retry_advice.RetryAdvice`); 0 (no estimate: the edge's default) when none is known."""
+        frees = []
         for flight in self.book.inflight.values():
             load = flight.link.load
             if flight.link not in links or not load.published:
                 continue
             step = load.costs.step_ms(Step(0, load.decoding, load.context + load.decoding))
-            soonest = min(soonest, max(1, flight.max_new - flight.count) * step)
-        return self._retry(soonest) if soonest < math.inf else 0.0
+            frees.append(max(1, flight.max_new - flight.count) * step)
+        if not frees:
+            return 0.0
+        return self.retry_advice.advise(self.link_set.clock(), min(frees), max(frees) / len(frees))
 
     def _send(
         self,

@@ -5,6 +5,8 @@ test sets (a stand-in for a model: the unit is the data path's words and the age
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from helpers.datapath import send, serve_once
 from helpers.loaded import PACE, Loaded, published
@@ -161,26 +163,35 @@ class Decoding(Prefilling):
 
 def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, new_agent) -> None:
     """NO_SLOT: when the soonest request there reaches its max_tokens at the server's decode step; OVER_BOUND: when
-    the predicted wait is back within the bound; each stretched by up to a quarter at random (no lockstep)."""
+    the predicted wait is back within the bound; each client refused after another is told to come after it (booked
+    for the work it brings), stretched by up to a quarter of that work at random (no lockstep)."""
+    now = [100.0]
     server = make_server(Decoding(), slots=1)
-    agent: Agent = new_agent(seed=7)
+    agent: Agent = new_agent(seed=7, clock=lambda: now[0])
     agent.attach(server.address)
     _, status = submit(agent, 10)  # 4 tokens to go, one 9 ms decode step each (6 ms + 3 ms per stream)
     assert status is None and serve_once(server, timeout=0.5) == 1
     agent.link_set.refresh(agent.links[0])
     retries = []
-    for _ in range(20):
+    for _ in range(5):
         index, status = submit(agent, 10)
         assert status is Status.NO_SLOT
         retries.append(agent.frames.result_headers[index].retry_after_ms)
         agent.release(index)
-    step = PACE["costs"].step_ms(Step(0, 1, 11))
-    assert all(4 * step <= r <= 1.25 * 4 * step + 1 for r in retries) and len(set(retries)) > 1
+    frees = 4 * PACE["costs"].step_ms(Step(0, 1, 11))  # one flight: the soonest free, and the spacing
+    assert frees <= retries[0] <= 1.25 * frees + 1
+    assert all(frees - 1 <= b - a <= 1.25 * frees + 1 for a, b in itertools.pairwise(retries)), retries
     busy = make_server(Loaded(BUSY))
-    other: Agent = new_agent(seed=7)
+    other: Agent = new_agent(seed=7, clock=lambda: now[0])
     other.attach(busy.address)
     index, status = submit(other, 40)
     assert status is Status.OVER_BOUND
     result = other.frames.result_headers[index]
     excess = result.refusal_wait_us / 1e3 - other.max_wait_ms
-    assert result.refusal_bound_ms == 2000 and excess <= result.retry_after_ms <= 1.25 * excess + 1
+    work = predict(BUSY, Prompt(0, 40)).ttft_ms - predict(BUSY, Prompt(0, 40)).wait_ms
+    assert result.refusal_bound_ms == 2000 and excess <= result.retry_after_ms <= excess + 0.25 * work + 1
+    other.release(index)
+    index, status = submit(other, 40)  # the next client refused: after the first, and the work it brings
+    assert status is Status.OVER_BOUND
+    second = other.frames.result_headers[index].retry_after_ms
+    assert excess + work - 1 <= second <= excess + 1.5 * work + 1
