@@ -22,6 +22,7 @@ Streams of a request, by direction:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import operator
@@ -426,23 +427,36 @@ PREFIX_ENTRIES = 256
 PREFIX_ENTRIES_MAX = lib.EP_PREFIX_ENTRIES_MAX
 
 
-def prefix_chain(tokens: np.ndarray) -> np.ndarray:
-    """The chain hashes of the whole blocks of ``tokens`` (int32 ids): entry ``b`` names the prefix of
-    blocks ``0..b`` (the hash is defined in ``native/edgepath_slot.h``)."""
+def prefix_chain(tokens: np.ndarray, salt: int = 0) -> np.ndarray:
+    """The chain hashes under ``salt`` (a request's ``cache_salt``) of the whole blocks of ``tokens`` (int32
+    ids): entry ``b`` names the prefix of blocks ``0..b`` (the hash is defined in ``native/edgepath_slot.h``)."""
     ids = np.ascontiguousarray(tokens, dtype=np.int32)
     out = np.empty(len(ids) // PREFIX_BLOCK, dtype=np.uint64)
-    n = lib.ep_prefix_chain(ffi.from_buffer("int32_t[]", ids), len(ids), ffi.from_buffer("uint64_t[]", out), len(out))
+    n = lib.ep_prefix_chain(
+        salt, ffi.from_buffer("int32_t[]", ids), len(ids), ffi.from_buffer("uint64_t[]", out), len(out)
+    )
     return out[:n]
 
 
-def prefix_table(sequences: Iterable[np.ndarray], entries: int) -> np.ndarray:
-    """The table a slot server publishes for the token sequences its model side holds, the most useful first:
-    the chain hashes of every whole block of each, each hash once, in that order, until ``entries`` are
-    taken; unused entries are 0 (never a chain hash)."""
+def cache_salt(namespace: bytes, salt: str | None = None) -> int:
+    """The request header's ``cache_salt``: the prefix cache's namespace of a tenant (``namespace``: empty for
+    the anonymous tenant) and a request's own ``cache_salt`` string, as 64 bits of SHA-256 (never 0); 0 when
+    both are empty -- the one namespace of a server without tenants.  Two requests share cached KV only when
+    their values are equal, so one tenant cannot name another's namespace without its key."""
+    if not namespace and salt is None:
+        return 0
+    material = b"edgepath-cache-salt\0" + namespace + b"\0" + (b"" if salt is None else b"\1" + salt.encode())
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") or 1
+
+
+def prefix_table(sequences: Iterable[tuple[int, np.ndarray]], entries: int) -> np.ndarray:
+    """The table a slot server publishes for the token sequences its model side holds, each with the salt it
+    was written under, the most useful first: the chain hashes of every whole block of each, each hash once,
+    in that order, until ``entries`` are taken; unused entries are 0 (never a chain hash)."""
     table = np.zeros(entries, dtype=np.uint64)
     seen: set[int] = set()
-    for tokens in sequences:
-        chain = prefix_chain(tokens).tolist()
+    for salt, tokens in sequences:
+        chain = prefix_chain(tokens, salt).tolist()
         if not chain or chain[-1] in seen:  # its last block is in: so is every block before it
             continue
         for h in chain:
@@ -465,11 +479,11 @@ class PrefixChain:
         self._out = ffi.from_buffer("uint64_t[]", self.hashes)
         self.blocks = 0
 
-    def compute(self, tokens: np.ndarray) -> int:
+    def compute(self, tokens: np.ndarray, salt: int = 0) -> int:
         """Hash the whole blocks of ``tokens`` (a contiguous int32 view; those beyond the buffer are left
-        out); how many."""
+        out) under ``salt``; how many."""
         self.blocks = lib.ep_prefix_chain(
-            ffi.from_buffer("int32_t[]", tokens), len(tokens), self._out, len(self.hashes)
+            salt, ffi.from_buffer("int32_t[]", tokens), len(tokens), self._out, len(self.hashes)
         )
         return self.blocks
 
@@ -543,6 +557,7 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     predicted_wait_us: int  # ... and the wait in it (the prediction minus its own prompt on an idle server)
     output_offset: int  # a migrated request: output tokens its answer already has; its output goes after them
     migrations: int  # how often it has moved to another slot server
+    cache_salt: int  # the prefix cache's namespace (cache_salt()): KV and placement only from the same salt
 
     def fill(
         self,
@@ -572,6 +587,10 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     def bound(self, max_wait_ms: int) -> None:
         """The requester's bound on waiting for the first token (0: the agent's default)."""
         self._p.max_wait_ms = max_wait_ms
+
+    def salted(self, salt: int) -> None:
+        """The prefix cache namespace the request reads and writes (:func:`cache_salt`; 0: none)."""
+        self._p.cache_salt = salt
 
     def predicted(self, ttft_ms: float, wait_ms: float) -> None:
         """The agent's prediction at claim time, for the edge's ``Server-Timing`` and metrics."""

@@ -77,13 +77,13 @@ class Admission:
     def __init__(self, input_capacity: int) -> None:
         self._chain = wire.PrefixChain(input_capacity)
 
-    def decide(self, tokens: np.ndarray, servers: Sequence[Server], bound_ms: float) -> Decision:
+    def decide(self, tokens: np.ndarray, servers: Sequence[Server], bound_ms: float, salt: int = 0) -> Decision:
         """Where a request of ``tokens`` may be claimed, best first, if its wait is to stay within
-        ``bound_ms``."""
+        ``bound_ms``; only prefixes published under its ``salt`` (its ``cache_salt``) count as held."""
         chain = self._chain
         chain.blocks = 0
         if len(tokens) >= wire.PREFIX_BLOCK and any(len(server.prefixes) for server in servers):
-            chain.compute(tokens)
+            chain.compute(tokens, salt)
         count = len(tokens)
         free = [server.free_hint for server in servers]
         ranked = []

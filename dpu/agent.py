@@ -227,7 +227,8 @@ class Agent:
             frames = self.frames
             frames.tokens[index, flight.prompt : prompt] = frames.outputs[index, :produced]
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
-            choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf).choices
+            salt = frames.request_headers[index].cache_salt
+            choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf, salt).choices
             claimed = self._first_claim(choices, candidates)
             why = "no other slot server had a free slot"
             if claimed is not None:
@@ -394,7 +395,8 @@ class Agent:
 
     def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
         """The admission decision for frame ``index``, within its bound."""
-        return self.admission.decide(self.frames.tokens[index, :count], fits, self._bound(index))
+        salt = self.frames.request_headers[index].cache_salt
+        return self.admission.decide(self.frames.tokens[index, :count], fits, self._bound(index), salt)
 
     def _slot_frees_in(self, links: list[ServerLink]) -> float:
         """A NO_SLOT's retry time (ms): when a slot of ``links`` is predicted to free for this client -- the soonest

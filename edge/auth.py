@@ -2,7 +2,8 @@
 except by :func:`load_keys`).
 
 Keys are held as SHA-256 digests and compared with ``hmac.compare_digest`` against every key, so
-neither a key's length nor which key nearly matched shows in the timing.
+neither a key's length nor which key nearly matched shows in the timing.  Each key stands for a tenant
+(:mod:`edgepath.edge.tenants`): with a flat list, a tenant of its own.
 """
 
 from __future__ import annotations
@@ -13,26 +14,52 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from edgepath.edge.tenants import Tenant, key_tenant
+from edgepath.edge.tenants_file import TenantsFileError, read_tenants
+
 ENV_VAR = "EDGEPATH_API_KEYS"
 
 
 class ApiKeys:
-    """The accepted keys, and whether ``/health`` and ``/metrics`` need one too."""
+    """The accepted keys (each key's tenant), and whether ``/health`` and ``/metrics`` need one too."""
 
     def __init__(self, keys: Iterable[str], protect_ops: bool = False) -> None:
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
-        if not self._digests:
+        self._tenants = _flat_pairs(keys)
+        if not self._tenants:
             raise ValueError("API keys are enabled but none was given (empty file or variable)")
         self.protect_ops = protect_ops
 
-    def allows(self, presented: bytes | None) -> bool:
+    @classmethod
+    def of_digests(cls, tenants: Iterable[tuple[bytes, Tenant]], protect_ops: bool = False) -> ApiKeys:
+        """Keys given as SHA-256 digests, each with its tenant (a tenants file)."""
+        keys = cls.__new__(cls)
+        keys._tenants = list(tenants)
+        keys.protect_ops = protect_ops
+        if not keys._tenants:
+            raise ValueError("API keys are enabled but none was given (no key in the tenants file)")
+        return keys
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        """Every tenant a key stands for, each once, in the order first given."""
+        seen: dict[str, Tenant] = {}
+        for _, tenant in self._tenants:
+            seen.setdefault(tenant.name, tenant)
+        return list(seen.values())
+
+    def identify(self, presented: bytes | None) -> Tenant | None:
+        """The tenant of the key ``presented`` (None: missing or not valid); every known key is compared."""
         if not presented:
-            return False
+            return None
         digest = hashlib.sha256(presented).digest()
-        ok = False
-        for known in self._digests:
-            ok |= hmac.compare_digest(digest, known)
-        return ok
+        found = None
+        for known, tenant in self._tenants:
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        return found
+
+    def allows(self, presented: bytes | None) -> bool:
+        return self.identify(presented) is not None
 
     @staticmethod
     def presented(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -46,14 +73,42 @@ class ApiKeys:
         return None
 
 
-def load_keys(path: str | None, protect_ops: bool = False, environ: dict[str, str] | None = None) -> ApiKeys | None:
-    """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated);
-    None when neither is set (no authentication)."""
+def load_keys(
+    path: str | None,
+    protect_ops: bool = False,
+    environ: dict[str, str] | None = None,
+    tenants_file: str | None = None,
+) -> ApiKeys | None:
+    """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated), each a
+    tenant of its own, and those of ``tenants_file`` (:mod:`edgepath.edge.tenants_file`) with their tenants; None
+    when none is set (no authentication)."""
     env = (os.environ if environ is None else environ).get(ENV_VAR)
-    if path is None and env is None:
+    if path is None and env is None and tenants_file is None:
         if protect_ops:
-            raise ValueError("--protect-ops needs API keys: give --api-keys-file or set EDGEPATH_API_KEYS")
+            raise ValueError(
+                "--protect-ops needs API keys: give --api-keys-file or --tenants-file, or set EDGEPATH_API_KEYS"
+            )
         return None
+    if tenants_file is not None:
+        named = read_tenants(tenants_file)
+        flat = _flat_pairs(_flat_keys(path, env))
+        clash = {digest for digest, _ in named} & {digest for digest, _ in flat}
+        if clash:
+            raise TenantsFileError(
+                f"tenants file {tenants_file}: key sha256:{min(clash).hex()} is also in the flat key list "
+                "(--api-keys-file or $EDGEPATH_API_KEYS); a key stands for one tenant"
+            )
+        return ApiKeys.of_digests([*named, *flat], protect_ops)
+    return ApiKeys(_flat_keys(path, env), protect_ops)
+
+
+def _flat_pairs(keys: Iterable[str]) -> list[tuple[bytes, Tenant]]:
+    """Each key of a flat list, as its digest and its own tenant."""
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+    return [(digest, key_tenant(digest)) for digest in digests]
+
+
+def _flat_keys(path: str | None, env: str | None) -> list[str]:
     keys: list[str] = []
     if path is not None:
         try:
@@ -63,4 +118,4 @@ def load_keys(path: str | None, protect_ops: bool = False, environ: dict[str, st
         keys += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if env is not None:
         keys += [k.strip() for k in env.split(",") if k.strip()]
-    return ApiKeys(keys, protect_ops)
+    return keys

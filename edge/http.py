@@ -24,8 +24,10 @@ import orjson
 from edgepath.contract.wire import Sampling
 from edgepath.dpu.link_state import Readiness
 from edgepath.edge.auth import ApiKeys
+from edgepath.edge.quota import Refused
 from edgepath.edge.sampling import FIELDS as SAMPLING_FIELDS
 from edgepath.edge.sampling import GENERATE_DEFAULT, SamplingInvalid, parse_sampling
+from edgepath.edge.tenants import ANONYMOUS, Tenant, parse_cache_salt
 
 JSON = b"application/json"
 SERVER = b"edgepath"  # the Server header of every answer, over either adapter
@@ -90,6 +92,9 @@ class Work:
     route: str = GENERATE
     options: dict[str, Any] = field(default_factory=dict)
     max_wait_ms: int = 0  # the request's bound on waiting for its first token (0: the server's)
+    cache_salt: str | None = None  # the request's own cache_salt field
+    tenant: Tenant = ANONYMOUS  # whose request it is (its API key's)
+    salt: int = 0  # the request header's cache_salt: the tenant's namespace and cache_salt (wire.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +329,7 @@ class HttpCore:
 
     def _route(self, request: Request) -> Handled:
         parts = urlsplit(request.target)
-        self._authorize(parts.path, request.headers)
+        tenant = self._authorize(parts.path, request.headers)
         route = ROUTES.get(parts.path)
         if route is None:
             raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST {GENERATE}")
@@ -350,16 +355,19 @@ class HttpCore:
             work = self._parse_body(parts.path, request.body)
         if isinstance(work, Work) and work.kind == "generate":
             work.max_wait_ms = max_wait_of(request.headers)
+            work.tenant = tenant
+            work.salt = tenant.salt(work.cache_salt)
         return work
 
-    def _authorize(self, path: str, headers: Headers) -> None:
-        """401 unless the request carries a valid key (when keys are configured). Unknown paths
-        are checked too, so an unauthenticated client learns nothing about the routes."""
+    def _authorize(self, path: str, headers: Headers) -> Tenant:
+        """The request's tenant; 401 unless the request carries a valid key (when keys are configured).
+        Unknown paths are checked too, so an unauthenticated client learns nothing about the routes."""
         keys = self.api_keys
         if keys is None or (api_of(path) == "ops" and not keys.protect_ops):
-            return
+            return ANONYMOUS
         presented = keys.presented(headers)
-        if not keys.allows(presented):
+        tenant = keys.identify(presented)
+        if tenant is None:
             why = "is not valid" if presented else "is missing"
             raise HttpError(
                 401,
@@ -367,6 +375,7 @@ class HttpCore:
                 f"API key {why}: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
                 [(b"www-authenticate", b"Bearer")],
             )
+        return tenant
 
     def _parse_body(self, path: str, body: bytes) -> Work:
         try:
@@ -378,14 +387,20 @@ class HttpCore:
         if not isinstance(doc, dict):
             raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
         kind = "generate" if path == GENERATE else "tokenize"
-        allowed = {"prompt", "tokens"} | ({"max_tokens", "stream", *SAMPLING_FIELDS} if kind == "generate" else set())
+        generating = {"max_tokens", "stream", "cache_salt", *SAMPLING_FIELDS}
+        allowed = {"prompt", "tokens"} | (generating if kind == "generate" else set())
         unknown = sorted(set(doc) - allowed)
         if unknown:
             raise HttpError(400, "invalid_request", f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
         prompt, tokens = self._input(doc)
         if kind == "tokenize":
             return Work(kind, prompt, tokens, 0, False, route=path)
-        return Work(kind, prompt, tokens, self._max_tokens(doc), self._stream(doc), self._sampling(doc), route=path)
+        work = Work(kind, prompt, tokens, self._max_tokens(doc), self._stream(doc), self._sampling(doc), route=path)
+        try:
+            work.cache_salt = parse_cache_salt(doc)
+        except SamplingInvalid as exc:
+            raise HttpError(400, "invalid_request", exc.message) from None
+        return work
 
     def _input(self, doc: dict[str, Any]) -> tuple[str | None, list[int] | None]:
         has_prompt, has_tokens = "prompt" in doc, "tokens" in doc
@@ -467,6 +482,22 @@ class HttpCore:
             f"{bound_ms / 1e3:.2f} s (X-Max-Wait, at most the server's); this server does not queue requests",
             retry_ms,
         )
+
+    def over_cap(self, cap: int) -> HttpError:
+        """429 ``slot_cap`` at once: the tenant already has ``cap`` requests in flight at this edge, its most."""
+        why = f"this API key's tenant has {cap} requests in flight at this edge, its slot_cap"
+        return self._retry_later("slot_cap", why, 0.0)
+
+    def over_quota(self, refused: Refused) -> HttpError:
+        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` do not fit what
+        is left of its tenant's token quota; ``retry-after-ms`` says when enough will have refilled (none when the
+        request alone is more than the whole quota: it never fits)."""
+        need = f"this request needs {refused.tokens} tokens (its prompt and max_tokens)"
+        if math.isinf(refused.retry_after):
+            why = f"{need}, more than the whole {refused.limit}-token quota per {refused.window}: lower max_tokens"
+            return HttpError(429, "quota_exceeded", why)
+        why = f"{need}; {refused.remaining} of the {refused.limit}-token quota per {refused.window} are left"
+        return self._retry_later("quota_exceeded", why, max(1.0, refused.retry_after * 1e3))
 
     def _retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
         """A 429 that says when to come back: ``retry-after-ms`` (what the openai SDK reads first) and

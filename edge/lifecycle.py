@@ -17,6 +17,7 @@ needed -- so a test can drive everything with a fake port and a fake clock.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from edgepath.contract import wire
 from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
+from edgepath.edge import quota
 from edgepath.edge.http import (
     GENERATE,
     LIVE,
@@ -51,7 +53,9 @@ from edgepath.edge.http import (
     timing_headers,
 )
 from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.quota import Quotas, Reservation
 from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
+from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.edge")
@@ -110,6 +114,9 @@ Action = Respond | StartStream | SendChunk | EndStream | Tokenize
 #: before the answer was complete (nginx's "client closed request"; nothing is sent)
 CLIENT_GONE = 499
 
+#: ``_forget``'s output count for a request the data path refused before any slot ran it (charged nothing)
+NOTHING_RAN = -1
+
 #: how a route's formatter is made for one request (``/v1/generate`` by default)
 FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
@@ -141,6 +148,9 @@ class Tracked:
     t_last_ns: int = 0  # latest delivery that carried tokens
     gone: bool = False  # the client went away while a worker held the frame
     waited: bool = False  # its wait for the first token is measured (once)
+    reservation: Reservation | None = None  # tokens reserved against its tenant's quota, until settled
+    capped: bool = False  # counted in its tenant's requests in flight at this edge (its slot_cap), until forgotten
+    limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
 
 
 class EdgeLifecycle:
@@ -175,6 +185,9 @@ class EdgeLifecycle:
         self.by_frame: dict[int, Tracked] = {}
         self._request_ids = itertools.count(1)
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
+        self.quotas = Quotas()  # every tenant's token quotas at this edge
+        self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
+        self.usage: Callable[[Usage], None] | None = None  # where each request's usage line goes (--usage-log)
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -228,7 +241,7 @@ class EdgeLifecycle:
         if t.phase is Phase.TOKENIZING:
             t.gone = True  # a worker is writing into the frame: give it back when the worker is done
             return []
-        self._forget(t)
+        self._forget(t, finish="cancelled")
         if t.frame is not None:
             self.port.abandon(t.frame)
         self._count(t, CLIENT_GONE, now)
@@ -276,7 +289,7 @@ class EdgeLifecycle:
                 port.abandon(index)
                 actions.append(self._fail(t, HttpError(504, "unresponsive", f"no result: {why}")))
         for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
-            self._forget(t)
+            self._forget(t, finish="timeout")
             assert t.frame is not None
             port.abandon(t.frame)
             actions.append(self._fail(t, HttpError(504, "timeout", "no result from the slot server in time")))
@@ -336,8 +349,36 @@ class EdgeLifecycle:
         except HttpError as exc:
             self._forget(t)
             self.port.release(t.frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, exc))]
+            return [self._answer(t, self._failure(t, exc))]
+        over = self._reserve(t)
+        if over is not None:
+            self._forget(t)
+            self.port.release(t.frame)
+            return [self._answer(t, self._failure(t, over))]
         return self._submit(t, now)
+
+    def _reserve(self, t: Tracked) -> HttpError | None:
+        """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, and a place within its
+        ``slot_cap``, before any work; the 429 ``slot_cap`` or ``quota_exceeded`` when that does not fit (and the
+        rate-limit headers of its answer either way)."""
+        tenant, tokens, now = t.work.tenant, t.input_count + t.work.max_tokens, self.clock() / 1e9
+        refusal: HttpError | None = None
+        if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
+            self.metrics.refused("slot_cap")
+            refusal = self.core.over_cap(tenant.slot_cap)
+        else:
+            got = self.quotas.reserve(tenant, tokens, now)
+            if isinstance(got, quota.Refused):
+                self.metrics.refused("quota_exceeded")
+                refusal = self.core.over_quota(got)
+            else:
+                t.reservation = got
+                if tenant.slot_cap:
+                    t.capped = True
+                    self.in_flight[tenant.name] += 1
+        limits = self.quotas.limits(tenant, now)
+        t.limits = quota.headers(limits) if limits is not None else []
+        return refusal
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
         port, frame, work = self.port, t.frame, t.work
@@ -357,6 +398,7 @@ class EdgeLifecycle:
             t_tokenized_ns=t0,
         )
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
+        req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
         t1 = self.clock()
         status = port.submit(frame)
         t2 = self.clock()
@@ -366,7 +408,7 @@ class EdgeLifecycle:
             self._forget(t)
             port.release(frame)
             t.timings["claim"] = t2 - t1
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
+            return [self._answer(t, self._failure(t, refusal))]
         written = req.t_written_ns
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
@@ -411,17 +453,17 @@ class EdgeLifecycle:
         what came so far and abandon the frame, which cancels the slot -- it stops costing model time."""
         frame, formatter = t.frame, t.formatter
         assert frame is not None and formatter is not None
-        self._forget(t)
         tokens = np.array(self.port.frames.outputs[frame, : t.sent])
         cached = self.port.frames.result_headers[frame].cached_tokens  # placed with every progress word
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
         self._waited(t, first_ns, now)
+        self._forget(t, t.sent, cached, "stop")
         self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
-            return self._respond(t.rid, t.route, t.request, t.timings, formatter.complete(outcome))
+            return self._answer(t, formatter.complete(outcome))
         self._count(t, 200, now)
         return EndStream(t.rid, formatter.end(outcome))
 
@@ -459,22 +501,23 @@ class EdgeLifecycle:
         assert t.formatter is not None
         status, headers = t.formatter.start()
         t.phase = Phase.STREAMING
-        return StartStream(t.rid, status, headers + timing_headers(t.timings))
+        return StartStream(t.rid, status, headers + t.limits + timing_headers(t.timings))
 
     def _final(self, t: Tracked, now: int) -> list[Action]:
         port, frame = self.port, t.frame
         assert frame is not None and t.formatter is not None
-        self._forget(t)
         result = port.frames.result_headers[frame]
         status = result.status
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
+            self._forget(t, NOTHING_RAN)
             refusal = self._refusal(Status(status), frame)
             port.release(frame)
-            return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, refusal))]
+            return [self._answer(t, self._failure(t, refusal))]
         edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns
         self.metrics.edge(edge_ns, now)
         if status not in wire.FINISHED:
+            self._forget(t, finish="failed")
             port.release(frame)
             return [self._fail(t, HttpError(502, "slot_error", f"slot server answered status {_status_name(status)}"))]
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
@@ -493,9 +536,11 @@ class EdgeLifecycle:
         if first_ns:
             t.timings["first_token"] = first_ns
             self._waited(t, first_ns, now)
+        finish = "stop" if t.formatter.done or status in (Status.STOP, Status.OK) else _status_name(status).lower()
+        self._forget(t, count, cached, finish)
         if not t.work.stream:
             outcome = Outcome(t.request_id, t.input_count, tokens, _status_name(status), first_ns, cached)
-            return [self._respond(t.rid, t.route, t.request, t.timings, t.formatter.complete(outcome))]
+            return [self._answer(t, t.formatter.complete(outcome))]
         actions: list[Action] = []
         if t.phase is not Phase.STREAMING:
             actions.append(self._start(t))
@@ -546,7 +591,7 @@ class EdgeLifecycle:
             log.error("tokenizer failed on a %d-character prompt: %r", len(t.work.prompt or ""), exc)
             error = HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}")
         failure = self._failure(t, error)
-        return [self._respond(t.rid, t.route, t.request, t.timings, failure)]
+        return [self._answer(t, failure)]
 
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame, whose
@@ -573,7 +618,7 @@ class EdgeLifecycle:
             assert t.formatter is not None
             self._count(t, error.status, self.clock())
             return EndStream(t.rid, t.formatter.error(error))
-        return self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, error))
+        return self._answer(t, self._failure(t, error))
 
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == METRICS:
@@ -603,15 +648,54 @@ class EdgeLifecycle:
             },
         )
 
-    def _forget(self, t: Tracked) -> None:
+    def _forget(self, t: Tracked, output: int | None = None, cached: int = 0, finish: str = "failed") -> None:
+        """The edge owes ``t`` nothing more.  A request that ran on a slot (submitted, and not refused by the data
+        path: ``output`` :data:`NOTHING_RAN`) is charged its prompt and ``output`` tokens (None: those the client
+        was sent) against its quota, and its usage (``cached`` prompt tokens from the cache, how it ended:
+        ``finish``) goes to the per-tenant metrics and the usage log; one that did not run is charged nothing."""
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
+        if t.capped:
+            t.capped = False
+            self.in_flight[t.work.tenant.name] -= 1
+        ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
+        completion = (t.sent if output is None else output) if ran else 0
+        if t.reservation is not None:
+            self.quotas.settle(t.reservation, t.input_count + completion if ran else 0, self.clock() / 1e9)
+            t.reservation = None
+        if ran:
+            self._account(t, completion, cached, finish)
+
+    def _account(self, t: Tracked, completion: int, cached: int, finish: str) -> None:
+        """One request's usage: per-tenant counters, and a line of the usage log (when there is one)."""
+        tenant = t.work.tenant.name
+        self.metrics.tenant_usage(tenant, finish, t.input_count, cached, completion)
+        if self.usage is not None:
+            first, wait = t.timings.get("first_token"), t.timings.get("wait")
+            self.usage(
+                Usage(
+                    tenant,
+                    t.request_id,
+                    t.route,
+                    t.input_count,
+                    cached,
+                    completion,
+                    finish,
+                    None if first is None else round(first / 1e6, 3),
+                    None if wait is None else round(wait / 1e6, 3),
+                )
+            )
 
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns
         t.timings["total"] = total
         self.metrics.answered(t.route, status, total)
+
+    def _answer(self, t: Tracked, response: Response) -> Respond:
+        """The one answer to ``t``, with its rate-limit headers."""
+        response.headers += t.limits
+        return self._respond(t.rid, t.route, t.request, t.timings, response)
 
     def _respond(self, rid: int, route: str, request: Request, timings: dict[str, int], response: Response) -> Respond:
         total = self.clock() - request.t_receive_ns

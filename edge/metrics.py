@@ -36,7 +36,7 @@ _TOKEN_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-
 # actual / predicted time to first token: 1 is a perfect prediction
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.33, 1.5, 2.0, 4.0)
 #: the reasons a request is refused 429 at claim time (edgepath_refusals_total's label)
-REFUSAL_REASONS = ("no_slot", "over_bound")
+REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded", "slot_cap")
 
 
 class LatencyWindow:
@@ -165,12 +165,27 @@ class EdgeMetrics:
             "Prompt tokens the model side reused from its prefix cache instead of computing them",
             registry=self.registry,
         )
+        self.tenant_requests = Counter(
+            "edgepath_tenant_requests",
+            "Requests that ran on a slot, by tenant (the configuration's: a tenants file's names, key-<digest> for a "
+            "flat key list, anonymous without keys) and how they ended",
+            ["tenant", "finish"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "edgepath_tenant_tokens",
+            "Tokens of requests that ran, by tenant and kind: prompt (cached ones included), cached, completion -- "
+            "what each was charged, and for an answer with usage exactly its usage",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
         self._hit = self.cache_requests.labels("hit")
         self._miss = self.cache_requests.labels("miss")
         self.refusals = Counter(
             "edgepath_refusals",
             "Requests refused 429 at claim time, by reason: no free slot (no_slot), or every server's predicted "
-            "wait for a first token over the request's bound (over_bound)",
+            "wait for a first token over the request's bound (over_bound), its tenant's token quota spent "
+            "(quota_exceeded) or its slot_cap reached at this edge (slot_cap)",
             ["reason"],
             registry=self.registry,
         )
@@ -215,6 +230,12 @@ class EdgeMetrics:
             )
         children[0].inc()
         children[1].observe(total_ns / 1e9)
+
+    def tenant_usage(self, tenant: str, finish: str, prompt: int, cached: int, completion: int) -> None:
+        """A request of ``tenant`` that ran has ended (``finish``) with these token counts."""
+        self.tenant_requests.labels(tenant, finish).inc()
+        for kind, tokens in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            self.tenant_tokens.labels(tenant, kind).inc(tokens)
 
     def prompt(self, tokens: int, cached: int) -> None:
         """A request the model side answered: ``tokens`` prompt tokens, ``cached`` of them from its cache."""

@@ -27,6 +27,7 @@ from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
+from edgepath.edge.tenants import parse_cache_salt
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
@@ -148,6 +149,7 @@ class OpenAIRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str | None = None  # the prefix cache namespace within the tenant's (as vLLM's cache_salt)
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -217,6 +219,7 @@ def _common(
         stop=_stop(doc),
         stream=stream,
         include_usage=_include_usage(doc, stream),
+        cache_salt=_cache_salt(doc),
         **inputs,
     )
 
@@ -356,6 +359,13 @@ def _sampling(doc: Mapping[str, Any]) -> Sampling:
     """The request's sampling (OpenAI's defaults), parsed as on every route (:mod:`edgepath.edge.sampling`)."""
     try:
         return parse_sampling(doc, OPENAI_DEFAULT)
+    except SamplingInvalid as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+
+
+def _cache_salt(doc: Mapping[str, Any]) -> str | None:
+    try:
+        return parse_cache_salt(doc)
     except SamplingInvalid as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 

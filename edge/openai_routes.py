@@ -84,7 +84,9 @@ class OpenAIRoutes:
         if req.messages is not None:
             options["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
-        return Work("generate", req.prompt, tokens, req.max_tokens, req.stream, req.sampling, path, options)
+        work = Work("generate", req.prompt, tokens, req.max_tokens, req.stream, req.sampling, path, options)
+        work.cache_salt = req.cache_salt
+        return work
 
 
 def _finish_reason(outcome: Outcome, max_tokens: int, stopped: bool) -> oa.FinishReason:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent_service import AgentService
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
+    from edgepath.edge.http import HttpCore
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
     from edgepath.edge.tokenizer import Tokenizer
@@ -294,7 +296,8 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     options = with_model(options)  # the model found and checked before anything starts
     check_listen(options.edge)
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
-    keys = load_keys(options.edge.api_keys_file, options.edge.protect_ops)  # checked before anything starts or logs
+    edge = options.edge
+    keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)  # checked before any start
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
@@ -466,13 +469,58 @@ async def start_edge(
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
     service = build_edge(edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, supervision)
+    warn_unenforced(plan.keys)
+    if edge.usage_log is not None:
+        from edgepath.edge.usage import UsageLog
+
+        usage = UsageLog(edge.usage_log)
+        cleanup.callback(usage.close)
+        service.lifecycle.usage = usage
     service.start()
     cleanup.callback(service.stop)
+    if on_sighup(loop, lambda: reload_keys(edge, service.core)):
+        cleanup.callback(loop.remove_signal_handler, signal.SIGHUP)
     try:
         server = await _listen(edge, service, serve_tls(edge))
     except OSError as exc:
         raise _cannot_listen(edge, exc) from exc
     cleanup.callback(server.close)
+
+
+def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
+    """SIGHUP: read the API keys and the tenants file again and serve new requests with them; streams in flight
+    keep the tenant they were admitted as.  A file that cannot be used is one error line, and the keys in use are
+    kept."""
+    from edgepath.edge.auth import load_keys
+
+    try:
+        keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)
+    except ValueError as exc:
+        log.error("SIGHUP: %s; keeping the %s in use", exc, "tenants" if core.api_keys is not None else "no keys")
+        return False
+    core.api_keys = keys
+    log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
+    warn_unenforced(keys)
+    return True
+
+
+def warn_unenforced(keys: ApiKeys | None) -> None:
+    """Say so, once per start or reload, when a tenant asks for what is not built (docs/TENANTS.md)."""
+    for tenant in keys.tenants if keys is not None else []:
+        if tenant.slot_floor:
+            log.warning(
+                "tenant %s: slot_floor %d is not enforced yet (docs/TENANTS.md)", tenant.name, tenant.slot_floor
+            )
+
+
+def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
+    """Call ``callback`` on SIGHUP (False where signals cannot be had: not the main thread, as in tests that run
+    ``serve`` on a thread of their own)."""
+    try:
+        loop.add_signal_handler(signal.SIGHUP, callback)
+    except (ValueError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def serve_tls(edge: EdgeSettings) -> TlsFiles | None:

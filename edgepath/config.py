@@ -321,6 +321,17 @@ class EdgeSettings:
         help="require an API key (x-api-key or Authorization: Bearer) from this file, one per line; "
         "$EDGEPATH_API_KEYS (comma-separated) adds more",
     )
+    tenants_file: str | None = option(
+        None,
+        type=readable_file,
+        help="require an API key and map keys (SHA-256 digests) to named tenants with their limits: a TOML file "
+        "(docs/TENANTS.md); reloaded on SIGHUP",
+    )
+    usage_log: str | None = option(
+        None,
+        help="append one JSON line per request that ran (tenant, tokens, finish, time to first token) to this file "
+        "(docs/TENANTS.md: written as each request ends, not fsynced)",
+    )
     protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
     request_timeout: float = option(
         60.0,

@@ -28,6 +28,7 @@ import signal
 from collections.abc import Callable
 
 from edgepath.builder import (
+    on_sighup,
     plan_serve,
     serve_agent,
     serve_transport,
@@ -92,6 +93,8 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             argv = worker_argv(with_one_certificate(options), slot_servers)  # one certificate for all
             children = [supervisor(f"edge worker {i}", argv, env) for i in range(workers)]
             await asyncio.gather(*(asyncio.to_thread(child.start) for child in children))  # they start together
+            if on_sighup(loop, functools.partial(_forward, signal.SIGHUP, children)):  # each worker reloads its keys
+                cleanup.callback(loop.remove_signal_handler, signal.SIGHUP)
             what = f"{workers} edge workers"
         else:
             agent = serve_agent(options, transport, slot_servers, listen)
@@ -107,6 +110,14 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         await stop.wait()
     if gave_up:
         raise GaveUp(gave_up[0])
+
+
+def _forward(signum: int, supervisors: list[Supervisor]) -> None:
+    """Pass ``signum`` on to each supervised child that is running."""
+    for made in supervisors:
+        child = made.child
+        if child is not None:
+            child.send_signal(signum)
 
 
 def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:

@@ -674,12 +674,12 @@ class LlamaHandler:
     def prefixes_version(self) -> int:
         return self.book.version
 
-    def prefixes(self) -> list[np.ndarray]:
-        """The prompts of placed running requests (a request arriving meanwhile copies what they computed),
-        then what idle sequences and host memory hold (nothing with the prefix cache off)."""
+    def prefixes(self) -> list[tuple[int, np.ndarray]]:
+        """The prompts of placed running requests (a request of the same salt arriving meanwhile copies what they
+        computed), then what idle sequences and host memory hold (nothing with the prefix cache off)."""
         if not self.options.prefix_cache:
             return []
-        running = [seq.request.tokens for seq in self._running.values() if seq.stream >= 0]
+        running = [(seq.request.salt, seq.request.tokens) for seq in self._running.values() if seq.stream >= 0]
         return [*running, *self.book.held()]
 
     # -- internals -----------------------------------------------------------------------------------
@@ -738,6 +738,8 @@ class LlamaHandler:
         for older in waiting:
             if older is new:
                 return False
+            if older.request.salt != new.request.salt:  # another cache namespace: never shared
+                continue
             shared = common_prefix(older.request.tokens, new.request.tokens)
             if shared - older.prefilled >= self.options.cache_min:
                 return True
@@ -805,7 +807,7 @@ class LlamaHandler:
         the prompt (reused, not computed) and prefill starts there."""
         prompt = seq.request.tokens
         computed = {s.stream: s.request.tokens[: s.prefilled] for s in self._running.values() if s.stream >= 0}
-        placement = self.book.place(prompt, reuse=self.options.prefix_cache, computed=computed)
+        placement = self.book.place(prompt, self.options.prefix_cache, computed, seq.request.salt)
         stream, reuse = placement.stream, placement.reuse
         blob = placement.restore.blob if placement.restore is not None else None
         if placement.source is not None:
@@ -851,10 +853,10 @@ class LlamaHandler:
             return None
         tokens = np.concatenate([seq.request.tokens, seq.request.output[: seq.count]])[:held].copy()
         nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, seq.stream))
-        if self.book.capacity and self.book.wants(tokens, nbytes):
+        if self.book.capacity and self.book.wants(tokens, nbytes, seq.request.salt):
             blob = self._state_of(seq.stream)
             if blob is not None:
-                dropped = self.book.save(tokens, blob, nbytes)
+                dropped = self.book.save(tokens, blob, nbytes, seq.request.salt)
                 if dropped:
                     log.debug(
                         "prefix cache: saved %d tokens (%d bytes), dropped %d saved sequence(s); %d bytes held",

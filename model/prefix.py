@@ -17,6 +17,11 @@ The host copies live outside the KV cache, so cached prefixes can never crowd ou
 every stream always has its ``ctx_per_slot`` cells.  Tokens shorter than ``min_reuse`` are not worth a
 reuse (a chat template's first few tokens are common to every request).
 
+Every prefix is kept under the **salt** of the request that wrote it (the request header's ``cache_salt``:
+the edge's tenant and the request's own ``cache_salt``), and a request reuses -- in place, restored, or
+copied from a running stream -- only what was written under its own salt: tenants never read each other's
+KV, nor learn from ``cached_tokens`` or a faster first token that another one sent the same prompt.
+
 :class:`PrefixBook` makes every decision and keeps the books; the handler does the llama.cpp calls.
 """
 
@@ -58,6 +63,7 @@ class Saved:
     blob: Any
     nbytes: int
     used: int = 0  # LRU clock value of the last time it was saved or reused
+    salt: int = 0  # the cache namespace it was written under (only requests with the same salt reuse it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,7 @@ class _Stream:
     tokens: np.ndarray | None = None  # what its KV holds (positions 0..n-1); None: nothing
     running: bool = False
     used: int = 0
+    salt: int = 0  # the cache namespace of the request that wrote its KV
 
 
 @dataclass(slots=True)
@@ -116,11 +123,15 @@ class PrefixBook:
 
     # -- requests ---------------------------------------------------------------------------------
     def place(
-        self, prompt: np.ndarray, reuse: bool = True, computed: Mapping[int, np.ndarray] | None = None
+        self,
+        prompt: np.ndarray,
+        reuse: bool = True,
+        computed: Mapping[int, np.ndarray] | None = None,
+        salt: int = 0,
     ) -> Placement:
         """A stream for a new request and how much of ``prompt`` it reuses (never all of it: the last
         prompt token is always decoded, its logits give the first output token; nothing when ``reuse`` is
-        false).  Marks it running.
+        false), from prefixes written under ``salt`` only.  Marks it running.
 
         ``computed``: running streams and the tokens whose KV they hold so far -- a request that arrived
         together with others sharing its prefix (a system prompt) copies the prefix from the one that
@@ -131,12 +142,14 @@ class PrefixBook:
             raise RuntimeError(f"prefix book: all {self.streams} streams are running")
         self._clock += 1
         if not reuse:
-            return self._run(Placement(self._spare(free), 0))
+            return self._run(Placement(self._spare(free), 0), salt)
         limit = len(prompt) - 1
-        held = {i: self._streams[i].tokens for i in free}
-        here, here_len = _longest({i: t for i, t in held.items() if t is not None}, prompt, limit)
-        saved, saved_len = self._best_saved(prompt, limit)
-        running, running_len = _longest(computed or {}, prompt, limit)
+        streams = self._streams
+        held = {i: t for i in free if (t := streams[i].tokens) is not None and streams[i].salt == salt}
+        here, here_len = _longest(held, prompt, limit)
+        saved, saved_len = self._best_saved(prompt, limit, salt)
+        ours = {i: t for i, t in (computed or {}).items() if streams[i].running and streams[i].salt == salt}
+        running, running_len = _longest(ours, prompt, limit)
         if max(here_len, saved_len, running_len) < self.min_reuse:
             placement = Placement(self._spare(free), 0)
         elif here is not None and here_len >= max(saved_len, running_len):
@@ -155,7 +168,7 @@ class PrefixBook:
             self.stats.cached_tokens += placement.reuse
         else:
             self.stats.misses += 1
-        return self._run(placement)
+        return self._run(placement, salt)
 
     def finished(self, stream: int, tokens: np.ndarray | None) -> None:
         """``stream`` is free again; its KV holds ``tokens`` (positions 0..n-1), or nothing (None)."""
@@ -171,33 +184,35 @@ class PrefixBook:
         could serve without computing them."""
         return [None if s.running else s.tokens for s in self._streams]
 
-    def held(self) -> list[np.ndarray]:
-        """Every prefix the book could serve a new request from, the cheapest first: idle streams (reused in
-        place), then host copies (restored), each by most recent use."""
+    def held(self) -> list[tuple[int, np.ndarray]]:
+        """Every prefix the book could serve a new request from, with the salt it serves it under, the cheapest
+        first: idle streams (reused in place), then host copies (restored), each by most recent use."""
         idle = sorted((s for s in self._streams if not s.running and s.tokens is not None), key=lambda s: -s.used)
         saved = sorted(self._saved, key=lambda s: -s.used)
-        return [s.tokens for s in idle if s.tokens is not None] + [s.tokens for s in saved]
+        return [(s.salt, s.tokens) for s in idle if s.tokens is not None] + [(s.salt, s.tokens) for s in saved]
 
     # -- host copies ------------------------------------------------------------------------------
-    def wants(self, tokens: np.ndarray, nbytes: int) -> bool:
-        """Whether a finished sequence of ``tokens`` (``nbytes`` of state) is worth saving: not when a saved
-        one already starts with all of it (that one is refreshed instead), nor when it alone exceeds the
-        capacity or is too short to be reused."""
+    def wants(self, tokens: np.ndarray, nbytes: int, salt: int = 0) -> bool:
+        """Whether a finished sequence of ``tokens`` (``nbytes`` of state, written under ``salt``) is worth
+        saving: not when a saved one of the same salt already starts with all of it (that one is refreshed
+        instead), nor when it alone exceeds the capacity or is too short to be reused."""
         if len(tokens) < self.min_reuse or nbytes > self.capacity:
             return False
         for saved in self._saved:
+            if saved.salt != salt:
+                continue
             if len(saved.tokens) >= len(tokens) and common_prefix(saved.tokens, tokens) == len(tokens):
                 self._clock += 1
                 saved.used = self._clock
                 return False
         return True
 
-    def save(self, tokens: np.ndarray, blob: Any, nbytes: int) -> list[Saved]:
-        """Keep a copy (after :meth:`wants` said yes); returns the copies dropped for it: those it
-        supersedes (they are prefixes of it), then the least recently used until it fits."""
+    def save(self, tokens: np.ndarray, blob: Any, nbytes: int, salt: int = 0) -> list[Saved]:
+        """Keep a copy written under ``salt`` (after :meth:`wants` said yes); returns the copies dropped for it:
+        those of its salt it supersedes (they are prefixes of it), then the least recently used until it fits."""
         self._clock += 1
-        new = Saved(tokens, blob, nbytes, self._clock)
-        dropped = [s for s in self._saved if common_prefix(s.tokens, tokens) == len(s.tokens)]
+        new = Saved(tokens, blob, nbytes, self._clock, salt)
+        dropped = [s for s in self._saved if s.salt == salt and common_prefix(s.tokens, tokens) == len(s.tokens)]
         self.stats.superseded += len(dropped)
         kept = [s for s in self._saved if s not in dropped]
         kept.sort(key=lambda s: s.used)
@@ -221,16 +236,18 @@ class PrefixBook:
         return tuple(self._saved)
 
     # -- internals --------------------------------------------------------------------------------
-    def _run(self, placement: Placement) -> Placement:
+    def _run(self, placement: Placement, salt: int) -> Placement:
         stream = self._streams[placement.stream]
+        stream.salt = salt
         stream.running = True
         stream.used = self._clock
         stream.tokens = None  # until it finishes, the stream's content is the running request's
         self.version += 1
         return placement
 
-    def _best_saved(self, prompt: np.ndarray, limit: int) -> tuple[Saved | None, int]:
-        index, n = _longest(dict(enumerate(s.tokens for s in self._saved)), prompt, limit)
+    def _best_saved(self, prompt: np.ndarray, limit: int, salt: int) -> tuple[Saved | None, int]:
+        ours = {i: s.tokens for i, s in enumerate(self._saved) if s.salt == salt}
+        index, n = _longest(ours, prompt, limit)
         return (None, 0) if index is None else (self._saved[index], n)
 
     def _spare(self, free: list[int]) -> int:

@@ -181,6 +181,7 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->predicted_wait_us = 0;
     req->output_offset = 0;
     req->migrations = 0;
+    req->cache_salt = 0;  /* a frame is reused: the writer sets its salt after filling */
 }
 
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)
@@ -286,12 +287,12 @@ int ep_pool_validate(const void *base, uint64_t size)
 
 /* ---- prefix affinity --------------------------------------------------- */
 
-uint32_t ep_prefix_chain(const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks)
+uint32_t ep_prefix_chain(uint64_t salt, const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks)
 {
     uint32_t blocks = count / EP_PREFIX_BLOCK;
     if (blocks > max_blocks)
         blocks = max_blocks;
-    uint64_t h = EP_PREFIX_SEED;
+    uint64_t h = EP_PREFIX_SEED ^ salt;
     for (uint32_t b = 0; b < blocks; b++) {
         const int32_t *t = tokens + (uint64_t)b * EP_PREFIX_BLOCK;
         for (uint32_t i = 0; i < EP_PREFIX_BLOCK; i++) {

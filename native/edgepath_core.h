@@ -90,9 +90,9 @@ int ep_accept_doorbells(void *pool, uint64_t *owned, uint64_t *restored, const u
 int ep_scan_leases(void *pool, uint64_t *owned, uint64_t *restored, uint64_t *seen_word, uint64_t *seen_ns,
                    uint64_t now_ns, uint32_t *expired, int max);
 
-/* Prefix affinity (edgepath_slot.h): the chain hashes of the first min(count / EP_PREFIX_BLOCK, max_blocks)
-   whole blocks of `tokens` into out; how many. */
-uint32_t ep_prefix_chain(const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks);
+/* Prefix affinity (edgepath_slot.h): the chain hashes under `salt` of the first min(count / EP_PREFIX_BLOCK,
+   max_blocks) whole blocks of `tokens` into out; how many. */
+uint32_t ep_prefix_chain(uint64_t salt, const int32_t *tokens, uint32_t count, uint64_t *out, uint32_t max_blocks);
 /* How many leading blocks of a chain a prefix table holds: the largest j with chain[j - 1] among its entries. */
 uint32_t ep_prefix_match(const uint64_t *table, uint32_t entries, const uint64_t *chain, uint32_t blocks);
 

@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 7  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34) */
+#define EP_ABI_VERSION 8  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -95,11 +95,14 @@
 /*
  * Prefix affinity (issue 19).  A prompt's token ids are cut into blocks of EP_PREFIX_BLOCK; block b's
  * chain hash covers blocks 0..b, so one value names a whole prefix:
- *   h = EP_PREFIX_SEED; for each block: for each id t: h = (h ^ (uint32)t) * EP_PREFIX_MUL, h ^= h >> 32;
+ *   h = EP_PREFIX_SEED ^ salt; for each block: for each id t: h = (h ^ (uint32)t) * EP_PREFIX_MUL, h ^= h >> 32;
  *   then h = splitmix64's finaliser of h (0 becomes 1), and that is the block's chain hash (and the next h).
- * A slot server whose handler keeps KV of earlier requests publishes the chain hashes of what it holds in
- * its pool's prefix table (u64 prefix[prefix_entries]; 0 = unused entry); an agent claims first on the
- * server that publishes the longest prefix of a request.  A hint only: the handler checks the tokens.
+ * `salt` is the request header's cache_salt (ABI 8): prefixes written under one salt are named by other hashes
+ * than the same tokens under another, so neither placement nor reuse crosses salts (0: no salt, the hashes of
+ * ABI 5..7).  A slot server whose handler keeps KV of earlier requests publishes the chain hashes of what it
+ * holds, each under the salt it was written with, in its pool's prefix table (u64 prefix[prefix_entries];
+ * 0 = unused entry); an agent claims first on the server that publishes the longest prefix of a request under
+ * the request's salt.  A hint only: the handler checks the tokens and the salt.
  */
 #define EP_PREFIX_BLOCK 64
 #define EP_PREFIX_SEED 0xcbf29ce484222325
@@ -189,7 +192,9 @@ struct ep_request_header {
     uint32_t output_offset;    /* a migrated request: output tokens its answer has already (the prompt's tail);
                                   the slot server places its output from there in the reply entry and counts it */
     uint32_t migrations;       /* how often the request has moved to another slot server */
-    uint64_t reserved[3];
+    uint64_t cache_salt;       /* the prefix cache's namespace (the edge's tenant and the request's cache_salt):
+                                  KV is reused only from prefixes written under the same salt (0: no salt) */
+    uint64_t reserved[2];
 };
 
 struct ep_result_header {

@@ -44,6 +44,7 @@ class SlotRequest:
     tokens: np.ndarray  # int32 view of the slot's input tokens
     output: np.ndarray  # int32 view of the slot's output area, exactly max_new_tokens long
     sampling: Sampling = field(default_factory=Sampling)
+    salt: int = 0  # the prefix cache namespace (the header's cache_salt): reuse KV only from the same salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +140,10 @@ class HoldsPrefixes(Protocol):
         every step)."""
         ...
 
-    def prefixes(self) -> list[np.ndarray]:
-        """The token sequences whose KV the handler could reuse for a new request, the most useful first (the
-        table keeps the first ones when it cannot hold all)."""
+    def prefixes(self) -> list[tuple[int, np.ndarray]]:
+        """The token sequences whose KV the handler could reuse for a new request, each with the salt it was
+        written under (a request with another salt cannot reuse it), the most useful first (the table keeps
+        the first ones when it cannot hold all)."""
         ...
 
 

@@ -284,6 +284,7 @@ class SlotServer:
             slots.tokens[slot, : req.token_count],
             slots.outputs[slot, :max_new],
             sampling,
+            req.cache_salt,
         )
         try:
             emits = self.handler.add(request, now)

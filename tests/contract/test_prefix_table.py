@@ -18,9 +18,9 @@ BLOCK = wire.PREFIX_BLOCK
 M64 = 2**64 - 1
 
 
-def reference_chain(tokens: list[int]) -> list[int]:
+def reference_chain(tokens: list[int], salt: int = 0) -> list[int]:
     """The header's definition, written out in Python."""
-    h, out = lib.EP_PREFIX_SEED, []
+    h, out = lib.EP_PREFIX_SEED ^ salt, []
     for b in range(len(tokens) // BLOCK):
         for t in tokens[b * BLOCK : (b + 1) * BLOCK]:
             h = ((h ^ (t & 0xFFFFFFFF)) * lib.EP_PREFIX_MUL) & M64
@@ -37,9 +37,9 @@ def ids(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 49152, n, dtype=np.int32)
 
 
-@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5 * BLOCK + 7))
-def test_the_c_chain_is_the_definition(tokens: list[int]) -> None:
-    assert wire.prefix_chain(np.array(tokens, dtype=np.int32)).tolist() == reference_chain(tokens)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5 * BLOCK + 7), st.integers(0, M64))
+def test_the_c_chain_is_the_definition(tokens: list[int], salt: int) -> None:
+    assert wire.prefix_chain(np.array(tokens, dtype=np.int32), salt).tolist() == reference_chain(tokens, salt)
 
 
 def test_a_blocks_hash_names_the_whole_prefix_before_it() -> None:
@@ -59,7 +59,7 @@ def test_the_table_holds_every_block_of_each_sequence_once_first_ones_first() ->
     system = ids(3 * BLOCK, seed=1)
     chat_a = np.concatenate([system, ids(2 * BLOCK + 10, seed=2)])
     chat_b = np.concatenate([system, ids(BLOCK, seed=3)])
-    table = wire.prefix_table([chat_a, chat_b], 16)
+    table = wire.prefix_table([(0, chat_a), (0, chat_b)], 16)
     assert table.dtype == np.uint64 and len(table) == 16
     held = table[table != 0].tolist()
     assert held == wire.prefix_chain(chat_a).tolist() + wire.prefix_chain(chat_b)[3:].tolist()  # system prompt once
@@ -73,7 +73,7 @@ def test_the_table_holds_every_block_of_each_sequence_once_first_ones_first() ->
 
 def test_a_full_table_keeps_the_first_sequences() -> None:
     first, second = ids(3 * BLOCK, seed=6), ids(3 * BLOCK, seed=7)
-    table = wire.prefix_table([first, second], 4)
+    table = wire.prefix_table([(0, first), (0, second)], 4)
     assert table.tolist() == [*wire.prefix_chain(first).tolist(), int(wire.prefix_chain(second)[0])]
     assert prefix_match(table, first) == 3 and prefix_match(table, second) == 1
     assert not wire.prefix_table([], 4).any()
@@ -81,7 +81,7 @@ def test_a_full_table_keeps_the_first_sequences() -> None:
 
 def test_the_agents_reusable_chain_matches_like_the_function() -> None:
     request = ids(3 * BLOCK + 5, seed=8)
-    table = wire.prefix_table([request[: 2 * BLOCK]], 8)
+    table = wire.prefix_table([(0, request[: 2 * BLOCK])], 8)
     chain = wire.PrefixChain(4 * BLOCK)
     assert chain.compute(request) == 3
     assert chain.matched(table) == 2 == prefix_match(table, request)
@@ -112,3 +112,27 @@ def test_the_table_follows_the_state_words_and_is_in_the_header() -> None:
 def test_a_table_beyond_the_limit_is_refused() -> None:
     with pytest.raises(PoolError, match=f"prefix entries \\(allowed 0..{wire.PREFIX_ENTRIES_MAX}\\)"):
         SlotPool.layout_for(2, 16, 16, prefix_entries=wire.PREFIX_ENTRIES_MAX + 1)
+
+
+def test_a_prefix_written_under_one_salt_is_not_found_under_another() -> None:
+    """The tenant boundary in the table: the same tokens under two cache salts are named by different hashes, so
+    an agent finds a server's prefix only for requests of the salt it was written under."""
+    system = ids(3 * BLOCK, seed=11)
+    a, b = wire.cache_salt(b"tenant-a"), wire.cache_salt(b"tenant-b")
+    assert len({0, a, b}) == 3
+    table = wire.prefix_table([(a, system)], 16)
+    chain = wire.PrefixChain(4 * BLOCK)
+    chain.compute(system, a)
+    assert chain.matched(table) == 3
+    for other in (b, 0):
+        chain.compute(system, other)
+        assert chain.matched(table) == 0
+    assert prefix_match(table, system) == 0  # no salt: the anonymous namespace, not a's
+
+
+def test_the_cache_salt_is_the_tenant_and_the_requests_own_salt() -> None:
+    assert wire.cache_salt(b"") == 0  # no tenants, no cache_salt: one anonymous namespace, as before ABI 8
+    assert wire.cache_salt(b"", "s") not in (0, wire.cache_salt(b"", "t"))
+    assert wire.cache_salt(b"k", "s") != wire.cache_salt(b"j", "s")  # the same cache_salt in two tenants
+    assert wire.cache_salt(b"k") != wire.cache_salt(b"k", "")  # an empty cache_salt is a salt of its own
+    assert wire.cache_salt(b"k", "s") == wire.cache_salt(b"k", "s") < 2**64

@@ -28,7 +28,7 @@ class Server:
 
 def table_of(*sequences: np.ndarray) -> np.ndarray:
     """A published prefix table holding ``sequences`` (as a slot server writes it)."""
-    return wire.prefix_table(sequences, wire.PREFIX_ENTRIES)
+    return wire.prefix_table([(0, tokens) for tokens in sequences], wire.PREFIX_ENTRIES)
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from helpers.prefix import prefix_match
 
 from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
+from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
 from edgepath.slots.handlers import Emit, HoldsPrefixes, SlotRequest, echo
 
@@ -25,12 +26,12 @@ class Remembers:
     """Echoes a request's first token and holds every prompt it answered, as a prefix cache would."""
 
     def __init__(self, held: list[np.ndarray] | None = None) -> None:
-        self.held = list(held or [])
+        self.held = [(0, tokens) for tokens in held or []]
         self.version = 0
 
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
         request.output[:1] = request.tokens[:1]
-        self.held.insert(0, request.tokens.copy())
+        self.held.insert(0, (request.salt, request.tokens.copy()))
         self.version += 1
         return [Emit(request.slot, 1, Status.OK)]
 
@@ -49,7 +50,7 @@ class Remembers:
     def prefixes_version(self) -> int:
         return self.version
 
-    def prefixes(self) -> list[np.ndarray]:
+    def prefixes(self) -> list[tuple[int, np.ndarray]]:
         return self.held
 
 
@@ -104,4 +105,35 @@ def test_what_a_server_answered_is_published_and_draws_the_follow_up(make_server
     # By free slots b would come first; the follow-up turn goes to a, which holds its first three blocks.
     send(agent, first + ids(BLOCK // 2, seed=7))
     assert (claimed_on(a), claimed_on(b)) == (2, 0)
+    assert (link_a.stats.affine, link_b.stats.affine) == (1, 0)
+
+
+def test_a_prefix_draws_only_requests_of_the_salt_it_was_written_under(make_server, new_agent) -> None:
+    """Placement reveals nothing across tenants: another salt's request holding the same prompt is placed by free
+    slots, as if nothing were held; the writer's own follow-up still goes where its prefix is."""
+    a, b = make_server(Remembers(), slots=2, cap=CAP), make_server(Remembers(), slots=2, cap=CAP)
+    agent: Agent = new_agent(cap=CAP)
+    link_a, link_b = agent.attach(a.address), agent.attach(b.address)
+    tenant_a, tenant_b = wire.cache_salt(b"key-a"), wire.cache_salt(b"key-b")
+    first = SYSTEM + ids(BLOCK, seed=5)
+
+    def send_salted(tokens: list[int], salt: int) -> int:
+        index = agent.acquire()
+        assert index is not None
+        write_request(agent.frames, index, tokens, request_id=index + 1, max_new_tokens=CAP, flags=wire.FLAG_STREAM)
+        agent.frames.request_headers[index].salted(salt)
+        assert agent.submit(index) is None
+        return index
+
+    index = send_salted(first, tenant_a)  # a tie: the first listed
+    assert serve_once(a) == 1
+    assert [d.index for d in agent.poll(timeout=5.0) if d.final] == [index]
+    agent.release(index)
+    agent.free_slots()
+    send_salted(ids(3 * BLOCK, seed=6), 0)  # another prompt: a tie, a -- which has one free slot left
+    assert (claimed_on(a), claimed_on(b)) == (1, 0)
+    send_salted(first, tenant_b)  # B sends A's prompt: b has more free slots and a holds nothing of B's
+    assert (claimed_on(a), claimed_on(b)) == (1, 1)
+    send_salted(first, tenant_a)  # A's own repeat: a ties b on free slots, and holds A's prefix
+    assert (claimed_on(a), claimed_on(b)) == (2, 1)
     assert (link_a.stats.affine, link_b.stats.affine) == (1, 0)

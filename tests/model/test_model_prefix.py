@@ -139,9 +139,9 @@ def test_held_lists_idle_streams_then_host_copies_each_by_recent_use_and_the_ver
     versions.append(book.version)
     assert versions == sorted(set(versions))  # every change moved it
     held = book.held()
-    assert [h.tolist() for h in held] == [chat(2).tolist(), chat(1).tolist(), seq(5, 30).tolist()]
+    assert [h.tolist() for _, h in held] == [chat(2).tolist(), chat(1).tolist(), seq(5, 30).tolist()]
     book.place(chat(2))  # a running stream's content is the running request's: not held
-    assert [h.tolist() for h in book.held()] == [chat(1).tolist(), seq(5, 30).tolist()]
+    assert [h.tolist() for _, h in book.held()] == [chat(1).tolist(), seq(5, 30).tolist()]
 
 
 # -- host copies ------------------------------------------------------------------------------------
@@ -239,3 +239,55 @@ def test_sources_at_equal_length_prefer_no_copy_then_one_copy() -> None:
     restored = book.place(chat(4), computed={b.stream: chat(2)})
     assert restored.restore is not None and restored.source is None
     assert (book.stats.in_place, book.stats.restored, book.stats.shared) == (1, 1, 0)
+
+
+# -- cache salts: a tenant never reads another's KV -------------------------------------------------------
+
+A, B = 0xA11CE, 0xB0B
+
+
+def test_a_free_stream_is_reused_only_by_its_own_salt() -> None:
+    book = PrefixBook(streams=2, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1), salt=A).stream, chat(1))
+    other = book.place(chat(2), salt=B)  # the same system prompt under another salt
+    assert other.reuse == 0 and other.restore is None and other.source is None
+    assert book.stats.misses == 2 and book.stats.hits == 0  # the first request and B's
+    book.finished(other.stream, None)
+    own = book.place(chat(3), salt=A)
+    assert own.reuse == len(SYSTEM) and book.stats.cached_tokens == len(SYSTEM)
+    book.finished(own.stream, chat(3))
+    assert book.place(chat(4)).reuse == 0  # no salt is a namespace of its own too
+
+
+def test_a_host_copy_is_restored_only_for_its_own_salt_and_superseded_only_by_it() -> None:
+    book = PrefixBook(streams=1, capacity=1000, min_reuse=4)
+    book.save(chat(1), "a-copy", 100, salt=A)
+    assert book.wants(chat(1), 100, salt=B)  # B's identical sequence is not A's: it is saved apart
+    assert not book.wants(chat(1), 100, salt=A)
+    book.save(np.concatenate([chat(1), seq(7, 8)]), "b-longer", 120, salt=B)
+    assert sorted(s.blob for s in book.saved) == ["a-copy", "b-longer"]  # B's longer one supersedes nothing of A
+    placed = book.place(chat(2), salt=B)
+    assert placed.restore is not None and placed.restore.blob == "b-longer"
+    book.finished(placed.stream, None)
+    placed = book.place(chat(2), salt=A)
+    assert placed.restore is not None and placed.restore.blob == "a-copy"
+    book.finished(placed.stream, None)
+    assert book.place(chat(2), salt=0xC).reuse == 0
+
+
+def test_a_running_streams_prefix_is_copied_only_within_its_salt() -> None:
+    book = PrefixBook(streams=3, capacity=0, min_reuse=4)
+    a = book.place(chat(1), salt=A)
+    computed = {a.stream: chat(1)[:30]}
+    assert book.place(chat(2), computed=computed, salt=B).reuse == 0
+    placed = book.place(chat(3), computed=computed, salt=A)
+    assert placed.source == a.stream and placed.reuse == 30
+
+
+def test_what_is_held_is_published_with_its_salt() -> None:
+    book = PrefixBook(streams=2, capacity=1000, min_reuse=4)
+    a, b = book.place(chat(1), salt=A), book.place(chat(2), salt=B)
+    book.save(chat(2), "b", 100, salt=B)
+    book.finished(a.stream, chat(1))
+    book.finished(b.stream, None)
+    assert [(salt, t.tolist()) for salt, t in book.held()] == [(A, chat(1).tolist()), (B, chat(2).tolist())]

@@ -1,0 +1,78 @@
+"""Who a request is, for the prefix cache and for quotas: tenants, sans I/O.
+
+A **tenant** is what an API key stands for.  With a flat key list (``--api-keys-file``, ``$EDGEPATH_API_KEYS``)
+each key is a tenant of its own; a tenants file (:mod:`edgepath.edge.tenants_file`) maps several keys to one
+named tenant with its limits.  Without any keys every request is the one anonymous tenant.
+
+Each tenant has a **cache namespace**: the edge turns it and the request's own ``cache_salt`` (a body field, as
+vLLM accepts) into the request header's ``cache_salt`` word (:func:`edgepath.contract.wire.cache_salt`), and the
+model side reuses KV -- and the agent places a request by prefix -- only from prefixes written under the same
+word.  So one tenant never reads another's KV, nor learns from ``cached_tokens``, ``Server-Timing`` or a faster
+first token that another sent the same prompt.  Sharing is opt-in (``share_prefix``): the tenants that opt in
+share one public namespace among themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from edgepath.contract import wire
+from edgepath.edge.sampling import SamplingInvalid, show
+
+#: the namespace of tenants that opt in to the shared prefix cache (``share_prefix = true``)
+PUBLIC_NAMESPACE = b"public"
+#: the longest ``cache_salt`` a request may give, in UTF-8 bytes
+CACHE_SALT_MAX = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant: its name (in metrics and the usage log), its cache namespace and its limits (0: none)."""
+
+    name: str
+    namespace: bytes
+    slot_floor: int = 0
+    slot_cap: int = 0
+    tokens_per_minute: int = 0
+    tokens_per_day: int = 0
+    share_prefix: bool = False
+
+    @property
+    def cache_namespace(self) -> bytes:
+        """The namespace its requests' prefixes are written and found under."""
+        return PUBLIC_NAMESPACE if self.share_prefix else self.namespace
+
+    def salt(self, cache_salt: str | None) -> int:
+        """The request header's ``cache_salt`` for one of its requests with this ``cache_salt`` field."""
+        return wire.cache_salt(self.cache_namespace, cache_salt)
+
+
+#: every request when no API key is configured: one namespace, no limits -- the server as it was before tenants
+ANONYMOUS = Tenant("anonymous", b"")
+
+
+def key_tenant(digest: bytes) -> Tenant:
+    """The tenant of one key of a flat list: a namespace of its own (sharing is never the default), named by the
+    first 12 hex digits of the key's SHA-256 (the key itself is never shown)."""
+    return Tenant(f"key-{digest.hex()[:12]}", b"key:" + digest)
+
+
+def parse_cache_salt(doc: Mapping[str, Any]) -> str | None:
+    """A request's ``cache_salt`` field: a non-empty string of at most :data:`CACHE_SALT_MAX` UTF-8 bytes, or None
+    when absent (or null).  :class:`SamplingInvalid` (naming the field) otherwise."""
+    value = doc.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SamplingInvalid("cache_salt", f"'cache_salt' must be a non-empty string, got {show(value)}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SamplingInvalid(
+            "cache_salt", "'cache_salt' holds an unpaired surrogate escape, which is not valid UTF-8"
+        ) from None
+    if size > CACHE_SALT_MAX:
+        raise SamplingInvalid("cache_salt", f"'cache_salt' must be at most {CACHE_SALT_MAX} bytes, got {size}")
+    return value

@@ -1,0 +1,150 @@
+"""The tenants file on a real ``edgepath serve``: a bad file is one error line and exit 2 before anything starts;
+SIGHUP reloads it without dropping a stream in flight; a file made bad meanwhile keeps the tenants in use."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers.supervised import start_serve_tcp
+from test_cli_errors import edgepath_fails
+
+from edgepath.children import Child
+
+pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
+
+
+def tenants(*entries: tuple[str, str]) -> str:
+    """A tenants file of (name, key) entries."""
+    return "".join(
+        f'[tenants.{name}]\nkeys = ["sha256:{hashlib.sha256(key.encode()).hexdigest()}"]\n' for name, key in entries
+    )
+
+
+def generate(port: int, key: str, max_tokens: int = 4, stream: bool = False) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        ids = list(range(1, max_tokens + 1))  # echoed: max_tokens tokens come back
+        body = json.dumps({"tokens": ids, "max_tokens": max_tokens, "stream": stream})
+        conn.request("POST", "/v1/generate", body, {"x-api-key": key, "content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.fixture(autouse=True)
+def no_flat_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("EDGEPATH_API_KEYS", raising=False)
+
+
+def test_a_bad_tenants_file_is_one_line_naming_the_file_and_the_entry_and_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants(("acme", "k")) + "slot_cap = -2\n")
+    line = edgepath_fails(["serve", "--handler", "echo", "--tenants-file", str(path)], tmp_path)
+    for needle in (f"tenants file {path}", "tenant 'acme'", "'slot_cap'", "0.."):
+        assert needle in line, (needle, line)
+
+
+def test_sighup_reloads_the_tenants_without_dropping_a_stream_and_a_bad_file_keeps_them(
+    edgepath_process: Callable[..., Child], tmp_path: Path
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants(("acme", "key-a")))
+    serve, port = start_serve_tcp(
+        edgepath_process,
+        "--handler",
+        "paced-echo",
+        "--handler-option",
+        "token_delay=0.05",
+        "--tenants-file",
+        str(path),
+    )
+    assert generate(port, "key-a")[0] == 200
+    assert generate(port, "key-b")[0] == 401
+    # A stream of 40 tokens (about 2 s) is in flight while the file changes and SIGHUP arrives.
+    streamed: list[tuple[int, bytes]] = []
+    worker = threading.Thread(target=lambda: streamed.append(generate(port, "key-a", 40, stream=True)))
+    worker.start()
+    time.sleep(0.5)
+    path.write_text(tenants(("beta", "key-b")))
+    serve.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while generate(port, "key-b")[0] != 200:
+        assert time.monotonic() < deadline, "key-b was not admitted after SIGHUP"
+        time.sleep(0.1)
+    assert generate(port, "key-a")[0] == 401  # its tenant left the file
+    worker.join(timeout=30)
+    status, body = streamed[0]
+    assert status == 200 and body.count(b'data: {"token"') == 40 and b"event: done" in body  # not dropped
+    # A file made bad: one error line, and the tenants in use are kept.
+    path.write_text("[tenants.beta]\nkeys = 3\n")
+    serve.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while "SIGHUP: tenants file" not in serve.stderr_tail():
+        assert time.monotonic() < deadline, serve.stderr_tail()
+        time.sleep(0.1)
+    assert "keeping the tenants in use" in serve.stderr_tail()
+    assert generate(port, "key-b")[0] == 200
+
+
+def complete(port: int, key: str, prompt: str, max_tokens: int) -> tuple[int, dict, dict[str, str]]:
+    """One OpenAI completion: status, document, headers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+MODEL = "echo"
+
+
+def test_usage_log_lines_sum_to_the_answers_usage_and_quota_headers_come_with_every_answer(
+    edgepath_process: Callable[..., Child], tmp_path: Path
+) -> None:
+    path, log = tmp_path / "tenants.toml", tmp_path / "usage.jsonl"
+    path.write_text(tenants(("acme", "key-a"), ("beta", "key-b")) + "tokens_per_minute = 200\n")
+    _, port = start_serve_tcp(
+        edgepath_process,
+        "--handler",
+        "echo",
+        "--served-model-name",
+        MODEL,
+        "--tenants-file",
+        str(path),
+        "--usage-log",
+        str(log),
+    )
+    answered: dict[str, list[dict]] = {"acme": [], "beta": []}
+    for i in range(6):
+        key, tenant = ("key-a", "acme") if i % 2 else ("key-b", "beta")
+        status, doc, headers = complete(port, key, f"request number {i} of the usage test", 8)
+        if tenant == "beta":
+            assert headers["x-ratelimit-limit-tokens"] == "200"
+            assert 0 <= int(headers["x-ratelimit-remaining-tokens"]) < 200
+            assert headers["x-ratelimit-reset-tokens"].endswith("s")
+        else:
+            assert "x-ratelimit-limit-tokens" not in headers  # no quota
+        if status == 200:
+            answered[tenant].append(doc["usage"])
+    status, doc, headers = complete(port, "key-b", "a long one", 190)  # its reservation cannot fit what is left
+    assert status == 429 and doc["error"]["code"] == "quota_exceeded" and int(headers["retry-after-ms"]) > 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == sum(len(v) for v in answered.values())  # one line per request that ran, refused ones none
+    for tenant, usages in answered.items():
+        mine = [line for line in lines if line["tenant"] == tenant]
+        for field, usage_field in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens")):
+            assert sum(line[field] for line in mine) == sum(u[usage_field] for u in usages) > 0
+    assert {line["finish"] for line in lines} <= {"stop", "length"}
