@@ -168,6 +168,22 @@ def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, 
         )
 
 
+def connect_all(
+    agent: Agent, settings: AgentSettings, slot_servers: tuple[str, ...], flags: Mapping[str, str] | None = None
+) -> None:
+    """Attach ``agent`` to the fixed ``slot_servers`` (:func:`attach_all`), then to what
+    ``--slot-servers-from`` names, which it follows from then on (a source's slot servers may come and go: one
+    that does not answer yet is not an error)."""
+    attach_all(agent, slot_servers, flags)
+    if settings.slot_servers_from:
+        from edgepath.dpu.discovery import Membership, parse_source
+        from edgepath.dpu.resolvers import Follower
+
+        source = parse_source(settings.slot_servers_from)
+        agent.follow(Follower(source, Membership(settings.resolve_interval)))
+        log.info("following slot servers from %s: %d attached now", source, len(agent.links) - len(slot_servers))
+
+
 def build_agent(
     settings: AgentSettings,
     capacity: Capacity,
@@ -177,9 +193,10 @@ def build_agent(
 ) -> Agent:
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
     is reported before anything else starts) whose frames hold ``capacity``, attached to ``slot_servers``
-    (``flags``: see :func:`attach_all`); the caller closes ``transport``."""
+    (``flags``: see :func:`attach_all`) and to the slot servers of ``settings``' source (:func:`connect_all`);
+    the caller closes ``transport``."""
     agent = make_agent(settings, capacity, transport)
-    attach_all(agent, slot_servers, flags)
+    connect_all(agent, settings, slot_servers, flags)
     return agent
 
 
@@ -196,6 +213,7 @@ def make_agent(settings: AgentSettings, capacity: Capacity, transport: Transport
         hang_timeout=settings.hang_timeout,
         max_wait=settings.max_wait,
         migration_limit=settings.migration_limit,
+        drain_timeout=settings.drain_timeout,
         **memory,
     )
 
@@ -229,7 +247,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
             )
             made.append(data_path_transport(settings.data_path, agent_settings.hang_timeout))
             agent = agent_on(made[-1], frames_buffer=edge_frames[0].buf, replies_buffer=edge_frames[1].buf)
-        attach_all(agent, settings.slot_servers)
+        connect_all(agent, agent_settings, settings.fixed_slot_servers)
         return AgentService(
             agent,
             edge_transport,
