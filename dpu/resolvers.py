@@ -78,7 +78,8 @@ class Follower:
             self._pending = None
             changes = self._take(pending.result())
         if self._pending is None and self.membership.due(self._clock()):
-            self._pending = future = Future()
+            future: Future[set[str] | None] = Future()
+            self._pending = future
             threading.Thread(target=lambda: future.set_result(self._resolve()), name="resolve", daemon=True).start()
         return changes
 
