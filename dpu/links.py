@@ -99,6 +99,8 @@ class ServerLink:
     reattaches: int = 0  # times this slot server came back and was attached again
     position: int = 0  # its place in the link set's scratch region (kept over re-attaches, freed when let go)
     leaving: bool = False  # removed from the source of slot servers: let go of once drained, never re-attached
+    #: the pool header's draining word as last read (with the heartbeat): nonzero once the server is stopping
+    stopping: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.uint64))
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -444,6 +446,7 @@ class LinkSet:
                 f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
             )
         table_offset = words_offset + gap
+        at_drain = words_offset - head + wire.DRAINING_OFFSET - wire.HEARTBEAT_OFFSET
         now = self.clock()
         link = ServerLink(
             address,
@@ -465,12 +468,22 @@ class LinkSet:
             LinkTracker(address, self.hang_timeout, now),
             rejoin=Retry(self.reattach),
             position=position,
+            stopping=self.scratch_mr.buf[at_drain : at_drain + 8].view(np.uint64),
             prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
             read_bytes=gap + 8 * entries if entries else 8 * n,
         )
         self._read(link)
         link.tracker.attached(int(link.beat[0]), now)
+        self._heed_drain(link, now)
         return link
+
+    def _heed_drain(self, link: ServerLink, now: float) -> None:
+        """A server that says it drains (its pool header's word, read with the heartbeat) is claimed no more."""
+        if link.stopping[0] and not link.draining and link.alive:
+            link.tracker.drain(now, "the slot server is stopping")
+            log.info(
+                "slot server %s is stopping: draining it; %d requests in flight there", link.address, link.inflight
+            )
 
     # -- reading --------------------------------------------------------------------
     def _read(self, link: ServerLink) -> None:
@@ -490,8 +503,10 @@ class LinkSet:
         when the READ fails: the caller takes the link down)."""
         self._read(link)
         tracker = link.tracker
+        now = self.clock()
+        self._heed_drain(link, now)
         before = tracker.state
-        state = tracker.observe(int(link.beat[0]), self.clock())
+        state = tracker.observe(int(link.beat[0]), now)
         if state is not before:
             health = tracker.health()
             if state is LinkState.UP:

@@ -151,6 +151,10 @@ class EdgeService:
         if self._check_handle is not None:
             self._check_handle.cancel()
 
+    def drain(self) -> None:
+        """Stop taking new requests (503 ``draining``, /health/ready 503) and finish those under way."""
+        self.lifecycle.draining = True
+
     @property
     def pending(self) -> int:
         """Requests not answered yet, or whose frame a tokenizer worker still holds."""

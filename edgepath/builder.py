@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,6 +97,7 @@ def slot_server_config(settings: SlotServerSettings) -> SlotServerConfig:
         handler_deadline=settings.handler_deadline,
         stream_window=settings.stream_window,
         step_budget=settings.model_step_budget,
+        grace_period=settings.grace_period,
     )
 
 
@@ -469,9 +470,10 @@ async def start_edge(
     loop: asyncio.AbstractEventLoop,
     cleanup: contextlib.ExitStack,
     supervision: Callable[[], tuple[int, int] | None] | None,
-) -> None:
+) -> Callable[[], Awaitable[None]]:
     """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse.
-    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none)."""
+    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none).
+    Returns the edge's graceful stop (:func:`drain_edge`), to await before ``cleanup``."""
     from edgepath.edge.service import TOKENIZER_WORKERS
     from edgepath.edge.tokenizer import load_tokenizer
 
@@ -491,6 +493,24 @@ async def start_edge(
     except OSError as exc:
         raise _cannot_listen(edge, exc) from exc
     cleanup.callback(server.close)
+    return lambda: drain_edge(service, server, edge.grace_period)
+
+
+async def drain_edge(service: EdgeService, server: asyncio.Server | QuicServer, grace: float) -> None:
+    """Stop gracefully: take no new requests -- over TCP no new connections; over QUIC, whose one socket
+    carries the streams under way, new requests get 503 ``draining`` -- and return once every request under
+    way is answered (its stream ended) or after ``grace`` seconds.  /health/ready answers 503 meanwhile, so a
+    load balancer sends nothing more here."""
+    service.drain()
+    if isinstance(server, asyncio.Server):
+        server.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    pending = service.pending
+    log.info("draining: %d requests under way, grace period %g s", pending, grace)
+    while service.pending and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    log.info("drained: %d requests left unanswered", service.pending)
 
 
 def serve_tls(edge: EdgeSettings) -> TlsFiles | None:

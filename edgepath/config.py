@@ -249,6 +249,13 @@ class SlotServerSettings:
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
     hang_timeout: float = like(AgentSettings, "hang_timeout")
+    grace_period: float = option(
+        SlotServerConfig.grace_period,
+        type=non_negative_float,
+        help="on SIGTERM, seconds to finish what runs: the server says it drains (agents claim nothing more "
+        "here), serves what it holds, and exits 0 when that is done; what still runs after this long moves to "
+        "other slot servers (a second SIGTERM, or SIGINT, stops at once; default %(default)s)",
+    )
     step_budget: float | None = option(
         None,
         type=positive_float,
@@ -365,6 +372,13 @@ class EdgeSettings:
         False,
         switch=True,
         help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
+    )
+    grace_period: float = like(
+        SlotServerSettings,
+        "grace_period",
+        help="on SIGTERM, seconds to finish the requests under way: the edge takes no new ones (503 draining, "
+        "/health/ready 503; over TCP no new connections) and exits when they are answered (a second SIGTERM, or "
+        "SIGINT, stops at once; default %(default)s)",
     )
     # serve sets it for each of its workers: this edge is one of several on the port
     reuse_port: bool = option(False, switch=True, help=argparse.SUPPRESS)

@@ -194,3 +194,26 @@ def test_a_named_slot_server_that_does_not_answer_is_tried_with_back_off_and_its
     next_resolution(agent, clock, lambda: b.address in addresses(agent))
     assert addresses(agent) == [b.address] and not link_set.joining
     assert agent.links[0].position == position  # a's place in the scratch region, freed and taken again
+
+
+def test_a_slot_server_that_says_it_drains_is_claimed_no_more_and_finishes_what_it_holds(
+    new_agent, make_server, clock: Clock
+) -> None:
+    a, b = make_server(slots=2), make_server(slots=2)
+    agent = new_agent(clock=clock, drain_timeout=DRAIN, hang_timeout=HANG)
+    for server in (a, b):
+        agent.attach(server.address)
+    index = send(agent, [1, 2, 3], max_new=3)
+    held = agent.inflight[index].link
+    server, other = (a, b) if held.address == a.address else (b, a)
+    server.memory.drain()  # what SIGTERM makes it say (slots/server.py: drain)
+    clock.now += agent.link_set.probe_interval
+    agent.check_links()  # the next link check reads the word with the heartbeat
+    health = held.tracker.health()
+    assert (health.state, health.detail) == (LinkState.DRAINING, "the slot server is stopping")
+    for _ in range(2):
+        assert agent.inflight[send(agent, [7])].link.address == other.address
+    assert serve_once(server) == 1
+    assert collect(agent, index)[-1].final and agent.frames.outputs[index, :3].tolist() == [1, 2, 3]
+    agent.revive()
+    assert held in agent.links  # not left the source: once it is gone, it is re-attached when it is back
