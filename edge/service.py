@@ -124,6 +124,7 @@ class EdgeService:
             supervision=supervision,
             slot_servers=port.servers,
             clock=_seconds,
+            gateway=lambda: (self.pending, *port.free_slots()),
         )
         self.lifecycle = EdgeLifecycle(
             core,

@@ -137,6 +137,10 @@ def test_an_edge_on_sigterm_takes_no_new_request_finishes_those_under_way_and_ex
     for thread in threads:
         thread.start()
     wait_for(lambda: claims(port, a) >= 3, PATIENCE, "three requests under way")
+    # each runs about a second: an inference gateway sees them running on 3 of the 4 slots, none waiting
+    text = scrape(port)
+    assert series(text, "vllm:num_requests_running") == 3 and series(text, "vllm:num_requests_waiting") == 0
+    assert series(text, "vllm:kv_cache_usage_perc") == 3 / SLOTS
     edge.send_signal(signal.SIGTERM)
 
     def ready_status() -> int:
