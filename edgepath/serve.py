@@ -69,9 +69,19 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         gave_up.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    def supervisor(name: str, argv: list[str], env: dict[str, str] | None = None) -> Supervisor:
+    def supervisor(
+        name: str, argv: list[str], env: dict[str, str] | None = None, stop_signal: int = signal.SIGTERM
+    ) -> Supervisor:
         policy = RestartPolicy(max_restarts=options.supervision.max_restarts, window=options.supervision.restart_window)
-        made = Supervisor(name, argv, policy, give_up, ready_timeout=options.supervision.start_timeout, env=env)
+        made = Supervisor(
+            name,
+            argv,
+            policy,
+            give_up,
+            ready_timeout=options.supervision.start_timeout,
+            env=env,
+            stop_signal=stop_signal,
+        )
         cleanup.callback(made.stop)
         return made
 
@@ -85,7 +95,8 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         listen = None
         drain_edge: Callable[[], Awaitable[None]] | None = None
         if plan.slot_server is not None:
-            local = supervisor("slot server", slot_server_argv(plan.slot_server))
+            # stopped when the edges have: at once (SIGINT), not drained for agents that are gone or going
+            local = supervisor("slot server", slot_server_argv(plan.slot_server), stop_signal=signal.SIGINT)
             listen = local.start().address or plan.slot_server.listen
             watch = watch_started_slot_server(options, local, listen, shared)
             cleanup.callback(watch.stop)  # before the supervisor stops: no kill while everything stops
