@@ -53,6 +53,8 @@ COMPLETIONS_REGION = "completions"
 #: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
 #: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
 HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
+#: byte offset of the pool header's draining word (in the same READ): nonzero once the slot server is stopping
+DRAINING_OFFSET = field_offset(POOL_HEADER, "draining")
 #: the load region (ABI 7, ``struct ep_load``): right after the pool header, before the state words, so the READ
 #: from the heartbeat on carries it; the step policy's costs, knobs and work (:class:`~edgepath.contract.plan.Load`)
 LOAD_REGION = struct_dtype("ep_load")

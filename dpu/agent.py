@@ -36,8 +36,16 @@ from edgepath.dpu.admission import Admission, Choice, Decision
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
-from edgepath.dpu.links import REATTACH_BACKOFF, REATTACH_TIMEOUT, AgentError, LinkSet, ServerLink
+from edgepath.dpu.links import (
+    DEFAULT_DRAIN_TIMEOUT,
+    REATTACH_BACKOFF,
+    REATTACH_TIMEOUT,
+    AgentError,
+    LinkSet,
+    ServerLink,
+)
 from edgepath.dpu.port import Delivery, SlotServerStatus
+from edgepath.dpu.resolvers import Follower
 from edgepath.dpu.retry_advice import RetryAdvice
 from edgepath.native.abi import REQUEST_HEADER, Status, field_offset, lib
 from edgepath.transports.base import Access, MemoryRegion, Transport, TransportError
@@ -91,6 +99,7 @@ class Agent:
         max_wait: float = DEFAULT_MAX_WAIT,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         seed: int | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         """Frames are two registered regions (least privilege): requests, which the agent only sends
         from -- no peer may write them (``frames_access`` widens that only for an agent whose edges
@@ -103,7 +112,8 @@ class Agent:
         request may be predicted to wait for its first token beyond its own prompt's time (its own bound,
         ``max_wait_ms`` in its request header, may only be smaller); ``migration_limit``: how often one request
         may move to another slot server when its own goes down or unresponsive (0: never: it is answered 503 or
-        504 then); ``seed``: of the jitter on refused clients' retry times (a test's own)."""
+        504 then); ``seed``: of the jitter on refused clients' retry times (a test's own); ``drain_timeout``:
+        seconds a draining slot server keeps its requests before they move (:meth:`LinkSet.settle`)."""
         if migration_limit < 0:
             raise ValueError(f"migration limit must be >= 0, got {migration_limit}")
         self.migration_limit = migration_limit
@@ -134,7 +144,9 @@ class Agent:
             reattach,
             on_down=self._lose,
             on_unresponsive=self._stall,
+            drain_timeout=drain_timeout,
         )
+        self.follower: Follower | None = None  # where the slot servers are read from, when they are not fixed
         #: the attached slot servers, in attach order (the link set's own list)
         self.links = self.link_set.links
         self.admission = Admission(input_capacity)
@@ -180,9 +192,26 @@ class Agent:
         """Connect to a slot server and verify its pool (:meth:`LinkSet.attach`)."""
         return self.link_set.attach(address, timeout)
 
+    def follow(self, follower: Follower, timeout: float = 5.0) -> None:
+        """Take the slot servers from ``follower``'s source from now on: resolve it and attach what it names
+        now (one that does not answer is tried again with back-off), then follow its changes in :meth:`revive`."""
+        self.follower = follower
+        for address in follower.first().attach:
+            self.link_set.add(address)
+        self.link_set.join_now(timeout)
+
     def revive(self, timeout: float = REATTACH_TIMEOUT) -> list[ServerLink]:
-        """Re-attach slot servers that went away (:meth:`LinkSet.revive`)."""
-        return self.link_set.revive(timeout)
+        """Follow the source of slot servers (attach the new, drain the gone: :meth:`LinkSet.settle`) and
+        re-attach slot servers that went away (:meth:`LinkSet.revive`); cheap at every tick."""
+        link_set = self.link_set
+        if self.follower is not None:
+            changes = self.follower.poll()
+            for address in changes.attach:
+                link_set.add(address)
+            for address in changes.drain:
+                link_set.remove(address)
+        link_set.settle()
+        return link_set.revive(timeout)
 
     def _lose(self, link: ServerLink) -> None:
         """``link`` went down: what was in flight there moves to another slot server when it can
@@ -455,7 +484,9 @@ class Agent:
         flight = book.inflight.get(index)
         link = self.link_set.by_conn.get(conn_id)
         progress = wire.is_progress_imm(imm)
-        if link is not None and (not link.alive or (flight is not None and flight.moves and flight.link is not link)):
+        if (link is None and conn_id in self.link_set.retired) or (
+            link is not None and (not link.alive or (flight is not None and flight.moves and flight.link is not link))
+        ):
             # Sent on a link given up on since (what was in flight there is answered, 503, or moved, and its frame
             # maybe reused), or by a server the request moved away from: late, never a second answer (nor
             # "unknown").

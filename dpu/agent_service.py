@@ -90,11 +90,16 @@ class AgentService:
             wire.STATUS_REGION, wire.STATUS_BYTES, Access.REMOTE_READ
         )
         self._status = wire.AgentStatus(self.status_mr.buf)
+        # Edges name the links by the addresses given here, in order: a set that follows a source changes, so
+        # such an agent publishes its totals only.
+        self._fixed = agent.follower is None
         self.listener: Listener = edge_transport.listen(
             address,
             [*regions, self.status_mr],
             wire.EdgeGrant.capacities(
-                agent.layout.input_capacity, agent.layout.output_capacity, [link.address for link in agent.links]
+                agent.layout.input_capacity,
+                agent.layout.output_capacity,
+                [link.address for link in agent.links] if self._fixed else [],
             ),
         )
         self.address = address
@@ -181,14 +186,14 @@ class AgentService:
             self._answer(delivery.index, delivery.final)
 
     def publish_status(self) -> None:
-        """Re-attach slot servers that came back, then publish free/total slots and each link's state
-        (reading every server's heartbeat on the way); tell edges which of their frames are on a server
-        that stopped responding."""
+        """Follow the slot servers' source and re-attach those that came back, then publish free/total slots
+        and each link's state (reading every server's heartbeat on the way); tell edges which of their frames
+        are on a server that stopped responding."""
         agent = self.agent
-        if not all(link.alive for link in agent.links):
-            agent.revive()
+        agent.revive()
         free, total = agent.free_slots()
-        self._status.publish(free, total, agent.alive(), [health.words() for health in agent.links_health()])
+        links = [health.words() for health in agent.links_health()] if self._fixed else []
+        self._status.publish(free, total, agent.alive(), links)
         for index in agent.stalled():
             self._tell(index, wire.stalled_imm)
 

@@ -11,6 +11,9 @@ periodic probe -- hands :class:`LinkTracker` the value and the reader's own cloc
   is frozen: a stuck GPU kernel, a wedged driver, SIGSTOP, a model step far over its budget.  Nothing is
   claimed there; a heartbeat that moves again makes the link UP.
 * **DOWN**: the connection ended or an operation on it failed; UP again only by attaching anew.
+* **DRAINING**: connected, but no new request is claimed there: the slot server left the agent's source of
+  slot servers (:mod:`edgepath.dpu.discovery`) or says it is stopping; what it holds finishes there or moves
+  (:meth:`edgepath.dpu.links.LinkSet.settle`).  UP again only when the source names it again.
 
 Only changes of the word count, never its size, and only the reader's clock is used: the server may be
 another machine with another clock.  The heartbeat's last move is known to the reader only to within
@@ -40,6 +43,7 @@ class LinkState(enum.Enum):
     UP = "up"
     UNRESPONSIVE = "unresponsive"
     DOWN = "down"
+    DRAINING = "draining"
 
 
 class Reason(enum.IntEnum):
@@ -51,9 +55,10 @@ class Reason(enum.IntEnum):
     FAILED = 3  # DOWN: an operation on the link failed (a read, a compare-and-swap, a write)
     NOT_ATTACHED = 4  # DOWN: never attached, or attaching again failed
     DROPPED = 5  # DOWN: the agent let go of it (it stood unresponsive; its requests moved to another server)
+    DRAINED = 6  # DRAINING, then DOWN: it is being (was) drained -- no claims there; its requests finish or move
 
 
-_STATE_CODES = {LinkState.UP: 1, LinkState.UNRESPONSIVE: 2, LinkState.DOWN: 3}
+_STATE_CODES = {LinkState.UP: 1, LinkState.UNRESPONSIVE: 2, LinkState.DOWN: 3, LinkState.DRAINING: 4}
 _STATES = {code: state for state, code in _STATE_CODES.items()}
 
 _REASONS = {
@@ -62,6 +67,7 @@ _REASONS = {
     Reason.FAILED: "an operation on the link to the slot server failed",
     Reason.NOT_ATTACHED: "not attached to the slot server",
     Reason.DROPPED: "the agent let go of the unresponsive slot server and moved its requests",
+    Reason.DRAINED: "drained: no new request is claimed there",
 }
 
 
@@ -144,7 +150,8 @@ class LinkTracker:
         self._enter(LinkState.UP, Reason.NONE, now)
 
     def observe(self, beat: int, now: float) -> LinkState:
-        """The heartbeat word read ``beat`` at ``now``: the link's state after it (a DOWN link stays DOWN)."""
+        """The heartbeat word read ``beat`` at ``now``: the link's state after it (a DOWN link stays DOWN, a
+        DRAINING one DRAINING: its heartbeat is still recorded, :attr:`heard`)."""
         if self._state is LinkState.DOWN:
             return self._state
         self._observed = max(self._observed, now)
@@ -155,6 +162,22 @@ class LinkTracker:
         elif self._state is LinkState.UP and now - self._heard >= self.hang_timeout:
             self._enter(LinkState.UNRESPONSIVE, Reason.NO_HEARTBEAT, now)
         return self._state
+
+    @property
+    def heard(self) -> float:
+        """When the heartbeat was last seen moving (or the link attached)."""
+        return self._heard
+
+    def drain(self, now: float, detail: str = "") -> None:
+        """No more claims on this connected link (``detail``: why); a DOWN or DRAINING link is left as it is."""
+        if self._state in (LinkState.UP, LinkState.UNRESPONSIVE):
+            self._enter(LinkState.DRAINING, Reason.DRAINED, now)
+            self._detail = detail
+
+    def undrain(self, now: float) -> None:
+        """A DRAINING link may be claimed again: UP (a still heartbeat makes it UNRESPONSIVE as ever)."""
+        if self._state is LinkState.DRAINING:
+            self._enter(LinkState.UP, Reason.NONE, now)
 
     def lost(self, reason: Reason, now: float, detail: str = "") -> None:
         """The link is gone (``reason``: DISCONNECTED, FAILED, NOT_ATTACHED, DROPPED); a first loss is kept, later

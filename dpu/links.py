@@ -7,7 +7,9 @@ prefix table -- all read by one RDMA READ, :meth:`LinkSet.refresh` -- and judges
 :class:`~edgepath.dpu.agent.Agent`) hears of a link that went down or unresponsive through two callbacks,
 so it can answer what it had in flight there; :class:`~edgepath.hangwatch.HangWatch` uses a link set alone
 to read a heartbeat.  A link that went away is re-attached with bounded back-off, on a thread of its own
-(:meth:`LinkSet.revive`).
+(:meth:`LinkSet.revive`).  The set may change while it serves (:mod:`edgepath.dpu.discovery`): a slot server
+added is attached the same way (:meth:`LinkSet.add`), one removed is drained -- no new claims, what it holds
+finishes there or moves -- and then let go of (:meth:`LinkSet.remove`, :meth:`LinkSet.settle`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ REATTACH_BACKOFF = Backoff(first_delay=0.1, max_delay=2.0)
 #: seconds each step of a re-attach's connection set-up may take (it runs on a thread of its own): generous,
 #: since a slot server that has just started, or an emulated RDMA device, can be slow to answer
 REATTACH_TIMEOUT = 2.0
+#: seconds a draining slot server keeps the requests it runs before they move to another (``--drain-timeout``):
+#: Kubernetes' default grace period, within which a terminating slot server finishes what it runs
+DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
 class AgentError(RuntimeError):
@@ -92,6 +97,10 @@ class ServerLink:
     read_bytes: int = 0
     rejoin: Retry = field(default_factory=Retry)  # when to try re-attaching once it is down
     reattaches: int = 0  # times this slot server came back and was attached again
+    position: int = 0  # its place in the link set's scratch region (kept over re-attaches, freed when let go)
+    leaving: bool = False  # removed from the source of slot servers: let go of once drained, never re-attached
+    #: the pool header's draining word as last read (with the heartbeat): nonzero once the server is stopping
+    stopping: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.uint64))
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
@@ -107,13 +116,17 @@ class ServerLink:
 
     @property
     def alive(self) -> bool:
-        """Connected (UP or UNRESPONSIVE): what it had in flight may still be answered."""
+        """Connected (UP, UNRESPONSIVE or DRAINING): what it had in flight may still be answered."""
         return self.tracker.state is not LinkState.DOWN
 
     @property
     def up(self) -> bool:
-        """Connected and its heartbeat moving: the only kind of link a slot is claimed on."""
+        """Connected, not draining and its heartbeat moving: the only kind of link a slot is claimed on."""
         return self.tracker.state is LinkState.UP
+
+    @property
+    def draining(self) -> bool:
+        return self.tracker.state is LinkState.DRAINING
 
     @property
     def free_hint(self) -> int:
@@ -158,10 +171,16 @@ class LinkSet:
         reattach: Backoff = REATTACH_BACKOFF,
         on_down: Callable[[ServerLink], None] = _ignore,
         on_unresponsive: Callable[[ServerLink], None] = _ignore,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         """``hello``: what the agent tells each slot server of itself (frames, capacities); ``exports``: the
         regions each server is given (the agent's replies); ``on_down``/``on_unresponsive``: called once
-        each time a link goes DOWN, or from UP to UNRESPONSIVE (the caller answers what it had there)."""
+        each time a link goes DOWN, or from UP to UNRESPONSIVE (the caller answers what it had there);
+        ``drain_timeout``: seconds a draining server keeps what it runs before the link is let go of (its
+        requests then move, through ``on_down``)."""
+        if not drain_timeout >= 0:
+            raise ValueError(f"drain timeout must be >= 0 seconds, got {drain_timeout}")
+        self.drain_timeout = drain_timeout
         self.hang_timeout = check_hang_timeout(hang_timeout)  # before anything is registered
         self.transport = transport
         self.clock = clock
@@ -184,13 +203,20 @@ class LinkSet:
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self.max_servers = max_servers
-        self._attempt: tuple[int, Future[ServerLink]] | None = None  # the re-attach under way: position, outcome
+        #: connection ids of links let go of after a drain: a completion still queued from one is late, not stray
+        self.retired: set[int] = set()
+        #: slot servers added (:meth:`add`) and not attached yet, each with its attach schedule
+        self.joining: dict[str, Retry] = {}
+        self._positions = list(range(max_servers))  # scratch positions no link holds, lowest first
+        #: the attach under way: the address, its scratch position, the down link it replaces (None: a new one)
+        #: and its outcome
+        self._attempt: tuple[str, int, ServerLink | None, Future[ServerLink]] | None = None
 
     def __iter__(self) -> Iterator[ServerLink]:
         return iter(self.links)
 
     def alive(self) -> bool:
-        """Whether any slot server is connected (UP or UNRESPONSIVE)."""
+        """Whether any slot server is connected (UP, UNRESPONSIVE or DRAINING)."""
         return any(link.alive for link in self.links)
 
     def health(self) -> list[LinkHealth]:
@@ -200,12 +226,88 @@ class LinkSet:
     # -- attaching ------------------------------------------------------------------
     def attach(self, address: str, timeout: float = 5.0) -> ServerLink:
         """Connect to a slot server and verify its pool (magic, ABI version, geometry)."""
-        if len(self.links) >= self.max_servers:
+        if not self._positions:
             raise AgentError(f"already attached to {self.max_servers} slot servers")
-        link = self._connect(address, len(self.links), timeout)
+        position = self._positions.pop(0)
+        try:
+            link = self._connect(address, position, timeout)
+        except BaseException:
+            self._free(position)
+            raise
+        self._join(link)
+        return link
+
+    def join_now(self, timeout: float = 5.0) -> None:
+        """Attach every slot server added and not attached yet, now, on the caller's thread (at start, before
+        serving); one that does not answer is tried again by :meth:`revive`, with back-off."""
+        for address, retry in list(self.joining.items()):
+            try:
+                link = self.attach(address, timeout)
+            except AgentError as exc:
+                retry.failed(self.clock())
+                log.warning("slot server %s: not attached yet (%s); trying again with back-off", address, exc)
+            else:
+                log.info(
+                    "attached to slot server %s: %d slots, claimant id %d", address, link.slot_count, link.claimant
+                )
+
+    def _join(self, link: ServerLink) -> None:
+        self.joining.pop(link.address, None)
         self.links.append(link)
         self.by_conn[link.conn.conn_id] = link
-        return link
+
+    def _free(self, position: int) -> None:
+        self._positions.append(position)
+        self._positions.sort()
+
+    def find(self, address: str) -> ServerLink | None:
+        """The link to the slot server at ``address``, if attached."""
+        return next((link for link in self.links if link.address == address), None)
+
+    def add(self, address: str) -> None:
+        """A slot server to attach: :meth:`revive` attaches it (bounded back-off until it answers); one being
+        drained is claimed again at once."""
+        link = self.find(address)
+        if link is None:
+            self.joining.setdefault(address, Retry(self.reattach))
+        elif link.leaving:
+            link.leaving = False
+            link.tracker.undrain(self.clock())  # a link down meanwhile is re-attached as any other
+            log.info("slot server %s is back in the source: claimed again", address)
+
+    def remove(self, address: str, why: str = "it left the source of slot servers") -> None:
+        """A slot server to let go of: nothing new is claimed there, what it holds finishes there (or moves
+        after the drain timeout; :meth:`settle`); one not attached yet is forgotten."""
+        self.joining.pop(address, None)
+        link = self.find(address)
+        if link is not None and not link.leaving:
+            link.leaving = True
+            link.tracker.drain(self.clock(), why)
+            log.info("slot server %s: draining (%s); %d requests in flight there", address, why, link.inflight)
+
+    def settle(self) -> None:
+        """Finish drains: a draining link still holding requests after the drain timeout, or whose heartbeat
+        stood still for the hang timeout, is taken down -- its requests move (``on_down``); one that left the
+        source is let go of (its connection closed, its place freed) once nothing is in flight there or it is
+        down."""
+        now = self.clock()
+        for link in [link for link in self.links if link.leaving or link.draining]:
+            tracker = link.tracker
+            if link.draining and link.inflight:
+                if now - tracker.health().since >= self.drain_timeout or now - tracker.heard >= self.hang_timeout:
+                    link.conn.close()
+                    self.down(link, Reason.DRAINED, "its requests did not finish within the drain")
+                continue
+            if link.leaving and (self._attempt is None or self._attempt[2] is not link):
+                self._retire(link)
+
+    def _retire(self, link: ServerLink) -> None:
+        self.links.remove(link)
+        self.by_conn.pop(link.conn.conn_id, None)
+        self.retired.add(link.conn.conn_id)
+        link.conn.close()
+        self._free(link.position)
+        log.info("slot server %s drained: let go of (%d claims there)", link.address, link.stats.claims)
 
     def _connect(self, address: str, position: int, timeout: float) -> ServerLink:
         try:
@@ -230,33 +332,62 @@ class LinkSet:
         revived = []
         now = self.clock()
         attempt = self._attempt
-        if attempt is not None and attempt[1].done():
+        if attempt is not None and attempt[3].done():
             self._attempt = None
-            position, future = attempt
-            old = self.links[position]
+            address, position, old, future = attempt
             try:
                 link = future.result()
             except Exception as exc:  # AgentError or TransportError: nobody there yet, or not ready
-                delay = old.rejoin.failed(now)
-                tries = old.rejoin.failures - 1
-                log.debug(
-                    "slot server %s: re-attach try %d failed (%s); next in %.2f s", old.address, tries, exc, delay
-                )
+                self._attempt_failed(address, position, old, exc, now)
             else:
-                self.by_conn.pop(old.conn.conn_id, None)
-                old.conn.close()
-                link.stats, link.reattaches = old.stats, old.reattaches + 1  # counted over every attach
-                self.links[position] = link
-                self.by_conn[link.conn.conn_id] = link
-                revived.append(link)
-                tries = old.rejoin.failures
-                log.info("slot server %s is back (epoch %#x) after %d tries", old.address, link.epoch, tries)
+                if old is not None and old.leaving:  # removed from the source while it was being re-attached
+                    link.conn.close()
+                elif old is not None:
+                    self.by_conn.pop(old.conn.conn_id, None)
+                    old.conn.close()
+                    link.stats, link.reattaches = old.stats, old.reattaches + 1  # counted over every attach
+                    self.links[self.links.index(old)] = link
+                    self.by_conn[link.conn.conn_id] = link
+                    log.info(
+                        "slot server %s is back (epoch %#x) after %d tries", address, link.epoch, old.rejoin.failures
+                    )
+                    revived.append(link)
+                elif address in self.joining:
+                    self._join(link)
+                    log.info(
+                        "attached to slot server %s: %d slots, claimant id %d", address, link.slot_count, link.claimant
+                    )
+                    revived.append(link)
+                else:  # removed from the source while it was being attached
+                    link.conn.close()
+                    self._free(position)
         if self._attempt is None:
-            for position, old in enumerate(self.links):
-                if not old.alive and old.rejoin.due(now):
-                    self._attempt = (position, self._try_attach(old.address, position, timeout))
-                    break
+            self._start_attempt(now, timeout)
         return revived
+
+    def _attempt_failed(self, address: str, position: int, old: ServerLink | None, exc: Exception, now: float) -> None:
+        retry = old.rejoin if old is not None else self.joining.get(address)
+        if old is None:
+            self._free(position)
+        if retry is not None:
+            delay = retry.failed(now)
+            log.debug("slot server %s: attach try %d failed (%s); next in %.2f s", address, retry.failures, exc, delay)
+
+    def _start_attempt(self, now: float, timeout: float) -> None:
+        """Start the due attach that has waited longest: a link that went down (not one being drained), or a
+        slot server added and not attached yet (when a place is free)."""
+        due: list[tuple[float, str, ServerLink | None]] = [
+            (old.rejoin.next_at, old.address, old)
+            for old in self.links
+            if not old.alive and not old.leaving and old.rejoin.due(now)
+        ]
+        if self._positions:
+            due += [(retry.next_at, address, None) for address, retry in self.joining.items() if retry.due(now)]
+        if not due:
+            return
+        _, address, old = min(due, key=lambda entry: entry[0])
+        position = old.position if old is not None else self._positions.pop(0)
+        self._attempt = (address, position, old, self._try_attach(address, position, timeout))
 
     @property
     def reattaching(self) -> bool:
@@ -315,6 +446,7 @@ class LinkSet:
                 f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
             )
         table_offset = words_offset + gap
+        at_drain = words_offset - head + wire.DRAINING_OFFSET - wire.HEARTBEAT_OFFSET
         now = self.clock()
         link = ServerLink(
             address,
@@ -335,12 +467,23 @@ class LinkSet:
             loads,
             LinkTracker(address, self.hang_timeout, now),
             rejoin=Retry(self.reattach),
+            position=position,
+            stopping=self.scratch_mr.buf[at_drain : at_drain + 8].view(np.uint64),
             prefixes=self.scratch_mr.buf[table_offset : table_offset + 8 * entries].view(np.uint64),
             read_bytes=gap + 8 * entries if entries else 8 * n,
         )
         self._read(link)
         link.tracker.attached(int(link.beat[0]), now)
+        self._heed_drain(link, now)
         return link
+
+    def _heed_drain(self, link: ServerLink, now: float) -> None:
+        """A server that says it drains (its pool header's word, read with the heartbeat) is claimed no more."""
+        if link.stopping[0] and not link.draining and link.alive:
+            link.tracker.drain(now, "the slot server is stopping")
+            log.info(
+                "slot server %s is stopping: draining it; %d requests in flight there", link.address, link.inflight
+            )
 
     # -- reading --------------------------------------------------------------------
     def _read(self, link: ServerLink) -> None:
@@ -360,8 +503,10 @@ class LinkSet:
         when the READ fails: the caller takes the link down)."""
         self._read(link)
         tracker = link.tracker
+        now = self.clock()
+        self._heed_drain(link, now)
         before = tracker.state
-        state = tracker.observe(int(link.beat[0]), self.clock())
+        state = tracker.observe(int(link.beat[0]), now)
         if state is not before:
             health = tracker.health()
             if state is LinkState.UP:
@@ -382,7 +527,7 @@ class LinkSet:
         interval each: what a request does before it is refused for want of an UP server."""
         now = self.clock()
         for link in self.links:
-            if link.alive and not link.up and now - link.tracker.observed >= self.probe_interval:
+            if link.alive and not link.up and not link.draining and now - link.tracker.observed >= self.probe_interval:
                 self.probe(link)
 
     def check(self) -> None:

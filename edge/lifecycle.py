@@ -29,7 +29,7 @@ import numpy as np
 
 from edgepath.contract import wire
 from edgepath.dpu.frame import write_header
-from edgepath.dpu.link_state import LinkState, readiness
+from edgepath.dpu.link_state import LinkState, Readiness, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge import quota
 from edgepath.edge.http import (
@@ -188,6 +188,8 @@ class EdgeLifecycle:
         self.quotas = Quotas()  # every tenant's token quotas at this edge
         self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
         self.usage: Callable[[Usage], None] | None = None  # where each request's usage line goes (--usage-log)
+        #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
+        self.draining = False
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -305,6 +307,9 @@ class EdgeLifecycle:
         messages = work.options.get("messages")
         size = len(work.prompt) if work.prompt is not None else sum(len(m["content"]) for m in messages or ())
         large = size > INLINE_CHARS
+        if self.draining:
+            error = HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
+            return [self._respond(rid, route, request, timings, formatter.failure(error))]
         if large and self.busy_workers >= self.workers:
             return [self._respond(rid, route, request, timings, formatter.failure(self.core.busy()))]
         frame = self.port.acquire()
@@ -627,6 +632,8 @@ class EdgeLifecycle:
             return self.core.live_response()
         listed = self.port.servers()  # reads the servers' heartbeats too: the verdict is current
         verdict = readiness(self.port.links_health(), now / 1e9)
+        if self.draining:
+            verdict = Readiness(False, "draining", "this edge is stopping: it takes no new requests")
         if query.route == READY:
             return self.core.ready_response(verdict)
         counts = [(s.free_slots, s.total_slots) for s in listed]

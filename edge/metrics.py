@@ -120,10 +120,13 @@ class EdgeMetrics:
         supervision: Callable[[], tuple[int, int] | None] | None = None,
         slot_servers: Callable[[], Sequence[SlotServerStatus]] = tuple,
         clock: Callable[[], float] | None = None,
+        gateway: Callable[[], tuple[int, int, int]] | None = None,
     ) -> None:
         """``supervision``: (restarts, hangs) of the supervised slot server, read when scraped (None: nothing
         supervised, no such metrics); ``slot_servers``: the port's per-server listing, read when scraped;
-        ``clock``: the time of the port's clock (seconds), to say how long each link has been in its state."""
+        ``clock``: the time of the port's clock (seconds), to say how long each link has been in its state;
+        ``gateway``: (requests under way, free slots, all slots), read when scraped, for an inference gateway's
+        metrics (:class:`_Gateway`; None: none)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "edgepath_requests", "Requests answered, by route and status", ["route", "status"], registry=self.registry
@@ -217,6 +220,9 @@ class EdgeMetrics:
             self.registry.register(self.supervision)
         self.slot_servers = _SlotServers(slot_servers, clock or (lambda: 0.0))
         self.registry.register(self.slot_servers)
+        self.gateway = _Gateway(gateway) if gateway is not None else None
+        if self.gateway is not None:
+            self.registry.register(self.gateway)
         self.window = window or LatencyWindow()
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -289,6 +295,8 @@ class EdgeMetrics:
         if self.supervision is not None:
             merged.register(self.supervision)  # the supervising parent's counts, one for all workers
         merged.register(self.slot_servers)  # that worker's agent's links and claims
+        if self.gateway is not None:
+            merged.register(self.gateway)  # that worker's requests, its agent's view of the slots
         return generate_latest(merged)
 
 
@@ -300,6 +308,33 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Gateway:
+    """What an inference gateway's endpoint picker reads of a model server (the Gateway API Inference Extension's
+    model-server protocol, under vLLM's names, so an InferencePool fronts edges unchanged), read when scraped:
+
+    * ``vllm:num_requests_running`` (gauge): requests this edge has under way;
+    * ``vllm:num_requests_waiting`` (gauge): always 0 -- admission is decided at claim time, a request that finds
+      no free slot (or is predicted to wait over its bound) is answered 429 at once, so nothing ever waits in a
+      queue here;
+    * ``vllm:kv_cache_usage_perc`` (gauge, 0..1 as vLLM's): the share of slots behind this edge that are taken --
+      each slot is one KV-cache sequence (``ctx_per_slot`` cells), so slot occupancy is KV occupancy; slots of a
+      server that is not up count as taken, and with no slot server at all it is 1 (nothing to be had)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int, int]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        running, free, total = self.read()
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests under way at this edge", value=running)
+        yield GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting in a queue: none, ever (429 at claim time)", value=0
+        )
+        usage = 1.0 - free / total if total else 1.0
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "Share of slots (KV-cache sequences) taken, 0..1", value=usage
+        )
 
 
 class _Supervision:

@@ -124,6 +124,7 @@ class EdgeService:
             supervision=supervision,
             slot_servers=port.servers,
             clock=_seconds,
+            gateway=lambda: (self.pending, *port.free_slots()),
         )
         self.lifecycle = EdgeLifecycle(
             core,
@@ -150,6 +151,10 @@ class EdgeService:
         self.loop.remove_reader(self.port.fileno())
         if self._check_handle is not None:
             self._check_handle.cancel()
+
+    def drain(self) -> None:
+        """Stop taking new requests (503 ``draining``, /health/ready 503) and finish those under way."""
+        self.lifecycle.draining = True
 
     @property
     def pending(self) -> int:

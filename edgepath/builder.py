@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -99,6 +99,7 @@ def slot_server_config(settings: SlotServerSettings) -> SlotServerConfig:
         handler_deadline=settings.handler_deadline,
         stream_window=settings.stream_window,
         step_budget=settings.model_step_budget,
+        grace_period=settings.grace_period,
     )
 
 
@@ -170,6 +171,22 @@ def attach_all(agent: Agent, slot_servers: tuple[str, ...], flags: Mapping[str, 
         )
 
 
+def connect_all(
+    agent: Agent, settings: AgentSettings, slot_servers: tuple[str, ...], flags: Mapping[str, str] | None = None
+) -> None:
+    """Attach ``agent`` to the fixed ``slot_servers`` (:func:`attach_all`), then to what
+    ``--slot-servers-from`` names, which it follows from then on (a source's slot servers may come and go: one
+    that does not answer yet is not an error)."""
+    attach_all(agent, slot_servers, flags)
+    if settings.slot_servers_from:
+        from edgepath.dpu.discovery import Membership, parse_source
+        from edgepath.dpu.resolvers import Follower
+
+        source = parse_source(settings.slot_servers_from)
+        agent.follow(Follower(source, Membership(settings.resolve_interval)))
+        log.info("following slot servers from %s: %d attached now", source, len(agent.links) - len(slot_servers))
+
+
 def build_agent(
     settings: AgentSettings,
     capacity: Capacity,
@@ -179,9 +196,10 @@ def build_agent(
 ) -> Agent:
     """An in-process agent on ``transport`` (made by :func:`data_path_transport` first, so a bad device
     is reported before anything else starts) whose frames hold ``capacity``, attached to ``slot_servers``
-    (``flags``: see :func:`attach_all`); the caller closes ``transport``."""
+    (``flags``: see :func:`attach_all`) and to the slot servers of ``settings``' source (:func:`connect_all`);
+    the caller closes ``transport``."""
     agent = make_agent(settings, capacity, transport)
-    attach_all(agent, slot_servers, flags)
+    connect_all(agent, settings, slot_servers, flags)
     return agent
 
 
@@ -198,6 +216,7 @@ def make_agent(settings: AgentSettings, capacity: Capacity, transport: Transport
         hang_timeout=settings.hang_timeout,
         max_wait=settings.max_wait,
         migration_limit=settings.migration_limit,
+        drain_timeout=settings.drain_timeout,
         **memory,
     )
 
@@ -231,7 +250,7 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
             )
             made.append(data_path_transport(settings.data_path, agent_settings.hang_timeout))
             agent = agent_on(made[-1], frames_buffer=edge_frames[0].buf, replies_buffer=edge_frames[1].buf)
-        attach_all(agent, settings.slot_servers)
+        connect_all(agent, agent_settings, settings.fixed_slot_servers)
         return AgentService(
             agent,
             edge_transport,
@@ -454,9 +473,10 @@ async def start_edge(
     loop: asyncio.AbstractEventLoop,
     cleanup: contextlib.ExitStack,
     supervision: Callable[[], tuple[int, int] | None] | None,
-) -> None:
+) -> Callable[[], Awaitable[None]]:
     """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse.
-    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none)."""
+    ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none).
+    Returns the edge's graceful stop (:func:`drain_edge`), to await before ``cleanup``."""
     from edgepath.edge.service import TOKENIZER_WORKERS
     from edgepath.edge.tokenizer import load_tokenizer
 
@@ -485,6 +505,24 @@ async def start_edge(
     except OSError as exc:
         raise _cannot_listen(edge, exc) from exc
     cleanup.callback(server.close)
+    return lambda: drain_edge(service, server, edge.grace_period)
+
+
+async def drain_edge(service: EdgeService, server: asyncio.Server | QuicServer, grace: float) -> None:
+    """Stop gracefully: take no new requests -- over TCP no new connections; over QUIC, whose one socket
+    carries the streams under way, new requests get 503 ``draining`` -- and return once every request under
+    way is answered (its stream ended) or after ``grace`` seconds.  /health/ready answers 503 meanwhile, so a
+    load balancer sends nothing more here."""
+    service.drain()
+    if isinstance(server, asyncio.Server):
+        server.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    pending = service.pending
+    log.info("draining: %d requests under way, grace period %g s", pending, grace)
+    while service.pending and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    log.info("drained: %d requests left unanswered", service.pending)
 
 
 def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:

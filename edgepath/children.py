@@ -173,10 +173,11 @@ class Child:
         """SIGKILL: the child gets no chance to clean up (what a crash looks like from outside)."""
         self.proc.kill()
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL if it has not ended within ``timeout`` seconds; its return code."""
+    def stop(self, timeout: float = 10.0, signum: int = signal.SIGTERM) -> int:
+        """``signum`` (SIGTERM: a graceful stop; SIGINT: at once), then SIGKILL if it has not ended within
+        ``timeout`` seconds; its return code."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(signum)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -54,10 +54,19 @@ def _add_renamed_transport(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> None:
-    """Run ``serve`` on this thread; SIGINT/SIGTERM call ``stop``."""
+def _run_until_signal(
+    serve: Callable[[], None], stop: Callable[[], None], drain: Callable[[], None] | None = None
+) -> None:
+    """Run ``serve`` on this thread; SIGINT/SIGTERM call ``stop`` -- or, given ``drain``, a first SIGTERM calls
+    that (a graceful stop: ``serve`` returns when it is done) and only a second one, or SIGINT, ``stop``."""
+    terms: list[int] = []
 
     def handler(signum: int, _frame: object) -> None:
+        if drain is not None and signum == signal.SIGTERM and not terms:
+            terms.append(signum)
+            log.info("signal %d: draining (another SIGTERM, or SIGINT, stops at once)", signum)
+            drain()
+            return
         log.info("signal %d: stopping", signum)
         stop()
 
@@ -66,11 +75,12 @@ def _run_until_signal(serve: Callable[[], None], stop: Callable[[], None]) -> No
     serve()
 
 
-def _serve_until_signal(server: Any, listen: str, report: Callable[[], str]) -> int:
-    """Print the ready line, serve until SIGINT/SIGTERM, close; ``report`` is logged at the end."""
+def _serve_until_signal(server: Any, listen: str, report: Callable[[], str], graceful: bool = False) -> int:
+    """Print the ready line, serve until SIGINT/SIGTERM (``graceful``: a first SIGTERM drains the server: see
+    :func:`_run_until_signal`), close; ``report`` is logged at the end."""
     print(f"ready {listen}", flush=True)
     try:
-        _run_until_signal(server.serve, server.stop)
+        _run_until_signal(server.serve, server.stop, server.drain if graceful else None)
     finally:
         server.close()
         log.info("%s", report())
@@ -82,7 +92,7 @@ def cmd_slot_server(args: argparse.Namespace) -> int:
 
     settings = from_args(SlotServerSettings, args)
     server = build_slot_server(settings)
-    return _serve_until_signal(server, settings.listen, lambda: f"stats: {server.stats}")
+    return _serve_until_signal(server, settings.listen, lambda: f"stats: {server.stats}", graceful=True)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 from edgepath.contract.pool import DEFAULT_CAPACITY, DEFAULT_SLOTS
 from edgepath.dpu.agent import DEFAULT_MAX_WAIT, DEFAULT_MIGRATION_LIMIT
+from edgepath.dpu.discovery import DEFAULT_RESOLVE_INTERVAL, checked_source
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
+from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.options import (
@@ -169,6 +171,25 @@ class AgentSettings:
         "(claimed again there with its answer so far; the stream goes on); 0: never -- such requests end 503 or "
         "504 (default %(default)s)",
     )
+    slot_servers_from: str | None = option(
+        None,
+        type=checked_source,
+        metavar="{dns:NAME:PORT,dir:PATH}",
+        help="follow the slot servers a source names, re-read every --resolve-interval: dns:NAME:PORT (every "
+        "address a headless Service's name resolves to, --data-path verbs) or dir:PATH (every *.sock there, "
+        "--data-path loopback); a new one is attached, a vanished one drained (beside any --slot-server)",
+    )
+    resolve_interval: float = option(
+        DEFAULT_RESOLVE_INTERVAL,
+        type=positive_float,
+        help="seconds between reads of --slot-servers-from (default %(default)s)",
+    )
+    drain_timeout: float = option(
+        DEFAULT_DRAIN_TIMEOUT,
+        type=non_negative_float,
+        help="seconds a drained slot server (gone from --slot-servers-from, or stopping) keeps the requests it "
+        "runs; then they move to another (default %(default)s)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +249,13 @@ class SlotServerSettings:
         help="streamed tokens after the first are coalesced within this window (milliseconds)",
     )
     hang_timeout: float = like(AgentSettings, "hang_timeout")
+    grace_period: float = option(
+        SlotServerConfig.grace_period,
+        type=non_negative_float,
+        help="on SIGTERM, seconds to finish what runs: the server says it drains (agents claim nothing more "
+        "here), serves what it holds, and exits 0 when that is done; what still runs after this long moves to "
+        "other slot servers (a second SIGTERM, or SIGINT, stops at once; default %(default)s)",
+    )
     step_budget: float | None = option(
         None,
         type=positive_float,
@@ -273,8 +301,16 @@ class AgentServiceSettings:
     agent: AgentSettings = section(AgentSettings)
     capacity: Capacity = section(Capacity)
     data_path: DataPath = section(DataPath)
+
     frames_per_edge: int = option(256, type=positive_int, help="frames one edge may hold (default %(default)s)")
     spin: float = like(SlotServerSettings, "spin")
+
+    @property
+    def fixed_slot_servers(self) -> tuple[str, ...]:
+        """The --slot-server addresses to attach: the local one by default, unless --slot-servers-from names
+        them."""
+        local = (default_address("slot-server"),)
+        return () if self.agent.slot_servers_from and self.slot_servers == local else self.slot_servers
 
 
 @dataclass(frozen=True)
@@ -347,6 +383,13 @@ class EdgeSettings:
         False,
         switch=True,
         help="validate client addresses with a QUIC Retry before keeping any state (costs one round trip)",
+    )
+    grace_period: float = like(
+        SlotServerSettings,
+        "grace_period",
+        help="on SIGTERM, seconds to finish the requests under way: the edge takes no new ones (503 draining, "
+        "/health/ready 503; over TCP no new connections) and exits when they are answered (a second SIGTERM, or "
+        "SIGINT, stops at once; default %(default)s)",
     )
     # serve sets it for each of its workers: this edge is one of several on the port
     reuse_port: bool = option(False, switch=True, help=argparse.SUPPRESS)
@@ -502,10 +545,13 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.supervision.workers > 1 and self.agent_process is not None:
             raise ValueError("--workers N gives every worker its own in-process agent: not with --agent")
-        if self.agent_process is not None and (self.slot_servers or self.started.alongside):
+        if self.agent_process is not None and (
+            self.slot_servers or self.started.alongside or self.agent.slot_servers_from
+        ):
             raise ValueError(
                 "--agent uses a running agent process, which attaches to its own slot servers "
-                "(`edgepath agent --slot-server ADDR`): not with --slot-server or --local-slot-server"
+                "(`edgepath agent --slot-server ADDR`): not with --slot-server, --slot-servers-from or "
+                "--local-slot-server"
             )
         seen: set[str] = set()
         for address in self.slot_servers:
@@ -534,7 +580,8 @@ class ServeOptions:
     @property
     def starts_slot_server(self) -> bool:
         """Whether ``serve`` starts (and supervises) a slot server of its own."""
-        return self.agent_process is None and (not self.slot_servers or self.started.alongside)
+        given = self.slot_servers or self.agent.slot_servers_from
+        return self.agent_process is None and (not given or self.started.alongside)
 
     @property
     def name(self) -> str:

@@ -7,7 +7,8 @@ dies.  The agent has one link per slot server; a link that fails is out of admis
 re-attached with bounded back-off when its slot server is back where it listens, started here or
 not.  The agent lives in the edge's process, so the edge writes token ids straight into the agent's
 registered frames.  The process prints ``ready <url>`` on stdout once it accepts requests, and stops
-everything it started on SIGINT/SIGTERM.
+everything it started on SIGINT -- and on SIGTERM once the edge has drained: no new requests, those under way
+answered, within ``--grace-period`` (a second SIGTERM stops at once).
 
 With ``--workers N`` this process only supervises: N edge processes (each this same command with its
 own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use.
@@ -25,7 +26,8 @@ import logging
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from edgepath.builder import (
     on_sighup,
@@ -54,23 +56,36 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     plan = plan_serve(options)  # every choice checked before anything starts
     options = plan.options
+    workers = options.supervision.workers
+    drain = asyncio.Event()  # a graceful stop asked (SIGTERM): the edge finishes what it has, then stops
     if stop is None:
         stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        # An edge drains on a first SIGTERM; a supervising serve (--workers) stops its workers with SIGTERM,
+        # which drain themselves.
+        loop.add_signal_handler(signal.SIGTERM, drain.set if workers == 1 else stop.set)
     gave_up: list[str] = []
 
     def give_up(message: str) -> None:  # called on a supervisor's thread
         gave_up.append(message)
         loop.call_soon_threadsafe(stop.set)
 
-    def supervisor(name: str, argv: list[str], env: dict[str, str] | None = None) -> Supervisor:
+    def supervisor(
+        name: str, argv: list[str], env: dict[str, str] | None = None, stop_signal: int = signal.SIGTERM
+    ) -> Supervisor:
         policy = RestartPolicy(max_restarts=options.supervision.max_restarts, window=options.supervision.restart_window)
-        made = Supervisor(name, argv, policy, give_up, ready_timeout=options.supervision.start_timeout, env=env)
+        made = Supervisor(
+            name,
+            argv,
+            policy,
+            give_up,
+            ready_timeout=options.supervision.start_timeout,
+            env=env,
+            stop_signal=stop_signal,
+        )
         cleanup.callback(made.stop)
         return made
 
-    workers = options.supervision.workers
     with contextlib.ExitStack() as cleanup:
         transport = serve_transport(options)  # an unusable device fails here, before any child
         if transport is not None:
@@ -79,8 +94,10 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         slot_servers = options.slot_servers
         counts = _shared_counts()  # this is an edge worker: its parent keeps the counts in the shared directory
         listen = None
+        drain_edge: Callable[[], Awaitable[None]] | None = None
         if plan.slot_server is not None:
-            local = supervisor("slot server", slot_server_argv(plan.slot_server))
+            # stopped when the edges have: at once (SIGINT), not drained for agents that are gone or going
+            local = supervisor("slot server", slot_server_argv(plan.slot_server), stop_signal=signal.SIGINT)
             listen = local.start().address or plan.slot_server.listen
             watch = watch_started_slot_server(options, local, listen, shared)
             cleanup.callback(watch.stop)  # before the supervisor stops: no kill while everything stops
@@ -100,14 +117,19 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
             agent = serve_agent(options, transport, slot_servers, listen)
             if transport is None:
                 cleanup.callback(agent.transport.close)
-            await start_edge(plan, agent, loop, cleanup, counts)
+            drain_edge = await start_edge(plan, agent, loop, cleanup, counts)
             what = "edge"
         protocol = "HTTP/3 over QUIC" if options.edge.transport == "quic" else "HTTP/1.1"
         log.info("%s (%s) listening on %s", what, protocol, options.edge.url)
         print(f"ready {options.edge.url}", flush=True)
         if ready is not None:
             ready.set()
-        await stop.wait()
+        await _first(stop, drain)
+        if drain.is_set() and not stop.is_set() and drain_edge is not None:
+            loop.add_signal_handler(signal.SIGTERM, stop.set)  # a second SIGTERM stops at once
+            finished = asyncio.ensure_future(drain_edge())
+            await _first(stop, finished)
+            finished.cancel()
     if gave_up:
         raise GaveUp(gave_up[0])
 
@@ -118,6 +140,16 @@ def _forward(signum: int, supervisors: list[Supervisor]) -> None:
         child = made.child
         if child is not None:
             child.send_signal(signum)
+
+
+async def _first(stop: asyncio.Event, other: asyncio.Event | asyncio.Future[None]) -> None:
+    """Wait until ``stop`` is set or ``other`` is set (an event) or done (a future)."""
+    waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(stop.wait())}
+    waits.add(asyncio.ensure_future(other.wait()) if isinstance(other, asyncio.Event) else other)
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        if wait is not other:
+            wait.cancel()
 
 
 def _shared_metrics_dir(options: ServeOptions, cleanup: contextlib.ExitStack) -> str:

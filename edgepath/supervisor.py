@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -85,9 +86,12 @@ class Supervisor:
         ready_timeout: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         env: Mapping[str, str] | None = None,
+        stop_signal: int = signal.SIGTERM,
     ) -> None:
-        """``env``: the child's whole environment (default: this process's)."""
+        """``env``: the child's whole environment (default: this process's); ``stop_signal``: what :meth:`stop`
+        sends it (SIGTERM: it stops gracefully; SIGINT: at once)."""
         self.name = name
+        self.stop_signal = stop_signal
         self.args = list(args)
         self.env = env
         self.policy = policy
@@ -126,12 +130,12 @@ class Supervisor:
         return Child.start(self.args, ready_timeout=self._ready_timeout, env=self.env, cancel=self._stopping)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop watching and stop the child (SIGTERM, then SIGKILL after ``timeout``)."""
+        """Stop watching and stop the child (``stop_signal``, then SIGKILL after ``timeout``)."""
         self._stopping.set()
         with self._lock:
             child = self._child
         if child is not None:
-            child.stop(timeout)
+            child.stop(timeout, self.stop_signal)
         if self._thread.is_alive():
             self._thread.join(self._ready_timeout + timeout + 5.0)
 

@@ -133,7 +133,11 @@ struct ep_pool_header {
     uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
     uint64_t prefix_entries;   /* chain hashes the slot server publishes at most (0..EP_PREFIX_ENTRIES_MAX) */
     uint64_t load_offset;      /* the load region (struct ep_load), right after this header */
-    uint64_t reserved_load;
+    /*
+     * Nonzero once the slot server is stopping (SIGTERM): agents read it with the heartbeat and claim nothing
+     * more there, while it finishes what it runs (issue 37; the reserved word of ABI 7, which read 0).
+     */
+    uint64_t draining;
 };
 
 /*

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgepath.contract.pool import DEFAULT_CAPACITY, DEFAULT_SLOTS
+from edgepath.slots.drain import DEFAULT_GRACE_PERIOD
 from edgepath.transports.base import DEFAULT_HANG_TIMEOUT
 
 #: where a pool may live (``--slots KIND:N``); :mod:`edgepath.slots.memory` implements each
@@ -38,6 +39,7 @@ class SlotServerConfig:
     handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
     stream_window: float = 0.002  # seconds within which streamed tokens after the first are coalesced
     step_budget: float = STEP_BUDGET  # a model step longer than this is logged and counted (heartbeat still)
+    grace_period: float = DEFAULT_GRACE_PERIOD  # seconds a draining server (SIGTERM) finishes what it runs
 
     def __post_init__(self) -> None:
         if self.memory not in SLOT_MEMORY:
@@ -50,5 +52,7 @@ class SlotServerConfig:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
         if self.stream_window < 0:
             raise ValueError(f"stream window must be >= 0 seconds, got {self.stream_window}")
+        if self.grace_period < 0:
+            raise ValueError(f"grace period must be >= 0 seconds, got {self.grace_period}")
         if not self.step_budget > 0:
             raise ValueError(f"step budget must be positive seconds, got {self.step_budget}")

@@ -56,6 +56,11 @@ class PoolMemory:
         server's CPU side is turning.  One atomic increment of the word agents read."""
         lib.ep_heartbeat_tick(self._heartbeat_ptr)
 
+    def drain(self) -> None:
+        """Say in the pool header that this server is stopping: agents read it with the heartbeat and claim
+        nothing more here."""
+        lib.ep_store64(ffi.cast("uint64_t *", ffi.from_buffer(self.pool.buf[wire.DRAINING_OFFSET :])), 1)
+
     def heartbeat(self) -> Heartbeat:
         """What a handler needs to advance the heartbeat from inside a long step (C code, any thread)."""
         function = ffi.addressof(lib, "ep_heartbeat_tick")
@@ -194,6 +199,11 @@ class DeviceMemory(PoolMemory):
         self._beat_at = now
         super().beat(now)
         self.device_slots.store_word(wire.HEARTBEAT_OFFSET, self.beats)  # type: ignore[union-attr]
+
+    def drain(self) -> None:
+        """Said in the mirror and in device memory, where agents read it."""
+        super().drain()
+        self.device_slots.store_word(wire.DRAINING_OFFSET, 1)  # type: ignore[union-attr]
 
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]

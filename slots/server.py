@@ -36,6 +36,7 @@ from edgepath.contract.plan import Load, Prompt, own_ms
 from edgepath.contract.wire import RequestHeader
 from edgepath.native.abi import Event, Status, lib
 from edgepath.slots.config import SLOT_MEMORY, SlotServerConfig
+from edgepath.slots.drain import Drain
 from edgepath.slots.handlers import (
     BatchHandler,
     BeatsWithinSteps,
@@ -155,6 +156,8 @@ class SlotServer:
         self.address = address
         self.connections = ConnectionManager(self.listener, self._admit, "slot-server-cm")
         self._stop = threading.Event()
+        self._drain_asked = threading.Event()  # drain(): set from a signal handler, acted on by the loop
+        self.draining: Drain | None = None  # since when this server drains (it told its agents)
         self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
 
     def _pool_info(self) -> dict[str, Any]:
@@ -504,6 +507,30 @@ class SlotServer:
                 self._reap_gone()
                 self.scan_leases()
                 next_scan = now + cfg.scan_interval
+            if self._drain_asked.is_set() and self._drained(now):
+                return
+
+    def drain(self) -> None:
+        """Stop gracefully (safe from a signal handler): the loop tells the agents this server drains (they
+        claim nothing more here), serves what it holds, and :meth:`serve` returns when that is done or the grace
+        period is over (:class:`~edgepath.slots.drain.Drain`)."""
+        self._drain_asked.set()
+
+    def _drained(self, now: float) -> bool:
+        if self.draining is None:
+            self.memory.drain()
+            self.draining = Drain(now, self.config.grace_period)
+            log.info(
+                "draining: no new claims; %d slots busy, %d agents connected; grace period %g s",
+                self.pool.slot_count - self.pool.free_count(),
+                len(self.peers),
+                self.config.grace_period,
+            )
+        idle = not self.running and self.pool.free_count() == self.pool.slot_count
+        why = self.draining.over(now, idle, len(self.peers))
+        if why is not None:
+            log.info("drained after %.2f s: %s", now - self.draining.started, why)
+        return why is not None
 
     def poll_once(self, timeout: float) -> float:
         """One turn of the loop: wait for completions (at most ``timeout``, and no longer than the handler's

@@ -109,5 +109,5 @@ def edgepath_process() -> Iterator[Callable[..., Child]]:
         return child
 
     yield start
-    for child in children:
+    for child in reversed(children):  # the last started first: edges before the slot servers they use
         child.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hdrh.histogram import HdrHistogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from edgepath.dpu.link_state import LinkTracker, Reason
 from edgepath.dpu.port import DeliveryStats, SlotServerStatus
@@ -126,3 +127,26 @@ def test_refusals_by_reason_waits_and_predictions_are_exposed_and_windowed() -> 
     assert value == pytest.approx(300_000, rel=1e-3) and count == 2  # HDR: 3 significant digits
     value, count, _ = metrics.ttft_window.percentile(100, now_ns=S)
     assert value == pytest.approx(900_000, rel=1e-3) and count == 1
+
+
+def test_an_inference_gateway_reads_the_model_server_protocol_gauges() -> None:
+    """The Gateway API Inference Extension's endpoint picker reads vLLM's names: requests running, waiting (none,
+    ever: 429 at claim time) and KV-cache usage (slots taken, 0..1)."""
+    seen = {"running": 5, "free": 3, "total": 8}
+    metrics = EdgeMetrics(lambda: 3, DeliveryStats, gateway=lambda: (seen["running"], seen["free"], seen["total"]))
+
+    def gauges() -> dict[str, tuple[str, float]]:
+        families = text_string_to_metric_families(metrics.exposition().decode())
+        return {f.name: (f.type, f.samples[0].value) for f in families if f.name.startswith("vllm:")}
+
+    assert gauges() == {
+        "vllm:num_requests_running": ("gauge", 5.0),
+        "vllm:num_requests_waiting": ("gauge", 0.0),
+        "vllm:kv_cache_usage_perc": ("gauge", 1.0 - 3 / 8),
+    }
+    seen.update(running=0, free=8)  # read when scraped
+    assert gauges()["vllm:num_requests_running"] == ("gauge", 0.0)
+    assert gauges()["vllm:kv_cache_usage_perc"] == ("gauge", 0.0)
+    seen.update(total=0, free=0)  # no slot server: nothing to be had
+    assert gauges()["vllm:kv_cache_usage_perc"] == ("gauge", 1.0)
+    assert "vllm:" not in EdgeMetrics(lambda: 3, DeliveryStats).exposition().decode()  # only when asked for

@@ -33,6 +33,7 @@ from edgepath.config import (
     StartedSlotServer,
     Supervision,
 )
+from edgepath.dpu.discovery import checked_source
 from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
 from edgepath.slots.handlers import HandlerError
 
@@ -246,6 +247,7 @@ def _single_valued(parser: argparse.ArgumentParser, readable: str) -> Iterator[t
         key_value: "k=v",
         handler_spec: "echo",
         port_number: "4000",
+        checked_source: "dir:/run/edgepath/slots",
     }
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._AppendAction | argparse._HelpAction):

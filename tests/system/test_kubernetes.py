@@ -1,0 +1,140 @@
+"""The Kubernetes manifests (deploy/kubernetes): each overlay renders with ``kubectl kustomize`` and says what
+edgepath needs -- an edge Deployment with its UDP and TCP ports and probes, slot servers as a StatefulSet behind a
+headless Service whose DNS name (or, on one node, whose socket directory) is what the edges are told to follow,
+disruption budgets, resource requests, the model from a volume -- and every command line in them is one edgepath
+parses, every $(VAR) one the container defines.  Nothing is deployed here (docs/DEPLOY.md, "Kubernetes")."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgepath.cli import build_parser
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+OVERLAYS = ("one-node", "gpu-rdma")
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl is not installed: the overlays are rendered with kubectl kustomize"
+)
+
+
+def render(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "overlays" / overlay)], capture_output=True, text=True, check=True
+    ).stdout
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(out) if doc}
+
+
+def containers(objects: dict, kind: str, name: str) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in objects[kind, name]["spec"]["template"]["spec"]["containers"]}
+
+
+def arg(container: dict[str, Any], flag: str) -> str:
+    args = container["args"]
+    assert args.count(flag) == 1, (container["name"], flag, args)
+    return args[args.index(flag) + 1]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, dict]:
+    return request.param, render(request.param)
+
+
+def test_each_overlay_has_the_objects_edgepath_needs(overlay: tuple[str, dict]) -> None:
+    name, objects = overlay
+    kinds = {kind for kind, _ in objects}
+    assert {"Namespace", "ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget"} <= kinds
+    assert {n for k, n in objects if k == "Service"} == {"edgepath-edge", "edgepath-slots"}
+    assert {n for k, n in objects if k == "PodDisruptionBudget"} == {"edgepath-edge", "edgepath-slots"}
+    assert all(doc["metadata"].get("namespace", "edgepath") == "edgepath" for doc in objects.values())
+    for kind, workload in (("Deployment", "edgepath-edge"), ("StatefulSet", "edgepath-slots")):
+        pod = objects[kind, workload]["spec"]["template"]
+        labels = pod["metadata"]["labels"]
+        assert objects[kind, workload]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        budget = objects["PodDisruptionBudget", workload]["spec"]["selector"]["matchLabels"]
+        assert budget.items() <= labels.items()  # each budget covers its pods
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        for container in pod["spec"]["containers"]:
+            assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+            assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+            grace = float(arg(container, "--grace-period"))
+            assert grace < pod["spec"]["terminationGracePeriodSeconds"]  # it drains before the SIGKILL
+    if name == "gpu-rdma":
+        assert ("PersistentVolumeClaim", "edgepath-models") in objects
+    else:
+        assert any(kind == "Secret" for kind, _ in objects)  # a key to try it with, generated
+        assert ("PersistentVolumeClaim", "edgepath-models") not in objects  # the models are a host directory
+
+
+def test_the_edge_listens_on_udp_for_http3_and_tcp_for_http_with_its_probes(overlay: tuple[str, dict]) -> None:
+    _, objects = overlay
+    service = {p["name"]: p for p in objects["Service", "edgepath-edge"]["spec"]["ports"]}
+    assert (service["http3"]["protocol"], service["http3"]["targetPort"]) == ("UDP", 4433)
+    assert (service["http"]["protocol"], service["http"]["targetPort"]) == ("TCP", 8080)
+    edge = containers(objects, "Deployment", "edgepath-edge")
+    for name, transport, protocol in (("http", "tcp", "TCP"), ("http3", "quic", "UDP")):
+        container = edge[name]
+        (port,) = container["ports"]
+        assert arg(container, "--transport") == transport and port["protocol"] == protocol
+        assert int(arg(container, "--port")) == port["containerPort"] == service[name]["targetPort"]
+    http = edge["http"]
+    assert http["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
+    assert http["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+    assert http["startupProbe"]["httpGet"]["path"] == "/health/live"
+
+
+def test_the_edges_follow_the_slot_servers_where_the_statefulset_puts_them(overlay: tuple[str, dict]) -> None:
+    name, objects = overlay
+    headless = objects["Service", "edgepath-slots"]["spec"]
+    slots = objects["StatefulSet", "edgepath-slots"]
+    assert headless["clusterIP"] == "None" and slots["spec"]["serviceName"] == "edgepath-slots"
+    assert headless["selector"].items() <= slots["spec"]["template"]["metadata"]["labels"].items()
+    (server,) = containers(objects, "StatefulSet", "edgepath-slots").values()
+    listen = arg(server, "--listen")
+    for edge in containers(objects, "Deployment", "edgepath-edge").values():
+        source = arg(edge, "--slot-servers-from")
+        if name == "gpu-rdma":
+            (port,) = headless["ports"]
+            assert source == f"dns:edgepath-slots.$(POD_NAMESPACE).svc.cluster.local:{port['port']}"
+            assert listen == f"$(POD_IP):{port['port']}"
+            namespace = next(e for e in edge["env"] if e["name"] == "POD_NAMESPACE")
+            assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+            for container in (edge, server):
+                assert arg(container, "--data-path") == "verbs"
+        else:
+            directory = source.removeprefix("dir:")
+            assert listen == f"{directory}/$(POD_NAME).sock"  # the dir source lists *.sock
+            host = {}
+            for kind, workload in (("Deployment", "edgepath-edge"), ("StatefulSet", "edgepath-slots")):
+                spec = objects[kind, workload]["spec"]["template"]["spec"]
+                volumes = {v["name"]: v for v in spec["volumes"]}
+                (mount,) = [m for c in spec["containers"][:1] for m in c["volumeMounts"] if m["mountPath"] == directory]
+                host[kind] = volumes[mount["name"]]["hostPath"]["path"]
+            assert host["Deployment"] == host["StatefulSet"]  # one directory of the node, shared
+    if name == "gpu-rdma":
+        limits = server["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "1" and any(k.startswith("rdma/") for k in limits)
+
+
+def test_every_command_line_is_one_edgepath_parses_and_every_variable_is_defined(overlay: tuple[str, dict]) -> None:
+    _, objects = overlay
+    parser = build_parser()
+    commands = {a.dest: a for a in parser._actions if a.dest == "command"}
+    subparsers = next(iter(commands.values())).choices  # type: ignore[attr-defined]
+    config = {key for (kind, _), doc in objects.items() if kind == "ConfigMap" for key in doc.get("data", {})}
+    for kind, workload in (("Deployment", "edgepath-edge"), ("StatefulSet", "edgepath-slots")):
+        for container in containers(objects, kind, workload).values():
+            command, *args = container["args"]
+            known = subparsers[command]._option_string_actions
+            flags = [a for a in args if a.startswith("--")]
+            assert flags and all(flag in known for flag in flags), (container["name"], flags)
+            defined = {e["name"] for e in container.get("env", ())} | config
+            used = {v for a in args for v in re.findall(r"\$\((\w+)\)", a)}
+            assert used <= defined, (container["name"], used - defined)
