@@ -222,6 +222,8 @@ class Agent:
             why = f"it moved {flight.moves} times already (the limit)"
         elif remaining <= 0:
             why = "its answer is complete but for the final word"
+        elif wire.logprobs_top(self.frames.request_headers[index].flags) is not None:
+            why = "its output holds log-probability records, which a prompt cannot carry"
         candidates = [link for link in self.links if link.up and link is not gone and prompt <= link.input_capacity]
         if not why and (prompt > self.layout.input_capacity or not candidates):
             why = f"no other slot server is up with room for a prompt of {prompt} tokens"

@@ -90,6 +90,8 @@ class Work:
     route: str = GENERATE
     options: dict[str, Any] = field(default_factory=dict)
     max_wait_ms: int = 0  # the request's bound on waiting for its first token (0: the server's)
+    flags: int = 0  # request flags beyond the stream flag (log probabilities: contract/wire.py); max_tokens then
+    # counts output words, a whole number of records
 
 
 @dataclass(frozen=True, slots=True)

@@ -351,7 +351,7 @@ class EdgeLifecycle:
             request_id=t.request_id,
             token_count=t.input_count,
             max_new_tokens=work.max_tokens,
-            flags=wire.FLAG_STREAM if work.stream or t.formatter.watch else 0,
+            flags=(wire.FLAG_STREAM if work.stream or t.formatter.watch else 0) | work.flags,
             sampling=work.sampling,
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,
