@@ -115,6 +115,11 @@ FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
 
 
+def _tokens(work: Work, words: int) -> int:
+    """Output tokens in ``words`` output words (with log probabilities each token is a record of several)."""
+    return words // wire.record_words(wire.logprobs_top(work.flags))
+
+
 class Phase(Enum):
     TOKENIZING = "tokenizing"  # a worker is encoding the prompt (into the frame, for generate)
     IN_FLIGHT = "in flight"  # submitted; waiting for deliveries
@@ -384,7 +389,7 @@ class EdgeLifecycle:
         count = min(count, t.work.max_tokens)
         if count <= t.sent:
             return []
-        self._first_tokens(t, count - t.sent, now)
+        self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         if t.work.stream:
             self._waited(t, now - t.request.t_receive_ns, now)
         work, formatter, frame = t.work, t.formatter, t.frame
@@ -485,7 +490,7 @@ class EdgeLifecycle:
         port.release(frame)
         self.metrics.prompt(t.input_count, cached)
         if count > t.sent:
-            self._first_tokens(t, count - t.sent, now)
+            self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         # streamed: when the first token left the edge; whole: the model side's own first-token time
         # when it reports one (same host clock), else when the edge first saw output
         first_at = t.t_first_ns if t.work.stream else (model_first or t.t_first_ns)
