@@ -787,6 +787,45 @@ class Sampling:
 _ZEROED = Sampling(0.0, 0.0, 0, 0)
 
 
+# -- a constraint after the prompt (native/edgepath_slot.h, issue 36) -------------------------------------
+FLAG_CONSTRAINT = lib.EP_FLAG_CONSTRAINT
+#: most words a constraint may take
+CONSTRAINT_WORDS_MAX = lib.EP_FLAG_CONSTRAINT_MASK
+
+
+def constraint_encoding(grammar: str) -> np.ndarray:
+    """A GBNF grammar as the int32 words that follow the prompt: its UTF-8, zero-padded to whole words."""
+    data = grammar.encode()
+    words = np.frombuffer(data + b"\0" * (-len(data) % 4), dtype=np.int32)
+    if not 0 < len(words) <= CONSTRAINT_WORDS_MAX:
+        raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, this one {len(words)}")
+    return words
+
+
+def constraint_flags(words: int) -> int:
+    """The request flags saying ``words`` words of constraint follow the prompt."""
+    if not 0 < words <= CONSTRAINT_WORDS_MAX:
+        raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, got {words}")
+    return FLAG_CONSTRAINT | words << lib.EP_FLAG_CONSTRAINT_SHIFT
+
+
+def constraint_words(flags: int) -> int:
+    """Words of constraint after the prompt (0: none)."""
+    if not flags & FLAG_CONSTRAINT:
+        return 0
+    return int(flags >> lib.EP_FLAG_CONSTRAINT_SHIFT & lib.EP_FLAG_CONSTRAINT_MASK)
+
+
+def input_words(token_count: int, flags: int) -> int:
+    """What a request's input takes of a slot: its prompt's ids and the constraint after them."""
+    return token_count + constraint_words(flags)
+
+
+def read_constraint(words: np.ndarray) -> str:
+    """The grammar in ``words`` (as :func:`constraint_encoding` made them); ValueError when it is not UTF-8."""
+    return np.ascontiguousarray(words, dtype=np.int32).tobytes().rstrip(b"\0").decode()
+
+
 def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:
     """Why a request with these counts cannot go into a slot of these capacities (None: it can)."""
     if token_count <= 0:

@@ -336,12 +336,15 @@ class EdgeLifecycle:
     def _tokenized_into_frame(self, t: Tracked, n: int, now: int) -> list[Action]:
         assert t.frame is not None
         t.input_count = n
+        constraint = t.work.constraint
         try:
-            self.core.check_length(n)
+            self.core.check_length(n, 0 if constraint is None else len(constraint))
         except HttpError as exc:
             self._forget(t)
             self.port.release(t.frame)
             return [self._respond(t.rid, t.route, t.request, t.timings, self._failure(t, exc))]
+        if constraint is not None:  # the grammar goes after the prompt, sent with it in the one WRITE
+            self.port.frames.tokens[t.frame, n : n + len(constraint)] = constraint
         return self._submit(t, now)
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
@@ -356,7 +359,9 @@ class EdgeLifecycle:
             request_id=t.request_id,
             token_count=t.input_count,
             max_new_tokens=work.max_tokens,
-            flags=(wire.FLAG_STREAM if work.stream or t.formatter.watch else 0) | work.flags,
+            flags=(wire.FLAG_STREAM if work.stream or t.formatter.watch else 0)
+            | work.flags
+            | (wire.constraint_flags(len(work.constraint)) if work.constraint is not None else 0),
             sampling=work.sampling,
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,

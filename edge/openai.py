@@ -27,6 +27,7 @@ from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
+from edgepath.edge.structured import FormatRefused, grammar_for
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
@@ -129,6 +130,8 @@ class OpenAILimits:
     """Model names served (what ``GET /v1/models`` lists); ``model`` must be one of them."""
     logprobs: bool = False
     """Whether the model side computes log probabilities (the llama handler does; echo handlers do not)."""
+    grammars: bool = False
+    """Whether the model side enforces a grammar (``response_format`` json_object / json_schema: the llama handler)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -154,6 +157,8 @@ class OpenAIRequest:
     messages: tuple[ChatMessage, ...] | None = None
     logprobs: int | None = None
     """None: no log probabilities; else how many likeliest alternatives each token's entry lists."""
+    constraint: str | None = None
+    """A GBNF grammar the answer must match (``response_format``), or None."""
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -188,7 +193,8 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
             code="invalid_value",
         )
     max_tokens = current if _given(doc, "max_completion_tokens") else legacy
-    return _common(doc, "chat", limits, max_tokens, messages=messages, logprobs=top)
+    constraint = _constraint(doc, limits)
+    return _common(doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint)
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -255,9 +261,6 @@ def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
         for name in ("tool_choice", "function_call"):
             if doc.get(name) not in (None, "none"):
                 raise unsupported(name, doc[name], "'none' (no tool or function calling)")
-        fmt = doc.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise unsupported("response_format", fmt, '{"type": "text"}')
         if doc.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", doc["modalities"], '["text"]')
         if doc.get("audio") is not None:
@@ -347,6 +350,19 @@ def _message(m: Any, where: str) -> ChatMessage:
         param=f"{where}.content",
         code="invalid_type",
     )
+
+
+def _constraint(doc: Mapping[str, Any], limits: OpenAILimits) -> str | None:
+    """``response_format`` as the grammar the model side enforces (:mod:`edgepath.edge.structured`), or None."""
+    fmt = doc.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not limits.grammars:
+        raise unsupported("response_format", fmt, '{"type": "text"} (this model side enforces no grammar)')
+    try:
+        return grammar_for(fmt)
+    except FormatRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 
 
 def _chat_logprobs(doc: Mapping[str, Any]) -> int | None:

@@ -58,11 +58,19 @@ class OpenAIRoutes:
     """Parses OpenAI requests into :class:`Work` for one served model."""
 
     def __init__(
-        self, model: str, max_tokens: int, vocab_size: int, chat: ChatSupport, created: int, logprobs: bool = False
+        self,
+        model: str,
+        max_tokens: int,
+        vocab_size: int,
+        chat: ChatSupport,
+        created: int,
+        logprobs: bool = False,
+        grammars: bool = False,
     ) -> None:
-        """``logprobs``: whether the model side computes log probabilities (else asking for them is a 400)."""
+        """``logprobs``, ``grammars``: whether the model side computes log probabilities and enforces a grammar
+        (``response_format``); else asking for them is a 400."""
         self.model = model
-        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs)
+        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs, grammars)
         self.chat = chat
         self.created = created
 
@@ -91,7 +99,16 @@ class OpenAIRoutes:
         # with log probabilities each token is a record of output words: max_tokens counts words on the wire
         words = req.max_tokens * wire.record_words(req.logprobs)
         flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
-        return Work("generate", req.prompt, tokens, words, req.stream, req.sampling, path, options, flags=flags)
+        constraint = None
+        if req.constraint is not None:
+            try:
+                constraint = wire.constraint_encoding(req.constraint)
+            except wire.RequestInvalid as exc:
+                return _error_response(oa.invalid_request(f"'response_format': {exc}", param="response_format"))
+        return Work(
+            "generate", req.prompt, tokens, words, req.stream, req.sampling, path, options, flags=flags,
+            constraint=constraint,
+        )  # fmt: skip
 
 
 def _finish_reason(outcome: Outcome, produced: int, max_tokens: int, stopped: bool) -> oa.FinishReason:

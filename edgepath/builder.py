@@ -474,7 +474,7 @@ async def start_edge(
         loop,
         executor,
         supervision,
-        logprobs=options.handler.name == "llama",
+        model_side=options.handler.name == "llama",
     )
     service.start()
     cleanup.callback(service.stop)
@@ -534,13 +534,13 @@ def build_edge(
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
     supervision: Callable[[], tuple[int, int] | None] | None = None,
-    logprobs: bool = False,
+    model_side: bool = False,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
     servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``; the bound
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
-    the supervised slot server's (restarts, hangs), for /metrics; ``logprobs``: whether the model side computes
-    log probabilities (the llama handler)."""
+    the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
+    log probabilities and enforces grammars (the llama handler)."""
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
@@ -559,7 +559,8 @@ def build_edge(
         tokenizer.vocab_size,
         chat_support(tokenizer),
         int(time.time()),
-        logprobs,
+        logprobs=model_side,
+        grammars=model_side,
     )
     openai_format = formatter_factory(time.time)
     return EdgeService(

@@ -426,7 +426,8 @@ class LlamaHandler:
         if len(request.output) < words:
             return [Emit(slot, 0, Status.LENGTH)]
         try:
-            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top)
+            grammar = None if request.constraint is None else (self._vocab, request.constraint)
+            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar)
         except RuntimeError:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]

@@ -44,6 +44,7 @@ class SlotRequest:
     tokens: np.ndarray  # int32 view of the slot's input tokens
     output: np.ndarray  # int32 view of the slot's output area, exactly max_new_tokens long
     sampling: Sampling = field(default_factory=Sampling)
+    constraint: str | None = None  # a GBNF grammar the output must match (None: unconstrained)
 
 
 @dataclass(frozen=True, slots=True)

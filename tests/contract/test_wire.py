@@ -213,3 +213,29 @@ def test_plain_output_and_bad_widths() -> None:
     for bad in (-1, wire.TOP_LOGPROBS_MAX + 1):
         with pytest.raises(wire.RequestInvalid, match="between 0 and 20"):
             wire.logprobs_flags(bad)
+
+
+# -- a constraint after the prompt ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "a"', 'root ::= "東京" | "🚀"\n', "x" * 4096])
+def test_a_constraint_round_trips_in_the_words_after_the_prompt(grammar: str) -> None:
+    words = wire.constraint_encoding(grammar)
+    assert words.dtype == np.int32 and len(words) == -(-len(grammar.encode()) // 4)
+    flags = wire.constraint_flags(len(words)) | wire.FLAG_STREAM | wire.logprobs_flags(3)
+    assert wire.constraint_words(flags) == len(words) and wire.logprobs_top(flags) == 3  # beside each other
+    assert wire.input_words(10, flags) == 10 + len(words) and wire.input_words(10, wire.FLAG_STREAM) == 10
+    area = np.zeros(10 + len(words) + 2, dtype=np.int32)
+    area[10 : 10 + len(words)] = words
+    assert wire.read_constraint(area[10 : 10 + wire.constraint_words(flags)]) == grammar
+
+
+def test_constraints_of_no_size_or_too_large_are_refused() -> None:
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_encoding("")
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_encoding("x" * 4 * 65536)
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_flags(0)
+    with pytest.raises(ValueError):
+        wire.read_constraint(np.array([-1], dtype=np.int32))  # not UTF-8
