@@ -9,6 +9,7 @@ logits elsewhere can use it as it is.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,11 @@ class SlotSampler:
     """One slot's sampler: at temperature 0 greedy, an argmax over the logits row in numpy; otherwise a
     llama.cpp sampler chain built from the request's :class:`Sampling` -- top-k, top-p, temperature and a
     seeded draw (llama.cpp seeds are 32-bit: the low 32 bits of the request's seed).  With a constraint (a GBNF
-    grammar) the chain starts with llama.cpp's grammar sampler, which leaves only the tokens the grammar allows
-    next and follows each token drawn (greedy then is the chain's argmax).  :meth:`close` frees the chain; a
-    sampler is used by one slot only (the chain keeps the draw's and the grammar's state)."""
+    grammar, llama.cpp's grammar sampler) the token is drawn as without one and the grammar asked whether it
+    may come next; only when it may not is the draw made again over the tokens the grammar allows (as
+    llama-server does: asking about one token is far cheaper than masking the whole vocabulary every step).
+    :meth:`close` frees the chain and the grammar; a sampler is used by one slot only (they keep the draw's and
+    the grammar's state)."""
 
     def __init__(
         self,
@@ -39,13 +42,58 @@ class SlotSampler:
         self.sampling = sampling
         self.n_vocab = n_vocab
         self.top_logprobs = top_logprobs
-        self._chain = None if sampling.temperature == 0.0 and grammar is None else _chain(lib, sampling, grammar)
+        self._chain = None if sampling.temperature == 0.0 else _chain(lib, sampling)
+        self._grammar = None
+        if grammar is not None:
+            self._grammar = lib.llama_sampler_init_grammar(grammar[0], grammar[1].encode(), b"root")
+            if not self._grammar:
+                self.close()
+                raise RuntimeError("llama.cpp could not parse the request's grammar")
+            self._one = np.zeros(1, dtype=_TOKEN_DATA)  # one candidate: may the drawn token come next?
+            self._all = np.zeros(0, dtype=_TOKEN_DATA)  # every candidate, made when a draw is refused
 
     def sample(self, ctx: Any, index: int) -> int:
         """The next token from the logits of batch index ``index`` of the step just decoded on ``ctx``."""
+        token = self._draw(ctx, index)
+        if self._grammar is None:
+            return token
+        if not self._allows(token):
+            token = self._draw_allowed(ctx, index)
+        self._lib.llama_sampler_accept(self._grammar, token)
+        return token
+
+    def _draw(self, ctx: Any, index: int) -> int:
         if self._chain is None:
             return int(self.logits(ctx, index).argmax())
         return int(self._lib.llama_sampler_sample(self._chain, ctx, index))
+
+    def _candidates(self, data: np.ndarray) -> Any:
+        pointer = data.ctypes.data_as(self._lib.llama_token_data_p)
+        return self._lib.llama_token_data_array(pointer, len(data), -1, False)
+
+    def _allows(self, token: int) -> bool:
+        one = self._one
+        one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(self._candidates(one)))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _draw_allowed(self, ctx: Any, index: int) -> int:
+        """The draw again, over the tokens the grammar allows next (the others' logits made -inf)."""
+        lib = self._lib
+        if len(self._all) != self.n_vocab:
+            self._all = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        every = self._all
+        every["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        every["logit"] = self.logits(ctx, index)
+        every["p"] = 0.0
+        candidates = self._candidates(every)
+        lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates))
+        if self._chain is None:
+            return int(every["logit"].argmax())
+        lib.llama_sampler_apply(self._chain, ctypes.byref(candidates))
+        token = int(candidates.data[candidates.selected].id)
+        lib.llama_sampler_accept(self._chain, token)
+        return token
 
     def logprobs(self, ctx: Any, index: int, token: int) -> tuple[float, np.ndarray, np.ndarray]:
         """``token``'s log probability and the ``top_logprobs`` likeliest ids with theirs (likeliest first), from
@@ -68,29 +116,26 @@ class SlotSampler:
         if self._chain is not None:
             self._lib.llama_sampler_free(self._chain)
             self._chain = None
+        if getattr(self, "_grammar", None):
+            self._lib.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
-def _chain(lib: Any, sampling: Sampling, grammar: tuple[Any, str] | None = None) -> Any:
+#: llama.cpp's llama_token_data, as numpy lays out an array of them
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def _chain(lib: Any, sampling: Sampling) -> Any:
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
     if not chain:
         raise RuntimeError("llama_sampler_chain_init returned NULL")
     parts = []
-    if grammar is not None:
-        vocab, text = grammar
-        parts.append(lib.llama_sampler_init_grammar(vocab, text.encode(), b"root"))
-    if sampling.temperature == 0.0:
-        parts.append(lib.llama_sampler_init_greedy())
-        return _chained(lib, chain, parts, sampling)
     if sampling.top_k > 0:
         parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
     if sampling.top_p < 1.0:
         parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
     parts.append(lib.llama_sampler_init_temp(sampling.temperature))
     parts.append(lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-    return _chained(lib, chain, parts, sampling)
-
-
-def _chained(lib: Any, chain: Any, parts: list[Any], sampling: Sampling) -> Any:
     for part in parts:
         if not part:
             lib.llama_sampler_free(chain)
