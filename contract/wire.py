@@ -715,6 +715,66 @@ REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.UNAVAILABLE, Status.BAD_RE
 FLAG_STREAM = lib.EP_FLAG_STREAM
 
 
+# -- log probabilities in the output area (native/edgepath_slot.h, issue 36) --------------------------------
+FLAG_LOGPROBS = lib.EP_FLAG_LOGPROBS
+#: most alternatives one token's record carries (OpenAI's ``top_logprobs`` limit)
+TOP_LOGPROBS_MAX = lib.EP_TOP_LOGPROBS_MAX
+
+
+def logprobs_flags(top: int) -> int:
+    """The request flags asking for each output token's log probability and its ``top`` likeliest alternatives."""
+    if not 0 <= top <= TOP_LOGPROBS_MAX:
+        raise RequestInvalid(f"top log probabilities must be between 0 and {TOP_LOGPROBS_MAX}, got {top}")
+    return FLAG_LOGPROBS | top << lib.EP_FLAG_TOP_SHIFT
+
+
+def logprobs_top(flags: int) -> int | None:
+    """None: the output area holds plain token ids; else how many alternatives each token's record carries (as
+    written: a reader checks it against :data:`TOP_LOGPROBS_MAX`)."""
+    if not flags & FLAG_LOGPROBS:
+        return None
+    return int(flags >> lib.EP_FLAG_TOP_SHIFT & lib.EP_FLAG_TOP_MASK)
+
+
+def record_words(top: int | None) -> int:
+    """Output words one token takes: 1 (its id), or its log-probability record with ``top`` alternatives."""
+    return 1 if top is None else 2 + 2 * top
+
+
+def write_record(
+    out: np.ndarray, index: int, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray
+) -> None:
+    """Token ``index``'s record in the int32 output area ``out``: id, log probability, then the alternatives'
+    ids and log probabilities (likeliest first), the floats as float32 bits."""
+    top = len(top_ids)
+    record = out[index * (2 + 2 * top) : (index + 1) * (2 + 2 * top)]
+    record[0] = token
+    floats = record.view(np.float32)
+    floats[1] = logprob
+    record[2 : 2 + top] = top_ids
+    floats[2 + top :] = top_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecords:
+    """Output records read back: per token its id and log probability, and its alternatives (``top`` columns)."""
+
+    ids: np.ndarray  # int32 (n,)
+    logprobs: np.ndarray  # float32 (n,)
+    top_ids: np.ndarray  # int32 (n, top)
+    top_logprobs: np.ndarray  # float32 (n, top)
+
+
+def read_records(words: np.ndarray, top: int) -> TokenRecords:
+    """The records in ``words`` (a whole number of them, as :func:`write_record` placed them)."""
+    width = 2 + 2 * top
+    if len(words) % width:
+        raise ValueError(f"{len(words)} output words are not a whole number of {width}-word records")
+    records = np.ascontiguousarray(words, dtype=np.int32).reshape(-1, width)
+    floats = records.view(np.float32)
+    return TokenRecords(records[:, 0], floats[:, 1], records[:, 2 : 2 + top], floats[:, 2 + top :])
+
+
 # -- request validation (writer and reader apply the same rules) ---------------------------------------
 TOKEN_MIN = -(2**31)
 TOKEN_MAX = 2**31 - 1
@@ -746,6 +806,45 @@ class Sampling:
 
 #: the sampling of a zeroed request header: greedy, no nucleus cut
 _ZEROED = Sampling(0.0, 0.0, 0, 0)
+
+
+# -- a constraint after the prompt (native/edgepath_slot.h, issue 36) -------------------------------------
+FLAG_CONSTRAINT = lib.EP_FLAG_CONSTRAINT
+#: most words a constraint may take
+CONSTRAINT_WORDS_MAX = lib.EP_FLAG_CONSTRAINT_MASK
+
+
+def constraint_encoding(grammar: str) -> np.ndarray:
+    """A GBNF grammar as the int32 words that follow the prompt: its UTF-8, zero-padded to whole words."""
+    data = grammar.encode()
+    words = np.frombuffer(data + b"\0" * (-len(data) % 4), dtype=np.int32)
+    if not 0 < len(words) <= CONSTRAINT_WORDS_MAX:
+        raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, this one {len(words)}")
+    return words
+
+
+def constraint_flags(words: int) -> int:
+    """The request flags saying ``words`` words of constraint follow the prompt."""
+    if not 0 < words <= CONSTRAINT_WORDS_MAX:
+        raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, got {words}")
+    return FLAG_CONSTRAINT | words << lib.EP_FLAG_CONSTRAINT_SHIFT
+
+
+def constraint_words(flags: int) -> int:
+    """Words of constraint after the prompt (0: none)."""
+    if not flags & FLAG_CONSTRAINT:
+        return 0
+    return int(flags >> lib.EP_FLAG_CONSTRAINT_SHIFT & lib.EP_FLAG_CONSTRAINT_MASK)
+
+
+def input_words(token_count: int, flags: int) -> int:
+    """What a request's input takes of a slot: its prompt's ids and the constraint after them."""
+    return token_count + constraint_words(flags)
+
+
+def read_constraint(words: np.ndarray) -> str:
+    """The grammar in ``words`` (as :func:`constraint_encoding` made them); ValueError when it is not UTF-8."""
+    return np.ascontiguousarray(words, dtype=np.int32).tobytes().rstrip(b"\0").decode()
 
 
 def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, output_capacity: int) -> str | None:

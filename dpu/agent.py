@@ -249,6 +249,10 @@ class Agent:
             why = f"it moved {flight.moves} times already (the limit)"
         elif remaining <= 0:
             why = "its answer is complete but for the final word"
+        elif wire.logprobs_top(self.frames.request_headers[index].flags) is not None:
+            why = "its output holds log-probability records, which a prompt cannot carry"
+        elif wire.constraint_words(self.frames.request_headers[index].flags):
+            why = "a constraint follows its prompt, which the answer so far would overwrite"
         candidates = [link for link in self.links if link.up and link is not gone and prompt <= link.input_capacity]
         if not why and (prompt > self.layout.input_capacity or not candidates):
             why = f"no other slot server is up with room for a prompt of {prompt} tokens"
@@ -353,7 +357,10 @@ class Agent:
             return f"frame {index} is already in flight"
         req = self.frames.request_headers[index]
         return wire.request_problem(
-            req.token_count, req.max_new_tokens, self.layout.input_capacity, self.layout.output_capacity
+            wire.input_words(req.token_count, req.flags),
+            req.max_new_tokens,
+            self.layout.input_capacity,
+            self.layout.output_capacity,
         )
 
     def submit(self, index: int) -> Status | None:
@@ -361,14 +368,15 @@ class Agent:
         otherwise the immediate outcome: NO_SLOT, UNAVAILABLE (no live server) or BAD_REQUEST."""
         if self.check_frame(index) is not None:
             return Status.BAD_REQUEST
-        count = self.frames.request_headers[index].token_count
+        req = self.frames.request_headers[index]
+        count, words = req.token_count, wire.input_words(req.token_count, req.flags)
         links = self.links
-        fits = [link for link in links if link.up and count <= link.input_capacity]  # one pass in the common case
+        fits = [link for link in links if link.up and words <= link.input_capacity]  # one pass in the common case
         if len(fits) < len(links):
             up = sum(link.up for link in links)
             if up < len(links):
                 self.link_set.probe_stale()  # an unresponsive server may have come back
-                fits = [link for link in links if link.up and count <= link.input_capacity]
+                fits = [link for link in links if link.up and words <= link.input_capacity]
                 up = sum(link.up for link in links)
             if not up:
                 return Status.UNAVAILABLE
@@ -469,7 +477,7 @@ class Agent:
             frame_off,
             pool,
             link.slots_offset + slot * link.slot_stride,
-            self.layout.request_bytes(count),
+            self.layout.request_bytes(wire.input_words(count, req.flags)),  # the prompt and its constraint
             frame_off + _DOORBELL_FIELD,
             link.doorbells_offset + 8 * slot,
             8,

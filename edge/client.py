@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -41,9 +41,14 @@ class H3Response:
         return out
 
 
+#: called with the status and each piece of the body as it arrives (a streamed answer printed as it comes)
+OnData = Callable[[int, bytes], None]
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future[H3Response]
+    on_data: OnData | None = None
     headers: dict[str, str] = field(default_factory=dict)
     status: int = 0
     body: bytearray = field(default_factory=bytearray)
@@ -54,6 +59,17 @@ class H3ClientProtocol(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self.h3 = H3Connection(self._quic)
         self._pending: dict[int, _Pending] = {}
+
+    async def wait_connected(self) -> None:
+        """aioquic's wait for the handshake, but one given up on (a timeout) does not leave its inner future's
+        ConnectionError to be logged as "never retrieved" when the connection is closed afterwards."""
+        try:
+            await super().wait_connected()
+        except asyncio.CancelledError:
+            waiter = self._connected_waiter
+            if waiter is not None:
+                waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, ConnectionTerminated):
@@ -77,6 +93,8 @@ class H3ClientProtocol(QuicConnectionProtocol):
                     pending.headers[name.decode()] = value.decode()
         elif isinstance(event, DataReceived):
             pending.body += event.data
+            if pending.on_data is not None and event.data:
+                pending.on_data(pending.status, event.data)
         if getattr(event, "stream_ended", False):
             del self._pending[stream_id]
             if not pending.future.done():
@@ -89,11 +107,12 @@ class H3ClientProtocol(QuicConnectionProtocol):
         path: str,
         body: bytes = b"",
         headers: list[tuple[bytes, bytes]] | None = None,
+        on_data: OnData | None = None,
     ) -> tuple[int, asyncio.Future[H3Response]]:
-        """Send a request; (stream id, future of its response)."""
+        """Send a request; (stream id, future of its response); ``on_data`` sees the body as it arrives."""
         stream_id = self._quic.get_next_available_stream_id()
         future: asyncio.Future[H3Response] = self._loop.create_future()
-        self._pending[stream_id] = _Pending(future)
+        self._pending[stream_id] = _Pending(future, on_data)
         h = [
             (b":method", method.encode()),
             (b":scheme", b"https"),
@@ -154,10 +173,17 @@ class H3Client:
         self.headers = [(b"x-api-key", api_key.encode())] if api_key else []
 
     async def request(
-        self, method: str, path: str, payload: Any = None, body: bytes | None = None, timeout: float = 30.0
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        body: bytes | None = None,
+        timeout: float = 30.0,
+        on_data: OnData | None = None,
     ) -> H3Response:
+        """One request; ``on_data`` (status, bytes) is called with each piece of the body as it arrives."""
         data = body if body is not None else (json.dumps(payload).encode() if payload is not None else b"")
-        _, future = self.protocol.start(method, self.authority, path, data, self.headers)
+        _, future = self.protocol.start(method, self.authority, path, data, self.headers, on_data)
         return await asyncio.wait_for(future, timeout)
 
     async def generate(self, prompt: str, max_tokens: int | None = None, stream: bool = False) -> H3Response:
@@ -165,6 +191,25 @@ class H3Client:
         if max_tokens is not None:
             payload["max_tokens"] = max_tokens
         return await self.request("POST", "/v1/generate", payload)
+
+
+class EventReader:
+    """Server-sent events out of a body that arrives in pieces: :meth:`feed` returns the ``data`` of each
+    event completed so far.  Events end with a blank line (``\\n\\n``, as edgepath frames them); a piece may
+    end anywhere, even inside a UTF-8 character."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        self._buffer += data
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        out = []
+        for event in events:
+            lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines).decode())
+        return out
 
 
 def client_configuration(

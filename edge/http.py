@@ -95,6 +95,9 @@ class Work:
     cache_salt: str | None = None  # the request's own cache_salt field
     tenant: Tenant = ANONYMOUS  # whose request it is (its API key's)
     salt: int = 0  # the request header's cache_salt: the tenant's namespace and cache_salt (wire.cache_salt)
+    flags: int = 0  # request flags beyond the stream flag (log probabilities: contract/wire.py); max_tokens then
+    # counts output words, a whole number of records
+    constraint: np.ndarray | None = None  # a grammar's words, written after the prompt (contract/wire.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,14 +451,23 @@ class HttpCore:
         return value
 
     # -- after tokenization ---------------------------------------------------------------
-    def check_length(self, count: int) -> None:
-        """400 with the exact count and the limit when a prompt does not fit one slot."""
+    def check_length(self, count: int, constraint: int = 0) -> None:
+        """400 with the exact count and the limit when a prompt (and the ``constraint`` words after it: a
+        ``response_format``'s grammar) does not fit one slot."""
         cap = self.limits.input_capacity
         if count > cap:
             raise HttpError(
                 400,
                 "prompt_too_long",
                 f"prompt is {count} tokens; a slot holds at most {cap}",
+            )
+        if count + constraint > cap:
+            raise HttpError(
+                400,
+                "prompt_too_long",
+                f"prompt is {count} tokens and the response_format's grammar takes {constraint} words after it; a "
+                f"slot holds at most {cap} (a simpler schema, a shorter prompt, or a server with larger "
+                "--input-capacity)",
             )
 
     @staticmethod

@@ -122,6 +122,11 @@ FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
 
 
+def _tokens(work: Work, words: int) -> int:
+    """Output tokens in ``words`` output words (with log probabilities each token is a record of several)."""
+    return words // wire.record_words(wire.logprobs_top(work.flags))
+
+
 class Phase(Enum):
     TOKENIZING = "tokenizing"  # a worker is encoding the prompt (into the frame, for generate)
     IN_FLIGHT = "in flight"  # submitted; waiting for deliveries
@@ -349,8 +354,9 @@ class EdgeLifecycle:
     def _tokenized_into_frame(self, t: Tracked, n: int, now: int) -> list[Action]:
         assert t.frame is not None
         t.input_count = n
+        constraint = t.work.constraint
         try:
-            self.core.check_length(n)
+            self.core.check_length(n, 0 if constraint is None else len(constraint))
         except HttpError as exc:
             self._forget(t)
             self.port.release(t.frame)
@@ -360,6 +366,8 @@ class EdgeLifecycle:
             self._forget(t)
             self.port.release(t.frame)
             return [self._answer(t, self._failure(t, over))]
+        if constraint is not None:  # the grammar goes after the prompt, sent with it in the one WRITE
+            self.port.frames.tokens[t.frame, n : n + len(constraint)] = constraint
         return self._submit(t, now)
 
     def _reserve(self, t: Tracked) -> HttpError | None:
@@ -397,7 +405,9 @@ class EdgeLifecycle:
             request_id=t.request_id,
             token_count=t.input_count,
             max_new_tokens=work.max_tokens,
-            flags=wire.FLAG_STREAM if work.stream or t.formatter.watch else 0,
+            flags=(wire.FLAG_STREAM if work.stream or t.formatter.watch else 0)
+            | work.flags
+            | (wire.constraint_flags(len(work.constraint)) if work.constraint is not None else 0),
             sampling=work.sampling,
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,
@@ -431,7 +441,7 @@ class EdgeLifecycle:
         count = min(count, t.work.max_tokens)
         if count <= t.sent:
             return []
-        self._first_tokens(t, count - t.sent, now)
+        self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         if t.work.stream:
             self._waited(t, now - t.request.t_receive_ns, now)
         work, formatter, frame = t.work, t.formatter, t.frame
@@ -533,7 +543,7 @@ class EdgeLifecycle:
         port.release(frame)
         self.metrics.prompt(t.input_count, cached)
         if count > t.sent:
-            self._first_tokens(t, count - t.sent, now)
+            self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         # streamed: when the first token left the edge; whole: the model side's own first-token time
         # when it reports one (same host clock), else when the edge first saw output
         first_at = t.t_first_ns if t.work.stream else (model_first or t.t_first_ns)

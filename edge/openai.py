@@ -6,7 +6,7 @@ endpoint, so the shapes here follow the ``openai`` package's own types (``types/
 
 Nothing here touches a socket, a clock or a random source: the service passes the request id, the
 ``created`` time and the token counts in, and sends the bytes that come back.  Options that would
-change the answer and that edgepath cannot honour (``n > 1``, ``logprobs``, tools, …) are refused
+change the answer and that edgepath cannot honour (``n > 1``, tools, …) are refused
 with a 400 naming the option: a client must never get a silently different answer.  Unknown keys are
 ignored, as OpenAI-compatible servers commonly do.  The sampling fields (``temperature``, ``top_p``, ``seed``,
 and ``top_k`` as vLLM's and llama.cpp's servers take it) are parsed by :mod:`edgepath.edge.sampling`, the
@@ -21,19 +21,22 @@ from typing import Any, Literal
 
 import orjson
 
-from edgepath.contract.wire import Sampling
+from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
 from edgepath.edge.tenants import parse_cache_salt
+from edgepath.edge.structured import FormatRefused, grammar_for
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
+#: most alternatives per token of the completions route's ``logprobs`` (OpenAI's limit there)
+COMPLETION_LOGPROBS_MAX = 5
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -126,6 +129,10 @@ class OpenAILimits:
     """Token ids in a ``prompt`` given as ids must be below this."""
     models: tuple[str, ...]
     """Model names served (what ``GET /v1/models`` lists); ``model`` must be one of them."""
+    logprobs: bool = False
+    """Whether the model side computes log probabilities (the llama handler does; echo handlers do not)."""
+    grammars: bool = False
+    """Whether the model side enforces a grammar (``response_format`` json_object / json_schema: the llama handler)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -150,6 +157,10 @@ class OpenAIRequest:
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
     cache_salt: str | None = None  # the prefix cache namespace within the tenant's (as vLLM's cache_salt)
+    logprobs: int | None = None
+    """None: no log probabilities; else how many likeliest alternatives each token's entry lists."""
+    constraint: str | None = None
+    """A GBNF grammar the answer must match (``response_format``), or None."""
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -157,7 +168,16 @@ def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimi
     doc = _document(body)
     _refuse_unsupported(doc, "completion")
     prompt, prompt_ids = _completion_prompt(doc, limits.vocab_size)
-    return _common(doc, "completion", limits, _max_tokens(doc, limits.max_tokens), prompt=prompt, prompt_ids=prompt_ids)
+    top = _completion_logprobs(doc)
+    return _common(
+        doc,
+        "completion",
+        limits,
+        _max_tokens(doc, *_cap(limits, top, "logprobs")),
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        logprobs=top,
+    )
 
 
 def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -165,8 +185,9 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
     doc = _document(body)
     _refuse_unsupported(doc, "chat")
     messages = _messages(doc)
-    legacy = _max_tokens(doc, limits.max_tokens, "max_tokens")
-    current = _max_tokens(doc, limits.max_tokens, "max_completion_tokens")
+    top = _chat_logprobs(doc)
+    legacy = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_tokens")
+    current = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_completion_tokens")
     if _given(doc, "max_tokens") and _given(doc, "max_completion_tokens") and legacy != current:
         raise invalid_request(
             f"'max_tokens' ({legacy}) and 'max_completion_tokens' ({current}) disagree; give one of them",
@@ -174,7 +195,8 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
             code="invalid_value",
         )
     max_tokens = current if _given(doc, "max_completion_tokens") else legacy
-    return _common(doc, "chat", limits, max_tokens, messages=messages)
+    constraint = _constraint(doc, limits)
+    return _common(doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint)
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -231,26 +253,17 @@ def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
         if value is not None and (type(value) is not int or value != 1):
             raise unsupported(name, value, "1 (one choice per request)")
     if kind == "completion":
-        if doc.get("logprobs") is not None:
-            raise unsupported("logprobs", doc["logprobs"], "null (log probabilities are not returned)")
         if doc.get("echo") not in (None, False):
             raise unsupported("echo", doc["echo"], "false")
         if doc.get("suffix") not in (None, ""):
             raise unsupported("suffix", doc["suffix"], "null (no insertion mode)")
     else:
-        if doc.get("logprobs") not in (None, False):
-            raise unsupported("logprobs", doc["logprobs"], "false (log probabilities are not returned)")
-        if doc.get("top_logprobs") not in (None, 0):
-            raise unsupported("top_logprobs", doc["top_logprobs"], "null or 0")
         for name in ("tools", "functions"):
             if doc.get(name) not in (None, []):
                 raise unsupported(name, doc[name], "none (no tool or function calling)")
         for name in ("tool_choice", "function_call"):
             if doc.get(name) not in (None, "none"):
                 raise unsupported(name, doc[name], "'none' (no tool or function calling)")
-        fmt = doc.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            raise unsupported("response_format", fmt, '{"type": "text"}')
         if doc.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", doc["modalities"], '["text"]')
         if doc.get("audio") is not None:
@@ -342,13 +355,88 @@ def _message(m: Any, where: str) -> ChatMessage:
     )
 
 
-def _max_tokens(doc: Mapping[str, Any], cap: int, name: str = "max_tokens") -> int:
+def _constraint(doc: Mapping[str, Any], limits: OpenAILimits) -> str | None:
+    """``response_format`` as the grammar the model side enforces (:mod:`edgepath.edge.structured`), or None."""
+    fmt = doc.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    if not limits.grammars:
+        raise unsupported("response_format", fmt, '{"type": "text"} (this model side enforces no grammar)')
+    try:
+        return grammar_for(fmt)
+    except FormatRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+
+
+def _chat_logprobs(doc: Mapping[str, Any]) -> int | None:
+    """``logprobs`` (true: each token's log probability) and ``top_logprobs`` (0..20 alternatives, with
+    ``logprobs`` only, as OpenAI has it): None when not asked, else the alternatives per token."""
+    wanted = _optional_bool(doc, "logprobs", False)
+    top = doc.get("top_logprobs")
+    if top is None:
+        return 0 if wanted else None
+    if type(top) is not int or not 0 <= top <= TOP_LOGPROBS_MAX:
+        raise invalid_request(
+            f"'top_logprobs' must be an integer in 0..{TOP_LOGPROBS_MAX}, got {show(top)}",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    if not wanted and top == 0:
+        return None
+    if not wanted:
+        raise invalid_request(
+            "'top_logprobs' needs 'logprobs': true (the alternatives come with each token's log probability)",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    return top
+
+
+def _completion_logprobs(doc: Mapping[str, Any]) -> int | None:
+    """``logprobs`` of the completions route: null, or how many alternatives per token (0..5)."""
+    value = doc.get("logprobs")
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= COMPLETION_LOGPROBS_MAX:
+        raise invalid_request(
+            f"'logprobs' must be null or an integer in 0..{COMPLETION_LOGPROBS_MAX} (the likeliest alternatives "
+            f"listed per token), got {show(value)}",
+            param="logprobs",
+            code="invalid_value",
+        )
+    return value
+
+
+def _cap(limits: OpenAILimits, top: int | None, param: str) -> tuple[int, str]:
+    """Most tokens one answer may have, and why: a slot's output holds ``max_tokens`` words, and with log
+    probabilities each token takes a record of them (contract/wire.py)."""
+    if top is None:
+        return limits.max_tokens, "this server's most tokens per answer"
+    if not limits.logprobs:
+        raise invalid_request(
+            f"'{param}' is not supported by this server: its model side does not compute log probabilities "
+            "(the llama handler does)",
+            param=param,
+            code="unsupported_parameter",
+        )
+    cap = limits.max_tokens // record_words(top)
+    if cap < 1:
+        raise invalid_request(
+            f"this server's answers hold {limits.max_tokens} output words, too few for one token with {top} "
+            "log-probability alternatives; ask for fewer",
+            param=param,
+            code="invalid_value",
+        )
+    return cap, f"this server's most tokens per answer with log probabilities and {top} alternatives"
+
+
+def _max_tokens(doc: Mapping[str, Any], cap: int, why: str, name: str = "max_tokens") -> int:
     value = doc.get(name)
     if value is None:
         return cap
     if type(value) is not int or not 1 <= value <= cap:
         raise invalid_request(
-            f"'{name}' must be an integer in 1..{cap} (this server's most tokens per answer), got {show(value)}",
+            f"'{name}' must be an integer in 1..{cap} ({why}), got {show(value)}",
             param=name,
             code="invalid_value",
         )
@@ -455,6 +543,42 @@ class Usage:
         return body
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log probability, and its likeliest alternatives (text, log probability), likeliest
+    first; ``token`` is the token's text decoded alone (a token that is part of a character shows as U+FFFD)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def logprobs_payload(kind: Kind, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """A choice's ``logprobs`` in OpenAI's shape: chat's ``{content: [{token, logprob, bytes, top_logprobs}],
+    refusal}``, or the completions route's ``{tokens, token_logprobs, top_logprobs, text_offset}`` (offsets of
+    each token's text in the answer, from ``text_offset``)."""
+    if kind == "chat":
+        content = [
+            {**_chat_entry(e.token, e.logprob), "top_logprobs": [_chat_entry(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def response_id(kind: Kind, request_id: int | str) -> str:
     """``cmpl-…`` or ``chatcmpl-…`` from the edge's own request id (no randomness here)."""
     rid = str(request_id)
@@ -478,14 +602,22 @@ def chat_completion(
 
 
 def _whole(
-    kind: Kind, request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
+    kind: Kind,
+    request_id: int | str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage: Usage,
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
+    shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
     if kind == "completion":
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": reason}
+        choice = {"text": text, "index": 0, "logprobs": shaped, "finish_reason": reason}
     else:
         message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
     return {
         "id": response_id(kind, request_id),
         "object": "text_completion" if kind == "completion" else "chat.completion",
@@ -498,10 +630,17 @@ def _whole(
 
 
 def completion_body(
-    request: OpenAIRequest, request_id: int | str, created: int, text: str, finish_reason: FinishReason, usage: Usage
+    request: OpenAIRequest,
+    request_id: int | str,
+    created: int,
+    text: str,
+    finish_reason: FinishReason,
+    usage: Usage,
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> bytes:
-    """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from."""
-    return _dumps(_whole(request.kind, request_id, created, request.model, text, finish_reason, usage))
+    """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
+    tokens' entries when the request asked for them)."""
+    return _dumps(_whole(request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs))
 
 
 def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:
@@ -533,6 +672,7 @@ class StreamEncoder:
         self.model = model
         self.include_usage = include_usage
         self._state = "new"
+        self._offset = 0  # characters of text sent: the completions route's text_offset
 
     @classmethod
     def for_request(cls, request: OpenAIRequest, request_id: int | str, created: int) -> StreamEncoder:
@@ -546,14 +686,17 @@ class StreamEncoder:
             return b""
         return sse_event(self._chunk({"role": "assistant", "content": ""}, None))
 
-    def text(self, delta: str) -> bytes:
-        """A text delta (empty deltas send nothing)."""
+    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        """A text delta and the entries of the tokens it came from, when asked for (a chunk with neither sends
+        nothing; entries whose text is held back come with an empty delta)."""
         self._expect("open")
-        if not delta:
+        if not delta and not logprobs:
             return b""
+        shaped = logprobs_payload(self.kind, logprobs, self._offset) if logprobs else None
+        self._offset += len(delta)
         if self.kind == "completion":
-            return sse_event(self._chunk(delta, None))
-        return sse_event(self._chunk({"content": delta}, None))
+            return sse_event(self._chunk(delta, None, shaped))
+        return sse_event(self._chunk({"content": delta}, None, shaped))
 
     def finish(self, finish_reason: FinishReason) -> bytes:
         self._advance("open", "finished")
@@ -569,11 +712,11 @@ class StreamEncoder:
             raise ValueError("the client asked for stream_options.include_usage: end() needs the usage")
         return sse_event(self._envelope([], usage.payload())) + SSE_DONE
 
-    def _chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "completion":
-            choice = {"text": delta, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"text": delta, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice], None)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -631,6 +774,7 @@ class Answer:
         self._stop = StopMatcher(request.stop)
         self._stream = StreamEncoder.for_request(request, request_id, created) if request.stream else None
         self._parts: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self._stopped = False
         self._state = "new"
 
@@ -653,13 +797,16 @@ class Answer:
         self._state = "open"
         return self._stream.start() if self._stream is not None else b""
 
-    def feed(self, ids: Sequence[int]) -> AnswerStep:
-        """The next output ids from the model side."""
+    def feed(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> AnswerStep:
+        """The next output ids from the model side, and their entries when the request asked for log
+        probabilities (one per id; those that come after a stop string matched are dropped with their ids)."""
         self._expect("open")
         delta = self._detok.feed(ids)
         if self._stopped:
             return AnswerStep(b"", True)
-        return self._release(delta)
+        if logprobs:
+            self._logprobs.extend(logprobs)
+        return self._release(delta, logprobs)
 
     def finish(self, reason: FinishReason) -> bytes:
         """The model side ended (``"length"`` at max_tokens, ``"stop"`` at its end-of-sequence) or a stop
@@ -678,18 +825,19 @@ class Answer:
                 out += self._text(self._stop.flush())
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         if self._stream is None:
-            return completion_body(self.request, self.request_id, self.created, self.text, reason, usage)
+            logprobs = self._logprobs if self.request.logprobs is not None else None
+            return completion_body(self.request, self.request_id, self.created, self.text, reason, usage, logprobs)
         return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
 
-    def _release(self, delta: str) -> AnswerStep:
+    def _release(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> AnswerStep:
         result = self._stop.feed(delta)
         self._stopped = result.stopped
-        return AnswerStep(self._text(result.text), result.stopped)
+        return AnswerStep(self._text(result.text, logprobs), result.stopped)
 
-    def _text(self, text: str) -> bytes:
+    def _text(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         if text:
             self._parts.append(text)
-        return self._stream.text(text) if self._stream is not None else b""
+        return self._stream.text(text, logprobs) if self._stream is not None else b""
 
     def _expect(self, state: str) -> None:
         if self._state != state:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.contract import wire
 from edgepath.edge import openai as oa
 from edgepath.edge.http import CHAT, JSON, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.tokenizer import Tokenizer
@@ -56,9 +57,20 @@ def oa_chat_hint() -> str:
 class OpenAIRoutes:
     """Parses OpenAI requests into :class:`Work` for one served model."""
 
-    def __init__(self, model: str, max_tokens: int, vocab_size: int, chat: ChatSupport, created: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        max_tokens: int,
+        vocab_size: int,
+        chat: ChatSupport,
+        created: int,
+        logprobs: bool = False,
+        grammars: bool = False,
+    ) -> None:
+        """``logprobs``, ``grammars``: whether the model side computes log probabilities and enforces a grammar
+        (``response_format``); else asking for them is a 400."""
         self.model = model
-        self.limits = oa.OpenAILimits(max_tokens=max_tokens, vocab_size=vocab_size, models=(model,))
+        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs, grammars)
         self.chat = chat
         self.created = created
 
@@ -84,15 +96,27 @@ class OpenAIRoutes:
         if req.messages is not None:
             options["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
         tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
-        work = Work("generate", req.prompt, tokens, req.max_tokens, req.stream, req.sampling, path, options)
+        # with log probabilities each token is a record of output words: max_tokens counts words on the wire
+        words = req.max_tokens * wire.record_words(req.logprobs)
+        flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
+        constraint = None
+        if req.constraint is not None:
+            try:
+                constraint = wire.constraint_encoding(req.constraint)
+            except wire.RequestInvalid as exc:
+                return _error_response(oa.invalid_request(f"'response_format': {exc}", param="response_format"))
+        work = Work(
+            "generate", req.prompt, tokens, words, req.stream, req.sampling, path, options, flags=flags,
+            constraint=constraint,
+        )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
 
 
-def _finish_reason(outcome: Outcome, max_tokens: int, stopped: bool) -> oa.FinishReason:
+def _finish_reason(outcome: Outcome, produced: int, max_tokens: int, stopped: bool) -> oa.FinishReason:
     if stopped or outcome.status == "STOP":
         return "stop"
-    if outcome.status == "LENGTH" or len(outcome.tokens) >= max_tokens:
+    if outcome.status == "LENGTH" or produced >= max_tokens:
         return "length"
     return "stop"
 
@@ -105,6 +129,8 @@ class OpenAIFormatter:
 
     def __init__(self, request: oa.OpenAIRequest, tokenizer: Tokenizer, request_id: str, created: int) -> None:
         self.request = request
+        self.tokenizer = tokenizer
+        self.width = wire.record_words(request.logprobs)  # output words per token
         self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0)
         self.watch = bool(request.stop)  # stop strings need the output as it is produced
         self.done = False
@@ -117,21 +143,40 @@ class OpenAIFormatter:
         self._open = True
         return self.answer.start()
 
-    def _feed(self, ids: np.ndarray) -> bytes:
+    def _feed(self, words: np.ndarray) -> bytes:
+        """The next output words: token ids, or log-probability records (contract/wire.py)."""
         head = self._opening()
-        if self.answer.stopped or not len(ids):
-            self._fed += len(ids)
+        if self.answer.stopped or not len(words):
+            self._fed += len(words)
             return head
-        step = self.answer.feed(ids.tolist())
-        self._fed += len(ids)
+        if self.request.logprobs is None:
+            step = self.answer.feed(words.tolist())
+        else:
+            records = wire.read_records(words, self.request.logprobs)
+            step = self.answer.feed(records.ids.tolist(), self._entries(records))
+        self._fed += len(words)
         self.done = step.stopped
         return head + step.data
+
+    def _entries(self, records: wire.TokenRecords) -> list[oa.TokenLogprob]:
+        def text(token: int) -> str:
+            return self.tokenizer.decode(np.array([token], dtype=np.int64))
+
+        return [
+            oa.TokenLogprob(
+                text(token), float(logprob), tuple((text(t), float(lp)) for t, lp in zip(top, tops, strict=True))
+            )
+            for token, logprob, top, tops in zip(
+                records.ids.tolist(), records.logprobs, records.top_ids.tolist(), records.top_logprobs, strict=True
+            )
+        ]
 
     def _close(self, outcome: Outcome) -> bytes:
         self.answer.prompt_tokens = outcome.input_count
         self.answer.cached_tokens = outcome.cached_tokens
         rest = self._feed(outcome.tokens[self._fed :])
-        reason = _finish_reason(outcome, self.request.max_tokens, self.answer.stopped)
+        produced = len(outcome.tokens) // self.width
+        reason = _finish_reason(outcome, produced, self.request.max_tokens, self.answer.stopped)
         return rest + self.answer.finish(reason)
 
     def complete(self, outcome: Outcome) -> Response:

@@ -488,7 +488,17 @@ async def start_edge(
     executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
-    service = build_edge(edge, options.sizes.capacity, tokenizer, agent, plan.keys, loop, executor, supervision)
+    service = build_edge(
+        edge,
+        options.sizes.capacity,
+        tokenizer,
+        agent,
+        plan.keys,
+        loop,
+        executor,
+        supervision,
+        model_side=options.handler.name == "llama",
+    )
     warn_unenforced(plan.keys)
     if edge.usage_log is not None:
         from edgepath.edge.usage import UsageLog
@@ -610,11 +620,13 @@ def build_edge(
     loop: asyncio.AbstractEventLoop,
     executor: Executor,
     supervision: Callable[[], tuple[int, int] | None] | None = None,
+    model_side: bool = False,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
     servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``; the bound
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
-    the supervised slot server's (restarts, hangs), for /metrics."""
+    the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
+    log probabilities and enforces grammars (the llama handler)."""
     from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
@@ -633,6 +645,8 @@ def build_edge(
         tokenizer.vocab_size,
         chat_support(tokenizer),
         int(time.time()),
+        logprobs=model_side,
+        grammars=model_side,
     )
     openai_format = formatter_factory(time.time)
     return EdgeService(

@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
-from edgepath.config import AgentServiceSettings, DemoSettings, RequestSettings, ServeOptions, SlotServerSettings
+from edgepath.config import (
+    AgentServiceSettings,
+    ChatSettings,
+    DemoSettings,
+    RequestSettings,
+    ServeOptions,
+    SlotServerSettings,
+)
 from edgepath.options import add_options, from_args, once_only
 from edgepath.runtime import setup_logging
 from edgepath.supervisor import GaveUp
@@ -128,39 +135,82 @@ def cmd_request(args: argparse.Namespace) -> int:
     return asyncio.run(request(from_args(RequestSettings, args)))
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from edgepath.request import chat
+
+    return asyncio.run(chat(from_args(ChatSettings, args)))
+
+
 #: the entry-point group through which other distributions add commands (``edgepath-bench``: ``edgepath bench``)
 COMMANDS = "edgepath.commands"
 
 
 #: the commands this package defines itself (the others come from :data:`COMMANDS` entry points)
-BUILT_IN = ("slot-server", "agent", "demo", "serve", "request")
+BUILT_IN = ("slot-server", "agent", "demo", "serve", "request", "chat")
+
+#: what ``edgepath --help`` says: what the program is for and how to start, for its users
+DESCRIPTION = """\
+Serve a language model with an OpenAI-compatible API over HTTP/3 (or HTTP/1.1), and talk to it.
+
+  edgepath serve                          serve SmolLM2 at https://127.0.0.1:4433 (HTTP/3); Ctrl-C stops it
+  edgepath serve --transport tcp          the same over HTTP/1.1 at http://127.0.0.1:8080 (any OpenAI client)
+  edgepath chat "What is the capital of France?"
+                                          ask it as a chat; the answer is printed as it is written
+  edgepath request "The sea is"           let it continue a text as it is, and see where the time went"""
+
+EPILOG = "`edgepath COMMAND --help` lists a command's options; the API, every option and the clients: docs/API.md."
 
 
 def build_parser(added: bool = True) -> argparse.ArgumentParser:
     """The whole command line; with ``added`` false, without the commands other distributions add (loading
     them is a third of a child's start-up: ``serve`` starts its slot server and workers by built-in commands)."""
-    parser = _Parser(prog="edgepath", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = _Parser(
+        prog="edgepath", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more: every process's debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    data_path_commands = (
-        ("slot-server", "own a slot pool and serve it with a handler", SlotServerSettings, cmd_slot_server),
-        ("agent", "claim slots and write requests for edges (a separate process)", AgentServiceSettings, cmd_agent),
-        ("demo", "run the whole loopback data path in one process and report", DemoSettings, cmd_demo),
+    p = sub.add_parser(
+        "serve",
+        help="serve the model: the HTTP/3 (or HTTP/1.1) API, and the slot server running the model",
+        description="Serve a model with an OpenAI-compatible API (and edgepath's own routes): HTTP/3 on port 4433 "
+        "by default, HTTP/1.1 on 8080 with --transport tcp. Prints `ready URL` when it accepts requests.",
     )
-    for name, help_text, settings, run in data_path_commands:
-        p = sub.add_parser(name, help=help_text)
-        add_options(p, settings)
-        _add_renamed_transport(p)
-        p.set_defaults(func=run)
-
-    p = sub.add_parser("serve", help="the edge: HTTP/3 (or HTTP/1.1) API, tokenizer, agent and a local slot server")
     add_options(p, ServeOptions)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("request", help="send one request to an edge over HTTP/3 and print the result and timings")
+    p = sub.add_parser(
+        "chat",
+        help="ask a running server one chat question over HTTP/3 and print the answer as it streams",
+        description="Send one user message (and, with --system, a system message) to a running edgepath server's "
+        "OpenAI chat route over HTTP/3; the model's chat template renders it, and the answer's text is printed "
+        "as it streams.",
+    )
+    add_options(p, ChatSettings)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "request",
+        help="send a running server one text to continue over HTTP/3; print the text and the server's timings",
+        description="Send one prompt to a running edgepath server's own route (POST /v1/generate) over HTTP/3: the "
+        "model continues the text as it is, without a chat template. Prints the status, the text, the token "
+        "counts and where the server's time went.",
+    )
     add_options(p, RequestSettings)
     p.set_defaults(func=cmd_request)
+
+    data_path_commands = (
+        ("slot-server", "run a model side alone: a slot pool served by a handler", SlotServerSettings, cmd_slot_server),
+        ("agent", "run an agent alone: it claims slots and writes requests for edges", AgentServiceSettings, cmd_agent),
+        ("demo", "run the whole data path in one process, without a model, and report", DemoSettings, cmd_demo),
+    )
+    for name, help_text, settings, run in data_path_commands:
+        p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        add_options(p, settings)
+        _add_renamed_transport(p)
+        p.set_defaults(func=run)
 
     for command in entry_points(group=COMMANDS) if added else ():
         try:

@@ -12,7 +12,8 @@ that fill them (:func:`edgepath.options.option`: default, help, parser):
   (``edgepath agent``), made of those;
 * :class:`ServeOptions` (``edgepath serve``): :class:`EdgeSettings`, an agent, a handler, a data path,
   :class:`Sizing`, :class:`StartedSlotServer` and :class:`Supervision`;
-* :class:`DemoSettings` and :class:`RequestSettings`, the other two commands.
+* :class:`DemoSettings`, and the clients' :class:`RequestSettings` and :class:`ChatSettings`, the other
+  commands.
 
 A command composes sections (:func:`~edgepath.options.section`, which may give some of their options the
 command's own defaults: ``serve``'s agent holds 256 frames, an ``edgepath agent`` 1024) or takes one
@@ -604,19 +605,56 @@ class DemoSettings:
     slot_server_listen: str | None = like(SlotServerSettings, "listen", name="--slot-server-listen", default=None)
 
 
-@dataclass(frozen=True)
-class RequestSettings:
-    """``edgepath request``: one request to an edge over HTTP/3."""
+#: output tokens ``edgepath request`` and ``edgepath chat`` ask for unless told: an answer of a few sentences
+#: (the server's own default is a slot's whole output capacity, 512 tokens with a model: seconds on a CPU)
+CLIENT_MAX_TOKENS = 128
 
-    prompt: str = option(positional=True, help="prompt text")
-    host: str = like(EdgeSettings, "host")
-    port: int = option(DEFAULT_PORTS["quic"], type=port_number, help="port (default %(default)s)")
-    max_tokens: int | None = option(None, type=positive_int, help="output tokens at most (default: the edge's)")
-    stream: bool = option(False, switch=True, help="ask for server-sent events")
-    tokenize: bool = option(False, switch=True, help="only tokenize (POST /v1/tokenize)")
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """The server ``edgepath request`` and ``edgepath chat`` send to, and how they trust and authenticate to it."""
+
+    host: str = option("127.0.0.1", help="the server to send to: its address or host name (default %(default)s)")
+    port: int = option(DEFAULT_PORTS["quic"], type=port_number, help="the server's HTTP/3 port (default %(default)s)")
     cacert: str | None = option(
         None, type=readable_file, help="CA file to verify the server (default: the local self-signed one)"
     )
     insecure: bool = option(False, switch=True, help="do not verify the server's certificate")
     api_key: str | None = option(None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
     timeout: float = option(30.0, type=positive_float, help="seconds to wait for the answer (default %(default)s)")
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """``edgepath request``: one request to edgepath's own route over HTTP/3, the text continued as it is."""
+
+    prompt: str = option(
+        positional=True, help="text for the model to continue as it is (no chat template: `edgepath chat` for that)"
+    )
+    max_tokens: int = option(CLIENT_MAX_TOKENS, type=positive_int, help="output tokens at most (default %(default)s)")
+    ids: bool = option(False, switch=True, help="print the output's token ids too")
+    stream: bool = option(
+        False, switch=True, help="ask for a stream and print its events as they arrive (one per token id)"
+    )
+    tokenize: bool = option(False, switch=True, help="only tokenize the prompt (POST /v1/tokenize): print its ids")
+    server: ServerAddress = section(ServerAddress)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """``edgepath chat``: one user message to the OpenAI chat route over HTTP/3, the answer printed as it streams."""
+
+    prompt: str = option(positional=True, help="what the user says (rendered with the model's chat template)")
+    system: str | None = option(None, help="a system message to send before it (default: none)")
+    model: str | None = option(None, help="the model to ask (default: the first the server lists at /v1/models)")
+    max_tokens: int = like(RequestSettings, "max_tokens")
+    temperature: float | None = option(
+        None,
+        type=non_negative_float,
+        help="sampling temperature, 0 (always the likeliest token) to 2 (default: the server's, 1)",
+    )
+    seed: int | None = option(None, type=int, help="seed of the sampler's draws (default: the server's)")
+    usage: bool = option(
+        False, switch=True, help="after the answer, print its token counts and the server's timings on stderr"
+    )
+    server: ServerAddress = section(ServerAddress)

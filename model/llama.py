@@ -3,9 +3,9 @@
 Every :meth:`LlamaHandler.step` is ONE ``llama_decode`` over every running slot: the next token of each
 decoding slot, plus the prompt tokens that :class:`~edgepath.contract.plan.StepPolicy` plans for the
 slots still in prefill (decode steps stay short; prompts go in few large steps within a stall bound; a
-whole prompt at once when nothing decodes).  Each slot samples with its own sampler (greedy is a numpy
-argmax over its logits row; otherwise a llama.cpp sampler chain built from the request's sampling
-parameters) and writes its tokens in place into the slot's output area.
+whole prompt at once when nothing decodes).  Each slot picks its tokens with its own
+:class:`~edgepath.model.sampler.SlotSampler` (sampling is a module of its own: the handler runs the model,
+the sampler turns a logits row into a token) and writes them in place into the slot's output area.
 
 The prompt ids are never turned into Python objects: they are read from the slot's memory when they are
 decoded (not copied at :meth:`~LlamaHandler.add`).  When a step decodes one slot's prompt chunk alone (a
@@ -35,13 +35,14 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.contract import wire
 from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, Step, StepPolicy, chunk_attended
-from edgepath.contract.wire import Sampling
 from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
+from edgepath.model.sampler import SlotSampler
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -281,13 +282,26 @@ class _Sequence:
     """One running slot: its KV stream, where its prompt and output stand, and its sampler."""
 
     request: SlotRequest
-    sampler: Any  # llama_sampler_p, or None: greedy (argmax in numpy)
+    sampler: SlotSampler
     prompt_len: int
     stream: int = -1  # the llama.cpp sequence id (its own KV stream) it runs on; -1: not placed yet
     cached: int = 0  # prompt tokens whose KV was reused, not computed
     prefilled: int = 0  # prompt tokens in the KV cache so far (cached ones included)
     count: int = 0  # output tokens written
     logit_index: int = -1  # this step's batch index whose logits it samples from (-1: none)
+    words: int = 1  # output words per token: 1, or a log-probability record (contract/wire.py)
+
+    @property
+    def placed(self) -> int:
+        """Output words written: what the slot server sends back."""
+        return self.count * self.words
+
+    def last_token(self) -> int:
+        return int(self.request.output[(self.count - 1) * self.words])
+
+    def output_tokens(self) -> np.ndarray:
+        """The output's token ids (without their log-probability records)."""
+        return self.request.output[: self.placed : self.words]
 
 
 @dataclass(slots=True)
@@ -404,14 +418,20 @@ class LlamaHandler:
             return [Emit(slot, 0, Status.BAD_REQUEST)]
         if request.tokens.dtype != np.int32 or not request.tokens.flags.c_contiguous:
             raise ValueError(f"llama: slot {slot}: tokens must be a contiguous int32 view, got {request.tokens.dtype}")
-        if len(request.output) == 0:
+        top = wire.logprobs_top(request.flags)
+        if top is not None and top > wire.TOP_LOGPROBS_MAX:
+            log.warning("slot %d: %d top log probabilities asked; at most %d", slot, top, wire.TOP_LOGPROBS_MAX)
+            return [Emit(slot, 0, Status.BAD_REQUEST)]
+        words = wire.record_words(top)
+        if len(request.output) < words:
             return [Emit(slot, 0, Status.LENGTH)]
         try:
-            sampler = self._sampler(request.sampling)
+            grammar = None if request.constraint is None else (self._vocab, request.constraint)
+            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar)
         except RuntimeError:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
-        self._running[slot] = _Sequence(request, sampler, prompt_len)
+        self._running[slot] = _Sequence(request, sampler, prompt_len, words=words)
         return []
 
     def step(self, now: float) -> list[Emit]:
@@ -725,7 +745,7 @@ class LlamaHandler:
         n = 0
         for seq, first, length in parts:
             if seq.prefilled == seq.prompt_len:
-                self._tokens[n] = seq.request.output[seq.count - 1]
+                self._tokens[n] = seq.last_token()
             segments.append((seq, n, length, first))
             n += length
         return n, segments
@@ -851,7 +871,7 @@ class LlamaHandler:
         held = self.kv_positions(seq.stream)
         if held <= 0:
             return None
-        tokens = np.concatenate([seq.request.tokens, seq.request.output[: seq.count]])[:held].copy()
+        tokens = np.concatenate([seq.request.tokens, seq.output_tokens()])[:held].copy()
         nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, seq.stream))
         if self.book.capacity and self.book.wants(tokens, nbytes, seq.request.salt):
             blob = self._state_of(seq.stream)
@@ -868,26 +888,25 @@ class LlamaHandler:
         return tokens
 
     def _sample(self, seq: _Sequence) -> Emit:
-        if seq.sampler is None:
-            logits = np.ctypeslib.as_array(self._lib.llama_get_logits_ith(self._ctx, seq.logit_index), (self.n_vocab,))
-            token = int(logits.argmax())
-        else:
-            token = int(self._lib.llama_sampler_sample(seq.sampler, self._ctx, seq.logit_index))
+        token = seq.sampler.sample(self._ctx, seq.logit_index)
         if self._lib.llama_vocab_is_eog(self._vocab, token):
             return self._finish(seq, Status.STOP)
-        seq.request.output[seq.count] = token
+        output = seq.request.output
+        if seq.sampler.top_logprobs is None:
+            output[seq.count] = token
+        else:
+            wire.write_record(output, seq.count, token, *seq.sampler.logprobs(self._ctx, seq.logit_index, token))
         seq.count += 1
-        if seq.count == len(seq.request.output) or seq.prompt_len + seq.count > self.ctx_per_slot:
+        if seq.placed + seq.words > len(output) or seq.prompt_len + seq.count > self.ctx_per_slot:
             return self._finish(seq, Status.LENGTH)
-        return Emit(seq.request.slot, seq.count, cached_tokens=seq.cached)
+        return Emit(seq.request.slot, seq.placed, cached_tokens=seq.cached)
 
     def _finish(self, seq: _Sequence, status: Status) -> Emit:
         """The slot's final report; its sequence stays with the KV of what it decoded (the prefix cache)
         after a normal end, and is emptied after a cancel or an error."""
         slot = seq.request.slot
         del self._running[slot]
-        if seq.sampler is not None:
-            self._lib.llama_sampler_free(seq.sampler)
+        seq.sampler.close()
         if seq.stream >= 0:
             kept = None
             if self.options.prefix_cache and status in (Status.STOP, Status.LENGTH):
@@ -895,28 +914,4 @@ class LlamaHandler:
             if kept is None:
                 self._lib.llama_memory_seq_rm(self._mem, seq.stream, -1, -1)
             self.book.finished(seq.stream, kept)
-        return Emit(slot, seq.count, status, cached_tokens=seq.cached)
-
-    def _sampler(self, sampling: Sampling) -> Any:
-        """A sampler chain for one slot (None at temperature 0: greedy is an argmax over the logits row,
-        done in numpy); else top-k, top-p, temperature and a seeded draw (llama.cpp seeds are 32-bit:
-        the low 32 bits of the request's seed)."""
-        if sampling.temperature == 0.0:
-            return None
-        lib = self._lib
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if not chain:
-            raise RuntimeError("llama_sampler_chain_init returned NULL")
-        parts = []
-        if sampling.top_k > 0:
-            parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
-        if sampling.top_p < 1.0:
-            parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
-        parts.append(lib.llama_sampler_init_temp(sampling.temperature))
-        parts.append(lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-        for part in parts:
-            if not part:
-                lib.llama_sampler_free(chain)
-                raise RuntimeError(f"a llama.cpp sampler for {sampling} could not be created")
-            lib.llama_sampler_chain_add(chain, part)  # the chain owns it from here
-        return chain
+        return Emit(slot, seq.placed, status, cached_tokens=seq.cached)

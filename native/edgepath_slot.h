@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 8  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35) */
+#define EP_ABI_VERSION 8  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -89,6 +89,25 @@
 
 /* Request flags. */
 #define EP_FLAG_STREAM 1         /* stream output tokens as they are produced */
+/*
+ * Log probabilities (issue 36): with EP_FLAG_LOGPROBS each output token is a record of 2 + 2 * top int32 words,
+ * top = (flags >> EP_FLAG_TOP_SHIFT) & EP_FLAG_TOP_MASK (at most EP_TOP_LOGPROBS_MAX): the token id, its log
+ * probability (float32 bits), the top likeliest ids, likeliest first, then their log probabilities (float32
+ * bits).  max_new_tokens, output counts and progress words then count words, a whole number of records.
+ */
+#define EP_FLAG_LOGPROBS 2
+#define EP_FLAG_TOP_SHIFT 8
+#define EP_FLAG_TOP_MASK 0xff
+#define EP_TOP_LOGPROBS_MAX 20
+/*
+ * A constraint (issue 36): with EP_FLAG_CONSTRAINT, the (flags >> EP_FLAG_CONSTRAINT_SHIFT) & EP_FLAG_CONSTRAINT_MASK
+ * int32 words after the prompt's token_count ids hold a GBNF grammar (llama.cpp's), UTF-8, zero-padded, that the
+ * output must match; the request's input is token_count + those words (within the input capacity), written and
+ * sent with the prompt in the one WRITE.
+ */
+#define EP_FLAG_CONSTRAINT 4
+#define EP_FLAG_CONSTRAINT_SHIFT 16
+#define EP_FLAG_CONSTRAINT_MASK 0xffff
 
 #define EP_ALIGN 64
 

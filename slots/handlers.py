@@ -45,6 +45,7 @@ class SlotRequest:
     output: np.ndarray  # int32 view of the slot's output area, exactly max_new_tokens long
     sampling: Sampling = field(default_factory=Sampling)
     salt: int = 0  # the prefix cache namespace (the header's cache_salt): reuse KV only from the same salt
+    constraint: str | None = None  # a GBNF grammar the output must match (None: unconstrained)
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,8 @@ class SlotServer:
             if req.output_offset > out_cap:
                 return f"output_offset {req.output_offset} is past the {out_cap} output tokens of a reply entry"
             out_cap -= req.output_offset  # the migrated request's own output goes after what its answer has
-        problem = wire.request_problem(req.token_count, req.max_new_tokens, self.config.input_capacity, out_cap)
+        words = wire.input_words(req.token_count, req.flags)  # the prompt and its constraint
+        problem = wire.request_problem(words, req.max_new_tokens, self.config.input_capacity, out_cap)
         if problem is None:
             try:
                 sampling.check()
@@ -279,6 +280,17 @@ class SlotServer:
             return
         slots = self.pool.slots
         max_new = req.max_new_tokens
+        constraint = None
+        if req.flags & wire.FLAG_CONSTRAINT:
+            try:
+                constraint = wire.read_constraint(
+                    slots.tokens[slot, req.token_count : wire.input_words(req.token_count, req.flags)]
+                )
+            except ValueError as exc:
+                log.warning("slot %d: bad request: its constraint is not UTF-8 (%s)", slot, exc)
+                self.stats.bad_requests += 1
+                self._finish(run, Status.BAD_REQUEST, 0)
+                return
         request = SlotRequest(
             slot,
             request_id,
@@ -288,6 +300,7 @@ class SlotServer:
             slots.outputs[slot, :max_new],
             sampling,
             req.cache_salt,
+            constraint,
         )
         try:
             emits = self.handler.add(request, now)

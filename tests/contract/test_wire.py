@@ -178,3 +178,64 @@ def test_answers_towards_an_edge_say_their_kind_and_frame(index: int) -> None:
     assert [wire.is_progress_imm(imm) for imm in (final, progress, stalled)] == [False, True, False]
     assert [wire.is_stalled_imm(imm) for imm in (final, progress, stalled)] == [False, False, True]
     assert max(final, progress, stalled) < 2**32
+
+
+# -- log probabilities in the output area ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top", [0, 1, 5, wire.TOP_LOGPROBS_MAX])
+def test_logprob_records_round_trip_through_the_output_area(top: int) -> None:
+    """What the model side writes is what the edge reads: ids exactly, log probabilities as float32, and the
+    flags say how wide each record is (the stream flag beside them untouched)."""
+    flags = wire.logprobs_flags(top) | wire.FLAG_STREAM
+    assert wire.logprobs_top(flags) == top and flags & wire.FLAG_STREAM
+    width = wire.record_words(top)
+    rng = np.random.default_rng(top)
+    n = 7
+    ids = rng.integers(0, 2**31 - 1, n)
+    logprobs = -rng.random(n).astype(np.float32) * 30
+    alternatives = rng.integers(0, 2**31 - 1, (n, top))
+    theirs = np.sort(-rng.random((n, top)).astype(np.float32) * 30, axis=1)[:, ::-1]
+    out = np.full(n * width + 3, -1, dtype=np.int32)  # what follows the records is not touched
+    for i in range(n):
+        wire.write_record(out, i, int(ids[i]), float(logprobs[i]), alternatives[i], theirs[i])
+    records = wire.read_records(out[: n * width], top)
+    assert records.ids.tolist() == ids.tolist() and records.top_ids.tolist() == alternatives.tolist()
+    assert records.logprobs.tobytes() == logprobs.tobytes() and records.top_logprobs.tobytes() == theirs.tobytes()
+    assert out[n * width :].tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match="whole number"):
+        wire.read_records(out[: n * width - 1], top)
+
+
+def test_plain_output_and_bad_widths() -> None:
+    assert wire.logprobs_top(wire.FLAG_STREAM) is None and wire.logprobs_top(0) is None
+    assert wire.record_words(None) == 1 and wire.record_words(0) == 2 and wire.record_words(20) == 42
+    for bad in (-1, wire.TOP_LOGPROBS_MAX + 1):
+        with pytest.raises(wire.RequestInvalid, match="between 0 and 20"):
+            wire.logprobs_flags(bad)
+
+
+# -- a constraint after the prompt ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "a"', 'root ::= "東京" | "🚀"\n', "x" * 4096])
+def test_a_constraint_round_trips_in_the_words_after_the_prompt(grammar: str) -> None:
+    words = wire.constraint_encoding(grammar)
+    assert words.dtype == np.int32 and len(words) == -(-len(grammar.encode()) // 4)
+    flags = wire.constraint_flags(len(words)) | wire.FLAG_STREAM | wire.logprobs_flags(3)
+    assert wire.constraint_words(flags) == len(words) and wire.logprobs_top(flags) == 3  # beside each other
+    assert wire.input_words(10, flags) == 10 + len(words) and wire.input_words(10, wire.FLAG_STREAM) == 10
+    area = np.zeros(10 + len(words) + 2, dtype=np.int32)
+    area[10 : 10 + len(words)] = words
+    assert wire.read_constraint(area[10 : 10 + wire.constraint_words(flags)]) == grammar
+
+
+def test_constraints_of_no_size_or_too_large_are_refused() -> None:
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_encoding("")
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_encoding("x" * 4 * 65536)
+    with pytest.raises(wire.RequestInvalid, match="1 to 65535 words"):
+        wire.constraint_flags(0)
+    with pytest.raises(ValueError):
+        wire.read_constraint(np.array([-1], dtype=np.int32))  # not UTF-8

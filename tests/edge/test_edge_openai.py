@@ -7,14 +7,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.chat import ChatMessage
-from edgepath.edge.http import HttpCore, HttpError, Limits, Request, body_too_large
+from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, HttpError, Limits, Outcome, Request, Work, body_too_large
 from edgepath.edge.openai import (
     SSE_DONE,
     Answer,
@@ -35,7 +37,7 @@ from edgepath.edge.openai import (
     sse_event,
     text_completion,
 )
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
 
 MODEL = "smollm2-135m"
 LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
@@ -260,12 +262,8 @@ def test_stream_and_stream_options() -> None:
         ("completion", "n", 0),
         ("chat", "n", 3),
         ("completion", "best_of", 2),
-        ("completion", "logprobs", 0),
-        ("completion", "logprobs", 5),
         ("completion", "echo", True),
         ("completion", "suffix", "tail"),
-        ("chat", "logprobs", True),
-        ("chat", "top_logprobs", 2),
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "functions", [{"name": "f"}]),
         ("chat", "tool_choice", "auto"),
@@ -788,3 +786,115 @@ def test_openai_client_reads_a_whole_streamed_answer(client_for: Any, tekken: An
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tekken.decode(ids)
     assert chunks[-1].usage.completion_tokens == len(ids)
+
+
+# -- log probabilities ----------------------------------------------------------------------------------
+
+WITH_LOGPROBS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL,), logprobs=True)
+
+
+def test_logprobs_are_parsed_with_the_answer_length_they_leave() -> None:
+    """Each token's record takes 2 + 2 x alternatives output words, so a slot's output holds fewer tokens: the
+    default ``max_tokens`` is what fits, and more is a 400 that says why."""
+    asked = parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                "top_logprobs": 3}, WITH_LOGPROBS)  # fmt: skip
+    assert (asked.logprobs, asked.max_tokens) == (3, 256 // 8)
+    plain = parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+                               WITH_LOGPROBS)  # fmt: skip
+    assert (plain.logprobs, plain.max_tokens) == (0, 128)
+    legacy = parse_completion_request({"model": MODEL, "prompt": "hi", "logprobs": 5}, WITH_LOGPROBS)
+    assert (legacy.logprobs, legacy.max_tokens) == (5, 256 // 12)
+    assert chat(logprobs=False, top_logprobs=0).logprobs is None and completion().logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "param", "says"),
+    [
+        ("chat", {"logprobs": "yes"}, "logprobs", "true or false"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "0..20"),
+        ("chat", {"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", "0..20"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+        ("chat", {"logprobs": True, "top_logprobs": 3, "max_tokens": 33}, "max_tokens", "1..32 (this server's most"),
+        ("completion", {"logprobs": 6}, "logprobs", "0..5"),
+        ("completion", {"logprobs": True}, "logprobs", "0..5"),
+        ("completion", {"logprobs": 1, "max_tokens": 65}, "max_tokens", "with log probabilities and 1 alternatives"),
+    ],
+)
+def test_bad_logprobs_are_a_400_naming_the_field_and_what_is_allowed(
+    kind: str, fields: dict[str, Any], param: str, says: str
+) -> None:
+    base: dict[str, Any] = {"model": MODEL}
+    if kind == "chat":
+        base["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        base["prompt"] = "hi"
+    parse = parse_chat_request if kind == "chat" else parse_completion_request
+    with pytest.raises(OpenAIError) as info:
+        parse({**base, **fields}, WITH_LOGPROBS)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.code in ("invalid_value", "invalid_type")
+    assert says in info.value.message
+
+
+def test_a_model_side_without_logprobs_refuses_them_by_name() -> None:
+    err = refused(chat, logprobs=True)
+    assert (err.status, err.param, err.code) == (400, "top_logprobs", "unsupported_parameter")
+    assert "does not compute log probabilities" in err.message
+    assert refused(completion, logprobs=2).param == "logprobs"
+
+
+def _records(tok: Any, text: str, top: int) -> tuple[list[int], np.ndarray]:
+    """Output words as the model side writes them: each token's record, its alternatives made up (the token
+    first, then the next ids), log probabilities that fall with rank."""
+    ids = answer_ids(tok, text)
+    words = np.zeros(len(ids) * wire.record_words(top), dtype=np.int32)
+    for i, token in enumerate(ids):
+        alternatives = np.array([token, *range(100, 100 + top - 1)][:top], dtype=np.int32)
+        wire.write_record(words, i, token, -0.25 * i, alternatives, -np.arange(top, dtype=np.float32) - 0.25 * i)
+    return ids, words
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_reach_the_openai_client_in_its_shapes(client_for: Any, tekken: Any, stream: bool) -> None:
+    """Records from the output area become OpenAI's ``logprobs`` of a chat answer, whole and streamed, as the
+    ``openai`` package parses them: one entry per token, its text, log probability, bytes and alternatives."""
+    routes = OpenAIRoutes(MODEL, 256, 1000, ChatSupport(True), 0, logprobs=True)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    work = routes.parse(CHAT, json.dumps({**body, "stream": stream}).encode())
+    assert isinstance(work, Work) and wire.logprobs_top(work.flags) == 2 and work.max_tokens == 256 // 6 * 6
+    ids, words = _records(tekken, "Tokyo is big 東京", 2)
+    formatter = formatter_factory(lambda: 0.0)(work, tekken)
+    outcome = Outcome(1, 3, words, "STOP", 1)
+    client = client_for
+    if stream:
+        raw = formatter.tokens(words[:12]) + formatter.tokens(words[12:]) + formatter.end(outcome)
+        chunks = list(client(200, raw, b"text/event-stream").chat.completions.create(**body, stream=True))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        got = client(200, formatter.complete(outcome).body, b"application/json").chat.completions.create(**body)
+        entries = got.choices[0].logprobs.content
+        text = got.choices[0].message.content
+        assert got.usage.completion_tokens == len(ids) and got.choices[0].finish_reason == "stop"
+    assert text == tekken.decode(np.array(ids))
+    assert [e.token for e in entries] == [tekken.decode(np.array([i])) for i in ids]
+    assert [e.logprob for e in entries] == [-0.25 * i for i in range(len(ids))]
+    assert all(e.bytes == list(e.token.encode()) for e in entries)
+    assert all([t.logprob for t in e.top_logprobs] == [e.logprob, e.logprob - 1] for e in entries)
+    assert all(e.top_logprobs[0].token == e.token for e in entries)
+
+
+def test_completion_logprobs_in_the_legacy_shape(client_for: Any, tekken: Any) -> None:
+    routes = OpenAIRoutes(MODEL, 256, 1000, ChatSupport(False, "no template"), 0, logprobs=True)
+    work = routes.parse(COMPLETIONS, json.dumps({"model": MODEL, "prompt": "x", "logprobs": 1}).encode())
+    assert isinstance(work, Work)
+    ids, words = _records(tekken, "Once upon", 1)
+    body = formatter_factory(lambda: 0.0)(work, tekken).complete(Outcome(1, 3, words, "LENGTH", 1)).body
+    got = client_for(200, body, b"application/json").completions.create(model=MODEL, prompt="x", logprobs=1)
+    logprobs = got.choices[0].logprobs
+    tokens = [tekken.decode(np.array([i])) for i in ids]
+    assert logprobs.tokens == tokens and logprobs.token_logprobs == [-0.25 * i for i in range(len(ids))]
+    assert logprobs.top_logprobs == [{t: -0.25 * i} for i, t in enumerate(tokens)]
+    assert logprobs.text_offset == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    assert got.choices[0].finish_reason == "length"

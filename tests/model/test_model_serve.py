@@ -101,3 +101,33 @@ def test_cached_prompt_tokens_are_reported_in_usage_and_metrics(client: openai.O
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # the same prompt again
     assert metric(port, 'edgepath_prefix_cache_requests_total{result="hit"}') == hits + 2
     assert metric(port, "edgepath_prefix_cache_tokens_total") == cached + reused + usage.prompt_tokens - 1
+
+
+def test_logprobs_come_from_the_logits_the_sampler_used(client: openai.OpenAI) -> None:
+    """At temperature 0 the chosen token is the likeliest: each entry's token and log probability are its first
+    alternative's; log probabilities are <= 0 and the alternatives sorted, likeliest first; one entry per
+    completion token, streamed or not (whose records are carried back through the stream entries)."""
+    model = client.models.list().data[0].id
+    question = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(
+        model=model, messages=question, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    entries = reply.choices[0].logprobs.content
+    assert reply.usage is not None and len(entries) == reply.usage.completion_tokens > 0
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert (e.token, e.logprob) == (e.top_logprobs[0].token, e.top_logprobs[0].logprob)
+        ranked = [t.logprob for t in e.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True) and ranked[-1] <= 0
+    assert entries[0].logprob > -5  # the model's own choice, not a flat distribution
+
+    stream = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    tops = [d for c in chunks if c.choices and c.choices[0].logprobs for d in c.choices[0].logprobs.top_logprobs]
+    assert chunks[-1].usage is not None and len(tokens) == chunks[-1].usage.completion_tokens == len(tops)
+    assert all(max(d, key=d.__getitem__) == t for d, t in zip(tops, tokens, strict=True))

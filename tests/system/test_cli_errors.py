@@ -28,6 +28,8 @@ CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["serve", "--port", "99999"], ("--port", "99999", "1-65535")),
     (["serve", "--port", "http"], ("--port", "'http'", "1-65535")),
     (["request", "--port", "0", "hi"], ("--port", "'0'", "1-65535")),
+    (["chat", "--max-tokens", "0", "hi"], ("--max-tokens", "'0'", "positive integer")),
+    (["chat", "--temperature", "warm", "hi"], ("--temperature", "'warm'", ">= 0")),
     (["serve", "--slots", "0"], ("--slots", "'0'", "positive integer")),
     (["serve", "--frames", "many"], ("--frames", "'many'", "positive integer")),
     (["serve", "--max-body", "-1"], ("--max-body", "'-1'", "positive integer")),
@@ -172,3 +174,29 @@ def test_a_port_in_use(busy_port: tuple[str, int], tmp_path: Path) -> None:
 def test_help_still_works() -> None:
     done = subprocess.run(edgepath_argv("serve", "--help"), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and "--data-path" in done.stdout and "--max-restarts" in done.stdout
+
+
+def _help(*command: str) -> str:
+    done = subprocess.run(edgepath_argv(*command, "--help"), capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.split())  # argparse wraps lines: one line of words
+
+
+def test_the_top_help_speaks_to_users() -> None:
+    """``edgepath --help`` says what the program does and how to start, with no developer's docstring in it."""
+    text = _help()
+    assert "Serve a language model with an OpenAI-compatible API" in text
+    assert 'edgepath chat "What is the capital of France?"' in text and "edgepath serve" in text
+    for developer in (":mod:", "entry point", "edgepath.commands", "edgepath-bench"):
+        assert developer not in text
+    assert "-v, --verbose log more" in text
+
+
+@pytest.mark.parametrize("command", ["request", "chat"])
+def test_the_clients_help_says_what_each_option_does_for_them(command: str) -> None:
+    """The clients' ``--host`` is the server they send to (it once said "address to listen on", the server's
+    meaning), and the default answer length is stated."""
+    text = _help(command)
+    assert "--host HOST the server to send to" in text and "listen" not in text
+    assert "--port PORT the server's HTTP/3 port (default 4433)" in text
+    assert "--max-tokens MAX_TOKENS output tokens at most (default 128)" in text

@@ -23,6 +23,18 @@ def private_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path / "state"
 
 
+@pytest.fixture
+def smollm2_gguf() -> str:
+    """The default model's GGUF (its vocabulary and chat template for the edge), or the test is skipped."""
+    pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
+    from edgepath.model.gguf import ModelFileError, default_model_path
+
+    try:
+        return str(default_model_path())
+    except ModelFileError as exc:
+        pytest.skip(str(exc))
+
+
 def edgepath(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "edgepath", *args], capture_output=True, text=True, timeout=60, check=False
@@ -38,20 +50,61 @@ def test_serve_quic_and_request_cli(edgepath_process: Callable[..., Child], priv
 
     done = edgepath("request", "--port", port, "Hello from the command line")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("HTTP/3 200")
-    assert '"text": "Hello from the command line"' in done.stdout
+    status, text, counts = done.stdout.splitlines()[:3]
+    assert (status, text) == ("HTTP/3 200", "Hello from the command line")  # the text, not the ids
+    assert counts.startswith("tokens: ") and counts.endswith(" out")
     assert "server timing (ms): queue" in done.stdout and "doorbell" in done.stdout
 
     tokens = edgepath("request", "--port", port, "--tokenize", "Hello")
-    assert tokens.returncode == 0 and '"count": 2' in tokens.stdout
+    assert tokens.returncode == 0
+    count, ids = tokens.stdout.splitlines()[1].split(" tokens: ")
+    assert int(count) == 2 == len(ids.split())
+
+    with_ids = edgepath("request", "--port", port, "--ids", "Hello")
+    assert with_ids.returncode == 0, with_ids.stderr
+    assert with_ids.stdout.splitlines()[2] == f"tokens: 2 in (0 of them cached), 2 out: {ids}"  # echo: the same ids
+
+    streamed = edgepath("request", "--port", port, "--stream", "Hello")
+    assert streamed.returncode == 0 and streamed.stdout.startswith("HTTP/3 200\n")
+    assert [json.loads(line[6:])["token"] for line in streamed.stdout.splitlines() if line.startswith('data: {"token')]
+    assert "event: done" in streamed.stdout
+
+    too_long = edgepath("request", "--port", port, "--max-tokens", "999999", "Hello")
+    assert too_long.returncode == 1 and too_long.stdout.startswith("HTTP/3 400\n'max_tokens' must be an integer in 1..")
 
     assert server.stop(timeout=30) == 0  # SIGTERM: a clean stop
+
+
+def test_chat_streams_through_the_chat_template(
+    edgepath_process: Callable[..., Child], private_state: Path, smollm2_gguf: str
+) -> None:
+    """``edgepath chat`` sends one user message to the OpenAI chat route over HTTP/3 and prints the answer's text
+    as it streams: with the echo handler the answer is the prompt the chat template made of it (the model's own
+    template, read from the GGUF), so the user's words and the system message come back as text."""
+    port = str(free_port())
+    edgepath_process(
+        "serve", "--port", port, "--slots", "2", "--handler", "echo", "--tokenizer", smollm2_gguf, timeout=60
+    )
+    done = edgepath("chat", "--port", port, "--system", "Be brief.", "--usage", "Hello from the chat command")
+    assert done.returncode == 0, done.stderr
+    assert "Hello from the chat command" in done.stdout and "Be brief." in done.stdout
+    assert "user" in done.stdout and "system" in done.stdout  # the template's turns, rendered at the edge
+    assert "tokens: " in done.stderr and "server timing (ms)" in done.stderr
+
+    cut = edgepath("chat", "--port", port, "--max-tokens", "3", "Hello from the chat command")
+    assert cut.returncode == 0 and "cut at --max-tokens 3" in cut.stderr
+
+    wrong = edgepath("chat", "--port", port, "--model", "no-such-model", "Hello")
+    assert wrong.returncode == 1
+    assert "HTTP/3 404" in wrong.stderr and "no-such-model" in wrong.stderr
 
 
 def test_request_to_nothing_is_a_clear_error() -> None:
     done = edgepath("request", "--port", str(free_port()), "--timeout", "3", "anyone there?")
     assert done.returncode == 2
     assert "cannot reach" in done.stderr
+    chat = edgepath("chat", "--port", str(free_port()), "--timeout", "3", "anyone there?")
+    assert chat.returncode == 2 and chat.stderr.startswith("edgepath chat: cannot reach")
 
 
 def test_serve_tcp_http11(edgepath_process: Callable[..., Child]) -> None:
