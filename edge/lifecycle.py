@@ -374,7 +374,8 @@ class EdgeLifecycle:
         """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, and a place within its
         ``slot_cap``, before any work; the 429 ``slot_cap`` or ``quota_exceeded`` when that does not fit (and the
         rate-limit headers of its answer either way)."""
-        tenant, tokens, now = t.work.tenant, t.input_count + t.work.max_tokens, self.clock() / 1e9
+        tenant, now = t.work.tenant, self.clock() / 1e9
+        tokens = t.input_count + _tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
         refusal: HttpError | None = None
         if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
             self.metrics.refused("slot_cap")
@@ -667,8 +668,8 @@ class EdgeLifecycle:
 
     def _forget(self, t: Tracked, output: int | None = None, cached: int = 0, finish: str = "failed") -> None:
         """The edge owes ``t`` nothing more.  A request that ran on a slot (submitted, and not refused by the data
-        path: ``output`` :data:`NOTHING_RAN`) is charged its prompt and ``output`` tokens (None: those the client
-        was sent) against its quota, and its usage (``cached`` prompt tokens from the cache, how it ended:
+        path: ``output`` :data:`NOTHING_RAN`) is charged its prompt and the tokens of its ``output`` words (None: those
+        the client was sent) against its quota, and its usage (``cached`` prompt tokens from the cache, how it ended:
         ``finish``) goes to the per-tenant metrics and the usage log; one that did not run is charged nothing."""
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
@@ -677,7 +678,7 @@ class EdgeLifecycle:
             t.capped = False
             self.in_flight[t.work.tenant.name] -= 1
         ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
-        completion = (t.sent if output is None else output) if ran else 0
+        completion = _tokens(t.work, t.sent if output is None else output) if ran else 0  # words to tokens
         if t.reservation is not None:
             self.quotas.settle(t.reservation, t.input_count + completion if ran else 0, self.clock() / 1e9)
             t.reservation = None

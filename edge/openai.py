@@ -27,8 +27,8 @@ from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, parse_sampling, show
 from edgepath.edge.stop import StopMatcher
-from edgepath.edge.tenants import parse_cache_salt
 from edgepath.edge.structured import FormatRefused, grammar_for
+from edgepath.edge.tenants import parse_cache_salt
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length"]
