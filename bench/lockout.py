@@ -119,7 +119,7 @@ async def _run(args: argparse.Namespace, setup: Setup, flood_bodies: list[list[d
         sweep: list[dict[str, Any]] = []
         for messages in sweep_chats:
             o = await stream_chat(port, body(messages, 4), 120)
-            row = {"at_s": round(o.sent - t1, 3), "status": o.status, "prompt_tokens": o.prompt_tokens}
+            row: dict[str, Any] = {"at_s": round(o.sent - t1, 3), "status": o.status, "prompt_tokens": o.prompt_tokens}
             if o.ttft is not None:
                 row["ttft_ms"] = round(o.ttft * 1e3, 1)
             if o.status != 200 or o.error:
