@@ -31,6 +31,9 @@ ANNOTATIONS = frozenset(
 )  # fmt: skip
 TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+#: llama-cpp-python's converter lets a string hold raw control characters, which JSON does not allow (a newline
+#: inside a string was seen from SmolLM2); llama.cpp's own converter has since excluded them, as this rule does
+_LOOSE_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
 #: sub-schemas by keyword: one schema, a list of them, or a map of them
 _ONE, _LIST, _MAP = ("items", "additionalProperties"), ("prefixItems", "anyOf", "oneOf", "allOf"), ("properties",)
 
@@ -73,7 +76,7 @@ def grammar_for(response_format: Any) -> str | None:
     import json
 
     try:
-        return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema)))
+        return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema))).replace(_LOOSE_CHAR, _JSON_CHAR)
     except Exception as exc:  # the converter's own refusals (a pattern it cannot read, a bad reference)
         raise FormatRefused(
             "response_format.json_schema.schema", f"the schema cannot be made a grammar: {exc or type(exc).__name__}"

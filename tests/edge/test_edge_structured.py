@@ -108,3 +108,13 @@ def test_the_checker_walks_every_place_a_schema_can_hold_another() -> None:
     with pytest.raises(FormatRefused) as info:
         grammar_for(schema_format(nested))
     assert info.value.param.endswith("properties.a.items.allOf[0].maxProperties")
+
+
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 8}])
+def test_a_string_may_not_hold_raw_control_characters(string: dict[str, Any]) -> None:
+    """JSON strings cannot hold raw control characters; llama-cpp-python's converter allowed them (SmolLM2 put a
+    raw newline in one), so its character rule is replaced with JSON's, as llama.cpp's own converter has it."""
+    grammar = grammar_for(schema_format({"type": "object", "properties": {"s": string}, "required": ["s"]}))
+    assert grammar is not None
+    (rule,) = [line for line in grammar.splitlines() if line.startswith("char ::=")]
+    assert rule.startswith('char ::= [^"\\\\\\x7F\\x00-\\x1F] |')
