@@ -9,6 +9,7 @@ import socket
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
+import jsonschema
 import pytest
 from helpers.edge import free_port, running_edge
 
@@ -16,7 +17,6 @@ from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeO
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 openai = pytest.importorskip("openai", reason="the openai client is in the test extras")
-jsonschema = pytest.importorskip("jsonschema", reason="jsonschema checks the answers")
 pydantic = pytest.importorskip("pydantic")
 pytestmark = pytest.mark.slow  # a served model
 

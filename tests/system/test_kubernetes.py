@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from edgepath.cli import build_parser
-
-yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("one-node", "gpu-rdma")
