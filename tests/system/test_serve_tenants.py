@@ -74,7 +74,10 @@ def test_sighup_reloads_the_tenants_without_dropping_a_stream_and_a_bad_file_kee
     streamed: list[tuple[int, bytes]] = []
     worker = threading.Thread(target=lambda: streamed.append(generate(port, "key-a", 40, stream=True)))
     worker.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while _free_slots(port) == _free_slots(port, total=True):  # wait until the stream holds its slot
+        assert time.monotonic() < deadline and worker.is_alive(), "the stream never took a slot"
+        time.sleep(0.05)
     path.write_text(tenants(("beta", "key-b")))
     serve.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 20
@@ -94,6 +97,17 @@ def test_sighup_reloads_the_tenants_without_dropping_a_stream_and_a_bad_file_kee
         time.sleep(0.1)
     assert "keeping the tenants in use" in serve.stderr_tail()
     assert generate(port, "key-b")[0] == 200
+
+
+def _free_slots(port: int, total: bool = False) -> int:
+    """``/health``'s free (or total) slots."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        health = json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+    return int(health["total_slots" if total else "free_slots"])
 
 
 def complete(port: int, key: str, prompt: str, max_tokens: int) -> tuple[int, dict, dict[str, str]]:
