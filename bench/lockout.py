@@ -36,6 +36,7 @@ from edgepath.bench.model_compare import (
     get,
     machine,
     model_id,
+    stop,
     stream_chat,
     wait_ready,
 )
@@ -136,12 +137,7 @@ async def _run(args: argparse.Namespace, setup: Setup, flood_bodies: list[list[d
             "rows": sweep,
         }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return result
 
 

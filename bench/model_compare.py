@@ -635,6 +635,16 @@ async def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str, timeou
     raise RuntimeError(f"not serving {path} on port {port} after {timeout:g} s")
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a system under test: SIGTERM, then SIGKILL after 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 async def model_id(port: int) -> str:
     """The first model id a server lists (edgepath refuses a name it does not serve)."""
     _, body = await get(port, "/v1/models")
@@ -801,12 +811,7 @@ async def run_system(
     except (RuntimeError, OSError) as exc:
         result["error"] = f"{exc} (see {log_path})"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return result
 
 
