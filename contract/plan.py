@@ -17,13 +17,17 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    prompts join it only within the stall bound.
 5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step.
 
-**The cost of a step** (:class:`Costs`): ``overhead + prompt_ms x prompt tokens + decode_ms x decoded tokens +
-context_ms x attended / 1000``, where ``attended`` sums, over the step's tokens, the positions each one attends
-(its position + 1): attention grows with the context, the rest does not.  Measured at warm-up on the machine it
-runs on (:meth:`CostModel.calibrate`), then followed robustly (:meth:`CostModel.observe`: the median ratio of
-recent steps' times to the calibrated prediction, bounded, forgotten after a horizon): one pathological step --
-a neighbour's burst, a stolen CPU -- moves it little, and it returns to the calibration when steps run as
-measured again.
+**The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
+decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
+over the step's prompt tokens, the positions each one attends (its position + 1), and ``context`` the positions
+the decoded tokens attend -- each as many as the longest decoding sequence holds, since llama.cpp pads every
+stream of a micro-batch to the longest: attention grows with the context, the rest does not.  llama.cpp,
+with one KV stream per sequence, computes a step in micro-batches -- one per run of consecutive sequence ids
+among the decoding streams, and one more per prompt chunk beside them -- and each reads the weights once: a
+step of seven decoding streams and 8 prompt tokens costs two micro-batches, twice the fixed part of a step of
+either alone.  Measured at warm-up on the machine it runs on (:meth:`CostModel.calibrate`), then followed
+robustly (:meth:`CostModel.observe`): one pathological step -- a neighbour's burst, a stolen CPU -- moves it
+little, and it returns to the calibration when steps run as measured again.
 """
 
 from __future__ import annotations
@@ -38,15 +42,17 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class Costs:
-    """Milliseconds a step costs: per step, per prompt token, per decoded token, per 1,000 attended positions."""
+    """Milliseconds a step costs: per micro-batch, per prompt token, per decoded token, per 1,000 positions
+    attended by prompt tokens, per 1,000 positions attended by decoded tokens."""
 
     overhead_ms: float = 0.0
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
     context_ms: float = 0.0
+    decode_context_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (self.overhead_ms, self.prompt_ms, self.decode_ms, self.context_ms)
+        values = (self.overhead_ms, self.prompt_ms, self.decode_ms, self.context_ms, self.decode_context_ms)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"step costs must be finite and >= 0 ms, got {values}")
 
@@ -57,21 +63,22 @@ class Costs:
 
     def step_ms(self, step: Step) -> float:
         return (
-            self.overhead_ms
+            self.overhead_ms * step.ubatches
             + self.prompt_ms * step.prompt
             + self.decode_ms * step.decode
             + self.context_ms * step.attended / 1e3
+            + self.decode_context_ms * step.context / 1e3
         )
 
     def scaled(self, factor: float) -> Costs:
-        return Costs(
-            self.overhead_ms * factor, self.prompt_ms * factor, self.decode_ms * factor, self.context_ms * factor
-        )
+        return Costs(*(value * factor for value in self.values()))
+
+    def values(self) -> tuple[float, float, float, float, float]:
+        return self.overhead_ms, self.prompt_ms, self.decode_ms, self.context_ms, self.decode_context_ms
 
     def published(self) -> Costs:
         """These costs as the load region carries them (float32): the planner uses exactly what agents read."""
-        f = _f32
-        return Costs(f(self.overhead_ms), f(self.prompt_ms), f(self.decode_ms), f(self.context_ms))
+        return Costs(*(_f32(value) for value in self.values()))
 
 
 def _f32(value: float) -> float:
@@ -80,11 +87,14 @@ def _f32(value: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """The shape of one step: prompt tokens, decoded tokens (one per decoding stream), positions attended."""
+    """The shape of one step: prompt tokens, decoded tokens (one per decoding stream), positions the prompt tokens
+    attend, positions the decoded tokens attend, the micro-batches llama.cpp computes it in."""
 
     prompt: int = 0
     decode: int = 0
     attended: int = 0
+    context: int = 0
+    ubatches: int = 1
 
     @property
     def tokens(self) -> int:
@@ -128,17 +138,18 @@ class StepPolicy:
     def __init__(self, options: PolicyOptions) -> None:
         self.options = options
 
-    def plan(self, costs: Costs, decoding: int, context: int, waiting: Sequence[Prompt]) -> list[int]:
+    def plan(self, costs: Costs, decoding: int, longest: int, waiting: Sequence[Prompt], runs: int = 1) -> list[int]:
         """Prompt tokens to compute this step from each waiting prompt, oldest first.
 
-        ``decoding``: slots that decode one token each this step, holding ``context`` positions in all;
-        ``waiting``: the prompts in prefill, oldest first.  One count per waiting prompt, in order (0: it waits
-        for a later step); the step holds ``decoding + sum(...)`` tokens, never more than ``batch``."""
+        ``decoding``: slots that decode one token each this step, the longest holding ``longest`` positions, in
+        ``runs`` micro-batches; ``waiting``: the prompts in prefill, oldest first.  One count per waiting prompt,
+        in order (0: it waits for a later step); the step holds ``decoding + sum(...)`` tokens, never more than
+        ``batch``.  Each prompt chunk is charged a micro-batch of its own."""
         options = self.options
-        if decoding < 0 or context < 0 or any(p.remaining < 1 or p.done < 0 for p in waiting):
+        if decoding < 0 or longest < 0 or runs < 0 or any(p.remaining < 1 or p.done < 0 for p in waiting):
             raise ValueError(
-                f"plan: need decoding >= 0, context >= 0 and every waiting prompt >= 1 token, got {decoding}, "
-                f"{context}, {[p.remaining for p in waiting]}"
+                f"plan: need decoding >= 0, longest >= 0, runs >= 0 and every waiting prompt >= 1 token, got "
+                f"{decoding}, {longest}, {runs}, {[p.remaining for p in waiting]}"
             )
         room = options.batch - decoding
         if room < 1:
@@ -148,16 +159,24 @@ class StepPolicy:
         # The bound: what the step may cost beyond its decoding streams, spent oldest prompt first at each one's
         # own positions.  The floor: what it carries whatever the bound -- while streams decode, min_prefill in
         # all (admitted prompts always progress); while nobody decodes, the oldest prompt whole.
-        room_ms = options.stall_ms - costs.step_ms(Step(0, decoding, context + decoding))
+        room_ms = options.stall_ms - costs.step_ms(_decoding_step(decoding, longest, runs))
         floor = options.min_prefill if decoding else waiting[0].remaining
         plan = []
         for prompt in waiting:
-            take = min(prompt.remaining, room, max(floor, _tokens_within(costs, room_ms, prompt.done)))
+            within = _tokens_within(costs, room_ms - costs.overhead_ms, prompt.done)
+            take = min(prompt.remaining, room, max(floor, within))
             plan.append(take)
             room -= take
             floor = max(0, floor - take)
-            room_ms -= _prompt_ms(costs, prompt.done, take)
+            if take:
+                room_ms -= costs.overhead_ms + _prompt_ms(costs, prompt.done, take)
         return plan
+
+
+def _decoding_step(decoding: int, longest: int, runs: int) -> Step:
+    """The part of a step the decoding streams make (no micro-batch when none decode): each token attends as many
+    positions as the longest stream holds after it."""
+    return Step(0, decoding, 0, decoding * (longest + 1), min(max(1, runs), decoding))
 
 
 def _prompt_ms(costs: Costs, done: int, tokens: int) -> float:
@@ -189,8 +208,9 @@ class Load:
     costs: Costs = Costs()
     options: PolicyOptions | None = None
     decoding: int = 0
-    context: int = 0  # positions the decoding streams hold, summed
+    longest: int = 0  # positions the longest decoding stream holds
     waiting: tuple[Prompt, ...] = ()
+    runs: int = 0  # micro-batches the decoding streams take (runs of consecutive sequence ids)
 
     @property
     def published(self) -> bool:
@@ -203,6 +223,14 @@ class Load:
     @property
     def idle(self) -> bool:
         return not self.decoding and not self.waiting
+
+    def planned_step(self, takes: Sequence[int]) -> Step:
+        """The step the policy's ``takes`` (one per waiting prompt) make of this load."""
+        return _shape(self.decoding, self.longest, self.runs, self.waiting, takes)
+
+    def decode_step_ms(self) -> float:
+        """What a step of the streams decoding now costs, with no prompt beside them."""
+        return self.costs.step_ms(_decoding_step(self.decoding, self.longest, self.runs))
 
 
 #: steps one prediction follows at most (a prompt behind more is over any bound a person would set)
@@ -222,7 +250,7 @@ def own_ms(load: Load, prompt: Prompt) -> float:
     waiting (the bound is on waiting, not on work)."""
     if not load.published:
         return 0.0
-    return _run(load.costs, StepPolicy(load.options), 0, 0, [prompt], 0.0)  # type: ignore[arg-type]
+    return _run(load.costs, StepPolicy(load.options), 0, 0, 0, [prompt], 0.0)  # type: ignore[arg-type]
 
 
 def predict(load: Load, prompt: Prompt, unseen: int = 0, unseen_tokens: int = 0) -> Prediction:
@@ -238,53 +266,60 @@ def predict(load: Load, prompt: Prompt, unseen: int = 0, unseen_tokens: int = 0)
         return Prediction(own, 0.0)
     policy = StepPolicy(load.options)  # type: ignore[arg-type]
     costs = load.costs
-    decoding, context, waiting = load.decoding, load.context, list(load.waiting)
+    decoding, longest, runs, waiting = load.decoding, load.longest, load.runs, list(load.waiting)
     elapsed = 0.0
     if decoding >= policy.options.batch:
         return Prediction(math.inf, math.inf)
     if decoding or waiting:  # the step under way: half of it, then the state after it
-        takes = policy.plan(costs, decoding, context, waiting)
-        elapsed = 0.5 * costs.step_ms(_shape(decoding, context, waiting, takes))
-        decoding, context, waiting = _advance(decoding, context, waiting, takes)
+        takes = policy.plan(costs, decoding, longest, waiting, runs)
+        elapsed = 0.5 * costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
+        decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
     waiting += [Prompt(0, unseen_tokens)] * (unseen if unseen_tokens > 0 else 0)
-    ttft = _run(costs, policy, decoding, context, [*waiting, prompt], elapsed)
+    ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed)
     return Prediction(ttft, max(0.0, ttft - own))
 
 
-def _shape(decoding: int, context: int, waiting: Sequence[Prompt], takes: Sequence[int]) -> Step:
-    prompt = attended = 0
+def _shape(decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], takes: Sequence[int]) -> Step:
+    """The step the policy planned: the decoding streams' micro-batches, one more per prompt chunk."""
+    step = _decoding_step(decoding, longest, runs)
+    prompt = attended = chunks = 0
     for p, take in zip(waiting, takes, strict=True):
-        prompt += take
-        attended += chunk_attended(p.done, take)
-    return Step(prompt, decoding, attended + context + decoding)
+        if take:
+            prompt += take
+            attended += chunk_attended(p.done, take)
+            chunks += 1
+    return replace(step, prompt=prompt, attended=attended, ubatches=max(1, step.ubatches + chunks))
 
 
 def _advance(
-    decoding: int, context: int, waiting: Sequence[Prompt], takes: Sequence[int]
-) -> tuple[int, int, list[Prompt]]:
-    """The state after one step: decoding streams hold one more position each; finished prompts decode."""
-    context += decoding
+    decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], takes: Sequence[int]
+) -> tuple[int, int, int, list[Prompt]]:
+    """The state after one step: decoding streams hold one more position each; finished prompts decode (in
+    the runs there are: the handler places a new sequence where it makes no new run if it can)."""
+    longest += 1 if decoding else 0
     left = []
     for p, take in zip(waiting, takes, strict=True):
         if take == p.remaining:
             decoding += 1
-            context += p.done + take
+            longest = max(longest, p.done + take)
         else:
             left.append(Prompt(p.done + take, p.remaining - take))
-    return decoding, context, left
+    return decoding, longest, max(1, runs) if decoding else 0, left
 
 
-def _run(costs: Costs, policy: StepPolicy, decoding: int, context: int, waiting: list[Prompt], elapsed: float) -> float:
+def _run(
+    costs: Costs, policy: StepPolicy, decoding: int, longest: int, runs: int, waiting: list[Prompt], elapsed: float
+) -> float:
     """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed."""
     last = len(waiting) - 1
     for _ in range(MAX_STEPS):
         if decoding >= policy.options.batch:
             return math.inf
-        takes = policy.plan(costs, decoding, context, waiting)
-        elapsed += costs.step_ms(_shape(decoding, context, waiting, takes))
+        takes = policy.plan(costs, decoding, longest, waiting, runs)
+        elapsed += costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         if takes[last] == waiting[last].remaining:
             return elapsed
-        decoding, context, waiting = _advance(decoding, context, waiting, takes)
+        decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
         last = len(waiting) - 1
     return math.inf
 
@@ -293,14 +328,14 @@ class CostModel:
     """The step costs: the calibration measured on this machine, followed online, robustly, within bounds.
 
     Online, over the last ``window`` steps within ``horizon_s`` seconds, two numbers are fitted: a speed factor
-    ``f`` over the calibration's overhead, prompt and decode costs (the machine, or its neighbours, running
-    faster or slower) and the context cost ``c`` (per 1,000 attended positions: the warm-up's prompts are too
-    short to show it, llama.cpp padding a sequence's KV window to 256 cells), by least squares with Huber weights
-    (a step far off the fit weighs little) and a weak pull towards the calibration.  ``f`` stays within
-    ``bounds``, ``c`` within ``[0, bounds[1] x prompt_ms]``; with no recent step both return to the calibration.
-    So one step slowed 15x by a neighbour moves nothing, a machine that stays 2x slower is followed within a
-    few steps, and a model that learned from starved steps cannot lock admission out: it returns to what was
-    measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps)."""
+    ``f`` over the calibration's overhead, prompt, decode and decoded-context costs (the machine, or its
+    neighbours, running faster or slower) and the prompt context cost ``c`` (per 1,000 positions prompt tokens
+    attend: the warm-up's prompts are too short to show it, llama.cpp padding a sequence's KV window), by least
+    squares with Huber weights (a step far off the fit weighs little) and a weak pull towards the calibration.
+    ``f`` stays within ``bounds``, ``c`` within ``[0, bounds[1] x prompt_ms]``; with no recent step both return
+    to the calibration.  So one step slowed 15x by a neighbour moves nothing, a machine that stays 2x slower is
+    followed within a few steps, and a model that learned from starved steps cannot lock admission out: it returns
+    to what was measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps)."""
 
     #: a Huber weight's corner: a step within 25 % of the fit counts fully, beyond that less and less
     HUBER = 0.25
@@ -384,13 +419,13 @@ class CostModel:
 
     def calibrate(self, steps: Sequence[Step], ms: Sequence[float]) -> bool:
         """Set the calibration from measured steps (``steps[i]`` took ``ms[i]``): non-negative least squares
-        over the four costs.  Whether it took: steps that make no cost model (too few, not finite, nothing
+        over the five costs.  Whether it took: steps that make no cost model (too few, not finite, nothing
         rising with tokens) leave it as it was."""
         if len(steps) != len(ms) or len(steps) < 2 or not all(math.isfinite(t) and t > 0 for t in ms):
             return False
-        x = np.array([[1.0, s.prompt, s.decode, s.attended / 1e3] for s in steps])
+        x = np.array([[s.ubatches, s.prompt, s.decode, s.attended / 1e3, s.context / 1e3] for s in steps])
         y = np.array(ms, dtype=float)
-        active = [i for i in range(4) if np.any(x[:, i] != x[0, i]) or i == 0]
+        active = [i for i in range(5) if np.any(x[:, i] != x[0, i]) or i == 0]
         while True:
             solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
             negative = [a for a, v in zip(active, solution, strict=True) if v < 0]
@@ -399,7 +434,7 @@ class CostModel:
             active.remove(negative[0])
             if not active:
                 return False
-        values = [0.0] * 4
+        values = [0.0] * 5
         for a, v in zip(active, solution, strict=True):
             values[a] = float(v)
         fitted = Costs(*values)

@@ -55,8 +55,9 @@ COMPLETIONS_REGION = "completions"
 HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
 #: byte offset of the pool header's draining word (in the same READ): nonzero once the slot server is stopping
 DRAINING_OFFSET = field_offset(POOL_HEADER, "draining")
-#: the load region (ABI 7, ``struct ep_load``): right after the pool header, before the state words, so the READ
-#: from the heartbeat on carries it; the step policy's costs, knobs and work (:class:`~edgepath.contract.plan.Load`)
+#: the load region (``struct ep_load``; micro-batch costs since ABI 9): right after the pool header, before the
+#: state words, so the READ from the heartbeat on carries it; the step policy's costs, knobs and work
+#: (:class:`~edgepath.contract.plan.Load`)
 LOAD_REGION = struct_dtype("ep_load")
 LOAD_OFFSET = POOL_HEADER.itemsize
 #: prompts in prefill the region lists one by one (more are summed into the last entry)
@@ -72,9 +73,9 @@ def load_record(load: Load) -> np.ndarray:
     costs, options = load.costs, load.options
     assert options is not None
     r["overhead_ms"], r["prompt_ms"], r["decode_ms"] = costs.overhead_ms, costs.prompt_ms, costs.decode_ms
-    r["context_ms"], r["stall_ms"] = costs.context_ms, options.stall_ms
-    r["min_prefill"], r["batch"] = options.min_prefill, options.batch
-    r["decoding"], r["context"], r["prefilling"] = load.decoding, load.context, len(load.waiting)
+    r["context_ms"], r["decode_context_ms"] = costs.context_ms, costs.decode_context_ms
+    r["stall_ms"], r["min_prefill"], r["batch"] = options.stall_ms, options.min_prefill, options.batch
+    r["decoding"], r["runs"], r["longest"], r["prefilling"] = load.decoding, load.runs, load.longest, len(load.waiting)
     waiting = load.waiting
     if len(waiting) > LOAD_PROMPTS:  # the rest summed into the last entry: they follow it, oldest first
         rest = waiting[LOAD_PROMPTS - 1 :]
@@ -99,12 +100,13 @@ def read_load(region: np.void) -> Load | None:
         float(region["prompt_ms"]),
         float(region["decode_ms"]),
         float(region["context_ms"]),
+        float(region["decode_context_ms"]),
     )
     options = PolicyOptions(float(region["stall_ms"]), int(region["min_prefill"]), batch)
     pairs = region["prompts"]
     listed = min(int(region["listed"]), LOAD_PROMPTS)
     waiting = tuple(Prompt(int(pairs[2 * i]), int(pairs[2 * i + 1])) for i in range(listed) if pairs[2 * i + 1])
-    return Load(costs, options, int(region["decoding"]), int(region["context"]), waiting)
+    return Load(costs, options, int(region["decoding"]), int(region["longest"]), waiting, int(region["runs"]))
 
 
 # -- connection private data (what each side tells the other when a connection is set up) ---------------

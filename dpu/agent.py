@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.contract.plan import Prediction, Step
+from edgepath.contract.plan import Prediction
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
 from edgepath.dpu.admission import Admission, Choice, Decision
@@ -445,8 +445,7 @@ class Agent:
             load = flight.link.load
             if flight.link not in links or not load.published:
                 continue
-            step = load.costs.step_ms(Step(0, load.decoding, load.context + load.decoding))
-            frees.append(max(1, flight.max_new - flight.count) * step)
+            frees.append(max(1, flight.max_new - flight.count) * load.decode_step_ms())
         if not frees:
             return 0.0
         return self.retry_advice.advise(self.link_set.clock(), min(frees), max(frees) / len(frees))

@@ -28,7 +28,7 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.known_answer import shipped
-from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix
+from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix, runs
 from edgepath.model.sampler import SlotSampler
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
@@ -52,10 +52,11 @@ MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit 
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine) until the
 # warm-up steps measure it here (a context too small for them keeps these); it then follows the steps as they run.
-_START_COSTS_ONE_THREAD = Costs(overhead_ms=6.0, prompt_ms=4.0, decode_ms=7.0, context_ms=0.5)
-#: prompt sizes of the warm-up steps that measure the step cost model on this machine: a short and a long prompt
-#: from position 0, then the long one again after itself (what attending a longer context adds)
-CALIBRATION_TOKENS = (16, 128)
+_START_COSTS_ONE_THREAD = Costs(overhead_ms=12.0, prompt_ms=2.0, decode_ms=4.0, context_ms=1.2, decode_context_ms=9.0)
+#: positions of the warm-up steps that measure the step cost model on this machine: a short and a long prompt from
+#: position 0, the long one continued to a deep context, the long one again after it (what attending a longer
+#: context adds), streams decoding after it
+CALIBRATION_TOKENS = (16, 128, 512)
 #: sequences decoding together in the warm-up's decode steps (at most the slots)
 CALIBRATION_STREAMS = 8
 _FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
@@ -240,6 +241,28 @@ OPTIONS = {
 }
 
 
+def micro_batches(parts: Sequence[tuple[int, int]], ubatch: int) -> int:
+    """The micro-batches llama.cpp computes a step of ``parts`` -- (sequence id, tokens), in sequence-id order --
+    in, with one KV stream per sequence (``llama_batch_allocr::split_equal``, sequential): each takes a run of
+    consecutive sequence ids from the first with tokens left, and from each of them as many tokens as the
+    shortest has left, within ``ubatch`` tokens.  Each reads the weights once: what a step costs beyond its
+    tokens (:class:`~edgepath.contract.plan.Costs`)."""
+    left = [[stream, tokens] for stream, tokens in parts if tokens > 0]
+    count = 0
+    while left:
+        run = [left[0]]
+        for part in left[1:]:
+            if part[0] != run[-1][0] + 1:
+                break
+            run.append(part)
+        take = max(1, min(min(part[1] for part in run), ubatch // len(run)))
+        for part in run:
+            part[1] -= take
+        left = [part for part in left if part[1] > 0]
+        count += 1
+    return count
+
+
 def context_params(lib: Any, sequences: int, options: LlamaOptions, batch: int) -> Any:
     """llama.cpp context parameters for ``sequences`` sequences as the handler runs them (one KV stream of
     ``ctx_per_slot`` cells each, or one stream of ``sequences * ctx_per_slot`` cells with ``kv_unified``;
@@ -378,6 +401,7 @@ class LlamaHandler:
         except BaseException:
             self.close()
             raise
+        self._ubatch = min(options.ubatch, batch)  # llama.cpp's n_ubatch (context_params)
         arrays = _Batch(lib, batch)
         self._arrays = arrays
         self._tokens, self._pos, self._seq, self._logits = arrays.tokens, arrays.pos, arrays.seq, arrays.logits
@@ -443,13 +467,15 @@ class LlamaHandler:
         if n == 0:
             return out
         self._logits[:n] = 0
-        prompt_tokens = attended = 0
+        prompt_tokens = attended = longest = 0
         for seq, start, length, first in segments:
             self._seq[start : start + length] = seq.stream
             self._pos[start : start + length] = np.arange(first, first + length, dtype=np.int32)
-            attended += chunk_attended(first, length)
             if seq.prefilled < seq.prompt_len:
                 prompt_tokens += length
+                attended += chunk_attended(first, length)
+            else:
+                longest = max(longest, first)
             if first + length == seq.prompt_len or seq.count > 0:
                 self._logits[start + length - 1] = 1
                 seq.logit_index = start + length - 1
@@ -475,7 +501,14 @@ class LlamaHandler:
             for seq, *_ in segments:
                 out.append(self._finish(seq, Status.HANDLER_ERROR))
             return out
-        self.cost.observe(Step(prompt_tokens, n - prompt_tokens, attended), (decoded - decode_start) * 1e3, now)
+        shape = Step(
+            prompt_tokens,
+            n - prompt_tokens,
+            attended,
+            (n - prompt_tokens) * (longest + 1),
+            micro_batches([(seq.stream, length) for seq, _, length, _ in segments], self._ubatch),
+        )
+        self.cost.observe(shape, (decoded - decode_start) * 1e3, now)
         for seq, _, length, first in segments:
             if seq.prefilled < seq.prompt_len:
                 seq.prefilled = first + length
@@ -509,9 +542,12 @@ class LlamaHandler:
         """Throw-away steps before the first request.  The first, as llama-server does at start: the weights
         are paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
         first token.  Then the steps that measure the step cost model on this machine
-        (:meth:`~edgepath.contract.plan.CostModel.calibrate`): prompts of two sizes from position 0 and the long
-        one again after itself (what a longer context adds), and decode steps of one and of several streams
-        (a decoded token also computes its logits).  The agents' admission predicts from it before any request
+        (:meth:`~edgepath.contract.plan.CostModel.calibrate`): decode steps of one and of several streams at
+        the start of their sequences (a decoded token also computes its logits), prompts of two sizes from
+        position 0 and the long one again after itself (what a longer context adds to a prompt token), then the
+        same several streams decoding after that context (copied into each: what it adds to a decoded token,
+        several times a prompt token's) -- in one run of sequence ids and in every other one (a micro-batch
+        each: what a step costs beyond its tokens).  The agents' admission predicts from it before any request
         has run; start values from another machine mispredicted the first prompts by tens of percent
         (docs/ADMISSION.md).  The KV cache is emptied afterwards."""
         lib = self._lib
@@ -521,38 +557,51 @@ class LlamaHandler:
         self._timed_step([(0, 0, len(first), False)], np.array(first, dtype=np.int32))
         lib.llama_memory_clear(self._mem, True)
         log.info("llama: warm-up step %.0f ms", 1e3 * (time.perf_counter() - started))
-        short, long = (min(n, self.batch_capacity, self.ctx_per_slot // 2 - 2) for n in CALIBRATION_TOKENS)
+        short, long, deep = (min(n, self.batch_capacity, self.ctx_per_slot // 4 - 2) for n in CALIBRATION_TOKENS)
         streams = min(CALIBRATION_STREAMS, self.slots, self.batch_capacity)
         if short < 2 or long <= short:
             return  # a context too small to measure in: the start values stay
-        ids = np.arange(2 * long, dtype=np.int32) * 7919 % self.n_vocab  # which ids does not change the cost
-        steps, times = [], []
-        # a short prompt, a long one, the long one again after itself (cleared after the first and the third)
-        for parts, clear in (
-            ([(0, 0, short, False)], True),
-            ([(0, 0, long, False)], False),
-            ([(0, long, long, False)], True),
-        ):
-            times.append(self._timed_step(parts, ids))
-            steps.append(Step(sum(p[2] for p in parts), 0, sum(chunk_attended(p[1], p[2]) for p in parts)))
-            if clear:
-                lib.llama_memory_clear(self._mem, True)
+        ids = np.arange(deep + long + 8, dtype=np.int32) * 7919 % self.n_vocab  # which ids does not change the cost
+        steps: list[Step] = []
+        times: list[float] = []
         held = [0] * streams  # positions each calibration stream holds
+
+        def decode(which: list[int]) -> None:
+            times.append(self._timed_step([(seq, held[seq], 1, True) for seq in which], ids))
+            steps.append(Step(0, len(which), 0, len(which) * (max(held[seq] for seq in which) + 1), runs(which)))
+            for seq in which:
+                held[seq] += 1
+
         for _ in range(2):  # one stream decoding, then all of them; twice
-            for count in (1, streams):
-                times.append(self._timed_step([(seq, held[seq], 1, True) for seq in range(count)], ids))
-                steps.append(Step(0, count, sum(held[seq] + 1 for seq in range(count))))
-                for seq in range(count):
-                    held[seq] += 1
+            decode([0])
+            decode(list(range(streams)))
+        lib.llama_memory_clear(self._mem, True)
+        # a short prompt (cleared), a long one, continued to the deep context, the long one again after it
+        for first_position, length in ((0, short), (0, long), (long, deep - long), (deep, long)):
+            if length < 1:
+                continue
+            times.append(self._timed_step([(0, first_position, length, False)], ids))
+            steps.append(Step(length, 0, chunk_attended(first_position, length)))
+            if length == short:
+                lib.llama_memory_clear(self._mem, True)
+        blob = self._state_of(0)
+        if blob is not None:
+            pointer = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+            copied = all(lib.llama_state_seq_set_data(self._ctx, pointer, blob.nbytes, s) for s in range(1, streams))
+            held = [deep + long] * streams
+            for _ in range(2 if copied else 0):  # after the context: all streams (one run), every other one
+                decode(list(range(streams)))
+                decode(list(range(0, streams, 2)))
         lib.llama_memory_clear(self._mem, True)
         if not self.cost.calibrate(steps, times):
             log.warning("llama: the warm-up steps made no cost model (%s ms); the start values stay", times)
             return
         c = self.cost.base
         log.info(
-            "llama: step cost model from %d warm-up steps: %.2f ms per step + %.3f ms per prompt token + %.3f ms per "
-            "decoded token + %.3f ms per 1,000 attended positions",
-            len(steps), c.overhead_ms, c.prompt_ms, c.decode_ms, c.context_ms,
+            "llama: step cost model from %d warm-up steps: %.2f ms per micro-batch + %.3f ms per prompt token + "
+            "%.3f ms per decoded token + %.3f ms per 1,000 positions a prompt token attends + %.3f ms per 1,000 "
+            "positions a decoded token attends",
+            len(steps), c.overhead_ms, c.prompt_ms, c.decode_ms, c.context_ms, c.decode_context_ms,
         )  # fmt: skip
 
     def _timed_step(self, parts: list[tuple[int, int, int, bool]], ids: np.ndarray) -> float:
@@ -679,16 +728,17 @@ class LlamaHandler:
         """What the step policy will plan from, as the agents replay it: the costs it plans with, its knobs, the
         streams decoding and the positions they hold, the prompts in prefill oldest first (a request not placed
         yet counts whole: what it will reuse is not known before)."""
-        decoding = context = 0
+        decoding: list[int] = []
+        longest = 0
         waiting = []
         for seq in self._running.values():
             if seq.prefilled < seq.prompt_len:
                 waiting.append(Prompt(seq.prefilled, seq.prompt_len - seq.prefilled))
             else:
-                decoding += 1
-                context += seq.prompt_len + seq.count - 1
+                decoding.append(seq.stream)
+                longest = max(longest, seq.prompt_len + seq.count - 1)
         self.cost.forget(time.monotonic())
-        return Load(self.cost.costs(), self.policy.options, decoding, context, tuple(waiting))
+        return Load(self.cost.costs(), self.policy.options, len(decoding), longest, tuple(waiting), runs(decoding))
 
     # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
     def prefixes_version(self) -> int:
@@ -711,11 +761,11 @@ class LlamaHandler:
         waiting: list[_Sequence] = []
         for seq in self._running.values():
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
-        context = sum(seq.prompt_len + seq.count - 1 for seq in decoding)
+        longest = max((seq.prompt_len + seq.count - 1 for seq in decoding), default=0)
         costs = self.cost.costs()
         while True:
             prompts = [Prompt(seq.prefilled, seq.prompt_len - seq.prefilled) for seq in waiting]
-            takes = self.policy.plan(costs, len(decoding), context, prompts)
+            takes = self.policy.plan(costs, len(decoding), longest, prompts, runs(s.stream for s in decoding))
             # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
             # not on arrival: requests that arrive together with a shared prefix then copy it from the one
             # that computed it first.  Placing one can shorten its prompt: plan again.

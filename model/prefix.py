@@ -28,11 +28,18 @@ KV, nor learn from ``cached_tokens`` or a faster first token that another one se
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+
+def runs(streams: Iterable[int]) -> int:
+    """Runs of consecutive ids among ``streams``: the micro-batches llama.cpp cuts one token of each into (one
+    KV stream per sequence: a micro-batch takes consecutive sequence ids only)."""
+    ids = sorted(set(streams))
+    return (1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)) if ids else 0
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -255,9 +262,7 @@ class PrefixBook:
         (llama.cpp cuts a step into one micro-batch per run of consecutive sequence ids), then an empty one,
         then the least recently used (its content is also in host memory when it was worth saving)."""
         running = {i for i, s in enumerate(self._streams) if s.running}
-
-        def runs_with(i: int) -> int:
-            ids = sorted(running | {i})
-            return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
-
-        return min(free, key=lambda i: (runs_with(i), self._streams[i].tokens is not None, self._streams[i].used, i))
+        return min(
+            free,
+            key=lambda i: (runs(running | {i}), self._streams[i].tokens is not None, self._streams[i].used, i),
+        )

@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 8  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36) */
+#define EP_ABI_VERSION 9  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -170,10 +170,14 @@ struct ep_pool_header {
  * in address order (end first, begin last: loopback's copy and soft-RoCE's READ do) takes it only when `end`
  * equals `begin`, and keeps its previous copy otherwise.  All zero: the handler publishes no load (echo).
  *
- * Costs of a step, in ms: overhead + prompt_ms * prompt tokens + decode_ms * decoded tokens
- *   + context_ms * (positions attended by the step's tokens, summed) / 1000.
+ * Costs of a step, in ms (ABI 9): overhead_ms * micro-batches + prompt_ms * prompt tokens
+ *   + decode_ms * decoded tokens + context_ms * (positions attended by the prompt tokens, summed) / 1000
+ *   + decode_context_ms * decoded tokens * (longest + 1) / 1000 (llama.cpp pads a micro-batch's streams to its
+ *   longest).
+ * llama.cpp with one KV stream per sequence computes a step in one micro-batch per run of consecutive sequence
+ * ids, plus one per prompt chunk beside them; `runs` is how many the decoding streams take now.
  */
-#define EP_LOAD_PROMPTS 16  /* prompts in prefill listed; more are summed into the last entry */
+#define EP_LOAD_PROMPTS 15  /* prompts in prefill listed; more are summed into the last entry */
 
 struct ep_load {
     uint64_t end;              /* the version, stored last */
@@ -181,14 +185,16 @@ struct ep_load {
     float prompt_ms;
     float decode_ms;
     float context_ms;
+    float decode_context_ms;
     float stall_ms;            /* the policy's bound on a step while streams decode */
     uint32_t min_prefill;      /* prompt tokens a step carries at least while a prompt waits */
     uint32_t batch;            /* tokens at most in one step */
     uint32_t decoding;         /* streams decoding, one token per step each */
-    uint64_t context;          /* positions the decoding streams hold, summed */
+    uint32_t runs;             /* micro-batches the decoding streams take (runs of consecutive sequence ids) */
+    uint64_t longest;          /* positions the longest decoding stream holds */
     uint32_t prefilling;       /* requests whose prompt is not all computed */
     uint32_t listed;           /* entries of prompts[] in use (at most EP_LOAD_PROMPTS) */
-    uint32_t prompts[32];      /* per prompt in prefill, oldest first: positions held, tokens to compute */
+    uint32_t prompts[30];      /* per prompt in prefill, oldest first: positions held, tokens to compute */
     uint64_t begin;            /* the version, stored first */
 };
 

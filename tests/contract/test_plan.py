@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from edgepath.contract import wire
@@ -52,16 +52,25 @@ def test_nothing_decoding_whole_prompt_is_capped_by_the_batch() -> None:
 
 def test_nothing_decoding_later_prompts_join_only_within_the_stall_bound() -> None:
     assert policy().plan(FLAT, 0, 0, fresh(60, 20)) == [60, 0]  # 45 tokens fit 100 ms; the first takes them all
-    assert policy().plan(FLAT, 0, 0, fresh(10, 20, 30)) == [10, 20, 15]
+    # each chunk is a micro-batch of its own (10 ms): 30 + 50 ms for the first two, 10 ms left -- its micro-batch
+    # and 5 tokens
+    assert policy().plan(FLAT, 0, 0, fresh(10, 20, 30)) == [10, 20, 5]
 
 
 def test_while_slots_decode_prompt_tokens_fill_the_stall_bound() -> None:
-    assert policy().plan(FLAT, 5, 0, fresh(100)) == [40]  # 45 fit, 5 of them the decoding slots'
-    assert policy().plan(FLAT, 5, 0, fresh(30, 100)) == [30, 10]
+    # the streams' micro-batch 20 ms, the chunk's own 10 ms: 35 tokens in the 70 ms left
+    assert policy().plan(FLAT, 5, 0, fresh(100)) == [35]
+    assert policy().plan(FLAT, 5, 0, fresh(30, 100)) == [30, 0]  # 10 ms left: a second chunk's micro-batch alone
+    assert policy().plan(FLAT, 5, 0, fresh(20, 100)) == [20, 10]
+
+
+def test_streams_in_several_runs_leave_less_room_for_prompt_tokens() -> None:
+    """Decoding streams in two runs of sequence ids cost llama.cpp two micro-batches: 10 ms less for prompts."""
+    assert policy().plan(FLAT, 5, 0, fresh(100), runs=2) == [30]
 
 
 def test_prompts_are_concentrated_not_spread() -> None:
-    assert policy().plan(FLAT, 2, 0, fresh(200, 200, 200)) == [43, 0, 0]
+    assert policy().plan(FLAT, 2, 0, fresh(200, 200, 200)) == [38, 0, 0]
 
 
 def test_under_load_a_waiting_prompt_still_progresses() -> None:
@@ -79,9 +88,13 @@ def test_a_longer_context_means_fewer_prompt_tokens_within_the_bound() -> None:
     early = policy(stall_ms=300.0).plan(costs, 2, 0, [Prompt(0, 1000)])[0]
     late = policy(stall_ms=300.0).plan(costs, 2, 0, [Prompt(2000, 1000)])[0]
     assert late < early
-    for done, take in ((0, early), (2000, late)):  # the most that fits: one more would not
-        step = Step(take, 2, chunk_attended(done, take) + 2)
-        assert costs.step_ms(step) <= 300.0 < costs.step_ms(Step(take + 1, 2, chunk_attended(done, take + 1) + 2))
+    for done, take in ((0, early), (2000, late)):  # the most that fits (two micro-batches): one more would not
+        step = Step(take, 2, chunk_attended(done, take), 2, ubatches=2)
+        assert (
+            costs.step_ms(step)
+            <= 300.0
+            < costs.step_ms(replace(step, prompt=take + 1, attended=chunk_attended(done, take + 1)))
+        )
 
 
 def test_a_slower_machine_means_smaller_prompt_steps() -> None:
@@ -126,22 +139,26 @@ def test_bad_costs_are_refused() -> None:
 
 
 # -- the cost model -----------------------------------------------------------------------------------------
-TRUE = Costs(overhead_ms=5.5, prompt_ms=1.9, decode_ms=3.5, context_ms=2.5)
-CALIBRATION = [
+TRUE = Costs(overhead_ms=5.5, prompt_ms=1.9, decode_ms=3.5, context_ms=2.5, decode_context_ms=4.5)
+CALIBRATION = [  # the llama handler's warm-up (LlamaHandler._warm_up)
+    Step(0, 1, 0, 1),
+    Step(0, 8, 0, 8),
+    Step(0, 1, 0, 2),
+    Step(0, 8, 0, 10),
     Step(16, 0, chunk_attended(0, 16)),
     Step(128, 0, chunk_attended(0, 128)),
     Step(128, 0, chunk_attended(128, 128)),
-    Step(0, 1, 1),
-    Step(0, 8, 8),
-    Step(0, 1, 2),
-    Step(0, 8, 10),
+    Step(0, 8, 0, 8 * 257),
+    Step(0, 4, 0, 4 * 258, ubatches=4),
+    Step(0, 8, 0, 4 * 258 + 4 * 259),
+    Step(0, 4, 0, 4 * 260, ubatches=4),
 ]
 
 
-def test_calibration_recovers_the_four_costs_from_the_warm_up_steps() -> None:
+def test_calibration_recovers_the_five_costs_from_the_warm_up_steps() -> None:
     model = CostModel(FLAT)
     assert model.calibrate(CALIBRATION, [TRUE.step_ms(s) for s in CALIBRATION])
-    for name in ("overhead_ms", "prompt_ms", "decode_ms", "context_ms"):
+    for name in ("overhead_ms", "prompt_ms", "decode_ms", "context_ms", "decode_context_ms"):
         assert getattr(model.base, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
     assert model.costs() == TRUE.published()  # what it plans with is what the load region carries
 
@@ -237,33 +254,35 @@ def test_an_idle_server_makes_a_prompt_wait_for_nothing_but_its_own_compute() ->
 
 
 def test_streams_that_decode_add_their_tokens_and_half_a_step() -> None:
-    got = predict(loaded(decoding=4), Prompt(0, 100))  # half of (6 + 12), then one step of 4 + 100 tokens
-    assert got.ttft_ms == pytest.approx(9.0 + 6.0 + 3.0 * 104)
+    # half of (6 + 12), then one step of 4 + 100 tokens in two micro-batches (the streams', the chunk's)
+    got = predict(loaded(decoding=4), Prompt(0, 100))
+    assert got.ttft_ms == pytest.approx(9.0 + (6.0 + 3.0 * 4) + (6.0 + 3.0 * 100))
     assert got.wait_ms == pytest.approx(got.ttft_ms - 306.0)
 
 
 def test_a_prompt_ahead_with_nothing_decoding_is_under_way_then_decodes() -> None:
     got = predict(loaded(waiting=(Prompt(0, 500),)), Prompt(0, 100))
-    assert got.ttft_ms == pytest.approx(0.5 * (6.0 + 1500.0) + (6.0 + 3.0 * 101))
+    assert got.ttft_ms == pytest.approx(0.5 * (6.0 + 1500.0) + (6.0 + 3.0 * 1) + (6.0 + 3.0 * 100))
 
 
 def test_a_prompt_larger_than_a_steps_budget_takes_several_steps_within_the_stall_bound() -> None:
     load = Load(PACED, PolicyOptions(300.0, 16, 2048), decoding=8)
-    budget = (300 - 6 - 24) // 3  # 90 prompt tokens a step beside 8 streams
+    budget = (300 - 6 - 24 - 6) // 3  # 88 prompt tokens a step beside 8 streams, in a micro-batch of their own
     got = predict(load, Prompt(0, 200))
-    assert got.ttft_ms == pytest.approx(0.5 * 30 + 2 * (6 + 3 * (8 + budget)) + (6 + 3 * (8 + 200 - 2 * budget)))
+    assert got.ttft_ms == pytest.approx(0.5 * 30 + 2 * (30 + 6 + 3 * budget) + (30 + 6 + 3 * (200 - 2 * budget)))
 
 
 def test_a_step_always_carries_some_prompt_however_many_decode() -> None:
     load = Load(PACED, PolicyOptions(300.0, 16, 2048), decoding=200)  # the streams alone fill the bound
     got = predict(load, Prompt(0, 32))
-    assert got.ttft_ms == pytest.approx(0.5 * (6 + 600) + 2 * (6 + 3 * (200 + 16)))
+    assert got.ttft_ms == pytest.approx(0.5 * (6 + 600) + 2 * ((6 + 600) + (6 + 3 * 16)))
 
 
 def test_claims_the_server_has_not_seen_count_as_prompts_as_long_as_this_one_ahead_of_it() -> None:
     got = predict(loaded(), Prompt(0, 400), unseen=1, unseen_tokens=400)
-    # the other whole and 98 of this one within the 1500 ms bound; then beside the other, now decoding
-    assert got.ttft_ms == pytest.approx((6.0 + 3.0 * 498) + (6.0 + 3.0 * (1 + 302)))
+    # the other whole and 96 of this one within the 1500 ms bound (a micro-batch each); then beside the other, now
+    # decoding
+    assert got.ttft_ms == pytest.approx((12.0 + 3.0 * 496) + (6.0 + 3.0 * 1) + (6.0 + 3.0 * 304))
 
 
 def test_a_prediction_past_any_bound_is_infinite_not_a_hang() -> None:
@@ -300,17 +319,19 @@ class SimulatedServer:
     def load(self) -> Load:
         decoding = [s for s in self.running if not s.prefilling]
         waiting = tuple(Prompt(s.done, s.prompt - s.done) for s in self.running if s.prefilling)
-        context = sum(s.prompt + s.decoded - 1 for s in decoding)
-        return Load(self.costs, self.options, len(decoding), context, waiting)
+        longest = max((s.prompt + s.decoded - 1 for s in decoding), default=0)
+        return Load(self.costs, self.options, len(decoding), longest, waiting, runs=1 if decoding else 0)
 
     def step(self) -> None:
         decoding = [s for s in self.running if not s.prefilling]
         waiting = [s for s in self.running if s.prefilling]
         load = self.load()
-        takes = StepPolicy(self.options).plan(self.costs, len(decoding), load.context, load.waiting)
-        attended = sum(s.prompt + s.decoded for s in decoding)  # each attends what it holds and itself
-        attended += sum(chunk_attended(s.done, take) for s, take in zip(waiting, takes, strict=True))
-        self.now += self.costs.step_ms(Step(sum(takes), len(decoding), attended))
+        takes = StepPolicy(self.options).plan(self.costs, len(decoding), load.longest, load.waiting, load.runs)
+        # each attends what the longest holds and itself (llama.cpp pads the streams to the longest)
+        context = len(decoding) * max((s.prompt + s.decoded for s in decoding), default=0)
+        attended = sum(chunk_attended(s.done, take) for s, take in zip(waiting, takes, strict=True))
+        ubatches = (1 if decoding else 0) + sum(1 for take in takes if take)  # its streams in one run
+        self.now += self.costs.step_ms(Step(sum(takes), len(decoding), attended, context, ubatches))
         for s in decoding:
             s.decoded += 1
         for s, take in zip(waiting, takes, strict=True):
@@ -325,7 +346,7 @@ class SimulatedServer:
     waiting=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 900)), max_size=4),
     unseen=st.integers(0, 2),
     new=st.tuples(st.integers(0, 300), st.integers(1, 900)),
-    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5)),
+    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5), st.floats(0, 10)),
     stall=st.floats(20, 3000),
     min_prefill=st.integers(1, 64),
 )
@@ -334,7 +355,7 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     waiting: list[tuple[int, int]],
     unseen: int,
     new: tuple[int, int],
-    costs: tuple[float, float, float, float],
+    costs: tuple[float, float, float, float, float],
     stall: float,
     min_prefill: int,
 ) -> None:
@@ -353,6 +374,9 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     assert seen == server.load()
     cached, uncached = new
     prediction = predict(seen, Prompt(cached, uncached), unseen, cached + uncached)
+    # past MAX_STEPS steps a prediction is infinite (a stall bound below a micro-batch's cost leaves prompts
+    # min_prefill tokens a step): no server is asked to follow that far
+    assume(math.isfinite(prediction.ttft_ms))
     started = server.now
     if server.running:
         server.step()  # the step under way when it arrives
@@ -372,29 +396,37 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
 @settings(max_examples=200, deadline=None)
 @given(
     decoding=st.integers(1, 32),
-    context=st.integers(0, 20_000),
+    runs=st.integers(1, 8),
+    longest=st.integers(0, 20_000),
     waiting=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 3000)), min_size=1, max_size=4),
-    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5)),
+    costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5), st.floats(0, 10)),
     stall=st.floats(50, 3000),
 )
 def test_while_streams_decode_a_planned_step_stays_within_the_stall_bound_but_for_min_prefill(
-    decoding: int, context: int, waiting: list[tuple[int, int]], costs: tuple[float, float, float, float], stall: float
+    decoding: int,
+    runs: int,
+    longest: int,
+    waiting: list[tuple[int, int]],
+    costs: tuple[float, float, float, float, float],
+    stall: float,
 ) -> None:
     c = Costs(*costs)
     options = PolicyOptions(stall, 16, 4096)
     prompts = [Prompt(done, left) for done, left in waiting]
-    takes = StepPolicy(options).plan(c, decoding, context, prompts)
+    takes = StepPolicy(options).plan(c, decoding, longest, prompts, runs)
     step = Step(
         sum(takes),
         decoding,
-        context + decoding + sum(chunk_attended(p.done, t) for p, t in zip(prompts, takes, strict=True)),
+        sum(chunk_attended(p.done, t) for p, t in zip(prompts, takes, strict=True)),
+        decoding * (longest + 1),
+        min(runs, decoding) + sum(1 for t in takes if t),  # the streams' runs (at most one each), one per chunk
     )
     if sum(takes) > options.min_prefill:  # more than the least it must carry: then it is within the bound
         assert c.step_ms(step) <= stall * (1 + 1e-9)
 
 
 def test_the_load_region_carries_the_load_whole_and_sums_what_it_cannot_list() -> None:
-    load = Load(TRUE.published(), OPTIONS, 7, 12_345, tuple(Prompt(i, 100 + i) for i in range(3)))
+    load = Load(TRUE.published(), OPTIONS, 7, 12_345, tuple(Prompt(i, 100 + i) for i in range(3)), runs=3)
     record = wire.load_record(load)
     record["end"] = record["begin"] = 5
     assert wire.read_load(record[0]) == load

@@ -158,7 +158,7 @@ class Decoding(Prefilling):
     """Holds every request as a decoding stream (it never ends on its own)."""
 
     def load(self) -> Load:
-        return Load(decoding=len(self.held), context=sum(self.held.values()), **PACE)
+        return Load(decoding=len(self.held), longest=max(self.held.values(), default=0), runs=1, **PACE)
 
 
 def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, new_agent) -> None:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, Step, StepPolicy, chunk_attended
+from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, StepPolicy
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status
@@ -42,11 +42,10 @@ class Starved:
 
     def step(self, now: float) -> list[Emit]:
         load = self.load()
-        takes = self.policy.plan(load.costs, load.decoding, load.context, list(load.waiting))
+        takes = self.policy.plan(load.costs, load.decoding, load.longest, list(load.waiting), load.runs)
         waiting = [slot for slot, r in self.running.items() if r[1] < r[0]]
         decoding = [slot for slot, r in self.running.items() if r[1] == r[0]]
-        attended = sum(chunk_attended(p.done, t) for p, t in zip(load.waiting, takes, strict=True))
-        step = Step(sum(takes), len(decoding), attended + load.context + len(decoding))
+        step = load.planned_step(takes)
         ms = load.costs.step_ms(step) * self.slowdown
         time.sleep(ms / 1e3)
         self.cost.observe(step, ms, time.monotonic())
@@ -81,8 +80,8 @@ class Starved:
         self.cost.forget(time.monotonic())
         waiting = tuple(Prompt(r[1], r[0] - r[1]) for r in self.running.values() if r[1] < r[0])
         decoding = [r for r in self.running.values() if r[1] == r[0]]
-        context = sum(r[0] + r[2] - 1 for r in decoding)
-        return Load(self.cost.costs(), OPTIONS, len(decoding), context, waiting)
+        longest = max((r[0] + r[2] - 1 for r in decoding), default=0)
+        return Load(self.cost.costs(), OPTIONS, len(decoding), longest, waiting, runs=1 if decoding else 0)
 
 
 def test_a_starved_flood_that_never_backs_off_leaves_an_idle_server_that_admits_at_once(serve, new_agent) -> None:

@@ -100,7 +100,7 @@ def kv_empty(handler: LlamaHandler) -> bool:
 
 
 def test_the_step_cost_model_is_measured_by_this_machines_warm_up_steps(caplog: pytest.LogCaptureFixture) -> None:
-    """Not the start constants of another machine: the four costs fitted to the warm-up's steps, as logged, and
+    """Not the start constants of another machine: the five costs fitted to the warm-up's steps, as logged, and
     what the agents read is what the handler plans with."""
     with caplog.at_level(logging.INFO, logger="edgepath.model.llama"):
         h = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, dict(OPTIONS)))
@@ -108,7 +108,7 @@ def test_the_step_cost_model_is_measured_by_this_machines_warm_up_steps(caplog: 
         line = next(r.getMessage() for r in caplog.records if "step cost model from" in r.getMessage())
         logged = [float(v) for v in re.findall(r"([\d.]+) ms per", line)]
         base = h.cost.base
-        costs = (base.overhead_ms, base.prompt_ms, base.decode_ms, base.context_ms)
+        costs = base.values()
         assert logged == [pytest.approx(v, abs=6e-3) for v in costs]  # logged rounded
         assert base.prompt_ms > 0 and base.decode_ms > 0 and h.cost.factor == 1.0
         assert base != LlamaHandler.__init__.__globals__["_START_COSTS_ONE_THREAD"]  # measured, not the start
@@ -128,7 +128,7 @@ def test_every_step_is_the_one_the_published_load_plans(handler: LlamaHandler, t
     steps = 0
     while handler.wake_in(0.0) is not None and steps < 200:
         load = handler.load()
-        takes = StepPolicy(load.options).plan(load.costs, load.decoding, load.context, list(load.waiting))
+        takes = StepPolicy(load.options).plan(load.costs, load.decoding, load.longest, list(load.waiting), load.runs)
         before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
         handler.step(0.0)
         steps += 1
@@ -495,11 +495,12 @@ def test_the_load_it_reports_follows_its_prompts_and_streams(handler: LlamaHandl
     prompt = chat(tok, "Name a colour.")
     handler.add(pool.request(0, prompt, 8), 0.0)
     waiting = handler.load()
-    assert (waiting.waiting, waiting.decoding, waiting.context) == ((Prompt(0, len(prompt)),), 0, 0)
+    assert (waiting.waiting, waiting.decoding, waiting.longest) == ((Prompt(0, len(prompt)),), 0, 0)
     handler.step(0.0)  # the whole prompt in one step: nothing else runs
     decoding = handler.load()
-    assert (decoding.waiting, decoding.decoding, decoding.context) == ((), 1, len(prompt))  # the first token sampled
+    assert (decoding.waiting, decoding.decoding, decoding.longest) == ((), 1, len(prompt))  # the first token sampled
+    assert decoding.runs == 1  # one stream decoding: one micro-batch
     handler.step(0.0)
-    assert handler.load().context == len(prompt) + 1
+    assert handler.load().longest == len(prompt) + 1
     drive(handler)
     assert handler.load().idle

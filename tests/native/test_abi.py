@@ -82,7 +82,7 @@ def test_magic_spells_edgepool() -> None:
 def test_token_fields_are_typed_as_the_header_declares() -> None:
     assert abi.REQUEST_HEADER.fields["token_count"][0] == np.dtype(np.uint32)
     assert abi.RESULT_HEADER.fields["status"][0] == np.dtype(np.int32)
-    assert LOAD.fields["begin"][0] == LOAD.fields["end"][0] == LOAD.fields["context"][0] == np.dtype(np.uint64)
+    assert LOAD.fields["begin"][0] == LOAD.fields["end"][0] == LOAD.fields["longest"][0] == np.dtype(np.uint64)
     assert LOAD.fields["prompt_ms"][0] == np.dtype(np.float32)
     assert LOAD.fields["prompts"][0] == np.dtype((np.uint32, 2 * abi.lib.EP_LOAD_PROMPTS))
     assert abi.POOL_HEADER.fields["prefix_entries"][0] == np.dtype(np.uint64)
