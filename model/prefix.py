@@ -177,6 +177,37 @@ class PrefixBook:
             self.stats.misses += 1
         return self._run(placement, salt)
 
+    def compaction(self, decoding: Iterable[int], movable: Mapping[int, int]) -> tuple[int, int] | None:
+        """A move that leaves the decoding streams in fewer runs of consecutive ids (fewer micro-batches a step):
+        ``(source, destination)`` -- one of ``movable`` (running stream -> positions its KV holds) into a free
+        stream -- or None when no move helps.  The fewest runs first, then the shortest KV to copy, then the
+        destination :meth:`_spare` would overwrite first."""
+        decoding = set(decoding)
+        now = runs(decoding)
+        free = [i for i, s in enumerate(self._streams) if not s.running]
+        best: tuple[tuple[int, int, bool, int, int], int, int] | None = None
+        for source, held in movable.items():
+            rest = decoding - {source}
+            for dest in free:
+                after = runs(rest | {dest})
+                if after >= now:
+                    continue
+                stream = self._streams[dest]
+                key = (after, held, stream.tokens is not None, stream.used, dest)
+                if best is None or key < best[0]:
+                    best = (key, source, dest)
+        return None if best is None else (best[1], best[2])
+
+    def move(self, source: int, dest: int) -> None:
+        """Running stream ``source``'s request now runs on free stream ``dest`` (its KV copied there); ``source`` is
+        free and empty."""
+        src, dst = self._streams[source], self._streams[dest]
+        if not src.running or dst.running:
+            raise ValueError(f"prefix book: cannot move running stream {source} onto stream {dest}")
+        dst.running, dst.salt, dst.used, dst.tokens = True, src.salt, src.used, None
+        src.running, src.tokens = False, None
+        self.version += 1
+
     def finished(self, stream: int, tokens: np.ndarray | None) -> None:
         """``stream`` is free again; its KV holds ``tokens`` (positions 0..n-1), or nothing (None)."""
         s = self._streams[stream]

@@ -25,6 +25,7 @@ from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
+from edgepath.model.prefix import runs
 from edgepath.native.abi import Status, ffi, lib
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -504,3 +505,52 @@ def test_the_load_it_reports_follows_its_prompts_and_streams(handler: LlamaHandl
     assert handler.load().longest == len(prompt) + 1
     drive(handler)
     assert handler.load().idle
+
+
+def test_a_sequence_copied_to_another_decodes_the_same_logits_bit_for_bit(handler: LlamaHandler) -> None:
+    """What closing a gap between runs does to a sequence (``_copy_sequence``): its next token's logits on the new
+    sequence are the ones it would have had on the old."""
+    ids = (np.arange(64, dtype=np.int32) * 7919 + 11) % handler.n_vocab
+    lib = handler._lib
+    lib.llama_memory_clear(handler._mem, True)
+    try:
+        handler._timed_step([(0, 0, 30, False)], ids)
+        assert handler._copy_sequence(0, 3) and handler.kv_positions(3) == handler.kv_positions(0) == 30
+
+        def next_logits(seq: int) -> np.ndarray:
+            handler._timed_step([(seq, 30, 1, True)], ids)
+            return np.ctypeslib.as_array(lib.llama_get_logits_ith(handler._ctx, 0), shape=(handler.n_vocab,)).copy()
+
+        assert np.array_equal(next_logits(0), next_logits(3))
+    finally:
+        lib.llama_memory_clear(handler._mem, True)
+
+
+def test_a_gap_between_decoding_streams_is_closed_by_moving_one_sequence(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    """Three requests decode on three consecutive sequences; the middle one is cancelled: the other two would cost
+    llama.cpp two micro-batches a step, so after the next step one of them moves next to the other -- its KV
+    copied whole, the old sequence emptied, the published load one run -- and both requests finish."""
+    pool = Pool()
+    moved_before = handler.stats.compactions
+    for slot in range(3):
+        handler.add(pool.request(slot, chat(tok, "Count to twenty."), max_new=40), 0.0)
+    for _ in range(20):  # until all three decode
+        handler.step(0.0)
+        if all(seq.count > 0 for seq in handler._running.values()):
+            break
+    streams = {slot: seq.stream for slot, seq in handler._running.items()}
+    assert len(streams) == 3 and runs(streams.values()) == 1 and handler.stats.compactions == moved_before
+    middle = sorted(streams, key=streams.__getitem__)[1]
+    handler.cancel(middle)
+    assert handler.load().runs == 2
+    handler.step(0.0)
+    assert handler.stats.compactions == moved_before + 1
+    moved = next(slot for slot, seq in handler._running.items() if seq.stream != streams[slot])
+    seq = handler._running[moved]
+    assert handler.kv_positions(seq.stream) == seq.prompt_len + seq.count - 1  # all it held, on its new sequence
+    assert handler.kv_positions(streams[moved]) <= 0  # the old one is empty
+    assert runs(s.stream for s in handler._running.values()) == 1 and handler.load().runs == 1
+    finals = drive(handler)
+    assert {finals[slot].status for slot in streams if slot != middle} <= {Status.STOP, Status.LENGTH}

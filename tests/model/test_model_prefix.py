@@ -291,3 +291,19 @@ def test_what_is_held_is_published_with_its_salt() -> None:
     book.finished(a.stream, chat(1))
     book.finished(b.stream, None)
     assert [(salt, t.tolist()) for salt, t in book.held()] == [(A, chat(1).tolist()), (B, chat(2).tolist())]
+
+
+def test_a_gap_between_runs_is_closed_by_moving_the_shortest_sequence_that_closes_it() -> None:
+    book = PrefixBook(4, 0)
+    for _ in range(4):
+        book.place(np.arange(10, dtype=np.int32), reuse=False)
+    book.finished(1, None)  # streams 0, 2, 3 decode: two runs
+    # 0 -> 1 closes it (100 positions to copy), 3 -> 1 too (60), 2 -> 1 does not: the shortest that does
+    assert book.compaction({0, 2, 3}, {0: 100, 2: 50, 3: 60}) == (3, 1)
+    version = book.version
+    book.move(3, 1)
+    assert book.version > version
+    assert book.compaction({0, 1, 2}, {0: 100, 1: 60, 2: 50}) is None  # one run: nothing to gain
+    assert book.compaction({0, 2}, {2: 50}) is None  # 2 -> 3, the only free stream, closes nothing
+    with pytest.raises(ValueError, match="cannot move"):
+        book.move(3, 0)  # 3 is free now, 0 running
