@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.openai_mock import client_answering
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -615,24 +616,8 @@ def test_streamed_content_concatenates_to_the_text(deltas: list[str]) -> None:
 
 @pytest.fixture
 def client_for() -> Any:
-    openai = pytest.importorskip("openai")
-    # The HTTP library the installed openai is built on (httpx, or httpx2 in recent releases).
-    base = pytest.importorskip("openai._base_client")
-    httpx = getattr(base, "httpx2", None) or base.httpx
-
-    def make(status: int, body: bytes, content_type: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> Any:
-        def handler(request: Any) -> Any:
-            hdrs = [(b"content-type", content_type), *(headers or [])]
-            return httpx.Response(status, headers=hdrs, content=body)
-
-        return openai.OpenAI(
-            api_key="k",
-            base_url="http://edgepath.test/v1",
-            max_retries=0,
-            http_client=httpx.Client(transport=httpx.MockTransport(handler)),
-        )
-
-    return make
+    pytest.importorskip("openai")
+    return client_answering
 
 
 def test_openai_client_reads_non_streamed_answers(client_for: Any) -> None:
