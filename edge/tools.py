@@ -214,7 +214,7 @@ def _relocated(schema: Any, base: str) -> Any:
         return [_relocated(s, base) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = base + value[1:]
