@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 from helpers.openai_mock import client_answering
 
+from edgepath.contract import wire
 from edgepath.edge.chat import ChatMessage
-from edgepath.edge.openai import Answer, OpenAIError, OpenAILimits, parse_chat_request
+from edgepath.edge.http import CHAT, Work
+from edgepath.edge.openai import Answer, OpenAIError, OpenAILimits, TokenLogprob, parse_chat_request
+from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.tools import ToolOutput, ToolSpec, calls_text, fallback_prompt, parse_tools, read_calls
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
@@ -297,3 +300,30 @@ def sse(raw: bytes) -> list[Any]:
 def client_for() -> Any:
     pytest.importorskip("openai")
     return client_answering
+
+
+def test_held_tokens_keep_their_log_probabilities() -> None:
+    """Entries of tokens held while they may be calls are sent just before the calls, one per token."""
+    limits = OpenAILimits(max_tokens=64, vocab_size=100, models=(MODEL,), logprobs=True, grammars=True)
+    req = parse_chat_request({"model": MODEL, "messages": HI, "tools": TOOLS, "stream": True, "logprobs": True}, limits)
+    answer = Answer(req, Chars(), "ep8", 1700000000, prompt_tokens=5)
+    out = answer.start()
+    text = '[{"name": "now", "arguments": {}}]'
+    for ch in text:
+        out += answer.feed([ord(ch)], [TokenLogprob(ch, -0.5)]).data
+    evs = sse(out + answer.finish("stop"))
+    entries = [e for ev in evs[1:-1] if ev["choices"][0]["logprobs"] for e in ev["choices"][0]["logprobs"]["content"]]
+    assert "".join(e["token"] for e in entries) == text and {e["logprob"] for e in entries} == {-0.5}
+    calls = [p for ev in evs[1:-1] for p in ev["choices"][0]["delta"].get("tool_calls") or ()]
+    assert [p.get("id") for p in calls] == ["call_ep8_0", None]
+
+
+def test_the_route_sends_the_calls_grammar_after_the_prompt() -> None:
+    routes = OpenAIRoutes(MODEL, 256, 1000, ChatSupport(True), 0, grammars=True)
+    body = {"model": MODEL, "messages": HI, "tools": TOOLS, "tool_choice": "required"}
+    work = routes.parse(CHAT, json.dumps(body).encode())
+    assert isinstance(work, Work) and work.constraint is not None
+    assert wire.read_constraint(work.constraint) == work.options["openai"].constraint
+    assert work.options["messages"][0]["role"] == "system" and "get_weather" in work.options["messages"][0]["content"]
+    auto = routes.parse(CHAT, json.dumps({**body, "tool_choice": "auto"}).encode())
+    assert isinstance(auto, Work) and auto.constraint is None
