@@ -643,16 +643,10 @@ def text_completion(
 
 
 def chat_completion(
-    request_id: int | str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: FinishReason,
-    usage: Usage,
-    tool_calls: Sequence[ToolCall] = (),
+    request_id: int | str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
 ) -> dict[str, Any]:
     """A non-streamed ``chat.completion`` object."""
-    return _whole("chat", request_id, created, model, text, finish_reason, usage, tool_calls=tool_calls)
+    return _whole("chat", request_id, created, model, text, finish_reason, usage)
 
 
 def _whole(
