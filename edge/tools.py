@@ -1,11 +1,12 @@
 """Tool calling, sans I/O: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` checked, the tools shown
 to the model, its answer read back as tool calls.
 
-A chat template that knows no tools (SmolLM2's has none) gets them by a fallback: a system message that lists each
-tool (its name, description and JSON schema of arguments) and asks for one answer format, a JSON list of calls
-``[{"name": ..., "arguments": {...}}]`` (:func:`fallback_prompt`).  Earlier turns of the conversation are written
-in that same format: an assistant turn's ``tool_calls`` as that list, a ``tool`` turn's result as a user turn that
-names the call it answers (:func:`flatten`).
+The tools reach the model by a fallback that works with any chat template (SmolLM2's, the default, has no place
+for tools; rendering them with a template that has one, and reading that template's own call format back, is not
+built): a system message that lists each tool (its name, description and JSON schema of arguments) and asks for one
+answer format, a JSON list of calls ``[{"name": ..., "arguments": {...}}]`` (:func:`fallback_prompt`).  Earlier
+turns of the conversation are written in that same format: an assistant turn's ``tool_calls`` as that list, a
+``tool`` turn's result as a user turn that names the call it answers (:func:`flatten`).
 
 ``tool_choice`` ``required`` and a named function are **enforced**: the list's grammar -- each call's ``name`` one
 of the tools offered (or the one named) and its ``arguments`` valid against that tool's ``parameters`` -- travels to
@@ -291,9 +292,9 @@ def turn(role: str, content: str | None, message: Mapping[str, Any], where: str)
 
 
 def flatten(turns: Sequence[ChatMessage | ToolTurn]) -> tuple[ChatMessage, ...]:
-    """The conversation as plain turns for a template that knows no tools: an assistant's calls written as the
-    answer format asks (:func:`calls_text`), a tool's result as a user turn naming its call.  A result must
-    answer a call made earlier in the conversation (ToolsRefused names the message)."""
+    """The conversation as plain turns (system, user, assistant) that any template renders: an assistant's calls
+    written as the answer format asks (:func:`calls_text`), a tool's result as a user turn naming its call.  A
+    result must answer a call made earlier in the conversation (ToolsRefused names the message)."""
     names: dict[str, str] = {}
     out = []
     for i, t in enumerate(turns):
