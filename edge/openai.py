@@ -6,7 +6,7 @@ endpoint, so the shapes here follow the ``openai`` package's own types (``types/
 
 Nothing here touches a socket, a clock or a random source: the service passes the request id, the
 ``created`` time and the token counts in, and sends the bytes that come back.  Options that would
-change the answer and that edgepath cannot honour (``n > 1``, tools, …) are refused
+change the answer and that edgepath cannot honour (``n > 1``, ``logit_bias``, …) are refused
 with a 400 naming the option: a client must never get a silently different answer.  Unknown keys are
 ignored, as OpenAI-compatible servers commonly do.  The sampling fields (``temperature``, ``top_p``, ``seed``,
 and ``top_k`` as vLLM's and llama.cpp's servers take it) are parsed by :mod:`edgepath.edge.sampling`, the
@@ -22,6 +22,7 @@ from typing import Any, Literal
 import orjson
 
 from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
+from edgepath.edge import tools as tool_calling
 from edgepath.edge.chat import ChatMessage
 from edgepath.edge.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
@@ -29,11 +30,12 @@ from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, p
 from edgepath.edge.stop import StopMatcher
 from edgepath.edge.structured import FormatRefused, grammar_for
 from edgepath.edge.tenants import parse_cache_salt
+from edgepath.edge.tools import ToolCall, ToolOutput, ToolSpec, ToolsRefused, ToolTurn
 
 Kind = Literal["completion", "chat"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_STOPS = 4
 #: most alternatives per token of the completions route's ``logprobs`` (OpenAI's limit there)
 COMPLETION_LOGPROBS_MAX = 5
@@ -160,7 +162,9 @@ class OpenAIRequest:
     logprobs: int | None = None
     """None: no log probabilities; else how many likeliest alternatives each token's entry lists."""
     constraint: str | None = None
-    """A GBNF grammar the answer must match (``response_format``), or None."""
+    """A GBNF grammar the answer must match (``response_format``, or the calls of ``tool_choice`` required), or None."""
+    tools: ToolSpec | None = None
+    """The tools offered to the model (chat's ``tools``, not ``tool_choice`` ``none``): its answer is read as calls."""
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -184,7 +188,7 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
     """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
     doc = _document(body)
     _refuse_unsupported(doc, "chat")
-    messages = _messages(doc)
+    messages, tools, tools_grammar = _tool_calling(doc, _messages(doc), limits)
     top = _chat_logprobs(doc)
     legacy = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_tokens")
     current = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_completion_tokens")
@@ -196,7 +200,42 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
         )
     max_tokens = current if _given(doc, "max_completion_tokens") else legacy
     constraint = _constraint(doc, limits)
-    return _common(doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint)
+    if tools is not None and constraint is not None:
+        raise invalid_request(
+            "'response_format' other than text cannot be combined with 'tools' (the answer may be tool calls); "
+            "give 'tool_choice': 'none' or drop one of them",
+            param="response_format",
+            code="invalid_value",
+        )
+    return _common(
+        doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint or tools_grammar,
+        tools=tools,
+    )  # fmt: skip
+
+
+def _tool_calling(
+    doc: Mapping[str, Any], turns: Sequence[ChatMessage | ToolTurn], limits: OpenAILimits
+) -> tuple[tuple[ChatMessage, ...], ToolSpec | None, str | None]:
+    """The conversation as the model sees it (the tools offered by the fallback prompt, earlier calls and
+    results as text: :mod:`edgepath.edge.tools`), the tools, and the calls' grammar when they are enforced."""
+    try:
+        spec = tool_calling.parse_tools(doc)
+        messages = tool_calling.flatten(turns)
+    except ToolsRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+    if spec is None:
+        return messages, None, None
+    constraint = None
+    if spec.constrained:
+        if not limits.grammars:
+            raise unsupported(
+                "tool_choice", doc.get("tool_choice"), "'none' or 'auto' (this model side enforces no grammar)"
+            )
+        try:
+            constraint = tool_calling.grammar(spec)
+        except FormatRefused as exc:
+            raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+    return tool_calling.offer(messages, spec), spec, constraint
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -258,12 +297,10 @@ def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
         if doc.get("suffix") not in (None, ""):
             raise unsupported("suffix", doc["suffix"], "null (no insertion mode)")
     else:
-        for name in ("tools", "functions"):
-            if doc.get(name) not in (None, []):
-                raise unsupported(name, doc[name], "none (no tool or function calling)")
-        for name in ("tool_choice", "function_call"):
-            if doc.get(name) not in (None, "none"):
-                raise unsupported(name, doc[name], "'none' (no tool or function calling)")
+        if doc.get("functions") not in (None, []):
+            raise unsupported("functions", doc["functions"], "none (the deprecated form of 'tools': give 'tools')")
+        if doc.get("function_call") not in (None, "none"):
+            raise unsupported("function_call", doc["function_call"], "'none' (deprecated: give 'tool_choice')")
         if doc.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", doc["modalities"], '["text"]')
         if doc.get("audio") is not None:
@@ -306,7 +343,7 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
     raise invalid_request(f"'prompt' must be {shape}, got {show(prompt)}", param="prompt", code="invalid_type")
 
 
-def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage | ToolTurn, ...]:
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid_request(
@@ -317,7 +354,7 @@ def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
 
 
-def _message(m: Any, where: str) -> ChatMessage:
+def _message(m: Any, where: str) -> ChatMessage | ToolTurn:
     if not isinstance(m, dict):
         raise invalid_request(f"'{where}' must be an object with 'role' and 'content', got {json_type(m)}", param=where)
     role = m.get("role")
@@ -327,8 +364,19 @@ def _message(m: Any, where: str) -> ChatMessage:
             param=f"{where}.role",
             code="invalid_value",
         )
-    if m.get("tool_calls") not in (None, []) or m.get("function_call") is not None:
-        raise unsupported(f"{where}.tool_calls", m.get("tool_calls") or m.get("function_call"), "none")
+    if m.get("function_call") is not None:
+        raise unsupported(f"{where}.function_call", m["function_call"], "none (deprecated: give 'tool_calls')")
+    calls = m.get("tool_calls") not in (None, [])
+    if role == "tool" or calls:
+        content = None if m.get("content") is None and role == "assistant" else _content(m, role, where).content
+        try:
+            return tool_calling.turn(role, content, m, where)
+        except ToolsRefused as exc:
+            raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+    return _content(m, role, where)
+
+
+def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
     content = m.get("content")
     if isinstance(content, str):
         _check_utf8(content, f"{where}.content")
@@ -610,13 +658,16 @@ def _whole(
     finish_reason: FinishReason,
     usage: Usage,
     logprobs: Sequence[TokenLogprob] | None = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
     if kind == "completion":
         choice = {"text": text, "index": 0, "logprobs": shaped, "finish_reason": reason}
     else:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:  # OpenAI's shape: no content, the calls
+            message.update(content=None, tool_calls=[c.payload() for c in tool_calls])
         choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
     return {
         "id": response_id(kind, request_id),
@@ -637,10 +688,13 @@ def completion_body(
     finish_reason: FinishReason,
     usage: Usage,
     logprobs: Sequence[TokenLogprob] | None = None,
+    tool_calls: Sequence[ToolCall] = (),
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
-    tokens' entries when the request asked for them)."""
-    return _dumps(_whole(request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs))
+    tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made)."""
+    return _dumps(
+        _whole(request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs, tool_calls)
+    )
 
 
 def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:
@@ -697,6 +751,19 @@ class StreamEncoder:
         if self.kind == "completion":
             return sse_event(self._chunk(delta, None, shaped))
         return sse_event(self._chunk({"content": delta}, None, shaped))
+
+    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
+        """The answer's calls as OpenAI streams them: per call, a chunk with its index, id, type and name (and
+        empty arguments), then one with its arguments."""
+        self._expect("open")
+        out = b""
+        for index, call in enumerate(calls):
+            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            out += sse_event(self._chunk({"tool_calls": [head]}, None))
+            out += sse_event(
+                self._chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}, None)
+            )
+        return out
 
     def finish(self, finish_reason: FinishReason) -> bytes:
         self._advance("open", "finished")
@@ -777,6 +844,9 @@ class Answer:
         self._logprobs: list[TokenLogprob] = []
         self._stopped = False
         self._state = "new"
+        self._tools = ToolOutput(request.tools, f"call_{request_id}") if request.tools is not None else None
+        self._held: list[TokenLogprob] = []  # entries of the text held while it may be tool calls
+        self._calls: tuple[ToolCall, ...] = ()
 
     @property
     def text(self) -> str:
@@ -823,11 +893,30 @@ class Answer:
                 reason = "stop"
             else:
                 out += self._text(self._stop.flush())
+        if self._tools is not None:
+            out += self._read_calls()
+            reason = "tool_calls" if self._calls else reason
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         if self._stream is None:
             logprobs = self._logprobs if self.request.logprobs is not None else None
-            return completion_body(self.request, self.request_id, self.created, self.text, reason, usage, logprobs)
+            return completion_body(
+                self.request, self.request_id, self.created, self.text, reason, usage, logprobs, self._calls
+            )
         return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
+
+    def _read_calls(self) -> bytes:
+        """The held text read as tool calls (:class:`~edgepath.edge.tools.ToolOutput`): the calls' chunks, or the
+        text released when it is not calls."""
+        assert self._tools is not None
+        text, self._calls = self._tools.finish()
+        held, self._held = self._held, []
+        if self._stream is None:
+            self._parts.append(text)
+            return b""
+        if self._calls:
+            return (self._stream.text("", held) if held else b"") + self._stream.tool_calls(self._calls)
+        self._parts.append(text)
+        return self._stream.text(text, held)
 
     def _release(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> AnswerStep:
         result = self._stop.feed(delta)
@@ -835,6 +924,12 @@ class Answer:
         return AnswerStep(self._text(result.text, logprobs), result.stopped)
 
     def _text(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        if self._tools is not None and self._tools.holding:
+            text = self._tools.feed(text)
+            if self._tools.holding:  # maybe tool calls: held, with the entries of its tokens
+                self._held.extend(logprobs or ())
+                return b""
+            logprobs, self._held = [*self._held, *(logprobs or ())], []
         if text:
             self._parts.append(text)
         return self._stream.text(text, logprobs) if self._stream is not None else b""
@@ -845,8 +940,8 @@ class Answer:
 
 
 def _finish(reason: str) -> str:
-    if reason not in ("stop", "length"):
-        raise ValueError(f"finish_reason must be 'stop' or 'length', got {reason!r}")
+    if reason not in ("stop", "length", "tool_calls"):
+        raise ValueError(f"finish_reason must be 'stop', 'length' or 'tool_calls', got {reason!r}")
     return reason
 
 

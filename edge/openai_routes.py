@@ -104,7 +104,8 @@ class OpenAIRoutes:
             try:
                 constraint = wire.constraint_encoding(req.constraint)
             except wire.RequestInvalid as exc:
-                return _error_response(oa.invalid_request(f"'response_format': {exc}", param="response_format"))
+                param = "tools" if req.tools is not None else "response_format"
+                return _error_response(oa.invalid_request(f"'{param}': {exc}", param=param))
         work = Work(
             "generate", req.prompt, tokens, words, req.stream, req.sampling, path, options, flags=flags,
             constraint=constraint,

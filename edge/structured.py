@@ -71,16 +71,21 @@ def grammar_for(response_format: Any) -> str | None:
             "response_format.json_schema",
             f"'response_format.json_schema' must be an object with 'name' and 'schema' (an object), got {_show(spec)}",
         )
-    schema = spec["schema"]
-    check_schema(schema, "response_format.json_schema.schema", schema)
+    return schema_grammar(spec["schema"], "response_format.json_schema.schema")
+
+
+def schema_grammar(schema: Mapping[str, Any], where: str) -> str:
+    """The GBNF grammar of JSON valid against ``schema`` (checked first: FormatRefused names what cannot be
+    enforced, ``where`` being the schema's place in the request); tool calls' grammars are made here too."""
     import json
 
+    from llama_cpp import llama_grammar
+
+    check_schema(schema, where, schema)
     try:
         return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema))).replace(_LOOSE_CHAR, _JSON_CHAR)
     except Exception as exc:  # the converter's own refusals (a pattern it cannot read, a bad reference)
-        raise FormatRefused(
-            "response_format.json_schema.schema", f"the schema cannot be made a grammar: {exc or type(exc).__name__}"
-        ) from None
+        raise FormatRefused(where, f"the schema cannot be made a grammar: {exc or type(exc).__name__}") from None
 
 
 def check_schema(schema: Any, where: str, root: Mapping[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.openai_mock import client_answering
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,8 +172,8 @@ def test_chat_messages_string_and_text_parts() -> None:
         ([], "messages", "non-empty list"),
         ("hi", "messages", "non-empty list"),
         (["hi"], "messages[0]", "must be an object"),
-        ([{"role": "tool", "content": "x"}], "messages[0].role", "allowed: system, user, assistant"),
-        ([{"role": "developer", "content": "x"}], "messages[0].role", "allowed: system, user, assistant"),
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id", "must name the call this result answers"),
+        ([{"role": "developer", "content": "x"}], "messages[0].role", "allowed: system, user, assistant, tool"),
         ([{"content": "x"}], "messages[0].role", "null is not supported"),
         ([{"role": "user"}], "messages[0].content", "string or a list of text parts"),
         ([{"role": "user", "content": 3}], "messages[0].content", "string or a list of text parts"),
@@ -184,8 +185,8 @@ def test_chat_messages_string_and_text_parts() -> None:
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "only text parts"),
         (
             [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
-            "messages[1].tool_calls",
-            "not supported",
+            "messages[1].tool_calls[0]",
+            '"function": {"name": str, "arguments": str (JSON)}',
         ),
     ],
 )
@@ -264,9 +265,7 @@ def test_stream_and_stream_options() -> None:
         ("completion", "best_of", 2),
         ("completion", "echo", True),
         ("completion", "suffix", "tail"),
-        ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "functions", [{"name": "f"}]),
-        ("chat", "tool_choice", "auto"),
         ("chat", "function_call", "auto"),
         ("chat", "response_format", {"type": "json_object"}),
         ("chat", "modalities", ["text", "audio"]),
@@ -617,24 +616,8 @@ def test_streamed_content_concatenates_to_the_text(deltas: list[str]) -> None:
 
 @pytest.fixture
 def client_for() -> Any:
-    openai = pytest.importorskip("openai")
-    # The HTTP library the installed openai is built on (httpx, or httpx2 in recent releases).
-    base = pytest.importorskip("openai._base_client")
-    httpx = getattr(base, "httpx2", None) or base.httpx
-
-    def make(status: int, body: bytes, content_type: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> Any:
-        def handler(request: Any) -> Any:
-            hdrs = [(b"content-type", content_type), *(headers or [])]
-            return httpx.Response(status, headers=hdrs, content=body)
-
-        return openai.OpenAI(
-            api_key="k",
-            base_url="http://edgepath.test/v1",
-            max_retries=0,
-            http_client=httpx.Client(transport=httpx.MockTransport(handler)),
-        )
-
-    return make
+    pytest.importorskip("openai")
+    return client_answering
 
 
 def test_openai_client_reads_non_streamed_answers(client_for: Any) -> None:
