@@ -647,6 +647,7 @@ def build_edge(
         int(time.time()),
         logprobs=model_side,
         grammars=model_side,
+        choices=most_choices(agent),
     )
     openai_format = formatter_factory(time.time)
     return EdgeService(
@@ -661,6 +662,16 @@ def build_edge(
         formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
         supervision=supervision,
     )
+
+
+def most_choices(agent: AgentPort) -> int:
+    """The most choices (OpenAI's ``n``) one request may ask for: its n slots are claimed together on one slot
+    server, so no more than the largest has (and frames to hold them); 1 behind an agent process, which claims
+    no group (``submit_group`` is the in-process agent's)."""
+    if getattr(agent, "submit_group", None) is None:
+        return 1
+    slots = [server.total_slots or 0 for server in agent.servers()]
+    return max(1, min(max(slots, default=1), agent.frames.count))
 
 
 def served_model_name(edge: EdgeSettings, tokenizer: Tokenizer) -> str:
