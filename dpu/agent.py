@@ -339,7 +339,7 @@ class Agent:
             if len(got) < n:  # short, or the transport failed: give back what was taken
                 for slot, gen in got:
                     self._unclaim(link, slot, gen)
-        return got
+        return got if len(got) == n else None
 
     def _unclaim(self, link: ServerLink, slot: int, gen: int) -> None:
         """Give back a claim never rung: one remote CAS CLAIMED -> FREE in its generation (the EXPIRE step the slot
