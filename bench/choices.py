@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-#: ~500 tokens of SmolLM2's vocabulary (the words repeat: the tokenizer makes ~1 token of each)
-PROMPT = " ".join(f"item {i} is a {('red', 'green', 'blue', 'small')[i % 4]} box" for i in range(100))
+#: 500 tokens with SmolLM2's tokenizer
+PROMPT = " ".join(f"item {i} is a {('red', 'green', 'blue', 'small')[i % 4]} box" for i in range(63))
 
 
 def first_tokens_s(port: int, model: str, n: int, salt: str) -> tuple[float, int]:

@@ -645,7 +645,8 @@ class EdgeLifecycle:
         counts as ``new`` tokens spaced evenly over it)."""
         if t.t_first_ns == 0:
             t.t_first_ns = now
-            self.metrics.first_token(now - t.request.t_receive_ns, now)
+            if t.choice == 0:  # a request's time to first token, once for its n choices
+                self.metrics.first_token(now - t.request.t_receive_ns, now)
         else:
             self.metrics.inter_token((now - t.t_last_ns) / new, new)
         t.t_last_ns = now
@@ -660,7 +661,8 @@ class EdgeLifecycle:
         own = self.port.frames.result_headers[t.frame].prefill_us * 1000
         wait = max(0, first_ns - own)
         t.timings["wait"] = wait
-        self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, now)
+        if t.choice == 0:
+            self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, now)
 
     def _return_path(self, t: Tracked, frame: int, now: int) -> None:
         """The return path's cost for a stream's first token: the model side stamped when it produced it

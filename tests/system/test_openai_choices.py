@@ -132,12 +132,23 @@ def test_n_slots_or_none_a_429_at_once_and_nothing_left_claimed(
     assert _all_free(edge)
 
 
+def _counter(edge: RunningEdge, series: str) -> float:
+    """A counter of ``/metrics`` (0 while it has no sample)."""
+    lines = [line for line in _get(edge, "/metrics").decode().splitlines() if line.startswith(series + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+GONE = 'edgepath_requests_total{route="/v1/completions",status="499"}'  # the client went away
+ABANDONED = "edgepath_port_abandoned_total"  # frames given up: their slots cancelled
+
+
 def test_a_client_that_goes_away_cancels_every_choice(client: openai.OpenAI, model: str, edge: RunningEdge) -> None:
     assert _all_free(edge)
+    gone, abandoned = _counter(edge, GONE), _counter(edge, ABANDONED)
     stream = client.completions.create(model=model, prompt=COUNTING, max_tokens=400, n=3, temperature=0, stream=True)
     next(iter(stream))
     assert _free(edge) == SLOTS - 3  # the three choices hold their slots (claimed together, before any token)
     stream.close()
     assert _all_free(edge)  # every choice was cancelled and its slot freed
-    metrics = _get(edge, "/metrics").decode()
-    assert 'edgepath_requests_total{route="/v1/completions",status="499"} 1' in metrics
+    assert _counter(edge, GONE) == gone + 1  # one request, counted once
+    assert _counter(edge, ABANDONED) == abandoned + 3  # its three choices, each cancelled on its slot
