@@ -516,7 +516,7 @@ class EdgeLifecycle:
             for member in members:
                 self._write(member)
             t1 = self.clock()
-            status = port.submit_group([m.frame for m in members])  # type: ignore[attr-defined]
+            status = port.submit_group([m.frame for m in members if m.frame is not None])
             t2 = self.clock()
             t.timings["write"] = t1 - t0
             if status is None:
@@ -687,6 +687,8 @@ class EdgeLifecycle:
             self._forget(t, NOTHING_RAN)
             refusal = self._refusal(Status(status), frame)
             port.release(frame)
+            if t.rid < 0:  # a choice's: its request's answer, the other choices abandoned
+                return self._fail(t, refusal)
             return [self._answer(t, self._failure(t, refusal))]
         edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns

@@ -134,8 +134,7 @@ class OpenAILimits:
     grammars: bool = False
     """Whether the model side enforces a grammar (``response_format`` json_object / json_schema: the llama handler)."""
     choices: int = 1
-    """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together
-    (1: the port behind the edge cannot claim a group -- an agent process, ``serve --agent``)."""
+    """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -258,13 +257,9 @@ def _choices(doc: Mapping[str, Any], limits: OpenAILimits) -> int:
     if value is None:
         return 1
     if type(value) is not int or not 1 <= value <= limits.choices:
-        why = (
-            "choices per request: each takes a slot of one slot server, claimed together"
-            if limits.choices > 1
-            else "one choice per request: this edge's agent runs in another process, which claims no group of slots"
-        )
         raise invalid_request(
-            f"'n' must be an integer in 1..{limits.choices} ({why}), got {show(value)}",
+            f"'n' must be an integer in 1..{limits.choices} (choices per request: each takes a slot of one slot "
+            f"server, claimed together), got {show(value)}",
             param="n",
             code="invalid_value",
         )

@@ -666,12 +666,12 @@ def build_edge(
 
 def most_choices(agent: AgentPort) -> int:
     """The most choices (OpenAI's ``n``) one request may ask for: its n slots are claimed together on one slot
-    server, so no more than the largest has (and frames to hold them); 1 behind an agent process, which claims
-    no group (``submit_group`` is the in-process agent's)."""
-    if getattr(agent, "submit_group", None) is None:
-        return 1
-    slots = [server.total_slots or 0 for server in agent.servers()]
-    return max(1, min(max(slots, default=1), agent.frames.count))
+    server, so no more than the largest has (and frames to hold them).  Behind an agent process, which publishes
+    only the sum of its servers' slots, that sum: a group larger than each of them is refused by the agent."""
+    counts = [server.total_slots for server in agent.servers()]
+    known = [count for count in counts if count is not None]
+    slots = max(known) if known and len(known) == len(counts) else agent.free_slots()[1]
+    return max(1, min(slots, agent.frames.count))
 
 
 def served_model_name(edge: EdgeSettings, tokenizer: Tokenizer) -> str:

@@ -162,3 +162,14 @@ def test_n_frames_or_none_a_request_that_cannot_get_them_all_is_429_and_holds_no
     assert isinstance(action, Respond) and action.response.status == 429
     assert json.loads(action.response.body)["error"]["code"] == "no_slot"
     assert port.held == set() and sorted(port.free) == [0, 1, 2] and port.groups == []
+
+
+def test_an_agent_process_refusing_the_group_through_its_frames_is_one_429() -> None:
+    port, tokenizer = GroupPort(), CharTokenizer()
+    edge = lifecycle(port, tokenizer)
+    edge.receive(9, completion(3), now=0)
+    frames = port.groups[0]  # accepted for now: an agent process answers through the frames
+    (action,) = edge.deliveries([port.finish(frames[0], Status.NO_SLOT)], now=1)
+    assert isinstance(action, Respond) and action.rid == 9 and action.response.status == 429
+    assert sorted(port.abandoned) == sorted(frames[1:])  # the others' refusals come to abandoned frames
+    assert edge.tracked == {} and edge.groups == {} and port.held == set()
