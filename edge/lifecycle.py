@@ -570,8 +570,9 @@ class EdgeLifecycle:
                         out.append(EndStream(rid, data))
                     case Whole(response):
                         out.append(Respond(rid, response))
-            if combine.done:
-                self._drop_group(group, "")
+            if combine.done:  # every choice answered and forgotten: only the keys are left
+                for key in [combine.rid, *combine.members]:
+                    self.groups.pop(key, None)
                 self.metrics.answered(group.route, 200, now - group.request.t_receive_ns)
         return out
 
