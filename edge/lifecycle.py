@@ -215,7 +215,7 @@ class EdgeLifecycle:
         #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
         self.draining = False
         self.groups: dict[int, Choices] = {}  # requests of n choices, by the client's key and by each member's
-        self._member_keys = itertools.count(1)  # members of groups answer under -1, -2, ... (clients' keys are > 0)
+        self._member_keys = itertools.count(1)  # members of groups answer under -1, -2, ... (clients' keys are >= 0)
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -538,14 +538,14 @@ class EdgeLifecycle:
 
     def _grouped(self, actions: list[Action], now: int) -> list[Action]:
         """The actions of choices of several made the one answer to their request (:class:`ChoiceGroup`)."""
-        if not self.groups:
-            return actions
         out: list[Action] = []
         for action in actions:
-            group = self.groups.get(action.rid)
-            if group is None or action.rid > 0:
+            if action.rid >= 0:  # a client's own
                 out.append(action)
                 continue
+            group = self.groups.get(action.rid)
+            if group is None:
+                continue  # a choice of a request answered already (another choice failed in the same event)
             combine, member = group.combine, action.rid
             formatter: Any = next(m.formatter for m in group.members if m.rid == member)  # a choices.Choice
             match action:
@@ -885,7 +885,7 @@ class EdgeLifecycle:
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns
         t.timings["total"] = total
-        if t.rid > 0:  # a choice of several is counted with its request (_grouped)
+        if t.rid >= 0:  # a choice of several is counted with its request (_grouped)
             self.metrics.answered(t.route, status, total)
 
     def _answer(self, t: Tracked, response: Response) -> Respond:
@@ -896,7 +896,7 @@ class EdgeLifecycle:
     def _respond(self, rid: int, route: str, request: Request, timings: dict[str, int], response: Response) -> Respond:
         total = self.clock() - request.t_receive_ns
         timings["total"] = total
-        if rid > 0:  # a choice of several is counted with its request (_grouped)
+        if rid >= 0:  # a choice of several is counted with its request (_grouped)
             self.metrics.answered(route, response.status, total)
         response.headers += timing_headers(timings)
         return Respond(rid, response)

@@ -7,15 +7,27 @@ import json
 
 import pytest
 from helpers.tokenizers import CharTokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_edge_lifecycle import INPUT, OUTPUT, TIMEOUT, Clock, FakePort, sse
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.choices import choice_sampling, merged_usage
 from edgepath.edge.http import COMPLETIONS, HttpCore, Limits, Request
-from edgepath.edge.lifecycle import DEFAULT_FORMATTERS, EdgeLifecycle, EndStream, Respond, SendChunk, StartStream
+from edgepath.edge.lifecycle import (
+    DEFAULT_FORMATTERS,
+    Action,
+    EdgeLifecycle,
+    EndStream,
+    Respond,
+    SendChunk,
+    StartStream,
+    Tokenize,
+)
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.openai import Usage
 from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
+from edgepath.edge.tokenizer import INLINE_CHARS
 from edgepath.native.abi import Status
 
 MODEL = "m"
@@ -173,3 +185,96 @@ def test_an_agent_process_refusing_the_group_through_its_frames_is_one_429() -> 
     assert isinstance(action, Respond) and action.rid == 9 and action.response.status == 429
     assert sorted(port.abandoned) == sorted(frames[1:])  # the others' refusals come to abandoned frames
     assert edge.tracked == {} and edge.groups == {} and port.held == set()
+
+
+def test_a_choice_answered_in_the_event_another_fails_in_is_not_sent() -> None:
+    port, tokenizer = GroupPort(), CharTokenizer()
+    edge = lifecycle(port, tokenizer)
+    edge.receive(10, completion(2), now=0)
+    a, b = port.groups[0]
+    port.produce(a, [104])
+    actions = edge.deliveries([port.finish(a, Status.STOP), port.finish(b, Status.HANDLER_ERROR)], now=1)
+    assert [(x.rid, x.response.status) for x in actions if isinstance(x, Respond)] == [(10, 502)]
+    assert len(actions) == 1 and edge.tracked == {} and edge.groups == {} and port.held == set()
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("receive"), st.integers(1, 3), st.integers(0, 3)),  # n; bit 0 streamed, bit 1 large
+        st.tuples(st.just("produce"), st.integers(0, 7), st.integers(1, 3)),
+        st.tuples(
+            st.just("finish"),
+            st.integers(0, 7),
+            st.sampled_from([Status.STOP, Status.LENGTH, Status.HANDLER_ERROR, Status.NO_SLOT]),
+        ),
+        st.tuples(st.just("lost"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("gone"), st.integers(0, 12), st.just(0)),
+        st.tuples(st.just("worker"), st.integers(0, 1), st.just(0)),
+        st.tuples(st.just("tick"), st.integers(0, 2 * TIMEOUT), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=operations)
+def test_whatever_happens_each_request_of_n_choices_is_answered_once_and_every_frame_comes_back(
+    ops: list[tuple],
+) -> None:
+    port, tokenizer = GroupPort(), CharTokenizer()
+    edge = lifecycle(port, tokenizer)
+    answers: dict[int, list[str]] = {}
+    gone: set[int] = set()
+    workers: list[Tokenize] = []
+    now = 0
+
+    def record(actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Tokenize):
+                workers.append(action)
+                continue
+            assert action.rid >= 0, f"a choice's own action reached the client: {action}"
+            seen = answers.setdefault(action.rid, [])
+            assert action.rid not in gone, f"{action} after the client went away"
+            assert not seen or seen[-1] not in ("respond", "end"), f"{action} after the answer was complete"
+            kind = {Respond: "respond", StartStream: "start", SendChunk: "chunk", EndStream: "end"}[type(action)]
+            assert kind in ("respond", "start") or (seen and seen[-1] in ("start", "chunk")), f"{kind} before start"
+            assert kind != "start" or not seen, "a second start"
+            seen.append(kind)
+
+    rids = 0
+    for op, a, b in ops:
+        now += 1000
+        if op == "receive":
+            prompt = "p" * (INLINE_CHARS + 1) if b & 2 else "hello"
+            record(edge.receive(rids, completion(a, prompt=prompt, stream=bool(b & 1)), now))
+            answers.setdefault(rids, [])
+            rids += 1
+        elif op == "produce" and a in port.in_flight:
+            record(edge.deliveries([port.produce(a, list(range(100, 100 + b)))], now))
+        elif op == "finish" and a in port.in_flight:
+            record(edge.deliveries([port.finish(a, b)], now))
+        elif op == "lost" and a in port.in_flight:
+            port.lost = [a]
+            record(edge.tick(now))
+        elif op == "gone" and a < rids:
+            gone.add(a)
+            record(edge.client_gone(a, now))
+        elif op == "worker" and a < len(workers):
+            work = workers.pop(a)
+            if work.out is not None:
+                work.out[:2] = [104, 105]
+            record(edge.tokenized(work.rid, 2, now))
+        elif op == "tick":
+            now += a
+            record(edge.tick(now))
+    for work in workers:  # the end: workers finish, the slot server answers what is in flight
+        record(edge.tokenized(work.rid, 2, now))
+    for index in sorted(port.in_flight):
+        record(edge.deliveries([port.finish(index)], now))
+    for rid, seen in answers.items():
+        if rid not in gone:
+            assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
+            assert seen.count("respond") + seen.count("end") == 1
+    assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
+    assert edge.groups == {} and edge.busy_workers == 0 and edge.unmatched == 0
