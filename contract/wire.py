@@ -376,6 +376,16 @@ def submit_imm(index: int) -> int:
     return index & IMM_INDEX_MASK
 
 
+def group_member_imm(index: int) -> int:
+    """An edge hands its frame ``index`` as a choice of a group whose last frame follows with :func:`submit_imm`: the
+    agent claims the group's slots together (OpenAI's ``n``; an edge never sends the progress kind this bit is)."""
+    return IMM_PROGRESS | (index & IMM_INDEX_MASK)
+
+
+def is_group_member_imm(imm: int) -> bool:
+    return imm & IMM_KIND_MASK == IMM_PROGRESS
+
+
 def edge_cancel_imm(index: int) -> int:
     """An edge asks the agent to cancel its frame ``index``."""
     return IMM_CANCEL | (index & IMM_INDEX_MASK)

@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -325,6 +325,36 @@ class Agent:
             expected = found
         return None
 
+    def _claim_all(self, link: ServerLink, n: int) -> list[tuple[int, int]] | None:
+        """Claim ``n`` slots of ``link``, all or none: [(slot, generation)], or None with nothing left claimed --
+        the claims made before one failed are given back (:meth:`_unclaim`)."""
+        got: list[tuple[int, int]] = []
+        try:
+            for _ in range(n):
+                claimed = self.claim(link)
+                if claimed is None:
+                    break
+                got.append(claimed)
+        finally:
+            if len(got) < n:  # short, or the transport failed: give back what was taken
+                for slot, gen in got:
+                    self._unclaim(link, slot, gen)
+        return got if len(got) == n else None
+
+    def _unclaim(self, link: ServerLink, slot: int, gen: int) -> None:
+        """Give back a claim never rung: one remote CAS CLAIMED -> FREE in its generation (the EXPIRE step the slot
+        server takes when a lease runs out, taken early by the claimant).  A CAS that fails found the server had
+        expired it already (the same FREE word) -- or a link gone down, whose slots are forgotten anyway."""
+        claimed = wire.claim_word(wire.free_word(gen - 1), link.claimant)
+        freed = wire.step(claimed, wire.Event.EXPIRE, gen)
+        try:
+            found = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, claimed, freed)
+        except TransportError as exc:
+            log.warning("could not give back slot %d of %s: %s (its lease frees it)", slot, link.address, exc)
+            return
+        link.words_ptr[slot] = freed if found == claimed else found
+        link.stats.unclaims += 1
+
     def claim(self, link: ServerLink) -> tuple[int, int] | None:
         """Claim any free slot of ``link``: (slot, generation), or None when none is free.
 
@@ -382,20 +412,9 @@ class Agent:
                 return Status.UNAVAILABLE
             if not fits:
                 return Status.BAD_REQUEST
-        if len(fits) == 1 and not fits[0].load.published:
-            choices = [_ONLY]  # one server, and it publishes no load: nothing to predict or order
-        else:
-            decision = self._decide(index, count, fits)
-            if not decision.choices and decision.over_bound_ms is not None and self._reread(fits):
-                # A refusal rests on a view a heartbeat old at most: decide again on what was just read.
-                fits = [link for link in fits if link.up]
-                decision = self._decide(index, count, fits) if fits else Decision([])
-            choices = decision.choices
-            if not choices and decision.over_bound_ms is not None:
-                wait, bound = decision.over_bound_ms, self._bound(index)
-                retry = self.retry_advice.advise(self.link_set.clock(), wait - bound, decision.over_bound_work_ms)
-                self.frames.result_headers[index].over_bound(wait, bound, retry)
-                return Status.OVER_BOUND
+        choices = self._choose(index, count, fits)
+        if isinstance(choices, Status):
+            return choices
         claimed = self._first_claim(choices, fits)
         if claimed is None:
             if not any(link.up for link in links):
@@ -413,6 +432,77 @@ class Agent:
             self.link_set.failed(link, exc)
             return Status.UNAVAILABLE
         return None
+
+    def submit_group(self, indexes: Sequence[int]) -> Status | None:
+        """Send frames ``indexes`` -- one request's choices: the same prompt, their own seeds -- to as many slots of
+        **one** slot server, claimed all or none (each claim one CAS; when one fails, those taken are given back
+        and the answer is NO_SLOT at once).  One server, so its prefix cache computes the shared prompt once: the
+        first to be placed prefills it, the others copy its KV (docs/ARCHITECTURE.md).  None: all in flight;
+        otherwise the refusal (its figures in the first frame's result header), and none is."""
+        n = len(indexes)
+        if n == 0 or len(set(indexes)) != n or any(self.check_frame(index) is not None for index in indexes):
+            return Status.BAD_REQUEST
+        first = indexes[0]
+        req = self.frames.request_headers[first]
+        count, words = req.token_count, wire.input_words(req.token_count, req.flags)
+        links = self.links
+        if not any(link.up for link in links):
+            self.link_set.probe_stale()
+            if not any(link.up for link in links):
+                return Status.UNAVAILABLE
+        fits = [link for link in links if link.up and words <= link.input_capacity and n <= link.slot_count]
+        if not fits:
+            return Status.BAD_REQUEST
+        choices = self._choose(first, count, fits)
+        if isinstance(choices, Status):
+            return choices  # its figures are in the first frame's result header
+        for choice in choices:
+            link = fits[choice.server]
+            try:
+                claims = self._claim_all(link, n)
+            except TransportError as exc:
+                self.link_set.failed(link, exc)
+                continue
+            if claims is not None:
+                break
+        else:
+            if not any(link.up for link in links):
+                return Status.UNAVAILABLE
+            self.frames.result_headers[first].no_slot(self._slot_frees_in(fits))
+            return Status.NO_SLOT
+        if choice.matched:
+            link.stats.affine += 1
+        for k, (index, (slot, gen)) in enumerate(zip(indexes, claims, strict=True)):
+            try:
+                self._send(link, index, slot, gen, count, choice.prediction)
+            except TransportError as exc:
+                # The link is lost with every choice on it -- those not written yet too, booked there now -- so
+                # each is answered (or moved) as any request in flight on a lost link is: the group stays whole.
+                for later, (slot_, gen_) in zip(indexes[k + 1 :], claims[k + 1 :], strict=True):
+                    self.book.sent(
+                        later,
+                        InFlight(link=link, slot=slot_, generation=gen_, prompt=count, max_new=req.max_new_tokens),
+                    )
+                    link.inflight += 1
+                self.link_set.failed(link, exc)
+                break
+        return None
+
+    def _choose(self, index: int, count: int, fits: list[ServerLink]) -> list[Choice] | Status:
+        """Where frame ``index`` may be claimed, best first, or OVER_BOUND (its result header then says why)."""
+        if len(fits) == 1 and not fits[0].load.published:
+            return [_ONLY]  # one server, and it publishes no load: nothing to predict or order
+        decision = self._decide(index, count, fits)
+        if not decision.choices and decision.over_bound_ms is not None and self._reread(fits):
+            # A refusal rests on a view a heartbeat old at most: decide again on what was just read.
+            fits[:] = [link for link in fits if link.up]
+            decision = self._decide(index, count, fits) if fits else Decision([])
+        if not decision.choices and decision.over_bound_ms is not None:
+            wait, bound = decision.over_bound_ms, self._bound(index)
+            retry = self.retry_advice.advise(self.link_set.clock(), wait - bound, decision.over_bound_work_ms)
+            self.frames.result_headers[index].over_bound(wait, bound, retry)
+            return Status.OVER_BOUND
+        return decision.choices
 
     def _reread(self, links: list[ServerLink]) -> bool:
         """Read again the links whose load was last read more than a probe interval ago (the heartbeat's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout, reply_stride, request_stride
@@ -111,6 +112,24 @@ class AgentClient:
         if not self._post(wire.submit_imm(index)):
             self.book.unsent(index)
             return Status.UNAVAILABLE
+        return None
+
+    def submit_group(self, indexes: Sequence[int]) -> Status | None:
+        """Hand frames ``indexes`` -- one request's choices -- to the agent as one group, claimed together there (all or
+        none, :meth:`Agent.submit_group`); each is answered later through :meth:`poll` -- a refusal in every frame, the
+        first's (which holds the figures) first -- or UNAVAILABLE now when the agent is gone."""
+        if not indexes or not all(0 <= index < self.frames.count for index in indexes):
+            return Status.BAD_REQUEST
+        if not self._alive:
+            return Status.UNAVAILABLE
+        for index in indexes:
+            self.book.sent(index, Flight())
+        last = len(indexes) - 1
+        for k, index in enumerate(indexes):
+            if not self._post(wire.submit_imm(index) if k == last else wire.group_member_imm(index)):
+                for sent in indexes:
+                    self.book.unsent(sent)
+                return Status.UNAVAILABLE
         return None
 
     def cancel(self, index: int) -> None:

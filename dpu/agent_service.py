@@ -82,6 +82,7 @@ class AgentService:
         self.spin = spin
         self._free_ranges = list(range(agent.frames.count // frames_per_edge - 1, -1, -1))
         self.edges: dict[int, _Edge] = {}
+        self._groups: dict[int, list[int]] = {}  # per edge: the frames of a group whose last frame has not come yet
         self._by_range: dict[int, _Edge] = {}
         self._lock = threading.Lock()
         self.notify_mr: MemoryRegion = edge_transport.register("notify", 8, Access.NONE)
@@ -126,6 +127,7 @@ class AgentService:
         which can revive them)."""
         for cid in self.connections.gone():
             edge = self.edges.pop(cid, None)
+            self._groups.pop(cid, None)
             if edge is None:
                 continue
             edge.conn.close()
@@ -175,6 +177,17 @@ class AgentService:
         index = edge.base + local
         if wire.is_cancel_imm(imm):
             self.agent.cancel(index)  # the edge frees the frame when the final answer comes
+            return
+        if wire.is_group_member_imm(imm):
+            self._groups.setdefault(conn_id, []).append(index)
+            return
+        group = self._groups.pop(conn_id, None)
+        if group is not None:  # its last frame: the choices are claimed together, all or none
+            frames = [*group, index]
+            refused = self.agent.submit_group(frames)
+            if refused is not None:
+                for frame in frames:  # each is answered; the first, whose header holds the figures, first
+                    self._refuse(frame, refused)
             return
         status = self.agent.submit(index)
         if status is not None:

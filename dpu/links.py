@@ -64,6 +64,7 @@ class ClaimStats:
     refreshes: int = 0  # RDMA READs of the server's state words
     no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
     affine: int = 0  # claims on this server while its prefix table held a prefix of the request
+    unclaims: int = 0  # claims given back unrung: a request's choices could not all be claimed (all or none)
 
 
 @dataclass(eq=False)

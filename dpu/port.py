@@ -81,6 +81,13 @@ class AgentPort(Protocol):
         """Send frame ``index``: None when in flight, else the refusal (NO_SLOT, UNAVAILABLE, BAD_REQUEST)."""
         ...
 
+    def submit_group(self, indexes: Sequence[int]) -> Status | None:
+        """Send frames ``indexes`` -- one request's choices, the same prompt -- to as many slots of one slot server,
+        claimed all or none: None when in flight (an agent process may still refuse them all, through every
+        frame's final answer, the first frame's first), else the refusal (the first frame's result header holds
+        its figures)."""
+        ...
+
     def poll(self) -> list[Delivery]:
         """What arrived since the last call, without waiting."""
         ...

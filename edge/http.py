@@ -98,6 +98,7 @@ class Work:
     flags: int = 0  # request flags beyond the stream flag (log probabilities: contract/wire.py); max_tokens then
     # counts output words, a whole number of records
     constraint: np.ndarray | None = None  # a grammar's words, written after the prompt (contract/wire.py)
+    choices: int = 1  # OpenAI's n: choices of the one prompt, each on a slot of one slot server (edge/choices.py)
 
 
 @dataclass(frozen=True, slots=True)

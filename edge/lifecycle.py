@@ -21,7 +21,7 @@ import collections
 import itertools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -32,6 +32,7 @@ from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, Readiness, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge import quota
+from edgepath.edge.choices import ChoiceGroup, Chunk, End, Out, Start, Whole, choice_sampling
 from edgepath.edge.http import (
     GENERATE,
     LIVE,
@@ -122,6 +123,11 @@ FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
 
 
+def _prompt(t: Tracked) -> int:
+    """The prompt tokens ``t`` is charged: a request's n choices share one prompt, counted with choice 0."""
+    return t.input_count if t.choice == 0 else 0
+
+
 def _tokens(work: Work, words: int) -> int:
     """Output tokens in ``words`` output words (with log probabilities each token is a record of several)."""
     return words // wire.record_words(wire.logprobs_top(work.flags))
@@ -156,6 +162,19 @@ class Tracked:
     reservation: Reservation | None = None  # tokens reserved against its tenant's quota, until settled
     capped: bool = False  # counted in its tenant's requests in flight at this edge (its slot_cap), until forgotten
     limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
+    choice: int = 0  # which of its request's n choices it is (edge/choices.py); only choice 0 counts the prompt
+    spares: list[int] = field(default_factory=list)  # the frames of choices 1..n-1, until they become requests
+
+
+@dataclass(eq=False, slots=True)
+class Choices:
+    """A request of ``n`` choices in flight: its members (one :class:`Tracked` each, choice 0 first, answering under
+    keys of their own) and the combiner that makes their answers one (:mod:`edgepath.edge.choices`)."""
+
+    combine: ChoiceGroup
+    route: str
+    request: Request
+    members: list[Tracked]
 
 
 class EdgeLifecycle:
@@ -195,6 +214,8 @@ class EdgeLifecycle:
         self.usage: Callable[[Usage], None] | None = None  # where each request's usage line goes (--usage-log)
         #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
         self.draining = False
+        self.groups: dict[int, Choices] = {}  # requests of n choices, by the client's key and by each member's
+        self._member_keys = itertools.count(1)  # members of groups answer under -1, -2, ... (clients' keys are >= 0)
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -210,7 +231,7 @@ class EdgeLifecycle:
             return [self._respond(rid, handled.route, request, timings, self._state(handled, now))]
         if handled.kind == "tokenize":
             return self._tokenize_only(rid, request, handled, timings)
-        return self._generate(rid, request, handled, timings, now)
+        return self._grouped(self._generate(rid, request, handled, timings, now), now)
 
     def refuse(self, rid: int, request: Request, response: Response) -> list[Action]:
         """An adapter's early refusal (413 while the body arrives, 408 when it comes too slowly),
@@ -227,8 +248,7 @@ class EdgeLifecycle:
         t.timings["tokenize"] = now - t.timings.pop("tokenize_start")
         if t.gone:
             self._forget(t)
-            if t.frame is not None:
-                self.port.release(t.frame)
+            self._release(t)
             self._count(t, CLIENT_GONE, now)
             return []
         if isinstance(result, BaseException):
@@ -236,11 +256,17 @@ class EdgeLifecycle:
         if isinstance(result, np.ndarray):
             self._forget(t)
             return [self._respond(rid, t.route, t.request, t.timings, self.core.tokenize_response(result.tolist()))]
-        return self._tokenized_into_frame(t, result, now)
+        return self._grouped(self._tokenized_into_frame(t, result, now), now)
 
     def client_gone(self, rid: int, now: int) -> list[Action]:
         """The client reset its stream, closed its connection or went away mid-stream: abandon the
         frame (the port cancels the slot and frees the frame once the slot server let go of it)."""
+        group = self.groups.get(rid)
+        if group is not None:  # n choices in flight: every one is abandoned, the request counted once
+            self.metrics.resets.inc()
+            self._drop_group(group, "cancelled")
+            self.metrics.answered(group.route, CLIENT_GONE, now - group.request.t_receive_ns)
+            return []
         t = self.tracked.get(rid)
         if t is None:
             return []  # answered already, or never tracked
@@ -267,7 +293,7 @@ class EdgeLifecycle:
                 actions += self._final(t, now)
             else:
                 actions += self._progress(t, delivery.count, now)
-        return actions
+        return self._grouped(actions, now)
 
     def tick(self, now: int) -> list[Action]:
         """Periodic: frames lost with a slot server -> 503; frames on a slot server that became unresponsive
@@ -276,13 +302,12 @@ class EdgeLifecycle:
         port = self.port
         actions: list[Action] = []
         port.revive()  # a no-op while every link is up; one of several may be down while alive() is True
-        for index in port.check_links():
-            t = self.by_frame.get(index)
-            if t is None:
-                continue
+        lost = [(index, t) for index in port.check_links() if (t := self.by_frame.get(index)) is not None]
+        for index, t in lost:  # all of them first: a lost choice's group must not abandon the others lost with it
             self._forget(t)
             port.release(index)
-            actions.append(self._fail(t, HttpError(503, "unavailable", "the slot server went away")))
+        for _, t in lost:
+            actions += self._fail(t, HttpError(503, "unavailable", "the slot server went away"))
         stalled = port.stalled()
         if stalled:
             stuck = [h for h in port.links_health() if h.state is LinkState.UNRESPONSIVE]
@@ -294,13 +319,15 @@ class EdgeLifecycle:
                     continue
                 self._forget(t)
                 port.abandon(index)
-                actions.append(self._fail(t, HttpError(504, "unresponsive", f"no result: {why}")))
+                actions += self._fail(t, HttpError(504, "unresponsive", f"no result: {why}"))
         for t in [t for t in self.tracked.values() if t.phase is not Phase.TOKENIZING and now > t.deadline_ns]:
+            if t.rid not in self.tracked:
+                continue  # a choice whose group was answered (and abandoned) by another choice's timeout
             self._forget(t, finish="timeout")
             assert t.frame is not None
             port.abandon(t.frame)
-            actions.append(self._fail(t, HttpError(504, "timeout", "no result from the slot server in time")))
-        return actions
+            actions += self._fail(t, HttpError(504, "timeout", "no result from the slot server in time"))
+        return self._grouped(actions, now)
 
     # -- generate ----------------------------------------------------------------------------------
     def _generate(self, rid: int, request: Request, work: Work, timings: dict[str, int], now: int) -> list[Action]:
@@ -318,9 +345,14 @@ class EdgeLifecycle:
         if large and self.busy_workers >= self.workers:
             return [self._respond(rid, route, request, timings, formatter.failure(self.core.busy()))]
         frame = self.port.acquire()
-        if frame is None:
+        spares = [self.port.acquire() for _ in range(work.choices - 1)]  # n choices: a frame each, all or none
+        if frame is None or None in spares:
+            for index in [frame, *spares]:
+                if index is not None:
+                    self.port.release(index)
             return [self._respond(rid, route, request, timings, formatter.failure(self.core.no_slot()))]
         t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
+        t.spares = [index for index in spares if index is not None]
         self.tracked[rid] = t
         out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
         if messages is not None:  # a chat: the model's own template, tokenized straight into the frame
@@ -359,15 +391,17 @@ class EdgeLifecycle:
             self.core.check_length(n, 0 if constraint is None else len(constraint))
         except HttpError as exc:
             self._forget(t)
-            self.port.release(t.frame)
+            self._release(t)
             return [self._answer(t, self._failure(t, exc))]
         over = self._reserve(t)
         if over is not None:
             self._forget(t)
-            self.port.release(t.frame)
+            self._release(t)
             return [self._answer(t, self._failure(t, over))]
         if constraint is not None:  # the grammar goes after the prompt, sent with it in the one WRITE
             self.port.frames.tokens[t.frame, n : n + len(constraint)] = constraint
+        if t.spares:
+            return self._submit_group(t, now)
         return self._submit(t, now)
 
     def _reserve(self, t: Tracked) -> HttpError | None:
@@ -375,7 +409,7 @@ class EdgeLifecycle:
         ``slot_cap``, before any work; the 429 ``slot_cap`` or ``quota_exceeded`` when that does not fit (and the
         rate-limit headers of its answer either way)."""
         tenant, now = t.work.tenant, self.clock() / 1e9
-        tokens = t.input_count + _tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
+        tokens = _prompt(t) + _tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
         refusal: HttpError | None = None
         if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
             self.metrics.refused("slot_cap")
@@ -395,6 +429,25 @@ class EdgeLifecycle:
         return refusal
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
+        port, frame = self.port, t.frame
+        assert frame is not None
+        t0 = self._write(t)
+        req = port.frames.request_headers[frame]
+        t1 = self.clock()
+        status = port.submit(frame)
+        t2 = self.clock()
+        t.timings["write"] = t1 - t0
+        if status is not None:
+            refusal = self._refusal(Status(status), frame)
+            self._forget(t)
+            port.release(frame)
+            t.timings["claim"] = t2 - t1
+            return [self._answer(t, self._failure(t, refusal))]
+        self._sent(t, req, t1, t2, now)
+        return []
+
+    def _write(self, t: Tracked) -> int:
+        """Write ``t``'s request header into its frame (the ids are there already); when that began."""
         port, frame, work = self.port, t.frame, t.work
         assert frame is not None
         t0 = self.clock()
@@ -415,16 +468,11 @@ class EdgeLifecycle:
         )
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
         req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
-        t1 = self.clock()
-        status = port.submit(frame)
-        t2 = self.clock()
-        t.timings["write"] = t1 - t0
-        if status is not None:
-            refusal = self._refusal(Status(status), frame)
-            self._forget(t)
-            port.release(frame)
-            t.timings["claim"] = t2 - t1
-            return [self._answer(t, self._failure(t, refusal))]
+        return t0
+
+    def _sent(self, t: Tracked, req: wire.RequestHeader, t1: int, t2: int, now: int) -> None:
+        """``t`` is in flight (submitted at ``t1``, the port answered at ``t2``): its timings, its deadline."""
+        assert t.frame is not None
         written = req.t_written_ns
         t.timings["claim"] = written - t1
         t.timings["doorbell"] = t2 - written
@@ -433,8 +481,117 @@ class EdgeLifecycle:
             t.timings["predicted_wait"] = req.predicted_wait_us * 1000
         t.phase = Phase.IN_FLIGHT
         t.deadline_ns = now + self.request_timeout_ns
-        self.by_frame[frame] = t
-        return []
+        self.by_frame[t.frame] = t
+
+    # -- n choices (edge/choices.py) -------------------------------------------------------------------
+    def _submit_group(self, t: Tracked, now: int) -> list[Action]:
+        """Make ``t``'s spare frames the requests of choices 1..n-1 (the same ids, their own seeds and formatters),
+        then submit all n together: the agent claims n slots of one slot server, all or none."""
+        port, frame, rid = self.port, t.frame, t.rid
+        assert frame is not None and t.formatter is not None
+        words = t.input_count + (0 if t.work.constraint is None else len(t.work.constraint))
+        factory = self.formatters[t.route]
+        self.tracked.pop(rid)
+        t.rid = -next(self._member_keys)
+        members = [t]
+        for choice, spare in enumerate(t.spares, 1):
+            port.frames.tokens[spare, :words] = port.frames.tokens[frame, :words]
+            work = replace(
+                t.work,
+                sampling=choice_sampling(t.work.sampling, choice),
+                options={**t.work.options, "choice": (t.formatter, choice)},
+            )
+            member = Tracked(
+                -next(self._member_keys), t.request, t.route, work, factory(work, self.tokenizer), Phase.TOKENIZING,
+                dict(t.timings), spare, input_count=t.input_count, choice=choice,
+            )  # fmt: skip
+            members.append(member)
+        t.spares = []
+        group = Choices(ChoiceGroup(rid, [m.rid for m in members], t.work.stream), t.route, t.request, members)
+        for member in members:
+            self.tracked[member.rid] = member
+        refusal = next((over for m in members[1:] if (over := self._reserve(m)) is not None), None)
+        if refusal is None:
+            t0 = self.clock()
+            for member in members:
+                self._write(member)
+            t1 = self.clock()
+            status = port.submit_group([m.frame for m in members if m.frame is not None])
+            t2 = self.clock()
+            t.timings["write"] = t1 - t0
+            if status is None:
+                for member in members:
+                    assert member.frame is not None
+                    self.groups[member.rid] = group
+                    self._sent(member, port.frames.request_headers[member.frame], t1, t2, now)
+                self.groups[rid] = group
+                return []
+            refusal = self._refusal(Status(status), frame)
+            t.timings["claim"] = t2 - t1
+        for member in members:
+            self._forget(member)
+            assert member.frame is not None
+            port.release(member.frame)
+        response = self._failure(t, refusal)
+        response.headers += t.limits
+        return [self._respond(rid, t.route, t.request, t.timings, response)]
+
+    def _grouped(self, actions: list[Action], now: int) -> list[Action]:
+        """The actions of choices of several made the one answer to their request (:class:`ChoiceGroup`)."""
+        out: list[Action] = []
+        for action in actions:
+            if action.rid >= 0:  # a client's own
+                out.append(action)
+                continue
+            group = self.groups.get(action.rid)
+            if group is None:
+                continue  # a choice of a request answered already (another choice failed in the same event)
+            combine, member = group.combine, action.rid
+            formatter: Any = next(m.formatter for m in group.members if m.rid == member)  # a choices.Choice
+            match action:
+                case StartStream(_, status, headers):
+                    made: list[Out] = combine.start(status, headers)
+                case SendChunk(_, data):
+                    made = combine.chunk(data)
+                case EndStream(_, data):
+                    made = combine.end(member, data, formatter)
+                case Respond(_, response) if response.status == 200:
+                    made = combine.whole(member, response, formatter)
+                case _:
+                    raise AssertionError(f"a choice answered {action!r}: its failures are its request's (_fail)")
+            rid = combine.rid
+            for piece in made:
+                match piece:
+                    case Start(status, headers):
+                        out.append(StartStream(rid, status, headers))
+                    case Chunk(data):
+                        out.append(SendChunk(rid, data))
+                    case End(data):
+                        out.append(EndStream(rid, data))
+                    case Whole(response):
+                        out.append(Respond(rid, response))
+            if combine.done:  # every choice answered and forgotten: only the keys are left
+                for key in [combine.rid, *combine.members]:
+                    self.groups.pop(key, None)
+                self.metrics.answered(group.route, 200, now - group.request.t_receive_ns)
+        return out
+
+    def _drop_group(self, group: Choices, finish: str) -> None:
+        """Forget ``group``; its choices still in flight are abandoned (``finish``: how they ended)."""
+        self.groups.pop(group.combine.rid, None)
+        for member in group.members:
+            self.groups.pop(member.rid, None)
+            if member.rid in self.tracked:
+                self._forget(member, finish=finish)
+                if member.frame is not None and member.phase is not Phase.TOKENIZING:
+                    self.port.abandon(member.frame)
+
+    def _release(self, t: Tracked) -> None:
+        """Give back every frame ``t`` holds (a request of n choices holds n before it is submitted)."""
+        for frame in [t.frame, *t.spares]:
+            if frame is not None:
+                self.port.release(frame)
+        t.spares = []
 
     def _progress(self, t: Tracked, count: int, now: int) -> list[Action]:
         """A non-final delivery: ``count`` output tokens are placed so far."""
@@ -476,7 +633,8 @@ class EdgeLifecycle:
         t.timings["first_token"] = first_ns
         self._waited(t, first_ns, now)
         self._forget(t, t.sent, cached, "stop")
-        self.metrics.prompt(t.input_count, cached)
+        if t.choice == 0:
+            self.metrics.prompt(t.input_count, cached)
         outcome = Outcome(t.request_id, t.input_count, tokens, Status.STOP.name, first_ns, cached)
         if not t.work.stream:
             return self._answer(t, formatter.complete(outcome))
@@ -488,7 +646,8 @@ class EdgeLifecycle:
         counts as ``new`` tokens spaced evenly over it)."""
         if t.t_first_ns == 0:
             t.t_first_ns = now
-            self.metrics.first_token(now - t.request.t_receive_ns, now)
+            if t.choice == 0:  # a request's time to first token, once for its n choices
+                self.metrics.first_token(now - t.request.t_receive_ns, now)
         else:
             self.metrics.inter_token((now - t.t_last_ns) / new, new)
         t.t_last_ns = now
@@ -503,7 +662,8 @@ class EdgeLifecycle:
         own = self.port.frames.result_headers[t.frame].prefill_us * 1000
         wait = max(0, first_ns - own)
         t.timings["wait"] = wait
-        self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, now)
+        if t.choice == 0:
+            self.metrics.waited(wait, t.timings.get("predicted_ttft", 0), first_ns, now)
 
     def _return_path(self, t: Tracked, frame: int, now: int) -> None:
         """The return path's cost for a stream's first token: the model side stamped when it produced it
@@ -528,6 +688,8 @@ class EdgeLifecycle:
             self._forget(t, NOTHING_RAN)
             refusal = self._refusal(Status(status), frame)
             port.release(frame)
+            if t.rid < 0:  # a choice's: its request's answer, the other choices abandoned
+                return self._fail(t, refusal)
             return [self._answer(t, self._failure(t, refusal))]
         edge_ns = result.t_ready_ns - port.frames.request_headers[frame].t_receive_ns
         t.timings["edge"] = edge_ns
@@ -535,14 +697,15 @@ class EdgeLifecycle:
         if status not in wire.FINISHED:
             self._forget(t, finish="failed")
             port.release(frame)
-            return [self._fail(t, HttpError(502, "slot_error", f"slot server answered status {_status_name(status)}"))]
+            return self._fail(t, HttpError(502, "slot_error", f"slot server answered status {_status_name(status)}"))
         # The client's max_tokens is a contract of this API: a handler that wrote more is cut there.
         count = min(result.output_count, t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
         model_first = result.t_first_ns
         cached = result.cached_tokens
         port.release(frame)
-        self.metrics.prompt(t.input_count, cached)
+        if t.choice == 0:
+            self.metrics.prompt(t.input_count, cached)
         if count > t.sent:
             self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         # streamed: when the first token left the edge; whole: the model side's own first-token time
@@ -599,8 +762,7 @@ class EdgeLifecycle:
         """A tokenizer exception answers its own request with 500 -- or 400 when the model's chat template
         refused the messages (a ValueError); the server keeps serving."""
         self._forget(t)
-        if t.frame is not None:
-            self.port.release(t.frame)
+        self._release(t)
         if "messages" in t.work.options and isinstance(exc, ValueError):
             error = HttpError(400, "invalid_request", f"the chat could not be rendered: {exc}")
         else:
@@ -628,13 +790,28 @@ class EdgeLifecycle:
         """An error answer in the route's shape (its formatter's), or edgepath's for /v1/tokenize."""
         return t.formatter.failure(error) if t.formatter is not None else error_response(error)
 
-    def _fail(self, t: Tracked, error: HttpError) -> Action:
-        """An error answer: a response, or the error event that ends a stream already started."""
+    def _fail(self, t: Tracked, error: HttpError) -> list[Action]:
+        """An error answer: a response, or the error event that ends a stream already started.  A choice of several
+        answers for its whole request (once), and the other choices are abandoned."""
+        group = self.groups.get(t.rid)
+        if group is not None:
+            self._drop_group(group, "failed")
+            started = group.combine.started
+            self.metrics.answered(group.route, error.status, self.clock() - group.request.t_receive_ns)
+            rid = group.combine.rid
+            assert t.formatter is not None
+            if started:
+                return [EndStream(rid, t.formatter.error(error))]
+            response = self._failure(t, error)
+            response.headers += t.limits + timing_headers(t.timings)
+            return [Respond(rid, response)]
+        if t.rid < 0:
+            return []  # a choice of a request already answered
         if t.phase is Phase.STREAMING:
             assert t.formatter is not None
             self._count(t, error.status, self.clock())
-            return EndStream(t.rid, t.formatter.error(error))
-        return self._answer(t, self._failure(t, error))
+            return [EndStream(t.rid, t.formatter.error(error))]
+        return [self._answer(t, self._failure(t, error))]
 
     def _state(self, query: StateQuery, now: int) -> Response:
         if query.route == METRICS:
@@ -680,7 +857,7 @@ class EdgeLifecycle:
         ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
         completion = _tokens(t.work, t.sent if output is None else output) if ran else 0  # words to tokens
         if t.reservation is not None:
-            self.quotas.settle(t.reservation, t.input_count + completion if ran else 0, self.clock() / 1e9)
+            self.quotas.settle(t.reservation, _prompt(t) + completion if ran else 0, self.clock() / 1e9)
             t.reservation = None
         if ran:
             self._account(t, completion, cached, finish)
@@ -688,7 +865,7 @@ class EdgeLifecycle:
     def _account(self, t: Tracked, completion: int, cached: int, finish: str) -> None:
         """One request's usage: per-tenant counters, and a line of the usage log (when there is one)."""
         tenant = t.work.tenant.name
-        self.metrics.tenant_usage(tenant, finish, t.input_count, cached, completion)
+        self.metrics.tenant_usage(tenant, finish, _prompt(t), cached if t.choice == 0 else 0, completion)
         if self.usage is not None:
             first, wait = t.timings.get("first_token"), t.timings.get("wait")
             self.usage(
@@ -696,8 +873,8 @@ class EdgeLifecycle:
                     tenant,
                     t.request_id,
                     t.route,
-                    t.input_count,
-                    cached,
+                    _prompt(t),
+                    cached if t.choice == 0 else 0,
                     completion,
                     finish,
                     None if first is None else round(first / 1e6, 3),
@@ -708,7 +885,8 @@ class EdgeLifecycle:
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns
         t.timings["total"] = total
-        self.metrics.answered(t.route, status, total)
+        if t.rid >= 0:  # a choice of several is counted with its request (_grouped)
+            self.metrics.answered(t.route, status, total)
 
     def _answer(self, t: Tracked, response: Response) -> Respond:
         """The one answer to ``t``, with its rate-limit headers."""
@@ -718,7 +896,8 @@ class EdgeLifecycle:
     def _respond(self, rid: int, route: str, request: Request, timings: dict[str, int], response: Response) -> Respond:
         total = self.clock() - request.t_receive_ns
         timings["total"] = total
-        self.metrics.answered(route, response.status, total)
+        if rid >= 0:  # a choice of several is counted with its request (_grouped)
+            self.metrics.answered(route, response.status, total)
         response.headers += timing_headers(timings)
         return Respond(rid, response)
 

@@ -135,6 +135,8 @@ class OpenAILimits:
     """Whether the model side computes log probabilities (the llama handler does; echo handlers do not)."""
     grammars: bool = False
     """Whether the model side enforces a grammar (``response_format`` json_object / json_schema: the llama handler)."""
+    choices: int = 1
+    """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -165,6 +167,8 @@ class OpenAIRequest:
     """A GBNF grammar the answer must match (``response_format``, or the calls of ``tool_choice`` required), or None."""
     tools: ToolSpec | None = None
     """The tools offered to the model (chat's ``tools``, not ``tool_choice`` ``none``): its answer is read as calls."""
+    n: int = 1
+    """Choices to generate for the one prompt (:mod:`edgepath.edge.choices`)."""
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -273,6 +277,7 @@ def _common(
         raise model_not_found(model, limits.models)
     stream = _optional_bool(doc, "stream", False)
     return OpenAIRequest(
+        n=_choices(doc, limits),
         kind=kind,
         model=model,
         max_tokens=max_tokens,
@@ -285,12 +290,27 @@ def _common(
     )
 
 
+def _choices(doc: Mapping[str, Any], limits: OpenAILimits) -> int:
+    """``n``: how many choices, each on a slot of its own (all on one slot server, claimed all or none)."""
+    value = doc.get("n")
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= limits.choices:
+        raise invalid_request(
+            f"'n' must be an integer in 1..{limits.choices} (choices per request: each takes a slot of one slot "
+            f"server, claimed together), got {show(value)}",
+            param="n",
+            code="invalid_value",
+        )
+    return value
+
+
 def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
     """400 for every option that would change the answer in a way this server cannot deliver."""
-    for name in ("n", "best_of") if kind == "completion" else ("n",):
-        value = doc.get(name)
+    if kind == "completion":
+        value = doc.get("best_of")
         if value is not None and (type(value) is not int or value != 1):
-            raise unsupported(name, value, "1 (one choice per request)")
+            raise unsupported("best_of", value, "1 (choices are not ranked: ask for several with 'n')")
     if kind == "completion":
         if doc.get("echo") not in (None, False):
             raise unsupported("echo", doc["echo"], "false")
@@ -659,16 +679,17 @@ def _whole(
     usage: Usage,
     logprobs: Sequence[TokenLogprob] | None = None,
     tool_calls: Sequence[ToolCall] = (),
+    index: int = 0,
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
     if kind == "completion":
-        choice = {"text": text, "index": 0, "logprobs": shaped, "finish_reason": reason}
+        choice = {"text": text, "index": index, "logprobs": shaped, "finish_reason": reason}
     else:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if tool_calls:  # OpenAI's shape: no content, the calls
             message.update(content=None, tool_calls=[c.payload() for c in tool_calls])
-        choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
+        choice = {"index": index, "message": message, "logprobs": shaped, "finish_reason": reason}
     return {
         "id": response_id(kind, request_id),
         "object": "text_completion" if kind == "completion" else "chat.completion",
@@ -689,11 +710,15 @@ def completion_body(
     usage: Usage,
     logprobs: Sequence[TokenLogprob] | None = None,
     tool_calls: Sequence[ToolCall] = (),
+    index: int = 0,
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
-    tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made)."""
+    tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made; ``index``: the
+    choice's, of ``n``)."""
     return _dumps(
-        _whole(request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs, tool_calls)
+        _whole(
+            request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs, tool_calls, index
+        )
     )
 
 
@@ -716,11 +741,23 @@ class StreamEncoder:
     Call :meth:`start` once, :meth:`text` for each text delta, :meth:`finish` once with the reason,
     then :meth:`end` (the usage chunk when ``include_usage``, then ``data: [DONE]``).  Each returns
     the bytes to send.  Chat streams open with a chunk carrying the ``assistant`` role; completion
-    streams have no such chunk (``start`` returns nothing for them).
+    streams have no such chunk (``start`` returns nothing for them).  One choice of several (``index``) leaves
+    the end to its group (``closes`` false: :meth:`end` sends nothing; :meth:`closing` ends the whole stream).
     """
 
-    def __init__(self, kind: Kind, request_id: int | str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: int | str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        index: int = 0,
+        closes: bool = True,
+    ) -> None:
         self.kind = kind
+        self.index = index
+        self.closes = closes
         self.id = response_id(kind, request_id)
         self.created = created
         self.model = model
@@ -729,10 +766,11 @@ class StreamEncoder:
         self._offset = 0  # characters of text sent: the completions route's text_offset
 
     @classmethod
-    def for_request(cls, request: OpenAIRequest, request_id: int | str, created: int) -> StreamEncoder:
+    def for_request(cls, request: OpenAIRequest, request_id: int | str, created: int, index: int = 0) -> StreamEncoder:
+        """The encoder of choice ``index`` of ``request`` (one of several closes nothing itself)."""
         if not request.stream:
             raise ValueError("StreamEncoder.for_request: the request did not ask for a stream")
-        return cls(request.kind, request_id, created, request.model, request.include_usage)
+        return cls(request.kind, request_id, created, request.model, request.include_usage, index, request.n == 1)
 
     def start(self) -> bytes:
         self._advance("new", "open")
@@ -773,17 +811,21 @@ class StreamEncoder:
     def end(self, usage: Usage | None) -> bytes:
         """The usage chunk (when the client asked for it: ``usage`` is then required) and ``[DONE]``."""
         self._advance("finished", "ended")
+        return self.closing(usage) if self.closes else b""
+
+    def closing(self, usage: Usage | None) -> bytes:
+        """The end of the whole stream: the usage chunk (when the client asked for it) and ``[DONE]``."""
         if not self.include_usage:
             return SSE_DONE
         if usage is None:
-            raise ValueError("the client asked for stream_options.include_usage: end() needs the usage")
+            raise ValueError("the client asked for stream_options.include_usage: the stream's end needs the usage")
         return sse_event(self._envelope([], usage.payload())) + SSE_DONE
 
     def _chunk(self, delta: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "completion":
-            choice = {"text": delta, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"text": delta, "index": self.index, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice], None)
 
     def _envelope(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -830,16 +872,24 @@ class Answer:
     """
 
     def __init__(
-        self, request: OpenAIRequest, tokenizer: Decoder, request_id: int | str, created: int, prompt_tokens: int
+        self,
+        request: OpenAIRequest,
+        tokenizer: Decoder,
+        request_id: int | str,
+        created: int,
+        prompt_tokens: int,
+        index: int = 0,
     ) -> None:
+        """``index``: which choice of the request's ``n`` this answer is."""
         self.request = request
+        self.index = index
         self.request_id = request_id
         self.created = created
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: int | None = None  # known once the model side has answered
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopMatcher(request.stop)
-        self._stream = StreamEncoder.for_request(request, request_id, created) if request.stream else None
+        self._stream = StreamEncoder.for_request(request, request_id, created, index) if request.stream else None
         self._parts: list[str] = []
         self._logprobs: list[TokenLogprob] = []
         self._stopped = False
@@ -896,13 +946,22 @@ class Answer:
         if self._tools is not None:
             out += self._read_calls()
             reason = "tool_calls" if self._calls else reason
-        usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        usage = self.usage()
         if self._stream is None:
             logprobs = self._logprobs if self.request.logprobs is not None else None
             return completion_body(
-                self.request, self.request_id, self.created, self.text, reason, usage, logprobs, self._calls
+                self.request, self.request_id, self.created, self.text, reason, usage, logprobs, self._calls, self.index
             )
         return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
+
+    def usage(self) -> Usage:
+        """This answer's token counts (final once :meth:`finish` was called)."""
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    def closing(self, usage: Usage) -> bytes:
+        """The end of a stream of several choices, which the group sends after the last one's finish."""
+        assert self._stream is not None, "only a stream is closed"
+        return self._stream.closing(usage if self._stream.include_usage else None)
 
     def _read_calls(self) -> bytes:
         """The held text read as tool calls (:class:`~edgepath.edge.tools.ToolOutput`): the calls' chunks, or the

@@ -66,11 +66,12 @@ class OpenAIRoutes:
         created: int,
         logprobs: bool = False,
         grammars: bool = False,
+        choices: int = 1,
     ) -> None:
         """``logprobs``, ``grammars``: whether the model side computes log probabilities and enforces a grammar
-        (``response_format``); else asking for them is a 400."""
+        (``response_format``); else asking for them is a 400; ``choices``: the most ``n`` a request may ask."""
         self.model = model
-        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs, grammars)
+        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs, grammars, choices)
         self.chat = chat
         self.created = created
 
@@ -111,6 +112,7 @@ class OpenAIRoutes:
             constraint=constraint,
         )  # fmt: skip
         work.cache_salt = req.cache_salt
+        work.choices = req.n
         return work
 
 
@@ -128,11 +130,14 @@ class OpenAIFormatter:
     while it could be the start of a stop string, cut at a stop string (``done``: the lifecycle then
     cancels the slot)."""
 
-    def __init__(self, request: oa.OpenAIRequest, tokenizer: Tokenizer, request_id: str, created: int) -> None:
+    def __init__(
+        self, request: oa.OpenAIRequest, tokenizer: Tokenizer, request_id: str, created: int, index: int = 0
+    ) -> None:
+        """``index``: which choice of the request's ``n`` this formatter shapes (:mod:`edgepath.edge.choices`)."""
         self.request = request
         self.tokenizer = tokenizer
         self.width = wire.record_words(request.logprobs)  # output words per token
-        self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0)
+        self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0, index=index)
         self.watch = bool(request.stop)  # stop strings need the output as it is produced
         self.done = False
         self._fed = 0
@@ -198,6 +203,12 @@ class OpenAIFormatter:
     def failure(self, error: HttpError) -> Response:
         return openai_error(error)
 
+    def usage(self) -> oa.Usage:
+        return self.answer.usage()
+
+    def closing(self, usage: oa.Usage) -> bytes:
+        return self.answer.closing(usage)
+
     def error(self, error: HttpError) -> bytes:
         return oa.OpenAIError.of(error).event()
 
@@ -208,6 +219,12 @@ def formatter_factory(clock: Callable[[], float]) -> Callable[[Work, Tokenizer],
     ids = itertools.count(1)
 
     def make(work: Work, tokenizer: Tokenizer) -> OpenAIFormatter:
+        choice = work.options.get("choice")
+        if choice is not None:  # a choice of several: the request's id and time, its own index
+            first: OpenAIFormatter = choice[0]
+            return OpenAIFormatter(
+                work.options["openai"], tokenizer, str(first.answer.request_id), first.answer.created, choice[1]
+            )
         return OpenAIFormatter(work.options["openai"], tokenizer, f"ep{next(ids)}", int(clock()))
 
     return make

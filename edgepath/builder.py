@@ -647,6 +647,7 @@ def build_edge(
         int(time.time()),
         logprobs=model_side,
         grammars=model_side,
+        choices=most_choices(agent),
     )
     openai_format = formatter_factory(time.time)
     return EdgeService(
@@ -661,6 +662,16 @@ def build_edge(
         formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
         supervision=supervision,
     )
+
+
+def most_choices(agent: AgentPort) -> int:
+    """The most choices (OpenAI's ``n``) one request may ask for: its n slots are claimed together on one slot
+    server, so no more than the largest has (and frames to hold them).  Behind an agent process, which publishes
+    only the sum of its servers' slots, that sum: a group larger than each of them is refused by the agent."""
+    counts = [server.total_slots for server in agent.servers()]
+    known = [count for count in counts if count is not None]
+    slots = max(known) if known and len(known) == len(counts) else agent.free_slots()[1]
+    return max(1, min(slots, agent.frames.count))
 
 
 def served_model_name(edge: EdgeSettings, tokenizer: Tokenizer) -> str:

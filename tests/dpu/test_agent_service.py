@@ -273,3 +273,51 @@ def test_a_slot_server_that_stops_turning_is_reported_to_the_edge_with_the_frame
     assert eventually(lambda: not client.poll() and index not in client.book.inflight, 10.0)
     assert client.delivery_stats.late == 1
     assert eventually(lambda: server.poll_once(0.0) > 0 and client.links_health()[0].state is LinkState.UP, 10.0)
+
+
+def _group(client: AgentClient, n: int, tokens: list[int]) -> list[int]:
+    frames = []
+    for k in range(n):
+        index = client.acquire()
+        assert index is not None
+        write_request(client.frames, index, tokens, request_id=200 + k, max_new_tokens=CAP)
+        frames.append(index)
+    assert client.submit_group(frames) is None  # answered through the frames
+    return frames
+
+
+def _finals(client: AgentClient, frames: list[int], timeout: float = 10.0) -> dict[int, Delivery]:
+    """The final delivery of each of ``frames`` (a group's answers come in any order)."""
+    got: dict[int, Delivery] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(got) < len(frames):
+        got |= {d.index: d for d in client.poll(timeout=0.2) if d.final and d.index in frames}
+    return got
+
+
+def test_a_group_of_choices_is_claimed_together_by_the_agent_process(serve, agent_process, clients) -> None:
+    server = serve(PacedEcho(0.05), slots=3, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    frames = _group(client, 3, [4, 5, 6])
+    assert sorted(_finals(client, frames)) == sorted(frames)
+    for index in frames:
+        assert int(client.frames.results[index]["status"]) == Status.OK
+        assert client.frames.outputs[index, :3].tolist() == [4, 5, 6]
+    assert running.agent.links[0].stats.claims == 3
+
+
+def test_a_group_the_agent_process_cannot_claim_whole_is_refused_in_every_frame(serve, agent_process, clients) -> None:
+    server = serve(PacedEcho(0.05), slots=3, cap=CAP)
+    running = agent_process(server.address)
+    client = clients(running.service.address)
+    busy = _submit(client, list(range(10)))
+    frames = _group(client, 3, [1, 2])
+    finals = _finals(client, frames)
+    assert sorted(finals) == sorted(frames) and all(d.count == 0 for d in finals.values())
+    for index in frames:
+        assert int(client.frames.results[index]["status"]) == Status.NO_SLOT
+    link = running.agent.links[0]
+    assert link.stats.unclaims == 2 and link.stats.claims == 3  # the two it got, given back
+    assert _answers(client, busy)[-1].final
+    assert eventually(lambda: server.pool.free_count() == 3, 5.0)

@@ -39,6 +39,7 @@ from edgepath.edge.openai import (
     text_completion,
 )
 from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
+from edgepath.edge.sampling import show
 
 MODEL = "smollm2-135m"
 LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
@@ -259,9 +260,6 @@ def test_stream_and_stream_options() -> None:
 @pytest.mark.parametrize(
     ("kind", "name", "value"),
     [
-        ("completion", "n", 2),
-        ("completion", "n", 0),
-        ("chat", "n", 3),
         ("completion", "best_of", 2),
         ("completion", "echo", True),
         ("completion", "suffix", "tail"),
@@ -282,6 +280,25 @@ def test_options_that_change_the_answer_are_refused_by_name(kind: str, name: str
     assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", name, "unsupported_parameter")
     assert err.message.startswith(f"'{name}' = ")
     assert "allowed:" in err.message
+
+
+def test_n_asks_for_choices_up_to_the_slots_a_request_may_hold() -> None:
+    four = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL,), choices=4)
+    body = {"model": MODEL, "prompt": "hi"}
+    assert parse_completion_request({**body, "n": 4}, four).n == 4
+    assert (
+        parse_chat_request({**body, "prompt": None, "messages": [{"role": "user", "content": "hi"}], "n": 2}, four).n
+        == 2
+    )
+    assert completion().n == completion(n=None).n == completion(n=1).n == 1
+    for bad in (0, -1, 5, 2.0, 1.5, True, "2", [2]):
+        with pytest.raises(OpenAIError) as info:
+            parse_completion_request({**body, "n": bad}, four)
+        err = info.value
+        assert (err.status, err.param, err.code) == (400, "n", "invalid_value")
+        assert err.message.startswith("'n' must be an integer in 1..4 (") and err.message.endswith(f"got {show(bad)}")
+    err = refused(chat, n=2)  # limits of one choice
+    assert (err.param, err.code) == ("n", "invalid_value") and "in 1..1 (" in err.message
 
 
 @pytest.mark.parametrize(
@@ -671,7 +688,7 @@ def test_openai_client_maps_our_errors(client_for: Any) -> None:
         client_for(err.status, err.body(), b"application/json").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
         )
-    assert (info.value.code, info.value.param) == ("unsupported_parameter", "n")
+    assert (info.value.code, info.value.param) == ("invalid_value", "n")
     busy = OpenAIError.of(openai_core().no_slot())  # what the server answers when no slot is free
     with pytest.raises(openai.RateLimitError) as limited:
         client_for(busy.status, busy.body(), b"application/json", busy.headers).completions.create(

@@ -17,6 +17,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 from helpers.model import stream_of
 
 from edgepath.contract.wire import Sampling
+from edgepath.edge.choices import choice_sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path, deterministic_libs
 from edgepath.model.known_answer import BATCH_TOLERANCE
@@ -172,6 +173,31 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(tok, refere
         assert handler.stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - shared
         for slot, prompt in enumerate(prompts):
             assert slots.outputs[slot, : final[slot].count].tolist() == reference(prompt)
+    finally:
+        handler.close()
+
+
+def test_the_n_choices_of_one_prompt_compute_it_once(tok) -> None:
+    """OpenAI's ``n``: the same prompt in four slots at once, each choice with its own seed (the edge's
+    ``seed + index``) -- the first computes the prompt, the three others copy it and compute only its last token
+    (whose logits they sample from), then each samples its own answer."""
+    handler = LlamaHandler.from_config(HandlerConfig(4, IN_CAP, OUT_CAP, BASE))
+    slots = Slots(handler)
+    try:
+        prompt = chat(tok, "Tell me about the night train.")
+        for choice in range(4):
+            slots.inputs[choice, : len(prompt)] = prompt
+            sampling = choice_sampling(Sampling(temperature=1.0, seed=5), choice)
+            request = SlotRequest(
+                choice, choice, OUT_CAP, 0, slots.inputs[choice, : len(prompt)], slots.outputs[choice], sampling
+            )
+            assert handler.add(request, 0.0) == []
+        final = slots.drive()
+        assert [final[c].cached_tokens for c in range(4)] == [0] + [len(prompt) - 1] * 3
+        assert handler.book.stats.shared == 3
+        assert handler.stats.prompt_tokens == len(prompt) + 3  # once, and one token for each other choice
+        answers = {tuple(slots.outputs[c, : final[c].count].tolist()) for c in range(4)}
+        assert len(answers) > 1  # sampled with their own seeds, the choices differ
     finally:
         handler.close()
 

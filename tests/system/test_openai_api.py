@@ -4,6 +4,7 @@ echo (one token per 20 ms), so streaming, stop strings and cancellation are visi
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -108,8 +109,8 @@ def test_stop_string_trims_the_text_and_ends_the_slot(client: openai.OpenAI, tcp
 
 
 def test_unsupported_options_are_refused_naming_the_option(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="'n'"):
-        client.completions.create(model="echo", prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be an integer in 1\.\.4 .*got 5"):
+        client.completions.create(model="echo", prompt="hi", n=5)  # more choices than the slots of a slot server
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model="echo", prompt="hi", logprobs=2)
     with pytest.raises(openai.NotFoundError):
@@ -159,3 +160,23 @@ def test_http3_stream_arrives_in_pieces_with_a_client_that_is_not_ours(quic_edge
     events = [line for line in bytes(body).split(b"\n\n") if line]
     assert events[-1] == b"data: [DONE]" and len(events) > 4
     assert len(arrivals) > 2 and arrivals[-1] - arrivals[0] > 2 * TOKEN_DELAY  # the first event well before the last
+
+
+def test_n_choices_stream_over_http3_each_with_its_index(quic_edge: RunningEdge) -> None:
+    from curl_cffi import CurlHttpVersion, requests
+
+    r = requests.post(
+        f"https://localhost:{quic_edge.port}/v1/completions",
+        json={"model": "echo", "prompt": "three echoes", "max_tokens": 16, "n": 3, "stream": True},
+        http_version=CurlHttpVersion.V3ONLY,
+        verify=str(default_certificate()),
+        timeout=30,
+    )
+    assert r.status_code == 200
+    events = [line for line in r.content.split(b"\n\n") if line]
+    assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1
+    texts: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in json.loads(event.removeprefix(b"data: "))["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert sorted(texts) == [0, 1, 2] and all("three echoes" in text for text in texts.values())
