@@ -190,6 +190,12 @@ class LlamaOptions:
         "attends over every sequence's cells, so decode steps slow down with the sum of contexts",
         **_choice(off=False, on=True),
     )
+    compact: bool = _knob(
+        True,
+        help="on|off: when a stream ends between decoding ones, move one of them into the gap (llama.cpp computes a "
+        "step in one micro-batch per run of consecutive sequence ids)",
+        **_choice(on=True, off=False),
+    )
     prefix_cache: bool = _knob(
         True,
         help="on|off: reuse the KV of finished requests for prompts that start the same",
@@ -916,7 +922,7 @@ class LlamaHandler:
         one run, 71 ms in eight here, docs/MODEL.md), and streams that end leave gaps that new requests fill only
         under load.  The sequence's KV is copied whole (bit for bit: its next logits do not change)."""
         decoding = {s.stream: s for s in self._running.values() if s.stream >= 0 and s.prefilled == s.prompt_len}
-        if runs(decoding) < 2:
+        if not self.options.compact or runs(decoding) < 2:
             return
         movable = {
             stream: seq.prompt_len + seq.count

@@ -26,3 +26,19 @@ def test_the_table_shows_fastest_median_and_rate() -> None:
     assert text[2] == "| prefill 1 tokens | 1 | 12.0 (37.0) | 83 |"
     assert text[4] == "| decode 8 sequences | 8 | 26.0 (51.0) | 308 |"
     assert text[5] == "| 16 prompt tokens + decoding | 23 | 56.0 (81.0) | 411 |"
+
+
+def test_the_serving_steps_report_counts_the_band_per_kind_of_step() -> None:
+    from edgepath.bench.serving_steps import Measured, report
+
+    measured = [
+        Measured(0, 8, 1, 30.0, 30.0, 29.0),  # decode only: on the mark
+        Measured(0, 8, 2, 45.0, 30.0, 44.0),  # two micro-batches: the calibration 1.5x short, online close
+        Measured(64, 7, 2, 100.0, 200.0, 110.0),  # both: the calibration 2x over
+    ]
+    totals = {"decoded": 23, "llama_decode_s": 0.175, "moves": 1, "moves_s": 0.004}
+    text = report(measured, totals).splitlines()
+    assert text[2] == "| all | 3 | 1.00, 33.3 % | 1.02, 100.0 % |"
+    assert text[3] == "| decode only | 2 | 1.25, 50.0 % | 1.03, 100.0 % |"
+    assert text[4] == "| prompt and decode | 1 | 0.50, 0.0 % | 0.91, 100.0 % |"
+    assert text[-1].startswith("decode-only steps in more than one micro-batch: 1 of 2; 23 tokens decoded")

@@ -9,6 +9,7 @@ import json
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,3 +163,60 @@ def test_usage_log_lines_sum_to_the_answers_usage_and_quota_headers_come_with_ev
         for field, usage_field in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens")):
             assert sum(line[field] for line in mine) == sum(u[usage_field] for u in usages) > 0
     assert {line["finish"] for line in lines} <= {"stop", "length"}
+
+
+def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_and_none_twice(
+    edgepath_process: Callable[..., Child], tmp_path: Path
+) -> None:
+    """Eight clients loop on completions; the serve process is killed (SIGKILL, no clean-up) mid-load.  Every
+    request that got its answer has exactly one line, with the answer's usage; no line is written twice; lines of
+    requests the kill cut off (ended, line written, answer not yet sent) are at most the requests in flight.  (The
+    line's ``request_id`` is the edge's, not the answer's ``id``: lines and answers are matched by their tokens.)"""
+    log = tmp_path / "usage.jsonl"
+    serve, port = start_serve_tcp(
+        edgepath_process,
+        "--handler",
+        "paced-echo",
+        "--handler-option",
+        "token_delay=0.01",
+        "--served-model-name",
+        MODEL,
+        "--usage-log",
+        str(log),
+    )
+    answered: list[dict] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                status, doc, _ = complete(port, "", f"client {n} request {i}", 6)
+            except (OSError, http.client.HTTPException, json.JSONDecodeError):
+                return  # the server is gone
+            if status == 200:
+                with lock:
+                    answered.append(doc["usage"])
+
+    clients = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for thread in clients:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(answered) < 40:  # well into the load
+        assert time.monotonic() < deadline and any(t.is_alive() for t in clients), "no load got through"
+        time.sleep(0.05)
+    serve.kill()
+    serve.wait(timeout=20)
+    stop.set()
+    for thread in clients:
+        thread.join(timeout=30)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole JSON
+    ids = [line["request_id"] for line in lines]
+    assert len(ids) == len(set(ids))  # none twice
+    # none lost: every answer's usage has its line (the prompts differ in length, so the pairs tell them apart)
+    logged = Counter((line["prompt_tokens"], line["completion_tokens"]) for line in lines)
+    wanted = Counter((usage["prompt_tokens"], usage["completion_tokens"]) for usage in answered)
+    assert not wanted - logged, wanted - logged
+    assert len(lines) - len(answered) <= len(clients)  # cut off between its line and its answer
