@@ -70,9 +70,7 @@ def container_env(
     return env
 
 
-def resolve_references(
-    container: dict[str, Any], pod: str, namespace: str, secrets: dict[str, dict[str, str]]
-) -> None:
+def resolve_references(container: dict[str, Any], pod: str, namespace: str, secrets: dict[str, dict[str, str]]) -> None:
     """Each ``env`` entry taken from a Secret's key or from the pod's name or namespace made a literal value, as
     the kubelet hands it over (podman 4.3 knows no ``metadata.namespace`` field reference)."""
     fields = {"metadata.name": pod, "metadata.namespace": namespace}
