@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from containers.podman_pods import INIT_TYPE, to_podman
+from containers.podman_pods import INIT_TYPE, expand, to_podman
 
 from edgepath.cli import build_parser
 from edgepath.transports.base import DEFAULT_HANG_TIMEOUT
@@ -209,3 +209,8 @@ def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_line
                 assert {"name": "EDGEPATH_API_KEYS", "value": "edgepath-one-node-test-key"} in container["env"]
         if pod["spec"].get("initContainers"):
             assert pod["metadata"]["annotations"][INIT_TYPE] == "always"
+
+
+def test_variables_expand_as_a_kubelet_expands_them() -> None:
+    # defined: replaced; $$: a literal $ (so $$(A) stays as written); undefined: left as it is
+    assert expand("$(A)-$$(A)-$(B)-$$", {"A": "x"}) == "x-$(A)-$(B)-$"
