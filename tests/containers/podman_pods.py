@@ -3,8 +3,9 @@ runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
 
 * a StatefulSet becomes its pods, ``NAME-0`` .. ``NAME-(replicas-1)`` (the names a StatefulSet gives them, which
   the one-node overlay's slot servers use for their socket paths), a Deployment its pods ``NAME-0`` ..;
-* an ``env`` value from a Secret's key, the pod's name or its namespace becomes that value (podman 4.3 reads
-  ``secretKeyRef`` from a podman secret of its own format instead, and knows no ``metadata.namespace``);
+* every ``env`` value becomes a literal: a Secret's or ConfigMap's key, the pod's name or namespace (podman 4.3
+  reads ``secretKeyRef`` from a podman secret of its own format instead, and knows no ``metadata.namespace``);
+  one known only once the pod runs (``status.podIP``) is an error;
 * ``$(VAR)`` in ``command`` and ``args`` is expanded as the kubelet does (Kubernetes' "dependent environment
   variables": the container's ``env`` and the ConfigMaps of its ``envFrom``, ``metadata.name`` and
   ``metadata.namespace`` field references; ``$$`` is a literal ``$``; an undefined one stays as written);
@@ -25,8 +26,6 @@ from typing import Any
 
 import yaml
 
-#: kinds podman kube play runs or reads (podman-kube-play(1), "supported Kubernetes kinds")
-PODMAN_KINDS = ("Pod", "ConfigMap")
 CONTROLLERS = ("StatefulSet", "Deployment")
 #: podman's init-container kind: "always" runs them at every start of the pod, as a kubelet does; podman 4.3's
 #: default, "once", fails kube play when it removes one that has just run ("container state improper")
@@ -45,44 +44,35 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _VARIABLE.sub(one, text)
 
 
-def container_env(
-    container: dict[str, Any], pod: str, namespace: str, config_maps: dict[str, dict[str, str]]
+def resolve_env(
+    container: dict[str, Any],
+    fields: dict[str, str],
+    config_maps: dict[str, dict[str, str]],
+    secrets: dict[str, dict[str, str]],
 ) -> dict[str, str]:
-    """The variables ``$(VAR)`` may name in ``container``'s command line: its ConfigMaps' keys, then its ``env``
-    in order (each may use those before it)."""
+    """Make every ``env`` entry of ``container`` a literal value as the kubelet hands it over -- a Secret's or
+    ConfigMap's key, a field reference of ``fields`` (podman 4.3 knows no ``metadata.namespace``), ``$(VAR)``s of
+    the entries before it expanded -- and return the variables its command line may name: its ``envFrom``
+    ConfigMaps' keys, then its ``env`` in order."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", ()):
         ref = source.get("configMapRef")
         if ref is not None:
             env.update(config_maps.get(ref["name"], {}))
-    fields = {"metadata.name": pod, "metadata.namespace": namespace}
     for var in container.get("env", ()):
-        if "value" in var:
-            env[var["name"]] = expand(str(var["value"]), env)
-            continue
-        source = var.get("valueFrom", {})
-        if "fieldRef" in source and source["fieldRef"]["fieldPath"] in fields:
-            env[var["name"]] = fields[source["fieldRef"]["fieldPath"]]
+        source = var.pop("valueFrom", None)
+        if source is None:
+            value = expand(str(var.get("value", "")), env)
+        elif "secretKeyRef" in source:
+            value = secrets[source["secretKeyRef"]["name"]][source["secretKeyRef"]["key"]]
         elif "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            if ref["key"] in config_maps.get(ref["name"], {}):
-                env[var["name"]] = config_maps[ref["name"]][ref["key"]]
-    return env
-
-
-def resolve_references(container: dict[str, Any], pod: str, namespace: str, secrets: dict[str, dict[str, str]]) -> None:
-    """Each ``env`` entry taken from a Secret's key or from the pod's name or namespace made a literal value, as
-    the kubelet hands it over (podman 4.3 knows no ``metadata.namespace`` field reference)."""
-    fields = {"metadata.name": pod, "metadata.namespace": namespace}
-    for var in container.get("env", ()):
-        source = var.get("valueFrom", {})
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            var.pop("valueFrom")
-            var["value"] = secrets[ref["name"]][ref["key"]]
+            value = config_maps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
         elif source.get("fieldRef", {}).get("fieldPath") in fields:
-            var.pop("valueFrom")
-            var["value"] = fields[source["fieldRef"]["fieldPath"]]
+            value = fields[source["fieldRef"]["fieldPath"]]
+        else:
+            raise ValueError(f"env {var['name']}: {source} is not known before the pod runs (podman cannot give it)")
+        var["value"] = env[var["name"]] = value
+    return env
 
 
 def pods_of(
@@ -99,8 +89,8 @@ def pods_of(
         spec.setdefault("restartPolicy", "Always")
         spec.setdefault("hostname", pod_name)
         for container in (*spec.get("initContainers", ()), *spec["containers"]):
-            resolve_references(container, pod_name, namespace, secrets)
-            env = container_env(container, pod_name, namespace, config_maps)
+            fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+            env = resolve_env(container, fields, config_maps, secrets)
             for key in ("command", "args"):
                 if key in container:
                     container[key] = [expand(str(part), env) for part in container[key]]
@@ -125,8 +115,6 @@ def to_podman(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for doc in docs:
         if doc["kind"] in CONTROLLERS:
             out.extend(pods_of(doc, config_maps, secrets))
-        elif doc["kind"] == "Pod":
-            out.extend(pods_of({"metadata": doc["metadata"], "spec": {"template": doc}}, config_maps, secrets))
     return out
 
 
