@@ -64,15 +64,23 @@ def resolve_env(
         if source is None:
             value = expand(str(var.get("value", "")), env)
         elif "secretKeyRef" in source:
-            value = secrets[source["secretKeyRef"]["name"]][source["secretKeyRef"]["key"]]
+            value = _key(secrets, "Secret", source["secretKeyRef"], var["name"])
         elif "configMapKeyRef" in source:
-            value = config_maps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
+            value = _key(config_maps, "ConfigMap", source["configMapKeyRef"], var["name"])
         elif source.get("fieldRef", {}).get("fieldPath") in fields:
             value = fields[source["fieldRef"]["fieldPath"]]
         else:
             raise ValueError(f"env {var['name']}: {source} is not known before the pod runs (podman cannot give it)")
         var["value"] = env[var["name"]] = value
     return env
+
+
+def _key(objects: dict[str, dict[str, str]], kind: str, ref: dict[str, str], var: str) -> str:
+    """The value of key ``ref["key"]`` of the ``kind`` named ``ref["name"]`` among the manifests."""
+    try:
+        return objects[ref["name"]][ref["key"]]
+    except KeyError:
+        raise ValueError(f"env {var}: no {kind} {ref['name']} with key {ref['key']} among the manifests") from None
 
 
 def pods_of(

@@ -214,3 +214,12 @@ def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_line
 def test_variables_expand_as_a_kubelet_expands_them() -> None:
     # defined: replaced; $$: a literal $ (so $$(A) stays as written); undefined: left as it is
     assert expand("$(A)-$$(A)-$(B)-$$", {"A": "x"}) == "x-$(A)-$(B)-$"
+
+
+def test_what_podman_cannot_be_given_is_refused_naming_it() -> None:
+    objects = render("gpu-rdma")
+    config = [doc for (kind, _), doc in objects.items() if kind == "ConfigMap"]
+    with pytest.raises(ValueError, match=r"POD_IP.*status\.podIP"):  # rdma_cm listens on $(POD_IP): none before
+        to_podman([*config, objects["StatefulSet", "edgepath-slots"]])
+    with pytest.raises(ValueError, match="EDGEPATH_API_KEYS: no Secret edgepath-api-keys with key keys"):
+        to_podman([*config, objects["Deployment", "edgepath-edge"]])  # gpu-rdma's Secrets are the user's to create
