@@ -18,6 +18,7 @@ from edgepath.config import (
     AgentServiceSettings,
     ChatSettings,
     DemoSettings,
+    ProbeSettings,
     RequestSettings,
     ServeOptions,
     SlotServerSettings,
@@ -143,12 +144,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return asyncio.run(chat(from_args(ChatSettings, args)))
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from edgepath.builder import data_path_transport
+    from edgepath.dpu.probe import probe
+
+    settings = from_args(ProbeSettings, args)
+    transport = data_path_transport(settings.data_path, settings.hang_timeout)
+    verdict = probe(transport, settings.address, settings.hang_timeout, ready=settings.ready)
+    print(verdict.reason, file=sys.stdout if verdict.passed else sys.stderr)
+    return 0 if verdict.passed else 1
+
+
 #: the entry-point group through which other distributions add commands (``edgepath-bench``: ``edgepath bench``)
 COMMANDS = "edgepath.commands"
 
 
 #: the commands this package defines itself (the others come from :data:`COMMANDS` entry points)
-BUILT_IN = ("slot-server", "agent", "demo", "serve", "request", "chat")
+BUILT_IN = ("slot-server", "agent", "demo", "serve", "request", "chat", "probe")
 
 #: what ``edgepath --help`` says: what the program is for and how to start, for its users
 DESCRIPTION = """\
@@ -206,6 +218,16 @@ def build_parser(added: bool = True) -> argparse.ArgumentParser:
         ("agent", "run an agent alone: it claims slots and writes requests for edges", AgentServiceSettings, cmd_agent),
         ("demo", "run the whole data path in one process, without a model, and report", DemoSettings, cmd_demo),
     )
+    p = sub.add_parser(
+        "probe",
+        help="check a slot server as its agents do (a container's liveness or readiness probe); exit 0 if it passes",
+        description="Attach to a running slot server as an agent does (its pool verified), wait for its heartbeat "
+        "to move (at most --hang-timeout seconds) and let go: exit 0 when it passes, 1 with the reason when not. "
+        "With --ready, a draining slot server (SIGTERM) fails too.",
+    )
+    add_options(p, ProbeSettings)
+    p.set_defaults(func=cmd_probe)
+
     for name, help_text, settings, run in data_path_commands:
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         add_options(p, settings)

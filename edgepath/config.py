@@ -658,3 +658,22 @@ class ChatSettings:
         False, switch=True, help="after the answer, print its token counts and the server's timings on stderr"
     )
     server: ServerAddress = section(ServerAddress)
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """``edgepath probe``: a slot server checked as its agents judge it, for a container's liveness or readiness
+    probe (slot servers serve no HTTP)."""
+
+    address: str = option(
+        positional=True,
+        help="the slot server's address: its --listen (a socket path; IP:PORT with --data-path verbs)",
+    )
+    ready: bool = option(
+        False,
+        switch=True,
+        help="a readiness probe: fail too while it drains (SIGTERM); without it, a liveness probe: its pool "
+        "verified and its heartbeat moving",
+    )
+    hang_timeout: float = like(AgentSettings, "hang_timeout")
+    data_path: DataPath = section(DataPath)

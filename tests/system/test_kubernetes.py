@@ -7,6 +7,7 @@ parses, every $(VAR) one the container defines.  Nothing is deployed here (docs/
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,11 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
+from containers.podman_pods import INIT_TYPE, expand, to_podman
 
 from edgepath.cli import build_parser
+from edgepath.transports.base import DEFAULT_HANG_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
-OVERLAYS = ("one-node", "gpu-rdma")
+OVERLAYS = ("one-node", "gpu-rdma", "podman")
 pytestmark = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl is not installed: the overlays are rendered with kubectl kustomize"
 )
@@ -137,3 +140,86 @@ def test_every_command_line_is_one_edgepath_parses_and_every_variable_is_defined
             defined = {e["name"] for e in container.get("env", ())} | config
             used = {v for a in args for v in re.findall(r"\$\((\w+)\)", a)}
             assert used <= defined, (container["name"], used - defined)
+
+
+def test_the_slot_servers_are_probed_where_they_listen_as_their_agents_judge_them(overlay: tuple[str, dict]) -> None:
+    _, objects = overlay
+    (server,) = containers(objects, "StatefulSet", "edgepath-slots").values()
+    env = {key: value for (k, _), doc in objects.items() if k == "ConfigMap" for key, value in doc["data"].items()}
+    env |= {"POD_NAME": "edgepath-slots-0", "POD_IP": "10.1.2.3"}  # what the pod's field references give
+    assert {e["name"] for e in server["env"]} >= {n for n in ("POD_NAME", "POD_IP") if f"$({n})" in str(server)}
+
+    def expand(text: str, pattern: str) -> str:
+        return re.sub(pattern, lambda m: env[m.group(1)], text)  # KeyError: a variable the pod does not define
+
+    parser = build_parser()
+    served = parser.parse_args([expand(a, r"\$\((\w+)\)") for a in server["args"]])
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = server[kind]
+        shell, dash_c, line = probe["exec"]["command"]
+        assert (shell, dash_c) == ("sh", "-c")  # an exec probe's command expands no $(VAR): the shell does
+        exec_, program, *argv = shlex.split(expand(line, r"\$(\w+)"))
+        assert (exec_, program) == ("exec", "edgepath")
+        settings = parser.parse_args(argv)
+        assert settings.command == "probe"
+        assert settings.address == served.listen  # where the slot server listens, over its data path
+        assert (settings.data_path, settings.device, settings.gid_index) == (
+            served.data_path,
+            served.device,
+            served.gid_index,
+        )
+        assert settings.ready == (kind == "readinessProbe")  # a draining server is alive, not ready
+        assert probe["timeoutSeconds"] > DEFAULT_HANG_TIMEOUT  # the probe may wait a hang timeout for a heartbeat
+    assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 300  # model load
+
+
+def test_the_edges_carry_the_engine_type_an_inference_pool_reads_their_metrics_by(overlay: tuple[str, dict]) -> None:
+    _, objects = overlay
+    labels = objects["Deployment", "edgepath-edge"]["spec"]["template"]["metadata"]["labels"]
+    # /metrics carries vLLM's names (edge/metrics.py): the Gateway API Inference Extension's label and llm-d's
+    assert labels["inference.networking.k8s.io/engine-type"] == "vllm"
+    assert labels["llm-d.ai/engine-type"] == "vllm"
+
+
+def test_the_podman_overlay_publishes_the_edge_on_the_hosts_loopback_address() -> None:
+    edge = containers(render("podman"), "Deployment", "edgepath-edge")
+    ports = {
+        (p["containerPort"], p["protocol"]): (p["hostIP"], p["hostPort"]) for c in edge.values() for p in c["ports"]
+    }
+    assert ports == {(8080, "TCP"): ("127.0.0.1", 18080), (4433, "UDP"): ("127.0.0.1", 14433)}
+
+
+def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_lines_expanded() -> None:
+    objects = render("podman")
+    pods = {d["metadata"]["name"]: d for d in to_podman(list(objects.values())) if d["kind"] == "Pod"}
+    assert set(pods) == {"edgepath-edge-0", "edgepath-slots-0", "edgepath-slots-1"}  # one edge, two slot servers
+    kinds = {d["kind"] for d in to_podman(list(objects.values()))}
+    assert kinds == {"ConfigMap", "Pod"}  # what podman kube play runs; Services, budgets, Secrets left out
+    config = objects["ConfigMap", next(n for k, n in objects if k == "ConfigMap")]["data"]
+    for name, pod in pods.items():
+        assert pod["spec"]["restartPolicy"] == "Always" and pod["spec"]["hostname"] == name
+        for container in pod["spec"]["containers"]:
+            assert not any("$(" in part for part in container["args"])  # every $(VAR) expanded, as a kubelet does
+            for var in container.get("env", ()):
+                assert "value" in var and "valueFrom" not in var  # Secret keys and field references resolved
+            if name.startswith("edgepath-slots"):
+                assert arg(container, "--listen") == f"/run/edgepath/slots/{name}.sock"
+                assert f"model=/models/{config['EDGEPATH_MODEL']}" in container["args"]
+            else:
+                assert {"name": "EDGEPATH_API_KEYS", "value": "edgepath-one-node-test-key"} in container["env"]
+        if pod["spec"].get("initContainers"):
+            assert pod["metadata"]["annotations"][INIT_TYPE] == "always"
+
+
+def test_variables_expand_as_a_kubelet_expands_them() -> None:
+    # defined: replaced; $$: a literal $ (so $$(A) stays as written); undefined: left as it is
+    assert expand("$(A)-$$(A)-$(B)-$$", {"A": "x"}) == "x-$(A)-$(B)-$"
+
+
+def test_what_podman_cannot_be_given_is_refused_naming_it() -> None:
+    objects = render("gpu-rdma")
+    config = [doc for (kind, _), doc in objects.items() if kind == "ConfigMap"]
+    with pytest.raises(ValueError, match=r"POD_IP.*status\.podIP"):  # rdma_cm listens on $(POD_IP): none before
+        to_podman([*config, objects["StatefulSet", "edgepath-slots"]])
+    with pytest.raises(ValueError, match="EDGEPATH_API_KEYS: no Secret edgepath-api-keys with key keys"):
+        to_podman([*config, objects["Deployment", "edgepath-edge"]])  # gpu-rdma's Secrets are the user's to create

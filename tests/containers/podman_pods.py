@@ -1,0 +1,135 @@
+"""What a Kubernetes control plane does before a kubelet runs a pod, for ``podman kube play`` (podman 4.3), which
+runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
+
+* a StatefulSet becomes its pods, ``NAME-0`` .. ``NAME-(replicas-1)`` (the names a StatefulSet gives them, which
+  the one-node overlay's slot servers use for their socket paths), a Deployment its pods ``NAME-0`` ..;
+* every ``env`` value becomes a literal: a Secret's or ConfigMap's key, the pod's name or namespace (podman 4.3
+  reads ``secretKeyRef`` from a podman secret of its own format instead, and knows no ``metadata.namespace``);
+  one known only once the pod runs (``status.podIP``) is an error;
+* ``$(VAR)`` in ``command`` and ``args`` is expanded as the kubelet does (Kubernetes' "dependent environment
+  variables": the container's ``env`` and the ConfigMaps of its ``envFrom``, ``metadata.name`` and
+  ``metadata.namespace`` field references; ``$$`` is a literal ``$``; an undefined one stays as written);
+* init containers are of podman's kind "always" (see ``INIT_TYPE``);
+* what podman does not run (Namespace, Service, PodDisruptionBudget, Secret) is left out; ConfigMaps stay (podman
+  reads ``envFrom`` from them).
+
+    python tests/containers/podman_pods.py < rendered.yaml > pods.yaml
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import re
+import sys
+from typing import Any
+
+import yaml
+
+CONTROLLERS = ("StatefulSet", "Deployment")
+#: podman's init-container kind: "always" runs them at every start of the pod, as a kubelet does; podman 4.3's
+#: default, "once", fails kube play when it removes one that has just run ("container state improper")
+INIT_TYPE = "io.podman.annotations.init.container.type"
+_VARIABLE = re.compile(r"\$\$|\$\((\w+)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """``text`` with each ``$(VAR)`` defined in ``env`` replaced, ``$$`` made ``$`` (the kubelet's rule)."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _VARIABLE.sub(one, text)
+
+
+def resolve_env(
+    container: dict[str, Any],
+    fields: dict[str, str],
+    config_maps: dict[str, dict[str, str]],
+    secrets: dict[str, dict[str, str]],
+) -> dict[str, str]:
+    """Make every ``env`` entry of ``container`` a literal value as the kubelet hands it over -- a Secret's or
+    ConfigMap's key, a field reference of ``fields`` (podman 4.3 knows no ``metadata.namespace``), ``$(VAR)``s of
+    the entries before it expanded -- and return the variables its command line may name: its ``envFrom``
+    ConfigMaps' keys, then its ``env`` in order."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", ()):
+        ref = source.get("configMapRef")
+        if ref is not None:
+            env.update(config_maps.get(ref["name"], {}))
+    for var in container.get("env", ()):
+        source = var.pop("valueFrom", None)
+        if source is None:
+            value = expand(str(var.get("value", "")), env)
+        elif "secretKeyRef" in source:
+            value = _key(secrets, "Secret", source["secretKeyRef"], var["name"])
+        elif "configMapKeyRef" in source:
+            value = _key(config_maps, "ConfigMap", source["configMapKeyRef"], var["name"])
+        elif source.get("fieldRef", {}).get("fieldPath") in fields:
+            value = fields[source["fieldRef"]["fieldPath"]]
+        else:
+            raise ValueError(f"env {var['name']}: {source} is not known before the pod runs (podman cannot give it)")
+        var["value"] = env[var["name"]] = value
+    return env
+
+
+def _key(objects: dict[str, dict[str, str]], kind: str, ref: dict[str, str], var: str) -> str:
+    """The value of key ``ref["key"]`` of the ``kind`` named ``ref["name"]`` among the manifests."""
+    try:
+        return objects[ref["name"]][ref["key"]]
+    except KeyError:
+        raise ValueError(f"env {var}: no {kind} {ref['name']} with key {ref['key']} among the manifests") from None
+
+
+def pods_of(
+    controller: dict[str, Any], config_maps: dict[str, dict[str, str]], secrets: dict[str, dict[str, str]]
+) -> list[dict[str, Any]]:
+    """The pods a StatefulSet or Deployment would make, their command lines expanded."""
+    name = controller["metadata"]["name"]
+    namespace = controller["metadata"].get("namespace", "default")
+    template = controller["spec"]["template"]
+    pods = []
+    for ordinal in range(int(controller["spec"].get("replicas", 1))):
+        pod_name = f"{name}-{ordinal}"
+        spec = copy.deepcopy(template["spec"])
+        spec.setdefault("restartPolicy", "Always")
+        spec.setdefault("hostname", pod_name)
+        for container in (*spec.get("initContainers", ()), *spec["containers"]):
+            fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
+            env = resolve_env(container, fields, config_maps, secrets)
+            for key in ("command", "args"):
+                if key in container:
+                    container[key] = [expand(str(part), env) for part in container[key]]
+        metadata = {**copy.deepcopy(template.get("metadata", {})), "name": pod_name, "namespace": namespace}
+        if spec.get("initContainers"):
+            metadata.setdefault("annotations", {})[INIT_TYPE] = "always"
+        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+    return pods
+
+
+def secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    """A Secret's keys and values: ``data`` base64-decoded, ``stringData`` as is."""
+    values = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    return {**values, **secret.get("stringData", {})}
+
+
+def to_podman(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ConfigMaps and pods of rendered manifests ``docs``, as podman kube play runs them."""
+    config_maps = {d["metadata"]["name"]: dict(d.get("data", {})) for d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"]: secret_data(d) for d in docs if d["kind"] == "Secret"}
+    out = [d for d in docs if d["kind"] == "ConfigMap"]
+    for doc in docs:
+        if doc["kind"] in CONTROLLERS:
+            out.extend(pods_of(doc, config_maps, secrets))
+    return out
+
+
+def main() -> None:
+    docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+    yaml.safe_dump_all(to_podman(docs), sys.stdout, sort_keys=False)
+
+
+if __name__ == "__main__":
+    main()
