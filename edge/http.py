@@ -143,6 +143,9 @@ class Formatter(Protocol):
 
     watch: bool
     done: bool
+    #: the ``id`` the answer carries when it is not the edge's request id (OpenAI's ``cmpl-…``), so the usage log
+    #: can name it; None when the answer carries the request id itself
+    answer_id: str | None
 
     def complete(self, outcome: Outcome) -> Response:
         """The whole answer of a non-streamed request."""
@@ -591,6 +594,7 @@ class GenerateFormatter:
         self._decode = decode
         self.watch: bool = False  # /v1/generate has no stop strings: the model decides when it is done
         self.done: bool = False
+        self.answer_id: str | None = None  # its answer's id is the edge's request id
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:

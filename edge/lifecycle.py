@@ -879,6 +879,7 @@ class EdgeLifecycle:
                     finish,
                     None if first is None else round(first / 1e6, 3),
                     None if wait is None else round(wait / 1e6, 3),
+                    None if t.formatter is None else t.formatter.answer_id,
                 )
             )
 

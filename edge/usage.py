@@ -34,6 +34,7 @@ class Usage:
     finish: str  # stop, length, cancelled (client gone), failed, timeout
     ttft_ms: float | None  # receive -> first output token at the edge (None: no output)
     wait_ms: float | None  # of it, the wait: ttft minus its own uncached prompt on an idle server
+    answer_id: str | None = None  # the answer's "id" where it is not request_id (OpenAI's cmpl-…, chatcmpl-…)
 
     def line(self, time: float) -> bytes:
         """The JSON line, ``time`` (Unix seconds) first."""

@@ -9,7 +9,6 @@ import json
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,8 +169,8 @@ def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_an
 ) -> None:
     """Eight clients loop on completions; the serve process is killed (SIGKILL, no clean-up) mid-load.  Every
     request that got its answer has exactly one line, with the answer's usage; no line is written twice; lines of
-    requests the kill cut off (ended, line written, answer not yet sent) are at most the requests in flight.  (The
-    line's ``request_id`` is the edge's, not the answer's ``id``: lines and answers are matched by their tokens.)"""
+    requests the kill cut off (ended, line written, answer not yet sent) are at most the requests in flight.  A line
+    names the answer's ``id`` (``answer_id``)."""
     log = tmp_path / "usage.jsonl"
     serve, port = start_serve_tcp(
         edgepath_process,
@@ -184,7 +183,7 @@ def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_an
         "--usage-log",
         str(log),
     )
-    answered: list[dict] = []
+    answered: dict[str, dict] = {}
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -198,7 +197,7 @@ def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_an
                 return  # the server is gone
             if status == 200:
                 with lock:
-                    answered.append(doc["usage"])
+                    answered[doc["id"]] = doc["usage"]
 
     clients = [threading.Thread(target=client, args=(n,)) for n in range(8)]
     for thread in clients:
@@ -215,8 +214,8 @@ def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_an
     lines = [json.loads(line) for line in log.read_text().splitlines()]  # every line whole JSON
     ids = [line["request_id"] for line in lines]
     assert len(ids) == len(set(ids))  # none twice
-    # none lost: every answer's usage has its line (the prompts differ in length, so the pairs tell them apart)
-    logged = Counter((line["prompt_tokens"], line["completion_tokens"]) for line in lines)
-    wanted = Counter((usage["prompt_tokens"], usage["completion_tokens"]) for usage in answered)
-    assert not wanted - logged, wanted - logged
+    by_answer = {line["answer_id"]: line for line in lines}
+    for answer_id, usage in answered.items():  # none lost: every answer has its line, with its usage
+        assert by_answer[answer_id]["prompt_tokens"] == usage["prompt_tokens"]
+        assert by_answer[answer_id]["completion_tokens"] == usage["completion_tokens"]
     assert len(lines) - len(answered) <= len(clients)  # cut off between its line and its answer
