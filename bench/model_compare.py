@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -85,6 +84,7 @@ from edgepath.bench.model_workload import Workload
 from edgepath.bench.proc import tree_cpu_seconds
 from edgepath.children import free_port
 from edgepath.dpu.agent import DEFAULT_MAX_WAIT
+from edgepath.edge.retry import advised_wait, retry_delay
 
 
 # -- systems --------------------------------------------------------------------------------------------
@@ -295,16 +295,12 @@ EDGE_STAGES = ("queue", "parse", "tokenize", "write", "claim", "doorbell")
 
 
 def read_headers(out: Outcome, headers: Iterable[tuple[bytes, bytes]]) -> None:
-    """edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up to the doorbell, the wait it
-    measured, its own time to first token and the agent's prediction of it."""
+    """A 429's advice on when to retry, and edgepath's ``server-timing`` (``name;dur=MS``): the edge's stages up
+    to the doorbell, the wait it measured, its own time to first token and the agent's prediction of it."""
+    headers = list(headers)
+    out.retry_after_s = advised_wait({name.decode(): value.decode() for name, value in headers})
     for name, value in headers:
-        if name == b"retry-after-ms":
-            with contextlib.suppress(ValueError):  # what the SDK ignores, so does this client
-                out.retry_after_s = float(value) / 1e3
-        elif name == b"retry-after" and out.retry_after_s is None:
-            with contextlib.suppress(ValueError):
-                out.retry_after_s = float(value)
-        elif name == b"server-timing":
+        if name == b"server-timing":
             stages = {k: float(v) for k, v in re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode())}
             if any(stage in stages for stage in EDGE_STAGES):
                 out.edge_ms = sum(stages.get(stage, 0.0) for stage in EDGE_STAGES)
@@ -394,19 +390,6 @@ async def _stream(port: int, body: dict[str, Any], out: Outcome) -> None:
 Body = dict[str, Any]
 
 
-#: the openai Python SDK's retry schedule, as it ships (openai/_base_client.py: _calculate_retry_timeout): a 429's
-#: retry-after-ms, else Retry-After, when within 60 s; else 0.5 s x 2^n, at most 8 s, less up to a quarter at random
-SDK_RETRY_LIMIT_S, SDK_INITIAL_DELAY_S, SDK_MAX_DELAY_S = 60.0, 0.5, 8.0
-
-
-def sdk_retry_delay(advised: float | None, retries_so_far: int, rng: random.Random) -> tuple[float, bool]:
-    """How long the openai SDK waits before its next attempt, and whether that is the server's advice."""
-    if advised is not None and 0 < advised <= SDK_RETRY_LIMIT_S:
-        return advised, True
-    delay = min(SDK_INITIAL_DELAY_S * 2.0**retries_so_far, SDK_MAX_DELAY_S)
-    return delay * (1 - 0.25 * rng.random()), False
-
-
 async def retrying_chat(port: int, body: Body, timeout: float, max_retries: int, rng: random.Random) -> Outcome:
     """One user's call as the openai SDK makes it: retried on 429 up to ``max_retries`` times, honouring the
     server's advice.  The outcome is the last attempt's, timed from the first call (``sent``): what the user
@@ -420,7 +403,7 @@ async def retrying_chat(port: int, body: Body, timeout: float, max_retries: int,
             admitted += out.status != 429
         if out.status != 429 or attempt >= max_retries:
             break
-        delay, was_advised = sdk_retry_delay(out.retry_after_s, attempt, rng)
+        delay, was_advised = retry_delay(out.retry_after_s, attempt, rng)
         advised += was_advised
         attempt += 1
         await asyncio.sleep(delay)

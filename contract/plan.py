@@ -335,7 +335,10 @@ class CostModel:
     ``f`` stays within ``bounds``, ``c`` within ``[0, bounds[1] x prompt_ms]``; with no recent step both return
     to the calibration.  So one step slowed 15x by a neighbour moves nothing, a machine that stays 2x slower is
     followed within a few steps, and a model that learned from starved steps cannot lock admission out: it returns
-    to what was measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps)."""
+    to what was measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps).  The bounds
+    are not symmetric: neighbours make steps slower, never faster, so steps faster than calibrated are evidence
+    that the calibration itself was starved (a slot server restarted beside a busy one, in the container lane,
+    calibrated 3-5x slow) and are followed further down (1/5) than slower ones up (4x)."""
 
     #: a Huber weight's corner: a step within 25 % of the fit counts fully, beyond that less and less
     HUBER = 0.25
@@ -348,7 +351,7 @@ class CostModel:
         base: Costs,
         window: int = 64,
         horizon_s: float = 30.0,
-        bounds: tuple[float, float] = (0.5, 4.0),
+        bounds: tuple[float, float] = (0.2, 4.0),
         big: int = 4,
     ) -> None:
         if not base.known:

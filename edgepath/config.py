@@ -39,6 +39,7 @@ from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
+from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.options import (
     handler_spec,
     key_value,
@@ -656,6 +657,12 @@ class ChatSettings:
     seed: int | None = option(None, type=int, help="seed of the sampler's draws (default: the server's)")
     usage: bool = option(
         False, switch=True, help="after the answer, print its token counts and the server's timings on stderr"
+    )
+    retries: int = option(
+        DEFAULT_RETRIES,
+        type=non_negative_int,
+        help="times to ask again after a 429, as the openai SDK does: after the server's retry-after-ms (else "
+        "Retry-After) when within 60 s, else 0.5 s x 2^n; all within --timeout (default %(default)s, the SDK's)",
     )
     server: ServerAddress = section(ServerAddress)
 

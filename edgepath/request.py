@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from typing import Any
 
 from edgepath.config import ChatSettings, RequestSettings, ServerAddress
 from edgepath.edge.client import EventReader, H3Client, H3Response, h3_client
+from edgepath.edge.retry import advised_wait, retry_delay
 from edgepath.edge.tls import default_certificate
 
 
@@ -107,7 +109,8 @@ async def request(settings: RequestSettings) -> int:
 
 async def chat(settings: ChatSettings) -> int:
     """Send ``settings.prompt`` as a user message to ``/v1/chat/completions`` with ``stream: true`` and print the
-    answer's text as it arrives; 0 when it was answered, 1 for an error answer, 2 when the server cannot be had."""
+    answer's text as it arrives, asking again after a 429 as the openai SDK does (``--retries``); 0 when it was
+    answered, 1 for an error answer, 2 when the server cannot be had (within ``--timeout``, retries included)."""
     messages = [{"role": "user", "content": settings.prompt}]
     if settings.system is not None:
         messages.insert(0, {"role": "system", "content": settings.system})
@@ -126,9 +129,20 @@ async def chat(settings: ChatSettings) -> int:
                 payload["temperature"] = settings.temperature
             if settings.seed is not None:
                 payload["seed"] = settings.seed
-            response = await client.request(
-                "POST", "/v1/chat/completions", payload, timeout=settings.server.timeout, on_data=printer.feed
-            )
+            rng = random.Random()
+            for retries_so_far in range(settings.retries + 1):
+                response = await client.request(
+                    "POST", "/v1/chat/completions", payload, timeout=settings.server.timeout, on_data=printer.feed
+                )
+                if response.status != 429 or retries_so_far == settings.retries:
+                    break
+                delay, _ = retry_delay(advised_wait(response.headers), retries_so_far, rng)
+                print(
+                    f"edgepath chat: HTTP/3 429: {_error_text(response)}; asking again in {delay:.2f} s "
+                    f"({retries_so_far + 1} of --retries {settings.retries})",
+                    file=sys.stderr,
+                )
+                await asyncio.sleep(delay)
     except (Unreachable, _NoModel) as exc:
         print(f"edgepath chat: {exc}", file=sys.stderr)
         return 2

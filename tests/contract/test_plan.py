@@ -198,6 +198,20 @@ def test_one_pathological_step_moves_nothing_and_a_slower_machine_is_followed_wi
     assert model.factor == 4.0
 
 
+def test_a_calibration_starved_by_a_neighbour_is_followed_down_to_the_machine() -> None:
+    """A warm-up beside a busy neighbour measured every cost 4x too high; once steps run as the machine allows,
+    the model follows them down (admission then predicts waits as they are, not 4x over)."""
+    model = CostModel(TRUE.scaled(4.0))
+    step = Step(100, 4, 5000)
+    for i in range(40):
+        model.observe(step, TRUE.step_ms(step), now=float(i))
+    assert model.factor == pytest.approx(0.25, rel=0.02)
+    assert model.costs().step_ms(step) == pytest.approx(TRUE.step_ms(step), rel=0.02)
+    for i in range(40):  # ever faster: no further than the bound (1/5)
+        model.observe(step, TRUE.step_ms(step) / 10, now=40.0 + i)
+    assert model.factor == 0.2
+
+
 def test_the_context_cost_is_learned_from_steps_whose_contexts_differ() -> None:
     """The warm-up cannot measure it (its prompts are short); steps at contexts of a few hundred to a few thousand
     positions can, and a machine that is also 1.5x slower than calibrated is told apart from it."""

@@ -99,6 +99,38 @@ def test_chat_streams_through_the_chat_template(
     assert "HTTP/3 404" in wrong.stderr and "no-such-model" in wrong.stderr
 
 
+def test_chat_asks_again_after_a_429_as_the_openai_sdk_does(
+    edgepath_process: Callable[..., Child], private_state: Path, smollm2_gguf: str
+) -> None:
+    """With the one slot held by a streaming chat, a chat with ``--retries 0`` gets the 429 (edgepath has no
+    queue) and exits 1; one with retries waits the server's retry advice, asks again and is answered once the
+    slot is free."""
+    port = str(free_port())
+    edgepath_process(
+        "serve", "--port", port, "--slots", "1", "--handler", "paced-echo",
+        "--handler-option", "token_delay=0.3", "--tokenizer", smollm2_gguf, timeout=60,
+    )  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "edgepath", "chat", "--port", port, "--max-tokens", "30", "Hold the one slot."],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.read(1)  # its answer streams: the slot is held
+        refused = edgepath("chat", "--port", port, "--retries", "0", "Anyone free?")
+        assert refused.returncode == 1 and "HTTP/3 429" in refused.stderr, refused.stderr
+        assert "asking again" not in refused.stderr
+        answered = edgepath("chat", "--port", port, "--retries", "20", "--timeout", "55", "Anyone free?")
+        assert answered.returncode == 0, answered.stderr
+        assert "Anyone free?" in answered.stdout  # echo: the prompt the template made of it
+        assert "HTTP/3 429" in answered.stderr and "asking again in" in answered.stderr  # it was refused first
+        assert holder.wait(timeout=60) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_request_to_nothing_is_a_clear_error() -> None:
     done = edgepath("request", "--port", str(free_port()), "--timeout", "3", "anyone there?")
     assert done.returncode == 2
