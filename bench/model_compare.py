@@ -282,8 +282,11 @@ class Outcome:
         return not gaps or statistics.median(gaps) <= slo.itl_p50_s
 
     def prediction_ratio(self) -> float | None:
-        """edgepath's time to first token over what its agent predicted when it claimed the slot."""
-        actual = self.server_ttft_ms if self.server_ttft_ms is not None else _ms(self.ttft)
+        """edgepath's time to first token over what its agent predicted when it claimed the slot: its own measure
+        (Server-Timing ``first_token``), else the client's, which a retried call's earlier tries would inflate."""
+        actual = self.server_ttft_ms
+        if actual is None and self.attempts == 1:
+            actual = _ms(self.ttft)
         if not self.predicted_ttft_ms or actual is None:
             return None
         return actual / self.predicted_ttft_ms

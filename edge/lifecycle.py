@@ -600,8 +600,10 @@ class EdgeLifecycle:
         if count <= t.sent:
             return []
         self._first_tokens(t, _tokens(t.work, count - t.sent), now)
-        if t.work.stream:
-            self._waited(t, now - t.request.t_receive_ns, now)
+        if t.work.stream:  # a stream's headers leave with its first tokens: they say when that was
+            first_ns = now - t.request.t_receive_ns
+            t.timings.setdefault("first_token", first_ns)
+            self._waited(t, first_ns, now)
         work, formatter, frame = t.work, t.formatter, t.frame
         assert frame is not None and formatter is not None
         if not (work.stream or formatter.watch):

@@ -234,6 +234,7 @@ def test_a_streamed_request_starts_at_its_first_output_and_sends_only_the_new_to
     assert [type(a) for a in first] == [StartStream, SendChunk]
     start, chunk = first
     assert start.status == 200 and (b"content-type", b"text/event-stream") in start.headers
+    assert b"first_token;dur=0.004" in dict(start.headers)[b"server-timing"]  # when the first tokens left
     assert list(sse(chunk.data)) == [("message", {"token": 10}), ("message", {"token": 11})]
     assert edge.deliveries([Delivery(frame, 2, False)], now=6000) == []  # nothing new: nothing sent
     (second,) = edge.deliveries([port.produce(frame, [12])], now=7000)
