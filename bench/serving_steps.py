@@ -10,11 +10,17 @@ handler planned it with (the calibration followed online, what the load region c
 llama.cpp computed it in.
 
     python -m edgepath.bench.serving_steps [--steps 1500] [--rate 0.15] [--seed 4] [--slots 8] [--threads N]
-        [--no-compact] [--json FILE]
+        [--outputs 16-160] [--no-compact] [--json FILE]
+
+Per request, too: its time to first token (the measured steps from its arrival to its first token) against what
+the published load predicted when it arrived (the policy run forward, as admission runs it, but from the next step:
+no step is under way here) and against the same with each decoding stream's end known (its ``max_tokens``).  So the
+model side's part of admission's prediction error is told apart from the data path's and the agents'.
 
 Prints, per kind of step (decode only, prompt only, both), the median of measured ÷ predicted and the share
-within 0.75-1.33x, and the totals: steps in more than one micro-batch, decoded tokens, time in ``llama_decode``
-and in moving sequences to close gaps.  Timings depend on the machine and on what else runs on it: say where they
+within 0.75-1.33x, per request the p10/p50/p90 of measured ÷ predicted and the share in that band, and the
+totals: steps in more than one micro-batch, decoded tokens, time in ``llama_decode`` and in moving sequences to
+close gaps.  Timings depend on the machine and on what else runs on it: say where they
 were taken.
 """
 
@@ -30,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from edgepath.contract.plan import Step
+from edgepath.contract.plan import Prompt, Step, StepPolicy, _run
 from edgepath.contract.wire import Sampling
 from edgepath.model.llama import COMPACT_MIN_LEFT, LlamaHandler, LlamaOptions
 from edgepath.slots.handlers import SlotRequest
@@ -51,8 +57,23 @@ class Measured:
     online_ms: float
 
 
-def drive(options: dict[str, str], slots: int, steps: int, rate: float, seed: int) -> tuple[list[Measured], dict]:
-    """Run the handler for ``steps`` steps under the seeded arrivals; every step measured."""
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request: its time to first token (the steps from its arrival to its first token, as measured) against
+    what the published load predicted when it arrived (the policy run forward, the streams ahead decoding on) and
+    what it would have predicted knowing when each stream ahead ends (its ``max_tokens``: no stop sequence here)."""
+
+    prompt: int
+    ahead: int  # requests running when it arrived
+    ms: float
+    predicted_ms: float
+    known_ends_ms: float
+
+
+def drive(
+    options: dict[str, str], slots: int, steps: int, rate: float, seed: int, generate: tuple[int, int] = (16, 160)
+) -> tuple[list[Measured], list[Arrival], dict]:
+    """Run the handler for ``steps`` steps under the seeded arrivals; every step and every request measured."""
     handler = LlamaHandler(slots, LlamaOptions.parse(options, IN_CAP + OUT_CAP))
     draw = random.Random(seed)
     inputs = np.zeros((slots, IN_CAP), dtype=np.int32)
@@ -69,6 +90,10 @@ def drive(options: dict[str, str], slots: int, steps: int, rate: float, seed: in
 
     handler.cost.observe = recording  # type: ignore[method-assign]
     free = list(range(slots))
+    pending: dict[int, tuple[int, int, int, float, float]] = {}  # slot: prompt, ahead, first step, predictions
+    left: dict[int, int] = {}  # a decoding slot: tokens it may still decode (its max_tokens less what it has)
+    limit: dict[int, int] = {}  # slot: its request's max_tokens
+    arrivals: list[Arrival] = []
     compact_s = 0.0
     compact = handler._compact
 
@@ -85,10 +110,25 @@ def drive(options: dict[str, str], slots: int, steps: int, rate: float, seed: in
                 slot = free.pop(draw.randrange(len(free)))
                 n = draw.choice([draw.randint(20, 200), draw.randint(200, 900)])
                 inputs[slot, :n] = np.random.default_rng([seed, i]).integers(100, handler.n_vocab - 1, n)
-                max_new = draw.randint(16, 160)
+                max_new = draw.randint(*generate)
                 request = SlotRequest(slot, i, max_new, 0, inputs[slot, :n], outputs[slot, :max_new], Sampling())
+                load = handler.load()
+                policy = StepPolicy(load.options)  # type: ignore[arg-type]
+                args = (load.costs, policy, load.decoding, load.longest, load.runs, [*load.waiting, Prompt(0, n)])
+                predicted = _run(*args, 0.0)
+                known = _run(*args, 0.0, sorted(left.values()))
+                pending[slot] = (n, slots - len(free) - 1, len(measured), predicted, known)
+                limit[slot] = max_new
                 free += [e.slot for e in handler.add(request, 0.0) if e.status is not None]
             for emit in handler.step(0.0):
+                if emit.slot in pending and emit.count > 0:
+                    n, ahead, first, predicted, known = pending.pop(emit.slot)
+                    ms = sum(m.ms for m in measured[first:])
+                    arrivals.append(Arrival(n, ahead, ms, predicted, known))
+                if emit.slot not in pending:
+                    left[emit.slot] = limit[emit.slot] - emit.count
+                if emit.status is not None:
+                    left.pop(emit.slot, None)
                 if emit.status is not None and emit.release and emit.slot not in free:
                     free.append(emit.slot)
         stats = handler.stats
@@ -101,7 +141,7 @@ def drive(options: dict[str, str], slots: int, steps: int, rate: float, seed: in
         }
     finally:
         handler.close()
-    return measured, totals
+    return measured, arrivals, totals
 
 
 def report(measured: list[Measured], totals: dict) -> str:
@@ -136,12 +176,35 @@ def report(measured: list[Measured], totals: dict) -> str:
     return "\n".join(lines)
 
 
+def report_arrivals(arrivals: list[Arrival]) -> str:
+    """Per request: measured time to first token over the prediction, with streams decoding on and with their
+    ends known, for the requests that waited behind others and for all."""
+    lines = [
+        "| requests | n | decoding on: p10 / p50 / p90 of measured ÷ predicted, in band | ends known: same |",
+        "|---|---|---|---|",
+    ]
+    for name, rows in (("all", arrivals), ("behind others", [a for a in arrivals if a.ahead])):
+        if not rows:
+            continue
+        cells = []
+        for predicted in ("predicted_ms", "known_ends_ms"):
+            ratios = sorted(a.ms / getattr(a, predicted) for a in rows)
+            within = sum(BAND[0] <= r <= BAND[1] for r in ratios) / len(ratios)
+            p10, p50, p90 = (ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in (0.1, 0.5, 0.9))
+            cells.append(f"{p10:.2f} / {p50:.2f} / {p90:.2f}, {100 * within:.1f} %")
+        lines.append(f"| {name} | {len(rows)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1500, help="steps to run (default 1500)")
     parser.add_argument("--rate", type=float, default=0.15, help="chance of an arrival before each step (0.15)")
     parser.add_argument("--seed", type=int, default=4, help="the arrivals' seed (default 4)")
     parser.add_argument("--slots", type=int, default=8, help="the handler's slots (default 8)")
+    parser.add_argument(
+        "--outputs", default="16-160", help="tokens each request generates, drawn from LOW-HIGH (default 16-160)"
+    )
     parser.add_argument("--threads", default=None, help="llama.cpp threads (default: the handler's, every CPU)")
     parser.add_argument(
         "--no-compact",
@@ -151,18 +214,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write every step here")
     args = parser.parse_args(argv)
-    if args.steps < 1 or not 0 < args.rate <= 1 or args.slots < 2:
-        parser.error(f"need --steps >= 1, 0 < --rate <= 1, --slots >= 2; got {args.steps}, {args.rate}, {args.slots}")
+    low, _, high = args.outputs.partition("-")
+    outputs = (int(low), int(high)) if low.isdigit() and high.isdigit() else (0, 0)
+    if args.steps < 1 or not 0 < args.rate <= 1 or args.slots < 2 or not 1 <= outputs[0] <= outputs[1] <= OUT_CAP:
+        parser.error(
+            f"need --steps >= 1, 0 < --rate <= 1, --slots >= 2, --outputs LOW-HIGH within 1-{OUT_CAP}; got "
+            f"{args.steps}, {args.rate}, {args.slots}, {args.outputs!r}"
+        )
     options = {"prefix_cache": "off"}
     if args.threads:
         options["threads"] = args.threads
     if args.no_compact:
         options["compact"] = "off"
-    measured, totals = drive(options, args.slots, args.steps, args.rate, args.seed)
+    measured, arrivals, totals = drive(options, args.slots, args.steps, args.rate, args.seed, outputs)
     print(report(measured, totals))
+    print(report_arrivals(arrivals))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"totals": totals, "steps": [asdict(m) for m in measured]}, out)
+            json.dump(
+                {"totals": totals, "steps": [asdict(m) for m in measured], "requests": [asdict(a) for a in arrivals]},
+                out,
+            )
     return 0
 
 

@@ -308,10 +308,20 @@ def _advance(
 
 
 def _run(
-    costs: Costs, policy: StepPolicy, decoding: int, longest: int, runs: int, waiting: list[Prompt], elapsed: float
+    costs: Costs,
+    policy: StepPolicy,
+    decoding: int,
+    longest: int,
+    runs: int,
+    waiting: list[Prompt],
+    elapsed: float,
+    ends: Sequence[int] = (),
 ) -> float:
-    """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed."""
+    """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed.  ``ends``: for as many
+    of the streams decoding now, the tokens after which each ends (the others, and those that start decoding on
+    the way, go on)."""
     last = len(waiting) - 1
+    left = [e for e in ends if e > 0][:decoding]
     for _ in range(MAX_STEPS):
         if decoding >= policy.options.batch:
             return math.inf
@@ -319,7 +329,10 @@ def _run(
         elapsed += costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         if takes[last] == waiting[last].remaining:
             return elapsed
-        decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
+        ended = sum(e == 1 for e in left)
+        left = [e - 1 for e in left if e > 1]
+        decoding, longest, runs, waiting = _advance(decoding - ended, longest, runs, waiting, takes)
+        runs = min(runs, decoding)
         last = len(waiting) - 1
     return math.inf
 

@@ -42,3 +42,21 @@ def test_the_serving_steps_report_counts_the_band_per_kind_of_step() -> None:
     assert text[3] == "| decode only | 2 | 1.25, 50.0 % | 1.03, 100.0 % |"
     assert text[4] == "| prompt and decode | 1 | 0.50, 0.0 % | 0.91, 100.0 % |"
     assert text[-1].startswith("decode-only steps in more than one micro-batch: 1 of 2; 23 tokens decoded")
+
+
+def test_the_serving_steps_request_report_and_streams_that_end_on_the_way() -> None:
+    from edgepath.bench.serving_steps import Arrival, report_arrivals
+    from edgepath.contract.plan import Costs, PolicyOptions, Prompt, StepPolicy, _run
+
+    costs = Costs(overhead_ms=10.0, prompt_ms=2.0, decode_ms=2.0)
+    policy = StepPolicy(PolicyOptions(100.0, 16, 2048))  # a 100 ms stall bound: a 200-token prompt takes steps
+    args = (costs, policy, 6, 50, 1, [Prompt(0, 200)])
+    going_on = _run(*args, 0.0)
+    ending = _run(*args, 0.0, [1] * 6)  # every stream ahead ends after one more token: later steps cost less
+    assert 0 < ending < going_on
+    assert _run(*args, 0.0, [10_000] * 6) == going_on
+
+    arrivals = [Arrival(100, 0, 100.0, 100.0, 100.0), Arrival(100, 3, 200.0, 400.0, 210.0)]
+    text = report_arrivals(arrivals).splitlines()
+    assert text[2] == "| all | 2 | 0.50 / 1.00 / 1.00, 50.0 % | 0.95 / 1.00 / 1.00, 100.0 % |"
+    assert text[3] == "| behind others | 1 | 0.50 / 0.50 / 0.50, 0.0 % | 0.95 / 0.95 / 0.95, 100.0 % |"
