@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -44,8 +45,10 @@ def exit_reason(returncode: int) -> str:
 
 
 def edgepath_argv(*args: str) -> list[str]:
-    """The command line of ``edgepath ARGS`` run by this interpreter."""
-    return [sys.executable, "-m", "edgepath", *args]
+    """The command line of ``edgepath ARGS`` run by this interpreter, verbose (``-v``) when this process logs its
+    debug messages: ``edgepath -v serve`` promises every process's, its slot-server child's per-step lines too."""
+    verbose = ["-v"] if logging.getLogger().isEnabledFor(logging.DEBUG) else []
+    return [sys.executable, "-m", "edgepath", *verbose, *args]
 
 
 def free_port(kind: int = socket.SOCK_DGRAM, host: str = "127.0.0.1") -> int:
@@ -89,7 +92,7 @@ class Child:
         and return once it is ready; :class:`ChildError` with its stderr tail when it is not within
         ``ready_timeout`` seconds, or at once when ``cancel`` is set meanwhile (the child is then stopped)."""
         command = list(argv) if argv is not None else edgepath_argv(*args)
-        name = command[3] if argv is None and len(command) > 3 else os.path.basename(command[0])
+        name = args[0] if argv is None and args else os.path.basename(command[0])
         proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import os
 import signal
 import sys
@@ -62,6 +63,16 @@ def test_a_policy_that_makes_no_sense_is_refused(kwargs: dict[str, float], match
 def test_exit_reasons_say_signal_or_code() -> None:
     assert exit_reason(-signal.SIGKILL) == "killed by signal SIGKILL"
     assert exit_reason(3) == "exit code 3"
+
+
+def test_children_are_verbose_when_their_parent_logs_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """``edgepath -v serve`` promises every process's debug messages: the children it starts get ``-v``."""
+    from edgepath.children import edgepath_argv
+
+    with caplog.at_level(logging.INFO, logger=""):
+        assert edgepath_argv("slot-server", "--slots", "2")[3:] == ["slot-server", "--slots", "2"]
+    with caplog.at_level(logging.DEBUG, logger=""):
+        assert edgepath_argv("slot-server", "--slots", "2")[3:] == ["-v", "slot-server", "--slots", "2"]
 
 
 def test_a_child_that_fails_to_start_reports_its_stderr(tmp_path: Path) -> None:
