@@ -60,3 +60,23 @@ def test_the_serving_steps_request_report_and_streams_that_end_on_the_way() -> N
     text = report_arrivals(arrivals).splitlines()
     assert text[2] == "| all | 2 | 0.50 / 1.00 / 1.00, 50.0 % | 0.95 / 1.00 / 1.00, 100.0 % |"
     assert text[3] == "| behind others | 1 | 0.50 / 0.50 / 0.50, 0.0 % | 0.95 / 0.95 / 0.95, 100.0 % |"
+
+
+def test_the_lone_prefill_bench_reads_both_servers_model_time() -> None:
+    from edgepath.bench.lone_prefill import llama_server_prompt_ms, prompt_ms, report
+
+    log = (
+        "x edgepath.model.llama DEBUG step 7: 807 tokens (0 decode, 807 prompt) over 1 slots: llama_decode 1055.0 ms, "
+        "sampling 0.20 ms, python 0.10 ms\n"
+        "x edgepath.model.llama DEBUG step 8: 1 tokens (1 decode, 0 prompt) over 1 slots: llama_decode 9.5 ms, "
+        "sampling 0.20 ms, python 0.10 ms\n"
+    )
+    assert prompt_ms(log) == 1055.0  # the decode step after it is not the prompt's
+    line = b'data: {"choices": [], "timings": {"prompt_n": 830, "prompt_ms": 890.9, "cache_n": 0}}\n'
+    assert llama_server_prompt_ms(line) == 890.9
+    assert llama_server_prompt_ms(b'data: {"choices": []}') is None
+    rows = [
+        {"words": 800, "system": "llama-server", "computed": 830, "model_ms": 900.0},
+        {"words": 800, "system": "edgepath", "computed": 805, "model_ms": 1080.0},
+    ]
+    assert report(rows).splitlines()[4] == "| 800 words | 830, 900.0 | 805, 1080.0 | 1.20 |"
