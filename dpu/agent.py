@@ -626,7 +626,14 @@ class Agent:
     def abandon(self, index: int) -> None:
         """Give up on frame ``index``: cancel its slot, deliver nothing more for it, and put the frame
         back on the free list when its final result arrives (or its slot server is lost) -- never
-        before, so nothing of this request can land in the frame's next use."""
+        before, so nothing of this request can land in the frame's next use.  A frame lost with its slot
+        server and not yet returned by :meth:`check_links` goes back at once (nothing can write into it
+        any more) and is not returned then: the caller that gave up on it answers nothing for it."""
+        if index in self._lost:
+            self._lost.remove(index)
+            self.book.stats.abandoned += 1
+            self.book.release(index)
+            return
         if self.book.abandon(index) is not None:
             self.cancel(index)
 

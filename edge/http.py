@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 import numpy as np
 import orjson
@@ -243,6 +243,18 @@ def _error_payload(exc: HttpError) -> dict[str, Any]:
     return {"error": {"type": exc.type, "message": exc.message}}
 
 
+def _split(target: str) -> SplitResult:
+    """The request target's parts, or a 400 that says why it cannot be read (``//[``: an unclosed IPv6 host)."""
+    try:
+        return urlsplit(target)
+    except ValueError as exc:
+        raise HttpError(
+            400,
+            "invalid_target",
+            f"the request target {target[:80]!r} cannot be read ({exc}); send a path such as {GENERATE}",
+        ) from None
+
+
 def error_response(exc: HttpError) -> Response:
     """An error in edgepath's own shape, ``{"error": {"type", "message"}}`` (OpenAI's routes have theirs)."""
     body = json.dumps(_error_payload(exc)).encode()
@@ -330,12 +342,16 @@ class HttpCore:
     def refusal(self, target: str, exc: HttpError) -> Response:
         """The error answer to a request for ``target``, in the shape of the API that path belongs to
         (OpenAI's on the OpenAI routes, edgepath's elsewhere)."""
-        if self.openai is not None and api_of(urlsplit(target).path) == "openai":
+        try:
+            path = urlsplit(target).path
+        except ValueError:  # a target _route refused as unreadable: edgepath's shape
+            path = ""
+        if self.openai is not None and api_of(path) == "openai":
             return self.openai.error(exc)
         return error_response(exc)
 
     def _route(self, request: Request) -> Handled:
-        parts = urlsplit(request.target)
+        parts = _split(request.target)
         tenant = self._authorize(parts.path, request.headers)
         route = ROUTES.get(parts.path)
         if route is None:

@@ -91,6 +91,7 @@ def test_health_and_metrics_are_routed_with_query() -> None:
         ("POST", "/v1/generate", "x" * 1025, 413, "body_too_large"),
         ("POST", "/nope", "{}", 404, "not_found"),
         ("GET", "/", "", 404, "not_found"),
+        ("GET", "//[", "", 400, "invalid_target"),  # urlsplit cannot read it (an unclosed IPv6 host)
         ("GET", "/v1/generate", "", 405, "method_not_allowed"),
         ("DELETE", "/health", "", 405, "method_not_allowed"),
         ("GET", "/health?latency=abc", "", 400, "invalid_request"),
