@@ -86,7 +86,7 @@ class _Timings:
 
 async def measure(setup: mc.Setup, rounds: int, logs: Path) -> list[dict[str, Any]]:
     timings = _Timings()
-    mc.read_event = timings.read_event  # type: ignore[assignment]
+    mc.read_event = timings.read_event
     servers: dict[str, tuple[subprocess.Popen[bytes], int, str, Path]] = {}
     rows: list[dict[str, Any]] = []
     try:
@@ -119,7 +119,7 @@ async def measure(setup: mc.Setup, rounds: int, logs: Path) -> list[dict[str, An
                     rows.append({"round": round_, "words": size, "system": name, "computed": computed,
                                  "model_ms": model_ms, "error": out.error})  # fmt: skip
     finally:
-        mc.read_event = timings._read  # type: ignore[assignment]
+        mc.read_event = timings._read
         for proc, *_ in servers.values():
             mc.stop(proc)
     return rows
@@ -133,7 +133,8 @@ def report(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|",
     ]
     for size in SIZES:
-        cells, medians = [], []
+        cells: list[str] = []
+        medians: list[float | None] = []
         for name in (mc.LLAMA_SERVER, mc.EDGEPATH):
             mine = [r for r in rows if r["words"] == size and r["system"] == name and r["model_ms"]]
             if not mine:
@@ -144,7 +145,8 @@ def report(rows: list[dict[str, Any]]) -> str:
             tokens = statistics.median(r["computed"] for r in mine if r["computed"] is not None)
             cells.append(f"{tokens:.0f}, {ms:.1f}")
             medians.append(ms)
-        ratio = f"{medians[1] / medians[0]:.2f}" if all(medians) else "—"
+        theirs, ours = medians
+        ratio = f"{ours / theirs:.2f}" if theirs and ours else "—"
         lines.append(f"| {size} words | {cells[0]} | {cells[1]} | {ratio} |")
     return "\n".join(lines)
 

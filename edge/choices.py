@@ -18,6 +18,7 @@ from typing import Protocol
 import orjson
 
 from edgepath.contract.wire import Sampling
+from edgepath.edge.actions import Answer, EndStream, Respond, SendChunk, StartStream
 from edgepath.edge.http import Headers, Response
 from edgepath.edge.openai import Usage
 
@@ -41,38 +42,6 @@ class Choice(Protocol):
     def closing(self, usage: Usage) -> bytes:
         """The end of the whole stream: the usage chunk (when the client asked for it) and ``[DONE]``."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Open the client's stream (status, headers)."""
-
-    status: int
-    headers: Headers
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """Send bytes on the client's stream."""
-
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class End:
-    """Send the last bytes and end the client's stream."""
-
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Whole:
-    """The one complete answer."""
-
-    response: Response
-
-
-Out = Start | Chunk | End | Whole
 
 
 def merged_usage(usages: Sequence[Usage]) -> Usage:
@@ -105,24 +74,24 @@ class ChoiceGroup:
     def index(self, member: int) -> int:
         return self.members.index(member)
 
-    def start(self, status: int, headers: Headers) -> list[Out]:
+    def start(self, status: int, headers: Headers) -> list[Answer]:
         """A choice's stream opened: the client's opens with the first."""
         if self.started:
             return []
         self.started = True
-        return [Start(status, headers)]
+        return [StartStream(self.rid, status, headers)]
 
-    def chunk(self, data: bytes) -> list[Out]:
-        return [Chunk(data)] if data else []
+    def chunk(self, data: bytes) -> list[Answer]:
+        return [SendChunk(self.rid, data)] if data else []
 
-    def end(self, member: int, data: bytes, choice: Choice) -> list[Out]:
+    def end(self, member: int, data: bytes, choice: Choice) -> list[Answer]:
         """Choice ``member``'s stream ended with ``data`` (its finish chunk): the client's ends after the last."""
         self._ended(member, choice)
         if len(self.ended) < self.n:
             return self.chunk(data)
-        return [End(data + choice.closing(self.usage()))]
+        return [EndStream(self.rid, data + choice.closing(self.usage()))]
 
-    def whole(self, member: int, response: Response, choice: Choice) -> list[Out]:
+    def whole(self, member: int, response: Response, choice: Choice) -> list[Answer]:
         """Choice ``member``'s whole answer (a ``200`` body with its one choice): the merged body after the last."""
         self._ended(member, choice)
         self.bodies[self.index(member)] = response
@@ -132,7 +101,7 @@ class ChoiceGroup:
         body = orjson.loads(first.body)
         body["choices"] = [orjson.loads(self.bodies[i].body)["choices"][0] for i in range(self.n)]
         body["usage"] = self.usage().payload()
-        return [Whole(Response(first.status, first.headers, orjson.dumps(body)))]
+        return [Respond(self.rid, Response(first.status, first.headers, orjson.dumps(body)))]
 
     def usage(self) -> Usage:
         return merged_usage([self.usages[i] for i in range(self.n)])

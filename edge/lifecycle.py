@@ -32,7 +32,8 @@ from edgepath.dpu.frame import write_header
 from edgepath.dpu.link_state import LinkState, Readiness, readiness
 from edgepath.dpu.port import AgentPort, Delivery, SlotServerStatus
 from edgepath.edge import quota
-from edgepath.edge.choices import ChoiceGroup, Chunk, End, Out, Start, Whole, choice_sampling
+from edgepath.edge.actions import Answer, EndStream, Respond, SendChunk, StartStream
+from edgepath.edge.choices import ChoiceGroup, choice_sampling
 from edgepath.edge.http import (
     GENERATE,
     LIVE,
@@ -65,39 +66,6 @@ log = logging.getLogger("edgepath.edge")
 
 
 @dataclass(frozen=True, slots=True)
-class Respond:
-    """Send ``response`` as the one, complete answer to request ``rid``."""
-
-    rid: int
-    response: Response
-
-
-@dataclass(frozen=True, slots=True)
-class StartStream:
-    """Send the status and headers of a streamed answer (body chunks follow)."""
-
-    rid: int
-    status: int
-    headers: Headers
-
-
-@dataclass(frozen=True, slots=True)
-class SendChunk:
-    """Send one body chunk of a started stream."""
-
-    rid: int
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class EndStream:
-    """Send the last chunk (maybe empty) and end the stream: the request's answer is complete."""
-
-    rid: int
-    data: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
 class Tokenize:
     """Encode ``prompt`` on a worker thread -- into ``out`` (a frame's registered token array) with
     ``encode_into``, or into a fresh array with ``encode`` when ``out`` is None -- then report
@@ -109,7 +77,7 @@ class Tokenize:
     messages: list[dict[str, str]] | None = None  # a chat, tokenized with the model's template instead
 
 
-Action = Respond | StartStream | SendChunk | EndStream | Tokenize
+Action = Answer | Tokenize
 
 #: the status a request is counted under in ``edgepath_requests_total`` when its client went away
 #: before the answer was complete (nginx's "client closed request"; nothing is sent)
@@ -550,26 +518,15 @@ class EdgeLifecycle:
             formatter: Any = next(m.formatter for m in group.members if m.rid == member)  # a choices.Choice
             match action:
                 case StartStream(_, status, headers):
-                    made: list[Out] = combine.start(status, headers)
+                    out += combine.start(status, headers)
                 case SendChunk(_, data):
-                    made = combine.chunk(data)
+                    out += combine.chunk(data)
                 case EndStream(_, data):
-                    made = combine.end(member, data, formatter)
+                    out += combine.end(member, data, formatter)
                 case Respond(_, response) if response.status == 200:
-                    made = combine.whole(member, response, formatter)
+                    out += combine.whole(member, response, formatter)
                 case _:
                     raise AssertionError(f"a choice answered {action!r}: its failures are its request's (_fail)")
-            rid = combine.rid
-            for piece in made:
-                match piece:
-                    case Start(status, headers):
-                        out.append(StartStream(rid, status, headers))
-                    case Chunk(data):
-                        out.append(SendChunk(rid, data))
-                    case End(data):
-                        out.append(EndStream(rid, data))
-                    case Whole(response):
-                        out.append(Respond(rid, response))
             if combine.done:  # every choice answered and forgotten: only the keys are left
                 for key in [combine.rid, *combine.members]:
                     self.groups.pop(key, None)
