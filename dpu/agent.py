@@ -635,7 +635,7 @@ class Agent:
         probe interval; frames lost with a slot server that went away are returned (answer them 503)."""
         self.link_set.check()
         lost, self._lost = self._lost, []
-        return sorted(lost)
+        return self.book.take(lost)  # those abandoned since they were lost were freed then
 
     def stalled(self) -> list[int]:
         """Frames that were in flight on a slot server when it was found UNRESPONSIVE (even if it has come back
