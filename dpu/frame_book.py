@@ -110,7 +110,7 @@ class FrameBook(Generic[F]):
     def lose(self, which: Callable[[F], bool] | None = None) -> list[int]:
         """The other side of the flights ``which`` selects (None: all) is gone: they leave the book; abandoned
         ones go back to the free list, the others are lost (:attr:`lost`) and returned: the caller answers those
-        it :meth:`take`\ s."""
+        it takes (:meth:`take`)."""
         lost = []
         for index, flight in list(self.inflight.items()):
             if which is not None and not which(flight):
