@@ -626,14 +626,7 @@ class Agent:
     def abandon(self, index: int) -> None:
         """Give up on frame ``index``: cancel its slot, deliver nothing more for it, and put the frame
         back on the free list when its final result arrives (or its slot server is lost) -- never
-        before, so nothing of this request can land in the frame's next use.  A frame lost with its slot
-        server and not yet returned by :meth:`check_links` goes back at once (nothing can write into it
-        any more) and is not returned then: the caller that gave up on it answers nothing for it."""
-        if index in self._lost:
-            self._lost.remove(index)
-            self.book.stats.abandoned += 1
-            self.book.release(index)
-            return
+        before, so nothing of this request can land in the frame's next use."""
         if self.book.abandon(index) is not None:
             self.cancel(index)
 
@@ -642,7 +635,7 @@ class Agent:
         probe interval; frames lost with a slot server that went away are returned (answer them 503)."""
         self.link_set.check()
         lost, self._lost = self._lost, []
-        return sorted(lost)
+        return self.book.take(lost)  # those abandoned since they were lost were freed then
 
     def stalled(self) -> list[int]:
         """Frames that were in flight on a slot server when it was found UNRESPONSIVE (even if it has come back

@@ -172,7 +172,7 @@ class AgentClient:
         log.warning("agent %s disconnected", self.address)
         self._alive = False
         self._gone_at = time.monotonic()
-        return self.book.lose()
+        return self.book.take(self.book.lose())
 
     def stalled(self) -> list[int]:
         """Frames the agent process reported on an unresponsive slot server (once each), still in flight."""

@@ -4,7 +4,10 @@ Both ports keep one -- :class:`~edgepath.dpu.agent.Agent` (frames it sends to sl
 :class:`~edgepath.dpu.agent_client.AgentClient` (frames it hands to an agent process) -- so the rules of a
 frame's life are written once (see :mod:`edgepath.dpu.port`): a frame is acquired, sent, gets streamed
 progress and exactly one final answer, and is released; an abandoned frame delivers nothing more and
-goes back to the free list only when the other side has let go of it.  What does not match a frame in
+goes back to the free list only when the other side has let go of it.  A frame whose other side went away
+before it was answered is *lost*: it waits, out of flight, until the caller hears of it (:meth:`FrameBook.take`)
+-- or gives up on it first (:meth:`FrameBook.abandon`), which frees it then, so it is never reported too: the
+request ends once and the frame is freed once, whichever comes first.  What does not match a frame in
 flight is counted, never delivered: a second final for an answered frame (``duplicates``), a completion
 for a frame that was never in flight or for another request of it (``unknown``), one for an abandoned
 frame (``late``).  Sans-I/O: the ports decode completions and call in.
@@ -40,6 +43,8 @@ class FrameBook(Generic[F]):
         self.inflight: dict[int, F] = {}
         self._free = list(range(count - 1, -1, -1))
         self._answered = [-1] * count  # per frame: the request (generation) its last final answered
+        #: frames lost with the other side (not abandoned), that the caller has not heard of yet (:meth:`take`)
+        self.lost: set[int] = set()
 
     # -- a frame's life ------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -50,6 +55,8 @@ class FrameBook(Generic[F]):
         """Give a frame back once its result has been read (or it was refused, or never sent)."""
         if index in self.inflight:
             raise ValueError(f"frame {index} is still in flight (abandon it instead)")
+        if index in self.lost:
+            raise ValueError(f"frame {index} is lost and not taken yet (take it, or abandon it)")
         self._free.append(index)
 
     def sent(self, index: int, flight: F) -> None:
@@ -82,10 +89,18 @@ class FrameBook(Generic[F]):
         return Delivery(index, output_count, True)
 
     def abandon(self, index: int) -> F | None:
-        """The caller gives up on in-flight frame ``index``; its flight when this is news (None: already)."""
+        """The caller gives up on frame ``index``, sent and not answered: its flight when it is in flight and this
+        is news (the caller cancels it); None when it was abandoned already, or lost with the other side -- then
+        it is freed now (nothing can land in it) and never reported by :meth:`take`.  A frame the caller owns
+        (never sent, answered, taken) or one that is free is not the caller's to abandon: ValueError."""
+        if index in self.lost:
+            self.lost.discard(index)
+            self.stats.abandoned += 1
+            self._free.append(index)
+            return None
         flight = self.inflight.get(index)
         if flight is None:
-            raise ValueError(f"frame {index} is not in flight")
+            raise ValueError(f"frame {index} is not in flight nor lost: release the frames the caller holds")
         if flight.abandoned:
             return None
         flight.abandoned = True
@@ -94,7 +109,8 @@ class FrameBook(Generic[F]):
 
     def lose(self, which: Callable[[F], bool] | None = None) -> list[int]:
         """The other side of the flights ``which`` selects (None: all) is gone: they leave the book; abandoned
-        ones go back to the free list, the others are returned (the caller answers them)."""
+        ones go back to the free list, the others are lost (:attr:`lost`) and returned: the caller answers those
+        it takes (:meth:`take`)."""
         lost = []
         for index, flight in list(self.inflight.items()):
             if which is not None and not which(flight):
@@ -104,7 +120,15 @@ class FrameBook(Generic[F]):
                 self._free.append(index)
             else:
                 lost.append(index)
+        self.lost.update(lost)
         return sorted(lost)
+
+    def take(self, indexes: list[int]) -> list[int]:
+        """The caller hears of lost frames ``indexes``: those still lost (not abandoned since), now the caller's
+        to answer and release."""
+        taken = sorted(index for index in set(indexes) if index in self.lost)
+        self.lost.difference_update(taken)
+        return taken
 
     # -- what does not match a frame in flight ---------------------------------------------------
     def stray(self, index: int, final: bool, answers: int = 0) -> None:

@@ -99,7 +99,8 @@ class AgentPort(Protocol):
 
     def abandon(self, index: int) -> None:
         """Give up on in-flight frame ``index``: cancel it, deliver nothing more, and free the frame
-        once the slot server has let go of it."""
+        once the slot server has let go of it -- at once when it was lost with its slot server and not reported
+        yet (:meth:`check_links` then never reports it)."""
         ...
 
     def release(self, index: int) -> None:

@@ -193,8 +193,11 @@ class EdgeService:
                 return
 
     def _tick(self) -> None:
-        self._run(self.lifecycle.tick(_now()))
+        # The next tick is scheduled first: one that raised must not end them all -- without ticks no lost link,
+        # stalled server or deadline is ever answered, and every stream on such a link waits for its client's
+        # idle timeout (the loop's exception handler still logs the error).
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
+        self._run(self.lifecycle.tick(_now()))
 
     def _tokenize(self, action: Tokenize) -> None:
         run = self.loop.run_in_executor

@@ -207,25 +207,6 @@ def test_a_link_that_fails_an_operation_loses_its_flights_at_the_next_check(new_
     assert agent.check_links() == []  # collected once
 
 
-def test_a_frame_lost_with_its_link_can_be_abandoned_before_the_next_check(new_agent, make_server) -> None:
-    """A client that goes away between its slot server's loss and the check that reports it (the edge's next
-    tick) abandons a frame that is no longer in flight: the frame goes back to the free list at once, the check
-    does not report it, and nothing raises (it did: "frame N is not in flight", and the frame leaked)."""
-    agent: Agent = new_agent(migration_limit=0)
-    server = make_server(slots=1)
-    link = agent.attach(server.address)
-    write_request(agent.frames, 0, [1], request_id=1, max_new_tokens=1)
-    assert agent.acquire() == 0 and agent.submit(0) is None
-    free_before = len(agent.book._free)
-    agent.link_set.failed(link, TransportError("the wire went down"))
-    assert 0 not in agent.inflight
-    agent.abandon(0)
-    assert len(agent.book._free) == free_before + 1 and agent.delivery_stats.abandoned == 1
-    assert agent.check_links() == []  # not reported: nobody is owed an answer for it
-    with pytest.raises(ValueError, match="not in flight"):
-        agent.abandon(0)  # once it is back on the free list it is not the caller's to abandon
-
-
 def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) -> None:
     server = serve(paced(0.02), stream_window=0.0)
     agent.attach(server.address)

@@ -167,6 +167,29 @@ def test_a_link_that_breaks_under_an_operation_gives_back_what_was_in_flight(age
     assert agent.check_links() == []
 
 
+def test_a_client_gone_after_its_link_broke_and_before_the_edge_heard_frees_its_frame_once(
+    agent: Agent, make_server
+) -> None:
+    """Issue 37: a link taken down under another operation (a claim, a probe for /metrics) between two ticks holds
+    a frame the edge still streams; a client that resets then abandons a frame no longer in flight -- which raised
+    ``frame N is not in flight`` out of the edge's reset handler.  Now the frame is freed there, once, and the next
+    check reports nothing for it (the request ends once: as the client's reset)."""
+    server = make_server(slots=2)
+    link = agent.attach(server.address)
+    index = send(agent, [1, 2])
+    link.conn.close()
+    other = agent.acquire()
+    assert other is not None
+    write_request(agent.frames, other, [3], request_id=2, max_new_tokens=1)
+    assert agent.submit(other) == Status.UNAVAILABLE  # the link is down: the frame is lost, not yet reported
+    agent.release(other)
+    agent.abandon(index)  # the client went away first
+    assert agent.check_links() == []  # never answered a second time (503) nor released by the edge
+    assert sorted(i for i in iter(agent.acquire, None)) == list(range(agent.frames.count))  # each frame once
+    with pytest.raises(ValueError, match=f"frame {index} is not in flight nor lost"):
+        agent.abandon(index)  # a frame the caller holds (a bug of the caller's) is still an error
+
+
 class Blocking:
     """A batch handler whose step blocks until the test releases it: a model step that does not end (a stuck
     kernel).  The server's real loop runs it on a thread, so its heartbeat really stops."""

@@ -100,3 +100,25 @@ def test_counters_go_on_in_a_new_book() -> None:
     second.sent(1, Flight())
     second.final(1, 1)
     assert second.stats is stats and stats.delivered == 2
+
+
+def test_a_lost_frame_is_answered_once_whether_the_caller_takes_it_or_abandons_it_first() -> None:
+    """Issue 37: lost with the other side, a frame waits for the caller; abandoning it then frees it at once (the
+    other side is gone: nothing can land in it) and :meth:`FrameBook.take` never reports it, so the request ends
+    once and the frame is freed once."""
+    book: FrameBook[Tagged] = FrameBook(3)
+    for index in (0, 1, 2):
+        assert book.acquire() == index
+        book.sent(index, Tagged(where="a"))
+    assert book.lose() == [0, 1, 2]
+    with pytest.raises(ValueError, match="frame 1 is lost and not taken yet"):
+        book.release(1)
+    assert book.abandon(1) is None  # the client went away before the caller heard: freed now
+    assert book.stats.abandoned == 1
+    with pytest.raises(ValueError, match="frame 1 is not in flight nor lost"):
+        book.abandon(1)  # free again: not the caller's to abandon
+    assert book.take([0, 1, 2]) == [0, 2]  # the caller answers these two, and releases them
+    assert book.take([0, 2]) == []
+    book.release(0)
+    book.release(2)
+    assert sorted(iter(book.acquire, None)) == [0, 1, 2]  # each frame free exactly once

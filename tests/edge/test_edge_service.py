@@ -209,6 +209,35 @@ def test_clients_gone_abandon_their_frames_and_get_nothing(slot_server: Server) 
     assert service.port.delivery_stats.abandoned == 1  # the in-flight one; the other never left the edge
 
 
+def test_a_tick_that_raises_does_not_end_the_ticks(slot_server: Server) -> None:
+    """Issue 37: the ticks answer what no delivery will (a lost link's 503, a deadline's 504); one tick that raised
+    used to end them all, so every stream on a lost link stalled until its client's idle timeout.  Here the first
+    tick raises, and a later one still answers the request past its deadline."""
+
+    async def go() -> tuple[Recorded, int]:
+        service = new_service(slot_server, CharTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
+        slot_server.gate.clear()  # the handler holds the result back: only a tick answers (504)
+        tick, raised = service.lifecycle.tick, []
+
+        def flaky(now: int) -> list:
+            if not raised:
+                raised.append(now)
+                raise RuntimeError("a tick that failed")
+            return tick(now)
+
+        service.lifecycle.tick = flaky  # type: ignore[method-assign]
+        reply = Recorded()
+        service.handle(generate("slow"), reply)
+        await asyncio.wait_for(reply.done.wait(), 30)
+        slot_server.gate.set()
+        service.stop()
+        return reply, len(raised)
+
+    reply, raised = asyncio.run(go())
+    assert raised == 1
+    assert reply.response.status == 504
+
+
 def test_a_request_without_result_in_time_gets_504_and_the_edge_holds_nothing(slot_server: Server) -> None:
     async def go() -> tuple[Recorded, int, int, EdgeService]:
         service = new_service(slot_server, CharTokenizer(), 2, request_timeout=0.05, check_interval=0.02)
