@@ -14,8 +14,14 @@ decoded one does, and every decoding stream waits for the whole step), its objec
 3. *Prompts are prefilled in as few steps as that bound allows*, oldest first: concentrating a prompt keeps most
    steps pure decode steps and gives its first token as early as the bound allows.
 4. *A whole prompt at once when nothing decodes* (up to ``batch`` tokens): nobody waits on that step; other
-   prompts join it only within the stall bound.
+   prompts join it only within the stall bound (and objective 6).
 5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step.
+6. *A later prompt never delays an earlier one's first token by much*: in a step where a prompt gets its first
+   token, the prompts behind it add at most ``JOIN_SHARE`` of what the step costs up to it (``min_prefill`` aside).
+   That first token was predicted, and the request admitted, without the prompts that arrived after it; letting
+   them fill the stall bound made an admitted request wait for a newcomer's whole prompt (issue 34's serving runs:
+   a 238-token prompt predicted at 0.43 s took 1.49 s, sharing its step with a 950-token one that came 10 ms
+   later).  A prompt token costs about the same in a step of its own, so little is lost but a micro-batch.
 
 **The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
 decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
@@ -132,6 +138,10 @@ class PolicyOptions:
             raise ValueError(f"batch must be >= 2 tokens, got {self.batch}")
 
 
+#: in a step where a prompt gets its first token, the prompts behind it may add at most this share of the step's cost
+JOIN_SHARE = 0.25
+
+
 class StepPolicy:
     """Plans each step's prompt tokens (see the module's objectives)."""
 
@@ -159,7 +169,8 @@ class StepPolicy:
         # The bound: what the step may cost beyond its decoding streams, spent oldest prompt first at each one's
         # own positions.  The floor: what it carries whatever the bound -- while streams decode, min_prefill in
         # all (admitted prompts always progress); while nobody decodes, the oldest prompt whole.
-        room_ms = options.stall_ms - costs.step_ms(_decoding_step(decoding, longest, runs))
+        spent_ms = costs.step_ms(_decoding_step(decoding, longest, runs))
+        room_ms = options.stall_ms - spent_ms
         floor = options.min_prefill if decoding else waiting[0].remaining
         plan = []
         for prompt in waiting:
@@ -169,7 +180,11 @@ class StepPolicy:
             room -= take
             floor = max(0, floor - take)
             if take:
-                room_ms -= costs.overhead_ms + _prompt_ms(costs, prompt.done, take)
+                added = costs.overhead_ms + _prompt_ms(costs, prompt.done, take)
+                spent_ms += added
+                room_ms -= added
+                if take == prompt.remaining:  # its first token: those behind may delay it only a little
+                    room_ms = min(room_ms, JOIN_SHARE * spent_ms)
         return plan
 
 
@@ -253,16 +268,16 @@ def own_ms(load: Load, prompt: Prompt) -> float:
     return _run(load.costs, StepPolicy(load.options), 0, 0, 0, [prompt], 0.0)  # type: ignore[arg-type]
 
 
-def predict(load: Load, prompt: Prompt, unseen: int = 0, unseen_tokens: int = 0) -> Prediction:
+def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = ()) -> Prediction:
     """The time to first token of ``prompt`` arriving now at a server under ``load``, and its wait, by running
-    the server's own policy forward.  ``unseen`` more requests are claimed there and not yet taken by its model
-    side (each counted as ``unseen_tokens`` prompt tokens, ahead of this one).  The step under way when the
-    request arrives counts half (it arrives, on average, half-way through it) and the request joins from the
-    next step.  Streams ahead are taken to go on decoding (their lengths are unknown)."""
+    the server's own policy forward.  ``ahead``: the requests claimed there and not yet taken by its model side,
+    in the order it will take them (ahead of this one).  The step under way when the request arrives counts half
+    (it arrives, on average, half-way through it) and the request joins from the next step.  Streams ahead are
+    taken to go on decoding (their lengths are unknown)."""
     if not load.published:
         return Prediction(0.0, 0.0)
     own = own_ms(load, prompt)
-    if load.idle and not unseen:
+    if load.idle and not ahead:
         return Prediction(own, 0.0)
     policy = StepPolicy(load.options)  # type: ignore[arg-type]
     costs = load.costs
@@ -274,7 +289,7 @@ def predict(load: Load, prompt: Prompt, unseen: int = 0, unseen_tokens: int = 0)
         takes = policy.plan(costs, decoding, longest, waiting, runs)
         elapsed = 0.5 * costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
-    waiting += [Prompt(0, unseen_tokens)] * (unseen if unseen_tokens > 0 else 0)
+    waiting += ahead
     ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed)
     return Prediction(ttft, max(0.0, ttft - own))
 

@@ -16,8 +16,9 @@ the cost), then the longest prefix held, then the most free slots; the others la
 reads their state words again).  When every server's wait is over the bound, the request is refused at
 once (429) with the least predicted wait, from which the edge says when to come back.  A server that
 publishes no load (a handler without a model, such as echo) is predicted to answer at once.  Slots claimed
-but not yet seen by the model side (CLAIMED or READY in the cached state words) are counted as prompts as
-long as this one, ahead of it.
+but not yet seen by the model side (CLAIMED or READY in the cached state words) are counted ahead of it: those
+this agent claimed as the prompts it wrote there, another claimant's as long as this one (their lengths are not
+in what the agent reads).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class Server(Protocol):
     def load(self) -> Load: ...
 
     @property
-    def unseen(self) -> int:
-        """Slots claimed whose request the model side has not taken yet (CLAIMED or READY)."""
+    def unseen(self) -> list[Prompt | None]:
+        """Slots claimed whose request the model side has not taken yet (CLAIMED or READY), in the order it will
+        take them: the prompt of each that this agent claimed, None for another claimant's (its length unknown)."""
         ...
 
 
@@ -91,8 +93,9 @@ class Admission:
         work = 0.0
         for i, server in enumerate(servers):
             matched = chain.matched(server.prefixes)
-            cached = min(count - 1, matched * wire.PREFIX_BLOCK)  # the last token is always computed
-            prediction = predict(server.load, Prompt(cached, count - cached), server.unseen, count)
+            cached = cached_tokens(count, matched)
+            ahead = [Prompt(0, count) if p is None else p for p in server.unseen]
+            prediction = predict(server.load, Prompt(cached, count - cached), ahead)
             if prediction.wait_ms > bound_ms:
                 if over is None or prediction.wait_ms < over:
                     over, work = prediction.wait_ms, prediction.ttft_ms - prediction.wait_ms
@@ -101,3 +104,9 @@ class Admission:
         ranked.sort()
         choices = [entry[-1] for entry in ranked]
         return Decision(choices) if choices or over is None else Decision([], over, work)
+
+
+def cached_tokens(count: int, matched: int) -> int:
+    """Of a prompt of ``count`` tokens whose first ``matched`` prefix blocks a server holds, what it will not
+    compute (the last token is always computed)."""
+    return min(count - 1, matched * wire.PREFIX_BLOCK)

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.contract.plan import Prediction
+from edgepath.contract.plan import Prediction, Prompt
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
-from edgepath.dpu.admission import Admission, Choice, Decision
+from edgepath.dpu.admission import Admission, Choice, Decision, cached_tokens
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
@@ -268,7 +268,7 @@ class Agent:
                 link, choice, slot, gen = claimed
                 flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
                 try:
-                    self._send(link, index, slot, gen, prompt, choice.prediction, flight)
+                    self._send(link, index, slot, gen, prompt, choice, flight)
                 except TransportError as exc:
                     flight.link = gone  # not moved: lost with the link it was on
                     link.inflight -= 1
@@ -424,8 +424,10 @@ class Agent:
         link, choice, slot, gen = claimed
         if choice.matched:
             link.stats.affine += 1
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_admission(index, link, slot, count, choice)
         try:
-            self._send(link, index, slot, gen, count, choice.prediction)
+            self._send(link, index, slot, gen, count, choice)
         except TransportError as exc:
             self.book.unsent(index)  # the caller still owns the frame: it answers and releases it
             link.inflight -= 1
@@ -474,7 +476,7 @@ class Agent:
             link.stats.affine += 1
         for k, (index, (slot, gen)) in enumerate(zip(indexes, claims, strict=True)):
             try:
-                self._send(link, index, slot, gen, count, choice.prediction)
+                self._send(link, index, slot, gen, count, choice)
             except TransportError as exc:
                 # The link is lost with every choice on it -- those not written yet too, booked there now -- so
                 # each is answered (or moved) as any request in flight on a lost link is: the group stays whole.
@@ -503,6 +505,29 @@ class Agent:
             self.frames.result_headers[index].over_bound(wait, bound, retry)
             return Status.OVER_BOUND
         return decision.choices
+
+    def _log_admission(self, index: int, link: ServerLink, slot: int, count: int, choice: Choice) -> None:
+        """What an admission rested on (``-v``): the load as read and how old, the claims it did not show yet, the
+        prompt, and the prediction -- so a prediction can be checked against the steps the model side then logs."""
+        load = link.load
+        age_ms = (self.link_set.clock() - link.tracker.observed) * 1e3
+        log.debug(
+            "admit frame %d on %s slot %d: prompt %d tokens, %d held; load read %.1f ms ago: %d decoding "
+            "(longest %d, %d runs), waiting %s, %d unseen; predicted first token %.1f ms, wait %.1f ms",
+            index,
+            link.address,
+            slot,
+            count,
+            cached_tokens(count, choice.matched),
+            age_ms,
+            load.decoding,
+            load.longest,
+            load.runs,
+            [(p.done, p.remaining) for p in load.waiting],
+            len(link.unseen),
+            choice.prediction.ttft_ms,
+            choice.prediction.wait_ms,
+        )
 
     def _reread(self, links: list[ServerLink]) -> bool:
         """Read again the links whose load was last read more than a probe interval ago (the heartbeat's
@@ -547,15 +572,18 @@ class Agent:
         slot: int,
         gen: int,
         count: int,
-        prediction: Prediction = _AT_ONCE,
+        choice: Choice = _ONLY,
         flight: InFlight | None = None,
     ) -> None:
-        """Write frame ``index`` into ``slot`` of ``link`` and ring its doorbell (``flight``: a request that
-        moved, in flight already)."""
+        """Write frame ``index`` into ``slot`` of ``link`` and ring its doorbell (``choice``: the decision that
+        put it there; ``flight``: a request that moved, in flight already)."""
         frame_off = self.frames.frame_offset(index)
         req = self.frames.request_headers[index]
         req.stamp(gen, slot, index)
+        prediction = choice.prediction
         req.predicted(prediction.ttft_ms, prediction.wait_ms)
+        cached = cached_tokens(count, choice.matched)
+        link.wrote(slot, gen, Prompt(cached, count - cached))
         pool = link.pool
         if flight is None:
             flight = InFlight(link=link, slot=slot, generation=gen, prompt=count, max_new=req.max_new_tokens)

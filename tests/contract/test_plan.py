@@ -52,16 +52,28 @@ def test_nothing_decoding_whole_prompt_is_capped_by_the_batch() -> None:
 
 def test_nothing_decoding_later_prompts_join_only_within_the_stall_bound() -> None:
     assert policy().plan(FLAT, 0, 0, fresh(60, 20)) == [60, 0]  # 45 tokens fit 100 ms; the first takes them all
-    # each chunk is a micro-batch of its own (10 ms): 30 + 50 ms for the first two, 10 ms left -- its micro-batch
-    # and 5 tokens
-    assert policy().plan(FLAT, 0, 0, fresh(10, 20, 30)) == [10, 20, 5]
+    # each chunk is a micro-batch of its own (10 ms): 30 ms for the first, then at most a quarter of that for those
+    # behind it -- 7.5 ms, not even their micro-batch -- within the bound or not
+    assert policy().plan(FLAT, 0, 0, fresh(10, 20, 30)) == [10, 0, 0]
+    # 210 ms for the first: 52.5 ms behind it, the second whole (50 ms), 2.5 ms left for the third
+    assert policy(stall_ms=1000.0).plan(FLAT, 0, 0, fresh(100, 20, 30)) == [100, 20, 0]
+
+
+def test_a_later_prompt_delays_an_earlier_ones_first_token_by_a_quarter_at_most() -> None:
+    """The prompts behind one that gets its first token add at most JOIN_SHARE of the step up to it: its first
+    token was predicted, and admitted, without them."""
+    # 5 streams (20 ms) and the first prompt's last 30 tokens (70 ms): 90 ms, a quarter of it 22.5 ms behind
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100)) == [30, 6, 0]
+    # a prompt that does not finish leaves nothing behind it: it takes what the bound allows
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(1000, 100)) == [485, 0]
 
 
 def test_while_slots_decode_prompt_tokens_fill_the_stall_bound() -> None:
     # the streams' micro-batch 20 ms, the chunk's own 10 ms: 35 tokens in the 70 ms left
     assert policy().plan(FLAT, 5, 0, fresh(100)) == [35]
     assert policy().plan(FLAT, 5, 0, fresh(30, 100)) == [30, 0]  # 10 ms left: a second chunk's micro-batch alone
-    assert policy().plan(FLAT, 5, 0, fresh(20, 100)) == [20, 10]
+    # 70 ms with the first's 20 tokens: a quarter of it, 17.5 ms, behind it -- its micro-batch and 3 tokens
+    assert policy().plan(FLAT, 5, 0, fresh(20, 100)) == [20, 3]
 
 
 def test_streams_in_several_runs_leave_less_room_for_prompt_tokens() -> None:
@@ -292,11 +304,11 @@ def test_a_step_always_carries_some_prompt_however_many_decode() -> None:
     assert got.ttft_ms == pytest.approx(0.5 * (6 + 600) + 2 * ((6 + 600) + (6 + 3 * 16)))
 
 
-def test_claims_the_server_has_not_seen_count_as_prompts_as_long_as_this_one_ahead_of_it() -> None:
-    got = predict(loaded(), Prompt(0, 400), unseen=1, unseen_tokens=400)
-    # the other whole and 96 of this one within the 1500 ms bound (a micro-batch each); then beside the other, now
-    # decoding
-    assert got.ttft_ms == pytest.approx((12.0 + 3.0 * 496) + (6.0 + 3.0 * 1) + (6.0 + 3.0 * 304))
+def test_claims_the_server_has_not_seen_count_ahead_of_this_one() -> None:
+    got = predict(loaded(), Prompt(0, 400), [Prompt(0, 400)])
+    # the other whole (1206 ms) and, behind its first token, only a quarter of that step of this one: 100 tokens in
+    # 301.5 ms less their micro-batch's 6; then beside the other, now decoding, the 300 left
+    assert got.ttft_ms == pytest.approx((12.0 + 3.0 * 498) + (6.0 + 3.0 * 1) + (6.0 + 3.0 * 302))
 
 
 def test_a_prediction_past_any_bound_is_infinite_not_a_hang() -> None:
@@ -358,7 +370,7 @@ class SimulatedServer:
 @given(
     decoding=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 60)), max_size=6),
     waiting=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 900)), max_size=4),
-    unseen=st.integers(0, 2),
+    unseen=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 900)), max_size=2),
     new=st.tuples(st.integers(0, 300), st.integers(1, 900)),
     costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5), st.floats(0, 10)),
     stall=st.floats(20, 3000),
@@ -367,16 +379,15 @@ class SimulatedServer:
 def test_the_agents_prediction_is_what_the_slot_server_then_does(
     decoding: list[tuple[int, int]],
     waiting: list[tuple[int, int]],
-    unseen: int,
+    unseen: list[tuple[int, int]],
     new: tuple[int, int],
     costs: tuple[float, float, float, float, float],
     stall: float,
     min_prefill: int,
 ) -> None:
     """The server publishes its load at the start of a step; the request arrives half-way through that step (a
-    step under way counts half), joins from the next one behind ``unseen`` claims of its own length, and its
-    first token comes exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs
-    say)."""
+    step under way counts half), joins from the next one behind the ``unseen`` claims, and its first token comes
+    exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs say)."""
     published = Costs(*costs).published()
     options = PolicyOptions(float(wire.np.float32(stall)), min_prefill, 4096)
     server = SimulatedServer(published, options)
@@ -387,7 +398,7 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     seen = wire.read_load(record[0])  # what the agent reads: the load region, float32 and all
     assert seen == server.load()
     cached, uncached = new
-    prediction = predict(seen, Prompt(cached, uncached), unseen, cached + uncached)
+    prediction = predict(seen, Prompt(cached, uncached), [Prompt(done, left) for done, left in unseen])
     # past MAX_STEPS steps a prediction is infinite (a stall bound below a micro-batch's cost leaves prompts
     # min_prefill tokens a step): no server is asked to follow that far
     assume(math.isfinite(prediction.ttft_ms))
@@ -395,7 +406,7 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     if server.running:
         server.step()  # the step under way when it arrives
     arrival = started + (server.now - started) / 2
-    server.running += [Sequence(cached + uncached, 0) for _ in range(unseen)]
+    server.running += [Sequence(done + left, done) for done, left in unseen]
     mine = Sequence(cached + uncached, cached, arrived_ms=arrival)
     server.running.append(mine)
     while mine.first_ms is None:

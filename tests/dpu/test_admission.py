@@ -23,7 +23,7 @@ class Server:
     free_hint: int
     prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     load: Load = field(default_factory=Load)
-    unseen: int = 0
+    unseen: list[Prompt | None] = field(default_factory=list)
 
 
 def table_of(*sequences: np.ndarray) -> np.ndarray:

@@ -154,6 +154,25 @@ def test_a_refusal_never_rests_on_a_view_older_than_a_heartbeat(make_server, new
     assert status is None  # older: read again before refusing, and admitted
 
 
+def test_claims_the_model_side_has_not_taken_count_as_the_prompts_written_there(make_server, new_agent) -> None:
+    """Two requests claimed before the server's loop took either: the second is predicted behind the first's own
+    prompt (300 tokens), not behind one as long as itself (it was counted so until issue 34's serving runs showed
+    a short prompt predicted behind a long one at a third of its wait)."""
+    server = make_server(Loaded(IDLE), cap=512)
+    agent: Agent = new_agent(cap=512)
+    link = agent.attach(server.address)
+    _, status = submit(agent, 300)
+    assert status is None
+    assert link.unseen == [Prompt(0, 300)]  # claimed and rung, not taken yet: the server's loop has not run
+    second, status = submit(agent, 20)
+    assert status is None
+    predicted = agent.frames.request_headers[second].predicted_ttft_us / 1e3
+    behind_the_first = predict(IDLE, Prompt(0, 20), [Prompt(0, 300)]).ttft_ms
+    assert predicted == pytest.approx(behind_the_first, abs=1e-3)
+    assert behind_the_first > predict(IDLE, Prompt(0, 20), [Prompt(0, 20)]).ttft_ms + 500  # not its own length
+    assert serve_once(server, timeout=0.5) == 2
+
+
 class Decoding(Prefilling):
     """Holds every request as a decoding stream (it never ends on its own)."""
 
