@@ -18,7 +18,8 @@ once (429) with the least predicted wait, from which the edge says when to come 
 publishes no load (a handler without a model, such as echo) is predicted to answer at once.  Slots claimed
 but not yet seen by the model side (CLAIMED or READY in the cached state words) are counted ahead of it: those
 this agent claimed as the prompts it wrote there, another claimant's as long as this one (their lengths are not
-in what the agent reads).
+in what the agent reads); a prefix this request shares with one of this agent's claims there counts as held (the
+server copies it once computed).
 """
 
 from __future__ import annotations
@@ -46,10 +47,20 @@ class Server(Protocol):
     def load(self) -> Load: ...
 
     @property
-    def unseen(self) -> list[Prompt | None]:
+    def unseen(self) -> list[Claimed | None]:
         """Slots claimed whose request the model side has not taken yet (CLAIMED or READY), in the order it will
-        take them: the prompt of each that this agent claimed, None for another claimant's (its length unknown)."""
+        take them: what this agent wrote into each it claimed, None for another claimant's (not known here)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A claim of this agent's that the model side has not taken yet: the prompt written there (what of it the
+    server holds, what it computes) and the chain hashes of its whole blocks -- a request that shares a prefix
+    with it will copy that prefix once computed (docs/MODEL.md, "KV layout and the prefix cache")."""
+
+    prompt: Prompt
+    chain: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +90,12 @@ class Admission:
     def __init__(self, input_capacity: int) -> None:
         self._chain = wire.PrefixChain(input_capacity)
 
+    @property
+    def chain(self) -> np.ndarray:
+        """The last decided request's chain hashes (a copy; empty when none were computed): what the agent keeps
+        with the claim it makes for it."""
+        return self._chain.hashes[: self._chain.blocks].copy()
+
     def decide(self, tokens: np.ndarray, servers: Sequence[Server], bound_ms: float, salt: int = 0) -> Decision:
         """Where a request of ``tokens`` may be claimed, best first, if its wait is to stay within
         ``bound_ms``; only prefixes published under its ``salt`` (its ``cache_salt``) count as held."""
@@ -91,10 +108,18 @@ class Admission:
         ranked = []
         over: float | None = None
         work = 0.0
+        mine = chain.hashes[: chain.blocks]
         for i, server in enumerate(servers):
             matched = chain.matched(server.prefixes)
+            ahead = []
+            for claim in server.unseen:
+                if claim is None:
+                    ahead.append(Prompt(0, count))
+                    continue
+                ahead.append(claim.prompt)
+                if len(server.prefixes):  # a server that reuses prefixes copies this one from the claim ahead
+                    matched = max(matched, _leading(mine, claim.chain))
             cached = cached_tokens(count, matched)
-            ahead = [Prompt(0, count) if p is None else p for p in server.unseen]
             prediction = predict(server.load, Prompt(cached, count - cached), ahead)
             if prediction.wait_ms > bound_ms:
                 if over is None or prediction.wait_ms < over:
@@ -104,6 +129,15 @@ class Admission:
         ranked.sort()
         choices = [entry[-1] for entry in ranked]
         return Decision(choices) if choices or over is None else Decision([], over, work)
+
+
+def _leading(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading chain hashes ``a`` and ``b`` share (a block's hash covers every block before it)."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def cached_tokens(count: int, matched: int) -> int:

@@ -32,7 +32,7 @@ from edgepath.contract import wire
 from edgepath.contract.plan import Prediction, Prompt
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
-from edgepath.dpu.admission import Admission, Choice, Decision, cached_tokens
+from edgepath.dpu.admission import Admission, Choice, Claimed, Decision, cached_tokens
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT, LinkHealth, Reason
@@ -57,6 +57,7 @@ log = logging.getLogger("edgepath.agent")
 _DOORBELL_FIELD = field_offset(REQUEST_HEADER, "doorbell")
 _AT_ONCE = Prediction(0.0, 0.0)
 _ONLY = Choice(0, 0, _AT_ONCE)
+_NO_CHAIN = np.zeros(0, dtype=np.uint64)
 #: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
 #: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
 DEFAULT_MAX_WAIT = 2.0
@@ -583,7 +584,8 @@ class Agent:
         prediction = choice.prediction
         req.predicted(prediction.ttft_ms, prediction.wait_ms)
         cached = cached_tokens(count, choice.matched)
-        link.wrote(slot, gen, Prompt(cached, count - cached))
+        chain = self.admission.chain if choice is not _ONLY else _NO_CHAIN  # _ONLY: nothing was decided
+        link.wrote(slot, gen, Claimed(Prompt(cached, count - cached), chain))
         pool = link.pool
         if flight is None:
             flight = InFlight(link=link, slot=slot, generation=gen, prompt=count, max_new=req.max_new_tokens)

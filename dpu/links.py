@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.contract.plan import Load, Prompt
+from edgepath.contract.plan import Load
+from edgepath.dpu.admission import Claimed
 from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason, check_hang_timeout
 from edgepath.dpu.port import SlotServerStatus
@@ -110,8 +111,8 @@ class ServerLink:
         self._load = Load()  # the last whole load region read, parsed (a torn read keeps it)
         self._load_version = 0
         self._load_end = self.loads.view(np.uint64)[:1]  # its version word, cheap to read
-        #: the prompt this agent wrote into each slot it claimed, with that claim's generation and order
-        self._written: dict[int, tuple[int, int, Prompt]] = {}
+        #: what this agent wrote into each slot it claimed, with that claim's generation and order
+        self._written: dict[int, tuple[int, int, Claimed]] = {}
         self._writes = 0
 
     @property
@@ -148,24 +149,24 @@ class ServerLink:
                 self._load, self._load_version = load, version
         return self._load
 
-    def wrote(self, slot: int, generation: int, prompt: Prompt) -> None:
-        """This agent wrote ``prompt`` into ``slot``, claimed in ``generation``: what :attr:`unseen` counts for it
+    def wrote(self, slot: int, generation: int, claim: Claimed) -> None:
+        """This agent wrote ``claim`` into ``slot``, claimed in ``generation``: what :attr:`unseen` counts for it
         until the model side takes it."""
         self._writes += 1
-        self._written[slot] = (generation, self._writes, prompt)
+        self._written[slot] = (generation, self._writes, claim)
 
     @property
-    def unseen(self) -> list[Prompt | None]:
+    def unseen(self) -> list[Claimed | None]:
         """Slots claimed (by anyone) whose request the model side had not taken when last read, and this
         agent's claims since (CLAIMED or READY in the cached words), in the order the model side takes them:
         another claimant's first (None: its prompt is not known here), then this agent's in the order it rang
-        them (a server takes doorbells in the order they arrive), each the prompt it wrote."""
+        them (a server takes doorbells in the order they arrive), each as it wrote it."""
         words = self.words
         slots = np.flatnonzero(wire.in_state(words, State.CLAIMED) | wire.in_state(words, State.READY))
         if not len(slots):
             return []
-        mine: list[tuple[int, Prompt]] = []
-        others: list[Prompt | None] = []
+        mine: list[tuple[int, Claimed]] = []
+        others: list[Claimed | None] = []
         for slot in slots.tolist():
             written = self._written.get(slot)
             if written is not None and written[0] == wire.word_generation(int(words[slot])):
@@ -173,7 +174,7 @@ class ServerLink:
             else:
                 others.append(None)
         mine.sort(key=lambda entry: entry[0])
-        return others + [prompt for _, prompt in mine]
+        return others + [claim for _, claim in mine]
 
 
 def _ignore(link: ServerLink) -> None:

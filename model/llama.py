@@ -738,16 +738,23 @@ class LlamaHandler:
     def load(self) -> Load:
         """What the step policy will plan from, as the agents replay it: the costs it plans with, its knobs, the
         streams decoding and the positions they hold, the prompts in prefill oldest first (a request not placed
-        yet counts whole: what it will reuse is not known before)."""
+        yet as what it would reuse if placed now: a free stream's or a host copy's prefix, or one it shares with an
+        older prompt of its cache namespace)."""
         decoding: list[int] = []
         longest = 0
         waiting = []
+        ahead: list[_Sequence] = []
         for seq in self._running.values():
-            if seq.prefilled < seq.prompt_len:
+            if seq.stream < 0 and self.options.prefix_cache:
+                older = (s.request.tokens for s in ahead if s.request.salt == seq.request.salt)
+                reuse = self.book.reusable(seq.request.tokens, older, seq.request.salt)
+                waiting.append(Prompt(reuse, seq.prompt_len - reuse))
+            elif seq.prefilled < seq.prompt_len:
                 waiting.append(Prompt(seq.prefilled, seq.prompt_len - seq.prefilled))
             else:
                 decoding.append(seq.stream)
                 longest = max(longest, seq.prompt_len + seq.count - 1)
+            ahead.append(seq)
         self.cost.forget(time.monotonic())
         return Load(self.cost.costs(), self.policy.options, len(decoding), longest, tuple(waiting), runs(decoding))
 

@@ -177,6 +177,20 @@ class PrefixBook:
             self.stats.misses += 1
         return self._run(placement, salt)
 
+    def reusable(self, prompt: np.ndarray, ahead: Iterable[np.ndarray] = (), salt: int = 0) -> int:
+        """How much of ``prompt`` a request placed now would reuse, without placing it: what a free stream or a host
+        copy of ``salt`` holds, or what it shares with ``ahead`` -- the prompts of ``salt`` placed or waiting before
+        it, whose shared prefix it copies once computed.  What the slot server publishes for a prompt not placed
+        yet: counting it whole made agents predict a burst of chats sharing a system prompt at several times what
+        the model side then does (each copies the prefix the first computed)."""
+        limit = len(prompt) - 1
+        free = {i: s.tokens for i, s in enumerate(self._streams) if not s.running and s.tokens is not None}
+        held = {i: t for i, t in free.items() if self._streams[i].salt == salt}
+        best = max(_longest(held, prompt, limit)[1], self._best_saved(prompt, limit, salt)[1])
+        for tokens in ahead:
+            best = max(best, min(common_prefix(tokens, prompt), limit))
+        return best if best >= self.min_reuse else 0
+
     def compaction(self, decoding: Iterable[int], movable: Mapping[int, int]) -> tuple[int, int] | None:
         """A move that leaves the decoding streams in fewer runs of consecutive ids (fewer micro-batches a step):
         ``(source, destination)`` -- one of ``movable`` (running stream -> positions its KV holds) into a free

@@ -10,7 +10,7 @@ import pytest
 
 from edgepath.contract import wire
 from edgepath.contract.plan import Costs, Load, PolicyOptions, Prediction, Prompt, predict
-from edgepath.dpu.admission import Admission, Choice
+from edgepath.dpu.admission import Admission, Choice, Claimed
 
 BLOCK = wire.PREFIX_BLOCK
 PACE = {"costs": Costs(overhead_ms=6.0, prompt_ms=3.0, decode_ms=3.0), "options": PolicyOptions(1500.0, 16, 4096)}
@@ -23,7 +23,7 @@ class Server:
     free_hint: int
     prefixes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     load: Load = field(default_factory=Load)
-    unseen: list[Prompt | None] = field(default_factory=list)
+    unseen: list[Claimed | None] = field(default_factory=list)
 
 
 def table_of(*sequences: np.ndarray) -> np.ndarray:
@@ -76,3 +76,21 @@ def test_a_request_shorter_than_a_block_is_ordered_by_free_slots_only() -> None:
     short = tokens(BLOCK - 1, 5)
     servers = [Server(1, table_of(np.concatenate([short, tokens(BLOCK, 6)]))), Server(3)]
     assert [c.server for c in Admission(4 * BLOCK).decide(short, servers, BOUND).choices] == [1, 0]
+
+
+def test_a_prefix_shared_with_a_claim_not_taken_yet_counts_as_held_there() -> None:
+    """A burst of chats sharing a system prompt: the server computes it for the first and the others copy it, so
+    the second is predicted behind the first with only its own part to compute, not the whole prompt twice."""
+    system = tokens(4 * BLOCK, 8)
+    first, second = (np.concatenate([system, tokens(BLOCK // 2, seed)]) for seed in (9, 10))
+    admission = Admission(8 * BLOCK)
+    empty = np.zeros(wire.PREFIX_ENTRIES, dtype=np.uint64)  # a server that keeps prefixes, holding none yet
+    idle = Server(8, empty, Load(**PACE))
+    admission.decide(first, [idle], BOUND)
+    ahead = Claimed(Prompt(0, len(first)), admission.chain)
+    busy = Server(7, empty, Load(**PACE), [ahead])
+    choice = admission.decide(second, [busy], BOUND).choices[0]
+    assert choice.matched == 4
+    assert choice.prediction == predict(busy.load, Prompt(4 * BLOCK, len(second) - 4 * BLOCK), [ahead.prompt])
+    keeps_none = Server(7, load=Load(**PACE), unseen=[ahead])  # no prefix table: it copies nothing
+    assert admission.decide(second, [keeps_none], BOUND).choices[0].matched == 0

@@ -163,7 +163,8 @@ def test_claims_the_model_side_has_not_taken_count_as_the_prompts_written_there(
     link = agent.attach(server.address)
     _, status = submit(agent, 300)
     assert status is None
-    assert link.unseen == [Prompt(0, 300)]  # claimed and rung, not taken yet: the server's loop has not run
+    # claimed and rung, not taken yet: the server's loop has not run
+    assert [claim.prompt for claim in link.unseen] == [Prompt(0, 300)]
     second, status = submit(agent, 20)
     assert status is None
     predicted = agent.frames.request_headers[second].predicted_ttft_us / 1e3

@@ -307,3 +307,21 @@ def test_a_gap_between_runs_is_closed_by_moving_the_shortest_sequence_that_close
     assert book.compaction({0, 2}, {2: 50}) is None  # 2 -> 3, the only free stream, closes nothing
     with pytest.raises(ValueError, match="cannot move"):
         book.move(3, 0)  # 3 is free now, 0 running
+
+
+def test_what_a_request_would_reuse_is_told_without_placing_it() -> None:
+    """What a slot server publishes for a prompt not placed yet: what a placement now would reuse -- a free stream's
+    or a host copy's prefix of its salt, or the prefix it shares with a prompt ahead of it -- and nothing moves."""
+    book = PrefixBook(streams=4, capacity=1 << 20, min_reuse=4)
+    first = book.place(chat(1))
+    book.finished(first.stream, chat(1))
+    version = book.version
+    assert book.reusable(chat(2)) == 40  # the free stream's system prompt
+    assert book.reusable(chat(2), salt=7) == 0  # not another namespace's
+    assert book.reusable(seq(1, 50)) == 0
+    assert book.reusable(seq(1, 50), [seq(1, 30)]) == 30  # shared with a prompt ahead, computed or not
+    assert book.reusable(seq(1, 50), [seq(1, 3)]) == 0  # shorter than worth reusing
+    assert book.reusable(seq(1, 20), [seq(1, 20)]) == 19  # never the last token
+    assert book.version == version and book.stats.hits == 0  # nothing placed, nothing counted
+    again = book.place(chat(2))
+    assert again.reuse == 40

@@ -1,12 +1,13 @@
 """Prefix reuse on the real SmolLM2 GGUF: hits in place and from host memory, partial hits, eviction, running
 sequences never short of cells, cancel during prefill, and exactness (greedy answers with and without a hit
-are the same, token for token)."""
+are the same, token for token, but where two tokens are within the batch tolerance of each other)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import stream_of
 
+from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.choices import choice_sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
@@ -84,17 +86,51 @@ def handler_with(**options: str) -> LlamaHandler:
     return LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, {**BASE, **options}))
 
 
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy answer computed from scratch, with each position's runner-up and margin (its best token's logit
+    less the runner-up's: log probabilities differ by what the logits do)."""
+
+    ids: list[int]
+    seconds: list[int]
+    margins: list[float]
+
+    def check(self, answer: list[int], whole: bool = True) -> None:
+        """``answer`` is this one token for token -- but where the best two tokens are within twice the batch
+        tolerance of each other it may take the runner-up (each logit moves by up to BATCH_TOLERANCE with how a
+        step was batched, on the default build: docs/MODEL.md, "Exactness"), and it goes its own way from there.
+        ``whole``: as long as this one (else a beginning of it)."""
+        for k, (got, want) in enumerate(zip(answer, self.ids, strict=False)):
+            if got != want:
+                assert got == self.seconds[k] and self.margins[k] <= 2 * BATCH_TOLERANCE, (
+                    f"token {k}: {got} where the answer computed from scratch has {want} (runner-up "
+                    f"{self.seconds[k]}, {self.margins[k]:.3f} behind it in log probability): {answer} vs {self.ids}"
+                )
+                return
+        assert len(answer) == len(self.ids) if whole else len(answer) <= len(self.ids), (answer, self.ids)
+
+
 @pytest.fixture(scope="module")
 def reference(tok: GGUFTokenizer):
-    """Greedy answers computed from scratch (prefix reuse off), by prompt."""
+    """Greedy answers computed from scratch (prefix reuse off), by prompt, with each token's two likeliest."""
     handler = handler_with(prefix_cache="off")
-    slots = Slots(handler)
-    answers: dict[bytes, list[int]] = {}
+    top = 2
+    words = wire.record_words(top)
+    inputs = np.zeros(IN_CAP, dtype=np.int32)
+    outputs = np.zeros(OUT_CAP * words, dtype=np.int32)
+    answers: dict[bytes, Greedy] = {}
 
-    def answer(prompt: np.ndarray) -> list[int]:
+    def answer(prompt: np.ndarray) -> Greedy:
         key = prompt.tobytes()
         if key not in answers:
-            answers[key] = slots.ask(0, prompt)[0]
+            inputs[: len(prompt)] = prompt
+            request = SlotRequest(0, 0, OUT_CAP, wire.logprobs_flags(top), inputs[: len(prompt)], outputs, Sampling())
+            assert handler.add(request, 0.0) == []
+            final = Slots(handler).drive()[0]
+            records = wire.read_records(outputs[: final.count], top)  # its count is in output words
+            assert records.top_ids[:, 0].tolist() == records.ids.tolist()  # greedy: the likeliest each time
+            margins = records.top_logprobs[:, 0] - records.top_logprobs[:, 1]
+            answers[key] = Greedy(records.ids.tolist(), records.top_ids[:, 1].tolist(), margins.tolist())
         return answers[key]
 
     yield answer
@@ -117,7 +153,7 @@ def test_a_shared_system_prompt_is_reused_and_the_answers_are_exact(tok, referen
         answer, hit = cached.ask(slot % SLOTS, prompt)
         shared = common_prefix(prompt, first)
         assert hit.cached_tokens == shared > len(tok.encode(SYSTEM))  # a partial hit: up to where they differ
-        assert answer == reference(prompt)
+        reference(prompt).check(answer)
     stats = cached.handler.book.stats
     assert (stats.hits, stats.misses) == (3, 1)
     assert cached.handler.stats.prompt_tokens < sum(len(chat(tok, q)) for q in ("a", "b", "c", "d"))
@@ -128,7 +164,7 @@ def test_the_same_prompt_again_reuses_all_but_its_last_token(tok, reference, cac
     cached.ask(0, prompt)
     answer, hit = cached.ask(1, prompt)  # another slot: the request finds the sequence that holds it
     assert hit.cached_tokens == len(prompt) - 1
-    assert answer == reference(prompt)
+    reference(prompt).check(answer)
 
 
 def test_a_conversation_continues_from_its_last_turn(tok, reference, cached: Slots) -> None:
@@ -138,7 +174,7 @@ def test_a_conversation_continues_from_its_last_turn(tok, reference, cached: Slo
     turn2 = chat(tok, "Can I change my ticket?", reply, "And how much does it cost?")
     answer, hit = cached.ask(1, turn2)
     assert hit.cached_tokens >= len(turn1)  # the whole first turn, and the answer as far as it tokenizes alike
-    assert answer == reference(turn2)
+    reference(turn2).check(answer)
 
 
 def test_a_saved_copy_is_restored_after_its_sequence_was_reused(tok, reference, cached: Slots) -> None:
@@ -154,7 +190,7 @@ def test_a_saved_copy_is_restored_after_its_sequence_was_reused(tok, reference, 
     answer, hit = cached.ask(1, follow_up)
     assert hit.cached_tokens == common_prefix(follow_up, prompt)
     assert cached.handler.book.stats.restored == 1
-    assert answer == reference(follow_up)
+    reference(follow_up).check(answer)
 
 
 def test_requests_arriving_together_compute_their_shared_prefix_once(tok, reference) -> None:
@@ -172,7 +208,7 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(tok, refere
         assert handler.book.stats.shared == 1
         assert handler.stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - shared
         for slot, prompt in enumerate(prompts):
-            assert slots.outputs[slot, : final[slot].count].tolist() == reference(prompt)
+            reference(prompt).check(slots.outputs[slot, : final[slot].count].tolist())
     finally:
         handler.close()
 
@@ -285,7 +321,8 @@ def test_one_shared_kv_stream_works_too(tok, reference) -> None:
     try:
         first = chat(tok, "What is the capital of France?")
         ids, miss = slots.ask(0, first, 12)
-        assert ids == reference(first)[:12] and miss.cached_tokens == 0
+        reference(first).check(ids, whole=False)
+        assert miss.cached_tokens == 0
         _, hit = slots.ask(1, chat(tok, "What is the capital of Italy?"))
         assert hit.cached_tokens == common_prefix(first, chat(tok, "What is the capital of Italy?"))
     finally:
