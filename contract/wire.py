@@ -463,6 +463,12 @@ def cache_salt(namespace: bytes, salt: str | None = None) -> int:
     return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") or 1
 
 
+#: the namespace of tenants that share their prefixes (``share_prefix``), which readers of the shared prefix read
+PUBLIC_NAMESPACE = b"public"
+#: its cache salt: what a request with :data:`FLAG_READ_PUBLIC` may reuse besides its own salt's prefixes
+PUBLIC_SALT = cache_salt(PUBLIC_NAMESPACE)
+
+
 def prefix_table(sequences: Iterable[tuple[int, np.ndarray]], entries: int) -> np.ndarray:
     """The table a slot server publishes for the token sequences its model side holds, each with the salt it
     was written under, the most useful first: the chain hashes of every whole block of each, each hash once,
@@ -826,6 +832,16 @@ FLAG_CONSTRAINT = lib.EP_FLAG_CONSTRAINT
 CONSTRAINT_WORDS_MAX = lib.EP_FLAG_CONSTRAINT_MASK
 
 
+#: the request may also reuse prefixes written under :data:`PUBLIC_SALT`; what it writes stays under its own salt
+FLAG_READ_PUBLIC = lib.EP_FLAG_READ_PUBLIC
+
+
+def readable_salts(salt: int, flags: int) -> tuple[int, ...]:
+    """The cache salts a request of ``salt`` and ``flags`` may reuse KV from: its own, and the public one when it
+    reads the shared prefix (:data:`FLAG_READ_PUBLIC`)."""
+    return (salt, PUBLIC_SALT) if flags & FLAG_READ_PUBLIC and salt != PUBLIC_SALT else (salt,)
+
+
 def constraint_encoding(grammar: str) -> np.ndarray:
     """A GBNF grammar as the int32 words that follow the prompt: its UTF-8, zero-padded to whole words."""
     data = grammar.encode()
@@ -868,3 +884,61 @@ def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, 
     if not 0 <= max_new_tokens <= output_capacity:
         return f"max_new_tokens must be between 0 and {output_capacity}, got {max_new_tokens}"
     return None
+
+
+# -- the quota ledger: tenants' quota buckets as words every edge debits by remote CAS (docs/TENANTS.md) ---------
+#: the region a ledger home exports: ``entries`` pairs of u64 words ``[key][bucket]``, all 0 when made
+LEDGER_REGION = "ledger"
+#: edges only compare-and-swap its words (a failed CAS is their read): nothing else is granted
+LEDGER_ACCESS = Access.REMOTE_ATOMIC
+#: entries of a ledger: one per (tenant, unit, window, limit) used since the home started
+LEDGER_ENTRIES = 16384
+#: the keys a ledger home sends every edge: what it is, and how many entries its region holds
+LEDGER_ROLE, LEDGER_ENTRIES_KEY = "ledger", "ledger_entries"
+#: the largest quota a bucket word keeps exact: a bucket's clock wraps at 2^64, and an idle bucket's word must stay
+#: within 2^63 tokens of it (2^40 a minute: 16 years idle)
+QUOTA_MAX = 2**40
+_U64 = (1 << 64) - 1
+
+
+def ledger_hello(entries: int) -> dict[str, Any]:
+    """What a ledger home tells an edge."""
+    return {ROLE: LEDGER_ROLE, LEDGER_ENTRIES_KEY: entries}
+
+
+def read_ledger_hello(info: Mapping[str, Any]) -> int:
+    """The entries of the ledger a home's ``info`` describes; :class:`InfoInvalid` when it is not a ledger home."""
+    if info.get(ROLE) != LEDGER_ROLE:
+        raise InfoInvalid(f"not a quota ledger (role {info.get(ROLE)!r})")
+    (entries,) = _ints(info, LEDGER_ENTRIES_KEY)
+    if entries < 1:
+        raise InfoInvalid(f"a ledger of {entries} entries")
+    return entries
+
+
+def ledger_key(tenant: str, unit: str, window: str, limit: int) -> int:
+    """The key word of a tenant's bucket: 64 bits of SHA-256 of its tenant, unit (tokens, requests), window
+    (minute, day) and limit (a changed limit is another bucket, so that every word is read at one scale); never
+    0, the key of an unused entry."""
+    material = f"edgepath-quota\0{tenant}\0{unit}\0{window}\0{limit}".encode()
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") or 1
+
+
+def bucket_clock(now_ns: int, limit: int, period_ns: int) -> int:
+    """A bucket's clock at ``now_ns`` (Unix time: every edge reads its own): tokens (or requests) that have refilled
+    since the epoch at ``limit`` per ``period_ns``, modulo 2^64."""
+    return (now_ns * limit // period_ns) & _U64
+
+
+def bucket_debt(word: int, clock: int) -> int:
+    """What a bucket word owes at ``clock``: how far its word is ahead of the clock (the bucket holds its limit less
+    that); 0 or less: full.  A word of 0 is a bucket never used: full."""
+    if not word:
+        return 0
+    ahead = (word - clock) & _U64
+    return ahead - (1 << 64) if ahead >> 63 else ahead
+
+
+def bucket_word(clock: int, debt: int) -> int:
+    """The word of a bucket that owes ``debt`` at ``clock``."""
+    return (clock + debt) & _U64

@@ -521,15 +521,30 @@ class HttpCore:
         return self._retry_later("slot_cap", why, 0.0)
 
     def over_quota(self, refused: Refused) -> HttpError:
-        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` do not fit what
-        is left of its tenant's token quota; ``retry-after-ms`` says when enough will have refilled (none when the
-        request alone is more than the whole quota: it never fits)."""
-        need = f"this request needs {refused.tokens} tokens (its prompt and max_tokens)"
+        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` (or the request
+        itself) do not fit what is left of its tenant's quota; ``retry-after-ms`` says when enough will have
+        refilled (none when the request alone is more than the whole quota: it never fits)."""
+        unit, limit, window = refused.unit, refused.limit, refused.window
+        if unit == "tokens":
+            need = f"this request needs {refused.need} tokens (its prompt and max_tokens)"
+        else:
+            need = "this request is 1 request"
         if math.isinf(refused.retry_after):
-            why = f"{need}, more than the whole {refused.limit}-token quota per {refused.window}: lower max_tokens"
+            why = f"{need}, more than the whole {limit}-token quota per {window}: lower max_tokens"
             return HttpError(429, "quota_exceeded", why)
-        why = f"{need}; {refused.remaining} of the {refused.limit}-token quota per {refused.window} are left"
+        quota = f"{limit}-{unit[:-1]} quota per {window}"
+        why = f"{need}; {refused.remaining} of the {quota} {'is' if refused.remaining == 1 else 'are'} left"
         return self._retry_later("quota_exceeded", why, max(1.0, refused.retry_after * 1e3))
+
+    def quota_unavailable(self, why: str) -> HttpError:
+        """503 ``quota_unavailable`` at once: the tenant has a quota and the ledger that counts it cannot be reached
+        -- quotas fail closed (nothing is served uncounted); ``Retry-After`` the default."""
+        return HttpError(
+            503,
+            "quota_unavailable",
+            f"this API key's tenant has a quota and its ledger cannot be reached ({why}); retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
+        )
 
     def _retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
         """A 429 that says when to come back: ``retry-after-ms`` (what the openai SDK reads first) and

@@ -9,7 +9,8 @@ vLLM accepts) into the request header's ``cache_salt`` word (:func:`edgepath.con
 model side reuses KV -- and the agent places a request by prefix -- only from prefixes written under the same
 word.  So one tenant never reads another's KV, nor learns from ``cached_tokens``, ``Server-Timing`` or a faster
 first token that another sent the same prompt.  Sharing is opt-in (``share_prefix``): the tenants that opt in
-share one public namespace among themselves.
+share one public namespace among themselves.  Reading it is a separate opt-in (``read_shared_prefix``): such a
+tenant reuses the public namespace's prefixes (a public system prompt) while what it writes stays in its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from edgepath.contract import wire
 from edgepath.edge.sampling import SamplingInvalid, show
 
 #: the namespace of tenants that opt in to the shared prefix cache (``share_prefix = true``)
-PUBLIC_NAMESPACE = b"public"
+PUBLIC_NAMESPACE = wire.PUBLIC_NAMESPACE
 #: the longest ``cache_salt`` a request may give, in UTF-8 bytes
 CACHE_SALT_MAX = 256
 
@@ -37,7 +38,10 @@ class Tenant:
     slot_cap: int = 0
     tokens_per_minute: int = 0
     tokens_per_day: int = 0
+    requests_per_minute: int = 0
+    requests_per_day: int = 0
     share_prefix: bool = False
+    read_shared_prefix: bool = False  # reads the public namespace; what it writes stays in its own
 
     @property
     def cache_namespace(self) -> bytes:
@@ -47,6 +51,12 @@ class Tenant:
     def salt(self, cache_salt: str | None) -> int:
         """The request header's ``cache_salt`` for one of its requests with this ``cache_salt`` field."""
         return wire.cache_salt(self.cache_namespace, cache_salt)
+
+    @property
+    def cache_flags(self) -> int:
+        """The request header flags of its namespace: :data:`~edgepath.contract.wire.FLAG_READ_PUBLIC` for a reader
+        of the shared prefix."""
+        return wire.FLAG_READ_PUBLIC if self.read_shared_prefix else 0
 
 
 #: every request when no API key is configured: one namespace, no limits -- the server as it was before tenants

@@ -108,6 +108,13 @@
 #define EP_FLAG_CONSTRAINT 4
 #define EP_FLAG_CONSTRAINT_SHIFT 16
 #define EP_FLAG_CONSTRAINT_MASK 0xffff
+/*
+ * A reader of the shared prefix (issue 35): with EP_FLAG_READ_PUBLIC the model side may also reuse KV written under
+ * the public namespace's cache salt (the edge's wire.PUBLIC_SALT: what tenants that share their prefixes write),
+ * while everything the request itself writes stays under its own cache_salt.  A model side that does not know the
+ * flag reuses its own salt's prefixes only (it computes more, it reads nothing more).
+ */
+#define EP_FLAG_READ_PUBLIC 8
 
 #define EP_ALIGN 64
 
