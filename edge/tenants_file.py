@@ -105,7 +105,8 @@ def _tenant(name: str, entry: dict[str, Any], where: str) -> Tenant:
             f"{where}: 'share_prefix' already reads the shared prefix (and writes it); 'read_shared_prefix' reads it "
             "only: give one of them"
         )
-    return Tenant(name, b"tenant:" + name.encode(), **switches, **limits)
+    share, read = switches["share_prefix"], switches["read_shared_prefix"]
+    return Tenant(name, b"tenant:" + name.encode(), share_prefix=share, read_shared_prefix=read, **limits)
 
 
 def _digests(entry: dict[str, Any], where: str) -> list[bytes]:

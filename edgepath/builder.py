@@ -43,9 +43,12 @@ if TYPE_CHECKING:
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.http import HttpCore
+    from edgepath.edge.ledger import LedgerHome
+    from edgepath.edge.quota import Quotas
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
     from edgepath.edge.tokenizer import Tokenizer
+    from edgepath.edge.usage import UsageLog
     from edgepath.hangwatch import HangWatch
     from edgepath.slots.config import SlotServerConfig
     from edgepath.slots.handlers import HandlerConfig
@@ -500,15 +503,23 @@ async def start_edge(
         model_side=options.handler.name == "llama",
     )
     warn_unenforced(plan.keys)
+    if edge.quota_home is not None:
+        service.lifecycle.quotas = shared_quotas(edge.quota_home, options, cleanup)
+    usage = None
     if edge.usage_log is not None:
         from edgepath.edge.usage import UsageLog
 
-        usage = UsageLog(edge.usage_log)
+        usage = UsageLog(edge.usage_log, edge.usage_fsync, edge.usage_fsync_interval)
         cleanup.callback(usage.close)
         service.lifecycle.usage = usage
     service.start()
     cleanup.callback(service.stop)
-    if on_sighup(loop, lambda: reload_keys(edge, service.core)):
+
+    def reload() -> None:  # SIGHUP
+        reload_keys(edge, service.core)
+        reopen_usage_log(usage)
+
+    if on_sighup(loop, reload):
         cleanup.callback(loop.remove_signal_handler, signal.SIGHUP)
     try:
         server = await _listen(edge, service, serve_tls(edge))
@@ -550,6 +561,74 @@ def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
     log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
     warn_unenforced(keys)
     return True
+
+
+def reopen_usage_log(usage: UsageLog | None) -> None:
+    """SIGHUP: the usage log opened again at its path (log rotation renamed it); one that cannot be opened is one
+    error line, and the file in use is kept."""
+    if usage is None:
+        return
+    try:
+        usage.reopen()
+    except ValueError as exc:
+        log.error("SIGHUP: %s; keeping the usage log file in use", exc)
+        return
+    log.info("SIGHUP: usage log %s reopened", usage.path)
+
+
+# -- quotas across edges --------------------------------------------------------------------------------------
+
+
+def ledger_transport(address: str, options: ServeOptions) -> Transport:
+    """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.edge.ledger.transport_kind`):
+    loopback for a socket path; verbs, on the data path's device, for IP:PORT."""
+    from edgepath.edge.ledger import transport_kind
+
+    kind = transport_kind(address)
+    if kind == "verbs" and options.data_path.kind != "verbs":
+        raise ValueError(
+            f"quota ledger {address}: an IP:PORT address is reached over RDMA verbs: give --data-path verbs "
+            "(with --device), or a socket path for edges on this machine"
+        )
+    data_path = options.data_path if kind == options.data_path.kind else DataPath(kind)
+    return data_path_transport(data_path, options.agent.hang_timeout)
+
+
+def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> LedgerHome:
+    """A quota ledger kept by this process at ``address`` (``--quota-listen``, or the workers' own); ``cleanup``
+    closes it."""
+    from edgepath.edge.ledger import LedgerHome
+    from edgepath.transports.base import TransportError
+
+    transport = ledger_transport(address, options)
+    cleanup.callback(transport.close)
+    try:
+        home = LedgerHome(transport, address)
+    except TransportError as exc:
+        raise RuntimeError(f"--quota-listen {address}: {exc}") from exc
+    cleanup.callback(home.close)
+    log.info("quota ledger kept at %s", address)
+    return home
+
+
+def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> Quotas:
+    """The edge's quotas in the ledger at ``address`` (``--quota-home``), shared with the other edges there; a
+    ledger that does not answer is an error naming the option."""
+    from edgepath.edge.ledger import RemoteLedger
+    from edgepath.edge.quota import Quotas
+    from edgepath.transports.base import TransportError
+
+    transport = ledger_transport(address, options)
+    cleanup.callback(transport.close)
+    try:
+        ledger = RemoteLedger(transport, address)
+    except TransportError as exc:
+        raise RuntimeError(
+            f"--quota-home {address}: {exc}; give the address a quota ledger is kept at (serve --quota-listen)"
+        ) from exc
+    cleanup.callback(ledger.close)
+    log.info("quotas counted in the quota ledger at %s", address)
+    return Quotas(ledger)
 
 
 def warn_unenforced(keys: ApiKeys | None) -> None:
