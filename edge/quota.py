@@ -169,6 +169,12 @@ class Quotas:
                         self._give(back, tokens if back[1].unit == "tokens" else requests, now)
                     remaining = max(0, limit - debt)
                     wait = math.inf if need > limit else window.seconds(need - remaining, limit)
+                    for other, most in windows:  # the headers say every unit's state, read
+                        if other not in seen and (other.unit not in {w.unit for w in seen} or other.name == "minute"):
+                            seen[other] = (
+                                most,
+                                self._take(self._entry(tenant.name, other, most, now), other, most, 0, now)[0],
+                            )
                     return Refused(need, window.unit, window.name, limit, remaining, wait, _limits(seen))
                 taken.append((entry, window, limit))
         except LedgerUnavailable as exc:

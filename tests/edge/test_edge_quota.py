@@ -104,6 +104,14 @@ def test_the_day_window_binds_too_says_when_and_the_minute_gets_back_what_it_gav
     assert limits(quotas, 120.0, both) == Limits(600, 600, 0.0)  # the minute's 100 given back at once
 
 
+def test_a_refusal_says_every_units_state() -> None:
+    tenant = Tenant("both", b"tenant:both", tokens_per_minute=600, requests_per_day=10)
+    quotas = Quotas()
+    refused = quotas.reserve(tenant, 700, 0)
+    assert isinstance(refused, Refused) and refused.unit == "tokens"
+    assert refused.limits == {"tokens": Limits(600, 600, 0.0), "requests": Limits(10, 10, 0.0)}
+
+
 def test_requests_per_minute_count_requests_whatever_their_tokens() -> None:
     tenant = Tenant("r", b"tenant:r", requests_per_minute=3)
     quotas = Quotas()
