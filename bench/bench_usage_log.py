@@ -15,7 +15,7 @@ LINE = Usage("acme", 7, "/v1/chat/completions", 261, 256, 12, "stop", 81.5, 3.25
 
 
 @pytest.mark.parametrize("fsync", FSYNC)
-def test_usage_log_line(benchmark, tmp_path: Path, fsync: str) -> None:  # type: ignore[no-untyped-def]
+def test_usage_log_line(benchmark, tmp_path: Path, fsync: str) -> None:
     log = UsageLog(str(tmp_path / "usage.jsonl"), fsync=fsync, interval=1.0)
     try:
         benchmark.pedantic(log, args=(LINE,), rounds=2000, iterations=1, warmup_rounds=20)

@@ -320,6 +320,12 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
     edge = options.edge
     keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)  # checked before any start
+    for flag, address in (("--quota-home", edge.quota_home), ("--quota-listen", edge.quota_listen)):
+        if address is not None:
+            check_ledger_address(flag, address, options.data_path)
+    if edge.quota_home is not None:
+        with contextlib.ExitStack() as probe:  # a ledger that does not answer is refused before anything starts
+            shared_quotas(edge.quota_home, options, probe)
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
@@ -579,17 +585,24 @@ def reopen_usage_log(usage: UsageLog | None) -> None:
 # -- quotas across edges --------------------------------------------------------------------------------------
 
 
+def check_ledger_address(flag: str, address: str, data_path: DataPath) -> None:
+    """A quota ledger address this configuration can reach (:func:`edgepath.edge.ledger.transport_kind`): an IP:PORT
+    one is over RDMA verbs, so it needs ``--data-path verbs``."""
+    from edgepath.edge.ledger import transport_kind
+
+    if transport_kind(address) == "verbs" and data_path.kind != "verbs":
+        raise ValueError(
+            f"{flag} {address}: an IP:PORT address is reached over RDMA verbs: give --data-path verbs (with "
+            "--device), or a socket path for edges on this machine"
+        )
+
+
 def ledger_transport(address: str, options: ServeOptions) -> Transport:
     """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.edge.ledger.transport_kind`):
     loopback for a socket path; verbs, on the data path's device, for IP:PORT."""
     from edgepath.edge.ledger import transport_kind
 
     kind = transport_kind(address)
-    if kind == "verbs" and options.data_path.kind != "verbs":
-        raise ValueError(
-            f"quota ledger {address}: an IP:PORT address is reached over RDMA verbs: give --data-path verbs "
-            "(with --device), or a socket path for edges on this machine"
-        )
     data_path = options.data_path if kind == options.data_path.kind else DataPath(kind)
     return data_path_transport(data_path, options.agent.hang_timeout)
 

@@ -221,3 +221,13 @@ def test_the_headers_are_openais() -> None:
         (b"x-ratelimit-reset-requests", b"1s"),
     ]
     assert [reset_text(s) for s in (0.0, 0.0201, 1.25, 360.0, 7500.0)] == ["0ms", "21ms", "1.3s", "6m0s", "2h5m0s"]
+
+
+def test_an_edge_that_dies_holding_reservations_costs_its_tenant_at_most_those_until_they_refill() -> None:
+    words = LocalLedger()
+    dying, living = Quotas(words), Quotas(words)
+    for _ in range(3):
+        reserve(dying, 100, 0.0)  # in flight when its edge is killed: never settled
+    assert limits(living, 0.0).remaining == 300  # charged as if wholly used: never more served
+    assert isinstance(living.reserve(ACME, 300, 0), Reservation)
+    assert limits(living, 60.0).remaining == 600  # refilled within the window: the loss is bounded and ends
