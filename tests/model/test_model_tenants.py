@@ -33,24 +33,28 @@ NOTE = (
 )
 
 
-@pytest.fixture(scope="module")
-def model_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+def serve_model(tmp: Path, **keys: str) -> Iterator[RunningEdge]:
+    """``serve --transport tcp`` of SmolLM2 (2 slots of 512 tokens) with ``keys`` (``api_keys_file`` or
+    ``tenants_file``)."""
     from edgepath.model.gguf import default_model_path
 
     gguf = str(default_model_path())
-    tmp = tmp_path_factory.mktemp("tenants")
-    keys = tmp / "keys"
-    keys.write_text("key-a\nkey-b\n")
     options = ServeOptions(
-        edge=EdgeSettings(
-            transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf, api_keys_file=str(keys)
-        ),
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf, **keys),
         sizing=Sizing(slots=2, input_capacity=512, output_capacity=16),
         agent=AgentSettings(frames=8),
         handler=HandlerSettings("llama", (("model", gguf), ("threads", "1"), ("ctx_per_slot", "528"))),
     )
-    with running_edge(options, Path(tmp), timeout=120.0) as running:
+    with running_edge(options, tmp, timeout=120.0) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def model_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    keys = tmp / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    yield from serve_model(tmp, api_keys_file=str(keys))
 
 
 def client(edge: RunningEdge, key: str) -> openai.OpenAI:
@@ -107,9 +111,6 @@ def reader_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdg
     (``read_shared_prefix``)."""
     import hashlib
 
-    from edgepath.model.gguf import default_model_path
-
-    gguf = str(default_model_path())
     tmp = tmp_path_factory.mktemp("readers")
     tenants = tmp / "tenants.toml"
     entries = (("publisher", "key-p", "share_prefix"), ("reader1", "key-r1", "read_shared_prefix"),
@@ -120,16 +121,7 @@ def reader_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdg
             for name, key, switch in entries
         )
     )
-    options = ServeOptions(
-        edge=EdgeSettings(
-            transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf, tenants_file=str(tenants)
-        ),
-        sizing=Sizing(slots=2, input_capacity=512, output_capacity=16),
-        agent=AgentSettings(frames=8),
-        handler=HandlerSettings("llama", (("model", gguf), ("threads", "1"), ("ctx_per_slot", "528"))),
-    )
-    with running_edge(options, Path(tmp), timeout=120.0) as running:
-        yield running
+    yield from serve_model(tmp, tenants_file=str(tenants))
 
 
 def test_a_reader_gets_the_public_prefix_and_no_reader_sees_another_readers_follow_up(reader_edge: RunningEdge) -> None:

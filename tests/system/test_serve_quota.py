@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from helpers.supervised import start_serve_tcp
 from test_cli_errors import edgepath_fails
+from test_serve_tenants import no_flat_keys  # noqa: F401  (autouse: no flat key list from the environment)
 
 from edgepath.children import Child, free_port
 from edgepath.contract import wire
@@ -48,12 +49,6 @@ def generate(port: int, key: str) -> tuple[int, dict, dict[str, str]]:
         return response.status, doc, {k.lower(): v for k, v in response.getheaders()}
     finally:
         conn.close()
-
-
-@pytest.fixture(autouse=True)
-def no_flat_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.delenv("EDGEPATH_API_KEYS", raising=False)
 
 
 def test_the_workers_of_one_serve_count_one_quota(edgepath_process: Callable[..., Child], tmp_path: Path) -> None:
