@@ -230,6 +230,11 @@ def words_tenants(words: np.ndarray) -> np.ndarray:
     return words >> _TENANT_SHIFT_U64
 
 
+def word_holder(word: int) -> int:
+    """The claimant and its tenant as one value (tenant << 24 | claimant): what a claim or a hand-over names."""
+    return (word_tenant(word) << 24) | word_claimant(word)
+
+
 def holder(claimant: int, tenant: int = 0) -> int:
     """What a claim or a hand-over names, as ``ep_step`` takes it: the tenant's floor id << 24 | the claimant."""
     if not 0 <= tenant <= TENANT_MAX:
