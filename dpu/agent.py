@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,7 @@ DEFAULT_MAX_WAIT = 2.0
 #: how many slots one request under its tenant's floor tries to take back before it is refused (each try is one
 #: reclaim word written and rung, answered by the slot server at its next turn): another agent may take the same
 #: slot first, or the stream there may end by itself meanwhile and its slot be claimed by someone else
-RECLAIM_TRIES = 3
+RECLAIM_TRIES = 8
 #: how often one request may move to another slot server when its own goes away (``--migration-limit``): a
 #: second move covers a failover during a failover; a request that outlives more servers than that is unlucky
 #: in a way a retry by the client handles as well
@@ -333,13 +334,13 @@ class Agent:
         tenant = req.tenant
         order = [fits[choice.server] for choice in choices]
         predictions = [choice.prediction for choice in choices]
-        holdings = floors.held([link.words for link in self.links if link.alive])
+        holdings = self._holdings()
         positions = {id(link): at for at, link in enumerate(order)}
         under_way = frozenset((positions[key[0]], key[1]) for key in self._reclaims if key[0] in positions)
         self._victim_cursor += 1
         table = self._floor_table()
-        for victim in floors.victims(tenant, [link.words for link in order], table, holdings, under_way,
-                                     self._victim_cursor):  # fmt: skip
+        start = self._victim_cursor + 7 * (order[0].claimant if order else 0)  # agents start apart
+        for victim in floors.victims(tenant, [link.words for link in order], table, holdings, under_way, start):
             link = order[victim.server]
             word = wire.claim_word(wire.free_word(victim.generation), link.claimant, tenant)
             if not self.link_set.send_reclaim(link, victim.slot, victim.generation, word):
@@ -672,8 +673,19 @@ class Agent:
         if not tenant or not floor:
             return tenant, False
         self._learned[tenant] = floor
+        return tenant, floors.under_floor(tenant, floor, self._holdings())
+
+    def _holdings(self) -> Counter[int]:
+        """Slots each tenant holds on the slot servers this agent reads (the state words as last read), this
+        agent's reclaims under way counted as done."""
         holdings = floors.held([link.words for link in self.links if link.alive])
-        return tenant, floors.under_floor(tenant, floor, holdings)
+        under_way = []
+        for index in self._reclaims.values():
+            flight = self.book.inflight.get(index)
+            if flight is not None and flight.reclaim:
+                victim = wire.word_tenant(int(flight.link.words[flight.slot]))
+                under_way.append((victim, wire.word_tenant(flight.reclaim)))
+        return floors.moving(holdings, under_way)
 
     def _choose(self, index: int, count: int, fits: list[ServerLink], owner: bool = False) -> list[Choice] | Status:
         """Where frame ``index`` may be claimed, best first, or OVER_BOUND (its result header then says why).  A

@@ -49,6 +49,17 @@ def held(words: Sequence[np.ndarray]) -> Counter[int]:
     return counts
 
 
+def moving(holdings: Counter[int], reclaims: Sequence[tuple[int, int]]) -> Counter[int]:
+    """``holdings`` with reclaims under way counted as done: each (from, to) pair -- the tenant whose slot is being
+    taken back, the tenant taking it -- moves one slot.  What an agent knows of its own reclaims before the state
+    words show them, so that it never asks for more than its tenants' floors."""
+    out = Counter(holdings)
+    for victim, owner in reclaims:
+        out[victim] -= 1
+        out[owner] += 1
+    return out
+
+
 def under_floor(tenant: int, floor: int, holdings: Mapping[int, int]) -> bool:
     """Whether ``tenant`` (a floor id; 0 has no floor) holds fewer slots than its ``floor``."""
     return tenant != 0 and holdings.get(tenant, 0) < floor
