@@ -193,6 +193,8 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->output_offset = 0;
     req->migrations = 0;
     req->cache_salt = 0;  /* a frame is reused: the writer sets its salt after filling */
+    req->tenant = 0;      /* ... and its tenant's floor (issue 35) */
+    req->slot_floor = 0;
 }
 
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)
