@@ -319,7 +319,8 @@ class Agent:
                         remaining,
                     )
                     return True
-        log.warning("frame %d cannot move from %s: %s", index, gone.address, why)
+        # a reclaimed stream that finds no free slot ends RECLAIMED, as floors mean it to: not a fault
+        (log.info if stay else log.warning)("frame %d cannot move from %s: %s", index, gone.address, why)
         return False
 
     # -- slot floors: taking a lent slot back (docs/TENANTS.md) ----------------------------------------
