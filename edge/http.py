@@ -617,6 +617,20 @@ def json_type(value: object) -> str:
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
 
 
+#: ``finish_details`` of an answer cut short because its slot was taken back for a tenant under its slot floor
+#: (docs/TENANTS.md): its ``finish_reason`` is ``"length"`` -- OpenAI's value for an answer cut before its end,
+#: so clients that only know OpenAI's values treat it as incomplete -- and this says why (the name
+#: ``finish_details`` with a ``type`` is the one OpenAI's own gpt-4-vision-preview answers used)
+RECLAIMED: Mapping[str, str] = {
+    "type": "slot_reclaimed",
+    "message": (
+        "the answer was cut short: it ran on a slot lent to this API key, and a tenant under its slot floor took "
+        "the slot back while no other slot was free; send the request again (or continue from this answer) for "
+        "the rest"
+    ),
+}
+
+
 class GenerateFormatter:
     """``/v1/generate``: one JSON document, or one ``data: {"token": id}`` event per token then
     ``event: done`` with the summary and the first-token time when streamed."""
@@ -629,12 +643,15 @@ class GenerateFormatter:
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:
-        return {
+        summary: dict[str, Any] = {
             "id": outcome.request_id,
             "input_count": outcome.input_count,
             "output_count": len(outcome.tokens),
             "cached_tokens": outcome.cached_tokens,
         }
+        if outcome.status == "RECLAIMED":
+            summary["finish_details"] = dict(RECLAIMED)
+        return summary
 
     def complete(self, outcome: Outcome) -> Response:
         summary = self._summary(outcome)

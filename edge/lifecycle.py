@@ -441,6 +441,7 @@ class EdgeLifecycle:
         )
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
         req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
+        req.floored(work.tenant.floor_id, work.tenant.slot_floor)  # whose slot it claims: docs/TENANTS.md
         return t0
 
     def _sent(self, t: Tracked, req: wire.RequestHeader, t1: int, t2: int, now: int) -> None:

@@ -6,7 +6,7 @@ the file, the entry and what is allowed.
 
     [tenants.acme]
     keys = ["sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"]  # printf %s KEY | sha256sum
-    slot_floor = 2              # recorded, not enforced yet (docs/TENANTS.md)
+    slot_floor = 2              # slots it can always have: lent out when idle, taken back (docs/TENANTS.md)
     slot_cap = 6                # requests in flight at once at this edge (0: no cap)
     tokens_per_minute = 20000   # prompt + max_tokens reserved at admission (0: no quota)
     tokens_per_day = 1000000
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgepath.contract.wire import QUOTA_MAX
-from edgepath.edge.tenants import Tenant
+from edgepath.edge.tenants import Tenant, with_floor_ids
 
 #: a tenant's name: a metric label and a usage-log field, so short and plain
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -77,7 +77,10 @@ def parse_tenants(text: str, path: str = "<tenants>") -> list[tuple[bytes, Tenan
                 raise TenantsFileError(f"{where}: key sha256:{digest.hex()} is also tenant {owner[digest]!r}'s")
             owner[digest] = name
             out.append((digest, tenant))
-    return out
+    try:
+        return with_floor_ids(out)
+    except ValueError as exc:
+        raise TenantsFileError(f"tenants file {path}: {exc}") from None
 
 
 def _tenant(name: str, entry: dict[str, Any], where: str) -> Tenant:

@@ -508,7 +508,7 @@ async def start_edge(
         supervision,
         model_side=options.handler.name == "llama",
     )
-    warn_unenforced(plan.keys)
+    give_floors(plan.keys, agent)
     if edge.quota_home is not None:
         service.lifecycle.quotas = shared_quotas(edge.quota_home, options, cleanup)
     usage = None
@@ -522,7 +522,7 @@ async def start_edge(
     cleanup.callback(service.stop)
 
     def reload() -> None:  # SIGHUP
-        reload_keys(edge, service.core)
+        reload_keys(edge, service.core, agent)
         reopen_usage_log(usage)
 
     if on_sighup(loop, reload):
@@ -552,10 +552,10 @@ async def drain_edge(service: EdgeService, server: asyncio.Server | QuicServer, 
     log.info("drained: %d requests left unanswered", service.pending)
 
 
-def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
-    """SIGHUP: read the API keys and the tenants file again and serve new requests with them; streams in flight
-    keep the tenant they were admitted as.  A file that cannot be used is one error line, and the keys in use are
-    kept."""
+def reload_keys(edge: EdgeSettings, core: HttpCore, agent: AgentPort | None = None) -> bool:
+    """SIGHUP: read the API keys and the tenants file again and serve new requests with them (and give ``agent``
+    their slot floors); streams in flight keep the tenant they were admitted as.  A file that cannot be used is
+    one error line, and the keys in use are kept."""
     from edgepath.edge.auth import load_keys
 
     try:
@@ -565,7 +565,8 @@ def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
         return False
     core.api_keys = keys
     log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
-    warn_unenforced(keys)
+    if agent is not None:
+        give_floors(keys, agent)
     return True
 
 
@@ -644,13 +645,24 @@ def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitS
     return Quotas(ledger)
 
 
-def warn_unenforced(keys: ApiKeys | None) -> None:
-    """Say so, once per start or reload, when a tenant asks for what is not built (docs/TENANTS.md)."""
-    for tenant in keys.tenants if keys is not None else []:
-        if tenant.slot_floor:
-            log.warning(
-                "tenant %s: slot_floor %d is not enforced yet (docs/TENANTS.md)", tenant.name, tenant.slot_floor
-            )
+def give_floors(keys: ApiKeys | None, agent: AgentPort) -> None:
+    """The tenants' slot floors to the edge's agent, by floor id (docs/TENANTS.md): an agent in this process takes
+    lent slots back by them (an agent process learns each tenant's floor from its requests' headers).  Floors that
+    add up to more than the slots attached cannot all be had at once: said once per start or reload."""
+    from edgepath.edge.tenants import floors_by_id
+
+    floors = floors_by_id(keys.tenants if keys is not None else [])
+    set_floors = getattr(agent, "set_floors", None)
+    if set_floors is not None:
+        set_floors(floors)
+    slots = sum(server.total_slots or 0 for server in agent.servers())
+    if floors and slots and sum(floors.values()) > slots:
+        log.warning(
+            "the tenants' slot floors add up to %d, more than the %d slots of the slot servers attached: a tenant "
+            "under its floor is refused (429 no_slot) when every slot is held by tenants within their floors",
+            sum(floors.values()),
+            slots,
+        )
 
 
 def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:
