@@ -198,10 +198,14 @@ class EdgeGrant:
         return cls(inputs, outputs, base, count, tuple(servers))
 
 
-# -- state word: generation (32) | claimant (24) | state (8) ----------------------------------------
+# -- state word: tenant (8) | generation (24) | claimant (24) | state (8) ------------------------------
 _STATE_MASK = 0xFF
 _STATE_MASK_U64 = np.uint64(_STATE_MASK)
 CLAIMANT_MAX = lib.EP_CLAIMANT_MAX
+GENERATION_MAX = lib.EP_GENERATION_MAX
+TENANT_MAX = lib.EP_TENANT_MAX
+_TENANT_SHIFT = 56
+_TENANT_SHIFT_U64 = np.uint64(_TENANT_SHIFT)
 
 
 def word_state(word: int) -> int:
@@ -209,11 +213,38 @@ def word_state(word: int) -> int:
 
 
 def word_generation(word: int) -> int:
-    return word >> 32
+    return (word >> 32) & GENERATION_MAX
 
 
 def word_claimant(word: int) -> int:
     return (word >> 8) & CLAIMANT_MAX
+
+
+def word_tenant(word: int) -> int:
+    """The floor id of the tenant whose request holds the slot (0: a tenant without a floor, or FREE)."""
+    return word >> _TENANT_SHIFT
+
+
+def words_tenants(words: np.ndarray) -> np.ndarray:
+    """The tenant field of an array of state words (what :func:`word_tenant` is for one)."""
+    return words >> _TENANT_SHIFT_U64
+
+
+def word_holder(word: int) -> int:
+    """The claimant and its tenant as one value (tenant << 24 | claimant): what a claim or a hand-over names."""
+    return (word_tenant(word) << 24) | word_claimant(word)
+
+
+def holder(claimant: int, tenant: int = 0) -> int:
+    """What a claim or a hand-over names, as ``ep_step`` takes it: the tenant's floor id << 24 | the claimant."""
+    if not 0 <= tenant <= TENANT_MAX:
+        raise ValueError(f"tenant floor id must be in 0..{TENANT_MAX}, got {tenant}")
+    return (tenant << 24) | (claimant & CLAIMANT_MAX)
+
+
+def next_generation(generation: int) -> int:
+    """The generation a claim of a word in ``generation`` begins (generations wrap at 2^24)."""
+    return (generation + 1) & GENERATION_MAX
 
 
 def is_free(word: int) -> bool:
@@ -232,7 +263,7 @@ def in_state(words: np.ndarray, state: State) -> np.ndarray:
 
 def free_word(generation: int) -> int:
     """A FREE word in ``generation`` (what a slot server leaves when it releases a slot)."""
-    return (generation & 0xFFFFFFFF) << 32
+    return (generation & GENERATION_MAX) << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,16 +271,22 @@ class SlotWord:
     generation: int
     state: State | int
     claimant: int
+    tenant: int = 0
 
     @classmethod
     def unpack(cls, word: int) -> SlotWord:
         """Unpack a word; a state byte outside the ABI (corrupt memory) is kept as a plain int."""
         code = word & _STATE_MASK
         state = State(code) if code in State._value2member_map_ else code
-        return cls(word >> 32, state, word_claimant(word))
+        return cls(word_generation(word), state, word_claimant(word), word_tenant(word))
 
     def pack(self) -> int:
-        return (self.generation << 32) | ((self.claimant & CLAIMANT_MAX) << 8) | int(self.state)
+        return (
+            (self.tenant << _TENANT_SHIFT)
+            | ((self.generation & GENERATION_MAX) << 32)
+            | ((self.claimant & CLAIMANT_MAX) << 8)
+            | int(self.state)
+        )
 
 
 class TransitionRefused(Exception):
@@ -262,7 +299,8 @@ class TransitionRefused(Exception):
 
 
 def step(word: int, event: Event, generation: int = 0, claimant: int = 0) -> int:
-    """The state word after ``event``; raises :class:`TransitionRefused` when not allowed."""
+    """The state word after ``event``; raises :class:`TransitionRefused` when not allowed (``claimant``: CLAIM's
+    and HANDOVER's holder, :func:`holder`)."""
     out = ffi.new("uint64_t *")
     rc = lib.ep_step_word(word, int(event), generation & 0xFFFFFFFF, claimant, out)
     if rc != lib.EP_OK:
@@ -270,23 +308,24 @@ def step(word: int, event: Event, generation: int = 0, claimant: int = 0) -> int
     return int(out[0])
 
 
-def claim_word(free_word: int, claimant: int) -> int:
-    """The word a claimer CASes in for ``free_word`` (FREE): generation + 1, CLAIMED, claimant."""
-    return step(free_word, Event.CLAIM, 0, claimant)
+def claim_word(free_word: int, claimant: int, tenant: int = 0) -> int:
+    """The word a claimer CASes in for ``free_word`` (FREE): generation + 1, CLAIMED, claimant and its tenant."""
+    return step(free_word, Event.CLAIM, 0, holder(claimant, tenant))
 
 
-#: the claimer's hot path: ``claim_next(word, claimant)`` is :func:`claim_word` without the exception,
+#: the claimer's hot path: ``claim_next(word, holder)`` is :func:`claim_word` without the exception,
 #: 0 when ``word`` cannot be claimed (no claimed word is 0)
 claim_next = lib.ep_claim_next
 
 
 # -- towards a slot server: doorbell and cancel ------------------------------------------------------
 IMM_CANCEL = lib.EP_IMM_CANCEL
+IMM_RECLAIM = lib.EP_IMM_RECLAIM
 IMM_GEN_MASK = lib.EP_IMM_GEN_MASK
 
 
 def doorbell_imm(slot: int, generation: int) -> int:
-    """32-bit immediate of a doorbell: generation's low 15 bits << 16 | slot (bit 31 clear)."""
+    """32-bit immediate of a doorbell: generation's low 14 bits << 16 | slot (bits 31 and 30 clear)."""
     return lib.ep_doorbell_imm_of(generation & 0xFFFFFFFF, slot)
 
 
@@ -296,8 +335,18 @@ def doorbell_word(slot: int, generation: int) -> int:
 
 
 def cancel_imm(slot: int, generation: int) -> int:
-    """32-bit immediate of a cancel: bit 31 | generation's low 15 bits << 16 | slot."""
+    """32-bit immediate of a cancel: bit 31 | generation's low 14 bits << 16 | slot."""
     return IMM_CANCEL | ((generation & IMM_GEN_MASK) << 16) | (slot & lib.EP_SLOT_MAX)
+
+
+def reclaim_imm(slot: int, generation: int) -> int:
+    """32-bit immediate of a reclaim of ``slot`` running ``generation``: bits 31 and 30 | its low 14 bits << 16 |
+    slot.  ``reclaim[slot]`` holds the word the slot is to be handed over as (:func:`claim_word` of it)."""
+    return lib.ep_reclaim_imm_of(generation & 0xFFFFFFFF, slot)
+
+
+def is_reclaim_imm(imm: int) -> bool:
+    return imm & (IMM_CANCEL | IMM_RECLAIM) == IMM_CANCEL | IMM_RECLAIM
 
 
 def cancel_word(generation: int) -> int:
@@ -314,7 +363,7 @@ def imm_slot(imm: int) -> int:
 
 
 def imm_generation_matches(imm: int, generation: int) -> bool:
-    """Whether an immediate names ``generation`` (it carries only the low 15 bits)."""
+    """Whether an immediate names ``generation`` (it carries only the low 14 bits)."""
     return (imm >> 16) & IMM_GEN_MASK == generation & IMM_GEN_MASK
 
 
@@ -328,6 +377,7 @@ def doorbell_entry(conn_id: int, imm: int) -> int:
 IMM_PROGRESS = lib.EP_IMM_PROGRESS
 IMM_FINAL = lib.EP_IMM_FINAL
 IMM_STALLED = lib.EP_IMM_STALLED
+IMM_HANDOVER = lib.EP_IMM_HANDOVER
 IMM_KIND_MASK = lib.EP_IMM_KIND_MASK
 IMM_INDEX_MASK = lib.EP_IMM_INDEX_MASK
 
@@ -355,6 +405,16 @@ def stalled_imm(index: int) -> int:
 
 def is_stalled_imm(imm: int) -> bool:
     return imm & IMM_KIND_MASK == IMM_STALLED
+
+
+def handover_imm(slot: int) -> int:
+    """A slot server tells a reclaiming agent: its reclaim of ``slot`` was acted on (handed over or not: the state
+    word says which)."""
+    return IMM_HANDOVER | (slot & IMM_INDEX_MASK)
+
+
+def is_handover_imm(imm: int) -> bool:
+    return imm & IMM_KIND_MASK == IMM_HANDOVER
 
 
 def progress_word(generation: int, count: int) -> int:
@@ -461,6 +521,12 @@ def cache_salt(namespace: bytes, salt: str | None = None) -> int:
         return 0
     material = b"edgepath-cache-salt\0" + namespace + b"\0" + (b"" if salt is None else b"\1" + salt.encode())
     return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") or 1
+
+
+#: the namespace of tenants that share their prefixes (``share_prefix``), which readers of the shared prefix read
+PUBLIC_NAMESPACE = b"public"
+#: its cache salt: what a request with :data:`FLAG_READ_PUBLIC` may reuse besides its own salt's prefixes
+PUBLIC_SALT = cache_salt(PUBLIC_NAMESPACE)
 
 
 def prefix_table(sequences: Iterable[tuple[int, np.ndarray]], entries: int) -> np.ndarray:
@@ -572,6 +638,8 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     output_offset: int  # a migrated request: output tokens its answer already has; its output goes after them
     migrations: int  # how often it has moved to another slot server
     cache_salt: int  # the prefix cache's namespace (cache_salt()): KV and placement only from the same salt
+    tenant: int  # the tenant's floor id (0: none), claimed with: the state word's tenant
+    slot_floor: int  # that tenant's slot floor
 
     def fill(
         self,
@@ -605,6 +673,14 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     def salted(self, salt: int) -> None:
         """The prefix cache namespace the request reads and writes (:func:`cache_salt`; 0: none)."""
         self._p.cache_salt = salt
+
+    def floored(self, tenant: int, slot_floor: int) -> None:
+        """The request's tenant's floor id (0: a tenant without a slot floor) and that floor: what the agent claims
+        with (the state word's tenant) and decides a reclaim by (docs/TENANTS.md)."""
+        if not 0 <= tenant <= TENANT_MAX:
+            raise ValueError(f"tenant floor id must be in 0..{TENANT_MAX}, got {tenant}")
+        self._p.tenant = tenant
+        self._p.slot_floor = slot_floor if tenant else 0
 
     def predicted(self, ttft_ms: float, wait_ms: float) -> None:
         """The agent's prediction at claim time, for the edge's ``Server-Timing`` and metrics."""
@@ -721,7 +797,7 @@ class ResultHeader(_StructView, struct="ep_result_header"):
 
 
 #: final statuses that mean "the model side ran the request" (output, if any, is valid)
-FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED)
+FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED, Status.RECLAIMED)
 #: statuses the data path answers before any slot ran the request
 REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.UNAVAILABLE, Status.BAD_REQUEST)
 FLAG_STREAM = lib.EP_FLAG_STREAM
@@ -826,6 +902,16 @@ FLAG_CONSTRAINT = lib.EP_FLAG_CONSTRAINT
 CONSTRAINT_WORDS_MAX = lib.EP_FLAG_CONSTRAINT_MASK
 
 
+#: the request may also reuse prefixes written under :data:`PUBLIC_SALT`; what it writes stays under its own salt
+FLAG_READ_PUBLIC = lib.EP_FLAG_READ_PUBLIC
+
+
+def readable_salts(salt: int, flags: int) -> tuple[int, ...]:
+    """The cache salts a request of ``salt`` and ``flags`` may reuse KV from: its own, and the public one when it
+    reads the shared prefix (:data:`FLAG_READ_PUBLIC`)."""
+    return (salt, PUBLIC_SALT) if flags & FLAG_READ_PUBLIC and salt != PUBLIC_SALT else (salt,)
+
+
 def constraint_encoding(grammar: str) -> np.ndarray:
     """A GBNF grammar as the int32 words that follow the prompt: its UTF-8, zero-padded to whole words."""
     data = grammar.encode()
@@ -868,3 +954,61 @@ def request_problem(token_count: int, max_new_tokens: int, input_capacity: int, 
     if not 0 <= max_new_tokens <= output_capacity:
         return f"max_new_tokens must be between 0 and {output_capacity}, got {max_new_tokens}"
     return None
+
+
+# -- the quota ledger: tenants' quota buckets as words every edge debits by remote CAS (docs/TENANTS.md) ---------
+#: the region a ledger home exports: ``entries`` pairs of u64 words ``[key][bucket]``, all 0 when made
+LEDGER_REGION = "ledger"
+#: edges only compare-and-swap its words (a failed CAS is their read): nothing else is granted
+LEDGER_ACCESS = Access.REMOTE_ATOMIC
+#: entries of a ledger: one per (tenant, unit, window, limit) used since the home started
+LEDGER_ENTRIES = 16384
+#: the keys a ledger home sends every edge: what it is, and how many entries its region holds
+LEDGER_ROLE, LEDGER_ENTRIES_KEY = "ledger", "ledger_entries"
+#: the largest quota a bucket word keeps exact: a bucket's clock wraps at 2^64, and an idle bucket's word must stay
+#: within 2^63 tokens of it (2^40 a minute: 16 years idle)
+QUOTA_MAX = 2**40
+_U64 = (1 << 64) - 1
+
+
+def ledger_hello(entries: int) -> dict[str, Any]:
+    """What a ledger home tells an edge."""
+    return {ROLE: LEDGER_ROLE, LEDGER_ENTRIES_KEY: entries}
+
+
+def read_ledger_hello(info: Mapping[str, Any]) -> int:
+    """The entries of the ledger a home's ``info`` describes; :class:`InfoInvalid` when it is not a ledger home."""
+    if info.get(ROLE) != LEDGER_ROLE:
+        raise InfoInvalid(f"not a quota ledger (role {info.get(ROLE)!r})")
+    (entries,) = _ints(info, LEDGER_ENTRIES_KEY)
+    if entries < 1:
+        raise InfoInvalid(f"a ledger of {entries} entries")
+    return entries
+
+
+def ledger_key(tenant: str, unit: str, window: str, limit: int) -> int:
+    """The key word of a tenant's bucket: 64 bits of SHA-256 of its tenant, unit (tokens, requests), window
+    (minute, day) and limit (a changed limit is another bucket, so that every word is read at one scale); never
+    0, the key of an unused entry."""
+    material = f"edgepath-quota\0{tenant}\0{unit}\0{window}\0{limit}".encode()
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "little") or 1
+
+
+def bucket_clock(now_ns: int, limit: int, period_ns: int) -> int:
+    """A bucket's clock at ``now_ns`` (Unix time: every edge reads its own): tokens (or requests) that have refilled
+    since the epoch at ``limit`` per ``period_ns``, modulo 2^64."""
+    return (now_ns * limit // period_ns) & _U64
+
+
+def bucket_debt(word: int, clock: int) -> int:
+    """What a bucket word owes at ``clock``: how far its word is ahead of the clock (the bucket holds its limit less
+    that); 0 or less: full.  A word of 0 is a bucket never used: full."""
+    if not word:
+        return 0
+    ahead = (word - clock) & _U64
+    return ahead - (1 << 64) if ahead >> 63 else ahead
+
+
+def bucket_word(clock: int, debt: int) -> int:
+    """The word of a bucket that owes ``debt`` at ``clock``."""
+    return (clock + debt) & _U64

@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from edgepath.contract import wire
 from edgepath.contract.plan import Prediction, Prompt
 from edgepath.contract.pool import DEFAULT_CAPACITY, AgentFrames, FrameLayout
 from edgepath.contract.wire import claim_next
+from edgepath.dpu import floors
 from edgepath.dpu.admission import Admission, Choice, Claimed, Decision, cached_tokens
 from edgepath.dpu.backoff import Backoff
 from edgepath.dpu.frame_book import Flight, FrameBook
@@ -61,6 +63,10 @@ _NO_CHAIN = np.zeros(0, dtype=np.uint64)
 #: seconds a request may be predicted to wait for its first token beyond its own prompt's time, by default
 #: (``--max-wait``): about one other long prompt ahead of it on this project's 2-core CPU (docs/ADMISSION.md)
 DEFAULT_MAX_WAIT = 2.0
+#: how many slots one request under its tenant's floor tries to take back before it is refused (each try is one
+#: reclaim word written and rung, answered by the slot server at its next turn): another agent may take the same
+#: slot first, or the stream there may end by itself meanwhile and its slot be claimed by someone else
+RECLAIM_TRIES = 8
 #: how often one request may move to another slot server when its own goes away (``--migration-limit``): a
 #: second move covers a failover during a failover; a request that outlives more servers than that is unlucky
 #: in a way a retry by the client handles as well
@@ -78,6 +84,12 @@ class InFlight(Flight):
     max_new: int  # output tokens it may produce in all
     cancelled: bool = False
     moves: int = 0  # times it moved to another slot server
+    #: a reclaim under way (docs/TENANTS.md): the CLAIMED word the slot is to be handed over as; the request is
+    #: written and rung only once it is (0: sent, or on its way)
+    reclaim: int = 0
+    reclaim_tries: int = 0  # slots it tried to take back
+    reclaim_due: float = 0.0  # when a reclaim not answered by then is given up (the agent's clock)
+    prediction: Prediction = _AT_ONCE  # the prediction it was claimed with (sent with it)
 
 
 class Agent:
@@ -154,8 +166,26 @@ class Agent:
         self.book: FrameBook[InFlight] = FrameBook(frames)
         self.inflight = self.book.inflight
         self.delivery_stats = self.book.stats
+        #: slot floors by floor id (the tenants file's, :meth:`set_floors`), and those learned from requests
+        self._floors: dict[int, int] = {}
+        self._learned: dict[int, int] = {}
+        self._reclaims: dict[tuple[int, int], int] = {}  # (id of the link, slot) -> frame reclaiming it
+        self._victim_cursor = 0
         self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
         self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
+
+    def set_floors(self, floors_by_id: dict[int, int]) -> None:
+        """The slot floors of every tenant that has one, by floor id (docs/TENANTS.md): whose slots above their
+        floor this agent may take back for a tenant under its own.  A tenant not listed here is learned from the
+        requests that name it (their header's floor); one neither listed nor seen is never taken from."""
+        self._floors = dict(floors_by_id)
+
+    def _floor_of(self, tenant: int) -> int | None:
+        floor = self._floors.get(tenant)
+        return self._learned.get(tenant) if floor is None else floor
+
+    def _floor_table(self) -> dict[int, int]:
+        return {**self._learned, **self._floors}
 
     # -- frames ---------------------------------------------------------------------
     def acquire(self) -> int | None:
@@ -220,8 +250,10 @@ class Agent:
         ``_lost`` for :meth:`check_links` to return them."""
         if self.migration_limit:
             for index, flight in list(self.book.inflight.items()):
-                if flight.link is link and not (flight.abandoned or flight.cancelled):
+                if flight.link is link and not (flight.abandoned or flight.cancelled or flight.reclaim):
                     self._migrate(index, flight)
+        for key in [key for key in self._reclaims if key[0] == id(link)]:
+            del self._reclaims[key]
         self._lost += self.book.lose(lambda flight: flight.link is link)
 
     def _stall(self, link: ServerLink) -> None:
@@ -235,12 +267,13 @@ class Agent:
             return
         self._stalled += [i for i, f in self.book.inflight.items() if f.link is link and not f.abandoned]
 
-    def _migrate(self, index: int, flight: InFlight) -> bool:
+    def _migrate(self, index: int, flight: InFlight, stay: bool = False) -> bool:
         """Claim frame ``index`` again on another UP slot server: its prompt followed by the answer so far as
         the new prompt, what is left of its output to produce, the same sampling and seed; the new server
         places its output after the answer so far in the same reply entry, so the caller sees one stream.
         False when it cannot move (limit reached, nothing left to produce, too long for every server, no slot
-        free): it is then lost like the others."""
+        free): it is then lost like the others.  ``stay``: its own server may take it too (a reclaimed stream:
+        the server is up, only the slot was taken back); such a move only takes a FREE slot, never reclaims."""
         gone = flight.link
         produced = flight.count
         prompt = flight.prompt + produced
@@ -254,7 +287,9 @@ class Agent:
             why = "its output holds log-probability records, which a prompt cannot carry"
         elif wire.constraint_words(self.frames.request_headers[index].flags):
             why = "a constraint follows its prompt, which the answer so far would overwrite"
-        candidates = [link for link in self.links if link.up and link is not gone and prompt <= link.input_capacity]
+        candidates = [
+            link for link in self.links if link.up and (stay or link is not gone) and prompt <= link.input_capacity
+        ]
         if not why and (prompt > self.layout.input_capacity or not candidates):
             why = f"no other slot server is up with room for a prompt of {prompt} tokens"
         if not why:
@@ -263,8 +298,8 @@ class Agent:
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
             salt = frames.request_headers[index].cache_salt
             choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf, salt).choices
-            claimed = self._first_claim(choices, candidates)
-            why = "no other slot server had a free slot"
+            claimed = self._first_claim(choices, candidates, frames.request_headers[index].tenant)
+            why = "no other slot server had a free slot" if not stay else "no slot was free"
             if claimed is not None:
                 link, choice, slot, gen = claimed
                 flight.link, flight.slot, flight.generation, flight.moves = link, slot, gen, flight.moves + 1
@@ -285,19 +320,152 @@ class Agent:
                         remaining,
                     )
                     return True
-        log.warning("frame %d cannot move from %s: %s", index, gone.address, why)
+        # a reclaimed stream that finds no free slot ends RECLAIMED, as floors mean it to: not a fault
+        (log.info if stay else log.warning)("frame %d cannot move from %s: %s", index, gone.address, why)
         return False
+
+    # -- slot floors: taking a lent slot back (docs/TENANTS.md) ----------------------------------------
+    def _reclaim(self, index: int, count: int, fits: list[ServerLink], choices: list[Choice], tries: int = 0) -> bool:
+        """Frame ``index``'s tenant is under its floor and no slot is free: ask for a running slot of a tenant above
+        its floor (:func:`~edgepath.dpu.floors.victims`, on the servers in admission's order).  One WRITE_WITH_IMM
+        of the slot's reclaim word -- the CLAIMED word, this agent's and the tenant's, of the generation after the
+        running one -- and the slot server ends that stream (RECLAIMED, to its own agent, which moves it) and
+        hands the slot over without its ever being FREE.  The frame is booked in flight meanwhile and sent when the
+        server says it acted (:meth:`_settle_reclaim`).  False when no slot may be taken back."""
+        req = self.frames.request_headers[index]
+        tenant = req.tenant
+        order = [fits[choice.server] for choice in choices]
+        predictions = [choice.prediction for choice in choices]
+        holdings = self._holdings()
+        positions = {id(link): at for at, link in enumerate(order)}
+        under_way = frozenset((positions[key[0]], key[1]) for key in self._reclaims if key[0] in positions)
+        self._victim_cursor += 1
+        table = self._floor_table()
+        start = self._victim_cursor + 7 * (order[0].claimant if order else 0)  # agents start apart
+        for victim in floors.victims(tenant, [link.words for link in order], table, holdings, under_way, start):
+            link = order[victim.server]
+            word = wire.claim_word(wire.free_word(victim.generation), link.claimant, tenant)
+            if not self.link_set.send_reclaim(link, victim.slot, victim.generation, word):
+                continue  # that link is down now
+            flight = InFlight(
+                link=link,
+                slot=victim.slot,
+                generation=wire.word_generation(word),
+                prompt=count,
+                max_new=req.max_new_tokens,
+                reclaim=word,
+                reclaim_tries=tries + 1,
+                reclaim_due=self.link_set.clock() + self.link_set.hang_timeout,
+                prediction=predictions[victim.server],
+            )
+            self.book.sent(index, flight)
+            self._reclaims[(id(link), victim.slot)] = index
+            log.debug("frame %d (tenant %d) takes back slot %d of %s from tenant %d", index, tenant, victim.slot,
+                      link.address, victim.tenant)  # fmt: skip
+            return True
+        return False
+
+    def _handed_over(self, conn_id: int, slot: int) -> Delivery | None:
+        """A slot server acted on this agent's reclaim of ``slot``."""
+        link = self.link_set.by_conn.get(conn_id)
+        index = None if link is None else self._reclaims.pop((id(link), slot), None)
+        flight = None if index is None else self.book.inflight.get(index)
+        if index is None or flight is None or not flight.reclaim:
+            self.book.unknown()
+            return None
+        return self._settle_reclaim(index, flight)
+
+    def _settle_reclaim(self, index: int, flight: InFlight) -> Delivery | None:
+        """The reclaim of frame ``index`` was answered (or is overdue): read the slot's word.  Handed over (the
+        word is the reclaim's) -- or found FREE in the generation it was asked in (the stream there ended first) and
+        claimed with one CAS -- the request is sent.  Otherwise another claim took it: the request claims a free
+        slot or takes another back (at most :data:`RECLAIM_TRIES` slots), else it is refused NO_SLOT, answered
+        through the port.  None unless it is answered now."""
+        link, slot, word, gen = flight.link, flight.slot, flight.reclaim, flight.generation
+        flight.reclaim = 0
+        try:
+            self.link_set.refresh(link)
+            found = int(link.words[slot])
+            if wire.is_free(found) and wire.next_generation(wire.word_generation(found)) == gen:
+                swapped = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, found, word)
+                link.stats.cas_attempts += 1
+                found = word if swapped == found else swapped
+                link.words_ptr[slot] = found
+        except TransportError as exc:
+            self.link_set.failed(link, exc)  # lost with the link (answered 503), or freed when abandoned
+            return None
+        if found == word:
+            link.stats.handovers += 1
+            if flight.abandoned or flight.cancelled:
+                self._unclaim(link, slot, word)
+            else:
+                try:
+                    # handed over long after its decision: what was matched then is not known here
+                    handed = Choice(0, 0, flight.prediction)
+                    self._send(link, index, slot, gen, flight.prompt, handed, flight, _NO_CHAIN)
+                except TransportError as exc:
+                    link.inflight -= 1
+                    self.link_set.failed(link, exc)
+                return None
+        elif (
+            not (flight.abandoned or flight.cancelled)
+            and flight.reclaim_tries < RECLAIM_TRIES
+            and (self._claim_again(index, flight))
+        ):
+            return None
+        result = self.frames.result_headers[index]
+        if flight.cancelled and not flight.abandoned:
+            result.refuse(Status.CANCELLED)
+        else:
+            result.no_slot(self._slot_frees_in([link]))
+        return self.book.final(index, 0, gen)
+
+    def _claim_again(self, index: int, flight: InFlight) -> bool:
+        """A reclaim that did not get its slot: claim a free one, or take another back while the tenant is still
+        under its floor; whether the request is in flight again."""
+        words = wire.input_words(flight.prompt, self.frames.request_headers[index].flags)
+        fits = [link for link in self.links if link.up and words <= link.input_capacity]
+        if not fits:
+            return False
+        tenant = self.frames.request_headers[index].tenant
+        choices = self._choose(index, flight.prompt, fits, owner=True)
+        assert not isinstance(choices, Status)  # no bound: never OVER_BOUND
+        claimed = self._first_claim(choices, fits, tenant)
+        if claimed is not None:
+            link, choice, slot, gen = claimed
+            flight.link, flight.slot, flight.generation, flight.prediction = link, slot, gen, choice.prediction
+            try:
+                self._send(link, index, slot, gen, flight.prompt, choice, flight)
+            except TransportError as exc:
+                link.inflight -= 1
+                self.link_set.failed(link, exc)
+            return True
+        return self._tenant(index)[1] and self._reclaim(index, flight.prompt, fits, choices, flight.reclaim_tries)
+
+    def _overdue_reclaims(self) -> list[int]:
+        """Reclaims no slot server answered within a hang timeout: settled on what their slot's word says now;
+        those it answers are returned (the caller reports them as lost: answered 503)."""
+        now = self.link_set.clock()
+        overdue = [(i, f) for i, f in self.book.inflight.items() if f.reclaim and now >= f.reclaim_due]
+        answered = []
+        for index, flight in overdue:
+            self._reclaims.pop((id(flight.link), flight.slot), None)
+            flight.reclaim_tries = RECLAIM_TRIES  # a server that does not answer is not asked again
+            if self._settle_reclaim(index, flight) is not None:
+                answered.append(index)
+        return answered
 
     # -- claiming -------------------------------------------------------------------
     def _first_claim(
-        self, choices: list[Choice], links: list[ServerLink]
+        self, choices: list[Choice], links: list[ServerLink], tenant: int = 0
     ) -> tuple[ServerLink, Choice, int, int] | None:
         """A claim on the first chosen server that has a free slot: (link, choice, slot, generation), or None;
-        a server without a free slot is passed over, one whose compare-and-swap fails is taken down."""
+        a server without a free slot is passed over, one whose compare-and-swap fails is taken down.  The claim
+        names ``tenant`` (its floor id) in the state word."""
         for choice in choices:
             link = links[choice.server]
             try:
-                claimed = self.claim(link)
+                claimed = self.claim(link, tenant)
             except TransportError as exc:
                 self.link_set.failed(link, exc)
                 continue
@@ -305,13 +473,15 @@ class Agent:
                 return link, choice, claimed[0], claimed[1]
         return None
 
-    def _try_claim(self, link: ServerLink, slot: int) -> int | None:
-        """CAS ``slot`` FREE -> CLAIMED; the generation claimed, or None. Learns the word on failure."""
+    def _try_claim(self, link: ServerLink, slot: int, tenant: int = 0) -> int | None:
+        """CAS ``slot`` FREE -> CLAIMED (by this agent, for ``tenant``); the generation claimed, or None. Learns the
+        word on failure."""
         offset = link.states_offset + 8 * slot
         words = link.words_ptr
         expected = int(words[slot])
+        holder = wire.holder(link.claimant, tenant)
         for _ in range(2):  # second try only when the slot was FREE in a newer generation
-            desired = claim_next(expected, link.claimant)
+            desired = claim_next(expected, holder)
             if not desired:
                 return None
             link.stats.cas_attempts += 1
@@ -326,27 +496,28 @@ class Agent:
             expected = found
         return None
 
-    def _claim_all(self, link: ServerLink, n: int) -> list[tuple[int, int]] | None:
+    def _claim_all(self, link: ServerLink, n: int, tenant: int = 0) -> list[tuple[int, int]] | None:
         """Claim ``n`` slots of ``link``, all or none: [(slot, generation)], or None with nothing left claimed --
         the claims made before one failed are given back (:meth:`_unclaim`)."""
         got: list[tuple[int, int]] = []
         try:
             for _ in range(n):
-                claimed = self.claim(link)
+                claimed = self.claim(link, tenant)
                 if claimed is None:
                     break
                 got.append(claimed)
         finally:
             if len(got) < n:  # short, or the transport failed: give back what was taken
                 for slot, gen in got:
-                    self._unclaim(link, slot, gen)
+                    self._unclaim(link, slot, wire.claim_word(wire.free_word(gen - 1), link.claimant, tenant))
         return got if len(got) == n else None
 
-    def _unclaim(self, link: ServerLink, slot: int, gen: int) -> None:
-        """Give back a claim never rung: one remote CAS CLAIMED -> FREE in its generation (the EXPIRE step the slot
-        server takes when a lease runs out, taken early by the claimant).  A CAS that fails found the server had
-        expired it already (the same FREE word) -- or a link gone down, whose slots are forgotten anyway."""
-        claimed = wire.claim_word(wire.free_word(gen - 1), link.claimant)
+    def _unclaim(self, link: ServerLink, slot: int, claimed: int) -> None:
+        """Give back the claim ``claimed`` (a CLAIMED word of this agent's), never rung: one remote CAS CLAIMED ->
+        FREE in its generation (the EXPIRE step the slot server takes when a lease runs out, taken early by the
+        claimant).  A CAS that fails found the server had expired it already (the same FREE word) -- or a link gone
+        down, whose slots are forgotten anyway."""
+        gen = wire.word_generation(claimed)
         freed = wire.step(claimed, wire.Event.EXPIRE, gen)
         try:
             found = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, claimed, freed)
@@ -356,8 +527,9 @@ class Agent:
         link.words_ptr[slot] = freed if found == claimed else found
         link.stats.unclaims += 1
 
-    def claim(self, link: ServerLink) -> tuple[int, int] | None:
-        """Claim any free slot of ``link``: (slot, generation), or None when none is free.
+    def claim(self, link: ServerLink, tenant: int = 0) -> tuple[int, int] | None:
+        """Claim any free slot of ``link`` for ``tenant`` (its floor id): (slot, generation), or None when none
+        is free.
 
         Candidates are the slots the cache says are FREE, from a rotating cursor; a failed CAS
         teaches the cache the real word.  When the cache has no FREE slot left, one RDMA READ
@@ -368,7 +540,7 @@ class Agent:
             for _ in range(n):
                 if slot < 0:
                     break
-                gen = self._try_claim(link, slot)
+                gen = self._try_claim(link, slot, tenant)
                 if gen is not None:
                     link.cursor = (slot + 1) % n
                     link.stats.claims += 1
@@ -413,11 +585,18 @@ class Agent:
                 return Status.UNAVAILABLE
             if not fits:
                 return Status.BAD_REQUEST
-        choices = self._choose(index, count, fits)
+        tenant, owner = self._tenant(index)
+        choices = self._choose(index, count, fits, owner)
+        if choices == Status.OVER_BOUND and tenant and not owner:
+            owner = self._tenant(index)[1]  # on the words the refusal re-read: under its floor, it is not refused
+            if owner:
+                choices = self._choose(index, count, fits, owner)
         if isinstance(choices, Status):
             return choices
-        claimed = self._first_claim(choices, fits)
+        claimed = self._first_claim(choices, fits, tenant)
         if claimed is None:
+            if tenant and self._tenant(index)[1] and self._reclaim(index, count, fits, choices):
+                return None  # in flight: sent once its slot is handed over
             if not any(link.up for link in links):
                 return Status.UNAVAILABLE
             self.frames.result_headers[index].no_slot(self._slot_frees_in(fits))
@@ -456,13 +635,14 @@ class Agent:
         fits = [link for link in links if link.up and words <= link.input_capacity and n <= link.slot_count]
         if not fits:
             return Status.BAD_REQUEST
+        tenant, _ = self._tenant(first)
         choices = self._choose(first, count, fits)
         if isinstance(choices, Status):
             return choices  # its figures are in the first frame's result header
         for choice in choices:
             link = fits[choice.server]
             try:
-                claims = self._claim_all(link, n)
+                claims = self._claim_all(link, n, tenant)
             except TransportError as exc:
                 self.link_set.failed(link, exc)
                 continue
@@ -491,10 +671,36 @@ class Agent:
                 break
         return None
 
-    def _choose(self, index: int, count: int, fits: list[ServerLink]) -> list[Choice] | Status:
-        """Where frame ``index`` may be claimed, best first, or OVER_BOUND (its result header then says why)."""
+    def _tenant(self, index: int) -> tuple[int, bool]:
+        """Frame ``index``'s tenant (its floor id, learned with its floor) and whether that tenant is under its floor
+        now, counted over every slot server this agent reads (the state words as last read)."""
+        req = self.frames.request_headers[index]
+        tenant, floor = req.tenant, req.slot_floor
+        if not tenant or not floor:
+            return tenant, False
+        self._learned[tenant] = floor
+        return tenant, floors.under_floor(tenant, floor, self._holdings())
+
+    def _holdings(self) -> Counter[int]:
+        """Slots each tenant holds on the slot servers this agent reads (the state words as last read), this
+        agent's reclaims under way counted as done."""
+        holdings = floors.held([link.words for link in self.links if link.alive])
+        under_way = []
+        for index in self._reclaims.values():
+            flight = self.book.inflight.get(index)
+            if flight is not None and flight.reclaim:
+                victim = wire.word_tenant(int(flight.link.words[flight.slot]))
+                under_way.append((victim, wire.word_tenant(flight.reclaim)))
+        return floors.moving(holdings, under_way)
+
+    def _choose(self, index: int, count: int, fits: list[ServerLink], owner: bool = False) -> list[Choice] | Status:
+        """Where frame ``index`` may be claimed, best first, or OVER_BOUND (its result header then says why).  A
+        request of a tenant under its floor (``owner``) is never refused for its wait: its floor is a slot."""
         if len(fits) == 1 and not fits[0].load.published:
             return [_ONLY]  # one server, and it publishes no load: nothing to predict or order
+        if owner:
+            salt = self.frames.request_headers[index].cache_salt
+            return self.admission.decide(self.frames.tokens[index, :count], fits, math.inf, salt).choices
         decision = self._decide(index, count, fits)
         if not decision.choices and decision.over_bound_ms is not None and self._reread(fits):
             # A refusal rests on a view a heartbeat old at most: decide again on what was just read.
@@ -575,20 +781,25 @@ class Agent:
         count: int,
         choice: Choice = _ONLY,
         flight: InFlight | None = None,
+        chain: np.ndarray | None = None,
     ) -> None:
         """Write frame ``index`` into ``slot`` of ``link`` and ring its doorbell (``choice``: the decision that
-        put it there; ``flight``: a request that moved, in flight already)."""
+        put it there; ``flight``: a request that moved, in flight already; ``chain``: its prompt's prefix chain,
+        by default the admission's last decision's)."""
         frame_off = self.frames.frame_offset(index)
         req = self.frames.request_headers[index]
         req.stamp(gen, slot, index)
         prediction = choice.prediction
         req.predicted(prediction.ttft_ms, prediction.wait_ms)
         cached = cached_tokens(count, choice.matched)
-        chain = self.admission.chain if choice is not _ONLY else _NO_CHAIN  # _ONLY: nothing was decided
+        if chain is None:
+            chain = self.admission.chain if choice is not _ONLY else _NO_CHAIN  # _ONLY: nothing was decided
         link.wrote(slot, gen, Claimed(Prompt(cached, count - cached), chain))
         pool = link.pool
         if flight is None:
-            flight = InFlight(link=link, slot=slot, generation=gen, prompt=count, max_new=req.max_new_tokens)
+            flight = InFlight(
+                link=link, slot=slot, generation=gen, prompt=count, max_new=req.max_new_tokens, prediction=prediction
+            )
         self.book.sent(index, flight)
         link.inflight += 1
         link.conn.write_then_imm(
@@ -606,6 +817,8 @@ class Agent:
     def deliver(self, conn_id: int, imm: int) -> Delivery | None:
         """Account one completion from a slot server: streamed progress or a final result. Anything
         that does not match a frame in flight there, in its generation, is counted and dropped."""
+        if wire.is_handover_imm(imm):
+            return self._handed_over(conn_id, wire.imm_index(imm))
         index = wire.imm_index(imm)
         book = self.book
         flight = book.inflight.get(index)
@@ -637,9 +850,21 @@ class Agent:
             log.warning("ignoring stale result for frame %d", index)
             return None
         link.inflight -= 1
+        if result.status == Status.RECLAIMED:
+            return self._reclaimed(index, flight, result.output_count)
         # The server frees the slot before notifying: remember it as FREE in this generation.
         link.words_ptr[flight.slot] = wire.free_word(gen)
         return book.final(index, result.output_count, gen)
+
+    def _reclaimed(self, index: int, flight: InFlight, produced: int) -> Delivery | None:
+        """Frame ``index``'s slot was taken back for a tenant under its floor, with ``produced`` tokens of its answer
+        placed: the stream moves to any free slot (on this server too: only the slot was wanted), as a stream
+        whose server went away does, and goes on as one stream; when it cannot, it ends RECLAIMED (the edge says
+        why).  The answer so far is delivered either way."""
+        news = self.book.progress(index, produced) if not flight.abandoned else None
+        if self.migration_limit and not (flight.abandoned or flight.cancelled) and self._migrate(index, flight, True):
+            return news
+        return self.book.final(index, produced, flight.generation)
 
     def cancel(self, index: int) -> None:
         """Write the slot's cancel word (its generation) and ring it: the slot server stops the handler at
@@ -649,8 +874,8 @@ class Agent:
             return
         flight.cancelled = True
         link = flight.link
-        if not link.alive:
-            return
+        if not link.alive or flight.reclaim:
+            return  # a reclaim under way runs nothing yet: its slot is given back when it is handed over
         self.link_set.send_cancel(link, flight.slot, flight.generation)
 
     def abandon(self, index: int) -> None:
@@ -664,8 +889,9 @@ class Agent:
         """Handle connection events and read the heartbeat of every connected server not read within the
         probe interval; frames lost with a slot server that went away are returned (answer them 503)."""
         self.link_set.check()
+        overdue = self._overdue_reclaims()
         lost, self._lost = self._lost, []
-        return self.book.take(lost)  # those abandoned since they were lost were freed then
+        return overdue + self.book.take(lost)  # those abandoned since they were lost were freed then
 
     def stalled(self) -> list[int]:
         """Frames that were in flight on a slot server when it was found UNRESPONSIVE (even if it has come back

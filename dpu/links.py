@@ -66,6 +66,8 @@ class ClaimStats:
     no_slot: int = 0  # claims that found no FREE slot even after a refresh: NO_SLOT, 429
     affine: int = 0  # claims on this server while its prefix table held a prefix of the request
     unclaims: int = 0  # claims given back unrung: a request's choices could not all be claimed (all or none)
+    reclaims: int = 0  # running slots asked back for a tenant under its slot floor (docs/TENANTS.md)
+    handovers: int = 0  # of those, slots handed over to this agent (or found FREE and claimed)
 
 
 @dataclass(eq=False)
@@ -81,6 +83,7 @@ class ServerLink:
     states_offset: int
     doorbells_offset: int
     cancels_offset: int
+    reclaims_offset: int
     slots_offset: int
     slot_stride: int
     epoch: int
@@ -218,13 +221,15 @@ class LinkSet:
         self._on_unresponsive = on_unresponsive
         self._words_per_link = max_slots_per_server
         # Per server [pool header from its heartbeat][cached state words, padded to a cache line][its prefix
-        # table] (as laid out in its pool: one READ), then a cancel word to send from, then a pool header to
-        # read into.
+        # table] (as laid out in its pool: one READ), then a cancel word and a reclaim word to send from, then a
+        # pool header to read into.
         self._link_bytes = HEAD + -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
         words_size = self._link_bytes * max_servers
-        self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
+        self.scratch_mr = transport.register("words", words_size + 16 + POOL_HEADER.itemsize, Access.NONE)
         self._cancel_off = words_size
         self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
+        self._reclaim_off = words_size + 8
+        self._reclaim_src = self.scratch_mr.buf[words_size + 8 : words_size + 16].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self.max_servers = max_servers
@@ -482,6 +487,7 @@ class LinkSet:
             int(header["states_offset"]),
             int(header["doorbells_offset"]),
             int(header["cancels_offset"]),
+            int(header["reclaims_offset"]),
             int(header["slots_offset"]),
             int(header["slot_stride"]),
             int(header["server_epoch"]),
@@ -600,6 +606,25 @@ class LinkSet:
             )
         except TransportError as exc:
             self.failed(link, exc)
+
+    def send_reclaim(self, link: ServerLink, slot: int, generation: int, word: int) -> bool:
+        """Write ``slot``'s reclaim word -- ``word``, the CLAIMED word of the generation after ``generation`` this
+        agent asks the slot to be handed over as -- and ring it; False when that fails (the link is then down)."""
+        self._reclaim_src[0] = word
+        try:
+            link.conn.write_with_imm(
+                self.scratch_mr,
+                self._reclaim_off,
+                link.pool,
+                link.reclaims_offset + 8 * slot,
+                8,
+                wire.reclaim_imm(slot, generation),
+            )
+        except TransportError as exc:
+            self.failed(link, exc)
+            return False
+        link.stats.reclaims += 1
+        return True
 
     # -- reporting ------------------------------------------------------------------
     def free_slots(self) -> tuple[int, int]:

@@ -521,15 +521,30 @@ class HttpCore:
         return self._retry_later("slot_cap", why, 0.0)
 
     def over_quota(self, refused: Refused) -> HttpError:
-        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` do not fit what
-        is left of its tenant's token quota; ``retry-after-ms`` says when enough will have refilled (none when the
-        request alone is more than the whole quota: it never fits)."""
-        need = f"this request needs {refused.tokens} tokens (its prompt and max_tokens)"
+        """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` (or the request
+        itself) do not fit what is left of its tenant's quota; ``retry-after-ms`` says when enough will have
+        refilled (none when the request alone is more than the whole quota: it never fits)."""
+        unit, limit, window = refused.unit, refused.limit, refused.window
+        if unit == "tokens":
+            need = f"this request needs {refused.need} tokens (its prompt and max_tokens)"
+        else:
+            need = "this request is 1 request"
         if math.isinf(refused.retry_after):
-            why = f"{need}, more than the whole {refused.limit}-token quota per {refused.window}: lower max_tokens"
+            why = f"{need}, more than the whole {limit}-token quota per {window}: lower max_tokens"
             return HttpError(429, "quota_exceeded", why)
-        why = f"{need}; {refused.remaining} of the {refused.limit}-token quota per {refused.window} are left"
+        quota = f"{limit}-{unit[:-1]} quota per {window}"
+        why = f"{need}; {refused.remaining} of the {quota} {'is' if refused.remaining == 1 else 'are'} left"
         return self._retry_later("quota_exceeded", why, max(1.0, refused.retry_after * 1e3))
+
+    def quota_unavailable(self, why: str) -> HttpError:
+        """503 ``quota_unavailable`` at once: the tenant has a quota and the ledger that counts it cannot be reached
+        -- quotas fail closed (nothing is served uncounted); ``Retry-After`` the default."""
+        return HttpError(
+            503,
+            "quota_unavailable",
+            f"this API key's tenant has a quota and its ledger cannot be reached ({why}); retry later",
+            [(b"retry-after", str(self.limits.retry_after_s).encode())],
+        )
 
     def _retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
         """A 429 that says when to come back: ``retry-after-ms`` (what the openai SDK reads first) and
@@ -602,6 +617,20 @@ def json_type(value: object) -> str:
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}
 
 
+#: ``finish_details`` of an answer cut short because its slot was taken back for a tenant under its slot floor
+#: (docs/TENANTS.md): its ``finish_reason`` is ``"length"`` -- OpenAI's value for an answer cut before its end,
+#: so clients that only know OpenAI's values treat it as incomplete -- and this says why (the name
+#: ``finish_details`` with a ``type`` is the one OpenAI's own gpt-4-vision-preview answers used)
+RECLAIMED: Mapping[str, str] = {
+    "type": "slot_reclaimed",
+    "message": (
+        "the answer was cut short: it ran on a slot lent to this API key, and a tenant under its slot floor took "
+        "the slot back while no other slot was free; send the request again (or continue from this answer) for "
+        "the rest"
+    ),
+}
+
+
 class GenerateFormatter:
     """``/v1/generate``: one JSON document, or one ``data: {"token": id}`` event per token then
     ``event: done`` with the summary and the first-token time when streamed."""
@@ -614,12 +643,15 @@ class GenerateFormatter:
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:
-        return {
+        summary: dict[str, Any] = {
             "id": outcome.request_id,
             "input_count": outcome.input_count,
             "output_count": len(outcome.tokens),
             "cached_tokens": outcome.cached_tokens,
         }
+        if outcome.status == "RECLAIMED":
+            summary["finish_details"] = dict(RECLAIMED)
+        return summary
 
     def complete(self, outcome: Outcome) -> Response:
         summary = self._summary(outcome)

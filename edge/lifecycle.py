@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -159,6 +160,7 @@ class EdgeLifecycle:
         workers: int,
         request_timeout_ns: int,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
+        wall_clock: Callable[[], int] = time.time_ns,
     ) -> None:
         if workers < 1:
             raise ValueError(f"tokenizer workers must be at least 1, got {workers}")
@@ -177,7 +179,8 @@ class EdgeLifecycle:
         self.by_frame: dict[int, Tracked] = {}
         self._request_ids = itertools.count(1)
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
-        self.quotas = Quotas()  # every tenant's token quotas at this edge
+        self.quotas = Quotas()  # every tenant's quotas: this edge's own words, or a ledger edges share
+        self.wall_clock = wall_clock  # Unix ns: the quota buckets' clock, which every edge sharing a ledger reads
         self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
         self.usage: Callable[[Usage], None] | None = None  # where each request's usage line goes (--usage-log)
         #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
@@ -373,28 +376,29 @@ class EdgeLifecycle:
         return self._submit(t, now)
 
     def _reserve(self, t: Tracked) -> HttpError | None:
-        """Reserve the request's prompt and ``max_tokens`` against its tenant's token quota, and a place within its
-        ``slot_cap``, before any work; the 429 ``slot_cap`` or ``quota_exceeded`` when that does not fit (and the
-        rate-limit headers of its answer either way)."""
-        tenant, now = t.work.tenant, self.clock() / 1e9
+        """Reserve the request's prompt and ``max_tokens`` (and the request itself: the first of its choices) against
+        its tenant's quotas, and a place within its ``slot_cap``, before any work; the 429 ``slot_cap`` or
+        ``quota_exceeded`` (503 ``quota_unavailable`` when the quota ledger is out of reach) when that does not fit,
+        and the rate-limit headers of its answer either way."""
+        tenant, now = t.work.tenant, self.wall_clock()
         tokens = _prompt(t) + _tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
-        refusal: HttpError | None = None
         if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
             self.metrics.refused("slot_cap")
-            refusal = self.core.over_cap(tenant.slot_cap)
-        else:
-            got = self.quotas.reserve(tenant, tokens, now)
-            if isinstance(got, quota.Refused):
-                self.metrics.refused("quota_exceeded")
-                refusal = self.core.over_quota(got)
-            else:
-                t.reservation = got
-                if tenant.slot_cap:
-                    t.capped = True
-                    self.in_flight[tenant.name] += 1
-        limits = self.quotas.limits(tenant, now)
-        t.limits = quota.headers(limits) if limits is not None else []
-        return refusal
+            seen = self.quotas.limits(tenant, now)
+            t.limits = quota.headers(seen) if seen is not None and not isinstance(seen, quota.Unavailable) else []
+            return self.core.over_cap(tenant.slot_cap)
+        got = self.quotas.reserve(tenant, tokens, now, requests=1 if t.choice == 0 else 0)
+        if isinstance(got, quota.Unavailable):
+            return self.core.quota_unavailable(got.why)
+        t.limits = quota.headers(got.limits) if got is not None else []
+        if isinstance(got, quota.Refused):
+            self.metrics.refused("quota_exceeded")
+            return self.core.over_quota(got)
+        t.reservation = got
+        if tenant.slot_cap:
+            t.capped = True
+            self.in_flight[tenant.name] += 1
+        return None
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
         port, frame = self.port, t.frame
@@ -429,13 +433,15 @@ class EdgeLifecycle:
             max_new_tokens=work.max_tokens,
             flags=(wire.FLAG_STREAM if work.stream or t.formatter.watch else 0)
             | work.flags
-            | (wire.constraint_flags(len(work.constraint)) if work.constraint is not None else 0),
+            | (wire.constraint_flags(len(work.constraint)) if work.constraint is not None else 0)
+            | work.tenant.cache_flags,
             sampling=work.sampling,
             t_receive_ns=t.request.t_receive_ns,
             t_tokenized_ns=t0,
         )
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
         req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
+        req.floored(work.tenant.floor_id, work.tenant.slot_floor)  # whose slot it claims: docs/TENANTS.md
         return t0
 
     def _sent(self, t: Tracked, req: wire.RequestHeader, t1: int, t2: int, now: int) -> None:
@@ -816,7 +822,7 @@ class EdgeLifecycle:
         ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
         completion = _tokens(t.work, t.sent if output is None else output) if ran else 0  # words to tokens
         if t.reservation is not None:
-            self.quotas.settle(t.reservation, _prompt(t) + completion if ran else 0, self.clock() / 1e9)
+            self.quotas.settle(t.reservation, _prompt(t) + completion, self.wall_clock(), ran=ran)
             t.reservation = None
         if ran:
             self._account(t, completion, cached, finish)

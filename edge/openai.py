@@ -680,6 +680,7 @@ def _whole(
     logprobs: Sequence[TokenLogprob] | None = None,
     tool_calls: Sequence[ToolCall] = (),
     index: int = 0,
+    details: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
@@ -690,6 +691,8 @@ def _whole(
         if tool_calls:  # OpenAI's shape: no content, the calls
             message.update(content=None, tool_calls=[c.payload() for c in tool_calls])
         choice = {"index": index, "message": message, "logprobs": shaped, "finish_reason": reason}
+    if details is not None:
+        choice["finish_details"] = dict(details)
     return {
         "id": response_id(kind, request_id),
         "object": "text_completion" if kind == "completion" else "chat.completion",
@@ -711,13 +714,25 @@ def completion_body(
     logprobs: Sequence[TokenLogprob] | None = None,
     tool_calls: Sequence[ToolCall] = (),
     index: int = 0,
+    details: Mapping[str, str] | None = None,
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
     tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made; ``index``: the
-    choice's, of ``n``)."""
+    choice's, of ``n``; ``details``: why it ended, beside ``finish_reason``, when the answer was cut short by the
+    server: :data:`~edgepath.edge.http.RECLAIMED`)."""
     return _dumps(
         _whole(
-            request.kind, request_id, created, request.model, text, finish_reason, usage, logprobs, tool_calls, index
+            request.kind,
+            request_id,
+            created,
+            request.model,
+            text,
+            finish_reason,
+            usage,
+            logprobs,
+            tool_calls,
+            index,
+            details,
         )
     )
 
@@ -803,10 +818,13 @@ class StreamEncoder:
             )
         return out
 
-    def finish(self, finish_reason: FinishReason) -> bytes:
+    def finish(self, finish_reason: FinishReason, details: Mapping[str, str] | None = None) -> bytes:
         self._advance("open", "finished")
         reason = _finish(finish_reason)
-        return sse_event(self._chunk("" if self.kind == "completion" else {}, reason))
+        chunk = self._chunk("" if self.kind == "completion" else {}, reason)
+        if details is not None:
+            chunk["choices"][0]["finish_details"] = dict(details)
+        return sse_event(chunk)
 
     def end(self, usage: Usage | None) -> bytes:
         """The usage chunk (when the client asked for it: ``usage`` is then required) and ``[DONE]``."""
@@ -928,9 +946,10 @@ class Answer:
             self._logprobs.extend(logprobs)
         return self._release(delta, logprobs)
 
-    def finish(self, reason: FinishReason) -> bytes:
+    def finish(self, reason: FinishReason, details: Mapping[str, str] | None = None) -> bytes:
         """The model side ended (``"length"`` at max_tokens, ``"stop"`` at its end-of-sequence) or a stop
-        string matched (``"stop"``).  Returns the closing SSE events and ``[DONE]``, or the JSON body."""
+        string matched (``"stop"``); ``details``: why the server cut it short, when it did
+        (:data:`~edgepath.edge.http.RECLAIMED`).  Returns the closing SSE events and ``[DONE]``, or the JSON body."""
         self._expect("open")
         if self._stopped and reason != "stop":
             raise ValueError(f"a stop string matched, so the finish reason is 'stop', not {reason!r}")
@@ -950,9 +969,20 @@ class Answer:
         if self._stream is None:
             logprobs = self._logprobs if self.request.logprobs is not None else None
             return completion_body(
-                self.request, self.request_id, self.created, self.text, reason, usage, logprobs, self._calls, self.index
+                self.request,
+                self.request_id,
+                self.created,
+                self.text,
+                reason,
+                usage,
+                logprobs,
+                self._calls,
+                self.index,
+                details,
             )
-        return out + self._stream.finish(reason) + self._stream.end(usage if self._stream.include_usage else None)
+        return (
+            out + self._stream.finish(reason, details) + self._stream.end(usage if self._stream.include_usage else None)
+        )
 
     def usage(self) -> Usage:
         """This answer's token counts (final once :meth:`finish` was called)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgepath.contract import wire
 from edgepath.edge import openai as oa
-from edgepath.edge.http import CHAT, JSON, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.tokenizer import Tokenizer
 
 
@@ -119,7 +119,7 @@ class OpenAIRoutes:
 def _finish_reason(outcome: Outcome, produced: int, max_tokens: int, stopped: bool) -> oa.FinishReason:
     if stopped or outcome.status == "STOP":
         return "stop"
-    if outcome.status == "LENGTH" or produced >= max_tokens:
+    if outcome.status in ("LENGTH", "RECLAIMED") or produced >= max_tokens:
         return "length"
     return "stop"
 
@@ -184,7 +184,8 @@ class OpenAIFormatter:
         rest = self._feed(outcome.tokens[self._fed :])
         produced = len(outcome.tokens) // self.width
         reason = _finish_reason(outcome, produced, self.request.max_tokens, self.answer.stopped)
-        return rest + self.answer.finish(reason)
+        cut = outcome.status == "RECLAIMED" and not self.answer.stopped and produced < self.request.max_tokens
+        return rest + self.answer.finish(reason, RECLAIMED if cut else None)
 
     def complete(self, outcome: Outcome) -> Response:
         body = self._close(outcome)

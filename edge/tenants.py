@@ -9,20 +9,21 @@ vLLM accepts) into the request header's ``cache_salt`` word (:func:`edgepath.con
 model side reuses KV -- and the agent places a request by prefix -- only from prefixes written under the same
 word.  So one tenant never reads another's KV, nor learns from ``cached_tokens``, ``Server-Timing`` or a faster
 first token that another sent the same prompt.  Sharing is opt-in (``share_prefix``): the tenants that opt in
-share one public namespace among themselves.
+share one public namespace among themselves.  Reading it is a separate opt-in (``read_shared_prefix``): such a
+tenant reuses the public namespace's prefixes (a public system prompt) while what it writes stays in its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from edgepath.contract import wire
 from edgepath.edge.sampling import SamplingInvalid, show
 
 #: the namespace of tenants that opt in to the shared prefix cache (``share_prefix = true``)
-PUBLIC_NAMESPACE = b"public"
+PUBLIC_NAMESPACE = wire.PUBLIC_NAMESPACE
 #: the longest ``cache_salt`` a request may give, in UTF-8 bytes
 CACHE_SALT_MAX = 256
 
@@ -37,7 +38,12 @@ class Tenant:
     slot_cap: int = 0
     tokens_per_minute: int = 0
     tokens_per_day: int = 0
+    requests_per_minute: int = 0
+    requests_per_day: int = 0
     share_prefix: bool = False
+    read_shared_prefix: bool = False  # reads the public namespace; what it writes stays in its own
+    #: its slot floor's id in the state words (1..255; 0: no floor): :func:`with_floor_ids`
+    floor_id: int = 0
 
     @property
     def cache_namespace(self) -> bytes:
@@ -48,9 +54,38 @@ class Tenant:
         """The request header's ``cache_salt`` for one of its requests with this ``cache_salt`` field."""
         return wire.cache_salt(self.cache_namespace, cache_salt)
 
+    @property
+    def cache_flags(self) -> int:
+        """The request header flags of its namespace: :data:`~edgepath.contract.wire.FLAG_READ_PUBLIC` for a reader
+        of the shared prefix."""
+        return wire.FLAG_READ_PUBLIC if self.read_shared_prefix else 0
+
 
 #: every request when no API key is configured: one namespace, no limits -- the server as it was before tenants
 ANONYMOUS = Tenant("anonymous", b"")
+
+
+def with_floor_ids(pairs: Sequence[tuple[bytes, Tenant]]) -> list[tuple[bytes, Tenant]]:
+    """``pairs`` with each tenant that has a slot floor given its floor id: 1, 2, ... in the order of the tenants'
+    names (so every edge derives the same ids from the same file, whatever the order of its tables).  The id is
+    what a claim writes into the slot's state word (ABI 10: 8 bits), so at most ``wire.TENANT_MAX`` tenants may
+    have a floor: ValueError beyond, naming the limit."""
+    floored = sorted({tenant.name for _, tenant in pairs if tenant.slot_floor})
+    if len(floored) > wire.TENANT_MAX:
+        raise ValueError(
+            f"{len(floored)} tenants have a slot_floor; at most {wire.TENANT_MAX} may (a floor id is 8 bits of the "
+            "slot state word)"
+        )
+    ids = {name: at + 1 for at, name in enumerate(floored)}
+    numbered: dict[str, Tenant] = {}  # one tenant object per name, as given: its keys share it
+    for _, tenant in pairs:
+        numbered.setdefault(tenant.name, replace(tenant, floor_id=ids.get(tenant.name, 0)))
+    return [(digest, numbered[tenant.name]) for digest, tenant in pairs]
+
+
+def floors_by_id(tenants: Sequence[Tenant]) -> dict[int, int]:
+    """The slot floors of ``tenants`` by floor id: what an agent takes lent slots back by."""
+    return {tenant.floor_id: tenant.slot_floor for tenant in tenants if tenant.floor_id}
 
 
 def key_tenant(digest: bytes) -> Tenant:

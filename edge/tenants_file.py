@@ -6,11 +6,14 @@ the file, the entry and what is allowed.
 
     [tenants.acme]
     keys = ["sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"]  # printf %s KEY | sha256sum
-    slot_floor = 2              # recorded, not enforced yet (docs/TENANTS.md)
+    slot_floor = 2              # slots it can always have: lent out when idle, taken back (docs/TENANTS.md)
     slot_cap = 6                # requests in flight at once at this edge (0: no cap)
     tokens_per_minute = 20000   # prompt + max_tokens reserved at admission (0: no quota)
     tokens_per_day = 1000000
+    requests_per_minute = 600   # one request reserved at admission (0: no quota)
+    requests_per_day = 100000
     share_prefix = false        # true: share one public prefix-cache namespace with the other tenants that opt in
+    read_shared_prefix = false  # true: read that namespace (a public system prompt); its own prompts stay its own
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from edgepath.edge.tenants import Tenant
+from edgepath.contract.wire import QUOTA_MAX
+from edgepath.edge.tenants import Tenant, with_floor_ids
 
 #: a tenant's name: a metric label and a usage-log field, so short and plain
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DIGEST = re.compile(r"(?:sha256:)?([0-9a-fA-F]{64})")
-LIMITS = ("slot_floor", "slot_cap", "tokens_per_minute", "tokens_per_day")
-FIELDS = ("keys", *LIMITS, "share_prefix")
+SLOTS = ("slot_floor", "slot_cap")
+QUOTAS = ("tokens_per_minute", "tokens_per_day", "requests_per_minute", "requests_per_day")
+LIMITS = (*SLOTS, *QUOTAS)
+SWITCHES = ("share_prefix", "read_shared_prefix")
+FIELDS = ("keys", *LIMITS, *SWITCHES)
 LIMIT_MAX = 2**53  # integers beyond are no quota anyone means (and stay exact in JSON)
 
 
@@ -70,7 +77,10 @@ def parse_tenants(text: str, path: str = "<tenants>") -> list[tuple[bytes, Tenan
                 raise TenantsFileError(f"{where}: key sha256:{digest.hex()} is also tenant {owner[digest]!r}'s")
             owner[digest] = name
             out.append((digest, tenant))
-    return out
+    try:
+        return with_floor_ids(out)
+    except ValueError as exc:
+        raise TenantsFileError(f"tenants file {path}: {exc}") from None
 
 
 def _tenant(name: str, entry: dict[str, Any], where: str) -> Tenant:
@@ -79,18 +89,27 @@ def _tenant(name: str, entry: dict[str, Any], where: str) -> Tenant:
         raise TenantsFileError(f"{where}: unknown field(s) {unknown}; allowed: {', '.join(FIELDS)}")
     limits: dict[str, int] = {}
     for field in LIMITS:
-        value = entry.get(field, 0)
-        if type(value) is not int or not 0 <= value <= LIMIT_MAX:
-            raise TenantsFileError(f"{where}: {field!r} must be an integer in 0..{LIMIT_MAX} (0: none), got {value!r}")
+        value, most = entry.get(field, 0), QUOTA_MAX if field in QUOTAS else LIMIT_MAX
+        if type(value) is not int or not 0 <= value <= most:
+            raise TenantsFileError(f"{where}: {field!r} must be an integer in 0..{most} (0: none), got {value!r}")
         limits[field] = value
     if limits["slot_cap"] and limits["slot_floor"] > limits["slot_cap"]:
         raise TenantsFileError(
             f"{where}: 'slot_floor' ({limits['slot_floor']}) must not exceed 'slot_cap' ({limits['slot_cap']})"
         )
-    share = entry.get("share_prefix", False)
-    if not isinstance(share, bool):
-        raise TenantsFileError(f"{where}: 'share_prefix' must be true or false, got {share!r}")
-    return Tenant(name, b"tenant:" + name.encode(), share_prefix=share, **limits)
+    switches: dict[str, bool] = {}
+    for field in SWITCHES:
+        value = entry.get(field, False)
+        if not isinstance(value, bool):
+            raise TenantsFileError(f"{where}: {field!r} must be true or false, got {value!r}")
+        switches[field] = value
+    if switches["share_prefix"] and switches["read_shared_prefix"]:
+        raise TenantsFileError(
+            f"{where}: 'share_prefix' already reads the shared prefix (and writes it); 'read_shared_prefix' reads it "
+            "only: give one of them"
+        )
+    share, read = switches["share_prefix"], switches["read_shared_prefix"]
+    return Tenant(name, b"tenant:" + name.encode(), share_prefix=share, read_shared_prefix=read, **limits)
 
 
 def _digests(entry: dict[str, Any], where: str) -> list[bytes]:

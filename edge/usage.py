@@ -7,14 +7,20 @@ exactly its ``prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``com
 Durability: :class:`UsageLog` writes each line with one ``write`` on a file opened ``O_APPEND`` as the request
 ends, never buffered in the process, so a line is in the kernel once its answer is decided: a killed edge
 (SIGKILL, a crash) loses no line of a request it answered, and requests in flight at the kill have none (they got
-no answer).  It does not ``fsync``: a crash of the machine itself (power, kernel) can lose the lines of the last
-seconds the kernel had not yet written back.  Several ``--workers`` processes append to the one file, each line
-one write (whole lines, never interleaved, on a local file system).
+no answer).  What survives a crash of the machine itself (power, kernel) is the fsync policy's: ``none`` (the
+kernel writes lines back when it will: seconds of them can be lost), ``line`` (``fdatasync`` after each line,
+before its answer is sent: none of an answered request is lost, at the cost of one disk flush per request on the
+edge's event loop) or ``interval`` (a thread calls ``fdatasync`` every interval when lines were written: at most the
+last interval's lines are lost, and requests never wait for the disk).  Several ``--workers`` processes append to
+the one file, each line one write (whole lines, never interleaved, on a local file system).  :meth:`UsageLog.reopen`
+(SIGHUP) opens the path again: rotate the log by renaming it, then SIGHUP; lines written meanwhile are in the
+renamed file.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -41,18 +47,64 @@ class Usage:
         return orjson.dumps({"time": round(time, 6), **asdict(self)}) + b"\n"
 
 
-class UsageLog:
-    """The append-only JSON-lines file (a thin adapter: one ``os.write`` per line)."""
+FSYNC = ("none", "line", "interval")
 
-    def __init__(self, path: str) -> None:
+
+class UsageLog:
+    """The append-only JSON-lines file (a thin adapter: one ``os.write`` per line, and the fsync policy)."""
+
+    def __init__(self, path: str, fsync: str = "none", interval: float = 1.0) -> None:
+        if fsync not in FSYNC:
+            raise ValueError(f"--usage-fsync must be one of {', '.join(FSYNC)}, got {fsync!r}")
+        self.path, self.fsync, self.interval = path, fsync, interval
+        self._fd = self._open()
+        self._lock = threading.Lock()  # the interval thread's fdatasync against reopen's swap
+        self._dirty = False
+        self._stop = threading.Event()
+        self._syncer: threading.Thread | None = None
+        if fsync == "interval":
+            self._syncer = threading.Thread(target=self._sync_every_interval, name="usage-fsync", daemon=True)
+            self._syncer.start()
+
+    def _open(self) -> int:
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
         except OSError as exc:
-            raise ValueError(f"--usage-log {path}: cannot open it for appending: {exc.strerror}") from None
-        self.path = path
+            raise ValueError(f"--usage-log {self.path}: cannot open it for appending: {exc.strerror}") from None
 
     def __call__(self, usage: Usage) -> None:
         os.write(self._fd, usage.line(time.time()))
+        if self.fsync == "line":
+            os.fdatasync(self._fd)
+        else:
+            self._dirty = True
+
+    def reopen(self) -> None:
+        """Open the path again (after a rotation renamed it): later lines go to the new file; what was written is
+        synced first under a policy that syncs.  A path that cannot be opened is a ValueError, and the file in
+        use is kept."""
+        fd = self._open()
+        with self._lock:
+            old, self._fd = self._fd, fd
+            if self.fsync != "none":
+                os.fdatasync(old)
+            os.close(old)
+
+    def _sync_every_interval(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sync()
+
+    def _sync(self) -> None:
+        with self._lock:
+            if self._dirty:
+                self._dirty = False
+                os.fdatasync(self._fd)
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._stop.set()
+        if self._syncer is not None:
+            self._syncer.join(timeout=self.interval + 5)
+        with self._lock:
+            if self.fsync != "none":
+                os.fdatasync(self._fd)
+            os.close(self._fd)

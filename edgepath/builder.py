@@ -43,9 +43,12 @@ if TYPE_CHECKING:
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.http import HttpCore
+    from edgepath.edge.ledger import LedgerHome
+    from edgepath.edge.quota import Quotas
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
     from edgepath.edge.tokenizer import Tokenizer
+    from edgepath.edge.usage import UsageLog
     from edgepath.hangwatch import HangWatch
     from edgepath.slots.config import SlotServerConfig
     from edgepath.slots.handlers import HandlerConfig
@@ -317,6 +320,12 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
     edge = options.edge
     keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)  # checked before any start
+    for flag, address in (("--quota-home", edge.quota_home), ("--quota-listen", edge.quota_listen)):
+        if address is not None:
+            check_ledger_address(flag, address, options.data_path)
+    if edge.quota_home is not None:
+        with contextlib.ExitStack() as probe:  # a ledger that does not answer is refused before anything starts
+            shared_quotas(edge.quota_home, options, probe)
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
@@ -499,16 +508,24 @@ async def start_edge(
         supervision,
         model_side=options.handler.name == "llama",
     )
-    warn_unenforced(plan.keys)
+    give_floors(plan.keys, agent)
+    if edge.quota_home is not None:
+        service.lifecycle.quotas = shared_quotas(edge.quota_home, options, cleanup)
+    usage = None
     if edge.usage_log is not None:
         from edgepath.edge.usage import UsageLog
 
-        usage = UsageLog(edge.usage_log)
+        usage = UsageLog(edge.usage_log, edge.usage_fsync, edge.usage_fsync_interval)
         cleanup.callback(usage.close)
         service.lifecycle.usage = usage
     service.start()
     cleanup.callback(service.stop)
-    if on_sighup(loop, lambda: reload_keys(edge, service.core)):
+
+    def reload() -> None:  # SIGHUP
+        reload_keys(edge, service.core, agent)
+        reopen_usage_log(usage)
+
+    if on_sighup(loop, reload):
         cleanup.callback(loop.remove_signal_handler, signal.SIGHUP)
     try:
         server = await _listen(edge, service, serve_tls(edge))
@@ -535,10 +552,10 @@ async def drain_edge(service: EdgeService, server: asyncio.Server | QuicServer, 
     log.info("drained: %d requests left unanswered", service.pending)
 
 
-def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
-    """SIGHUP: read the API keys and the tenants file again and serve new requests with them; streams in flight
-    keep the tenant they were admitted as.  A file that cannot be used is one error line, and the keys in use are
-    kept."""
+def reload_keys(edge: EdgeSettings, core: HttpCore, agent: AgentPort | None = None) -> bool:
+    """SIGHUP: read the API keys and the tenants file again and serve new requests with them (and give ``agent``
+    their slot floors); streams in flight keep the tenant they were admitted as.  A file that cannot be used is
+    one error line, and the keys in use are kept."""
     from edgepath.edge.auth import load_keys
 
     try:
@@ -548,17 +565,104 @@ def reload_keys(edge: EdgeSettings, core: HttpCore) -> bool:
         return False
     core.api_keys = keys
     log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
-    warn_unenforced(keys)
+    if agent is not None:
+        give_floors(keys, agent)
     return True
 
 
-def warn_unenforced(keys: ApiKeys | None) -> None:
-    """Say so, once per start or reload, when a tenant asks for what is not built (docs/TENANTS.md)."""
-    for tenant in keys.tenants if keys is not None else []:
-        if tenant.slot_floor:
-            log.warning(
-                "tenant %s: slot_floor %d is not enforced yet (docs/TENANTS.md)", tenant.name, tenant.slot_floor
-            )
+def reopen_usage_log(usage: UsageLog | None) -> None:
+    """SIGHUP: the usage log opened again at its path (log rotation renamed it); one that cannot be opened is one
+    error line, and the file in use is kept."""
+    if usage is None:
+        return
+    try:
+        usage.reopen()
+    except ValueError as exc:
+        log.error("SIGHUP: %s; keeping the usage log file in use", exc)
+        return
+    log.info("SIGHUP: usage log %s reopened", usage.path)
+
+
+# -- quotas across edges --------------------------------------------------------------------------------------
+
+
+def check_ledger_address(flag: str, address: str, data_path: DataPath) -> None:
+    """A quota ledger address this configuration can reach (:func:`edgepath.edge.ledger.transport_kind`): an IP:PORT
+    one is over RDMA verbs, so it needs ``--data-path verbs``."""
+    from edgepath.edge.ledger import transport_kind
+
+    if transport_kind(address) == "verbs" and data_path.kind != "verbs":
+        raise ValueError(
+            f"{flag} {address}: an IP:PORT address is reached over RDMA verbs: give --data-path verbs (with "
+            "--device), or a socket path for edges on this machine"
+        )
+
+
+def ledger_transport(address: str, options: ServeOptions) -> Transport:
+    """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.edge.ledger.transport_kind`):
+    loopback for a socket path; verbs, on the data path's device, for IP:PORT."""
+    from edgepath.edge.ledger import transport_kind
+
+    kind = transport_kind(address)
+    data_path = options.data_path if kind == options.data_path.kind else DataPath(kind)
+    return data_path_transport(data_path, options.agent.hang_timeout)
+
+
+def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> LedgerHome:
+    """A quota ledger kept by this process at ``address`` (``--quota-listen``, or the workers' own); ``cleanup``
+    closes it."""
+    from edgepath.edge.ledger import LedgerHome
+    from edgepath.transports.base import TransportError
+
+    transport = ledger_transport(address, options)
+    cleanup.callback(transport.close)
+    try:
+        home = LedgerHome(transport, address)
+    except TransportError as exc:
+        raise RuntimeError(f"--quota-listen {address}: {exc}") from exc
+    cleanup.callback(home.close)
+    log.info("quota ledger kept at %s", address)
+    return home
+
+
+def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> Quotas:
+    """The edge's quotas in the ledger at ``address`` (``--quota-home``), shared with the other edges there; a
+    ledger that does not answer is an error naming the option."""
+    from edgepath.edge.ledger import RemoteLedger
+    from edgepath.edge.quota import Quotas
+    from edgepath.transports.base import TransportError
+
+    transport = ledger_transport(address, options)
+    cleanup.callback(transport.close)
+    try:
+        ledger = RemoteLedger(transport, address)
+    except TransportError as exc:
+        raise RuntimeError(
+            f"--quota-home {address}: {exc}; give the address a quota ledger is kept at (serve --quota-listen)"
+        ) from exc
+    cleanup.callback(ledger.close)
+    log.info("quotas counted in the quota ledger at %s", address)
+    return Quotas(ledger)
+
+
+def give_floors(keys: ApiKeys | None, agent: AgentPort) -> None:
+    """The tenants' slot floors to the edge's agent, by floor id (docs/TENANTS.md): an agent in this process takes
+    lent slots back by them (an agent process learns each tenant's floor from its requests' headers).  Floors that
+    add up to more than the slots attached cannot all be had at once: said once per start or reload."""
+    from edgepath.edge.tenants import floors_by_id
+
+    floors = floors_by_id(keys.tenants if keys is not None else [])
+    set_floors = getattr(agent, "set_floors", None)
+    if set_floors is not None:
+        set_floors(floors)
+    slots = sum(server.total_slots or 0 for server in agent.servers())
+    if floors and slots and sum(floors.values()) > slots:
+        log.warning(
+            "the tenants' slot floors add up to %d, more than the %d slots of the slot servers attached: a tenant "
+            "under its floor is refused (429 no_slot) when every slot is held by tenants within their floors",
+            sum(floors.values()),
+            slots,
+        )
 
 
 def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> bool:

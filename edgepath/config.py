@@ -40,6 +40,7 @@ from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.edge.retry import DEFAULT_RETRIES
+from edgepath.edge.usage import FSYNC as USAGE_FSYNC
 from edgepath.options import (
     handler_spec,
     key_value,
@@ -368,7 +369,29 @@ class EdgeSettings:
     usage_log: str | None = option(
         None,
         help="append one JSON line per request that ran (tenant, tokens, finish, time to first token) to this file "
-        "(docs/TENANTS.md: written as each request ends, not fsynced)",
+        "(docs/TENANTS.md: written as each request ends; reopened on SIGHUP, for log rotation)",
+    )
+    usage_fsync: str = option(
+        "none",
+        choices=USAGE_FSYNC,
+        help="when the usage log reaches the disk: none (the kernel writes it back: a machine crash loses the last "
+        "seconds), line (fsync before each answer: a line per answer survives a machine crash), or interval "
+        "(fsync every --usage-fsync-interval seconds: a machine crash loses at most that); default %(default)s",
+    )
+    usage_fsync_interval: float = option(
+        1.0, type=positive_float, help="seconds between fsyncs of the usage log with --usage-fsync interval"
+    )
+    quota_home: str | None = option(
+        None,
+        help="count the tenants' quotas in the quota ledger at this address, with every other edge that uses it: a "
+        "socket path (edges on this machine) or IP:PORT (over --data-path verbs); default: this edge's own (with "
+        "--workers, one the workers share); an address where none answers is refused at start",
+    )
+    quota_listen: str | None = option(
+        None,
+        worker=False,
+        help="keep a quota ledger at this address (a socket path, or IP:PORT over verbs) for this serve and for other "
+        "edges, which give it as their --quota-home (docs/TENANTS.md)",
     )
     protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
     request_timeout: float = option(
@@ -403,6 +426,12 @@ class EdgeSettings:
             raise ValueError(f"quic_engine must be one of {', '.join(QUIC_ENGINES)}, got {self.quic_engine!r}")
         if (self.certificate is None) != (self.private_key is None):
             raise ValueError("--certificate and --private-key go together: give both, or neither for a self-signed one")
+        if self.quota_home is not None and self.quota_listen is not None:
+            raise ValueError(
+                "--quota-home uses a quota ledger kept elsewhere and --quota-listen keeps one here: give one of them"
+            )
+        if self.usage_fsync != "none" and self.usage_log is None:
+            raise ValueError(f"--usage-fsync {self.usage_fsync} is for the usage log: give --usage-log PATH too")
 
     @property
     def port(self) -> int:

@@ -11,7 +11,9 @@ everything it started on SIGINT -- and on SIGTERM once the edge has drained: no 
 answered, within ``--grace-period`` (a second SIGTERM stops at once).
 
 With ``--workers N`` this process only supervises: N edge processes (each this same command with its
-own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use.
+own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use -- and keeps the
+quota ledger the workers count the tenants' quotas in together (:mod:`edgepath.edge.ledger`; ``--quota-listen``
+keeps it where edges of other serve processes reach it too).
 
 This module orchestrates only -- what starts when, who supervises it, signals, the ready line; every
 part is made by :mod:`edgepath.builder` from the configuration.
@@ -27,9 +29,11 @@ import os
 import shutil
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from edgepath.builder import (
+    ledger_home,
     on_sighup,
     plan_serve,
     serve_agent,
@@ -91,6 +95,11 @@ async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: a
         if transport is not None:
             cleanup.callback(transport.close)
         shared = _shared_metrics_dir(options, cleanup) if workers > 1 else None
+        home = options.edge.quota_listen or (str(runtime_dir() / f"{options.name}.quota.sock") if workers > 1 else None)
+        if home is not None:  # a quota ledger kept here: this serve's edges count in it, and so may others
+            ledger_home(home, options, cleanup)
+            options = replace(options, edge=replace(options.edge, quota_home=home, quota_listen=None))
+            plan = replace(plan, options=options)
         slot_servers = options.slot_servers
         counts = _shared_counts()  # this is an edge worker: its parent keeps the counts in the shared directory
         listen = None

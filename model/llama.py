@@ -746,8 +746,9 @@ class LlamaHandler:
         ahead: list[_Sequence] = []
         for seq in self._running.values():
             if seq.stream < 0 and self.options.prefix_cache:
-                older = (s.request.tokens for s in ahead if s.request.salt == seq.request.salt)
-                reuse = self.book.reusable(seq.request.tokens, older, seq.request.salt)
+                readable = seq.request.readable
+                older = (s.request.tokens for s in ahead if s.request.salt in readable)
+                reuse = self.book.reusable(seq.request.tokens, older, seq.request.salt, readable)
                 waiting.append(Prompt(reuse, seq.prompt_len - reuse))
             elif seq.prefilled < seq.prompt_len:
                 waiting.append(Prompt(seq.prefilled, seq.prompt_len - seq.prefilled))
@@ -826,7 +827,7 @@ class LlamaHandler:
         for older in waiting:
             if older is new:
                 return False
-            if older.request.salt != new.request.salt:  # another cache namespace: never shared
+            if older.request.salt not in new.request.readable:  # a cache namespace it may not read: never shared
                 continue
             shared = common_prefix(older.request.tokens, new.request.tokens)
             if shared - older.prefilled >= self.options.cache_min:
@@ -897,7 +898,7 @@ class LlamaHandler:
         the prompt (reused, not computed) and prefill starts there."""
         prompt = seq.request.tokens
         computed = {s.stream: s.request.tokens[: s.prefilled] for s in self._running.values() if s.stream >= 0}
-        placement = self.book.place(prompt, self.options.prefix_cache, computed, seq.request.salt)
+        placement = self.book.place(prompt, self.options.prefix_cache, computed, seq.request.salt, seq.request.readable)
         stream, reuse = placement.stream, placement.reuse
         blob = placement.restore.blob if placement.restore is not None else None
         if placement.source is not None:

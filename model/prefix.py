@@ -20,7 +20,10 @@ reuse (a chat template's first few tokens are common to every request).
 Every prefix is kept under the **salt** of the request that wrote it (the request header's ``cache_salt``:
 the edge's tenant and the request's own ``cache_salt``), and a request reuses -- in place, restored, or
 copied from a running stream -- only what was written under its own salt: tenants never read each other's
-KV, nor learn from ``cached_tokens`` or a faster first token that another one sent the same prompt.
+KV, nor learn from ``cached_tokens`` or a faster first token that another one sent the same prompt.  A reader of
+the shared prefix (the header's ``EP_FLAG_READ_PUBLIC``) may also reuse what was written under the public salt --
+restored from a host copy, or copied from a stream, never taken over in place, so the public copy stays public --
+while its own sequence is kept under its own salt, readable by nobody else.
 
 :class:`PrefixBook` makes every decision and keeps the books; the handler does the llama.cpp calls.
 """
@@ -28,7 +31,7 @@ KV, nor learn from ``cached_tokens`` or a faster first token that another one se
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,15 +138,17 @@ class PrefixBook:
         reuse: bool = True,
         computed: Mapping[int, np.ndarray] | None = None,
         salt: int = 0,
+        reads: Collection[int] = (),
     ) -> Placement:
         """A stream for a new request and how much of ``prompt`` it reuses (never all of it: the last
         prompt token is always decoded, its logits give the first output token; nothing when ``reuse`` is
-        false), from prefixes written under ``salt`` only.  Marks it running.
+        false), from prefixes written under ``salt`` -- or under one of ``reads`` (the public salt, for a reader of
+        the shared prefix), by a copy only.  Marks it running under ``salt``.
 
         ``computed``: running streams and the tokens whose KV they hold so far -- a request that arrived
         together with others sharing its prefix (a system prompt) copies the prefix from the one that
         computed it first.  Sources by preference at equal length: a free stream's own cells (no copy), a
-        host copy, a running stream (two copies)."""
+        host copy, a running stream or another salt's free stream (two copies)."""
         free = [i for i, s in enumerate(self._streams) if not s.running]
         if not free:
             raise RuntimeError(f"prefix book: all {self.streams} streams are running")
@@ -152,10 +157,14 @@ class PrefixBook:
             return self._run(Placement(self._spare(free), 0), salt)
         limit = len(prompt) - 1
         streams = self._streams
+        readable = {salt, *reads}
         held = {i: t for i in free if (t := streams[i].tokens) is not None and streams[i].salt == salt}
         here, here_len = _longest(held, prompt, limit)
-        saved, saved_len = self._best_saved(prompt, limit, salt)
-        ours = {i: t for i, t in (computed or {}).items() if streams[i].running and streams[i].salt == salt}
+        saved, saved_len = self._best_saved(prompt, limit, readable)
+        ours = {i: t for i, t in (computed or {}).items() if streams[i].running and streams[i].salt in readable}
+        if len(free) > 1:  # another salt's free stream is copied from, into another free stream: never taken over
+            ours.update((i, t) for i in free if (t := streams[i].tokens) is not None and streams[i].salt in readable)
+            ours = {i: t for i, t in ours.items() if streams[i].running or streams[i].salt != salt}
         running, running_len = _longest(ours, prompt, limit)
         if max(here_len, saved_len, running_len) < self.min_reuse:
             placement = Placement(self._spare(free), 0)
@@ -168,7 +177,7 @@ class PrefixBook:
             self.stats.restored += 1
         else:
             assert running is not None
-            placement = Placement(self._spare(free), running_len, source=running)
+            placement = Placement(self._spare([i for i in free if i != running]), running_len, source=running)
             self.stats.shared += 1
         if placement.reuse:
             self.stats.hits += 1
@@ -177,16 +186,19 @@ class PrefixBook:
             self.stats.misses += 1
         return self._run(placement, salt)
 
-    def reusable(self, prompt: np.ndarray, ahead: Iterable[np.ndarray] = (), salt: int = 0) -> int:
+    def reusable(
+        self, prompt: np.ndarray, ahead: Iterable[np.ndarray] = (), salt: int = 0, reads: Collection[int] = ()
+    ) -> int:
         """How much of ``prompt`` a request placed now would reuse, without placing it: what a free stream or a host
-        copy of ``salt`` holds, or what it shares with ``ahead`` -- the prompts of ``salt`` placed or waiting before
-        it, whose shared prefix it copies once computed.  What the slot server publishes for a prompt not placed
-        yet: counting it whole made agents predict a burst of chats sharing a system prompt at several times what
-        the model side then does (each copies the prefix the first computed)."""
+        copy of ``salt`` (or of ``reads``) holds, or what it shares with ``ahead`` -- the prompts it may read placed
+        or waiting before it, whose shared prefix it copies once computed.  What the slot server publishes for a
+        prompt not placed yet: counting it whole made agents predict a burst of chats sharing a system prompt at
+        several times what the model side then does (each copies the prefix the first computed)."""
         limit = len(prompt) - 1
+        readable = {salt, *reads}
         free = {i: s.tokens for i, s in enumerate(self._streams) if not s.running and s.tokens is not None}
-        held = {i: t for i, t in free.items() if self._streams[i].salt == salt}
-        best = max(_longest(held, prompt, limit)[1], self._best_saved(prompt, limit, salt)[1])
+        held = {i: t for i, t in free.items() if self._streams[i].salt in readable}
+        best = max(_longest(held, prompt, limit)[1], self._best_saved(prompt, limit, readable)[1])
         for tokens in ahead:
             best = max(best, min(common_prefix(tokens, prompt), limit))
         return best if best >= self.min_reuse else 0
@@ -297,8 +309,8 @@ class PrefixBook:
         self.version += 1
         return placement
 
-    def _best_saved(self, prompt: np.ndarray, limit: int, salt: int) -> tuple[Saved | None, int]:
-        ours = {i: s.tokens for i, s in enumerate(self._saved) if s.salt == salt}
+    def _best_saved(self, prompt: np.ndarray, limit: int, salts: Collection[int]) -> tuple[Saved | None, int]:
+        ours = {i: s.tokens for i, s in enumerate(self._saved) if s.salt in salts}
         index, n = _longest(ours, prompt, limit)
         return (None, 0) if index is None else (self._saved[index], n)
 

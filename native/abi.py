@@ -94,6 +94,7 @@ class Event(enum.IntEnum):
     COMPLETE = lib.EP_EV_COMPLETE
     RELEASE = lib.EP_EV_RELEASE
     EXPIRE = lib.EP_EV_EXPIRE
+    HANDOVER = lib.EP_EV_HANDOVER
 
 
 class StepError(enum.IntEnum):
@@ -116,3 +117,4 @@ class Status(enum.IntEnum):
     STOP = lib.EP_STATUS_STOP
     CANCELLED = lib.EP_STATUS_CANCELLED
     OVER_BOUND = lib.EP_STATUS_OVER_BOUND
+    RECLAIMED = lib.EP_STATUS_RECLAIMED

@@ -47,6 +47,11 @@ uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot)
     return ep_doorbell_imm(generation, slot);
 }
 
+uint32_t ep_reclaim_imm_of(uint32_t generation, uint32_t slot)
+{
+    return ep_reclaim_imm(generation, slot);
+}
+
 int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev)
 {
     uint64_t cur = atomic_load_explicit(AS_ATOMIC64(word), memory_order_acquire);
@@ -63,12 +68,13 @@ int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, 
     }
 }
 
-int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint64_t *restored)
+int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint32_t holder,
+                   uint64_t *restored)
 {
     uint64_t cur = atomic_load_explicit(AS_ATOMIC64(word), memory_order_acquire);
     for (;;) {
         uint64_t from = ep_word_reverted(cur, *owned) ? *owned : cur, next;
-        int rc = ep_step(from, event, generation, 0, &next);
+        int rc = ep_step(from, event, generation, holder, &next);
         if (rc != EP_OK)
             return rc;
         if (atomic_compare_exchange_weak_explicit(AS_ATOMIC64(word), &cur, next,
@@ -78,6 +84,11 @@ int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generati
             return EP_OK;
         }
     }
+}
+
+int ep_word_reverted_of(uint64_t cur, uint64_t owned)
+{
+    return ep_word_reverted(cur, owned);
 }
 
 /* Put `owned` back over a word written back to an older value of its generation; 1 if it did. */
@@ -182,6 +193,8 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->output_offset = 0;
     req->migrations = 0;
     req->cache_salt = 0;  /* a frame is reused: the writer sets its salt after filling */
+    req->tenant = 0;      /* ... and its tenant's floor (issue 35) */
+    req->slot_floor = 0;
 }
 
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot)
@@ -245,7 +258,8 @@ int ep_pool_layout_prefixes(uint32_t slot_count, uint32_t input_capacity, uint32
     out->prefixes_offset = prefix_entries ? after_states : 0;
     out->doorbells_offset = after_states + ALIGN_UP((uint64_t)prefix_entries * 8u);
     out->cancels_offset = out->doorbells_offset + ALIGN_UP((uint64_t)slot_count * 8u);
-    out->slots_offset = out->cancels_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    out->reclaims_offset = out->cancels_offset + ALIGN_UP((uint64_t)slot_count * 8u);
+    out->slots_offset = out->reclaims_offset + ALIGN_UP((uint64_t)slot_count * 8u);
     out->total_size = out->slots_offset + (uint64_t)slot_count * out->slot_stride;
     return EP_OK;
 }
@@ -277,6 +291,7 @@ int ep_pool_validate(const void *base, uint64_t size)
         expect.states_offset != h->states_offset ||
         expect.prefixes_offset != h->prefixes_offset ||
         expect.doorbells_offset != h->doorbells_offset || expect.cancels_offset != h->cancels_offset ||
+        expect.reclaims_offset != h->reclaims_offset ||
         expect.slots_offset != h->slots_offset ||
         expect.total_size != h->total_size)
         return EP_POOL_E_LAYOUT;
@@ -527,7 +542,7 @@ int ep_accept_doorbells(void *pool, uint64_t *owned, uint64_t *restored, const u
             (*rejected)++;
             continue;
         }
-        if (ep_apply_owned(&states[slot], &owned[slot], EP_EV_DOORBELL, gen, restored) != EP_OK) {
+        if (ep_apply_owned(&states[slot], &owned[slot], EP_EV_DOORBELL, gen, 0, restored) != EP_OK) {
             (*rejected)++;
             continue;
         }
@@ -567,7 +582,7 @@ int ep_scan_leases(void *pool, uint64_t *owned, uint64_t *restored, uint64_t *se
             continue;
         }
         if (now_ns - seen_ns[i] >= h->lease_ns && n < max &&
-            ep_apply_owned(&states[i], &owned[i], EP_EV_EXPIRE, ep_word_generation(cur), restored) == EP_OK)
+            ep_apply_owned(&states[i], &owned[i], EP_EV_EXPIRE, ep_word_generation(cur), 0, restored) == EP_OK)
             expired[n++] = i;
     }
     return n;

@@ -18,12 +18,16 @@ int ep_step_word(uint64_t cur, int event, uint32_t generation, uint32_t claimant
 uint64_t ep_claim_next(uint64_t cur, uint32_t claimant);
 uint64_t ep_doorbell_word(uint32_t generation, uint32_t slot);
 uint32_t ep_doorbell_imm_of(uint32_t generation, uint32_t slot);
+uint32_t ep_reclaim_imm_of(uint32_t generation, uint32_t slot);
 int ep_apply(uint64_t *word, int event, uint32_t generation, uint32_t claimant, uint64_t *prev);
 /* The owner's step (the slot server's: any event but CLAIM) on a word it may share with remote CAS: `owned`
    is what the owner last stored there (0: nothing yet), kept by it and updated here.  A word found written
    back to an older value of its generation (ep_word_reverted: soft-RoCE's failed CAS) is stepped from
-   `owned` instead, and *restored counts it. */
-int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint64_t *restored);
+   `owned` instead, and *restored counts it.  `holder`: HANDOVER's (tenant << 24 | claimant; 0 for the others). */
+int ep_apply_owned(uint64_t *word, uint64_t *owned, int event, uint32_t generation, uint32_t holder,
+                   uint64_t *restored);
+/* ep_word_reverted (edgepath_step.h): whether `cur` is a word its owner, who last stored `owned`, moved past. */
+int ep_word_reverted_of(uint64_t cur, uint64_t owned);
 
 /* Loopback "NIC" operations on shared memory. */
 uint64_t ep_cas64(uint64_t *addr, uint64_t expected, uint64_t desired);

@@ -50,7 +50,8 @@ EP_HD int ep_poll_decide(uint64_t state, uint64_t doorbell, uint64_t seen, uint3
             return EP_POLL_REJECT;
         if (dgen == sgen && ep_word_state(state) == EP_CLAIMED && req_gen == sgen)
             return EP_POLL_ACCEPT;
-        if ((int32_t)(dgen - sgen) <= 0)
+        uint32_t ahead = (dgen - sgen) & EP_GENERATION_MAX; /* generations wrap at 2^24 */
+        if (dgen > EP_GENERATION_MAX || ahead == 0 || ahead > (EP_GENERATION_MAX >> 1))
             return EP_POLL_REJECT; /* late doorbell of an old claim, or a claim that is not CLAIMED */
         rung = EP_POLL_WAIT;       /* the claim's state word is not visible yet */
     }

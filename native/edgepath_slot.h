@@ -8,7 +8,7 @@
  * (an independent gcc-compiled offset dump).
  *
  * Pool memory (one registered region):
- *   [ep_pool_header][ep_load][u64 state[n]][u64 prefix[m]][u64 doorbell[n]][u64 cancel[n]][slots...]
+ *   [ep_pool_header][ep_load][u64 state[n]][u64 prefix[m]][u64 doorbell[n]][u64 cancel[n]][u64 reclaim[n]][slots...]
  * each array starts on a 64-byte boundary (the prefix table is there only when m > 0, and then
  * follows the state words, so one READ from the heartbeat gets the load region, the state words and
  * the prefix table); each slot is slot_stride bytes:
@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 9  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34) */
+#define EP_ABI_VERSION 10  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -40,6 +40,7 @@
 #define EP_EV_COMPLETE 4
 #define EP_EV_RELEASE 5
 #define EP_EV_EXPIRE 6
+#define EP_EV_HANDOVER 7  /* DONE -> CLAIMED in the next generation, for a reclaimer (issue 35) */
 
 /* ep_step() results. */
 #define EP_OK 0
@@ -47,20 +48,31 @@
 #define EP_E_STALE -2
 #define EP_E_EVENT -3
 
-/* State word: generation (bits 32..63) | claimant (bits 8..31) | state (bits 0..7). */
+/*
+ * State word: tenant (bits 56..63) | generation (bits 32..55) | claimant (bits 8..31) | state (bits 0..7).
+ * The tenant is the claimer's tenant's floor id (1..EP_TENANT_MAX; 0: a tenant without a slot floor), set by the
+ * claim and kept until the slot is FREE again, so that every agent that reads the state words sees whose slots
+ * are taken (issue 35: slot floors).  The generation wraps at 2^24 (immediates carry 14 bits of it).
+ * A claim or a hand-over names its holder as one 32-bit value: tenant << 24 | claimant.
+ */
 #define EP_CLAIMANT_MAX 16777215
+#define EP_GENERATION_MAX 16777215
+#define EP_TENANT_MAX 255
 
 /* Doorbell word (written last): generation << 32 | EP_DOORBELL_VALID | slot. */
 #define EP_DOORBELL_VALID 2147483648
 #define EP_SLOT_MAX 65535
 
 /*
- * Immediates towards a slot server (32 bits): EP_IMM_CANCEL? | generation_low15 << 16 | slot.
- * A doorbell has bit 31 clear; a cancel (the agent wrote cancel[slot] = generation << 32 | 1
- * first, for a poller that cannot see a CQ) has it set.
+ * Immediates towards a slot server (32 bits): EP_IMM_CANCEL? | EP_IMM_RECLAIM? | generation_low14 << 16 | slot.
+ * A doorbell has bits 31 and 30 clear; a cancel (the agent wrote cancel[slot] = generation << 32 | 1
+ * first, for a poller that cannot see a CQ) has bit 31 set; a reclaim (issue 35: the agent wrote
+ * reclaim[slot] = the CLAIMED word it asks the slot to be handed over as, in the generation after the
+ * running one) has bits 31 and 30 set and names the running generation.
  */
 #define EP_IMM_CANCEL 2147483648
-#define EP_IMM_GEN_MASK 32767
+#define EP_IMM_RECLAIM 1073741824
+#define EP_IMM_GEN_MASK 16383
 
 /*
  * Immediates towards an agent (32 bits): kind (bits 30..31) | reply entry index (bits 0..29).
@@ -68,11 +80,14 @@
  * word says so (generation << 32 | count).  FINAL: the whole result header is placed (status,
  * counts, times) and nothing will be written into the entry for that generation again.  STALLED
  * (an agent process to its edge only): the slot server running the entry stopped responding; the
- * entry is still in flight (its FINAL comes when that server lets go of it or is lost).
+ * entry is still in flight (its FINAL comes when that server lets go of it or is lost).  HANDOVER (a slot
+ * server to an agent only; bits 0..29 are then a slot, not an entry): the server has acted on the agent's
+ * reclaim of that slot -- handed it over, or found it could not: the agent reads the slot's state word.
  */
 #define EP_IMM_FINAL 0
 #define EP_IMM_PROGRESS 1073741824
 #define EP_IMM_STALLED 2147483648  /* agent -> edge only: the entry's slot server is unresponsive (still in flight) */
+#define EP_IMM_HANDOVER 3221225472 /* slot server -> agent only: the reclaim of slot (bits 0..29) was acted on */
 #define EP_IMM_KIND_MASK 3221225472
 #define EP_IMM_INDEX_MASK 1073741823
 
@@ -86,6 +101,7 @@
 #define EP_STATUS_STOP 6         /* the model ended the sequence (end-of-sequence token) */
 #define EP_STATUS_CANCELLED 7    /* the requester cancelled; output so far is valid */
 #define EP_STATUS_OVER_BOUND 8   /* refused at claim time: no server would give the first token within the bound */
+#define EP_STATUS_RECLAIMED 9    /* the slot was taken back for a tenant under its slot floor; output so far is valid */
 
 /* Request flags. */
 #define EP_FLAG_STREAM 1         /* stream output tokens as they are produced */
@@ -108,6 +124,13 @@
 #define EP_FLAG_CONSTRAINT 4
 #define EP_FLAG_CONSTRAINT_SHIFT 16
 #define EP_FLAG_CONSTRAINT_MASK 0xffff
+/*
+ * A reader of the shared prefix (issue 35): with EP_FLAG_READ_PUBLIC the model side may also reuse KV written under
+ * the public namespace's cache salt (the edge's wire.PUBLIC_SALT: what tenants that share their prefixes write),
+ * while everything the request itself writes stays under its own cache_salt.  A model side that does not know the
+ * flag reuses its own salt's prefixes only (it computes more, it reads nothing more).
+ */
+#define EP_FLAG_READ_PUBLIC 8
 
 #define EP_ALIGN 64
 
@@ -143,10 +166,17 @@ struct ep_pool_header {
     uint64_t lease_ns;         /* CLAIMED without doorbell for longer is reclaimed */
     uint64_t cancels_offset;   /* u64 cancel[slot_count]: generation << 32 | 1, written by the claimer */
     /*
+     * u64 reclaim[slot_count] (ABI 10, issue 35), written by agents only: the CLAIMED word (the running generation
+     * + 1, the writer's claimant and tenant) a reclaimer asks the running slot to be handed over as, rung with
+     * EP_IMM_RECLAIM.  Then a cache line to spare, so that the heartbeat stays in the header's last one.
+     */
+    uint64_t reclaims_offset;
+    uint64_t reserved[7];
+    /*
      * Advanced by the slot server at every turn of its loop (so after every model step), never less
      * often than its lease-scan interval: a word that stands still means its CPU side is frozen.
-     * Readers compare values, never sizes.  Placed in the header's last cache line so that one READ
-     * of [heartbeat .. state[n-1]] gives an agent both (edgepath.dpu.link_state).
+     * Readers compare values, never sizes.  Placed in the header's last cache line, right before the load region, so
+     * that one READ of [heartbeat .. state[n-1]] gives an agent both (edgepath.dpu.link_state).
      */
     uint64_t heartbeat;
     uint64_t prefixes_offset;  /* u64 prefix[prefix_entries], right after the state words (0: no table) */
@@ -223,7 +253,9 @@ struct ep_request_header {
     uint32_t migrations;       /* how often the request has moved to another slot server */
     uint64_t cache_salt;       /* the prefix cache's namespace (the edge's tenant and the request's cache_salt):
                                   KV is reused only from prefixes written under the same salt (0: no salt) */
-    uint64_t reserved[2];
+    uint32_t tenant;           /* the request's tenant's floor id (0: a tenant without a slot floor), claimed with */
+    uint32_t slot_floor;       /* that tenant's slot floor: slots it may always have (0: none) */
+    uint64_t reserved[1];
 };
 
 struct ep_result_header {
@@ -254,7 +286,7 @@ struct ep_result_header {
 #else
 #define EP_STATIC_ASSERT _Static_assert
 #endif
-EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 128, "ep_pool_header must be 128 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 192, "ep_pool_header must be 192 bytes");
 EP_STATIC_ASSERT(sizeof(struct ep_load) == 192, "ep_load must be 192 bytes (three cache lines)");
 EP_STATIC_ASSERT(sizeof(((struct ep_load *)0)->prompts) == 8 * EP_LOAD_PROMPTS, "prompts: two words per entry");
 EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 128, "ep_request_header must be 128 bytes");

@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from edgepath.contract.plan import Load
-from edgepath.contract.wire import Sampling
+from edgepath.contract.wire import Sampling, readable_salts
 from edgepath.native.abi import Status
 
 log = logging.getLogger("edgepath.handlers")
@@ -46,6 +46,12 @@ class SlotRequest:
     sampling: Sampling = field(default_factory=Sampling)
     salt: int = 0  # the prefix cache namespace (the header's cache_salt): reuse KV only from the same salt
     constraint: str | None = None  # a GBNF grammar the output must match (None: unconstrained)
+
+    @property
+    def readable(self) -> tuple[int, ...]:
+        """The cache salts it may reuse KV from: its own, and the public one for a reader of the shared prefix
+        (``FLAG_READ_PUBLIC``); what it writes is kept under its own only."""
+        return readable_salts(self.salt, self.flags)
 
 
 @dataclass(frozen=True, slots=True)

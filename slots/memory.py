@@ -66,10 +66,10 @@ class PoolMemory:
         function = ffi.addressof(lib, "ep_heartbeat_tick")
         return Heartbeat(int(ffi.cast("uintptr_t", function)), int(ffi.cast("uintptr_t", self._heartbeat_ptr)))
 
-    def step(self, slot: int, event: Event, generation: int) -> bool:
-        """One of the model side's own steps (RUNNING -> DONE -> FREE) on ``slot``'s state word; whether
-        it was allowed."""
-        return self.owned.step(slot, event, generation) == lib.EP_OK
+    def step(self, slot: int, event: Event, generation: int, holder: int = 0) -> bool:
+        """One of the model side's own steps (RUNNING -> DONE -> FREE, or DONE -> CLAIMED for a reclaimer:
+        ``holder``) on ``slot``'s state word; whether it was allowed."""
+        return self.owned.step(slot, event, generation, holder) == lib.EP_OK
 
     def publish_result(self, slot: int, output_count: int) -> None:
         """Make ``slot``'s result header and first ``output_count`` tokens, as the host wrote them, what the
@@ -77,6 +77,10 @@ class PoolMemory:
 
     def cancel_word(self, slot: int) -> int:
         return int(self.pool.cancels[slot])
+
+    def reclaim_word(self, slot: int) -> int:
+        """What a reclaimer of ``slot`` last wrote: the CLAIMED word it asks the slot to be handed over as."""
+        return int(lib.ep_load64(ffi.cast("uint64_t *", ffi.from_buffer(self.pool.reclaims[slot : slot + 1]))))
 
     def publish_load(self, fields: np.ndarray) -> None:
         """The pool's load region (``fields``: a :func:`~edgepath.contract.wire.load_record`), under its sequence
@@ -177,9 +181,9 @@ class DeviceMemory(PoolMemory):
         self._beat_at = -self.BEAT_EVERY
         super().__init__()
 
-    def step(self, slot: int, event: Event, generation: int) -> bool:
+    def step(self, slot: int, event: Event, generation: int, holder: int = 0) -> bool:
         """Stepped in the mirror (current: read at hand-off and at every lease scan), stored on the device."""
-        done = super().step(slot, event, generation)
+        done = super().step(slot, event, generation, holder)
         if done:
             self.device_slots.store_state(slot, int(self.pool.states[slot]))  # type: ignore[union-attr]
         return done
@@ -207,6 +211,9 @@ class DeviceMemory(PoolMemory):
 
     def cancel_word(self, slot: int) -> int:
         return self.device_slots.load_word(self.pool.cancels_offset + 8 * slot)  # type: ignore[union-attr]
+
+    def reclaim_word(self, slot: int) -> int:
+        return self.device_slots.load_word(self.pool.reclaims_offset + 8 * slot)  # type: ignore[union-attr]
 
     def publish_load(self, fields: np.ndarray) -> None:
         """Written in the mirror, then stored on the device in the sequence lock's order (the NIC reads the

@@ -32,6 +32,9 @@ class OwnedWords:
         """Words found written back to an older value of their generation and restored."""
         return int(self.restored_ptr[0])
 
-    def step(self, slot: int, event: Event, generation: int) -> int:
-        """``event`` (any but CLAIM) on ``slot``'s state word: ``EP_OK`` or an ``EP_E_*`` code (``ep_apply_owned``)."""
-        return int(lib.ep_apply_owned(self._states + slot, self.ptr + slot, event, generation, self.restored_ptr))
+    def step(self, slot: int, event: Event, generation: int, holder: int = 0) -> int:
+        """``event`` (any but CLAIM) on ``slot``'s state word: ``EP_OK`` or an ``EP_E_*`` code (``ep_apply_owned``;
+        ``holder``: a HANDOVER's, :func:`~edgepath.contract.wire.holder`)."""
+        return int(
+            lib.ep_apply_owned(self._states + slot, self.ptr + slot, event, generation, holder, self.restored_ptr)
+        )

@@ -104,3 +104,7 @@ class AgentPeer:
     def notify_final(self, pool: MemoryRegion, index: int) -> None:
         """A zero-length WRITE_WITH_IMM: entry ``index`` holds its final result."""
         self.conn.write_with_imm(pool, 0, self.replies, 0, 0, wire.final_imm(index))
+
+    def notify_handover(self, pool: MemoryRegion, slot: int) -> None:
+        """A zero-length WRITE_WITH_IMM: this agent's reclaim of ``slot`` was acted on (its state word says how)."""
+        self.conn.write_with_imm(pool, 0, self.replies, 0, 0, wire.handover_imm(slot))

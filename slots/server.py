@@ -80,6 +80,8 @@ class ServerStats:
     connections: int = 0
     cancelled: int = 0  # running slots stopped by their requester
     cancels_ignored: int = 0  # cancels for a slot that had already finished, or not the claimer's
+    reclaimed: int = 0  # running slots taken back for a tenant under its slot floor and handed to its agent
+    reclaims_refused: int = 0  # reclaims of a slot not running the generation they named (the agent is told)
     progress_writes: int = 0  # streamed-output notifications sent
     slow_steps: int = 0  # model steps longer than the step budget (each is logged)
     longest_step: float = 0.0  # seconds of the longest model step so far
@@ -145,6 +147,8 @@ class SlotServer:
         self.peers: dict[int, AgentPeer] = {}
         self.running: dict[int, _Running] = {}
         self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go
+        #: slot -> (holder, reclaimer): a reclaimed slot the handler still holds, handed over once it lets go
+        self._handovers: dict[int, tuple[int, AgentPeer]] = {}
         self._lock = threading.Lock()
         self.stats = ServerStats()
         self._turned = time.monotonic()  # when the loop last ended a turn (poll_once)
@@ -223,7 +227,9 @@ class SlotServer:
         now = time.monotonic() if now is None else now
         doorbells = []
         for c in completions:
-            if wire.is_cancel_imm(c.imm):
+            if wire.is_reclaim_imm(c.imm):
+                self._on_reclaim(c.conn_id, c.imm)
+            elif wire.is_cancel_imm(c.imm):
                 self._on_cancel(c.conn_id, c.imm)
             else:
                 doorbells.append(wire.doorbell_entry(c.conn_id, c.imm))
@@ -416,6 +422,49 @@ class SlotServer:
             return
         self._cancel_running(run)
 
+    def _on_reclaim(self, conn_id: int, imm: int) -> None:
+        """An agent takes a running slot back for a tenant under its slot floor (docs/TENANTS.md): when the slot
+        runs the generation the immediate names and ``reclaim[slot]`` is that agent's claim of the next one, the
+        stream ends RECLAIMED (its answer so far goes to its own agent, which moves it or ends it) and the slot
+        is handed over -- DONE -> CLAIMED for the reclaimer, never FREE between, so no other claim can take it.
+        Either way the reclaimer is told (it reads the state word to learn which)."""
+        slot = wire.imm_slot(imm)
+        peer = self.peers.get(conn_id)
+        if peer is None or slot >= self.pool.slot_count:
+            self.stats.reclaims_refused += 1
+            return
+        word = self.memory.reclaim_word(slot)
+        run = self.running.get(slot)
+        if (
+            run is None
+            or not wire.imm_generation_matches(imm, run.generation)
+            or not wire.claimed_by(word, conn_id)
+            or wire.word_generation(word) != wire.next_generation(run.generation)
+        ):
+            self.stats.reclaims_refused += 1
+            self._tell_reclaimer(peer, slot)
+            return
+        self.stats.reclaimed += 1
+        released = self.handler.cancel(run.slot)
+        self._publish_prefixes()
+        self._publish_load()  # before the slot changes hands: its prompt leaves no load behind it
+        self._finish(run, Status.RECLAIMED, run.count, hold=not released, handover=(wire.word_holder(word), peer))
+
+    def _tell_reclaimer(self, peer: AgentPeer, slot: int) -> None:
+        try:
+            peer.notify_handover(self.pool_mr, slot)
+        except TransportError as exc:
+            log.warning("hand-over notice for slot %d lost: %s (the reclaimer's claim ends with its lease)", slot, exc)
+
+    def _hand_over(self, slot: int, gen: int, handover: tuple[int, AgentPeer]) -> None:
+        """DONE -> CLAIMED in the next generation for the reclaimer, who is told; its lease runs from now."""
+        holder, peer = handover
+        if self.peers.get(peer.conn.conn_id) is not peer:  # the reclaimer went away meanwhile
+            self.memory.step(slot, Event.RELEASE, gen)
+            return
+        self.memory.step(slot, Event.HANDOVER, gen, holder)
+        self._tell_reclaimer(peer, slot)
+
     def _publish_prefixes(self) -> None:
         """Rewrite the pool's prefix table when what the handler holds has changed."""
         holder = self._holder
@@ -444,11 +493,21 @@ class SlotServer:
         self.stats.cancelled += 1
         self._finish(run, Status.CANCELLED, run.count, hold=not released)
 
-    def _finish(self, run: _Running, status: Status, output_count: int, hold: bool = False) -> None:
-        """RUNNING -> DONE, the result back to its agent, DONE -> FREE (unless the handler still holds
-        the slot's memory: then it stays DONE until the handler lets go)."""
+    def _finish(
+        self,
+        run: _Running,
+        status: Status,
+        output_count: int,
+        hold: bool = False,
+        handover: tuple[int, AgentPeer] | None = None,
+    ) -> None:
+        """RUNNING -> DONE, the result back to its agent, DONE -> FREE -- or, reclaimed (``handover``: the holder
+        and the agent the slot goes to), DONE -> CLAIMED for the reclaimer -- unless the handler still holds the
+        slot's memory: then it stays DONE until the handler lets go."""
         slot, gen, memory = run.slot, run.generation, self.memory
         del self.running[slot]
+        if handover is not None:
+            self._handovers[slot] = handover
         self._res_hdr[slot].end(gen, status, run.offset + output_count)  # counted in the whole answer
         if status in (Status.OK, Status.LENGTH, Status.STOP):
             self.stats.served += 1
@@ -461,7 +520,7 @@ class SlotServer:
         if peer is None or not 0 <= run.reply_index < peer.frames:
             # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
             if not hold:
-                memory.step(slot, Event.RELEASE, gen)
+                self._free(slot, gen)
             self.stats.results_dropped += 1
             return
         try:
@@ -472,18 +531,26 @@ class SlotServer:
             log.warning("result for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
             if not hold:
-                memory.step(slot, Event.RELEASE, gen)
+                self._free(slot, gen)
             return
         if not hold:
-            memory.step(slot, Event.RELEASE, gen)
+            self._free(slot, gen)
         try:
             peer.notify_final(self.pool_mr, run.reply_index)
         except TransportError as exc:
             log.warning("result notification for slot %d lost: %s", slot, exc)
             self.stats.results_dropped += 1
 
+    def _free(self, slot: int, gen: int) -> None:
+        """The end of a slot's cycle: DONE -> FREE, or to its reclaimer when it was reclaimed."""
+        handover = self._handovers.pop(slot, None)
+        if handover is None:
+            self.memory.step(slot, Event.RELEASE, gen)
+        else:
+            self._hand_over(slot, gen, handover)
+
     def _release_held(self, slot: int) -> None:
-        self.memory.step(slot, Event.RELEASE, self._held.pop(slot))
+        self._free(slot, self._held.pop(slot))
         self.stats.quarantined -= 1
 
     def scan_leases(self, now_ns: int | None = None) -> int:

@@ -12,10 +12,12 @@ import pytest
 from helpers.tokenizers import CharTokenizer
 from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
+from edgepath.contract import wire
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.http import HttpCore, Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.quota import LedgerUnavailable, Quotas
 from edgepath.edge.tenants import Tenant
 from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status
@@ -34,7 +36,9 @@ def lifecycle(port: FakePort, tenant: Tenant) -> EdgeLifecycle:
     metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
     keys = ApiKeys.of_digests([(hashlib.sha256(b"k").digest(), tenant)])
     core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size), keys)
-    return EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=2, request_timeout_ns=TIMEOUT)
+    return EdgeLifecycle(
+        core, tokenizer, port, metrics, Clock(), workers=2, request_timeout_ns=TIMEOUT, wall_clock=lambda: 0
+    )
 
 
 def generate(max_tokens: int, stream: bool = False) -> Request:
@@ -67,7 +71,7 @@ def test_over_quota_is_a_429_at_once_before_any_work_and_says_when(port: FakePor
     (answer,) = edge.deliveries([port.finish(frame)], now=1)
     assert answer.response.status == 200 and limits_of(answer.response.headers) == (QUOTA, 5)
     assert edge.receive(3, generate(10), now=2) == []
-    assert edge.quotas.limits(ACME, 0.0).remaining == 40 - 7 - 15  # type: ignore[union-attr]
+    assert remaining(edge) == 40 - 7 - 15
 
 
 def test_a_request_larger_than_the_whole_quota_never_fits(port: FakePort) -> None:
@@ -77,10 +81,10 @@ def test_a_request_larger_than_the_whole_quota_never_fits(port: FakePort) -> Non
     assert "more than the whole 40-token quota" in json.loads(refused.response.body)["error"]["message"]
 
 
-def remaining(edge: EdgeLifecycle) -> int:
-    got = edge.quotas.limits(ACME, 0.0)
-    assert got is not None
-    return got.remaining
+def remaining(edge: EdgeLifecycle, tenant: Tenant = ACME, unit: str = "tokens") -> int:
+    got = edge.quotas.limits(tenant, 0)
+    assert isinstance(got, dict), got
+    return got[unit].remaining
 
 
 @pytest.mark.parametrize("end", ["stopped", "client_gone", "failed", "timeout", "refused", "never_written"])
@@ -168,3 +172,57 @@ def test_each_request_that_ran_is_one_usage_record_equal_to_its_answer_and_count
     assert 'edgepath_tenant_tokens_total{kind="completion",tenant="acme"} 3.0' in text
     assert 'edgepath_tenant_tokens_total{kind="prompt",tenant="acme"} 10.0' in text
     assert 'edgepath_tenant_requests_total{finish="cancelled",tenant="acme"} 1.0' in text
+
+
+def test_a_request_quota_refuses_at_once_says_when_and_a_request_that_never_ran_is_given_back(port: FakePort) -> None:
+    tenant = Tenant("rpm", b"tenant:rpm", requests_per_minute=2)
+    edge = lifecycle(port, tenant)
+    assert edge.receive(1, generate(3), now=0) == []
+    (frame,) = port.submitted
+    (answer,) = edge.deliveries([port.finish(frame)], now=1)
+    h = dict(answer.response.headers)
+    assert (h[b"x-ratelimit-limit-requests"], h[b"x-ratelimit-remaining-requests"]) == (b"2", b"1")
+    assert h[b"x-ratelimit-reset-requests"] == b"30s" and b"x-ratelimit-limit-tokens" not in h
+    port.refuse_with = Status.NO_SLOT  # refused by the data path: its request is given back
+    (refused,) = edge.receive(2, generate(3), now=2)
+    assert refused.response.status == 429 and remaining(edge, tenant, "requests") == 1  # type: ignore[union-attr]
+    port.refuse_with = None
+    assert edge.receive(3, generate(3), now=3) == []
+    (over,) = edge.receive(4, generate(3), now=4)
+    assert isinstance(over, Respond) and over.response.status == 429
+    error = json.loads(over.response.body)["error"]
+    assert (
+        error["type"] == "quota_exceeded"
+        and "1 request; 0 of the 2-request quota per minute are left" in error["message"]
+    )
+    assert int(dict(over.response.headers)[b"retry-after-ms"]) == 30_000
+    assert len(port.submitted) == 2  # nothing written for the refused ones
+
+
+def test_a_ledger_out_of_reach_fails_closed_for_tenants_with_a_quota_only(port: FakePort) -> None:
+    class Gone:
+        entries = 16
+
+        def cas(self, word: int, expected: int, desired: int) -> int:
+            raise LedgerUnavailable("ledger /run/q.sock: its home has gone")
+
+    edge = lifecycle(port, ACME)
+    edge.quotas = Quotas(Gone())
+    (refused,) = edge.receive(1, generate(3), now=0)
+    assert isinstance(refused, Respond) and refused.response.status == 503
+    error = json.loads(refused.response.body)["error"]
+    assert error["type"] == "quota_unavailable" and "its home has gone" in error["message"]
+    assert port.submitted == [] and not port.held  # nothing claimed, the frame back
+    free = lifecycle(port, Tenant("free", b"tenant:free"))
+    free.quotas = Quotas(Gone())
+    assert free.receive(2, generate(3), now=0) == [] and len(port.submitted) == 1  # no quota: served as ever
+
+
+def test_a_reader_of_the_shared_prefix_says_so_in_its_header_and_writes_its_own_salt(port: FakePort) -> None:
+    reader = Tenant("reader", b"tenant:reader", read_shared_prefix=True)
+    lifecycle(port, reader).receive(1, generate(3), now=0)
+    lifecycle(port, Tenant("plain", b"tenant:plain")).receive(2, generate(3), now=0)
+    first, second = (port.frames.request_headers[f] for f in port.submitted)
+    assert first.flags & wire.FLAG_READ_PUBLIC and not second.flags & wire.FLAG_READ_PUBLIC
+    assert first.cache_salt == reader.salt(None) != wire.PUBLIC_SALT
+    assert wire.readable_salts(first.cache_salt, first.flags) == (reader.salt(None), wire.PUBLIC_SALT)

@@ -23,6 +23,9 @@ slot_floor = 1
 slot_cap = 4
 tokens_per_minute = 2000
 tokens_per_day = 100000
+requests_per_minute = 60
+requests_per_day = 5000
+read_shared_prefix = true
 
 [tenants.public-bot]
 keys = ["{digest("bot")}"]
@@ -39,7 +42,9 @@ def test_a_file_maps_each_key_to_its_tenant_and_limits() -> None:
     ]
     acme, bot = pairs[0][1], pairs[2][1]
     assert (acme.slot_floor, acme.slot_cap, acme.tokens_per_minute, acme.tokens_per_day) == (1, 4, 2000, 100000)
+    assert (acme.requests_per_minute, acme.requests_per_day) == (60, 5000)
     assert not acme.share_prefix and bot.share_prefix
+    assert acme.read_shared_prefix and not bot.read_shared_prefix
     assert (bot.slot_cap, bot.tokens_per_minute, bot.tokens_per_day) == (0, 0, 0)  # 0: none
 
 
@@ -77,6 +82,10 @@ K = f'[tenants.a]\nkeys = ["{digest("k")}"]\n'  # a tenant with one good key, th
             ("'slot_floor' (3)", "'slot_cap' (2)"),
         ),
         (K + 'share_prefix = "yes"', ("'share_prefix'", "true or false")),
+        (K + "read_shared_prefix = 1", ("'read_shared_prefix'", "true or false")),
+        (K + "share_prefix = true\nread_shared_prefix = true", ("'share_prefix' already reads", "give one of them")),
+        (K + "requests_per_minute = -1", ("'requests_per_minute'", "0..1099511627776 (0: none)")),
+        (K + f"tokens_per_day = {2**40 + 1}", ("'tokens_per_day'", "0..1099511627776", str(2**40 + 1))),
         (K + "quota = 5", ("unknown field", "'quota'", "tokens_per_day")),
         (f'[tenants."a b"]\nkeys = ["{digest("k")}"]', ("tenant 'a b'", "A-Z a-z 0-9")),
         (K + f'[tenants.b]\nkeys = ["{digest("k")}"]', ("tenant 'b'", "'a'")),

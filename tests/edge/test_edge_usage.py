@@ -4,6 +4,8 @@ buffered in the process, so a killed edge loses no line of a request it answered
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,79 @@ def test_a_line_names_the_openai_answers_id_so_a_client_can_join_it(tmp_path: Pa
     log(Usage("acme", 9, "/v1/completions", 3, 0, 2, "stop", 10.0, 0.0, "cmpl-ep4"))
     log.close()
     assert json.loads(path.read_text())["answer_id"] == "cmpl-ep4"
+
+
+LINE = Usage("acme", 1, "/v1/completions", 3, 0, 2, "stop", 10.0, 0.0, "cmpl-ep1")
+
+
+def synced(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The descriptors ``os.fdatasync`` is called on, in order (the call still made)."""
+    calls: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return calls
+
+
+def test_fsync_line_syncs_each_line_before_the_call_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = synced(monkeypatch)
+    log = UsageLog(str(tmp_path / "usage.jsonl"), fsync="line")
+    for expected in (1, 2, 3):
+        log(LINE)
+        assert len(calls) == expected  # on the disk before the answer goes out
+    log.close()
+
+
+def test_fsync_interval_syncs_written_lines_from_a_thread_and_idles_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = synced(monkeypatch)
+    log = UsageLog(str(tmp_path / "usage.jsonl"), fsync="interval", interval=0.01)
+    log(LINE)
+    assert calls == []  # the request does not wait for the disk
+    deadline = time.monotonic() + 10
+    while not calls:
+        assert time.monotonic() < deadline, "the interval's fsync never came"
+        time.sleep(0.01)
+    done = len(calls)
+    log.close()
+    assert len(calls) <= done + 1  # nothing written since: no more syncs but close's own
+
+
+def test_fsync_none_never_syncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = synced(monkeypatch)
+    log = UsageLog(str(tmp_path / "usage.jsonl"))
+    log(LINE)
+    log.close()
+    assert calls == []
+
+
+@pytest.mark.parametrize("fsync", ["none", "line", "interval"])
+def test_reopen_after_a_rotation_writes_on_at_the_path_and_loses_no_line(tmp_path: Path, fsync: str) -> None:
+    path, rotated = tmp_path / "usage.jsonl", tmp_path / "usage.jsonl.1"
+    log = UsageLog(str(path), fsync=fsync, interval=0.01)
+    log(LINE)
+    path.rename(rotated)  # logrotate's rename
+    log(LINE)  # between the rename and the SIGHUP: into the renamed file
+    log.reopen()
+    log(LINE)
+    log.close()
+    assert len(rotated.read_text().splitlines()) == 2 and len(path.read_text().splitlines()) == 1
+
+
+def test_a_reopen_that_cannot_open_keeps_the_file_in_use(tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    path = folder / "usage.jsonl"
+    log = UsageLog(str(path))
+    path.rename(tmp_path / "moved.jsonl")
+    folder.rmdir()
+    with pytest.raises(ValueError, match="cannot open it"):
+        log.reopen()
+    log(LINE)  # still written, into the file in use
+    log.close()
+    assert len((tmp_path / "moved.jsonl").read_text().splitlines()) == 1

@@ -293,6 +293,46 @@ def test_what_is_held_is_published_with_its_salt() -> None:
     assert [(salt, t.tolist()) for salt, t in book.held()] == [(A, chat(1).tolist()), (B, chat(2).tolist())]
 
 
+PUBLIC, R1, R2 = 0x9B11C, 0x21, 0x22  # the public salt, and two readers' own
+
+
+def test_a_reader_copies_a_public_free_stream_and_keeps_what_it_writes_its_own() -> None:
+    """A reader reuses the public namespace's system prompt by a copy (the public stream stays public and free);
+    its own sequence is kept under its own salt: a second reader, reading the public salt too, never reuses it."""
+    book = PrefixBook(streams=3, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1), salt=PUBLIC).stream, chat(1))  # a publisher's system prompt, held
+    public = next(i for i, held in enumerate(book.holding()) if held is not None)
+    first = book.place(chat(2), salt=R1, reads=(PUBLIC,))
+    assert first.source == public and first.stream != public and first.reuse == len(SYSTEM)
+    follow_up = np.concatenate([chat(2), seq(500, 40)])  # R1's private follow-up, after its answer
+    book.finished(first.stream, follow_up)
+    second = book.place(np.concatenate([chat(2), seq(500, 40), seq(900, 3)]), salt=R2, reads=(PUBLIC,))
+    assert second.source == public and second.reuse == len(SYSTEM)  # the public prefix only, never R1's follow-up
+    book.finished(second.stream, None)
+    assert book.place(follow_up, salt=PUBLIC).reuse == len(SYSTEM)  # the public side never reads a reader's either
+    assert sorted(salt for salt, _ in book.held()) == [R1]  # the public stream is running again: it was never taken
+    assert book.place(np.concatenate([follow_up, seq(900, 3)]), salt=R1, reads=(PUBLIC,)).reuse == len(follow_up)
+
+
+def test_a_reader_restores_a_public_host_copy_and_its_own_copy_supersedes_only_its_own() -> None:
+    book = PrefixBook(streams=1, capacity=1000, min_reuse=4)
+    book.save(chat(1), "public", 100, salt=PUBLIC)
+    placed = book.place(chat(2), salt=R1, reads=(PUBLIC,))
+    assert placed.restore is not None and placed.restore.blob == "public" and placed.reuse == len(SYSTEM)
+    longer = np.concatenate([chat(1), seq(7, 8)])
+    assert book.wants(longer, 100, salt=R1)
+    book.save(longer, "r1", 100, salt=R1)
+    assert sorted(s.blob for s in book.saved) == ["public", "r1"]  # the public copy is not superseded by R1's
+    book.finished(placed.stream, None)
+    assert book.place(longer, salt=R2, reads=(PUBLIC,)).restore.blob == "public"  # type: ignore[union-attr]
+
+
+def test_a_reader_alone_with_one_free_stream_does_not_reuse_the_public_one_in_place() -> None:
+    book = PrefixBook(streams=1, capacity=0, min_reuse=4)
+    book.finished(book.place(chat(1), salt=PUBLIC).stream, chat(1))
+    assert book.place(chat(2), salt=R1, reads=(PUBLIC,)).reuse == 0  # no second stream to copy into
+
+
 def test_a_gap_between_runs_is_closed_by_moving_the_shortest_sequence_that_closes_it() -> None:
     book = PrefixBook(4, 0)
     for _ in range(4):

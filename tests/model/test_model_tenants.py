@@ -33,24 +33,28 @@ NOTE = (
 )
 
 
-@pytest.fixture(scope="module")
-def model_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+def serve_model(tmp: Path, **keys: str) -> Iterator[RunningEdge]:
+    """``serve --transport tcp`` of SmolLM2 (2 slots of 512 tokens) with ``keys`` (``api_keys_file`` or
+    ``tenants_file``)."""
     from edgepath.model.gguf import default_model_path
 
     gguf = str(default_model_path())
-    tmp = tmp_path_factory.mktemp("tenants")
-    keys = tmp / "keys"
-    keys.write_text("key-a\nkey-b\n")
     options = ServeOptions(
-        edge=EdgeSettings(
-            transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf, api_keys_file=str(keys)
-        ),
+        edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM), tokenizer=gguf, **keys),
         sizing=Sizing(slots=2, input_capacity=512, output_capacity=16),
         agent=AgentSettings(frames=8),
         handler=HandlerSettings("llama", (("model", gguf), ("threads", "1"), ("ctx_per_slot", "528"))),
     )
-    with running_edge(options, Path(tmp), timeout=120.0) as running:
+    with running_edge(options, tmp, timeout=120.0) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def model_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    keys = tmp / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    yield from serve_model(tmp, api_keys_file=str(keys))
 
 
 def client(edge: RunningEdge, key: str) -> openai.OpenAI:
@@ -91,3 +95,47 @@ def test_a_cache_salt_keeps_a_requests_prefix_apart_even_within_its_tenant(model
     assert salted == 0
     _, again = ask(model_edge, "key-a", "When is the vote?", cache_salt="user-17")
     assert again == prompt - 1  # the same prompt under the same salt: everything but the last token
+
+
+PRIVATE = (
+    "My own question, which nobody else may see: our family runs the kiosk at the middle station and we have "
+    "been offered the lease of the summit restaurant if the board ends the current one. My brother thinks we "
+    "should bid low because of the winter closure, my sister wants to bid high and keep it open with our own "
+    "staff. We can borrow eighty thousand francs from our cousin. What should we bid?"
+)
+
+
+@pytest.fixture(scope="module")
+def reader_edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """A tenants file: a publisher that writes the shared prefix (``share_prefix``) and two readers
+    (``read_shared_prefix``)."""
+    import hashlib
+
+    tmp = tmp_path_factory.mktemp("readers")
+    tenants = tmp / "tenants.toml"
+    entries = (("publisher", "key-p", "share_prefix"), ("reader1", "key-r1", "read_shared_prefix"),
+               ("reader2", "key-r2", "read_shared_prefix"))  # fmt: skip
+    tenants.write_text(
+        "".join(
+            f'[tenants.{name}]\nkeys = ["sha256:{hashlib.sha256(key.encode()).hexdigest()}"]\n{switch} = true\n'
+            for name, key, switch in entries
+        )
+    )
+    yield from serve_model(tmp, tenants_file=str(tenants))
+
+
+def test_a_reader_gets_the_public_prefix_and_no_reader_sees_another_readers_follow_up(reader_edge: RunningEdge) -> None:
+    """The publisher sends the public system prompt (the note, as a public prompt here); reader 1 sends it with its
+    own private question and is served the note from the cache; reader 1's repeat reuses its private question too
+    (its own namespace); reader 2 sending reader 1's very prompt reuses the public part only, and so does the
+    publisher: what a reader writes is nobody else's."""
+    prompt, cached = ask(reader_edge, "key-p", "What will the board vote on?")
+    assert cached == 0
+    mine, public = ask(reader_edge, "key-r1", PRIVATE)
+    assert prompt // 2 < public < min(prompt, mine)  # the note, from the publisher's prefix
+    again, own = ask(reader_edge, "key-r1", PRIVATE)
+    assert own == again - 1 > public + 60  # its own private question too, from its own namespace: all but the last
+    _, other = ask(reader_edge, "key-r2", PRIVATE)
+    assert other <= public + 8  # the public note only (the chat template's next few tokens at most), never reader 1's
+    _, publisher = ask(reader_edge, "key-p", PRIVATE)
+    assert publisher <= public + 8

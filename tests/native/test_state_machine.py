@@ -19,44 +19,83 @@ LEGAL = {
     Event.COMPLETE: (State.RUNNING, State.DONE),
     Event.RELEASE: (State.DONE, State.FREE),
     Event.EXPIRE: (State.CLAIMED, State.FREE),
+    Event.HANDOVER: (State.DONE, State.CLAIMED),
 }
+GENERATION_WRAP = 1 << 24  # the state word's generation field: 24 bits (ABI 10)
 
 
-def reference(word: SlotWord, event: Event, generation: int, claimant: int) -> SlotWord | StepError:
+def reference(word: SlotWord, event: Event, generation: int, holder: int) -> SlotWord | StepError:
+    """``holder``: tenant << 24 | claimant, what CLAIM and HANDOVER name; the tenant stays until FREE."""
+    claimant, tenant = holder % (1 << 24), holder >> 24
     if event == Event.CLAIM:
         if word.state != State.FREE:
             return StepError.STATE
-        if not 0 < claimant <= lib.EP_CLAIMANT_MAX:
+        if claimant == 0:
             return StepError.EVENT
-        return SlotWord((word.generation + 1) & 0xFFFFFFFF, State.CLAIMED, claimant)
+        return SlotWord((word.generation + 1) % GENERATION_WRAP, State.CLAIMED, claimant, tenant)
+    if event == Event.HANDOVER and claimant == 0:
+        return StepError.EVENT
     if generation != word.generation:
         return StepError.STALE
     need, to = LEGAL[event]
     if word.state != need:
         return StepError.STATE
-    return SlotWord(word.generation, to, 0 if to == State.FREE else word.claimant)
+    if event == Event.HANDOVER:
+        return SlotWord((word.generation + 1) % GENERATION_WRAP, State.CLAIMED, claimant, tenant)
+    if to == State.FREE:
+        return SlotWord(word.generation, to, 0, 0)
+    return SlotWord(word.generation, to, word.claimant, word.tenant)
 
 
-GENERATIONS = (0, 1, 7, 0xFFFF, 0x10000, 0xFFFFFFFF)
+GENERATIONS = (0, 1, 7, 0xFFFF, 0x10000, 0xFFFFFF)
 CLAIMANTS = (0, 1, 42, lib.EP_CLAIMANT_MAX)
+TENANTS = (0, 1, lib.EP_TENANT_MAX)
+HOLDERS = (0, 5, lib.EP_CLAIMANT_MAX + 1, (3 << 24) | 9, (lib.EP_TENANT_MAX << 24) | lib.EP_CLAIMANT_MAX)
 
 
 @pytest.mark.parametrize("event", list(Event))
 def test_every_state_event_generation_combination_matches_the_model(event: Event) -> None:
     checked = 0
-    for state, gen, who, arg_gen, claimant in itertools.product(
-        State, GENERATIONS, CLAIMANTS, (0, 1, 7, 0xFFFFFFFF), (0, 5, lib.EP_CLAIMANT_MAX + 1)
+    for state, gen, who, tenant, arg_gen, holder in itertools.product(
+        State, GENERATIONS, CLAIMANTS, TENANTS, (0, 1, 7, 0xFFFFFF, 0xFFFFFFFF), HOLDERS
     ):
-        word = SlotWord(gen, state, who)
-        expected = reference(word, event, arg_gen, claimant)
+        word = SlotWord(gen, state, who, tenant)
+        expected = reference(word, event, arg_gen, holder)
         try:
-            got: SlotWord | StepError = SlotWord.unpack(step(word.pack(), event, arg_gen, claimant))
+            got: SlotWord | StepError = SlotWord.unpack(step(word.pack(), event, arg_gen, holder))
         except TransitionRefused as refused:
             assert refused.word == word.pack()
             got = refused.reason
-        assert got == expected, (word, event, arg_gen, claimant)
+        assert got == expected, (word, event, arg_gen, holder)
         checked += 1
-    assert checked == len(State) * len(GENERATIONS) * len(CLAIMANTS) * 4 * 3
+    assert checked == len(State) * len(GENERATIONS) * len(CLAIMANTS) * len(TENANTS) * 5 * len(HOLDERS)
+
+
+def test_a_claim_carries_its_tenant_through_the_cycle_and_free_forgets_it() -> None:
+    w = claim_word(SlotWord(3, State.FREE, 0).pack(), claimant=9, tenant=4)
+    assert SlotWord.unpack(w) == SlotWord(4, State.CLAIMED, 9, 4)
+    for event in (Event.DOORBELL, Event.START, Event.COMPLETE):
+        w = step(w, event, 4)
+        assert SlotWord.unpack(w).tenant == 4
+    handed = step(w, Event.HANDOVER, 4, (7 << 24) | 2)  # a reclaimer of tenant 7, claimant 2
+    assert SlotWord.unpack(handed) == SlotWord(5, State.CLAIMED, 2, 7)
+    assert SlotWord.unpack(step(w, Event.RELEASE, 4)) == SlotWord(4, State.FREE, 0, 0)
+
+
+def test_generations_wrap_at_24_bits() -> None:
+    w = claim_word(SlotWord(0xFFFFFF, State.FREE, 0, 0).pack(), claimant=1)
+    assert SlotWord.unpack(w) == SlotWord(0, State.CLAIMED, 1)
+
+
+def test_a_word_of_the_generation_before_a_handover_is_written_back() -> None:
+    """After the owner handed a slot over (the one step by which it stores a CLAIMED word), a word of the previous
+    generation can only be a failed remote CAS's write-back: it is recognised and put right."""
+    done = SlotWord(8, State.DONE, 3, 1).pack()
+    handed = step(done, Event.HANDOVER, 8, (2 << 24) | 5)
+    assert lib.ep_word_reverted_of(done, handed)
+    assert lib.ep_word_reverted_of(SlotWord(8, State.RUNNING, 3, 1).pack(), handed)
+    assert not lib.ep_word_reverted_of(step(handed, Event.DOORBELL, 9), handed)
+    assert not lib.ep_word_reverted_of(SlotWord(9, State.FREE, 0).pack(), handed)  # the reclaimer gave it back
 
 
 def test_unknown_event_is_refused() -> None:

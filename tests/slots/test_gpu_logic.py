@@ -16,46 +16,52 @@ from edgepath.native.abi import Event, State, StepError, ffi, lib
 
 NATIVE = Path(__file__).resolve().parents[2] / "native"
 M32 = 0xFFFFFFFF
+M24 = 0xFFFFFF  # the state word's generation (ABI 10)
 CLAIMANT_MAX = lib.EP_CLAIMANT_MAX
 VALID = lib.EP_DOORBELL_VALID
 
 # -- ep_step --------------------------------------------------------------------------------------
 
 
-def word(gen: int, state: int, claimant: int) -> int:
-    return ((gen & M32) << 32) | ((claimant & CLAIMANT_MAX) << 8) | (state & 0xFF)
+def word(gen: int, state: int, claimant: int, tenant: int = 0) -> int:
+    return (tenant << 56) | ((gen & M24) << 32) | ((claimant & CLAIMANT_MAX) << 8) | (state & 0xFF)
 
 
-def reference_step(cur: int, event: int, generation: int, claimant: int) -> tuple[int, int | None]:
-    """The slot state machine as the design states it: (rc, next word or None)."""
-    st, gen, who = cur & 0xFF, cur >> 32, (cur >> 8) & CLAIMANT_MAX
+def reference_step(cur: int, event: int, generation: int, holder: int) -> tuple[int, int | None]:
+    """The slot state machine as the design states it: (rc, next word or None); ``holder`` is tenant << 24 |
+    claimant, named by CLAIM and HANDOVER, and the tenant stays with the word until it is FREE."""
+    st, gen, who, tenant = cur & 0xFF, (cur >> 32) & M24, (cur >> 8) & CLAIMANT_MAX, cur >> 56
+    claimant, new_tenant = holder & CLAIMANT_MAX, holder >> 24
     if event == Event.CLAIM:
         if st != State.FREE:
             return StepError.STATE, None
-        if not 1 <= claimant <= CLAIMANT_MAX:
+        if claimant == 0:
             return StepError.EVENT, None
-        return 0, word(gen + 1, State.CLAIMED, claimant)
-    if event not in (Event.DOORBELL, Event.START, Event.COMPLETE, Event.RELEASE, Event.EXPIRE):
+        return 0, word(gen + 1, State.CLAIMED, claimant, new_tenant)
+    if event not in (Event.DOORBELL, Event.START, Event.COMPLETE, Event.RELEASE, Event.EXPIRE, Event.HANDOVER):
+        return StepError.EVENT, None
+    if event == Event.HANDOVER and claimant == 0:
         return StepError.EVENT, None
     if generation & M32 != gen:
         return StepError.STALE, None
     table = {
-        Event.DOORBELL: (State.CLAIMED, State.READY, who),
-        Event.START: (State.READY, State.RUNNING, who),
-        Event.COMPLETE: (State.RUNNING, State.DONE, who),
-        Event.RELEASE: (State.DONE, State.FREE, 0),
-        Event.EXPIRE: (State.CLAIMED, State.FREE, 0),
+        Event.DOORBELL: (State.CLAIMED, State.READY, who, tenant),
+        Event.START: (State.READY, State.RUNNING, who, tenant),
+        Event.COMPLETE: (State.RUNNING, State.DONE, who, tenant),
+        Event.RELEASE: (State.DONE, State.FREE, 0, 0),
+        Event.EXPIRE: (State.CLAIMED, State.FREE, 0, 0),
+        Event.HANDOVER: (State.DONE, State.CLAIMED, claimant, new_tenant),
     }
-    need, to, keep = table[Event(event)]
+    need, to, keep, keep_tenant = table[Event(event)]
     if st != need:
         return StepError.STATE, None
-    return 0, word(gen, to, keep)
+    return 0, word(gen + 1 if event == Event.HANDOVER else gen, to, keep, keep_tenant)
 
 
 STATES = [*State, 5, 0xFF]
-EVENTS = [0, *Event, 7, -1]
-GENERATIONS = [0, 1, 0x7FFFFFFF, M32]
-CLAIMANTS = [0, 1, 77, CLAIMANT_MAX, CLAIMANT_MAX + 1]
+EVENTS = [0, *Event, 8, -1]
+GENERATIONS = [0, 1, 0x7FFFFF, M24]
+CLAIMANTS = [0, 1, 77, CLAIMANT_MAX, CLAIMANT_MAX + 1, (9 << 24) | 3]
 
 
 def _raw_step(cur: int, event: int, generation: int, claimant: int) -> tuple[int, int | None]:
@@ -73,8 +79,8 @@ def test_ep_step_equals_reference_exhaustively() -> None:
     ``edgepath.contract.wire.step`` for the defined states and events, the raw entry point for the rest."""
     checked = 0
     for st, ev, gen, who, claimant in itertools.product(STATES, EVENTS, GENERATIONS, [0, 5], CLAIMANTS):
-        cur = word(gen, st, who)
-        for event_gen in (gen, (gen + 1) & M32, (gen - 1) & M32):
+        cur = word(gen, st, who, 2 if who else 0)
+        for event_gen in (gen, (gen + 1) & M24, (gen - 1) & M24):
             rc, expect = reference_step(cur, ev, event_gen, claimant)
             assert _raw_step(cur, ev, event_gen, claimant) == (rc, expect), (hex(cur), ev, event_gen, claimant)
             if st in State.__members__.values() and ev in Event.__members__.values():
@@ -89,7 +95,7 @@ def test_ep_step_equals_reference_exhaustively() -> None:
 
 
 def test_claim_wraps_generation_and_full_cycle_returns_to_free() -> None:
-    w = word(M32, State.FREE, 0)
+    w = word(M24, State.FREE, 0)
     w = step(w, Event.CLAIM, 0, 9)
     assert w == word(0, State.CLAIMED, 9)
     for ev in (Event.DOORBELL, Event.START, Event.COMPLETE, Event.RELEASE):
@@ -120,13 +126,13 @@ def reference_decide(state: int, bell: int, seen: int, req_gen: int, expire: int
     whose request header names that generation; expire requests otherwise."""
     rung = IDLE
     if bell not in (seen, 0):
-        dgen, sgen = bell >> 32, state >> 32
+        dgen, sgen = bell >> 32, (state >> 32) & M24
         if bell & M32 != VALID | slot:
             return REJECT
         if dgen == sgen and state & 0xFF == State.CLAIMED and req_gen == sgen:
             return ACCEPT
-        ahead = (dgen - sgen) & M32
-        if ahead == 0 or ahead >= 1 << 31:
+        ahead = (dgen - sgen) & M24  # generations wrap at 2^24
+        if dgen > M24 or ahead == 0 or ahead >= 1 << 23:
             return REJECT
         rung = WAIT
     if expire:
@@ -149,14 +155,14 @@ def decide_harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _decide_cases() -> list[tuple[int, int, int, int, int, int]]:
     cases = []
     slot = 3
-    for gen, st, who in itertools.product([0, 7, M32], [*State], [0, 4]):
-        state = word(gen, st, who)
+    for gen, st, who in itertools.product([0, 7, M24], [*State], [0, 4]):
+        state = word(gen, st, who, 3 if who else 0)
         bells = {0}
-        for g in (gen, (gen + 1) & M32, (gen - 1) & M32, (gen + 0x80000000) & M32):
+        for g in (gen, (gen + 1) & M24, (gen - 1) & M24, (gen + 0x800000) & M24, gen | 0x1000000):
             good = (g << 32) | VALID | slot
             bells |= {good, good & ~VALID, (g << 32) | VALID | (slot + 1), good | 0x10000}
         for bell, req_gen, expire in itertools.product(
-            sorted(bells), [gen, (gen - 1) & M32], [0, state, word(gen, State.CLAIMED, who), word(gen + 1, st, who)]
+            sorted(bells), [gen, (gen - 1) & M24], [0, state, word(gen, State.CLAIMED, who), word(gen + 1, st, who)]
         ):
             for seen in {0, bell, (gen << 32) | VALID | slot}:
                 cases.append((state, bell, seen, req_gen, expire, slot))

@@ -219,3 +219,22 @@ def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_an
         assert by_answer[answer_id]["prompt_tokens"] == usage["prompt_tokens"]
         assert by_answer[answer_id]["completion_tokens"] == usage["completion_tokens"]
     assert len(lines) - len(answered) <= len(clients)  # cut off between its line and its answer
+
+
+def test_sighup_reopens_the_usage_log_for_rotation(edgepath_process: Callable[..., Child], tmp_path: Path) -> None:
+    """Rotation by rename: lines written before the SIGHUP go to the renamed file, later ones to a new file at the
+    path; none is lost (``--usage-fsync interval`` syncs them too)."""
+    log, rotated = tmp_path / "usage.jsonl", tmp_path / "usage.jsonl.1"
+    serve, port = start_serve_tcp(
+        edgepath_process, "--handler", "echo", "--usage-log", str(log), "--usage-fsync", "interval"
+    )
+    assert generate(port, "")[0] == 200
+    log.rename(rotated)
+    assert generate(port, "")[0] == 200  # before the SIGHUP: into the renamed file
+    serve.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while "usage log" not in serve.stderr_tail() or "reopened" not in serve.stderr_tail():
+        assert time.monotonic() < deadline, serve.stderr_tail()
+        time.sleep(0.05)
+    assert generate(port, "")[0] == 200
+    assert len(rotated.read_text().splitlines()) == 2 and len(log.read_text().splitlines()) == 1

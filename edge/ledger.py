@@ -1,0 +1,173 @@
+"""The quota ledger several edges share: its home, a region of bucket words, and an edge's view of it, which
+CASes those words over the transport (:mod:`edgepath.edge.quota` makes every decision).
+
+The home does nothing per request -- it registers the region, accepts edges and lets go of those gone -- so
+quotas across edges need no middle layer: an edge's CAS lands in the home's memory (shared memory on loopback,
+through the NIC over verbs) and is the admission decision itself.  ``serve --workers N`` keeps one in the
+supervising process for its workers; ``serve --quota-listen ADDRESS`` keeps one for edges elsewhere, which reach
+it with ``--quota-home ADDRESS``.  The address says the transport: a socket path is loopback (edges on one
+machine), ``IP:PORT`` is verbs (edges on several hosts, with the data path's device).
+
+Failure: an edge that loses its home (a failed operation, the connection closed) refuses every request of a
+tenant with a quota (:class:`~edgepath.edge.quota.LedgerUnavailable`: 503 ``quota_unavailable``, fail closed)
+while a thread reconnects with bounded back-off; what it could not give back meanwhile stays charged.  A home that
+starts again starts with every bucket full.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from edgepath.contract import wire
+from edgepath.dpu.backoff import Backoff, Retry
+from edgepath.edge.quota import LedgerUnavailable
+from edgepath.transports.base import Connection, Listener, RemoteRegion, Transport, TransportError
+
+log = logging.getLogger("edgepath.ledger")
+
+#: seconds between checks that the home is still there (a check is a system call; an operation that fails is
+#: noticed at once)
+CHECK_INTERVAL = 0.1
+
+
+def transport_kind(address: str) -> str:
+    """The transport a ledger address is reached over: a socket path is loopback, ``IP:PORT`` verbs."""
+    return "loopback" if "/" in address else "verbs"
+
+
+class LedgerHome:
+    """The ledger's region (``entries`` pairs of words, all 0: every bucket full) exported at ``address`` to every
+    edge that connects, by a thread that accepts them and closes those gone."""
+
+    def __init__(self, transport: Transport, address: str, entries: int = wire.LEDGER_ENTRIES) -> None:
+        self.address = address
+        self.region = transport.register(wire.LEDGER_REGION, 16 * entries, wire.LEDGER_ACCESS)
+        self._listener: Listener = transport.listen(address, [self.region], wire.ledger_hello(entries))
+        self._edges: list[Connection] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="ledger-home", daemon=True)
+        self._thread.start()
+
+    @property
+    def edges(self) -> int:
+        """Edges connected now."""
+        return len(self._edges)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            watched = [self._listener.fileno(), *(edge.fileno() for edge in self._edges)]
+            try:
+                ready, _, _ = select.select(watched, [], [], 0.2)
+            except (OSError, ValueError):  # closed under us: stopping
+                return
+            if self._listener.fileno() in ready:
+                try:
+                    edge = self._listener.accept(timeout=1.0)
+                except (TransportError, OSError) as exc:
+                    log.warning("quota ledger at %s: an edge could not connect: %s", self.address, exc)
+                    edge = None
+                if edge is not None:
+                    self._edges.append(edge)
+            for edge in [e for e in self._edges if e.fileno() in ready and not e.check_alive()]:
+                edge.close()
+                self._edges.remove(edge)
+
+    def close(self) -> None:
+        """Stop accepting and let go of every edge (the transport's owner closes the region with it)."""
+        self._stop.set()
+        self._thread.join(timeout=2)
+        for edge in self._edges:
+            edge.close()
+        self._listener.close()
+
+
+class RemoteLedger:
+    """An edge's view of a ledger home at ``address`` (a :class:`~edgepath.edge.quota.Ledger`): each CAS one remote
+    compare-and-swap.  ``connect`` is made at once (a home that does not answer is the caller's error); lost later,
+    every CAS raises :class:`LedgerUnavailable` until a thread has connected again."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        address: str,
+        timeout: float = 5.0,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self._transport, self._timeout, self._clock = transport, timeout, clock
+        self._retry = Retry(backoff or Backoff(0.1, 2.0))
+        self._conn: Connection | None = None
+        self._region: RemoteRegion | None = None
+        self._checked = 0.0
+        self._why = ""
+        self._reconnecting: threading.Thread | None = None
+        self._closed = False
+        self.reconnects = 0
+        conn, region, self.entries = self._connect()
+        self._conn, self._region = conn, region
+
+    def _connect(self) -> tuple[Connection, RemoteRegion, int]:
+        conn = self._transport.connect(self.address, [], {}, timeout=self._timeout)
+        try:
+            entries = wire.read_ledger_hello(conn.peer_info)
+            region = conn.remote[wire.LEDGER_REGION]
+        except (wire.InfoInvalid, KeyError) as exc:
+            conn.close()
+            raise TransportError(f"{self.address} is not a quota ledger home: {exc}") from None
+        return conn, region, entries
+
+    def cas(self, word: int, expected: int, desired: int) -> int:
+        conn, region = self._conn, self._region
+        if conn is None or region is None:
+            raise LedgerUnavailable(f"quota ledger at {self.address}: {self._why}")
+        now = self._clock()
+        try:
+            if now - self._checked >= CHECK_INTERVAL:
+                self._checked = now
+                if not conn.check_alive():
+                    raise TransportError("its home has gone")
+            return conn.compare_and_swap(region, 8 * word, expected, desired)
+        except TransportError as exc:
+            self._lost(conn, str(exc))
+            raise LedgerUnavailable(f"quota ledger at {self.address}: {self._why}") from None
+
+    def _lost(self, conn: Connection, why: str) -> None:
+        """The home is out of reach: fail closed, and connect again on a thread."""
+        self._conn = self._region = None
+        self._why = why
+        log.error("quota ledger at %s: %s; tenants with a quota are refused (503) until it is back", self.address, why)
+        conn.close()
+        if self._reconnecting is None or not self._reconnecting.is_alive():
+            self._reconnecting = threading.Thread(target=self._reconnect, name="ledger-reconnect", daemon=True)
+            self._reconnecting.start()
+
+    def _reconnect(self) -> None:
+        lost = self._why
+        while not self._closed:
+            time.sleep(self._retry.failed(self._clock()))
+            try:
+                conn, region, entries = self._connect()
+            except TransportError as exc:
+                self._why = f"{lost}; reconnecting: {exc}"
+                continue
+            if self._closed or entries != self.entries:
+                conn.close()
+                self._why = f"{lost}; its home came back with {entries} entries, not {self.entries}"
+                continue
+            self._retry.reset()
+            self._region, self._conn = region, conn
+            self.reconnects += 1
+            log.info("quota ledger at %s: connected again", self.address)
+            return
+
+    def close(self) -> None:
+        self._closed = True
+        conn, self._conn, self._region = self._conn, None, None
+        self._why = "closed"
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,155 @@
+"""The quota ledger over a real transport (loopback here, verbs in the soft-RoCE lane): two edges -- two transport
+endpoints, and two processes racing -- CAS the buckets of one home, serve no more than the quota between them and
+never refuse a tenant under it; a home that goes away fails closed and is reconnected to when it is back."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from edgepath.contract import wire
+from edgepath.edge.ledger import LedgerHome, RemoteLedger
+from edgepath.edge.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
+from edgepath.edge.tenants import Tenant
+from edgepath.transports.base import Transport, TransportError
+
+pytestmark = pytest.mark.transport
+
+S = 10**9
+GREEDY = Tenant("greedy", b"tenant:greedy", tokens_per_minute=6000, requests_per_minute=600)
+MODEST = Tenant("modest", b"tenant:modest", tokens_per_minute=6000)
+
+
+def test_two_edges_over_two_simulated_minutes_serve_at_most_the_quota_and_refuse_no_tenant_under_it(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    """Two edges share one ledger for 120 simulated seconds, a step a tenth of a second.  A greedy tenant asks for
+    twice its quota (two requests of 10 tokens a step: 12,000 a minute of its 6,000), spread over both edges; a
+    modest one for half of its own (10 tokens every other step).  Requests end one to three steps later, using a
+    third to all of what they reserved, the rest given back.  At every step the greedy tenant's tokens served and
+    reserved are within its quota (the full bucket it started with plus what refilled since); the modest one is
+    never refused."""
+    address = new_address("ledger")
+    home = LedgerHome(new_transport(), address)
+    edges = [Quotas(RemoteLedger(new_transport(), address)) for _ in range(2)]
+    start = 1_700_000_000 * S  # any Unix time
+    served = {"greedy": 0, "modest": 0}
+    refused = {"greedy": 0, "modest": 0}
+    open_: list[tuple[int, int, Reservation, int]] = []  # (ends at step, edge, reservation, tokens it uses)
+    limit = GREEDY.tokens_per_minute
+    for tick in range(1201):
+        now = start + tick * S // 10
+        for ending in [o for o in open_ if o[0] <= tick]:
+            _, edge, reservation, used = ending
+            edges[edge].settle(reservation, used, now)
+            served[reservation.tenant] += used
+            open_.remove(ending)
+        asks = [(GREEDY, 0), (GREEDY, 1)] + ([(MODEST, tick % 4 // 2)] if tick % 2 == 0 else [])
+        for tenant, edge in asks:
+            got = edges[edge].reserve(tenant, 10, now)
+            if isinstance(got, Refused):
+                refused[tenant.name] += 1
+            else:
+                assert isinstance(got, Reservation), got
+                open_.append((tick + 1 + tick % 3, edge, got, 10 * (1 + tick % 3) // 3))
+        reserved = sum(r.tokens for _, _, r, _ in open_ if r.tenant == "greedy")
+        refilled = wire.bucket_clock(now, limit, MINUTE_NS) - wire.bucket_clock(start, limit, MINUTE_NS)
+        assert served["greedy"] + reserved <= limit + refilled  # overshoot 0, at every step
+    assert refused["modest"] == 0
+    assert refused["greedy"] > 0  # it did ask for more than its quota
+    assert served["greedy"] > 0.6 * (limit + 2 * limit)  # and got it (ends use two thirds of a request on average)
+    home.close()
+
+
+RACED = Tenant("raced", b"tenant:raced", tokens_per_minute=60_000)  # 1,000 a second
+
+
+def _hammer(address: str, seconds: float, go: Any, out: Any) -> None:
+    """One edge in a process of its own: once ``go`` is set, reserve as fast as it can for ``seconds``, each
+    request using all it reserved; what it was served (and how often refused) goes to ``out``."""
+    from edgepath.transports.loopback import LoopbackTransport
+
+    transport = LoopbackTransport()
+    quotas = Quotas(RemoteLedger(transport, address))
+    tenant = RACED
+    out.put("ready")
+    go.wait()
+    served = refused = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got = quotas.reserve(tenant, 7, time.time_ns())
+        if isinstance(got, Reservation):
+            quotas.settle(got, 7, time.time_ns())
+            served += 7
+        else:
+            assert isinstance(got, Refused)
+            refused += 1
+    transport.close()
+    out.put((served, refused))
+
+
+def test_two_edge_processes_racing_on_one_bucket_never_serve_more_than_it_holds(
+    new_transport: Callable[[], Transport], transport_name: str, tmp_path: object
+) -> None:
+    """Two processes CAS the same bucket as fast as they can for two seconds (real clocks, started together): both
+    are served, both are refused once it is spent, and together they are served no more than the bucket's limit
+    plus what refilled in that time."""
+    if transport_name != "loopback":
+        pytest.skip("the racing processes make loopback endpoints of their own")
+    address = f"{tmp_path}/ledger.sock"
+    home = LedgerHome(new_transport(), address)
+    context = multiprocessing.get_context("spawn")
+    out, go = context.Queue(), context.Event()
+    racers = [context.Process(target=_hammer, args=(address, 2.0, go, out)) for _ in range(2)]
+    for racer in racers:
+        racer.start()
+    assert [out.get(timeout=60) for _ in racers] == ["ready", "ready"]
+    start = time.time_ns()
+    go.set()
+    results = [out.get(timeout=60) for _ in racers]
+    end = time.time_ns()
+    for racer in racers:
+        racer.join(timeout=30)
+    served = sum(s for s, _ in results)
+    limit = RACED.tokens_per_minute
+    allowance = limit + (wire.bucket_clock(end, limit, MINUTE_NS) - wire.bucket_clock(start, limit, MINUTE_NS))
+    assert all(s > 0 and r > 0 for s, r in results), results  # both were served, both were refused: they raced
+    assert served <= allowance
+    assert served > limit - 7  # and the bucket was used whole
+    home.close()
+
+
+def test_a_home_that_goes_fails_closed_and_a_home_back_is_connected_to_again(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    address = new_address("ledger")
+    home = LedgerHome(new_transport(), address)
+    ledger = RemoteLedger(new_transport(), address)
+    quotas = Quotas(ledger)
+    now = time.time_ns()
+    assert isinstance(quotas.reserve(GREEDY, 100, now), Reservation)
+    home.close()
+    deadline = time.monotonic() + 10
+    while not isinstance(got := quotas.reserve(GREEDY, 100, now), Unavailable):  # noticed at the next check
+        assert time.monotonic() < deadline, got
+        time.sleep(0.02)
+    assert address in got.why
+    assert quotas.reserve(Tenant("free", b"tenant:free"), 100, now) is None  # no quota: not its concern
+    home = LedgerHome(new_transport(), address)  # back, every bucket full
+    deadline = time.monotonic() + 10
+    while not isinstance(got := quotas.reserve(GREEDY, 100, now), Reservation):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert ledger.reconnects == 1 and got.limits["tokens"].remaining == 5900
+    home.close()
+
+
+def test_an_address_where_no_home_listens_is_an_error_at_once(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    with pytest.raises(TransportError):
+        RemoteLedger(new_transport(), new_address("nobody"), timeout=1.0)
