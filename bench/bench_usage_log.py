@@ -17,8 +17,17 @@ LINE = Usage("acme", 7, "/v1/chat/completions", 261, 256, 12, "stop", 81.5, 3.25
 @pytest.mark.parametrize("fsync", FSYNC)
 def test_usage_log_line(benchmark, tmp_path: Path, fsync: str) -> None:
     log = UsageLog(str(tmp_path / "usage.jsonl"), fsync=fsync, interval=1.0)
+    calls = 0
+
+    def line() -> None:
+        nonlocal calls
+        calls += 1
+        log(LINE)
+
     try:
-        benchmark.pedantic(log, args=(LINE,), rounds=2000, iterations=1, warmup_rounds=20)
+        benchmark.pedantic(line, rounds=2000, iterations=1, warmup_rounds=20)
     finally:
         log.close()
-    assert len((tmp_path / "usage.jsonl").read_text().splitlines()) == 2020
+    # one line per call, however many the benchmark made (one with --benchmark-disable, 2,020 enabled)
+    assert calls >= 1
+    assert len((tmp_path / "usage.jsonl").read_text().splitlines()) == calls

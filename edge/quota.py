@@ -15,7 +15,7 @@ bucket's clock, which counts the tokens refilled since the epoch at the bucket's
 compare-and-swap from the word read to that word plus ``n`` (raised to the clock first: refilled), refused when
 that would owe more than the limit; giving back is one CAS the other way.  The check and the debit are the one
 CAS, so edges that share the words -- a :class:`Ledger` whose words live in a region every edge CASes over the
-transport (:mod:`edgepath.edge.ledger`) -- enforce one quota together, with no middle layer and no overshoot:
+transport (:mod:`edgepath.dpu.ledger`) -- enforce one quota together, with no middle layer and no overshoot:
 whichever CAS lands first is served, the other reads the new word from its failed CAS and decides again.  One
 edge alone keeps the same words in its own memory (:class:`LocalLedger`).
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from edgepath.contract import wire
+from edgepath.dpu.ledger import LedgerUnavailable
 from edgepath.edge.tenants import Tenant
 
 MINUTE_NS, DAY_NS = 60 * 10**9, 86400 * 10**9
@@ -58,10 +59,6 @@ WINDOWS = (
     Window("requests", "day", DAY_NS, "requests_per_day"),
 )
 UNITS = ("tokens", "requests")
-
-
-class LedgerUnavailable(RuntimeError):
-    """The ledger's words cannot be reached (the message says where and why): quotas fail closed."""
 
 
 class Ledger(Protocol):

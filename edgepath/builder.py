@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.http import HttpCore
-    from edgepath.edge.ledger import LedgerHome
+    from edgepath.dpu.ledger import LedgerHome
     from edgepath.edge.quota import Quotas
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
@@ -587,9 +587,9 @@ def reopen_usage_log(usage: UsageLog | None) -> None:
 
 
 def check_ledger_address(flag: str, address: str, data_path: DataPath) -> None:
-    """A quota ledger address this configuration can reach (:func:`edgepath.edge.ledger.transport_kind`): an IP:PORT
+    """A quota ledger address this configuration can reach (:func:`edgepath.dpu.ledger.transport_kind`): an IP:PORT
     one is over RDMA verbs, so it needs ``--data-path verbs``."""
-    from edgepath.edge.ledger import transport_kind
+    from edgepath.dpu.ledger import transport_kind
 
     if transport_kind(address) == "verbs" and data_path.kind != "verbs":
         raise ValueError(
@@ -599,9 +599,9 @@ def check_ledger_address(flag: str, address: str, data_path: DataPath) -> None:
 
 
 def ledger_transport(address: str, options: ServeOptions) -> Transport:
-    """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.edge.ledger.transport_kind`):
+    """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.dpu.ledger.transport_kind`):
     loopback for a socket path; verbs, on the data path's device, for IP:PORT."""
-    from edgepath.edge.ledger import transport_kind
+    from edgepath.dpu.ledger import transport_kind
 
     kind = transport_kind(address)
     data_path = options.data_path if kind == options.data_path.kind else DataPath(kind)
@@ -611,7 +611,7 @@ def ledger_transport(address: str, options: ServeOptions) -> Transport:
 def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> LedgerHome:
     """A quota ledger kept by this process at ``address`` (``--quota-listen``, or the workers' own); ``cleanup``
     closes it."""
-    from edgepath.edge.ledger import LedgerHome
+    from edgepath.dpu.ledger import LedgerHome
     from edgepath.transports.base import TransportError
 
     transport = ledger_transport(address, options)
@@ -628,7 +628,7 @@ def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitSta
 def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> Quotas:
     """The edge's quotas in the ledger at ``address`` (``--quota-home``), shared with the other edges there; a
     ledger that does not answer is an error naming the option."""
-    from edgepath.edge.ledger import RemoteLedger
+    from edgepath.dpu.ledger import RemoteLedger
     from edgepath.edge.quota import Quotas
     from edgepath.transports.base import TransportError
 

@@ -12,7 +12,7 @@ answered, within ``--grace-period`` (a second SIGTERM stops at once).
 
 With ``--workers N`` this process only supervises: N edge processes (each this same command with its
 own in-process agent, on the shared port with SO_REUSEPORT) and the slot servers they all use -- and keeps the
-quota ledger the workers count the tenants' quotas in together (:mod:`edgepath.edge.ledger`; ``--quota-listen``
+quota ledger the workers count the tenants' quotas in together (:mod:`edgepath.dpu.ledger`; ``--quota-listen``
 keeps it where edges of other serve processes reach it too).
 
 This module orchestrates only -- what starts when, who supervises it, signals, the ready line; every

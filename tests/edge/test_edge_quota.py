@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgepath.contract import wire
+from edgepath.dpu.ledger import LedgerUnavailable
 from edgepath.edge.quota import (
     Ledger,
-    LedgerUnavailable,
     Limits,
     LocalLedger,
     Quotas,

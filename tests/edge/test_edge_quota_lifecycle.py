@@ -17,7 +17,8 @@ from edgepath.edge.auth import ApiKeys
 from edgepath.edge.http import HttpCore, Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.quota import LedgerUnavailable, Quotas
+from edgepath.dpu.ledger import LedgerUnavailable
+from edgepath.edge.quota import Quotas
 from edgepath.edge.tenants import Tenant
 from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status

@@ -1,5 +1,6 @@
 """The quota ledger several edges share: its home, a region of bucket words, and an edge's view of it, which
-CASes those words over the transport (:mod:`edgepath.edge.quota` makes every decision).
+CASes those words over the transport (:mod:`edgepath.edge.quota` makes every decision; the
+edge reaches memory only through this layer, the agent side).
 
 The home does nothing per request -- it registers the region, accepts edges and lets go of those gone -- so
 quotas across edges need no middle layer: an edge's CAS lands in the home's memory (shared memory on loopback,
@@ -9,7 +10,7 @@ it with ``--quota-home ADDRESS``.  The address says the transport: a socket path
 machine), ``IP:PORT`` is verbs (edges on several hosts, with the data path's device).
 
 Failure: an edge that loses its home (a failed operation, the connection closed) refuses every request of a
-tenant with a quota (:class:`~edgepath.edge.quota.LedgerUnavailable`: 503 ``quota_unavailable``, fail closed)
+tenant with a quota (:class:`LedgerUnavailable`: 503 ``quota_unavailable``, fail closed)
 while a thread reconnects with bounded back-off; what it could not give back meanwhile stays charged.  A home that
 starts again starts with every bucket full.
 """
@@ -24,10 +25,13 @@ from collections.abc import Callable
 
 from edgepath.contract import wire
 from edgepath.dpu.backoff import Backoff, Retry
-from edgepath.edge.quota import LedgerUnavailable
 from edgepath.transports.base import Connection, Listener, RemoteRegion, Transport, TransportError
 
 log = logging.getLogger("edgepath.ledger")
+
+
+class LedgerUnavailable(RuntimeError):
+    """The ledger's words cannot be reached (the message says where and why): quotas fail closed."""
 
 #: seconds between checks that the home is still there (a check is a system call; an operation that fails is
 #: noticed at once)

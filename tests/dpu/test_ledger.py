@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from edgepath.contract import wire
-from edgepath.edge.ledger import LedgerHome, RemoteLedger
+from edgepath.dpu.ledger import LedgerHome, RemoteLedger
 from edgepath.edge.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
 from edgepath.edge.tenants import Tenant
 from edgepath.transports.base import Transport, TransportError
