@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
+    from edgepath.dpu.ledger import LedgerHome
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.http import HttpCore
-    from edgepath.dpu.ledger import LedgerHome
     from edgepath.edge.quota import Quotas
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
