@@ -7,6 +7,8 @@ and the tail of what it wrote on stderr.  Both output streams are drained by thr
 whole life (a child never blocks on a full pipe); stderr is passed on to ours and its tail kept.
 A child runs in its own session: signals meant for its parent's process group (a terminal's Ctrl-C)
 reach the parent alone, which stops its children itself -- a supervisor never mistakes that for a crash.
+A parent that dies without stopping them (SIGKILL, an OOM kill) cannot; so each child watches for its parent's
+end (:func:`watch_parent`) and then stops itself as a SIGTERM stops it -- no orphan serves on for good.
 """
 
 from __future__ import annotations
@@ -21,12 +23,40 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import IO
 
 STDERR_TAIL_LINES = 20
 #: seconds between looks at a start's ``cancel`` event while it waits for the ready line
 CANCEL_POLL = 0.05
+#: the environment variable that tells a child its parent's pid (:func:`watch_parent`)
+PARENT_ENV = "EDGEPATH_PARENT_PID"
+#: seconds between a child's looks at whether its parent is still there
+PARENT_POLL = 0.5
+
+log = logging.getLogger("edgepath.children")
+
+
+def watch_parent(environ: MutableMapping[str, str] = os.environ, poll: float = PARENT_POLL) -> threading.Thread | None:
+    """In a child started by :meth:`Child.start`: a daemon thread that sends this process SIGTERM (its own stop:
+    a slot server drains, then exits) once the parent is gone -- reparented, its pid no longer the parent's.  A
+    thread, not ``PR_SET_PDEATHSIG``: that fires when the parent *thread* that started the child ends, and a
+    supervisor restarts children from threads of its own.  None when this process is no such child.  The variable
+    is taken out of ``environ``: a process this one starts otherwise is not told a parent that is not its own."""
+    try:
+        parent = int(environ.pop(PARENT_ENV))
+    except (KeyError, ValueError):
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        log.error("the parent process %d is gone: stopping as SIGTERM stops this command", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="watch-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 class ChildError(RuntimeError):
@@ -98,7 +128,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=None if env is None else dict(env),
+            env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},
             start_new_session=True,  # a Ctrl-C reaches the parent only, which stops its children in order
         )
         child = cls(proc, name, forward_stderr)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
+from edgepath.children import watch_parent
 from edgepath.config import (
     AgentServiceSettings,
     ChatSettings,
@@ -260,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser(added=named not in BUILT_IN).parse_args(argv)
     setup_logging(args.verbose)
+    watch_parent()  # started by a parent that may die without stopping it (SIGKILL): stop then
     try:
         return int(args.func(args) or 0)
     except GaveUp as exc:

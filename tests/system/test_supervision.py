@@ -241,3 +241,22 @@ def test_workers_share_the_port_each_is_supervised_and_all_stop_together(
 
     assert serve.stop(timeout=30) == 0
     assert not children_running(serve, b"edgepath")
+
+
+def test_a_slot_server_whose_serve_is_killed_stops_itself(serve_tcp: Callable[..., tuple[Child, int]]) -> None:
+    """serve SIGKILLed cannot stop its children; its slot server notices the parent gone and stops as a SIGTERM stops
+    it (found in a SIGKILL test whose orphan slot server ran on for good)."""
+    serve, _ = serve_tcp()
+    child = slot_server_of(serve)
+    assert child is not None
+    os.kill(serve.proc.pid, signal.SIGKILL)
+    serve.proc.wait(10)
+    wait_for(lambda: not _alive(child), 60, f"the orphaned slot server (pid {child}) to stop")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended and not yet reaped by init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
