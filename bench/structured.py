@@ -27,6 +27,7 @@ import datetime as dt
 import enum
 import http.client
 import json
+import logging
 import socket
 import statistics
 import subprocess
@@ -475,6 +476,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--requests >= 2, --concurrency >= 1 and --decode-tokens <= --max-tokens")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("httpx", "httpx2"):  # the SDK's HTTP client logs each request at INFO: 200 lines of noise
+        logging.getLogger(name).setLevel(logging.WARNING)
     plan = Plan(args.requests, args.temperature, args.max_tokens, args.concurrency, args.seed)
     report: dict[str, Any] = {
         "measured_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
