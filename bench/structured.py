@@ -281,10 +281,11 @@ def h3_parse(port: int, served: str, plan: Plan, model: type[BaseModel], questio
     started = time.perf_counter()
     try:
         for attempt in range(6):
-            r = requests.post(
-                f"https://localhost:{port}/v1/chat/completions", json=body, http_version=CurlHttpVersion.V3ONLY,
-                verify=str(default_certificate()), timeout=300,
-            )  # fmt: skip
+            with requests.Session() as session:  # a Session's verify takes the CA file (requests.post's: a bool)
+                r = session.post(
+                    f"https://localhost:{port}/v1/chat/completions", json=body, http_version=CurlHttpVersion.V3ONLY,
+                    verify=str(default_certificate()), timeout=300,
+                )  # fmt: skip
             reply.status = r.status_code
             if r.status_code != 429 or attempt == 5:
                 break
@@ -435,10 +436,11 @@ async def _h3_ready(proc: subprocess.Popen[bytes], port: int, timeout: float) ->
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode} before serving")
         try:
-            r = requests.get(
-                f"https://localhost:{port}/v1/models", http_version=CurlHttpVersion.V3ONLY,
-                verify=str(default_certificate()), timeout=5,
-            )  # fmt: skip
+            with requests.Session() as session:
+                r = session.get(
+                    f"https://localhost:{port}/v1/models", http_version=CurlHttpVersion.V3ONLY,
+                    verify=str(default_certificate()), timeout=5,
+                )  # fmt: skip
             if r.status_code == 200:
                 return str(r.json()["data"][0]["id"])
         except Exception:  # not listening yet (or its certificate not written yet)
