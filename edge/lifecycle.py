@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -75,7 +76,8 @@ class Tokenize:
     rid: int
     prompt: str | None
     out: np.ndarray | None
-    messages: list[dict[str, str]] | None = None  # a chat, tokenized with the model's template instead
+    messages: list[dict[str, Any]] | None = None  # a chat, tokenized with the model's template instead
+    tools: list[dict[str, Any]] | None = None  # the tools the chat's template renders, when it has a place for them
 
 
 Action = Answer | Tokenize
@@ -90,6 +92,17 @@ NOTHING_RAN = -1
 #: how a route's formatter is made for one request (``/v1/generate`` by default)
 FormatterFactory = Callable[[Work, Tokenizer], Formatter]
 DEFAULT_FORMATTERS: Mapping[str, FormatterFactory] = {GENERATE: lambda work, tok: GenerateFormatter(tok.decode)}
+
+
+def chat_size(messages: Any, tools: list[dict[str, Any]] | None) -> int:
+    """About how many characters a chat's tokenizer reads: its contents, and the tools its template renders."""
+    size = sum(len(m.get("content") or "") for m in messages)
+    return size + (len(json.dumps(tools)) if tools else 0)
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """``encode_chat_into``'s keyword for the tools its template renders (none without them)."""
+    return {} if tools is None else {"tools": tools}
 
 
 def _prompt(t: Tracked) -> int:
@@ -308,7 +321,8 @@ class EdgeLifecycle:
             raise LookupError(f"no formatter for route {route!r}; have {sorted(self.formatters)}")
         formatter = factory(work, self.tokenizer)
         messages = work.options.get("messages")
-        size = len(work.prompt) if work.prompt is not None else sum(len(m["content"]) for m in messages or ())
+        tools = work.options.get("tools")  # for a template that renders them (edgepath.edge.tools)
+        size = len(work.prompt) if work.prompt is not None else chat_size(messages or (), tools)
         large = size > INLINE_CHARS
         if self.draining:
             error = HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
@@ -328,10 +342,10 @@ class EdgeLifecycle:
         out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
         if messages is not None:  # a chat: the model's own template, tokenized straight into the frame
             if large:
-                return [self._to_worker(t, None, out, messages)]
+                return [self._to_worker(t, None, out, messages, tools)]
             t0 = self.clock()
             try:
-                n = self.tokenizer.encode_chat_into(messages, out)  # type: ignore[attr-defined]
+                n = self.tokenizer.encode_chat_into(messages, out, **chat_tools(tools))  # type: ignore[attr-defined]
             except Exception as exc:
                 return self._tokenizer_failed(t, exc)
             timings["tokenize"] = self.clock() - t0
@@ -717,11 +731,16 @@ class EdgeLifecycle:
 
     # -- helpers --------------------------------------------------------------------------------------
     def _to_worker(
-        self, t: Tracked, prompt: str | None, out: np.ndarray | None, messages: list[dict[str, str]] | None = None
+        self,
+        t: Tracked,
+        prompt: str | None,
+        out: np.ndarray | None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Tokenize:
         self.busy_workers += 1
         t.timings["tokenize_start"] = self.clock()
-        return Tokenize(t.rid, prompt, out, messages)
+        return Tokenize(t.rid, prompt, out, messages, tools)
 
     def _tokenizer_failed(self, t: Tracked, exc: BaseException) -> list[Action]:
         """A tokenizer exception answers its own request with 500 -- or 400 when the model's chat template

@@ -30,7 +30,7 @@ from edgepath.edge.sampling import OPENAI_DEFAULT, SamplingInvalid, is_number, p
 from edgepath.edge.stop import StopMatcher
 from edgepath.edge.structured import FormatRefused, grammar_for
 from edgepath.edge.tenants import parse_cache_salt
-from edgepath.edge.tools import ToolCall, ToolOutput, ToolSpec, ToolsRefused, ToolTurn
+from edgepath.edge.tools import ToolCall, ToolFormat, ToolOutput, ToolSpec, ToolsRefused, ToolTurn
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -135,6 +135,8 @@ class OpenAILimits:
     """Whether the model side computes log probabilities (the llama handler does; echo handlers do not)."""
     grammars: bool = False
     """Whether the model side enforces a grammar (``response_format`` json_object / json_schema: the llama handler)."""
+    tool_format: ToolFormat = "fallback"
+    """How tools are offered to the model and its calls read (:func:`edgepath.edge.tools.template_format`)."""
     choices: int = 1
     """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
 
@@ -159,7 +161,10 @@ class OpenAIRequest:
     include_usage: bool = False
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
+    messages: tuple[ChatMessage | ToolTurn, ...] | None = None
+    """The chat: plain turns, and -- when the template renders tools itself -- turns with calls and results."""
+    template_tools: tuple[Mapping[str, Any], ...] | None = None
+    """The tools a template that has tools renders (``tools``); None with the fallback or no tools offered."""
     cache_salt: str | None = None  # the prefix cache namespace within the tenant's (as vLLM's cache_salt)
     logprobs: int | None = None
     """None: no log probabilities; else how many likeliest alternatives each token's entry lists."""
@@ -192,7 +197,7 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
     """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
     doc = _document(body)
     _refuse_unsupported(doc, "chat")
-    messages, tools, tools_grammar = _tool_calling(doc, _messages(doc), limits)
+    messages, tools, tools_grammar, template_tools = _tool_calling(doc, _messages(doc), limits)
     top = _chat_logprobs(doc)
     legacy = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_tokens")
     current = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_completion_tokens")
@@ -213,22 +218,27 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
         )
     return _common(
         doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint or tools_grammar,
-        tools=tools,
+        tools=tools, template_tools=template_tools,
     )  # fmt: skip
 
 
 def _tool_calling(
     doc: Mapping[str, Any], turns: Sequence[ChatMessage | ToolTurn], limits: OpenAILimits
-) -> tuple[tuple[ChatMessage, ...], ToolSpec | None, str | None]:
-    """The conversation as the model sees it (the tools offered by the fallback prompt, earlier calls and
-    results as text: :mod:`edgepath.edge.tools`), the tools, and the calls' grammar when they are enforced."""
+) -> tuple[tuple[ChatMessage | ToolTurn, ...], ToolSpec | None, str | None, tuple[Mapping[str, Any], ...] | None]:
+    """The conversation as the model sees it, the tools, the calls' grammar when they are enforced, and the tools
+    the template renders: with the fallback (:mod:`edgepath.edge.tools`), the tools offered by its prompt and earlier
+    calls and results as text; with a template that has tools, the turns as they are and the tools for it."""
     try:
-        spec = tool_calling.parse_tools(doc)
-        messages = tool_calling.flatten(turns)
+        spec = tool_calling.parse_tools(doc, limits.tool_format)
+        if limits.tool_format == "fallback":
+            messages: tuple[ChatMessage | ToolTurn, ...] = tool_calling.flatten(turns)
+        else:
+            tool_calling.call_names(turns)
+            messages = tuple(turns)
     except ToolsRefused as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
     if spec is None:
-        return messages, None, None
+        return messages, None, None, None
     constraint = None
     if spec.constrained:
         if not limits.grammars:
@@ -239,7 +249,10 @@ def _tool_calling(
             constraint = tool_calling.grammar(spec)
         except FormatRefused as exc:
             raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
-    return tool_calling.offer(messages, spec), spec, constraint
+    if spec.format == "fallback":
+        plain = tuple(m for m in messages if isinstance(m, ChatMessage))
+        return tool_calling.offer(plain, spec), spec, constraint, None
+    return messages, spec, constraint, tool_calling.template_tools(spec)
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -688,8 +701,8 @@ def _whole(
         choice = {"text": text, "index": index, "logprobs": shaped, "finish_reason": reason}
     else:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if tool_calls:  # OpenAI's shape: no content, the calls
-            message.update(content=None, tool_calls=[c.payload() for c in tool_calls])
+        if tool_calls:  # OpenAI's shape: the calls, and no content unless text came beside them
+            message.update(content=text or None, tool_calls=[c.payload() for c in tool_calls])
         choice = {"index": index, "message": message, "logprobs": shaped, "finish_reason": reason}
     if details is not None:
         choice["finish_details"] = dict(details)
@@ -999,12 +1012,11 @@ class Answer:
         assert self._tools is not None
         text, self._calls = self._tools.finish()
         held, self._held = self._held, []
+        self._parts.append(text)
         if self._stream is None:
-            self._parts.append(text)
             return b""
         if self._calls:
-            return (self._stream.text("", held) if held else b"") + self._stream.tool_calls(self._calls)
-        self._parts.append(text)
+            return (self._stream.text(text, held) if held or text else b"") + self._stream.tool_calls(self._calls)
         return self._stream.text(text, held)
 
     def _release(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> AnswerStep:
@@ -1015,7 +1027,7 @@ class Answer:
     def _text(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         if self._tools is not None and self._tools.holding:
             text = self._tools.feed(text)
-            if self._tools.holding:  # maybe tool calls: held, with the entries of its tokens
+            if not text:  # maybe tool calls: held, with the entries of its tokens
                 self._held.extend(logprobs or ())
                 return b""
             logprobs, self._held = [*self._held, *(logprobs or ())], []

@@ -20,6 +20,7 @@ import numpy as np
 
 from edgepath.contract import wire
 from edgepath.edge import openai as oa
+from edgepath.edge import tools as tool_calling
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.tokenizer import Tokenizer
 
@@ -40,14 +41,17 @@ class ChatSupport:
 
     available: bool
     why_not: str = ""
+    tool_format: tool_calling.ToolFormat = "fallback"
+    """How tools reach the model: the template's own way, or the fallback prompt (:mod:`edgepath.edge.tools`)."""
 
 
 def chat_support(tokenizer: Tokenizer) -> ChatSupport:
     if getattr(tokenizer, "encode_chat_into", None) is None:
         return ChatSupport(False, f"{tokenizer.name} has no chat template; " + oa_chat_hint())
-    if getattr(tokenizer, "chat_template", None) is None:
+    source = getattr(tokenizer, "chat_template", None)
+    if source is None:
         return ChatSupport(False, f"{tokenizer.name} carries no chat template; " + oa_chat_hint())
-    return ChatSupport(True)
+    return ChatSupport(True, tool_format=tool_calling.template_format(source))
 
 
 def oa_chat_hint() -> str:
@@ -71,7 +75,10 @@ class OpenAIRoutes:
         """``logprobs``, ``grammars``: whether the model side computes log probabilities and enforces a grammar
         (``response_format``); else asking for them is a 400; ``choices``: the most ``n`` a request may ask."""
         self.model = model
-        self.limits = oa.OpenAILimits(max_tokens, vocab_size, (model,), logprobs, grammars, choices)
+        self.limits = oa.OpenAILimits(
+            max_tokens, vocab_size, (model,), logprobs=logprobs, grammars=grammars, tool_format=chat.tool_format,
+            choices=choices,
+        )  # fmt: skip
         self.chat = chat
         self.created = created
 
@@ -95,7 +102,9 @@ class OpenAIRoutes:
             return _error_response(err)
         options: dict[str, Any] = {"openai": req}
         if req.messages is not None:
-            options["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+            options["messages"] = list(tool_calling.template_messages(req.messages))
+            if req.template_tools is not None:
+                options["tools"] = list(req.template_tools)
         tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
         # with log probabilities each token is a record of output words: max_tokens counts words on the wire
         words = req.max_tokens * wire.record_words(req.logprobs)

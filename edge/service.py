@@ -11,6 +11,7 @@ hand-off sits between the doorbell and the response.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from edgepath.edge.lifecycle import (
     SendChunk,
     StartStream,
     Tokenize,
+    chat_tools,
 )
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.tokenizer import Tokenizer
@@ -203,7 +205,8 @@ class EdgeService:
         run = self.loop.run_in_executor
         if action.messages is not None:
             encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
-            future = run(self.executor, encode_chat, action.messages, action.out)
+            encode = functools.partial(encode_chat, **chat_tools(action.tools))
+            future = run(self.executor, encode, action.messages, action.out)
         else:
             assert action.prompt is not None
             if action.out is None:

@@ -9,7 +9,9 @@ GIL, so a large prompt can be encoded on a worker thread while the event loop ke
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -179,19 +181,24 @@ class GGUFTokenizer:
         return -n if n < 0 else n  # negative: did not fit, nothing written, -n is the count
 
     def encode_chat_into(
-        self, messages: list[dict[str, str]], out: np.ndarray, *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        out: np.ndarray,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> int:
-        """The model's chat template applied to ``messages``, tokenized into ``out``: the template's own
-        text with its markers parsed as control tokens, every message's content as plain text (a user
-        typing ``<|im_end|>`` cannot close their turn).  The count, as :meth:`encode_into` returns it
-        (when it exceeds ``len(out)``, ``out`` may hold a prefix of the ids).
+        """The model's chat template applied to ``messages`` (and ``tools``, for a template that renders them),
+        tokenized into ``out``: the template's own text with its markers parsed as control tokens, every message's
+        content as plain text (a user typing ``<|im_end|>`` cannot close their turn).  The count, as
+        :meth:`encode_into` returns it (when it exceeds ``len(out)``, ``out`` may hold a prefix of the ids).
 
         Each content is tokenized on its own, so a content that starts or ends with whitespace may
         split differently from tokenizing the whole rendered prompt (what llama.cpp's server does, with
         markers parsed everywhere, user text included)."""
         _check_frame(out)
         n = 0
-        for i, (text, special) in enumerate(self.chat_segments(messages, add_generation_prompt)):
+        for i, (text, special) in enumerate(self.chat_segments(messages, add_generation_prompt, tools)):
             room = out[n:] if n < len(out) else out[:0]
             count = self._tokenize(text, room, add_special=i == 0, special=special)
             if count > len(room):  # keep counting how many it would take, writing nothing more
@@ -204,12 +211,18 @@ class GGUFTokenizer:
         self.chat_template = source
         self._template = None
 
-    def chat_segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+    def chat_segments(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> list[tuple[str, bool]]:
         """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
-        rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content."""
-        import re
+        rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content.
 
-        from edgepath.edge.chat import ChatMessage, ChatTemplate
+        A template may print a content through ``tojson`` (Llama 3.1's tool results): the placeholder holds a
+        newline, which ``tojson`` escapes, so such a place is found and the content put there JSON-escaped, as
+        the template would have printed it.  What a template prints of ``tools`` and of an assistant's
+        ``tool_calls`` is template text; so neither may hold the text of one of the model's control tokens
+        (ValueError names it), which would be parsed as the token."""
+        from edgepath.edge.chat import ChatTemplate
 
         if self.chat_template is None:
             raise ValueError(f"{self.path} has no tokenizer.chat_template in its metadata")
@@ -218,24 +231,62 @@ class GGUFTokenizer:
             self._template = ChatTemplate(
                 self.chat_template, bos_token=self.bos_token or "", eos_token=self.eos_token or "", origin=origin
             )
+        marked: list[dict[str, Any]] = []
+        contents: dict[int, str] = {}
         for i, message in enumerate(messages):
-            if not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+            content = message.get("content")
+            calls = message.get("tool_calls")
+            if not isinstance(message.get("role"), str) or not (
+                isinstance(content, str) or (content is None and calls)
+            ):
                 raise ValueError(f"message {i} needs string 'role' and 'content', got {sorted(message)}")
-            if "\x00" in message["content"]:
+            if content is not None and "\x00" in content:
                 raise ValueError(f"message {i}: content may not contain NUL characters")
-        marked = [ChatMessage(m["role"], f"\x00{i}\x00") for i, m in enumerate(messages)]
-        rendered = self._template.render(marked, add_generation_prompt=add_generation_prompt)
-        pieces = re.split("\x00([0-9]+)\x00", rendered)
-        order = [int(x) for x in pieces[1::2]]
-        if sorted(order) != list(range(len(messages))):
+            if calls:
+                self._plain_template_text(calls, f"messages[{i}].tool_calls")
+            mark = dict(message)
+            if content is not None and (content or not calls):  # an assistant's calls without text: no content
+                contents[i] = content
+                mark["content"] = f"\x00{i}\n\x00"
+            marked.append(mark)
+        if tools:
+            self._plain_template_text(tools, "tools")
+        rendered = self._template.render(marked, add_generation_prompt=add_generation_prompt, tools=tools)
+        segments: list[tuple[str, bool]] = []
+        seen: list[int] = []
+        at = 0
+        for found in _PLACE.finditer(rendered):
+            if found.start() > at:
+                segments.append((rendered[at : found.start()], True))
+            i = int(found.group(1) or found.group(2))
+            seen.append(i)
+            text = contents.get(i, "")
+            if found.group(2) is not None:  # printed by tojson: as tojson prints it
+                text = json.dumps(text, ensure_ascii=False)[1:-1]
+            if text:
+                segments.append((text, False))
+            at = found.end()
+        if at < len(rendered):
+            segments.append((rendered[at:], True))
+        # each content once; a template may leave out the text of a turn that made calls (Llama 3.1's does)
+        needed = {i for i in contents if not messages[i].get("tool_calls")}
+        if len(seen) != len(set(seen)) or not needed <= set(seen):
             raise ValueError(f"{self.path}: the chat template does not place each message's content exactly once")
-        segments = []
-        for k, template_text in enumerate(pieces[0::2]):
-            if template_text:
-                segments.append((template_text, True))
-            if k < len(order) and messages[order[k]]["content"]:
-                segments.append((messages[order[k]]["content"], False))
         return segments
+
+    def _plain_template_text(self, value: Any, where: str) -> None:
+        """``value`` (printed by the template as JSON) holds no control token's text: tokenized with control
+        tokens parsed, it gives the ids it gives as plain text."""
+        text = json.dumps(value, ensure_ascii=False)
+        size = len(text.encode()) + 8
+        parsed, plain = np.empty(size, np.int32), np.empty(size, np.int32)
+        n = self._tokenize(text, parsed, add_special=False, special=True)
+        m = self._tokenize(text, plain, add_special=False, special=False)
+        if n != m or not np.array_equal(parsed[:n], plain[:m]):
+            raise ValueError(
+                f"'{where}' holds the text of one of the model's control tokens, which its chat template would "
+                "print as that token; remove it"
+            )
 
     def encode(self, text: str, *, special: bool = False) -> np.ndarray:
         out = np.empty(len(text) + 8, dtype=np.int32)  # a token covers at least one byte, most cover several
@@ -263,6 +314,10 @@ class GGUFTokenizer:
         if self._model:
             self._lib.llama_model_free(self._model)
             self._model = None
+
+
+#: a content's placeholder in the rendered chat: as printed, or as ``tojson`` prints it
+_PLACE = re.compile("\x00([0-9]+)\n\x00|\\\\u0000([0-9]+)\\\\n\\\\u0000")
 
 
 def _check_frame(out: np.ndarray) -> None:

@@ -1,18 +1,26 @@
 """Tool calling, sans I/O: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` checked, the tools shown
 to the model, its answer read back as tool calls.
 
-The tools reach the model by a fallback that works with any chat template (SmolLM2's, the default, has no place
-for tools; rendering them with a template that has one, and reading that template's own call format back, is not
-built): a system message that lists each tool (its name, description and JSON schema of arguments) and asks for one
-answer format, a JSON list of calls ``[{"name": ..., "arguments": {...}}]`` (:func:`fallback_prompt`).  Earlier
-turns of the conversation are written in that same format: an assistant turn's ``tool_calls`` as that list, a
-``tool`` turn's result as a user turn that names the call it answers (:func:`flatten`).
+How the tools reach the model depends on the chat template (:func:`template_format`):
 
-``tool_choice`` ``required`` and a named function are **enforced**: the list's grammar -- each call's ``name`` one
-of the tools offered (or the one named) and its ``arguments`` valid against that tool's ``parameters`` -- travels to
-the slot as ``response_format``'s grammars do (:func:`edgepath.edge.structured.schema_grammar`), so the answer is a
-valid call unless ``max_tokens`` cuts it.  ``auto`` constrains nothing: the answer is read as calls when it is such a
-list (:class:`ToolOutput`), else it is the text.  ``none`` offers no tool.
+* **the template's own way** -- a template that reads ``tools`` (Jinja) renders them itself, as transformers'
+  ``apply_chat_template(tools=...)``, llama-server and vLLM pass them; the conversation's calls and results are
+  given to it as OpenAI has them (``tool_calls``, ``role: "tool"``), and the answer is read in the call format the
+  template asks for: Hermes' ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Hermes 2/3; one
+  block per call) or Llama 3.1's JSON ``{"name": ..., "parameters": {...}}`` (one call);
+* **the fallback** -- a template with no place for tools (SmolLM2's, the default), or one whose call format is
+  none of those: a system message that lists each tool (its name, description and JSON schema of arguments) and
+  asks for one answer format, a JSON list of calls ``[{"name": ..., "arguments": {...}}]``
+  (:func:`fallback_prompt`).  Earlier turns of the conversation are written in that same format: an assistant
+  turn's ``tool_calls`` as that list, a ``tool`` turn's result as a user turn that names the call it answers
+  (:func:`flatten`).
+
+``tool_choice`` ``required`` and a named function are **enforced**: the grammar of the answer's calls in its
+format -- each call's ``name`` one of the tools offered (or the one named) and its ``arguments`` valid against that
+tool's ``parameters`` -- travels to the slot as ``response_format``'s grammars do
+(:func:`edgepath.edge.structured.schema_grammar`), so the answer is a valid call unless ``max_tokens`` cuts it.
+``auto`` constrains nothing: the answer is read as calls when it is calls in its format (:class:`ToolOutput`), else
+it is the text.  ``none`` offers no tool.
 """
 
 from __future__ import annotations
@@ -28,6 +36,16 @@ from edgepath.edge.sampling import show as _show
 from edgepath.edge.structured import FormatRefused, schema_grammar
 
 Choice = Literal["auto", "required", "named"]
+ToolFormat = Literal["fallback", "hermes", "llama3-json"]
+"""How the model is offered tools and answers with calls: the fallback prompt's JSON list, or a template's own."""
+TOOL_FORMATS: dict[str, str] = {
+    "fallback": "tools offered by edgepath's fallback prompt (the chat template has no place for tools, or asks for "
+    "a call format this edge does not read back), calls read as a JSON list",
+    "hermes": "tools rendered by the chat template, calls read as its <tool_call> blocks (Hermes, Qwen2.5)",
+    "llama3-json": 'tools rendered by the chat template, a call read as its {"name", "parameters"} JSON (Llama 3.1)',
+}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 #: OpenAI's limits on a function's name and on the tools of one request
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 128
@@ -77,6 +95,8 @@ class ToolSpec:
     """The function ``tool_choice`` names (``choice`` ``named``)."""
     parallel: bool = True
     """Several calls in one answer (``parallel_tool_calls``); else at most one."""
+    format: ToolFormat = "fallback"
+    """How the tools are offered and the calls read (:func:`template_format`)."""
 
     @property
     def offered(self) -> tuple[Tool, ...]:
@@ -89,12 +109,37 @@ class ToolSpec:
         return self.choice != "auto"
 
 
+def template_format(source: str | None) -> ToolFormat:
+    """The tool format of a chat template's source: ``hermes`` or ``llama3-json`` when the template reads
+    ``tools`` and asks for that call format (its ``<tool_call>`` tags; Llama 3's markers and ``{"name": ...,
+    "parameters": ...}``), else ``fallback`` -- no place for tools, or a call format this edge cannot read back
+    (Mistral's ``[TOOL_CALLS]`` list among them)."""
+    from edgepath.edge.chat import ChatTemplate, ChatTemplateError
+
+    if source is None:
+        return "fallback"
+    try:
+        variables = ChatTemplate(source).variables
+    except (ChatTemplateError, RecursionError):
+        return "fallback"
+    if "tools" not in variables:
+        return "fallback"
+    if "[TOOL_CALLS]" in source:  # Mistral's: a list after a control token, not read back here
+        return "fallback"
+    if HERMES_OPEN in source:
+        return "hermes"
+    if '"parameters"' in source and "<|start_header_id|>" in source:  # Llama 3.x's markers, its call's key
+        return "llama3-json"
+    return "fallback"
+
+
 # -- the request ----------------------------------------------------------------------------------------
 
 
-def parse_tools(doc: Mapping[str, Any]) -> ToolSpec | None:
-    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request; None when no tool is offered
-    (none given, or ``tool_choice`` ``none``).  ToolsRefused names the field and what is allowed."""
+def parse_tools(doc: Mapping[str, Any], format: ToolFormat = "fallback") -> ToolSpec | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request, to be offered in ``format``; None
+    when no tool is offered (none given, or ``tool_choice`` ``none``).  ToolsRefused names the field and what is
+    allowed."""
     raw, choice = doc.get("tools"), doc.get("tool_choice")
     parallel = doc.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -103,7 +148,7 @@ def parse_tools(doc: Mapping[str, Any]) -> ToolSpec | None:
     mode, named = _choice(choice, tools)
     if mode == "none" or not tools:
         return None
-    return ToolSpec(tools, mode, named, parallel is not False)
+    return ToolSpec(tools, mode, named, parallel is not False, format)
 
 
 def _tools(raw: Any) -> tuple[Tool, ...]:
@@ -183,8 +228,11 @@ def _choice(choice: Any, tools: Sequence[Tool]) -> tuple[Choice | Literal["none"
 
 
 def grammar(spec: ToolSpec) -> str:
-    """The grammar of an answer of calls to ``spec``'s tools: a JSON list of ``{"name", "arguments"}`` objects, one
-    call unless ``parallel``.  FormatRefused (from the schema check) names a keyword that cannot be enforced."""
+    """The grammar of an answer of calls to ``spec``'s tools in its format: the fallback's JSON list of ``{"name",
+    "arguments"}`` objects; Hermes' ``<tool_call>`` blocks of such an object, one per call; Llama 3.1's one
+    ``{"name", "parameters"}`` object -- one call unless ``parallel`` (and one with Llama's).  FormatRefused (from
+    the schema check) names a keyword that cannot be enforced."""
+    key = "parameters" if spec.format == "llama3-json" else "arguments"
     items, arguments = [], {}
     for k, tool in enumerate(spec.offered):
         # each tool's parameters sit in the root's $defs (its own local references made to point there)
@@ -192,21 +240,34 @@ def grammar(spec: ToolSpec) -> str:
         items.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.name}, "arguments": {"$ref": f"#/$defs/t{k}"}},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": tool.name}, key: {"$ref": f"#/$defs/t{k}"}},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1, "$defs": arguments}
-    if not spec.parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any]
+    if spec.format == "fallback":
+        schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1, "$defs": arguments}
+        if not spec.parallel:
+            schema["maxItems"] = 1
+    else:
+        schema = {"anyOf": items, "$defs": arguments}
     where = "tools" if spec.named is None else f"tools[{[t.name for t in spec.tools].index(spec.named)}]"
     try:
-        return schema_grammar(schema, where)
+        made = schema_grammar(schema, where)
     except FormatRefused as exc:
         # the check names places in the composed schema: say them as the request has them
         param = _request_place(exc.param, spec)
         raise FormatRefused(param, exc.message.replace(exc.param, param)) from None
+    if spec.format != "hermes":
+        return made
+    # the JSON object's grammar becomes one rule, and the answer is its <tool_call> blocks
+    call = "edgepath-tool-call"
+    made, renamed = re.subn(r"^root ::= ", f"{call} ::= ", made, count=1, flags=re.M)
+    assert renamed == 1, "the schema converter names its top rule root"
+    block = f'"{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"'
+    more = f' ("\\n" {block})*' if spec.parallel else ""
+    return f"root ::= {block}{more}\n{made}"
 
 
 def _relocated(schema: Any, base: str) -> Any:
@@ -295,36 +356,81 @@ def flatten(turns: Sequence[ChatMessage | ToolTurn]) -> tuple[ChatMessage, ...]:
     """The conversation as plain turns (system, user, assistant) that any template renders: an assistant's calls
     written as the answer format asks (:func:`calls_text`), a tool's result as a user turn naming its call.  A
     result must answer a call made earlier in the conversation (ToolsRefused names the message)."""
-    names: dict[str, str] = {}
+    names = call_names(turns)
     out = []
-    for i, t in enumerate(turns):
+    for t in turns:
         if isinstance(t, ChatMessage):
             out.append(t)
         elif t.role == "assistant":
-            names.update((c.id, c.name) for c in t.calls)
             text = calls_text(t.calls)
             out.append(ChatMessage("assistant", f"{t.content}\n{text}" if t.content else text))
         else:
             assert t.call_id is not None
-            if t.call_id not in names:
-                raise ToolsRefused(
-                    f"messages[{i}].tool_call_id",
-                    f"'messages[{i}].tool_call_id' = {t.call_id!r} answers no call of an earlier assistant message",
-                )
             out.append(ChatMessage("user", f"Result of the call {t.call_id} to {names[t.call_id]}:\n{t.content}"))
     return tuple(out)
 
 
+def call_names(turns: Sequence[ChatMessage | ToolTurn]) -> dict[str, str]:
+    """The name of each call the conversation's assistant turns made, by id; ToolsRefused names a ``tool`` turn
+    that answers no call made before it."""
+    names: dict[str, str] = {}
+    for i, t in enumerate(turns):
+        if isinstance(t, ChatMessage):
+            continue
+        if t.role == "assistant":
+            names.update((c.id, c.name) for c in t.calls)
+        elif t.call_id not in names:
+            raise ToolsRefused(
+                f"messages[{i}].tool_call_id",
+                f"'messages[{i}].tool_call_id' = {t.call_id!r} answers no call of an earlier assistant message",
+            )
+    return names
+
+
+def template_messages(turns: Sequence[ChatMessage | ToolTurn]) -> tuple[dict[str, Any], ...]:
+    """The conversation as a template that has tools reads it -- OpenAI's messages, as transformers, llama-server
+    and vLLM give them to it: an assistant's ``tool_calls`` with their ``arguments`` an object (the JSON text
+    decoded; text that is not JSON kept as it is), its ``content`` None when it has none; a ``tool`` turn with
+    ``tool_call_id``.  ToolsRefused names a result that answers no earlier call."""
+    call_names(turns)
+    out: list[dict[str, Any]] = []
+    for t in turns:
+        if isinstance(t, ChatMessage):
+            out.append({"role": t.role, "content": t.content})
+        elif t.role == "tool":
+            out.append({"role": "tool", "content": t.content, "tool_call_id": t.call_id})
+        else:
+            calls = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _decoded(c.arguments)}}
+                for c in t.calls
+            ]
+            out.append({"role": "assistant", "content": t.content or None, "tool_calls": calls})
+    return tuple(out)
+
+
+def template_tools(spec: ToolSpec) -> tuple[dict[str, Any], ...]:
+    """The tools offered, as a template that has tools reads them (OpenAI's ``tools`` entries)."""
+    out = []
+    for t in spec.offered:
+        function: dict[str, Any] = {"name": t.name}
+        if t.description:
+            function["description"] = t.description
+        function["parameters"] = dict(t.parameters)
+        out.append({"type": "function", "function": function})
+    return tuple(out)
+
+
+def _decoded(arguments: str) -> Any:
+    """A call's arguments: the object its JSON text holds, or the text when it is not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def calls_text(calls: Sequence[ToolCall]) -> str:
     """Calls in the answer format the fallback prompt asks for (arguments that are not JSON kept as text)."""
-
-    def arguments(text: str) -> Any:
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-
-    return json.dumps([{"name": c.name, "arguments": arguments(c.arguments)} for c in calls], ensure_ascii=False)
+    return json.dumps([{"name": c.name, "arguments": _decoded(c.arguments)} for c in calls], ensure_ascii=False)
 
 
 def fallback_prompt(spec: ToolSpec) -> str:
@@ -367,8 +473,10 @@ def offer(messages: Sequence[ChatMessage], spec: ToolSpec) -> tuple[ChatMessage,
 class ToolOutput:
     """An answer's text, held back while it may be tool calls, then read as calls or released as text.
 
-    ``auto``: text that starts (after white space) with anything but ``[`` or ``{`` is text, released at once;
-    otherwise it is held to the end and read as calls (:func:`read_calls`), or released then if it is not calls.
+    ``auto``, the fallback's and Llama's JSON: text that starts (after white space) with anything but ``[`` or
+    ``{`` (Llama's: ``{``) is text, released at once; otherwise it is held to the end and read as calls
+    (:func:`read_answer`), or released then if it is not calls.  ``auto``, Hermes': text is released up to a
+    ``<tool_call>`` tag (what may be the start of one is held), and from the tag on it is held to the end.
     ``required`` and a named function: the grammar made it calls, so it is all held and read at the end."""
 
     def __init__(self, spec: ToolSpec, call_prefix: str) -> None:
@@ -376,9 +484,11 @@ class ToolOutput:
         self.call_prefix = call_prefix
         self._held: list[str] = []
         self._holding = True
+        self._tagged = False  # Hermes': a <tool_call> tag was seen, so the rest is held
 
     @property
     def holding(self) -> bool:
+        """Whether text fed may still be held (once false, :meth:`feed` releases everything)."""
         return self._holding
 
     def feed(self, text: str) -> str:
@@ -386,18 +496,32 @@ class ToolOutput:
         if not self._holding:
             return text
         self._held.append(text)
-        start = "".join(self._held).lstrip()
-        if self.spec.constrained or not start or start[0] in "[{":
+        if self.spec.constrained or self._tagged:
+            return ""
+        held = "".join(self._held)
+        if self.spec.format == "hermes":
+            at = held.find(HERMES_OPEN)
+            if at >= 0:
+                self._tagged = True
+            else:  # keep what may be the start of a tag
+                at = next((i for i in range(max(0, len(held) - len(HERMES_OPEN)), len(held))
+                           if HERMES_OPEN.startswith(held[i:])), len(held))  # fmt: skip
+            self._held[:] = [held[at:]]
+            return held[:at]
+        start = held.lstrip()
+        if not start or start[0] in ("{" if self.spec.format == "llama3-json" else "[{"):
             return ""
         self._holding = False
         return self._take()
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """At the answer's end: the text still held and the calls it holds (none: the text is the answer's)."""
+        """At the answer's end: the text still to release and the calls (none: all of the text is the answer's;
+        with calls, the text beside them -- Hermes' text around its blocks -- or nothing)."""
         text = self._take()
-        calls = read_calls(text, self.spec, self.call_prefix) if self._holding else ()
+        if not self._holding:
+            return text, ()
         self._holding = False
-        return ("", calls) if calls else (text, ())
+        return read_answer(text, self.spec, self.call_prefix)
 
     def _take(self) -> str:
         text = "".join(self._held)
@@ -405,25 +529,63 @@ class ToolOutput:
         return text
 
 
-def read_calls(text: str, spec: ToolSpec, call_prefix: str) -> tuple[ToolCall, ...]:
-    """The calls ``text`` makes in the answer format (a JSON list of ``{"name", "arguments"}``; a single such
-    object is taken too), each to a tool offered with an object of arguments; () when it is not that."""
+def read_answer(text: str, spec: ToolSpec, call_prefix: str) -> tuple[str, tuple[ToolCall, ...]]:
+    """``text`` read in ``spec``'s format: the text beside the calls and the calls, each to a tool offered with
+    an object of arguments; ``(text, ())`` when it is not calls.
+
+    * fallback: a JSON list of ``{"name", "arguments"}`` (a single such object is taken too);
+    * ``hermes``: ``<tool_call>`` blocks of ``{"name", "arguments"}`` (the last one's closing tag may be missing,
+      as the answer may end there; ``arguments`` may be the JSON text of the object), the text around them kept;
+    * ``llama3-json``: one ``{"name", "parameters"}`` object (``arguments`` is taken for ``parameters`` too)."""
+    if spec.format == "hermes":
+        blocks = list(_HERMES_BLOCK.finditer(text))
+        if not blocks or (len(blocks) > 1 and not spec.parallel):
+            return text, ()
+        entries = []
+        for block in blocks:
+            try:
+                entries.append(json.loads(block.group(1)))
+            except ValueError:
+                return text, ()
+        calls = _calls(entries, spec, call_prefix, ("arguments",), decode=True)
+        edges = [0, *(i for b in blocks for i in b.span()), len(text)]
+        beside = "".join(text[a:b] for a, b in zip(edges[::2], edges[1::2], strict=True))
+        return ((beside if beside.strip() else ""), calls) if calls else (text, ())
     try:
         doc = json.loads(text)
     except ValueError:
-        return ()
-    entries = [doc] if isinstance(doc, dict) else doc
-    if not isinstance(entries, list) or not entries or (len(entries) > 1 and not spec.parallel):
-        return ()
+        return text, ()
+    if spec.format == "llama3-json":
+        calls = _calls([doc], spec, call_prefix, ("parameters", "arguments")) if isinstance(doc, dict) else ()
+    else:
+        entries = [doc] if isinstance(doc, dict) else doc
+        ok = isinstance(entries, list) and bool(entries) and (len(entries) == 1 or spec.parallel)
+        calls = _calls(entries, spec, call_prefix, ("arguments",)) if ok else ()
+    return ("", calls) if calls else (text, ())
+
+
+def read_calls(text: str, spec: ToolSpec, call_prefix: str) -> tuple[ToolCall, ...]:
+    """The calls ``text`` makes in ``spec``'s format (:func:`read_answer`); () when it is not calls."""
+    return read_answer(text, spec, call_prefix)[1]
+
+
+def _calls(
+    entries: list[Any], spec: ToolSpec, call_prefix: str, keys: tuple[str, ...], decode: bool = False
+) -> tuple[ToolCall, ...]:
+    """Each entry a call ``{"name": <a tool offered>, <one of keys>: {arguments}}``; () if any is not.  ``decode``:
+    arguments given as the JSON text of an object are taken too."""
     names = {t.name for t in spec.offered}
     calls = []
     for k, entry in enumerate(entries):
-        if not isinstance(entry, dict) or set(entry) != {"name", "arguments"}:
+        if not isinstance(entry, dict) or len(entry) != 2 or "name" not in entry:
             return ()
-        if entry["name"] not in names or not isinstance(entry["arguments"], dict):
+        key = next((key for key in keys if key in entry), None)
+        arguments = entry.get(key) if key is not None else None
+        if decode and isinstance(arguments, str):
+            arguments = _decoded(arguments)
+        if entry["name"] not in names or not isinstance(arguments, dict):
             return ()
-        arguments = json.dumps(entry["arguments"], ensure_ascii=False)
-        calls.append(ToolCall(f"{call_prefix}_{k}", entry["name"], arguments))
+        calls.append(ToolCall(f"{call_prefix}_{k}", entry["name"], json.dumps(arguments, ensure_ascii=False)))
     return tuple(calls)
 
 

@@ -735,6 +735,7 @@ def build_edge(
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
+    from edgepath.edge.tools import TOOL_FORMATS
 
     upstream = agent.capacity()
     limits = Limits(
@@ -743,11 +744,14 @@ def build_edge(
         output_capacity=min(capacity.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
     )
+    chat = chat_support(tokenizer)
+    if chat.available:
+        log.info("tool calling: %s", TOOL_FORMATS[chat.tool_format])
     openai = OpenAIRoutes(
         served_model_name(edge, tokenizer),
         limits.output_capacity,
         tokenizer.vocab_size,
-        chat_support(tokenizer),
+        chat,
         int(time.time()),
         logprobs=model_side,
         grammars=model_side,
