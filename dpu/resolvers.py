@@ -23,6 +23,10 @@ log = logging.getLogger("edgepath.discovery")
 
 #: ``socket.getaddrinfo``'s shape: a test passes its own (names it controls, no DNS server)
 AddrInfo = Callable[..., list[tuple[Any, ...]]]
+#: what getaddrinfo says of a name with no address now -- NXDOMAIN (EAI_NONAME), or a name that exists without
+#: one (EAI_NODATA: glibc's answer to NOERROR with no A or AAAA record, seen against a real DNS server in
+#: tests/system/test_dns_discovery.py): every slot server of the source gone, not a failure to keep the set through
+NO_RECORDS = frozenset({socket.EAI_NONAME, socket.EAI_NODATA})
 #: a resolution: the addresses a source names now, or None when it could not be read (the set is kept)
 Resolve = Callable[[Source], "set[str] | None"]
 
@@ -40,7 +44,7 @@ def resolve(source: Source, getaddrinfo: AddrInfo = socket.getaddrinfo) -> set[s
     try:
         infos = getaddrinfo(source.name, source.port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        if exc.errno == socket.EAI_NONAME:
+        if exc.errno in NO_RECORDS:
             return set()  # the name has no records now: a headless Service with no ready pod
         log.warning("slot servers from %s: cannot resolve %s: %s", source, source.name, exc)
         return None

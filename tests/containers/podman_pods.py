@@ -9,9 +9,11 @@ runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
 * ``$(VAR)`` in ``command`` and ``args`` is expanded as the kubelet does (Kubernetes' "dependent environment
   variables": the container's ``env`` and the ConfigMaps of its ``envFrom``, ``metadata.name`` and
   ``metadata.namespace`` field references; ``$$`` is a literal ``$``; an undefined one stays as written);
+* a Secret mounted as a volume becomes a ConfigMap of the same name and data, mounted as one (podman 4.3 reads a
+  ``secret`` volume from a podman secret of its own, and crashes on one it does not find);
 * init containers are of podman's kind "always" (see ``INIT_TYPE``);
 * what podman does not run (Namespace, Service, PodDisruptionBudget, Secret) is left out; ConfigMaps stay (podman
-  reads ``envFrom`` from them).
+  reads ``envFrom`` and ``configMap`` volumes from them).
 
     python tests/containers/podman_pods.py < rendered.yaml > pods.yaml
 """
@@ -102,6 +104,13 @@ def pods_of(
             for key in ("command", "args"):
                 if key in container:
                     container[key] = [expand(str(part), env) for part in container[key]]
+        for volume in spec.get("volumes", ()):
+            if "secret" in volume:
+                source = volume.pop("secret")
+                name = source.pop("secretName")
+                if name not in secrets:
+                    raise ValueError(f"volume {volume['name']}: no Secret {name} among the manifests")
+                volume["configMap"] = {"name": name, **source}  # items, defaultMode, optional: the same fields
         metadata = {**copy.deepcopy(template.get("metadata", {})), "name": pod_name, "namespace": namespace}
         if spec.get("initContainers"):
             metadata.setdefault("annotations", {})[INIT_TYPE] = "always"
@@ -120,10 +129,12 @@ def to_podman(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     config_maps = {d["metadata"]["name"]: dict(d.get("data", {})) for d in docs if d["kind"] == "ConfigMap"}
     secrets = {d["metadata"]["name"]: secret_data(d) for d in docs if d["kind"] == "Secret"}
     out = [d for d in docs if d["kind"] == "ConfigMap"]
-    for doc in docs:
-        if doc["kind"] in CONTROLLERS:
-            out.extend(pods_of(doc, config_maps, secrets))
-    return out
+    pods = [pod for doc in docs if doc["kind"] in CONTROLLERS for pod in pods_of(doc, config_maps, secrets)]
+    mounted = sorted({v["configMap"]["name"] for p in pods for v in p["spec"].get("volumes", ()) if "configMap" in v})
+    for name in mounted:  # the Secrets mounted as volumes, as the ConfigMaps podman mounts instead
+        if name in secrets and name not in config_maps:
+            out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": secrets[name]})
+    return out + pods
 
 
 def main() -> None:

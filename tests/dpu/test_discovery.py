@@ -60,6 +60,8 @@ def _addrinfo(table: dict[str, list[str]]):
     def getaddrinfo(host: str, port: int, type: int = 0) -> list[tuple]:
         if host == "broken":
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        if host == "empty":  # the name exists, with no address record (NOERROR, no answer)
+            raise socket.gaierror(socket.EAI_NODATA, "No address associated with hostname")
         if host not in table:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         family = {True: socket.AF_INET6, False: socket.AF_INET}
@@ -76,6 +78,7 @@ def test_dns_answers_every_address_of_the_name_with_the_port() -> None:
 def test_a_name_without_records_is_an_empty_set_and_a_dns_failure_is_no_answer() -> None:
     lookup = _addrinfo({})
     assert resolve(Source("dns", "slots", 7471), lookup) == set()  # no ready pod behind the headless Service
+    assert resolve(Source("dns", "empty", 7471), lookup) == set()  # NXDOMAIN or no record: both say none
     assert resolve(Source("dns", "broken", 7471), lookup) is None  # the set is kept
 
 

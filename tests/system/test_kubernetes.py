@@ -9,15 +9,17 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from containers.podman_pods import INIT_TYPE, expand, to_podman
+from containers.podman_pods import INIT_TYPE, expand, secret_data, to_podman
 
 from edgepath.cli import build_parser
+from edgepath.edge.auth import load_keys
 from edgepath.transports.base import DEFAULT_HANG_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -173,6 +175,72 @@ def test_the_slot_servers_are_probed_where_they_listen_as_their_agents_judge_the
     assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 300  # model load
 
 
+def mounted_at(spec: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume of pod ``spec`` that ``container`` has mounted at the directory holding ``path``."""
+    (mount,) = [m for m in container["volumeMounts"] if str(Path(path).parent) == m["mountPath"]]
+    return next(v for v in spec["volumes"] if v["name"] == mount["name"])
+
+
+def test_the_edges_read_their_tenants_from_a_secret_and_count_quotas_in_one_ledger_per_pod(
+    overlay: tuple[str, dict], tmp_path: Path
+) -> None:
+    name, objects = overlay
+    spec = objects["Deployment", "edgepath-edge"]["spec"]["template"]["spec"]
+    edges = containers(objects, "Deployment", "edgepath-edge")
+    files = {arg(edge, "--tenants-file") for edge in edges.values()}
+    (tenants_file,) = files  # the same tenants in both edges
+    secrets = {mounted_at(spec, edge, tenants_file)["secret"]["secretName"] for edge in edges.values()}
+    (secret,) = secrets  # a Secret: the file holds the keys' digests
+    # one edge of the pod keeps the ledger, the other counts in it: one quota for the pod (docs/DEPLOY.md)
+    homes = {n: arg(e, "--quota-listen") for n, e in edges.items() if "--quota-listen" in e["args"]}
+    ((keeper, ledger),) = homes.items()
+    for edge_name, edge in edges.items():
+        assert "emptyDir" in mounted_at(spec, edge, ledger)  # the pod's own directory, shared by its containers
+        if edge_name != keeper:
+            assert arg(edge, "--quota-home") == ledger
+    if name == "gpu-rdma":
+        assert secret == "edgepath-tenants"  # the user's to create, as the API keys and TLS Secrets
+        return
+    # the one-node overlay's own: a tenants file edgepath reads, beside the flat test key
+    path = tmp_path / Path(tenants_file).name
+    path.write_text(secret_data(objects["Secret", secret])[path.name])
+    flat = secret_data(objects["Secret", next(n for k, n in objects if k == "Secret" and "api-keys" in n)])["keys"]
+    keys = load_keys(None, environ={"EDGEPATH_API_KEYS": flat}, tenants_file=str(path))
+    assert keys is not None
+    for key, tenant in ((b"edgepath-one-node-key-a", "team-a"), (b"edgepath-one-node-key-b", "team-b")):
+        named = keys.identify(key)
+        assert named is not None and named.name == tenant and named.tokens_per_minute > 0
+    assert keys.identify(flat.encode()) is not None  # the flat key is a tenant of its own still
+
+
+def test_the_edge_that_counts_in_the_pods_ledger_waits_for_it_then_runs_edgepath_with_its_args(
+    tmp_path: Path,
+) -> None:
+    edges = containers(render("one-node"), "Deployment", "edgepath-edge")
+    (waiter,) = [e for e in edges.values() if "--quota-home" in e["args"]]
+    ledger = arg(waiter, "--quota-home")
+    shell, dash_c, script, zero = waiter["command"]
+    assert (shell, dash_c, zero) == ("sh", "-c", "edgepath")  # $0; the args are "$@"
+    socket_path = tmp_path / "ledger.sock"
+    fake = tmp_path / "bin" / "edgepath"  # what the image's edgepath would be given
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin"}
+    started = subprocess.Popen(
+        ["sh", "-c", script.replace(ledger, str(socket_path)), zero, *waiter["args"]],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        started.wait(timeout=0.5)  # no ledger yet: it waits
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listening:
+        listening.bind(str(socket_path))
+        out, _ = started.communicate(timeout=10)
+    assert started.returncode == 0 and out.splitlines() == waiter["args"]  # every arg as given, none split
+
+
 def test_the_edges_carry_the_engine_type_an_inference_pool_reads_their_metrics_by(overlay: tuple[str, dict]) -> None:
     _, objects = overlay
     labels = objects["Deployment", "edgepath-edge"]["spec"]["template"]["metadata"]["labels"]
@@ -209,6 +277,13 @@ def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_line
                 assert {"name": "EDGEPATH_API_KEYS", "value": "edgepath-one-node-test-key"} in container["env"]
         if pod["spec"].get("initContainers"):
             assert pod["metadata"]["annotations"][INIT_TYPE] == "always"
+        for volume in pod["spec"]["volumes"]:
+            assert "secret" not in volume  # podman 4.3 reads those from podman secrets (and crashes on a missing one)
+    # the tenants Secret mounted as a ConfigMap of the same name and data
+    edge = pods["edgepath-edge-0"]["spec"]
+    (tenants,) = [v["configMap"]["name"] for v in edge["volumes"] if v["name"] == "tenants"]
+    made = next(d for d in to_podman(list(objects.values())) if d["metadata"]["name"] == tenants)
+    assert made["kind"] == "ConfigMap" and made["data"] == secret_data(objects["Secret", tenants])
 
 
 def test_variables_expand_as_a_kubelet_expands_them() -> None:
@@ -223,3 +298,7 @@ def test_what_podman_cannot_be_given_is_refused_naming_it() -> None:
         to_podman([*config, objects["StatefulSet", "edgepath-slots"]])
     with pytest.raises(ValueError, match="EDGEPATH_API_KEYS: no Secret edgepath-api-keys with key keys"):
         to_podman([*config, objects["Deployment", "edgepath-edge"]])  # gpu-rdma's Secrets are the user's to create
+    one_node = render("one-node")
+    without = [doc for (kind, name), doc in one_node.items() if not (kind == "Secret" and "tenants" in name)]
+    with pytest.raises(ValueError, match="volume tenants: no Secret edgepath-tenants-"):
+        to_podman(without)
