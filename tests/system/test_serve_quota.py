@@ -137,8 +137,8 @@ def test_two_serve_processes_hold_a_tenant_to_its_quota_over_two_minutes(
 
 def test_a_quota_home_where_no_ledger_answers_is_one_line_at_start(tmp_path: Path) -> None:
     line = edgepath_fails(
-        ["serve", "--handler", "echo", "--transport", "tcp", "--port", str(free_port(socket.SOCK_STREAM)), "--quota-home",
-         str(tmp_path / "nobody.sock")],
+        ["serve", "--handler", "echo", "--transport", "tcp", "--port", str(free_port(socket.SOCK_STREAM)),
+         "--quota-home", str(tmp_path / "nobody.sock")],
         tmp_path,
     )  # fmt: skip
     assert "--quota-home" in line and "nobody.sock" in line and "--quota-listen" in line
