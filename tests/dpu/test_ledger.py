@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
+from edgepath.builder import data_path_transport
+from edgepath.config import DataPath
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerHome, RemoteLedger
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
 from edgepath.edge.tenants import Tenant
 from edgepath.transports.base import Transport, TransportError
@@ -68,19 +71,19 @@ def test_two_edges_over_two_simulated_minutes_serve_at_most_the_quota_and_refuse
 RACED = Tenant("raced", b"tenant:raced", tokens_per_minute=60_000)  # 1,000 a second
 
 
-def _hammer(address: str, seconds: float, go: Any, out: Any) -> None:
-    """One edge in a process of its own: once ``go`` is set, reserve as fast as it can for ``seconds``, each
-    request using all it reserved; what it was served (and how often refused) goes to ``out``."""
-    from edgepath.transports.loopback import LoopbackTransport
-
-    transport = LoopbackTransport()
+def _hammer(data_path: DataPath, address: str, seconds: float, go: Any, out: Any) -> None:
+    """One edge in a process of its own, with a transport endpoint of its own of the chosen kind: once ``go`` is
+    set, reserve as fast as it can for ``seconds`` and until it has been refused once (a slow transport -- verbs
+    in an emulated VM -- may take longer to spend the bucket; a minute at most), each request using all it
+    reserved; what it was served (and how often refused) goes to ``out``."""
+    transport = data_path_transport(data_path, DEFAULT_HANG_TIMEOUT)
     quotas = Quotas(RemoteLedger(transport, address))
     tenant = RACED
     out.put("ready")
     go.wait()
     served = refused = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    while time.monotonic() < started + (seconds if refused else 60.0):
         got = quotas.reserve(tenant, 7, time.time_ns())
         if isinstance(got, Reservation):
             quotas.settle(got, 7, time.time_ns())
@@ -93,24 +96,22 @@ def _hammer(address: str, seconds: float, go: Any, out: Any) -> None:
 
 
 def test_two_edge_processes_racing_on_one_bucket_never_serve_more_than_it_holds(
-    new_transport: Callable[[], Transport], transport_name: str, tmp_path: object
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str], data_path: DataPath
 ) -> None:
-    """Two processes CAS the same bucket as fast as they can for two seconds (real clocks, started together): both
-    are served, both are refused once it is spent, and together they are served no more than the bucket's limit
-    plus what refilled in that time."""
-    if transport_name != "loopback":
-        pytest.skip("the racing processes make loopback endpoints of their own")
-    address = f"{tmp_path}/ledger.sock"
+    """Two processes CAS the same bucket as fast as they can for two seconds, or until refused (real clocks, started
+    together): both are served, both are refused once it is spent, and together they are served no more than the
+    bucket's limit plus what refilled in that time."""
+    address = new_address("ledger")
     home = LedgerHome(new_transport(), address)
     context = multiprocessing.get_context("spawn")
     out, go = context.Queue(), context.Event()
-    racers = [context.Process(target=_hammer, args=(address, 2.0, go, out)) for _ in range(2)]
+    racers = [context.Process(target=_hammer, args=(data_path, address, 2.0, go, out)) for _ in range(2)]
     for racer in racers:
         racer.start()
     assert [out.get(timeout=60) for _ in racers] == ["ready", "ready"]
     start = time.time_ns()
     go.set()
-    results = [out.get(timeout=60) for _ in racers]
+    results = [out.get(timeout=90) for _ in racers]
     end = time.time_ns()
     for racer in racers:
         racer.join(timeout=30)
