@@ -33,6 +33,7 @@ log = logging.getLogger("edgepath.ledger")
 class LedgerUnavailable(RuntimeError):
     """The ledger's words cannot be reached (the message says where and why): quotas fail closed."""
 
+
 #: seconds between checks that the home is still there (a check is a system call; an operation that fails is
 #: noticed at once)
 CHECK_INTERVAL = 0.1

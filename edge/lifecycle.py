@@ -838,6 +838,7 @@ class EdgeLifecycle:
                     tenant,
                     t.request_id,
                     t.route,
+                    None if t.formatter is None else t.formatter.model,
                     _prompt(t),
                     cached if t.choice == 0 else 0,
                     completion,

@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent import Agent
     from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
+    from edgepath.dpu.ledger import LedgerHome
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.auth import ApiKeys
     from edgepath.edge.http import HttpCore
-    from edgepath.dpu.ledger import LedgerHome
     from edgepath.edge.quota import Quotas
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tls import TlsFiles
@@ -731,8 +731,7 @@ def build_edge(
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
     log probabilities and enforces grammars (the llama handler)."""
-    from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
-    from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
+    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, GenerateFormatter, HttpCore, Limits
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
@@ -743,8 +742,9 @@ def build_edge(
         output_capacity=min(capacity.output_capacity, upstream.output_capacity),
         vocab_size=tokenizer.vocab_size,
     )
+    model = served_model_name(edge, tokenizer)
     openai = OpenAIRoutes(
-        served_model_name(edge, tokenizer),
+        model,
         limits.output_capacity,
         tokenizer.vocab_size,
         chat_support(tokenizer),
@@ -763,7 +763,11 @@ def build_edge(
         workers=TOKENIZER_WORKERS,
         request_timeout=edge.request_timeout,
         body_timeout=edge.body_timeout,
-        formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
+        formatters={
+            GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
+            COMPLETIONS: openai_format,
+            CHAT: openai_format,
+        },
         supervision=supervision,
     )
 

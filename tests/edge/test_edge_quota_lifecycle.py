@@ -13,11 +13,11 @@ from helpers.tokenizers import CharTokenizer
 from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
 from edgepath.contract import wire
+from edgepath.dpu.ledger import LedgerUnavailable
 from edgepath.edge.auth import ApiKeys
 from edgepath.edge.http import HttpCore, Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.dpu.ledger import LedgerUnavailable
 from edgepath.edge.quota import Quotas
 from edgepath.edge.tenants import Tenant
 from edgepath.edge.usage import Usage
