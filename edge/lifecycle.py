@@ -133,6 +133,7 @@ class Tracked:
     limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
     choice: int = 0  # which of its request's n choices it is (edge/choices.py); only choice 0 counts the prompt
     spares: list[int] = field(default_factory=list)  # the frames of choices 1..n-1, until they become requests
+    handover_from: int = 0  # submitted then while a slot was being taken back for it (sent at the hand-over)
 
 
 @dataclass(eq=False, slots=True)
@@ -442,14 +443,18 @@ class EdgeLifecycle:
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
         req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
         req.floored(work.tenant.floor_id, work.tenant.slot_floor)  # whose slot it claims: docs/TENANTS.md
+        req.unsent()  # the agent stamps it when it sends the request (not yet, when it takes a slot back)
         return t0
 
     def _sent(self, t: Tracked, req: wire.RequestHeader, t1: int, t2: int, now: int) -> None:
         """``t`` is in flight (submitted at ``t1``, the port answered at ``t2``): its timings, its deadline."""
         assert t.frame is not None
         written = req.t_written_ns
-        t.timings["claim"] = written - t1
-        t.timings["doorbell"] = t2 - written
+        if written:
+            t.timings["claim"] = written - t1
+            t.timings["doorbell"] = t2 - written
+        else:  # a slot is being taken back for it (docs/TENANTS.md): sent at the hand-over, its claim timed then
+            t.handover_from = t1
         if req.predicted_ttft_us:
             t.timings["predicted_ttft"] = req.predicted_ttft_us * 1000
             t.timings["predicted_wait"] = req.predicted_wait_us * 1000
@@ -624,6 +629,9 @@ class EdgeLifecycle:
         if t.waited or t.frame is None or first_ns <= 0:
             return
         t.waited = True
+        written = self.port.frames.request_headers[t.frame].t_written_ns
+        if t.handover_from and written >= t.handover_from:  # the claim: taking the slot back and the hand-over
+            t.timings["claim"] = written - t.handover_from
         own = self.port.frames.result_headers[t.frame].prefill_us * 1000
         wait = max(0, first_ns - own)
         t.timings["wait"] = wait

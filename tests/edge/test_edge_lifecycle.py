@@ -225,6 +225,34 @@ def test_a_generate_request_is_written_into_its_frame_and_answered_from_the_fina
     assert port.held == set() and edge.tracked == {} and edge.by_frame == {}
 
 
+class TakingBack(FakePort):
+    """A port whose agent takes a slot back for each request (docs/TENANTS.md): submit returns at once, and the
+    request is sent -- its header stamped -- only at the hand-over, which the test plays."""
+
+    def submit(self, index: int) -> Status | None:
+        stamp = int(self.frames.requests[index]["t_written_ns"])
+        self.in_flight.add(index)
+        self.submitted.append(index)
+        assert stamp == 0  # the edge cleared it: nothing sent yet
+        return None
+
+
+def test_a_request_that_takes_a_slot_back_times_its_claim_to_the_hand_over(tokenizer) -> None:
+    """Not the frame's previous request's stamp: the claim runs from the submit to the hand-over, and the doorbell
+    is not timed (the agent rings it with the request it sends at the hand-over)."""
+    port = TakingBack()
+    port.frames.requests[0]["t_written_ns"] = 17  # a stamp left by the frame's earlier use
+    edge = lifecycle(port, tokenizer)
+    edge.receive(7, generate(now=1000, stream=True), now=1000)
+    (frame,) = port.submitted
+    submitted = edge.tracked[7].handover_from
+    assert submitted > 0
+    port.frames.requests[frame]["t_written_ns"] = submitted + 250_000  # handed over 0.25 ms later: sent
+    start, _ = edge.deliveries([port.produce(frame, [10])], now=900_000)
+    timing = dict(part.split(";dur=") for part in dict(start.headers)[b"server-timing"].decode().split(", "))
+    assert timing["claim"] == "0.250" and "doorbell" not in timing
+
+
 def test_a_streamed_request_starts_at_its_first_output_and_sends_only_the_new_tokens(port, tokenizer) -> None:
     edge = lifecycle(port, tokenizer)
     edge.receive(7, generate(now=1000, stream=True), now=1000)
