@@ -31,8 +31,8 @@ client saw cut (``finish_details.type`` ``slot_reclaimed``), and ``/health``'s f
 (what the server left idle).
 
 Exit status 0 when the promises held (the quiet tenant never refused nor cut; B's ``cached_tokens`` 0 in every
-round, A's follow-up cached), 1 otherwise; the timed targets are reported, met or missed, not turned into the exit
-status.
+round, A's follow-up cached; no ERROR line in the server's log), 1 otherwise; the timed targets are reported, met or
+missed, not turned into the exit status.
 
     edgepath bench tenants [--quiet 40] [--noisy-seconds 60] [--rounds 5] [--out out/tenants]
 """
@@ -489,6 +489,8 @@ async def _run(
             result["D_noisy_within"] = await both(port, proc.pid, keys, quiet("D"), noisy["D"], fill, args, 3)
     finally:
         stop(proc)
+    errors = [line for line in log_path.read_text(errors="replace").splitlines() if " ERROR " in line]
+    result["serve_log_errors"] = {"count": len(errors), "first": errors[:3]}
     return result
 
 
@@ -520,7 +522,13 @@ def verdict(report: dict[str, Any]) -> dict[str, Any]:
     }
     probe = report.get("probe")
     out["probe_held"] = None if probe is None else probe["b_cached_zero"] and probe["a_follow_up_cached"]
-    out["promises_held"] = out["quiet_refused"] == 0 and out["quiet_cut"] == 0 and out["probe_held"] is not False
+    out["serve_log_errors"] = report["serve_log_errors"]["count"]
+    out["promises_held"] = (
+        out["quiet_refused"] == 0
+        and out["quiet_cut"] == 0
+        and out["probe_held"] is not False
+        and out["serve_log_errors"] == 0
+    )
     return out
 
 
@@ -651,6 +659,7 @@ def summary(report: dict[str, Any], out: Path) -> str:
         f"leftover: p50 {v['quiet_ttft_p50_ratio_within_floor']}, p99 {v['quiet_ttft_p99_ratio_within_floor']}); "
         f"output ratio noisy {v['noisy_output_ratio']}, total {v['total_output_ratio']} (>= {OUTPUT_RATIO_TARGET}: "
         f"{'met' if v['output_met'] else 'missed'}), computed {v['total_computed_ratio']}; quiet refused "
-        f"{v['quiet_refused']}, cut {v['quiet_cut']}; report {out / 'tenants.json'}"
+        f"{v['quiet_refused']}, cut {v['quiet_cut']}; errors in the server's log {v['serve_log_errors']}; report "
+        f"{out / 'tenants.json'}"
     )
     return "\n".join(lines)

@@ -35,8 +35,10 @@ def test_a_quiet_tenant_under_its_floor_is_never_refused_while_a_noisy_one_holds
     for phase in (c, d):  # never refused, never cut: within its floor nothing is taken from it
         assert phase["quiet"]["statuses"] == {"200": 4} and phase["quiet"]["not_whole"] == 0, phase["quiet"]["rows"]
     assert verdict["quiet_refused"] == verdict["quiet_cut"] == 0
+    assert report["serve_log_errors"]["count"] == 0, report["serve_log_errors"]
     for phase in (b, c, d):
         assert phase["noisy"]["output_tok_s"] > 0 and set(phase["noisy"]["statuses"]) <= {"200", "429"}, phase
+        assert not phase["noisy"]["errors"], phase["noisy"]["errors"]  # every answer ended
         assert phase["cpu"]["server_cpu_s"] > 0 and phase["idle"]["samples"] > 0
     assert b["noisy"]["refused_429"] > 0 and c["noisy"]["refused_429"] > 0  # the closed loop asked for more
     # the quiet tenant took its slots back (else the test did not test floors)
