@@ -11,7 +11,7 @@ import pytest
 
 from edgepath.edge.usage import FSYNC, Usage, UsageLog
 
-LINE = Usage("acme", 7, "/v1/chat/completions", 261, 256, 12, "stop", 81.5, 3.25, "chatcmpl-ep7")
+LINE = Usage("acme", 7, "/v1/chat/completions", "smollm2", 261, 256, 12, "stop", 81.5, 3.25, "chatcmpl-ep7")
 
 
 @pytest.mark.parametrize("fsync", FSYNC)

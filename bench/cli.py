@@ -37,6 +37,12 @@ def cmd_structured(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from edgepath.bench.tenants import main
+
+    return main(args)
+
+
 def cmd_stream(args: argparse.Namespace) -> int:
     from edgepath.bench.stream import main
 
@@ -71,6 +77,7 @@ def add_command(sub: Any) -> None:
     from edgepath.bench.lockout import add_arguments as add_lockout_arguments
     from edgepath.bench.model_compare import add_arguments as add_model_arguments
     from edgepath.bench.stream import add_arguments as add_stream_arguments
+    from edgepath.bench.tenants import add_arguments as add_tenants_arguments
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
@@ -124,6 +131,13 @@ def add_command(sub: Any) -> None:
     )
     add_structured_arguments(p)
     p.set_defaults(func=cmd_structured)
+    p = bench.add_parser(
+        "tenants",
+        help="issue 35's tenant targets on the real model: a quiet tenant with a slot floor under a noisy closed loop, "
+        "and the cross-tenant prefix-cache probe",
+    )
+    add_tenants_arguments(p)
+    p.set_defaults(func=cmd_tenants)
     p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
     add_stream_arguments(p)
     p.set_defaults(func=cmd_stream)

@@ -243,6 +243,9 @@ class Outcome:
     attempts: int = 1  # a retrying client's calls for this request (this one the last)
     advised: int = 0  # of its retries, those sent when the server advised
     advised_admitted: int = 0  # of those, the ones not refused again
+    finish_reason: str | None = None  # the last choice chunk's finish_reason
+    finish_type: str | None = None  # its finish_details' type, when it has one (edgepath: slot_reclaimed)
+    server_timing: dict[str, float] = field(default_factory=dict)  # edgepath: every Server-Timing stage (ms)
 
     @property
     def ok(self) -> bool:
@@ -305,6 +308,7 @@ def read_headers(out: Outcome, headers: Iterable[tuple[bytes, bytes]]) -> None:
     for name, value in headers:
         if name == b"server-timing":
             stages = {k: float(v) for k, v in re.findall(r"([\w-]+);dur=([0-9.]+)", value.decode())}
+            out.server_timing = stages
             if any(stage in stages for stage in EDGE_STAGES):
                 out.edge_ms = sum(stages.get(stage, 0.0) for stage in EDGE_STAGES)
             out.server_wait_ms = stages.get("wait")
@@ -326,6 +330,9 @@ def read_event(out: Outcome, line: bytes, now: float) -> None:
     choices = chunk.get("choices") or [{}]
     if (choices[0].get("delta") or {}).get("content"):
         out.chunks.append(now)
+    if choices[0].get("finish_reason"):
+        out.finish_reason = choices[0]["finish_reason"]
+        out.finish_type = (choices[0].get("finish_details") or {}).get("type")
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         out.completion_tokens = usage.get("completion_tokens")
@@ -340,11 +347,14 @@ def read_event(out: Outcome, line: bytes, now: float) -> None:
             out.prompt_tokens = int(timings["prompt_n"]) + out.cached_tokens
 
 
-async def stream_chat(port: int, body: dict[str, Any], timeout: float) -> Outcome:
-    """POST a streamed chat completion to 127.0.0.1:port; when each content chunk arrived."""
+async def stream_chat(
+    port: int, body: dict[str, Any], timeout: float, headers: Iterable[tuple[str, str]] = ()
+) -> Outcome:
+    """POST a streamed chat completion to 127.0.0.1:port (with ``headers``: an API key); when each content chunk
+    arrived."""
     out = Outcome(sent=time.perf_counter())
     try:
-        await asyncio.wait_for(_stream(port, body, out), timeout)
+        await asyncio.wait_for(_stream(port, body, out, headers), timeout)
     except TimeoutError:
         out.error = f"timed out after {timeout:g} s"
     except (OSError, ValueError, h11.ProtocolError) as exc:
@@ -353,7 +363,7 @@ async def stream_chat(port: int, body: dict[str, Any], timeout: float) -> Outcom
     return out
 
 
-async def _stream(port: int, body: dict[str, Any], out: Outcome) -> None:
+async def _stream(port: int, body: dict[str, Any], out: Outcome, extra: Iterable[tuple[str, str]] = ()) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         conn = h11.Connection(h11.CLIENT)
@@ -363,6 +373,7 @@ async def _stream(port: int, body: dict[str, Any], out: Outcome) -> None:
             ("content-type", "application/json"),
             ("content-length", str(len(payload))),
             ("accept", "text/event-stream"),
+            *extra,
         ]
         writer.write(conn.send(h11.Request(method="POST", target="/v1/chat/completions", headers=headers)))
         writer.write(conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))

@@ -697,6 +697,12 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         p.output_offset = output_offset
         p.migrations = migrations
 
+    def unsent(self) -> None:
+        """Not sent yet (``t_written_ns`` 0): the writer clears it and :meth:`stamp` sets it when the agent sends the
+        request -- at once, or at the hand-over of a slot taken back for it (docs/TENANTS.md) -- so the writer can
+        tell the two apart."""
+        self._p.t_written_ns = 0
+
     def stamp(self, generation: int, slot: int, reply_index: int) -> None:
         """What a claim decides, just before the request is written: the generation claimed, the doorbell
         word that rings for it, the reply entry, the time."""

@@ -146,6 +146,8 @@ class Formatter(Protocol):
     #: the ``id`` the answer carries when it is not the edge's request id (OpenAI's ``cmpl-…``), so the usage log
     #: can name it; None when the answer carries the request id itself
     answer_id: str | None
+    #: the served model's name, as the answer's ``model`` carries it, for the usage log (None: not known)
+    model: str | None
 
     def complete(self, outcome: Outcome) -> Response:
         """The whole answer of a non-streamed request."""
@@ -635,11 +637,13 @@ class GenerateFormatter:
     """``/v1/generate``: one JSON document, or one ``data: {"token": id}`` event per token then
     ``event: done`` with the summary and the first-token time when streamed."""
 
-    def __init__(self, decode: Callable[[np.ndarray], str]) -> None:
+    def __init__(self, decode: Callable[[np.ndarray], str], model: str | None = None) -> None:
+        """``model``: the served model's name, for the usage log (the answer itself names none)."""
         self._decode = decode
         self.watch: bool = False  # /v1/generate has no stop strings: the model decides when it is done
         self.done: bool = False
         self.answer_id: str | None = None  # its answer's id is the edge's request id
+        self.model = model
 
     @staticmethod
     def _summary(outcome: Outcome) -> dict[str, Any]:

@@ -146,6 +146,8 @@ class Tracked:
     limits: Headers = field(default_factory=list)  # the x-ratelimit-* headers of every answer to it
     choice: int = 0  # which of its request's n choices it is (edge/choices.py); only choice 0 counts the prompt
     spares: list[int] = field(default_factory=list)  # the frames of choices 1..n-1, until they become requests
+    handover_from: int = 0  # submitted then while a slot was being taken back for it (sent at the hand-over)
+    cached_first: int = -1  # cached prompt tokens its slot server reported with its first output (-1: none yet)
 
 
 @dataclass(eq=False, slots=True)
@@ -192,6 +194,7 @@ class EdgeLifecycle:
         self.by_frame: dict[int, Tracked] = {}
         self._request_ids = itertools.count(1)
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
+        self.broken = 0  # deliveries whose handling raised (an edge bug if ever non-zero; each one logged)
         self.quotas = Quotas()  # every tenant's quotas: this edge's own words, or a ledger edges share
         self.wall_clock = wall_clock  # Unix ns: the quota buckets' clock, which every edge sharing a ledger reads
         self.in_flight: collections.Counter[str] = collections.Counter()  # tenants' requests held for a slot_cap
@@ -273,10 +276,11 @@ class EdgeLifecycle:
                 self.unmatched += 1
                 log.error("delivery for frame %d, which no request holds: %s", delivery.index, delivery)
                 continue
-            if delivery.final:
-                actions += self._final(t, now)
-            else:
-                actions += self._progress(t, delivery.count, now)
+            try:
+                actions += self._final(t, now) if delivery.final else self._progress(t, delivery.count, now)
+            except Exception:  # one answer's fault must not lose the other answers of the batch with it
+                self.broken += 1
+                log.exception("answering request %d (frame %d) raised: %s", t.request_id, delivery.index, delivery)
         return self._grouped(actions, now)
 
     def tick(self, now: int) -> list[Action]:
@@ -456,14 +460,18 @@ class EdgeLifecycle:
         req.bound(work.max_wait_ms)  # 0: the agent's own bound
         req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
         req.floored(work.tenant.floor_id, work.tenant.slot_floor)  # whose slot it claims: docs/TENANTS.md
+        req.unsent()  # the agent stamps it when it sends the request (not yet, when it takes a slot back)
         return t0
 
     def _sent(self, t: Tracked, req: wire.RequestHeader, t1: int, t2: int, now: int) -> None:
         """``t`` is in flight (submitted at ``t1``, the port answered at ``t2``): its timings, its deadline."""
         assert t.frame is not None
         written = req.t_written_ns
-        t.timings["claim"] = written - t1
-        t.timings["doorbell"] = t2 - written
+        if written:
+            t.timings["claim"] = written - t1
+            t.timings["doorbell"] = t2 - written
+        else:  # a slot is being taken back for it (docs/TENANTS.md): sent at the hand-over, its claim timed then
+            t.handover_from = t1
         if req.predicted_ttft_us:
             t.timings["predicted_ttft"] = req.predicted_ttft_us * 1000
             t.timings["predicted_wait"] = req.predicted_wait_us * 1000
@@ -576,6 +584,8 @@ class EdgeLifecycle:
         count = min(count, t.work.max_tokens)
         if count <= t.sent:
             return []
+        if t.cached_first < 0 and t.frame is not None:
+            t.cached_first = self.port.frames.result_headers[t.frame].cached_tokens  # placed with every progress word
         self._first_tokens(t, _tokens(t.work, count - t.sent), now)
         if t.work.stream:  # a stream's headers leave with its first tokens: they say when that was
             first_ns = now - t.request.t_receive_ns
@@ -606,7 +616,7 @@ class EdgeLifecycle:
         frame, formatter = t.frame, t.formatter
         assert frame is not None and formatter is not None
         tokens = np.array(self.port.frames.outputs[frame, : t.sent])
-        cached = self.port.frames.result_headers[frame].cached_tokens  # placed with every progress word
+        cached = self._cached(t, frame)
         self.port.abandon(frame)
         first_ns = t.t_first_ns - t.request.t_receive_ns
         t.timings["first_token"] = first_ns
@@ -619,6 +629,16 @@ class EdgeLifecycle:
             return self._answer(t, formatter.complete(outcome))
         self._count(t, 200, now)
         return EndStream(t.rid, formatter.end(outcome))
+
+    def _cached(self, t: Tracked, frame: int) -> int:
+        """Prompt tokens of ``t`` its slot server took from its prefix cache (placed with every progress word).  A
+        request that moved (its server gone, its slot taken back: docs/MIGRATION.md) was sent again with its answer
+        so far after its prompt, and that placement counts over both -- its own KV reused, more than its prompt: its
+        first placement's count, seen with its first output, else no more than its prompt."""
+        cached = int(self.port.frames.result_headers[frame].cached_tokens)
+        if not self.port.frames.request_headers[frame].migrations:
+            return cached
+        return t.cached_first if t.cached_first >= 0 else min(cached, t.input_count)
 
     def _first_tokens(self, t: Tracked, new: int, now: int) -> None:
         """Time to first token and inter-token latency (a delivery of ``new`` tokens after a gap
@@ -638,6 +658,9 @@ class EdgeLifecycle:
         if t.waited or t.frame is None or first_ns <= 0:
             return
         t.waited = True
+        written = self.port.frames.request_headers[t.frame].t_written_ns
+        if t.handover_from and written >= t.handover_from:  # the claim: taking the slot back and the hand-over
+            t.timings["claim"] = written - t.handover_from
         own = self.port.frames.result_headers[t.frame].prefill_us * 1000
         wait = max(0, first_ns - own)
         t.timings["wait"] = wait
@@ -681,7 +704,7 @@ class EdgeLifecycle:
         count = min(result.output_count, t.work.max_tokens)
         tokens = np.array(port.frames.outputs[frame, :count])
         model_first = result.t_first_ns
-        cached = result.cached_tokens
+        cached = self._cached(t, frame)
         port.release(frame)
         if t.choice == 0:
             self.metrics.prompt(t.input_count, cached)
@@ -857,6 +880,7 @@ class EdgeLifecycle:
                     tenant,
                     t.request_id,
                     t.route,
+                    None if t.formatter is None else t.formatter.model,
                     _prompt(t),
                     cached if t.choice == 0 else 0,
                     completion,

@@ -148,6 +148,7 @@ class OpenAIFormatter:
         self.width = wire.record_words(request.logprobs)  # output words per token
         self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0, index=index)
         self.answer_id: str | None = oa.response_id(request.kind, request_id)  # the answer's "id"
+        self.model: str | None = request.model  # the answer's "model"
         self.watch = bool(request.stop)  # stop strings need the output as it is produced
         self.done = False
         self._fed = 0

@@ -2,7 +2,9 @@
 
 A :class:`Usage` is made by the lifecycle when a request it submitted ends, whatever the end; its tokens are what
 the request was charged against its tenant's quota (docs/TENANTS.md), and for an answer with OpenAI's ``usage``
-exactly its ``prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``completion_tokens``.
+exactly its ``prompt_tokens``, ``prompt_tokens_details.cached_tokens`` and ``completion_tokens``; its ``model`` is the
+answer's ``model`` (on ``/v1/generate``, whose answer names none, the served model's name), so a bill can price by
+model.
 
 Durability: :class:`UsageLog` writes each line with one ``write`` on a file opened ``O_APPEND`` as the request
 ends, never buffered in the process, so a line is in the kernel once its answer is decided: a killed edge
@@ -34,10 +36,11 @@ class Usage:
     tenant: str
     request_id: int
     route: str
+    model: str | None  # the served model's name: what an OpenAI answer's "model" says (None: not known here)
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    finish: str  # stop, length, cancelled (client gone), failed, timeout
+    finish: str  # stop, length, cancelled (client gone), reclaimed (cut for a floor), failed, timeout
     ttft_ms: float | None  # receive -> first output token at the edge (None: no output)
     wait_ms: float | None  # of it, the wait: ttft minus its own uncached prompt on an idle server
     answer_id: str | None = None  # the answer's "id" where it is not request_id (OpenAI's cmpl-…, chatcmpl-…)

@@ -731,8 +731,7 @@ def build_edge(
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
     log probabilities and enforces grammars (the llama handler)."""
-    from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, Limits
-    from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
+    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, GenerateFormatter, HttpCore, Limits
     from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
     from edgepath.edge.tools import TOOL_FORMATS
@@ -747,8 +746,9 @@ def build_edge(
     chat = chat_support(tokenizer)
     if chat.available:
         log.info("tool calling: %s", TOOL_FORMATS[chat.tool_format])
+    model = served_model_name(edge, tokenizer)
     openai = OpenAIRoutes(
-        served_model_name(edge, tokenizer),
+        model,
         limits.output_capacity,
         tokenizer.vocab_size,
         chat,
@@ -767,7 +767,11 @@ def build_edge(
         workers=TOKENIZER_WORKERS,
         request_timeout=edge.request_timeout,
         body_timeout=edge.body_timeout,
-        formatters={**DEFAULT_FORMATTERS, COMPLETIONS: openai_format, CHAT: openai_format},
+        formatters={
+            GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
+            COMPLETIONS: openai_format,
+            CHAT: openai_format,
+        },
         supervision=supervision,
     )
 

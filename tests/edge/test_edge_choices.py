@@ -277,4 +277,4 @@ def test_whatever_happens_each_request_of_n_choices_is_answered_once_and_every_f
             assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
             assert seen.count("respond") + seen.count("end") == 1
     assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
-    assert edge.groups == {} and edge.busy_workers == 0 and edge.unmatched == 0
+    assert edge.groups == {} and edge.busy_workers == 0 and edge.unmatched == 0 and edge.broken == 0

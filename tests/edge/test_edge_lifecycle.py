@@ -21,7 +21,7 @@ from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
-from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Request, Response
+from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Outcome, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
     EdgeLifecycle,
@@ -223,6 +223,94 @@ def test_a_generate_request_is_written_into_its_frame_and_answered_from_the_fina
     assert (doc["input_count"], doc["output_count"]) == (5, 3)
     assert dict(action.response.headers)[b"server-timing"].startswith(b"queue;dur=")
     assert port.held == set() and edge.tracked == {} and edge.by_frame == {}
+
+
+class TakingBack(FakePort):
+    """A port whose agent takes a slot back for each request (docs/TENANTS.md): submit returns at once, and the
+    request is sent -- its header stamped -- only at the hand-over, which the test plays."""
+
+    def submit(self, index: int) -> Status | None:
+        stamp = int(self.frames.requests[index]["t_written_ns"])
+        self.in_flight.add(index)
+        self.submitted.append(index)
+        assert stamp == 0  # the edge cleared it: nothing sent yet
+        return None
+
+
+def test_a_request_that_takes_a_slot_back_times_its_claim_to_the_hand_over(tokenizer) -> None:
+    """Not the frame's previous request's stamp: the claim runs from the submit to the hand-over, and the doorbell
+    is not timed (the agent rings it with the request it sends at the hand-over)."""
+    port = TakingBack()
+    port.frames.requests[0]["t_written_ns"] = 17  # a stamp left by the frame's earlier use
+    edge = lifecycle(port, tokenizer)
+    edge.receive(7, generate(now=1000, stream=True), now=1000)
+    (frame,) = port.submitted
+    submitted = edge.tracked[7].handover_from
+    assert submitted > 0
+    port.frames.requests[frame]["t_written_ns"] = submitted + 250_000  # handed over 0.25 ms later: sent
+    start, _ = edge.deliveries([port.produce(frame, [10])], now=900_000)
+    timing = dict(part.split(";dur=") for part in dict(start.headers)[b"server-timing"].decode().split(", "))
+    assert timing["claim"] == "0.250" and "doorbell" not in timing
+
+
+def test_a_moved_stream_reports_the_cached_tokens_of_its_first_placement(port, tokenizer) -> None:
+    """A stream that moved (its slot taken back, its server gone) was sent again with its answer so far after its
+    prompt, and that placement's cached count is over both -- its own KV reused, more than its prompt.  Its usage
+    says its first placement's count.  (Before, OpenAI's usage refused a count over the prompt: the moved answer
+    never ended, and the other answers of the same batch of deliveries were lost with it; bench tenants found it.)"""
+    from edgepath.edge.http import COMPLETIONS
+    from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
+    from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
+
+    routes = OpenAIRoutes("m", OUTPUT, tokenizer.vocab_size, ChatSupport(False, "none"), 0)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size), None, routes)
+    metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+    formatters = {**DEFAULT_FORMATTERS, COMPLETIONS: formatter_factory(lambda: 0.0)}
+    edge = EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT,
+                         formatters=formatters)  # fmt: skip
+    doc = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    edge.receive(1, Request("POST", COMPLETIONS, [], json.dumps(doc).encode(), t_receive_ns=0), now=0)
+    (frame,) = port.submitted
+    port.frames.results[frame]["cached_tokens"] = 2
+    edge.deliveries([port.produce(frame, [104, 105])], now=10)
+    port.frames.requests[frame]["migrations"] = 1  # moved: sent again as "hello" + "hi", 6 of those 7 reused
+    port.frames.results[frame]["cached_tokens"] = 6
+    port.produce(frame, [33])
+    end = edge.deliveries([port.finish(frame, Status.STOP)], now=20)[-1]
+    assert isinstance(end, EndStream)
+    (usage,) = [event["usage"] for _, event in sse(end.data.replace(b"data: [DONE]\n\n", b"")) if event.get("usage")]
+    assert usage["prompt_tokens"] == 5 and usage["completion_tokens"] == 3
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+class EndRaises(GenerateFormatter):
+    """A route whose answer cannot be shaped at its end (an edge bug)."""
+
+    def end(self, outcome: Outcome) -> bytes:
+        raise ValueError("cannot shape this answer")
+
+
+def test_an_answer_that_raises_loses_no_other_answer_of_its_batch(port, tokenizer) -> None:
+    made: list[GenerateFormatter] = []
+
+    def formatter(work: object, tok: CharTokenizer) -> GenerateFormatter:
+        made.append((EndRaises if not made else GenerateFormatter)(tok.decode))
+        return made[-1]
+
+    metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    edge = EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=2, request_timeout_ns=TIMEOUT,
+                         formatters={"/v1/generate": formatter})  # fmt: skip
+    edge.receive(1, generate(stream=True), now=0)
+    edge.receive(2, generate(stream=True), now=0)
+    first, second = port.submitted
+    edge.deliveries([port.produce(first, [10]), port.produce(second, [11])], now=10)
+    port.produce(first, [12])
+    port.produce(second, [13])
+    actions = edge.deliveries([port.finish(first), port.finish(second)], now=20)  # the first one's end raises
+    (end,) = actions
+    assert isinstance(end, EndStream) and end.rid == 2 and ("message", {"token": 13}) in list(sse(end.data))
+    assert edge.broken == 1
 
 
 def test_a_streamed_request_starts_at_its_first_output_and_sends_only_the_new_tokens(port, tokenizer) -> None:
@@ -628,7 +716,7 @@ def test_whatever_happens_every_request_is_answered_once_and_every_frame_comes_b
             assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
             assert seen.count("respond") + seen.count("end") == 1
     assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
-    assert edge.busy_workers == 0 and edge.unmatched == 0
+    assert edge.busy_workers == 0 and edge.unmatched == 0 and edge.broken == 0
 
 
 class StopAt(GenerateFormatter):

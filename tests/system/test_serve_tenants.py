@@ -162,6 +162,7 @@ def test_usage_log_lines_sum_to_the_answers_usage_and_quota_headers_come_with_ev
         for field, usage_field in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens")):
             assert sum(line[field] for line in mine) == sum(u[usage_field] for u in usages) > 0
     assert {line["finish"] for line in lines} <= {"stop", "length"}
+    assert {line["model"] for line in lines} == {MODEL}  # what each answer's "model" says
 
 
 def test_usage_log_after_a_sigkill_mid_load_has_one_line_per_answered_request_and_none_twice(
@@ -238,3 +239,9 @@ def test_sighup_reopens_the_usage_log_for_rotation(edgepath_process: Callable[..
         time.sleep(0.05)
     assert generate(port, "")[0] == 200
     assert len(rotated.read_text().splitlines()) == 2 and len(log.read_text().splitlines()) == 1
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/v1/models")
+    served = json.loads(conn.getresponse().read())["data"][0]["id"]
+    conn.close()
+    lines = [json.loads(line) for f in (rotated, log) for line in f.read_text().splitlines()]
+    assert {line["model"] for line in lines} == {served}  # /v1/generate's answer names none: the served model
