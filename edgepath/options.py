@@ -239,16 +239,21 @@ class StoreTrueOnce(_Once, argparse._StoreTrueAction):
     """argparse's ``store_true``, given at most once."""
 
 
+class StoreFalseOnce(_Once, argparse._StoreFalseAction):
+    """argparse's ``store_false``, given at most once."""
+
+
 class BooleanOptionalOnce(_Once, argparse.BooleanOptionalAction):
     """argparse's ``--x/--no-x`` pair, given at most once (either spelling)."""
 
 
 def once_only(parser: argparse.ArgumentParser) -> None:
-    """Make ``store``, ``store_true`` and ``--x/--no-x`` options of ``parser`` (and of the parsers it adds)
-    refuse repeats (argparse looks an ``action`` up in this registry, a class as well as a name)."""
+    """Make ``store``, ``store_true``, ``store_false`` and ``--x/--no-x`` options of ``parser`` (and of the parsers
+    it adds) refuse repeats (argparse looks an ``action`` up in this registry, a class as well as a name)."""
     parser.register("action", None, StoreOnce)
     parser.register("action", "store", StoreOnce)
     parser.register("action", "store_true", StoreTrueOnce)
+    parser.register("action", "store_false", StoreFalseOnce)
     parser.register("action", argparse.BooleanOptionalAction, BooleanOptionalOnce)
 
 
