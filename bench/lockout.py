@@ -21,8 +21,6 @@ import socket
 import subprocess
 import time
 from collections import Counter
-from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,8 @@ from edgepath.bench.model_compare import (
     Setup,
     _stream,
     get,
-    machine,
     model_id,
+    report_head,
     stop,
     stream_chat,
     wait_ready,
@@ -176,12 +174,7 @@ def main(args: argparse.Namespace) -> int:
         tok.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": machine(),
-        "setup": asdict(setup),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
-    }
+    report = report_head(setup, args)
     report.update(asyncio.run(_run(args, setup, flood_chats, sweep_chats)))
     (out / "lockout.json").write_text(json.dumps(report, indent=2))
     f, s = report["flood"], report["sweep"]

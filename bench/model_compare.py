@@ -1044,6 +1044,16 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
+def report_head(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """What a benchmark's report starts with: when, where, the served model's setup and the plain options."""
+    return {
+        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine(),
+        "setup": asdict(setup),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
+    }
+
+
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Every thread setting x every chosen system, then the batching phase; the report results.json holds."""
     if args.quick:

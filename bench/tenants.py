@@ -56,8 +56,6 @@ import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +66,8 @@ from edgepath.bench.model_compare import (
     Outcome,
     Setup,
     get,
-    machine,
     percentile,
+    report_head,
     stop,
     stream_chat,
     threads_reported,
@@ -600,12 +598,7 @@ def main(args: argparse.Namespace) -> int:
         tok.close()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": machine(),
-        "setup": asdict(setup),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
-    }
+    report = report_head(setup, args)
     report.update(asyncio.run(_run(args, setup, notes, quiet_chats, noisy)))
     report["verdict"] = verdict(report)
     (out / "tenants.json").write_text(json.dumps(report, indent=2))
