@@ -129,7 +129,10 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},
-            start_new_session=True,  # a Ctrl-C reaches the parent only, which stops its children in order
+            # A process group of its own: a Ctrl-C reaches the parent only, which stops its children in order.  Not a
+            # session of its own: Linux's autogroup gives every session an equal share of the CPUs, so a slot server
+            # in one would get at most half of a busy box, beside an edge answering a flood (docs/MODEL.md, "CPU").
+            process_group=0,
         )
         child = cls(proc, name, forward_stderr)
         child._await_ready(" ".join(command[1:] if argv is None else command), ready_timeout, cancel)

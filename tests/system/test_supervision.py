@@ -254,6 +254,20 @@ def test_a_slot_server_whose_serve_is_killed_stops_itself(serve_tcp: Callable[..
     wait_for(lambda: not _alive(child), 60, f"the orphaned slot server (pid {child}) to stop")
 
 
+def test_a_slot_server_shares_the_session_of_serve_and_not_its_process_group(
+    serve_tcp: Callable[..., tuple[Child, int]],
+) -> None:
+    """The slot server stays in serve's session (Linux's autogroup shares the CPUs equally among sessions: in one of
+    its own, a busy edge left the model at most half of the box, and llama.cpp's threads, which wait for each other
+    at every node, ran its steps 10-40x slower) and in a process group of its own (a Ctrl-C reaches serve only,
+    which stops its children in order)."""
+    serve, _ = serve_tcp()
+    child = slot_server_of(serve)
+    assert child is not None
+    assert os.getsid(child) == os.getsid(serve.proc.pid)
+    assert os.getpgid(child) == child != os.getpgid(serve.proc.pid)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended and not yet reaped by init, does not)."""
     try:
