@@ -155,11 +155,15 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         headers = [*response.headers, (b"content-length", str(len(response.body)).encode())]
         if self._closing:
             headers.append((b"connection", b"close"))
-        if self._write_head(response.status, headers):
-            self._finish([self._conn.send(h11.Data(data=response.body))])
+        head = self._head(response.status, headers)
+        if head is not None:  # the whole answer in one write: one send, one segment on the wire
+            self._finish([head, self._conn.send(h11.Data(data=response.body))])
 
     def start(self, status: int, headers: Headers) -> None:
-        self._write_head(status, headers)
+        """The head of a streamed answer (no content-length: h11 chunks the body)."""
+        head = self._head(status, headers)
+        if head is not None and self._transport is not None:
+            self._transport.write(head)
 
     def send(self, data: bytes) -> None:
         if self._transport is not None:
@@ -169,16 +173,13 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         if self._transport is not None:
             self._finish([self._conn.send(h11.Data(data=data))] if data else [])
 
-    def _write_head(self, status: int, headers: Headers) -> bool:
-        """Write the status line and headers (no content-length: h11 chunks the body); False if gone."""
-        transport = self._transport
-        if transport is None:
+    def _head(self, status: int, headers: Headers) -> bytes | None:
+        """The status line and headers, encoded; None (and no answer owed) if the client is gone."""
+        if self._transport is None:
             self._ticket = None
-            return False
+            return None
         reason = HTTPStatus(status).phrase.encode()
-        head = h11.Response(status_code=status, headers=[(b"server", SERVER), *headers], reason=reason)
-        transport.write(self._conn.send(head))
-        return True
+        return self._conn.send(h11.Response(status_code=status, headers=[(b"server", SERVER), *headers], reason=reason))
 
     def _finish(self, out: list[bytes]) -> None:
         """The answer is complete: end the message, then read the next request or close."""
