@@ -129,9 +129,9 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())},
-            # A process group of its own: a Ctrl-C reaches the parent only, which stops its children in order.  Not a
-            # session of its own: Linux's autogroup gives every session an equal share of the CPUs, so a slot server
-            # in one would get at most half of a busy box, beside an edge answering a flood (docs/MODEL.md, "CPU").
+            # A process group of its own: a Ctrl-C reaches the parent only, which stops its children in order.  Not
+            # a session of its own: Linux's autogroup gives every session an equal share of the CPUs, so a slot server
+            # in one got at most half of a box whose edge was busy (docs/MODEL.md, "Sharing the CPUs").
             process_group=0,
         )
         child = cls(proc, name, forward_stderr)
