@@ -326,7 +326,7 @@ class Agent:
 
     # -- slot floors: taking a lent slot back (docs/TENANTS.md) ----------------------------------------
     def _reclaim(self, index: int, count: int, fits: list[ServerLink], choices: list[Choice], tries: int = 0) -> bool:
-        """Frame ``index``'s tenant is under its floor and no slot is free: ask for a running slot of a tenant above
+        """Frame ``index``'s tenant is under its floor and no slot is free: ask for a slot of a tenant above
         its floor (:func:`~edgepath.dpu.floors.victims`, on the servers in admission's order).  One WRITE_WITH_IMM
         of the slot's reclaim word -- the CLAIMED word, this agent's and the tenant's, of the generation after the
         running one -- and the slot server ends that stream (RECLAIMED, to its own agent, which moves it) and

@@ -11,7 +11,7 @@ without a floor is always above it) is taken back: the agent asks the slot serve
 floors at most the slots), such a slot always exists: the other tenants hold more than their floors add up to.
 
 This module only decides, from state words and floors (sans I/O): how many slots each tenant holds, whether
-a tenant is under its floor, and which running slots it may take back, best first.
+a tenant is under its floor, and which slots it may take back, best first.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from edgepath.native.abi import State
 
 @dataclass(frozen=True, slots=True)
 class Victim:
-    """A running slot a tenant under its floor may take back: which server (an index into the words given),
+    """A slot a tenant under its floor may take back: which server (an index into the words given),
     which slot, in which generation, and whose it is (the tenant's floor id)."""
 
     server: int
@@ -84,21 +84,30 @@ def victims(
     skip: frozenset[tuple[int, int]] = frozenset(),
     start: int = 0,
 ) -> list[Victim]:
-    """The RUNNING slots ``tenant`` may take back, best first: slots of other tenants above their floors (the
-    tenant with the most slots lent first, so a floor is taken from whoever borrowed most), servers in the order
-    given (the caller's admission order), each pool's slots from ``start`` on (a rotating cursor, so that several
-    agents do not all pick the same slot).  ``skip``: (server, slot) pairs not to offer (reclaims under way).
-    Only RUNNING slots are offered: the slot server can end those at once; a claim not yet rung is left to run."""
-    out: list[tuple[int, int, Victim]] = []
+    """The slots ``tenant`` may take back, best first: slots of other tenants above their floors (the tenant with
+    the most slots lent first, so a floor is taken from whoever borrowed most), servers in the order given (the
+    caller's admission order), each pool's slots from ``start`` on (a rotating cursor, so that several agents do not
+    all pick the same slot).  ``skip``: (server, slot) pairs not to offer (reclaims under way).  RUNNING slots come
+    first: the slot server ends those at once.  Then slots claimed or rung but not started yet: the server cannot
+    end those yet and says so, and the reclaimer asks again (:data:`~edgepath.dpu.agent.RECLAIM_TRIES` times) --
+    without them, a tenant under its floor that arrived while every lent slot had just changed hands was refused
+    (a noisy closed loop re-claims a slot the moment it frees: ``tests/system/test_serve_floors.py`` saw it)."""
+    out: list[tuple[int, int, int, Victim]] = []
     for server, pool in enumerate(words):
         n = len(pool)
-        running = np.flatnonzero(wire.in_state(pool, State.RUNNING))
-        for slot in sorted((int(s) for s in running), key=lambda s: (s - start) % n):
-            word = int(pool[slot])
-            owner = wire.word_tenant(word)
-            spare = lent(owner, floors, holdings)
-            if owner == tenant or spare <= 0 or (server, slot) in skip:
-                continue
-            out.append((-spare, len(out), Victim(server, slot, wire.word_generation(word), owner)))
-    out.sort(key=lambda entry: (entry[0], entry[1]))
-    return [victim for _, _, victim in out]
+        for rank, state in enumerate(_VICTIM_STATES):
+            for slot in sorted(
+                (int(s) for s in np.flatnonzero(wire.in_state(pool, state))), key=lambda s: (s - start) % n
+            ):
+                word = int(pool[slot])
+                owner = wire.word_tenant(word)
+                spare = lent(owner, floors, holdings)
+                if owner == tenant or spare <= 0 or (server, slot) in skip:
+                    continue
+                out.append((rank, -spare, len(out), Victim(server, slot, wire.word_generation(word), owner)))
+    out.sort(key=lambda entry: entry[:3])
+    return [victim for *_, victim in out]
+
+
+#: The states a slot may be taken back in, in the order they are offered (see :func:`victims`).
+_VICTIM_STATES = (State.RUNNING, State.READY, State.CLAIMED)

@@ -55,7 +55,7 @@ def test_victims_are_running_slots_of_tenants_above_their_floors_the_most_lent_f
     pool = words(
         (State.RUNNING, BUSY),
         (State.RUNNING, 0),
-        (State.CLAIMED, BUSY),  # not running yet: left to run
+        (State.CLAIMED, BUSY),  # not running yet: offered after every running one
         (State.RUNNING, QUIET),  # the reclaimer's own
         (State.RUNNING, BUSY),
         (State.RUNNING, OTHER),  # within its floor
@@ -65,10 +65,20 @@ def test_victims_are_running_slots_of_tenants_above_their_floors_the_most_lent_f
     table = {QUIET: 2, BUSY: 1, OTHER: 1}
     got = floors.victims(QUIET, [pool], table, holdings)
     # BUSY lends 2 (3 held, floor 1), the floorless tenant 1: BUSY's running slots first
-    assert [(v.slot, v.tenant) for v in got] == [(0, BUSY), (4, BUSY), (1, 0)]
+    assert [(v.slot, v.tenant) for v in got] == [(0, BUSY), (4, BUSY), (1, 0), (2, BUSY)]
     assert all(v.generation == 5 and v.server == 0 for v in got)
-    assert [v.slot for v in floors.victims(QUIET, [pool], table, holdings, start=2)] == [4, 0, 1]
-    assert [v.slot for v in floors.victims(QUIET, [pool], table, holdings, skip=frozenset({(0, 0)}))] == [4, 1]
+    assert [v.slot for v in floors.victims(QUIET, [pool], table, holdings, start=2)] == [4, 0, 1, 2]
+    assert [v.slot for v in floors.victims(QUIET, [pool], table, holdings, skip=frozenset({(0, 0)}))] == [4, 1, 2]
+
+
+def test_slots_claimed_but_not_started_are_victims_after_every_running_one() -> None:
+    pool = words((State.CLAIMED, 0), (State.READY, 0), (State.RUNNING, QUIET))
+    holdings = floors.held([pool])
+    got = floors.victims(QUIET, [pool], {QUIET: 2}, holdings)
+    assert [v.slot for v in got] == [1, 0]  # rung before claimed: it starts first
+    other = words((State.RUNNING, 0))
+    both = floors.victims(QUIET, [pool, other], {QUIET: 2}, floors.held([pool, other]))
+    assert [(v.server, v.slot) for v in both] == [(1, 0), (0, 1), (0, 0)]  # a running slot on any server first
 
 
 def test_no_victim_when_every_slot_is_held_within_floors() -> None:
@@ -134,6 +144,18 @@ class Pool:
     def _run(self, slot: int, claimed: int) -> None:
         gen = wire.word_generation(claimed)
         self.words[slot] = wire.step(wire.step(claimed, Event.DOORBELL, gen), Event.START, gen)
+
+    def claim_only(self, agent: int, tenant: int) -> None:
+        """A claim of ``agent``'s that is not rung yet (its agent between the CAS and the doorbell)."""
+        slot = int(np.flatnonzero(wire.in_state(self.words, State.FREE))[0])
+        self.words[slot] = wire.claim_word(int(self.words[slot]), self.claimant(agent), tenant)
+
+    def start(self, slot: int) -> None:
+        """The claim on ``slot`` is rung and the slot server starts it."""
+        word = int(self.words[slot])
+        assert wire.word_state(word) == State.CLAIMED
+        self.words[slot] = 0
+        self._run(slot, word)
 
     def end(self, slot: int) -> None:
         """A running stream ends by itself: RUNNING -> DONE -> FREE."""
@@ -244,3 +266,21 @@ def test_a_quiet_tenant_takes_its_floor_back_from_a_noisy_one_that_filled_the_po
     pool.drain()
     assert floors.held([pool.words]) == Counter({0: SLOTS - 2, QUIET: 2})
     assert pool.refused_owners == 0
+
+
+def test_a_tenant_under_its_floor_is_not_refused_while_every_lent_slot_is_claimed_but_not_started() -> None:
+    """A noisy closed loop re-claims every slot the moment it frees; a quiet request that comes just then finds no
+    running slot to take back.  It asks for one not started yet: the slot server cannot end it yet and says so, the
+    claim starts, and the next try takes it (before, the request was refused: tests/system/test_serve_floors.py)."""
+    pool = Pool({QUIET: 1}, agents=2)
+    for _ in range(SLOTS):
+        pool.claim_only(1, 0)
+    pool.arrive(0, QUIET)
+    assert pool.refused_owners == 0 and len(pool.reclaims) == 1
+    pool.serve_reclaim()  # not running yet: no hand-over, the reclaimer is told
+    assert pool.handovers == 0
+    for slot in range(SLOTS):
+        pool.start(slot)
+    pool.drain()  # the reclaimer tries again, on a running slot now
+    assert pool.refused_owners == 0 and pool.handovers == 1
+    assert floors.held([pool.words]) == Counter({0: SLOTS - 1, QUIET: 1})
