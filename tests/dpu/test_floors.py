@@ -154,7 +154,6 @@ class Pool:
         """The claim on ``slot`` is rung and the slot server starts it."""
         word = int(self.words[slot])
         assert wire.word_state(word) == State.CLAIMED
-        self.words[slot] = 0
         self._run(slot, word)
 
     def end(self, slot: int) -> None:
