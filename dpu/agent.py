@@ -566,6 +566,29 @@ class Agent:
             self.layout.output_capacity,
         )
 
+    def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
+        """Before frame ``index``'s prompt costs anything: NO_SLOT (its retry time in the frame's result header) when
+        no UP slot server has ``slots`` free slots in the state words read now -- not as cached -- and the request's
+        tenant (floor id ``tenant``, its ``floor``) is not under its floor, so the claim :meth:`submit` would make
+        after the prompt is templated and tokenized could only fail.  None: go on (:meth:`submit` decides).  A
+        flood that never backs off is refused for the price of a READ, not a tokenization (docs/TENANTS.md)."""
+        ups = [link for link in self.links if link.up]
+        if not ups:
+            return None  # submit probes the others and answers UNAVAILABLE
+        if any(link.free_hint >= slots for link in ups):
+            return None
+        for link in ups:
+            self.link_set.probe(link)  # the cache saw none free: the words as they are now
+        ups = [link for link in ups if link.up]
+        if not ups or any(link.free_hint >= slots for link in ups):
+            return None
+        if tenant and floor:
+            self._learned[tenant] = floor
+            if slots == 1 and floors.under_floor(tenant, floor, self._holdings()):
+                return None  # it takes a slot back (submit_group never does)
+        self.frames.result_headers[index].no_slot(self._slot_frees_in(ups))
+        return Status.NO_SLOT
+
     def submit(self, index: int) -> Status | None:
         """Send frame ``index``. None: in flight (its result arrives via :meth:`poll`);
         otherwise the immediate outcome: NO_SLOT, UNAVAILABLE (no live server) or BAD_REQUEST."""

@@ -101,6 +101,11 @@ class AgentClient:
             return False
         return True
 
+    def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
+        """None: the agent process reads the state words and decides at :meth:`submit` (the free count it publishes
+        is older than a claim, and a refusal never rests on an old view)."""
+        return None
+
     def submit(self, index: int) -> Status | None:
         """Hand frame ``index`` to the agent; answered later through :meth:`poll`, or UNAVAILABLE now
         when the agent is gone."""

@@ -77,6 +77,11 @@ class AgentPort(Protocol):
         """A frame to fill, or None when all are in use (the caller answers 429)."""
         ...
 
+    def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
+        """Before frame ``index`` is filled: NO_SLOT (its figures in the frame's result header) when no claim for
+        ``slots`` slots by ``tenant`` (its floor id and floor) can succeed now, whatever the prompt; else None."""
+        ...
+
     def submit(self, index: int) -> Status | None:
         """Send frame ``index``: None when in flight, else the refusal (NO_SLOT, UNAVAILABLE, BAD_REQUEST)."""
         ...

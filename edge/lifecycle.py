@@ -58,6 +58,7 @@ from edgepath.edge.http import (
 )
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.quota import Quotas, Reservation
+from edgepath.edge.tenants import Tenant
 from edgepath.edge.tokenizer import INLINE_CHARS, Tokenizer
 from edgepath.edge.usage import Usage
 from edgepath.native.abi import Status
@@ -340,8 +341,16 @@ class EdgeLifecycle:
                 if index is not None:
                     self.port.release(index)
             return [self._respond(rid, route, request, timings, formatter.failure(self.core.no_slot()))]
+        held = [frame, *(index for index in spares if index is not None)]
+        refused = self._early_refusal(work, frame, len(held))
+        if refused is not None:
+            for index in held:
+                self.port.release(index)
+            response = formatter.failure(refused)
+            response.headers += self._limits_seen(work.tenant)
+            return [self._respond(rid, route, request, timings, response)]
         t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
-        t.spares = [index for index in spares if index is not None]
+        t.spares = held[1:]
         self.tracked[rid] = t
         out = self.port.frames.tokens[frame]  # registered memory: the ids are written here, once
         if messages is not None:  # a chat: the model's own template, tokenized straight into the frame
@@ -400,11 +409,10 @@ class EdgeLifecycle:
         and the rate-limit headers of its answer either way."""
         tenant, now = t.work.tenant, self.wall_clock()
         tokens = _prompt(t) + _tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
-        if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
-            self.metrics.refused("slot_cap")
-            seen = self.quotas.limits(tenant, now)
-            t.limits = quota.headers(seen) if seen is not None and not isinstance(seen, quota.Unavailable) else []
-            return self.core.over_cap(tenant.slot_cap)
+        capped = self._over_cap(tenant)
+        if capped is not None:
+            t.limits = self._limits_seen(tenant)
+            return capped
         got = self.quotas.reserve(tenant, tokens, now, requests=1 if t.choice == 0 else 0)
         if isinstance(got, quota.Unavailable):
             return self.core.quota_unavailable(got.why)
@@ -417,6 +425,32 @@ class EdgeLifecycle:
             t.capped = True
             self.in_flight[tenant.name] += 1
         return None
+
+    def _early_refusal(self, work: Work, frame: int, slots: int) -> HttpError | None:
+        """The refusal a request gets before its prompt costs anything (templating, tokenizing): its tenant at its
+        ``slot_cap``, or no slot to be had for it now (the agent reads the state words; a tenant under its floor
+        takes one back), whatever its prompt.  A flood that never backs off then costs the edge a parse and a READ
+        per attempt, not a tokenization -- CPU the model shares on a CPU server (docs/TENANTS.md)."""
+        capped = self._over_cap(work.tenant)
+        if capped is not None:
+            return capped
+        status = self.port.early_refusal(frame, work.tenant.floor_id, work.tenant.slot_floor, slots)
+        if status is None:
+            return None
+        return self._refusal(Status(status), frame)
+
+    def _over_cap(self, tenant: Tenant) -> HttpError | None:
+        """429 ``slot_cap`` when ``tenant`` holds as many requests as its ``slot_cap`` allows."""
+        if tenant.slot_cap and self.in_flight[tenant.name] >= tenant.slot_cap:
+            self.metrics.refused("slot_cap")
+            return self.core.over_cap(tenant.slot_cap)
+        return None
+
+    def _limits_seen(self, tenant: Tenant) -> Headers:
+        """The rate-limit headers of an answer refused before it reserved anything: ``tenant``'s quotas as they
+        are (none when it has none, or the ledger is out of reach)."""
+        seen = self.quotas.limits(tenant, self.wall_clock())
+        return quota.headers(seen) if seen is not None and not isinstance(seen, quota.Unavailable) else []
 
     def _submit(self, t: Tracked, now: int) -> list[Action]:
         port, frame = self.port, t.frame

@@ -135,3 +135,29 @@ def test_a_reclaim_given_up_on_before_its_slot_is_handed_over_gives_the_slot_bac
     assert mine not in quiet.inflight  # the frame is free again: nothing of it can land anywhere
     assert wait_free(server)  # the slot handed over to it was given back at once, not held for its lease
     assert quiet.delivery_stats.late == 1 and quiet.delivery_stats.unknown == 0
+
+
+def test_an_early_refusal_rests_on_the_words_read_now_and_spares_a_tenant_under_its_floor(new_agent, serve) -> None:
+    """What the edge asks before it tokenizes a prompt (docs/TENANTS.md): NO_SLOT only when the state words, read
+    now, have no free slot for the request and its tenant is not under its floor."""
+    server = serve(Counting(0.05), slots=4)
+    noisy, other = new_agent(), new_agent()
+    noisy.attach(server.address)
+    other.attach(server.address)  # its cached words, read now, are all FREE
+    borrowed = [submit(noisy, [10 * (k + 1)])[0] for k in range(4)]
+    assert eventually(lambda: server.pool.count(State.RUNNING) == 4, 5.0)
+    index = other.acquire()
+    assert index is not None
+    assert other.early_refusal(index, 0, 0) is None  # its cache (read at attach) says free: no READ, submit decides
+    assert other.free_slots() == (0, 4)  # read: every slot claimed
+    assert other.early_refusal(index, 0, 0) == Status.NO_SLOT
+    assert other.early_refusal(index, QUIET, 2) is None  # under its floor: it takes a slot back at submit
+    noisy.cancel(borrowed[0])
+    assert eventually(lambda: server.pool.free_count() == 1, 5.0)
+    assert other.early_refusal(index, 0, 0) is None  # its cache says none free; the words say one is
+    assert other.early_refusal(index, 0, 0, slots=2) == Status.NO_SLOT  # two choices need two free slots
+    other.release(index)
+    for frame in borrowed[1:]:
+        noisy.cancel(frame)
+    until_final([noisy], {(0, i): None for i in borrowed})
+    assert wait_free(server)

@@ -54,6 +54,8 @@ class FakePort:
         self.abandoned: list[int] = []
         self.submitted: list[int] = []
         self.refuse_with: Status | None = None
+        self.unclaimable = False  # early_refusal's answer: no slot for any prompt now
+        self.asked: list[tuple[int, int, int]] = []  # early_refusal's (tenant, floor, slots), in order
         self.lost: list[int] = []
         self.stall: list[int] = []  # frames whose slot server the test has made unresponsive
         self.state = LinkState.UP
@@ -80,6 +82,14 @@ class FakePort:
         index = self.free.pop(0)
         self.held.add(index)
         return index
+
+    def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
+        assert index in self.held and index not in self.in_flight, f"early_refusal of frame {index} not held"
+        self.asked.append((tenant, floor, slots))
+        if not self.unclaimable:
+            return None
+        self.frames.result_headers[index].no_slot(1500.0)
+        return Status.NO_SLOT
 
     def submit(self, index: int) -> Status | None:
         assert index in self.held and index not in self.in_flight, f"submit of frame {index} not held"
@@ -525,6 +535,21 @@ def test_health_names_an_unresponsive_slot_server_and_the_probes_split_live_from
     }  # fmt: skip
     assert json.loads(answers["/health/ready"].body) == {"status": "unresponsive", "reason": reason}
     assert [answers[path].status for path in probes] == [503, 200, 503]
+
+
+def test_a_request_no_slot_can_take_now_is_refused_before_its_prompt_is_tokenized(port, tokenizer) -> None:
+    """A flood that never backs off costs the edge a parse per attempt, not a tokenization (docs/TENANTS.md)."""
+    edge = lifecycle(port, tokenizer)
+    port.unclaimable = True
+    (action,) = edge.receive(1, generate(prompt="a prompt that is never tokenized"), now=0)
+    assert action.response.status == 429 and body(action)["error"]["type"] == "no_slot"
+    assert dict(action.response.headers)[b"retry-after-ms"] == b"1500"  # the agent's advice, as at submit
+    assert tokenizer.calls == 0 and port.submitted == [] and port.held == set() and edge.tracked == {}
+    assert port.asked == [(0, 0, 1)]  # no tenant, no floor, one slot
+    assert 'edgepath_refusals_total{reason="no_slot"} 1.0' in edge.metrics.exposition().decode()
+    port.unclaimable = False
+    edge.receive(2, generate(), now=0)
+    assert tokenizer.calls == 1 and len(port.submitted) == 1
 
 
 @pytest.mark.parametrize(
