@@ -11,8 +11,9 @@ decoded one does, and every decoding stream waits for the whole step), its objec
 
 1. *Decoding never stops*: every decoding slot has its one token in every step.
 2. *A stall is bounded*: while any slot decodes, a step is planned to cost at most ``stall_ms``.
-3. *Prompts are prefilled in as few steps as that bound allows*, oldest first: concentrating a prompt keeps most
-   steps pure decode steps and gives its first token as early as the bound allows.
+3. *Prompts are prefilled in as few steps as that bound allows*, oldest first -- after the prompts of requests
+   within their tenant's slot floor (:func:`prefill_order`): concentrating a prompt keeps most steps pure decode
+   steps and gives its first token as early as the bound allows.
 4. *A whole prompt at once when nothing decodes* (up to ``batch`` tokens): nobody waits on that step; other
    prompts join it only within the stall bound (and objective 6).
 5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step.
@@ -39,7 +40,7 @@ little, and it returns to the calibration when steps run as measured again.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -186,6 +187,21 @@ class StepPolicy:
                 if take == prompt.remaining:  # its first token: those behind may delay it only a little
                     room_ms = min(room_ms, JOIN_SHARE * spent_ms)
         return plan
+
+
+def prefill_order(tenants: Sequence[tuple[int, int]]) -> list[int]:
+    """The order prompts are served in: ``tenants`` holds each running request's tenant (its floor id, 0 for none)
+    and that tenant's slot floor, in arrival order; the answer is their indexes, the requests within their tenant's
+    floor first -- a tenant's first ``floor`` requests here -- then the rest, each group oldest first.  A floor is
+    a slot a tenant can always have (docs/TENANTS.md); served first, it is also a first token that does not wait
+    behind the prompts of the tenants it was lent to.  A server's published waiting prompts are in this order, so
+    the agent's prediction runs the same policy."""
+    held: Counter[int] = Counter()
+    first, rest = [], []
+    for index, (tenant, floor) in enumerate(tenants):
+        held[tenant] += 1
+        (first if tenant and held[tenant] <= floor else rest).append(index)
+    return first + rest
 
 
 def _decoding_step(decoding: int, longest: int, runs: int) -> Step:

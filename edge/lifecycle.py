@@ -1,7 +1,8 @@
 """The edge's request lifecycle, sans I/O: events and ``now`` in, actions out.
 
 A request is received -> routed and validated (:class:`~edgepath.edge.http.HttpCore`) -> given a
-frame of the agent port (none free: 429 before the prompt costs anything) -> tokenized straight
+frame of the agent port (none free, its tenant at its ``slot_cap``, or no slot it could claim now: 429
+before the prompt costs anything) -> tokenized straight
 into the frame (inline, or as a :class:`Tokenize` action for a worker thread when the prompt is
 large and a worker is free; all busy: 429, never a waiting line) -> submitted -> answered from the
 port's deliveries: one response, or a stream started at the first output, one event chunk per

@@ -36,7 +36,17 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, Step, StepPolicy, chunk_attended
+from edgepath.contract.plan import (
+    CostModel,
+    Costs,
+    Load,
+    PolicyOptions,
+    Prompt,
+    Step,
+    StepPolicy,
+    chunk_attended,
+    prefill_order,
+)
 from edgepath.model import known_answer
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
@@ -737,14 +747,15 @@ class LlamaHandler:
     # -- ReportsLoad: what the slot server publishes for the agents' admission -----------------------
     def load(self) -> Load:
         """What the step policy will plan from, as the agents replay it: the costs it plans with, its knobs, the
-        streams decoding and the positions they hold, the prompts in prefill oldest first (a request not placed
-        yet as what it would reuse if placed now: a free stream's or a host copy's prefix, or one it shares with an
-        older prompt of its cache namespace)."""
+        streams decoding and the positions they hold, the prompts in prefill in the order they are served (those
+        within their tenant's floor, then oldest first; a request not placed yet as what it would reuse if placed
+        now: a free stream's or a host copy's prefix, or one it shares with a prompt before it of its cache
+        namespace)."""
         decoding: list[int] = []
         longest = 0
         waiting = []
         ahead: list[_Sequence] = []
-        for seq in self._running.values():
+        for seq in self._in_prefill_order():
             if seq.stream < 0 and self.options.prefix_cache:
                 readable = seq.request.readable
                 older = (s.request.tokens for s in ahead if s.request.salt in readable)
@@ -775,10 +786,10 @@ class LlamaHandler:
     def _plan(self, out: list[Emit]) -> tuple[int, list[tuple[_Sequence, int, int, int]]]:
         """This step's batch: (tokens, [(sequence, batch start, length, first position)]), in sequence-id
         order (llama.cpp cuts a step into micro-batches of consecutive sequence ids).  Every decoding slot
-        has one token; prompts get what the policy plans, oldest first."""
+        has one token; prompts get what the policy plans, in :meth:`_in_prefill_order`."""
         decoding: list[_Sequence] = []
         waiting: list[_Sequence] = []
-        for seq in self._running.values():
+        for seq in self._in_prefill_order():
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
         longest = max((seq.prompt_len + seq.count - 1 for seq in decoding), default=0)
         costs = self.cost.costs()
@@ -818,6 +829,12 @@ class LlamaHandler:
             segments.append((seq, n, length, first))
             n += length
         return n, segments
+
+    def _in_prefill_order(self) -> list[_Sequence]:
+        """The running sequences in the order their prompts are served (:func:`prefill_order`: those within their
+        tenant's slot floor first, then oldest first)."""
+        running = list(self._running.values())
+        return [running[i] for i in prefill_order([(s.request.tenant, s.request.floor) for s in running])]
 
     def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
         """Whether an older waiting prompt will compute, but has not yet computed, a prefix of ``new``'s prompt

@@ -46,6 +46,8 @@ class SlotRequest:
     sampling: Sampling = field(default_factory=Sampling)
     salt: int = 0  # the prefix cache namespace (the header's cache_salt): reuse KV only from the same salt
     constraint: str | None = None  # a GBNF grammar the output must match (None: unconstrained)
+    tenant: int = 0  # its tenant's floor id (0: a tenant without a slot floor; docs/TENANTS.md) ...
+    floor: int = 0  # ... and that tenant's slot floor: within it, its prompt is computed first
 
     @property
     def readable(self) -> tuple[int, ...]:

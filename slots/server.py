@@ -307,6 +307,8 @@ class SlotServer:
             sampling,
             req.cache_salt,
             constraint,
+            req.tenant,
+            req.slot_floor,
         )
         try:
             emits = self.handler.add(request, now)

@@ -24,6 +24,7 @@ from edgepath.contract.plan import (
     chunk_attended,
     own_ms,
     predict,
+    prefill_order,
 )
 
 FLAT = Costs(overhead_ms=10.0, prompt_ms=2.0, decode_ms=2.0)  # one rate, no context term: easy arithmetic
@@ -468,3 +469,12 @@ def test_a_torn_load_region_is_not_taken() -> None:
     record = wire.load_record(Load(TRUE.published(), OPTIONS, 1))
     record["end"], record["begin"] = 5, 6  # the writer began version 6 while the reader copied
     assert wire.read_load(record[0]) is None
+
+
+def test_prompts_within_their_tenants_floor_are_served_first_then_oldest_first() -> None:
+    """docs/TENANTS.md: a tenant's first ``floor`` requests on a server are served before the others, each group
+    in arrival order; a tenant without a floor (0) never is."""
+    tenants = [(0, 0), (1, 2), (0, 0), (1, 2), (1, 2), (2, 1), (0, 3)]
+    assert prefill_order(tenants) == [1, 3, 5, 0, 2, 4, 6]
+    assert prefill_order([(0, 0)] * 3) == [0, 1, 2]
+    assert prefill_order([]) == []

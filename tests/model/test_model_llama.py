@@ -53,7 +53,12 @@ class Pool:
         self.outputs = np.zeros((slots, OUT_CAP), dtype=np.int32)
 
     def request(
-        self, slot: int, prompt: np.ndarray, max_new: int = OUT_CAP, sampling: Sampling | None = None
+        self,
+        slot: int,
+        prompt: np.ndarray,
+        max_new: int = OUT_CAP,
+        sampling: Sampling | None = None,
+        tenant: tuple[int, int] = (0, 0),  # its tenant's floor id and slot floor
     ) -> SlotRequest:
         self.inputs[slot, : len(prompt)] = prompt
         return SlotRequest(
@@ -64,6 +69,8 @@ class Pool:
             tokens=self.inputs[slot, : len(prompt)],
             output=self.outputs[slot, :max_new],
             sampling=sampling or Sampling(),
+            tenant=tenant[0],
+            floor=tenant[1],
         )
 
 
@@ -125,7 +132,7 @@ def test_every_step_is_the_one_the_published_load_plans(handler: LlamaHandler, t
     prompt and decoded tokens the step will carry -- and the step carries exactly those."""
     pool = Pool()
     for slot, question in enumerate(["Name a colour.", "What is the capital of France?", "Count to ten."]):
-        handler.add(pool.request(slot, chat(tok, question), max_new=12), 0.0)
+        handler.add(pool.request(slot, chat(tok, question), max_new=12, tenant=(slot // 2, slot // 2)), 0.0)
     steps = 0
     while handler.wake_in(0.0) is not None and steps < 200:
         load = handler.load()
@@ -505,6 +512,24 @@ def test_the_load_it_reports_follows_its_prompts_and_streams(handler: LlamaHandl
     assert handler.load().longest == len(prompt) + 1
     drive(handler)
     assert handler.load().idle
+
+
+def test_a_prompt_within_its_tenants_floor_is_computed_before_older_ones(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    """docs/TENANTS.md: a floor is a slot its tenant can always have, and a first token that does not wait behind
+    the prompts of the tenants it was lent to; the load published says so, and the older prompts still finish."""
+    pool = Pool()
+    older = [chat(tok, f"Tell me a long story about the number {k}.") for k in range(2)]
+    for slot, prompt in enumerate(older):
+        handler.add(pool.request(slot, prompt, max_new=4), 0.0)
+    mine = chat(tok, "Name a colour.")
+    handler.add(pool.request(2, mine, max_new=4, tenant=(1, 1)), 0.0)
+    assert handler.load().waiting[0] == Prompt(0, len(mine))  # served first, and published so
+    (first,) = [e for e in handler.step(0.0) if e.slot == 2]
+    assert first.count == 1  # its first token from the first step: nothing decodes, it was computed whole
+    final = drive(handler)
+    assert sorted(final) == [0, 1, 2] and all(final[slot].count == 4 for slot in final)
 
 
 def test_a_sequence_copied_to_another_decodes_the_same_logits_bit_for_bit(handler: LlamaHandler) -> None:
