@@ -197,7 +197,8 @@ def prefill_order(tenants: Sequence[tuple[int, int]]) -> list[int]:
     behind the prompts of the tenants it was lent to.  A server's published waiting prompts are in this order, so
     the agent's prediction runs the same policy."""
     held: Counter[int] = Counter()
-    first, rest = [], []
+    first: list[int] = []
+    rest: list[int] = []
     for index, (tenant, floor) in enumerate(tenants):
         held[tenant] += 1
         (first if tenant and held[tenant] <= floor else rest).append(index)

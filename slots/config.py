@@ -36,6 +36,9 @@ class SlotServerConfig:
     memory: str = "host"
     gpu_device: int = 0
     handoff_wait: float = 0.002  # seconds to wait for the GPU's hand-off after a doorbell arrives
+    # seconds the next model step waits, after a slot is handed over to a reclaimer (docs/TENANTS.md), for its
+    # request: the tenant under its floor then starts in that step, not in the one after it
+    handover_wait: float = 0.05
     handler_deadline: float = 0.0  # > 0: one-shot handlers run on worker threads and are answered after this long
     stream_window: float = 0.002  # seconds within which streamed tokens after the first are coalesced
     step_budget: float = STEP_BUDGET  # a model step longer than this is logged and counted (heartbeat still)
@@ -48,6 +51,8 @@ class SlotServerConfig:
             raise ValueError(f"lease must be positive seconds, got {self.lease}")
         if self.handler_deadline < 0:
             raise ValueError(f"handler deadline must be >= 0 seconds (0: none), got {self.handler_deadline}")
+        if self.handover_wait < 0:
+            raise ValueError(f"hand-over wait must be >= 0 seconds, got {self.handover_wait}")
         if self.spin < 0:
             raise ValueError(f"spin must be >= 0 seconds, got {self.spin}")
         if self.stream_window < 0:

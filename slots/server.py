@@ -149,6 +149,7 @@ class SlotServer:
         self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go
         #: slot -> (holder, reclaimer): a reclaimed slot the handler still holds, handed over once it lets go
         self._handovers: dict[int, tuple[int, AgentPeer]] = {}
+        self._handed: dict[int, float] = {}  # slot -> until when the next step waits for its reclaimer's request
         self._lock = threading.Lock()
         self.stats = ServerStats()
         self._turned = time.monotonic()  # when the loop last ended a turn (poll_once)
@@ -263,6 +264,7 @@ class SlotServer:
 
     def _start(self, slot: int, conn_id: int, gen: int, now: float) -> None:
         """A RUNNING slot: validate its request and hand it to the model side."""
+        self._handed.pop(slot, None)
         req = self._req_hdr[slot]
         peer = self.peers.get(conn_id)
         request_id = req.request_id
@@ -466,6 +468,17 @@ class SlotServer:
             return
         self.memory.step(slot, Event.HANDOVER, gen, holder)
         self._tell_reclaimer(peer, slot)
+        if self.config.handover_wait > 0:
+            self._handed[slot] = time.monotonic() + self.config.handover_wait
+
+    def _handover_hold(self, now: float) -> float | None:
+        """Seconds the next model step still waits for the request of a reclaimer a slot was handed over to (None:
+        it waits for none).  Without it the step that starts right after the hand-over runs without that request
+        -- the reclaimer cannot have sent it yet --, and the tenant under its floor waits a whole step more."""
+        for slot, until in list(self._handed.items()):
+            if until <= now:
+                del self._handed[slot]
+        return min(self._handed.values()) - now if self._handed else None
 
     def _publish_prefixes(self) -> None:
         """Rewrite the pool's prefix table when what the handler holds has changed."""
@@ -626,7 +639,8 @@ class SlotServer:
         memory.beat(now)
         wait = self.handler.wake_in(now)
         due = self.flush(now)
-        for t in (wait, due):
+        hold = self._handover_hold(now)
+        for t in (wait if hold is None else hold, due):
             if t is not None:
                 timeout = min(timeout, t)
         if self._held:
@@ -639,7 +653,7 @@ class SlotServer:
         if completions or self.poller.hands_over:
             self.process(completions, now)
         wait = self.handler.wake_in(now)
-        if (wait is not None and wait <= 0) or self._held:
+        if ((wait is not None and wait <= 0) or self._held) and self._handover_hold(now) is None:
             self.step(now)
             now = time.monotonic()
             memory.beat(now)

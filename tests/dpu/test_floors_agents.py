@@ -161,3 +161,41 @@ def test_an_early_refusal_rests_on_the_words_read_now_and_spares_a_tenant_under_
         noisy.cancel(frame)
     until_final([noisy], {(0, i): None for i in borrowed})
     assert wait_free(server)
+
+
+class Recording(Counting):
+    """:class:`Counting` with a token every step, each step taking ``step_s`` and recording the first prompt token
+    of every request it ran."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(0.0)
+        self.step_s = step_s
+        self.steps: list[set[int]] = []
+
+    def step(self, now: float) -> list:
+        time.sleep(self.step_s)
+        self.steps.append({int(request.tokens[0]) for request, _, _ in self._running.values()})
+        return super().step(now)
+
+
+def test_the_step_after_a_hand_over_runs_the_reclaimers_request(new_agent, serve) -> None:
+    """The borrower's stream ends between two steps and the reclaimer can only send its request after the hand-over:
+    the next step waits for it (``handover_wait``, long here so that the test's polling cannot miss it), so the
+    tenant under its floor starts one step after its reclaim was seen, not two."""
+    handler = Recording(0.1)
+    server = serve(handler, slots=2, handover_wait=5.0)
+    noisy, quiet = new_agent(), new_agent()
+    noisy.attach(server.address)
+    quiet.attach(server.address)
+    borrowed = [submit(noisy, [10 * (k + 1)])[0] for k in range(2)]
+    assert eventually(lambda: server.pool.count(State.RUNNING) == 2, 5.0)
+    mine, refused = submit(quiet, [500], QUIET, 1)
+    assert refused is None
+    until_final([noisy, quiet], {(1, mine): None, **{(0, i): None for i in borrowed}})
+    (cut,) = [k for k, i in enumerate(borrowed) if noisy.frames.result_headers[i].status == Status.RECLAIMED]
+    last = max(n for n, ran in enumerate(handler.steps) if 10 * (cut + 1) in ran)
+    assert 500 in handler.steps[last + 1]  # not a step of the other stream alone in between
+    assert quiet.frames.result_headers[mine].status == Status.LENGTH
+    kept = borrowed[1 - cut]
+    assert noisy.frames.result_headers[kept].status == Status.LENGTH  # the stream not taken lost nothing
+    assert wait_free(server)
