@@ -837,8 +837,9 @@ class LlamaHandler:
         return [running[i] for i in prefill_order([(s.request.tenant, s.request.floor) for s in running])]
 
     def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
-        """Whether an older waiting prompt will compute, but has not yet computed, a prefix of ``new``'s prompt
-        worth reusing: ``new`` then waits, and copies it once computed instead of computing it again."""
+        """Whether a waiting prompt served before ``new`` (:meth:`_in_prefill_order`) will compute, but has not yet
+        computed, a prefix of ``new``'s prompt worth reusing: ``new`` then waits, and copies it once computed instead
+        of computing it again."""
         if not self.options.prefix_cache:
             return False
         for older in waiting:
