@@ -53,6 +53,7 @@ from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, l
 from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix, runs
 from edgepath.model.sampler import SlotSampler
+from edgepath.model.threads import CpuSample, ThreadGovernor, read_sample
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -179,6 +180,12 @@ class LlamaOptions:
     )
     min_prefill: int = _knob(
         16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", read=_integer(1)
+    )
+    share_cpus: bool = _knob(
+        True,
+        help="on|off: on -- while the model's threads wait for a CPU (another process takes some), steps run on "
+        "fewer of them, and on all again once CPUs are idle (model/threads.py); off -- every step on `threads`",
+        **_choice(on=True, off=False),
     )
     deterministic: bool = _knob(
         False,
@@ -358,6 +365,7 @@ class StepStats:
     python_ms: float = 0.0  # the rest of step(): planning, batch building, bookkeeping
     largest_step: int = 0  # most tokens in one step
     compactions: int = 0  # decoding sequences moved to close a gap between runs of sequence ids (_compact)
+    thread_changes: int = 0  # times the governor changed the thread count (model/threads.py)
 
 
 class LlamaHandler:
@@ -385,6 +393,7 @@ class LlamaHandler:
         stall = float(np.float32(options.stall_ms))  # as published: the agents replay the plan with it
         self.policy = StepPolicy(PolicyOptions(stall, options.min_prefill, batch))
         self.cost = CostModel(_START_COSTS_ONE_THREAD.scaled(1.0 / options.threads))
+        self.governor = ThreadGovernor(options.threads) if options.share_cpus and options.threads > 1 else None
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
         self.stats = StepStats()
         self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
@@ -513,9 +522,12 @@ class LlamaHandler:
         self.last_token_pointer = pointer
         self._batch.token = ctypes.cast(pointer, ctypes.POINTER(ctypes.c_int32))
         self._batch.n_tokens = n
+        before = read_sample(time.perf_counter()) if self.governor is not None else None
         decode_start = time.perf_counter()
         rc = self._lib.llama_decode(self._ctx, self._batch)
         decoded = time.perf_counter()
+        if before is not None:
+            self._govern(before, decoded)
         if rc != 0:
             log.error("llama_decode failed (%d) on a batch of %d tokens over %d slots", rc, n, len(segments))
             for seq, *_ in segments:
@@ -539,6 +551,36 @@ class LlamaHandler:
         self._account(n, prompt_tokens, len(segments), started, decode_start, decoded, ended)
         self._summary(now)
         return out
+
+    def _govern(self, before: CpuSample, decoded: float) -> None:
+        """Run the next steps on the thread count the governor gives for the step just computed."""
+        after = read_sample(decoded)
+        if after is None or self.governor is None:
+            return
+        governor, threads = self.governor, self.governor.threads
+        chosen = governor.after_step(before, after)
+        if chosen == threads:
+            return
+        self._lib.llama_set_n_threads(self._ctx, chosen, chosen)
+        self.stats.thread_changes += 1
+        if chosen < threads:
+            log.warning(
+                "llama: the model's %d threads waited for a CPU %.0f%% of a %.0f ms step (another process takes "
+                "CPUs): the next steps run on %d of %d",
+                threads,
+                100 * governor.last_wait,
+                1e3 * (after.at - before.at),
+                chosen,
+                governor.full,
+            )
+        else:
+            log.warning(
+                "llama: %.1f CPUs idle on average for %.1f s: the next steps run on %d of %d threads",
+                governor.last_idle,
+                governor.last_window,
+                chosen,
+                governor.full,
+            )
 
     def cancel(self, slot: int) -> bool:
         seq = self._running.get(slot)

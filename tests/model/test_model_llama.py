@@ -26,6 +26,7 @@ from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.model.prefix import runs
+from edgepath.model.threads import ThreadGovernor
 from edgepath.native.abi import Status, ffi, lib
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
@@ -579,3 +580,34 @@ def test_a_gap_between_decoding_streams_is_closed_by_moving_one_sequence(
     assert runs(s.stream for s in handler._running.values()) == 1 and handler.load().runs == 1
     finals = drive(handler)
     assert {finals[slot].status for slot in streams if slot != middle} <= {Status.STOP, Status.LENGTH}
+
+
+def test_steps_go_to_fewer_threads_while_they_wait_for_cpus_and_answer_the_same(tok: GGUFTokenizer) -> None:
+    """The governor's choice reaches llama.cpp (``llama_n_threads``) both ways, and the tokens do not depend on it.
+    The governor is set to see waiting (and then idle CPUs) on every step: what a CPU hog in another session does
+    to the figures is docs/MODEL.md's to measure, not a unit test's."""
+    prompt = chat(tok, "Name three colors.")
+    options = {**OPTIONS, "threads": "2"}
+    two = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, options))
+    try:
+        lib = two._lib
+        assert two.governor is not None and lib.llama_n_threads(two._ctx) == 2
+        pool = Pool()
+        two.governor = None  # every step on both threads
+        two.add(pool.request(0, prompt, 12), 0.0)
+        steady = pool.outputs[0, : drive(two)[0].count].tolist()
+        two.governor = ThreadGovernor(2, wait_share=-1.0, hold=3600.0)  # every step "waited"
+        two.add(pool.request(0, prompt, 12), 0.0)
+        assert pool.outputs[0, : drive(two)[0].count].tolist() == steady
+        assert lib.llama_n_threads(two._ctx) == 1 and two.stats.thread_changes == 1
+        two.governor.wait_share, two.governor.idle_share, two.governor.hold = 2.0, -1.0, 0.0  # CPUs idle
+        two.add(pool.request(0, prompt, 12), 0.0)
+        assert pool.outputs[0, : drive(two)[0].count].tolist() == steady
+        assert lib.llama_n_threads(two._ctx) == 2 and two.stats.thread_changes == 2
+    finally:
+        two.close()
+    off = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, {**options, "share_cpus": "off"}))
+    try:
+        assert off.governor is None
+    finally:
+        off.close()

@@ -1,0 +1,109 @@
+"""How many of llama.cpp's threads a model step runs on, while other processes take CPUs.
+
+llama.cpp's threads meet at a barrier after every operation of a step, and (built with OpenMP, as its users build
+it) a thread at a barrier spins before it sleeps.  When another process takes one of the CPUs the model's threads
+were counting on -- a load tool in a session of its own, spinning on refusals -- one thread waits in the run
+queue while the other spins for it, and a step goes 10-100x slower instead of 2x (docs/MODEL.md, "Sharing the
+CPUs": on the 2-core VM a 256-token prompt at 35 ms a token instead of 1.5, a decoded token at 1.8 s instead of
+11 ms; on one thread 3.4 ms and 17 ms).  The kernel says when that happens: the time the model's threads spent
+runnable but not running (``/proc/self/task/*/schedstat``).  :class:`ThreadGovernor` (no I/O) runs the next steps
+on fewer threads while that share is large, and on all of them again once the CPUs it gave up have been idle for
+a while; :func:`read_sample` is its adapter.  Logits do not depend on the thread count (each row of a product is
+one thread's), so a step's answer is the same on any of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: a step shorter than this says too little about waiting to act on (a decoded token takes 10+ ms)
+MIN_STEP_S = 0.002
+_USER_HZ = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """What the kernel says at one instant: ``waited_s``, the run-queue time of this process's threads so far;
+    ``idle_s``, the idle CPU time of the whole machine so far (every CPU's, in seconds); ``at``, monotonic time."""
+
+    waited_s: float
+    idle_s: float
+    at: float
+
+
+def read_sample(at: float, proc: str = "/proc") -> CpuSample | None:
+    """This process's threads' run-queue time and the machine's idle time at ``at``; None where the kernel does
+    not keep them (no schedstat: the governor then leaves the thread count alone)."""
+    tasks = f"{proc}/self/task"
+    waited = 0
+    try:
+        for task in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{task}/schedstat", "rb") as stat:
+                    waited += int(stat.read().split()[1])
+            except FileNotFoundError:  # a thread that ended between the listing and the read
+                continue
+        with open(f"{proc}/stat", "rb") as stat:
+            fields = stat.readline().split()
+    except (OSError, IndexError, ValueError):
+        return None
+    idle = int(fields[4]) + int(fields[5])  # idle + iowait, in USER_HZ ticks, summed over CPUs
+    return CpuSample(waited / 1e9, idle / _USER_HZ, at)
+
+
+class ThreadGovernor:
+    """The thread count for the next step, from what the last ones waited.
+
+    After a step on ``t`` threads whose threads waited for a CPU more than ``wait_share`` of ``t`` times its
+    length, the next runs on ``t`` less the CPUs they waited for (at least 1).  Below ``full``, once the machine
+    has had ``idle_share`` of a CPU idle or more, on average, over ``hold`` seconds, the next runs on that many
+    more (up to ``full``).  A raise that is taken back within ``hold`` doubles ``hold`` (up to ``hold_max``), so a
+    machine whose idle CPU vanishes whenever the model asks for it is not probed every second; one that lasts
+    ``hold_max`` resets it."""
+
+    def __init__(
+        self,
+        full: int,
+        wait_share: float = 0.25,
+        idle_share: float = 0.75,
+        hold: float = 1.0,
+        hold_max: float = 30.0,
+    ) -> None:
+        self.full = full
+        self.threads = full
+        self.wait_share = wait_share
+        self.idle_share = idle_share
+        self.base_hold = self.hold = hold
+        self.hold_max = hold_max
+        self.last_wait = 0.0  # the last step's waited share (for the log)
+        self.last_idle = 0.0  # the idle CPUs behind the last raise, on average over last_window s (for the log)
+        self.last_window = 0.0
+        self._mark: CpuSample | None = None  # where the window for a raise starts
+        self._raised_at: float | None = None
+
+    def after_step(self, before: CpuSample, after: CpuSample) -> int:
+        """The thread count for the next step, given samples taken around the step just computed."""
+        if self._mark is None:
+            self._mark = before
+        length = after.at - before.at
+        if length < MIN_STEP_S:
+            return self.threads
+        self.last_wait = (after.waited_s - before.waited_s) / (length * self.threads)
+        if self.threads > 1 and self.last_wait > self.wait_share:
+            if self._raised_at is not None and after.at - self._raised_at < self.hold:
+                self.hold = min(2 * self.hold, self.hold_max)
+            self._raised_at = None
+            self.threads = max(1, self.threads - max(1, round(self.last_wait * self.threads)))
+            self._mark = after
+            return self.threads
+        if self._raised_at is not None and after.at - self._raised_at >= self.hold_max:
+            self.hold, self._raised_at = self.base_hold, None
+        if self.threads < self.full and after.at - self._mark.at >= self.hold:
+            self.last_window = after.at - self._mark.at
+            self.last_idle = (after.idle_s - self._mark.idle_s) / self.last_window
+            if self.last_idle >= self.idle_share:
+                self.threads = min(self.full, self.threads + max(1, round(self.last_idle)))
+                self._raised_at = after.at
+            self._mark = after
+        return self.threads
