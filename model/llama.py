@@ -526,8 +526,6 @@ class LlamaHandler:
         decode_start = time.perf_counter()
         rc = self._lib.llama_decode(self._ctx, self._batch)
         decoded = time.perf_counter()
-        if before is not None:
-            self._govern(before, decoded)
         if rc != 0:
             log.error("llama_decode failed (%d) on a batch of %d tokens over %d slots", rc, n, len(segments))
             for seq, *_ in segments:
@@ -541,6 +539,8 @@ class LlamaHandler:
             micro_batches([(seq.stream, length) for seq, _, length, _ in segments], self._ubatch),
         )
         self.cost.observe(shape, (decoded - decode_start) * 1e3, now)
+        if before is not None:
+            self._govern(before, decoded, self.cost.base.step_ms(shape) / 1e3)
         for seq, _, length, first in segments:
             if seq.prefilled < seq.prompt_len:
                 seq.prefilled = first + length
@@ -552,24 +552,25 @@ class LlamaHandler:
         self._summary(now)
         return out
 
-    def _govern(self, before: CpuSample, decoded: float) -> None:
+    def _govern(self, before: CpuSample, decoded: float, calibrated_s: float) -> None:
         """Run the next steps on the thread count the governor gives for the step just computed."""
         after = read_sample(decoded)
         if after is None or self.governor is None:
             return
         governor, threads = self.governor, self.governor.threads
-        chosen = governor.after_step(before, after)
+        chosen = governor.after_step(before, after, calibrated_s)
         if chosen == threads:
             return
         self._lib.llama_set_n_threads(self._ctx, chosen, chosen)
         self.stats.thread_changes += 1
         if chosen < threads:
             log.warning(
-                "llama: the model's %d threads waited for a CPU %.0f%% of a %.0f ms step (another process takes "
-                "CPUs): the next steps run on %d of %d",
+                "llama: the model's %d threads waited for a CPU %.0f%% of a %.0f ms step, %.1fx the calibration's "
+                "time (another process takes CPUs): the next steps run on %d of %d",
                 threads,
                 100 * governor.last_wait,
                 1e3 * (after.at - before.at),
+                governor.last_ratio,
                 chosen,
                 governor.full,
             )

@@ -53,20 +53,29 @@ def read_sample(at: float, proc: str = "/proc") -> CpuSample | None:
 
 
 class ThreadGovernor:
-    """The thread count for the next step, from what the last ones waited.
+    """The thread count for the next step, from what the last ones waited and how fast they went.
 
-    After a step on ``t`` threads whose threads waited for a CPU more than ``wait_share`` of ``t`` times its
-    length, the next runs on ``t`` less the CPUs they waited for (at least 1).  Below ``full``, once the machine
-    has had ``idle_share`` of a CPU idle or more, on average, over ``hold`` seconds, the next runs on that many
-    more (up to ``full``).  A raise that is taken back within ``hold`` doubles ``hold`` (up to ``hold_max``), so a
-    machine whose idle CPU vanishes whenever the model asks for it is not probed every second; one that lasts
-    ``hold_max`` resets it."""
+    Each step's speed is its time over what the warm-up's calibration (on all ``full`` threads) says it takes;
+    ``ratios[t]`` follows that ratio on ``t`` threads (starting at ``full / t``, and there again when the count
+    comes back to ``t``).  After a step on ``t`` threads whose threads waited for a CPU more than ``wait_share`` of
+    ``t`` times its length, while steps on ``t`` go slower than steps on fewer threads went, the next runs on ``t``
+    less the CPUs they waited for (at least 1): a neighbour that only slows the model (the edge answering a flood
+    beside it) keeps all threads, one that makes their barriers spin (another session taking a CPU: 10x and more)
+    does not, from its first step.  The ratios, not one step's, are compared: the slowest of many steps is slower
+    than the average of fewer threads' steps whatever the count.  Below ``full``, once the machine has had
+    ``idle_share`` of a CPU idle or more, on average, over ``hold`` seconds, the next runs on that many more (up to
+    ``full``).  A raise that is taken back within ``hold`` doubles ``hold`` (up to ``hold_max``), so a machine whose
+    idle CPU vanishes whenever the model asks for it is not probed every second; one that lasts ``hold_max`` resets
+    it."""
+
+    #: how much of each step's ratio goes into ``ratios`` (the rest is what came before)
+    WEIGHT = 0.3
 
     def __init__(
         self,
         full: int,
         wait_share: float = 0.25,
-        idle_share: float = 0.75,
+        idle_share: float = 0.5,
         hold: float = 1.0,
         hold_max: float = 30.0,
     ) -> None:
@@ -76,34 +85,42 @@ class ThreadGovernor:
         self.idle_share = idle_share
         self.base_hold = self.hold = hold
         self.hold_max = hold_max
+        self.ratios = {t: full / t for t in range(1, full + 1)}
         self.last_wait = 0.0  # the last step's waited share (for the log)
+        self.last_ratio = 0.0  # the last step's time over the calibration's (for the log)
         self.last_idle = 0.0  # the idle CPUs behind the last raise, on average over last_window s (for the log)
         self.last_window = 0.0
         self._mark: CpuSample | None = None  # where the window for a raise starts
         self._raised_at: float | None = None
 
-    def after_step(self, before: CpuSample, after: CpuSample) -> int:
-        """The thread count for the next step, given samples taken around the step just computed."""
+    def after_step(self, before: CpuSample, after: CpuSample, calibrated_s: float) -> int:
+        """The thread count for the next step, given samples taken around the step just computed and the time
+        the calibration gives a step of its shape on all threads."""
         if self._mark is None:
             self._mark = before
         length = after.at - before.at
-        if length < MIN_STEP_S:
+        if length < MIN_STEP_S or calibrated_s <= 0:
             return self.threads
-        self.last_wait = (after.waited_s - before.waited_s) / (length * self.threads)
-        if self.threads > 1 and self.last_wait > self.wait_share:
+        t = self.threads
+        self.last_wait = (after.waited_s - before.waited_s) / (length * t)
+        self.last_ratio = length / calibrated_s
+        fewer = self.ratios.get(t - 1, 0.0)  # how fast steps on fewer threads went
+        self.ratios[t] += self.WEIGHT * (self.last_ratio - self.ratios[t])
+        if t > 1 and self.last_wait > self.wait_share and self.ratios[t] > fewer:
             if self._raised_at is not None and after.at - self._raised_at < self.hold:
                 self.hold = min(2 * self.hold, self.hold_max)
             self._raised_at = None
-            self.threads = max(1, self.threads - max(1, round(self.last_wait * self.threads)))
+            self.threads = max(1, t - max(1, round(self.last_wait * t)))
             self._mark = after
             return self.threads
         if self._raised_at is not None and after.at - self._raised_at >= self.hold_max:
             self.hold, self._raised_at = self.base_hold, None
-        if self.threads < self.full and after.at - self._mark.at >= self.hold:
+        if t < self.full and after.at - self._mark.at >= self.hold:
             self.last_window = after.at - self._mark.at
             self.last_idle = (after.idle_s - self._mark.idle_s) / self.last_window
             if self.last_idle >= self.idle_share:
-                self.threads = min(self.full, self.threads + max(1, round(self.last_idle)))
+                self.threads = min(self.full, t + max(1, round(self.last_idle)))
+                self.ratios[self.threads] = self.full / self.threads  # what went on there is over
                 self._raised_at = after.at
             self._mark = after
         return self.threads

@@ -596,7 +596,8 @@ def test_steps_go_to_fewer_threads_while_they_wait_for_cpus_and_answer_the_same(
         two.governor = None  # every step on both threads
         two.add(pool.request(0, prompt, 12), 0.0)
         steady = pool.outputs[0, : drive(two)[0].count].tolist()
-        two.governor = ThreadGovernor(2, wait_share=-1.0, hold=3600.0)  # every step "waited"
+        two.governor = ThreadGovernor(2, wait_share=-1.0, hold=3600.0)  # every step "waited", and went slow:
+        two.governor.ratios[1] = 0.0  # one thread is taken to go at any speed
         two.add(pool.request(0, prompt, 12), 0.0)
         assert pool.outputs[0, : drive(two)[0].count].tolist() == steady
         assert lib.llama_n_threads(two._ctx) == 1 and two.stats.thread_changes == 1
