@@ -48,6 +48,7 @@ from edgepath.contract.plan import (
     prefill_order,
 )
 from edgepath.model import known_answer
+from edgepath.model.blobs import BlobPool
 from edgepath.model.convert import sha256
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.known_answer import shipped
@@ -395,6 +396,7 @@ class LlamaHandler:
         self.cost = CostModel(_START_COSTS_ONE_THREAD.scaled(1.0 / options.threads))
         self.governor = ThreadGovernor(options.threads) if options.share_cpus and options.threads > 1 else None
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
+        self.blobs = BlobPool()  # the memory of the blobs above and of sequences copied on the step loop
         self.stats = StepStats()
         self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
         self._running: dict[int, _Sequence] = {}  # slot -> its sequence, in arrival order
@@ -652,6 +654,7 @@ class LlamaHandler:
         if blob is not None:
             pointer = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
             copied = all(lib.llama_state_seq_set_data(self._ctx, pointer, blob.nbytes, s) for s in range(1, streams))
+            self.blobs.give(blob)
             held = [deep + long] * streams
             for _ in range(2 if copied else 0):  # after the context: all streams (one run), every other one
                 decode(list(range(streams)))
@@ -968,6 +971,8 @@ class LlamaHandler:
             size = self._lib.llama_state_seq_set_data(
                 self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), blob.nbytes, stream
             )
+            if placement.source is not None:  # a copy made for this placement only
+                self.blobs.give(blob)
             if size == 0:
                 log.warning("prefix cache: llama.cpp refused a sequence state of %d bytes", blob.nbytes)
                 self.book.stats.hits -= 1
@@ -1017,7 +1022,9 @@ class LlamaHandler:
         if blob is None:
             return False
         pointer = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
-        if not self._lib.llama_state_seq_set_data(self._ctx, pointer, blob.nbytes, dest):
+        copied = self._lib.llama_state_seq_set_data(self._ctx, pointer, blob.nbytes, dest)
+        self.blobs.give(blob)
+        if not copied:
             log.warning("llama: llama.cpp refused sequence %d's state (%d bytes) on %d", source, blob.nbytes, dest)
             self._lib.llama_memory_seq_rm(self._mem, dest, -1, -1)
             return False
@@ -1026,12 +1033,13 @@ class LlamaHandler:
     def _state_of(self, stream: int) -> np.ndarray | None:
         """A copy of sequence ``stream``'s KV (llama.cpp's state blob), or None if llama.cpp would not give it."""
         nbytes = int(self._lib.llama_state_seq_get_size(self._ctx, stream))
-        blob = np.empty(nbytes, dtype=np.uint8)
+        blob = self.blobs.take(nbytes)
         written = self._lib.llama_state_seq_get_data(
             self._ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)), nbytes, stream
         )
         if written != nbytes:
             log.warning("prefix cache: llama.cpp wrote %d of %d bytes of sequence %d's state", written, nbytes, stream)
+            self.blobs.give(blob)
             return None
         return blob
 
@@ -1046,7 +1054,9 @@ class LlamaHandler:
         if self.book.capacity and self.book.wants(tokens, nbytes, seq.request.salt):
             blob = self._state_of(seq.stream)
             if blob is not None:
-                dropped = self.book.save(tokens, blob, nbytes, seq.request.salt)
+                dropped = self.book.save(tokens, blob, self.blobs.footprint(blob), seq.request.salt)
+                for old in dropped:
+                    self.blobs.give(old.blob)
                 if dropped:
                     log.debug(
                         "prefix cache: saved %d tokens (%d bytes), dropped %d saved sequence(s); %d bytes held",

@@ -207,6 +207,7 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(tok, refere
         assert (final[0].cached_tokens, final[1].cached_tokens) == (0, shared)
         assert handler.book.stats.shared == 1
         assert handler.stats.prompt_tokens == len(prompts[0]) + len(prompts[1]) - shared
+        assert handler.blobs.lent == len(handler.book.saved)  # the copy's memory went back to the pool
         for slot, prompt in enumerate(prompts):
             reference(prompt).check(slots.outputs[slot, : final[slot].count].tolist())
     finally:
@@ -241,6 +242,7 @@ def test_the_n_choices_of_one_prompt_compute_it_once(tok) -> None:
 def test_least_recently_used_copies_are_evicted_within_the_capacity(tok) -> None:
     handler = handler_with(cache_mb="2")  # room for two of these ~40-token sequences (23 KB of KV per token)
     slots = Slots(handler)
+    mapped = handler.blobs.allocated  # by the warm-up
     try:
         prompts = [chat(tok, "Hello!", system=f"You are assistant number {i} of {'x' * (20 + i)}") for i in range(4)]
         for i, prompt in enumerate(prompts):  # four conversations with nothing in common beyond the template
@@ -248,6 +250,8 @@ def test_least_recently_used_copies_are_evicted_within_the_capacity(tok) -> None
         book = handler.book
         assert book.stats.saved == 4 and book.stats.evicted == 4 - len(book.saved) >= 1
         assert 0 < book.saved_bytes <= book.capacity
+        # the evicted copies' memory went back to the pool and held the later ones: less mapped than saved
+        assert handler.blobs.lent == len(book.saved) and handler.blobs.allocated - mapped < book.stats.saved
         kept = [int(common_prefix(s.tokens, p) == len(p)) for p in prompts for s in book.saved]
         assert sum(kept[-len(book.saved) :]) == 1  # the last conversation is kept ...
         assert sum(kept[: len(book.saved)]) == 0  # ... the first, least recently used, is gone
