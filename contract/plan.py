@@ -285,12 +285,15 @@ def own_ms(load: Load, prompt: Prompt) -> float:
     return _run(load.costs, StepPolicy(load.options), 0, 0, 0, [prompt], 0.0)  # type: ignore[arg-type]
 
 
-def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = ()) -> Prediction:
+def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = (), under_way_ms: float | None = None) -> Prediction:
     """The time to first token of ``prompt`` arriving now at a server under ``load``, and its wait, by running
     the server's own policy forward.  ``ahead``: the requests claimed there and not yet taken by its model side,
-    in the order it will take them (ahead of this one).  The step under way when the request arrives counts half
-    (it arrives, on average, half-way through it) and the request joins from the next step.  Streams ahead are
-    taken to go on decoding (their lengths are unknown)."""
+    in the order it will take them (ahead of this one).  The step under way -- the first the policy plans from
+    ``load`` -- counts for what is left of it after ``under_way_ms`` (how long it has run: the server's heartbeat
+    and load version say, ABI 11), or half of it when that is not known (a request arrives, on average, half-way
+    through a step); the request joins from the next step.  Streams ahead are taken to go on decoding (their
+    lengths are unknown).  Half a step was the largest error per request: a 160-token prompt behind a 1.7 s step
+    was predicted at 1.1 s and waited 1.9 s (docs/ADMISSION.md, "The step under way")."""
     if not load.published:
         return Prediction(0.0, 0.0)
     own = own_ms(load, prompt)
@@ -302,9 +305,10 @@ def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = ()) -> Predict
     elapsed = 0.0
     if decoding >= policy.options.batch:
         return Prediction(math.inf, math.inf)
-    if decoding or waiting:  # the step under way: half of it, then the state after it
+    if decoding or waiting:  # the step under way: what is left of it, then the state after it
         takes = policy.plan(costs, decoding, longest, waiting, runs)
-        elapsed = 0.5 * costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
+        step = costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
+        elapsed = 0.5 * step if under_way_ms is None else max(0.0, step - under_way_ms)
         decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
     waiting += ahead
     ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed)

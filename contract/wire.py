@@ -50,8 +50,9 @@ STATUS_REGION = "status"
 #: an edge's 8-byte landing spot for its agent's zero-length WRITE_WITH_IMM answers
 COMPLETIONS_REGION = "completions"
 
-#: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop,
-#: readers only compare its values (an agent reads ``[heartbeat .. state[n-1]]`` in one READ)
+#: byte offset of the pool header's heartbeat word: the slot server advances it at every turn of its loop (and from
+#: inside long steps) to its CLOCK_MONOTONIC in ns; readers compare its values for liveness, and subtract the load
+#: region's version from it (:func:`under_way_ms`) -- an agent reads ``[heartbeat .. state[n-1]]`` in one READ
 HEARTBEAT_OFFSET = field_offset(POOL_HEADER, "heartbeat")
 #: byte offset of the pool header's draining word (in the same READ): nonzero once the slot server is stopping
 DRAINING_OFFSET = field_offset(POOL_HEADER, "draining")
@@ -85,6 +86,16 @@ def load_record(load: Load) -> np.ndarray:
     for i, prompt in enumerate(waiting):
         pairs[2 * i], pairs[2 * i + 1] = min(prompt.done, 0xFFFFFFFF), min(prompt.remaining, 0xFFFFFFFF)
     return record
+
+
+def under_way_ms(beat: int, version: int) -> float | None:
+    """How long the step planned from a load region of ``version`` had run when the heartbeat word read ``beat``:
+    both are the server's CLOCK_MONOTONIC in ns when stored (ABI 11), and the server publishes its load after each
+    step, so the next starts then.  0 when the heartbeat was stored before the load (the step had just begun);
+    None when either word was never stored (no load published, no heartbeat yet): nothing is known."""
+    if not beat or not version:
+        return None
+    return max(0, beat - version) / 1e6
 
 
 def read_load(region: np.void) -> Load | None:

@@ -46,6 +46,11 @@ class Server(Protocol):
     @property
     def load(self) -> Load: ...
 
+    def under_way_ms(self, now: float) -> float | None:
+        """How long the step the server planned first from :attr:`load` has been running at ``now`` (None: not
+        known)."""
+        ...
+
     @property
     def unseen(self) -> list[Claimed | None]:
         """Slots claimed whose request the model side has not taken yet (CLAIMED or READY), in the order it will
@@ -96,9 +101,12 @@ class Admission:
         with the claim it makes for it."""
         return self._chain.hashes[: self._chain.blocks].copy()
 
-    def decide(self, tokens: np.ndarray, servers: Sequence[Server], bound_ms: float, salt: int = 0) -> Decision:
+    def decide(
+        self, tokens: np.ndarray, servers: Sequence[Server], bound_ms: float, salt: int = 0, now: float | None = None
+    ) -> Decision:
         """Where a request of ``tokens`` may be claimed, best first, if its wait is to stay within
-        ``bound_ms``; only prefixes published under its ``salt`` (its ``cache_salt``) count as held."""
+        ``bound_ms``; only prefixes published under its ``salt`` (its ``cache_salt``) count as held.  ``now``
+        (the servers' clock): when given, each server's step under way counts for what is left of it."""
         chain = self._chain
         chain.blocks = 0
         if len(tokens) >= wire.PREFIX_BLOCK and any(len(server.prefixes) for server in servers):
@@ -120,7 +128,8 @@ class Admission:
                 if len(server.prefixes):  # a server that reuses prefixes copies this one from the claim ahead
                     matched = max(matched, _leading(mine, claim.chain))
             cached = cached_tokens(count, matched)
-            prediction = predict(server.load, Prompt(cached, count - cached), ahead)
+            under_way = None if now is None else server.under_way_ms(now)
+            prediction = predict(server.load, Prompt(cached, count - cached), ahead, under_way)
             if prediction.wait_ms > bound_ms:
                 if over is None or prediction.wait_ms < over:
                     over, work = prediction.wait_ms, prediction.ttft_ms - prediction.wait_ms

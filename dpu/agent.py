@@ -297,7 +297,8 @@ class Agent:
             frames.tokens[index, flight.prompt : prompt] = frames.outputs[index, :produced]
             frames.request_headers[index].migrate(prompt, remaining, produced, flight.moves + 1)
             salt = frames.request_headers[index].cache_salt
-            choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf, salt).choices
+            now = self.link_set.clock()
+            choices = self.admission.decide(frames.tokens[index, :prompt], candidates, math.inf, salt, now).choices
             claimed = self._first_claim(choices, candidates, frames.request_headers[index].tenant)
             why = "no other slot server had a free slot" if not stay else "no slot was free"
             if claimed is not None:
@@ -723,7 +724,8 @@ class Agent:
             return [_ONLY]  # one server, and it publishes no load: nothing to predict or order
         if owner:
             salt = self.frames.request_headers[index].cache_salt
-            return self.admission.decide(self.frames.tokens[index, :count], fits, math.inf, salt).choices
+            tokens = self.frames.tokens[index, :count]
+            return self.admission.decide(tokens, fits, math.inf, salt, self.link_set.clock()).choices
         decision = self._decide(index, count, fits)
         if not decision.choices and decision.over_bound_ms is not None and self._reread(fits):
             # A refusal rests on a view a heartbeat old at most: decide again on what was just read.
@@ -740,10 +742,13 @@ class Agent:
         """What an admission rested on (``-v``): the load as read and how old, the claims it did not show yet, the
         prompt, and the prediction -- so a prediction can be checked against the steps the model side then logs."""
         load = link.load
-        age_ms = (self.link_set.clock() - link.tracker.observed) * 1e3
+        now = self.link_set.clock()
+        age_ms = (now - link.tracker.observed) * 1e3
+        under_way = link.under_way_ms(now)
         log.debug(
             "admit frame %d on %s slot %d: prompt %d tokens, %d held; load read %.1f ms ago: %d decoding "
-            "(longest %d, %d runs), waiting %s, %d unseen; predicted first token %.1f ms, wait %.1f ms",
+            "(longest %d, %d runs), waiting %s, %d unseen, its first step under way for %s; predicted first token "
+            "%.1f ms, wait %.1f ms",
             index,
             link.address,
             slot,
@@ -755,6 +760,7 @@ class Agent:
             load.runs,
             [(p.done, p.remaining) for p in load.waiting],
             len(link.unseen),
+            "?" if under_way is None else f"{under_way:.1f} ms",
             choice.prediction.ttft_ms,
             choice.prediction.wait_ms,
         )
@@ -778,7 +784,8 @@ class Agent:
     def _decide(self, index: int, count: int, fits: list[ServerLink]) -> Decision:
         """The admission decision for frame ``index``, within its bound."""
         salt = self.frames.request_headers[index].cache_salt
-        return self.admission.decide(self.frames.tokens[index, :count], fits, self._bound(index), salt)
+        tokens = self.frames.tokens[index, :count]
+        return self.admission.decide(tokens, fits, self._bound(index), salt, self.link_set.clock())
 
     def _slot_frees_in(self, links: list[ServerLink]) -> float:
         """A NO_SLOT's retry time (ms): when a slot of ``links`` is predicted to free for this client -- the soonest

@@ -152,6 +152,15 @@ class ServerLink:
                 self._load, self._load_version = load, version
         return self._load
 
+    def under_way_ms(self, now: float) -> float | None:
+        """How long the step the server planned from :attr:`load` has been running at ``now`` (this link set's clock):
+        what it had run when last read (:func:`~edgepath.contract.wire.under_way_ms`, the server's own clock) and the
+        time since; None when the server does not say."""
+        if not self.load.published:  # (reading it also takes the version last read whole)
+            return None
+        ran = wire.under_way_ms(int(self.beat[0]), self._load_version)
+        return None if ran is None else ran + max(0.0, now - self.tracker.observed) * 1e3
+
     def wrote(self, slot: int, generation: int, claim: Claimed) -> None:
         """This agent wrote ``claim`` into ``slot``, claimed in ``generation``: what :attr:`unseen` counts for it
         until the model side takes it."""

@@ -120,9 +120,19 @@ void ep_store64(uint64_t *addr, uint64_t value)
     atomic_store_explicit(AS_ATOMIC64(addr), value, memory_order_release);
 }
 
+/* The server's CLOCK_MONOTONIC in ns, never less than `after` + 1: a word that carries it still changes at every
+   store, as readers that only compare values need, and says when it was stored (ABI 11). */
+static uint64_t clock_after(uint64_t after)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    return now > after ? now : after + 1;
+}
+
 void ep_load_publish(struct ep_load *dst, const struct ep_load *fields)
 {
-    uint64_t version = atomic_load_explicit(AS_ATOMIC64(&dst->begin), memory_order_relaxed) + 1;
+    uint64_t version = clock_after(atomic_load_explicit(AS_ATOMIC64(&dst->begin), memory_order_relaxed));
     atomic_store_explicit(AS_ATOMIC64(&dst->begin), version, memory_order_relaxed);
     atomic_thread_fence(memory_order_release); /* begin is seen to change before any field does */
     const char *from = (const char *)fields + offsetof(struct ep_load, overhead_ms);
@@ -143,7 +153,9 @@ _Bool ep_load_whole(const struct ep_load *copy)
 
 _Bool ep_heartbeat_tick(void *word)
 {
-    atomic_fetch_add_explicit(AS_ATOMIC64(word), 1, memory_order_release);
+    /* one writer at a time (the server's loop, or llama.cpp's first compute thread while the loop waits in it) */
+    uint64_t beat = clock_after(atomic_load_explicit(AS_ATOMIC64(word), memory_order_relaxed));
+    atomic_store_explicit(AS_ATOMIC64(word), beat, memory_order_release);
     return 0;
 }
 

@@ -36,12 +36,14 @@ void ep_store64(uint64_t *addr, uint64_t value);
 void ep_copy(void *dst, const void *src, size_t n);
 
 /* Slot server: publish `fields` (begin and end ignored) as the pool's load region `dst` under its sequence lock:
-   begin = next version, release fence, the fields, release fence, end = that version (struct ep_load). */
+   begin = next version, release fence, the fields, release fence, end = that version (struct ep_load).  The version
+   is the server's CLOCK_MONOTONIC in ns when it published (at least the last one + 1; ABI 11). */
 void ep_load_publish(struct ep_load *dst, const struct ep_load *fields);
 /* Reader: whether a copy of a load region is whole (end == begin, one version). */
 _Bool ep_load_whole(const struct ep_load *copy);
 
-/* Slot server: advance the pool's heartbeat word by one (release).  Returns false, and has the shape of
+/* Slot server: advance the pool's heartbeat word (release) to the server's CLOCK_MONOTONIC in ns (at least its
+   last value + 1; ABI 11: before, it counted ticks).  Returns false, and has the shape of
    ggml's abort callback (bool (*)(void *data)), so a model library can call it while a long step makes
    progress (llama.cpp: between the nodes of its compute graph) and the step is not taken for a hang. */
 _Bool ep_heartbeat_tick(void *word);

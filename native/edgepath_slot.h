@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 10  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35) */
+#define EP_ABI_VERSION 11  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -175,7 +175,9 @@ struct ep_pool_header {
     /*
      * Advanced by the slot server at every turn of its loop (so after every model step), never less
      * often than its lease-scan interval: a word that stands still means its CPU side is frozen.
-     * Readers compare values, never sizes.  Placed in the header's last cache line, right before the load region, so
+     * Its value is the server's CLOCK_MONOTONIC in ns at the last advance (ABI 11; at least the previous value
+     * + 1): minus the load region's version (the same clock when it was published), how long the step planned
+     * from that load had run when the word was read.  Readers compare values, never sizes.  Placed in the header's last cache line, right before the load region, so
      * that one READ of [heartbeat .. state[n-1]] gives an agent both (edgepath.dpu.link_state).
      */
     uint64_t heartbeat;
@@ -198,7 +200,9 @@ struct ep_pool_header {
  * Tear-free by a sequence lock across the region: the writer stores `begin` (the highest word) first, then
  * the fields, then `end` (the lowest word) last, with a release fence between; a reader that copies the region
  * in address order (end first, begin last: loopback's copy and soft-RoCE's READ do) takes it only when `end`
- * equals `begin`, and keeps its previous copy otherwise.  All zero: the handler publishes no load (echo).
+ * equals `begin`, and keeps its previous copy otherwise.  The version is the server's CLOCK_MONOTONIC in ns when
+ * it published (ABI 11): the server publishes after each step, so the next step starts then.  All zero: the
+ * handler publishes no load (echo).
  *
  * Costs of a step, in ms (ABI 9): overhead_ms * micro-batches + prompt_ms * prompt tokens
  *   + decode_ms * decoded tokens + context_ms * (positions attended by the prompt tokens, summed) / 1000

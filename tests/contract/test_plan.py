@@ -292,6 +292,24 @@ def test_a_prompt_ahead_with_nothing_decoding_is_under_way_then_decodes() -> Non
     assert got.ttft_ms == pytest.approx(0.5 * (6.0 + 1500.0) + (6.0 + 3.0 * 1) + (6.0 + 3.0 * 100))
 
 
+def test_the_step_under_way_counts_for_what_is_left_of_it_when_the_server_says_how_long_it_ran() -> None:
+    """ABI 11: the heartbeat and the load's version are the server's clock, so how long the first step planned from
+    the load has run is known; then it counts for what is left of it (never less than nothing), not half."""
+    load = loaded(waiting=(Prompt(0, 500),))
+    step, after = 6.0 + 1500.0, (6.0 + 3.0 * 1) + (6.0 + 3.0 * 100)
+    assert predict(load, Prompt(0, 100), under_way_ms=0.0).ttft_ms == pytest.approx(step + after)
+    assert predict(load, Prompt(0, 100), under_way_ms=1200.0).ttft_ms == pytest.approx(step - 1200.0 + after)
+    assert predict(load, Prompt(0, 100), under_way_ms=9000.0).ttft_ms == pytest.approx(after)  # overdue: ends now
+    assert predict(load, Prompt(0, 100), under_way_ms=None) == predict(load, Prompt(0, 100))  # unknown: half
+    assert predict(loaded(), Prompt(0, 100), under_way_ms=50.0).wait_ms == 0.0  # idle: nothing under way
+
+
+def test_how_long_the_step_under_way_ran_is_the_heartbeat_less_the_loads_version() -> None:
+    assert wire.under_way_ms(5_000_000_000, 4_250_000_000) == 750.0
+    assert wire.under_way_ms(4_000_000_000, 4_250_000_000) == 0.0  # beat stored before the load: the step began
+    assert wire.under_way_ms(0, 4_250_000_000) is None and wire.under_way_ms(5_000_000_000, 0) is None
+
+
 def test_a_prompt_larger_than_a_steps_budget_takes_several_steps_within_the_stall_bound() -> None:
     load = Load(PACED, PolicyOptions(300.0, 16, 2048), decoding=8)
     budget = (300 - 6 - 24 - 6) // 3  # 88 prompt tokens a step beside 8 streams, in a micro-batch of their own

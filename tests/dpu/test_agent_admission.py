@@ -6,11 +6,14 @@ test sets (a stand-in for a model: the unit is the data path's words and the age
 from __future__ import annotations
 
 import itertools
+import time
 
+import numpy as np
 import pytest
 from helpers.datapath import send, serve_once
 from helpers.loaded import PACE, Loaded, published
 
+from edgepath.contract import wire
 from edgepath.contract.plan import Load, Prompt, Step, own_ms, predict
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
@@ -215,3 +218,27 @@ def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, ne
     assert status is Status.OVER_BOUND
     second = other.frames.result_headers[index].retry_after_ms
     assert excess + work - 1 <= second <= excess + 1.5 * work + 1
+
+
+def test_the_agent_knows_how_long_the_servers_step_under_way_has_run_from_its_clock(make_server, new_agent) -> None:
+    """ABI 11: the server's heartbeat and its load's version are its CLOCK_MONOTONIC when stored, read in one READ;
+    their difference, plus the time since that READ on the agent's own clock, is how long the step the load plans
+    first has run -- and the prediction counts what is left of that step, not half of it."""
+    server = make_server(Loaded(BUSY))
+    now = [100.0]
+    agent: Agent = new_agent(max_wait=60.0, clock=lambda: now[0])
+    link = agent.attach(server.address)
+    published_ns = int(server.pool.buf[wire.LOAD_OFFSET : wire.LOAD_OFFSET + 8].view(np.uint64)[0])
+    time.sleep(0.05)
+    server.memory.beat(0.0)  # the server's loop turns, 50 ms or more after it published
+    beat_ns = time.monotonic_ns()
+    agent.link_set.refresh(link)
+    ran = link.under_way_ms(now[0])
+    assert ran is not None and 50.0 <= ran <= (beat_ns - published_ns) / 1e6
+    now[0] += 0.2  # 200 ms later on the agent's clock, nothing read since
+    assert link.under_way_ms(now[0]) == pytest.approx(ran + 200.0)
+    index, status = submit(agent, 40)
+    assert status is None
+    expected = predict(BUSY, Prompt(0, 40), under_way_ms=ran + 200.0)
+    assert agent.frames.request_headers[index].predicted_ttft_us == int(expected.ttft_ms * 1e3)
+    assert expected.ttft_ms < predict(BUSY, Prompt(0, 40), under_way_ms=0.0).ttft_ms - 250.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,13 +106,37 @@ def test_a_published_load_region_is_whole_and_its_version_moves() -> None:
     fields = np.zeros(1, dtype=LOAD)
     fields["prompt_ms"], fields["decoding"], fields["prompts"][0][:2] = 1.5, 3, (7, 9)
     ptr = abi.ffi.cast("struct ep_load *", abi.ffi.from_buffer(region))
-    for version in (1, 2):
+    versions = []
+    for _ in range(2):
+        before = time.monotonic_ns()
         abi.lib.ep_load_publish(ptr, abi.ffi.cast("struct ep_load *", abi.ffi.from_buffer(fields)))
-        assert int(region["end"][0]) == int(region["begin"][0]) == version and abi.lib.ep_load_whole(ptr)
+        version = int(region["end"][0])
+        assert int(region["begin"][0]) == version and abi.lib.ep_load_whole(ptr)
+        assert before <= version <= time.monotonic_ns()  # the server's CLOCK_MONOTONIC when it published (ABI 11)
         assert region["prompt_ms"][0] == np.float32(1.5) and region["decoding"][0] == 3
         assert list(region["prompts"][0][:2]) == [7, 9]
-    region["begin"] = 3  # a writer that has begun the next version
+        versions.append(version)
+    assert versions[1] > versions[0]
+    region["begin"] = versions[1] + 1  # a writer that has begun the next version
     assert not abi.lib.ep_load_whole(ptr)
+    region["end"] = region["begin"] = 2**63  # a version ahead of the clock (a restarted machine): the next still moves
+    abi.lib.ep_load_publish(ptr, abi.ffi.cast("struct ep_load *", abi.ffi.from_buffer(fields)))
+    assert int(region["end"][0]) == int(region["begin"][0]) == 2**63 + 1
+
+
+def test_the_heartbeat_is_the_servers_clock_and_always_moves() -> None:
+    """ABI 11: each advance stores the server's CLOCK_MONOTONIC in ns, at least one more than the word held."""
+    word = np.zeros(1, dtype=np.uint64)
+    ptr = abi.ffi.cast("uint64_t *", abi.ffi.from_buffer(word))
+    before = time.monotonic_ns()
+    abi.lib.ep_heartbeat_tick(ptr)
+    first = int(word[0])
+    assert before <= first <= time.monotonic_ns()
+    abi.lib.ep_heartbeat_tick(ptr)
+    assert int(word[0]) > first
+    word[0] = 2**63
+    abi.lib.ep_heartbeat_tick(ptr)
+    assert int(word[0]) == 2**63 + 1
 
 
 def test_the_heartbeat_sits_in_the_pool_headers_last_cache_line_before_the_load_region() -> None:
