@@ -23,6 +23,10 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    them fill the stall bound made an admitted request wait for a newcomer's whole prompt (issue 34's serving runs:
    a 238-token prompt predicted at 0.43 s took 1.49 s, sharing its step with a 950-token one that came 10 ms
    later).  A prompt token costs about the same in a step of its own, so little is lost but a micro-batch.
+7. *A floor's first token waits for no one after it*: in the step where a prompt within its tenant's slot floor
+   gets its first token, no prompt behind it joins (``min_prefill`` aside).  A floor is capacity a tenant can count
+   on; the step it shares with the streams decoding is what it cannot avoid on a CPU, a borrower's prompt is not
+   (docs/TENANTS.md).
 
 **The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
 decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
@@ -149,13 +153,22 @@ class StepPolicy:
     def __init__(self, options: PolicyOptions) -> None:
         self.options = options
 
-    def plan(self, costs: Costs, decoding: int, longest: int, waiting: Sequence[Prompt], runs: int = 1) -> list[int]:
+    def plan(
+        self,
+        costs: Costs,
+        decoding: int,
+        longest: int,
+        waiting: Sequence[Prompt],
+        runs: int = 1,
+        floors: int = 0,
+    ) -> list[int]:
         """Prompt tokens to compute this step from each waiting prompt, oldest first.
 
         ``decoding``: slots that decode one token each this step, the longest holding ``longest`` positions, in
-        ``runs`` micro-batches; ``waiting``: the prompts in prefill, oldest first.  One count per waiting prompt,
-        in order (0: it waits for a later step); the step holds ``decoding + sum(...)`` tokens, never more than
-        ``batch``.  Each prompt chunk is charged a micro-batch of its own."""
+        ``runs`` micro-batches; ``waiting``: the prompts in prefill, in the order they are served, the first
+        ``floors`` of them within their tenant's slot floor.  One count per waiting prompt, in order (0: it waits
+        for a later step); the step holds ``decoding + sum(...)`` tokens, never more than ``batch``.  Each prompt
+        chunk is charged a micro-batch of its own."""
         options = self.options
         if decoding < 0 or longest < 0 or runs < 0 or any(p.remaining < 1 or p.done < 0 for p in waiting):
             raise ValueError(
@@ -174,7 +187,7 @@ class StepPolicy:
         room_ms = options.stall_ms - spent_ms
         floor = options.min_prefill if decoding else waiting[0].remaining
         plan = []
-        for prompt in waiting:
+        for index, prompt in enumerate(waiting):
             within = _tokens_within(costs, room_ms - costs.overhead_ms, prompt.done)
             take = min(prompt.remaining, room, max(floor, within))
             plan.append(take)
@@ -184,15 +197,16 @@ class StepPolicy:
                 added = costs.overhead_ms + _prompt_ms(costs, prompt.done, take)
                 spent_ms += added
                 room_ms -= added
-                if take == prompt.remaining:  # its first token: those behind may delay it only a little
-                    room_ms = min(room_ms, JOIN_SHARE * spent_ms)
+                if take == prompt.remaining:  # its first token: those behind may delay it only a little, a floor's not
+                    room_ms = 0.0 if index < floors else min(room_ms, JOIN_SHARE * spent_ms)
         return plan
 
 
-def prefill_order(tenants: Sequence[tuple[int, int]]) -> list[int]:
+def prefill_order(tenants: Sequence[tuple[int, int]]) -> tuple[list[int], int]:
     """The order prompts are served in: ``tenants`` holds each running request's tenant (its floor id, 0 for none)
     and that tenant's slot floor, in arrival order; the answer is their indexes, the requests within their tenant's
-    floor first -- a tenant's first ``floor`` requests here -- then the rest, each group oldest first.  A floor is
+    floor first -- a tenant's first ``floor`` requests here -- then the rest, each group oldest first, and how many
+    are within a floor (the first group's length).  A floor is
     a slot a tenant can always have (docs/TENANTS.md); served first, it is also a first token that does not wait
     behind the prompts of the tenants it was lent to.  A server's published waiting prompts are in this order, so
     the agent's prediction runs the same policy."""
@@ -202,7 +216,7 @@ def prefill_order(tenants: Sequence[tuple[int, int]]) -> list[int]:
     for index, (tenant, floor) in enumerate(tenants):
         held[tenant] += 1
         (first if tenant and held[tenant] <= floor else rest).append(index)
-    return first + rest
+    return first + rest, len(first)
 
 
 def _decoding_step(decoding: int, longest: int, runs: int) -> Step:
@@ -243,6 +257,7 @@ class Load:
     longest: int = 0  # positions the longest decoding stream holds
     waiting: tuple[Prompt, ...] = ()
     runs: int = 0  # micro-batches the decoding streams take (runs of consecutive sequence ids)
+    floors: int = 0  # the first ``floors`` of ``waiting`` are within their tenant's slot floor (objective 7)
 
     @property
     def published(self) -> bool:
@@ -255,6 +270,11 @@ class Load:
     @property
     def idle(self) -> bool:
         return not self.decoding and not self.waiting
+
+    def plan(self) -> list[int]:
+        """What the policy plans for the next step from this load (its ``options`` must be set)."""
+        policy = StepPolicy(self.options)  # type: ignore[arg-type]
+        return policy.plan(self.costs, self.decoding, self.longest, self.waiting, self.runs, self.floors)
 
     def planned_step(self, takes: Sequence[int]) -> Step:
         """The step the policy's ``takes`` (one per waiting prompt) make of this load."""
@@ -302,16 +322,17 @@ def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = (), under_way_
     policy = StepPolicy(load.options)  # type: ignore[arg-type]
     costs = load.costs
     decoding, longest, runs, waiting = load.decoding, load.longest, load.runs, list(load.waiting)
+    floors = min(load.floors, len(waiting))
     elapsed = 0.0
     if decoding >= policy.options.batch:
         return Prediction(math.inf, math.inf)
     if decoding or waiting:  # the step under way: what is left of it, then the state after it
-        takes = policy.plan(costs, decoding, longest, waiting, runs)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors)
         step = costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         elapsed = 0.5 * step if under_way_ms is None else max(0.0, step - under_way_ms)
-        decoding, longest, runs, waiting = _advance(decoding, longest, runs, waiting, takes)
+        decoding, longest, runs, waiting, floors = _advance(decoding, longest, runs, waiting, takes, floors)
     waiting += ahead
-    ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed)
+    ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed, floors=floors)
     return Prediction(ttft, max(0.0, ttft - own))
 
 
@@ -328,19 +349,21 @@ def _shape(decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], ta
 
 
 def _advance(
-    decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], takes: Sequence[int]
-) -> tuple[int, int, int, list[Prompt]]:
+    decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], takes: Sequence[int], floors: int = 0
+) -> tuple[int, int, int, list[Prompt], int]:
     """The state after one step: decoding streams hold one more position each; finished prompts decode (in
-    the runs there are: the handler places a new sequence where it makes no new run if it can)."""
+    the runs there are: the handler places a new sequence where it makes no new run if it can); the floors'
+    prompts still waiting."""
     longest += 1 if decoding else 0
     left = []
-    for p, take in zip(waiting, takes, strict=True):
+    for index, (p, take) in enumerate(zip(waiting, takes, strict=True)):
         if take == p.remaining:
             decoding += 1
             longest = max(longest, p.done + take)
+            floors -= index < floors
         else:
             left.append(Prompt(p.done + take, p.remaining - take))
-    return decoding, longest, max(1, runs) if decoding else 0, left
+    return decoding, longest, max(1, runs) if decoding else 0, left, floors
 
 
 def _run(
@@ -352,22 +375,23 @@ def _run(
     waiting: list[Prompt],
     elapsed: float,
     ends: Sequence[int] = (),
+    floors: int = 0,
 ) -> float:
     """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed.  ``ends``: for as many
     of the streams decoding now, the tokens after which each ends (the others, and those that start decoding on
-    the way, go on)."""
+    the way, go on); ``floors``: the first of ``waiting`` within their tenant's slot floor."""
     last = len(waiting) - 1
     left = [e for e in ends if e > 0][:decoding]
     for _ in range(MAX_STEPS):
         if decoding >= policy.options.batch:
             return math.inf
-        takes = policy.plan(costs, decoding, longest, waiting, runs)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors)
         elapsed += costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         if takes[last] == waiting[last].remaining:
             return elapsed
         ended = sum(e == 1 for e in left)
         left = [e - 1 for e in left if e > 1]
-        decoding, longest, runs, waiting = _advance(decoding - ended, longest, runs, waiting, takes)
+        decoding, longest, runs, waiting, floors = _advance(decoding - ended, longest, runs, waiting, takes, floors)
         runs = min(runs, decoding)
         last = len(waiting) - 1
     return math.inf

@@ -798,10 +798,13 @@ class LlamaHandler:
         now: a free stream's or a host copy's prefix, or one it shares with a prompt before it of its cache
         namespace)."""
         decoding: list[int] = []
-        longest = 0
+        longest = floors = 0
         waiting = []
         ahead: list[_Sequence] = []
-        for seq in self._in_prefill_order():
+        order, within = self._in_prefill_order()
+        for index, seq in enumerate(order):
+            if seq.prefilled < seq.prompt_len:
+                floors += index < within
             if seq.stream < 0 and self.options.prefix_cache:
                 readable = seq.request.readable
                 older = (s.request.tokens for s in ahead if s.request.salt in readable)
@@ -814,7 +817,8 @@ class LlamaHandler:
                 longest = max(longest, seq.prompt_len + seq.count - 1)
             ahead.append(seq)
         self.cost.forget(time.monotonic())
-        return Load(self.cost.costs(), self.policy.options, len(decoding), longest, tuple(waiting), runs(decoding))
+        options = self.policy.options
+        return Load(self.cost.costs(), options, len(decoding), longest, tuple(waiting), runs(decoding), floors)
 
     # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
     def prefixes_version(self) -> int:
@@ -835,13 +839,16 @@ class LlamaHandler:
         has one token; prompts get what the policy plans, in :meth:`_in_prefill_order`."""
         decoding: list[_Sequence] = []
         waiting: list[_Sequence] = []
-        for seq in self._in_prefill_order():
+        order, within = self._in_prefill_order()
+        floor_ones = set(map(id, order[:within]))
+        for seq in order:
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
         longest = max((seq.prompt_len + seq.count - 1 for seq in decoding), default=0)
         costs = self.cost.costs()
         while True:
             prompts = [Prompt(seq.prefilled, seq.prompt_len - seq.prefilled) for seq in waiting]
-            takes = self.policy.plan(costs, len(decoding), longest, prompts, runs(s.stream for s in decoding))
+            floors = sum(id(seq) in floor_ones for seq in waiting)  # the first ones: the order keeps them first
+            takes = self.policy.plan(costs, len(decoding), longest, prompts, runs(s.stream for s in decoding), floors)
             # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
             # not on arrival: requests that arrive together with a shared prefix then copy it from the one
             # that computed it first.  Placing one can shorten its prompt: plan again.
@@ -876,11 +883,12 @@ class LlamaHandler:
             n += length
         return n, segments
 
-    def _in_prefill_order(self) -> list[_Sequence]:
+    def _in_prefill_order(self) -> tuple[list[_Sequence], int]:
         """The running sequences in the order their prompts are served (:func:`prefill_order`: those within their
-        tenant's slot floor first, then oldest first)."""
+        tenant's slot floor first, then oldest first), and how many are within a floor."""
         running = list(self._running.values())
-        return [running[i] for i in prefill_order([(s.request.tenant, s.request.floor) for s in running])]
+        order, within = prefill_order([(s.request.tenant, s.request.floor) for s in running])
+        return [running[i] for i in order], within
 
     def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
         """Whether a waiting prompt served before ``new`` (:meth:`_in_prefill_order`) will compute, but has not yet

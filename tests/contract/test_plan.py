@@ -483,6 +483,14 @@ def test_the_load_region_carries_the_load_whole_and_sums_what_it_cannot_list() -
     assert wire.read_load(wire.load_record(Load())[0]) == Load()  # all zero: publishes no load
 
 
+def test_the_load_region_carries_how_many_prompts_are_a_floors_never_the_summed_entry() -> None:
+    load = Load(TRUE.published(), OPTIONS, 2, 300, (Prompt(0, 10), Prompt(0, 20), Prompt(5, 30)), 1, floors=2)
+    assert wire.read_load(wire.load_record(load)[0]) == load
+    many = replace(load, waiting=tuple(Prompt(0, 10) for _ in range(wire.LOAD_PROMPTS + 2)), floors=99)
+    got = wire.read_load(wire.load_record(many)[0])
+    assert got is not None and got.floors == wire.LOAD_PROMPTS - 1  # the last entry sums the rest: not a floor's
+
+
 def test_a_torn_load_region_is_not_taken() -> None:
     record = wire.load_record(Load(TRUE.published(), OPTIONS, 1))
     record["end"], record["begin"] = 5, 6  # the writer began version 6 while the reader copied
@@ -493,6 +501,29 @@ def test_prompts_within_their_tenants_floor_are_served_first_then_oldest_first()
     """docs/TENANTS.md: a tenant's first ``floor`` requests on a server are served before the others, each group
     in arrival order; a tenant without a floor (0) never is."""
     tenants = [(0, 0), (1, 2), (0, 0), (1, 2), (1, 2), (2, 1), (0, 3)]
-    assert prefill_order(tenants) == [1, 3, 5, 0, 2, 4, 6]
-    assert prefill_order([(0, 0)] * 3) == [0, 1, 2]
-    assert prefill_order([]) == []
+    assert prefill_order(tenants) == ([1, 3, 5, 0, 2, 4, 6], 3)
+    assert prefill_order([(0, 0)] * 3) == ([0, 1, 2], 0)
+    assert prefill_order([]) == ([], 0)
+
+
+def test_no_prompt_joins_the_step_that_gives_a_floors_prompt_its_first_token() -> None:
+    """Objective 7: where a borrower's prompt may add a quarter to an earlier prompt's first-token step, it adds
+    nothing to a floor's (``min_prefill`` aside: admitted prompts always progress)."""
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100)) == [30, 6, 0]  # a quarter: 6 tokens
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100), floors=1) == [30, 0, 0]
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(3, 100), floors=1) == [3, 5]  # min_prefill 8 in all
+    # a floor's prompt that does not finish in this step leaves the bound to those behind it, as any prompt does
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(1000, 100), floors=1) == [485, 0]
+
+
+def test_the_prediction_plans_the_floors_steps_as_the_server_does() -> None:
+    """A floor's prompt ahead (published as the load's ``floors``) gets its first token in a step no later prompt
+    joins: the prediction of a prompt behind it computes none of its own tokens in that step."""
+    load = Load(FLAT, PolicyOptions(1000.0, 8, 512), decoding=5, waiting=(Prompt(0, 1000),), runs=1)
+    floor = replace(load, floors=1)
+    assert load.plan() == floor.plan() == [485]  # the step under way: 20 + 10 + 970 ms
+    borrower, behind_floor = predict(load, Prompt(0, 100)), predict(floor, Prompt(0, 100))
+    # then 485 more of the floor's, then its last 30 -- which the borrower's prompt joins with 6 tokens (a quarter
+    # of 90 ms), the one behind a floor with none -- then the rest beside 6 streams
+    assert borrower.ttft_ms == pytest.approx(500 + 1000 + (90 + 22) + (22 + 10 + 2 * 94))
+    assert behind_floor.ttft_ms == pytest.approx(500 + 1000 + 90 + (22 + 10 + 2 * 100))

@@ -19,7 +19,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import max_prompt_tokens, stream_of
 
-from edgepath.contract.plan import Prompt, StepPolicy
+from edgepath.contract.plan import Prompt
 from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
@@ -134,10 +134,11 @@ def test_every_step_is_the_one_the_published_load_plans(handler: LlamaHandler, t
     pool = Pool()
     for slot, question in enumerate(["Name a colour.", "What is the capital of France?", "Count to ten."]):
         handler.add(pool.request(slot, chat(tok, question), max_new=12, tenant=(slot // 2, slot // 2)), 0.0)
+    assert handler.load().floors == 1  # slot 2's tenant has a floor of 1: its prompt first, and no one joins it
     steps = 0
     while handler.wake_in(0.0) is not None and steps < 200:
         load = handler.load()
-        takes = StepPolicy(load.options).plan(load.costs, load.decoding, load.longest, list(load.waiting), load.runs)
+        takes = load.plan()
         before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
         handler.step(0.0)
         steps += 1
