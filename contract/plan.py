@@ -271,11 +271,6 @@ class Load:
     def idle(self) -> bool:
         return not self.decoding and not self.waiting
 
-    def plan(self) -> list[int]:
-        """What the policy plans for the next step from this load (its ``options`` must be set)."""
-        policy = StepPolicy(self.options)  # type: ignore[arg-type]
-        return policy.plan(self.costs, self.decoding, self.longest, self.waiting, self.runs, self.floors)
-
     def planned_step(self, takes: Sequence[int]) -> Step:
         """The step the policy's ``takes`` (one per waiting prompt) make of this load."""
         return _shape(self.decoding, self.longest, self.runs, self.waiting, takes)

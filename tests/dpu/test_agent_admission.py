@@ -229,16 +229,15 @@ def test_the_agent_knows_how_long_the_servers_step_under_way_has_run_from_its_cl
     agent: Agent = new_agent(max_wait=60.0, clock=lambda: now[0])
     link = agent.attach(server.address)
     published_ns = int(server.pool.buf[wire.LOAD_OFFSET : wire.LOAD_OFFSET + 8].view(np.uint64)[0])
-    time.sleep(0.05)
-    server.memory.beat(0.0)  # the server's loop turns, 50 ms or more after it published
+    server.memory.beat(0.0)  # the server's loop turns, after it published
     beat_ns = time.monotonic_ns()
     agent.link_set.refresh(link)
     ran = link.under_way_ms(now[0])
-    assert ran is not None and 50.0 <= ran <= (beat_ns - published_ns) / 1e6
+    assert ran is not None and 0.0 < ran <= (beat_ns - published_ns) / 1e6
     now[0] += 0.2  # 200 ms later on the agent's clock, nothing read since
     assert link.under_way_ms(now[0]) == pytest.approx(ran + 200.0)
     index, status = submit(agent, 40)
     assert status is None
     expected = predict(BUSY, Prompt(0, 40), under_way_ms=ran + 200.0)
     assert agent.frames.request_headers[index].predicted_ttft_us == int(expected.ttft_ms * 1e3)
-    assert expected.ttft_ms < predict(BUSY, Prompt(0, 40), under_way_ms=0.0).ttft_ms - 250.0
+    assert expected.ttft_ms <= predict(BUSY, Prompt(0, 40), under_way_ms=0.0).ttft_ms - 200.0

@@ -19,7 +19,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import max_prompt_tokens, stream_of
 
-from edgepath.contract.plan import Prompt
+from edgepath.contract.plan import Prompt, StepPolicy
 from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
@@ -138,7 +138,8 @@ def test_every_step_is_the_one_the_published_load_plans(handler: LlamaHandler, t
     steps = 0
     while handler.wake_in(0.0) is not None and steps < 200:
         load = handler.load()
-        takes = load.plan()
+        policy = StepPolicy(load.options)
+        takes = policy.plan(load.costs, load.decoding, load.longest, list(load.waiting), load.runs, load.floors)
         before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
         handler.step(0.0)
         steps += 1
