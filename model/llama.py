@@ -190,16 +190,20 @@ class LlamaOptions:
     )
     deterministic: bool = _knob(
         False,
-        help="off|on: on -- llama.cpp built without llamafile's batched kernels (`make deterministic`), so a token's "
+        help="off|on: on -- llama.cpp built without llamafile's batched kernels (`make deterministic`) and flash "
+        "attention off, so a token's "
         "logits do not depend on how its step was batched: a reused prefix, a migrated or a batched stream give "
-        "bit-identical greedy answers, at about half the prompt speed; off -- llama.cpp as its users build it, "
+        "bit-identical greedy answers, at about half the prompt speed; off -- llama.cpp as its users build and run "
+        "it (llamafile's kernels, flash attention auto), "
         "logits equal within the stated tolerance (docs/MODEL.md)",
         **_choice(off=False, on=True),
     )
     flash_attn: str = _knob(
-        "off",
-        help="off|on|auto: llama.cpp's flash attention; on this CPU it decodes slower, and its results depend on how "
-        "a prompt is split into steps, so a reused prefix would not give the same answer",
+        "auto",
+        help="off|on|auto: llama.cpp's flash attention (auto: on where the backend has it for the model's layers, "
+        "as llama-server runs it); with it a token's logits depend on how its step was batched within the stated "
+        'tolerance (docs/MODEL.md, "Exactness"), without it serving is slower',
+        decided="auto, or off with deterministic=on",
         **_choice(**{name: name for name in _FLASH_ATTN}),
     )
     kv_unified: bool = _knob(
@@ -242,9 +246,18 @@ class LlamaOptions:
             allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
             raise HandlerError(f"llama: unknown option(s) {unknown}; allowed: {allowed}")
         values = {key: _KNOBS[key].read(key, raw) for key, raw in options.items()}
-        decided = {"threads": lambda: len(os.sched_getaffinity(0)), "ctx_per_slot": lambda: max(16, slot_tokens)}
+        decided = {
+            "threads": lambda: len(os.sched_getaffinity(0)),
+            "ctx_per_slot": lambda: max(16, slot_tokens),
+            "flash_attn": lambda: "off" if values.get("deterministic") else "auto",
+        }
         for key, default in decided.items():
             values.setdefault(key, default())
+        if values.get("deterministic") and values["flash_attn"] != "off":
+            raise HandlerError(
+                f"llama: deterministic=on needs flash_attn=off, got flash_attn={values['flash_attn']}: flash "
+                "attention's results depend on how a step is batched, which deterministic=on promises they do not"
+            )
         if "model" not in values:
             try:
                 values["model"] = default_model_path()

@@ -1,9 +1,9 @@
 """Whether streamed answers are the reference answer of their prompt, within what docs/MODEL.md ("Exactness")
 promises: at temperature 0 an answer that was migrated, batched or served from the prefix cache equals the answer
 of the same prompt computed otherwise, token for token -- except at a position where the two likeliest tokens are
-within twice ``BATCH_TOLERANCE`` of each other in log probability: there the runner-up may be taken, and the answer
-goes its own way from there. So a token repeated or lost by a migration fails, unless it falls after such a near
-tie (where nothing is promised: the verdict says so).
+within twice ``FLASH_TOLERANCE`` (the serving default: flash attention on) of each other in log probability: there
+the runner-up may be taken, and the answer goes its own way from there. So a token repeated or lost by a migration
+fails, unless it falls after such a near tie (where nothing is promised: the verdict says so).
 
     python tests/containers/same_answer.py REFERENCE.json ANSWER.txt...
 
@@ -18,10 +18,11 @@ import json
 import sys
 from typing import Any
 
-from edgepath.model.known_answer import BATCH_TOLERANCE
+from edgepath.model.known_answer import FLASH_TOLERANCE
 
-#: how far apart the best two tokens' log probabilities may be for either to be taken (docs/MODEL.md)
-NEAR_TIE = 2 * BATCH_TOLERANCE
+#: how far apart the best two tokens' log probabilities may be for either to be taken, as the container serves
+#: (flash attention on, its default: docs/MODEL.md)
+NEAR_TIE = 2 * FLASH_TOLERANCE
 
 
 class Differs(Exception):

@@ -14,19 +14,24 @@ import numpy as np
 from edgepath.model.gguf import default_model_path, llama_cpp, load_model
 from edgepath.model.llama import LlamaOptions, context_params
 
-CAP = 256
+CAP = 640
 QUESTION = "Which platform does the night train leave from?"
+#: a system prompt of ~500 tokens: flash attention's differences grow with the positions a token attends
+SYSTEM = "You are a helpful assistant at a railway station. " + " ".join(
+    f"Train {n} leaves from platform {n % 9 + 1} at {n % 12 + 1} o'clock and stops at every town on the coast."
+    for n in range(20)
+)
 
 
-def differences(deterministic: bool = False) -> dict[str, float]:
+def differences(deterministic: bool = False, flash_attn: str = "off") -> dict[str, float]:
     """{cuts: largest |logit difference| from the prompt computed in one step} (and ``argmax``: 1 when every cut's
-    best token is the one step's)."""
+    best token is the one step's), with llama.cpp's flash attention ``flash_attn``."""
     from edgepath.edge.tokenizer import GGUFTokenizer
 
     lib = llama_cpp(deterministic)
-    options = LlamaOptions.parse({"threads": "1", "flash_attn": "off"}, CAP)
+    options = LlamaOptions.parse({"threads": "1", "flash_attn": flash_attn}, CAP)
     frame = np.zeros(CAP, dtype=np.int32)
-    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": QUESTION}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     prompt = frame[: GGUFTokenizer(default_model_path()).encode_chat_into(messages, frame)]
     model = load_model(options.model, vocab_only=False)
     ctx = lib.llama_init_from_model(model, context_params(lib, 1, options, CAP))

@@ -24,7 +24,7 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
-from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama import LlamaHandler, LlamaOptions
 from edgepath.model.prefix import runs
 from edgepath.model.threads import ThreadGovernor
 from edgepath.native.abi import Status, ffi, lib
@@ -372,6 +372,7 @@ def test_sampling_is_seeded_per_slot(handler: LlamaHandler, tok: GGUFTokenizer) 
         ({"ubatch": "0"}, "ubatch must be >= 1, got 0"),
         ({"prefix_cache": "yes"}, "prefix_cache must be one of on, off, got 'yes'"),
         ({"flash_attn": "fast"}, "flash_attn must be one of off, on, auto, got 'fast'"),
+        ({"deterministic": "on", "flash_attn": "auto"}, "deterministic=on needs flash_attn=off, got flash_attn=auto"),
         ({"cache_mb": "-1"}, "cache_mb must be a finite number >= 0, got -1"),
         ({"cache_min": "0"}, "cache_min must be >= 1, got 0"),
     ],
@@ -380,6 +381,14 @@ def test_bad_options_name_what_is_allowed(options: dict[str, str], message: str)
     with pytest.raises(HandlerError) as err:
         LlamaHandler.from_config(HandlerConfig(1, 16, 16, options))
     assert message in str(err.value)
+
+
+def test_flash_attention_is_on_as_llama_server_runs_it_and_off_for_deterministic_answers() -> None:
+    """The default is llama.cpp's (auto: on for the CPU backend), as llama-server's users run it; deterministic=on
+    promises logits that do not depend on batching, which flash attention breaks, so there it is off."""
+    assert LlamaOptions.parse({}, 64).flash_attn == "auto"
+    assert LlamaOptions.parse({"deterministic": "on"}, 64).flash_attn == "off"
+    assert LlamaOptions.parse({"flash_attn": "off"}, 64).flash_attn == "off"
 
 
 def test_missing_model_names_the_path(tmp_path: Path) -> None:
