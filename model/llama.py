@@ -684,8 +684,8 @@ class LlamaHandler:
         # each step's fastest of the passes: a neighbour (or the process that just left the CPUs) only makes a
         # step slower, and one step slowed so during the warm-up skewed the whole fit (docs/ADMISSION.md)
         passes = [measure() for _ in range(CALIBRATION_PASSES)]
-        steps = passes[0][0]
-        times = [min(ms) for ms in zip(*(t for _, t in passes), strict=True)]
+        steps = passes[0][0]  # a pass that took other steps (a state copy failed in one) is left out
+        times = [min(ms) for ms in zip(*(t for s, t in passes if s == steps), strict=True)]
         if not self.cost.calibrate(steps, times):
             log.warning("llama: the warm-up steps made no cost model (%s ms); the start values stay", times)
             return
