@@ -27,6 +27,12 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    gets its first token, no prompt behind it joins (``min_prefill`` aside).  A floor is capacity a tenant can count
    on; the step it shares with the streams decoding is what it cannot avoid on a CPU, a borrower's prompt is not
    (docs/TENANTS.md).
+8. *A floor lent out is quick to take back*: while a tenant with a slot floor holds fewer of the server's slots than
+   its floor (:func:`floor_lent`), the prompts of requests outside every floor add at most ``lent_ms`` to a step
+   (``min_prefill`` aside, a chunk's micro-batch included).  The floor's owner waits out the step under way when it
+   comes -- a CPU step cannot be cut --, and a borrower's prompt made that step long: on this project's 2-core
+   machine a 128-token prompt beside seven decoding streams took 300-330 ms, the decoding alone 40-50 ms.  A prompt
+   cut into more chunks costs a micro-batch's fixed part per chunk (~9 ms there).
 
 **The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
 decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
@@ -45,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -161,15 +167,19 @@ class StepPolicy:
         waiting: Sequence[Prompt],
         runs: int = 1,
         floors: int = 0,
+        lent_ms: float = 0.0,
     ) -> list[int]:
         """Prompt tokens to compute this step from each waiting prompt, oldest first.
 
         ``decoding``: slots that decode one token each this step, the longest holding ``longest`` positions, in
         ``runs`` micro-batches; ``waiting``: the prompts in prefill, in the order they are served, the first
-        ``floors`` of them within their tenant's slot floor.  One count per waiting prompt, in order (0: it waits
-        for a later step); the step holds ``decoding + sum(...)`` tokens, never more than ``batch``.  Each prompt
-        chunk is charged a micro-batch of its own."""
+        ``floors`` of them within their tenant's slot floor; ``lent_ms``: while a floor is lent, what the others
+        may add to the step (0: none is).  One count per waiting prompt, in order (0: it waits for a later step);
+        the step holds ``decoding + sum(...)`` tokens, never more than ``batch``.  Each prompt chunk is charged a
+        micro-batch of its own."""
         options = self.options
+        if not lent_ms >= 0 or not math.isfinite(lent_ms):
+            raise ValueError(f"plan: lent_ms must be finite and >= 0 ms, got {lent_ms}")
         if decoding < 0 or longest < 0 or runs < 0 or any(p.remaining < 1 or p.done < 0 for p in waiting):
             raise ValueError(
                 f"plan: need decoding >= 0, longest >= 0, runs >= 0 and every waiting prompt >= 1 token, got "
@@ -183,12 +193,17 @@ class StepPolicy:
         # The bound: what the step may cost beyond its decoding streams, spent oldest prompt first at each one's
         # own positions.  The floor: what it carries whatever the bound -- while streams decode, min_prefill in
         # all (admitted prompts always progress); while nobody decodes, the oldest prompt whole.
+        # While a floor is lent, the others' prompts spend at most lent_ms of it (objective 8), a borrower's alone
+        # no longer a whole prompt when nothing decodes.
         spent_ms = costs.step_ms(_decoding_step(decoding, longest, runs))
         room_ms = options.stall_ms - spent_ms
-        floor = options.min_prefill if decoding else waiting[0].remaining
+        lent_room = lent_ms if lent_ms else math.inf
+        whole = not decoding and (floors > 0 or not lent_ms)
+        floor = waiting[0].remaining if whole else options.min_prefill
         plan = []
         for index, prompt in enumerate(waiting):
-            within = _tokens_within(costs, room_ms - costs.overhead_ms, prompt.done)
+            bound = room_ms if index < floors else min(room_ms, lent_room)
+            within = _tokens_within(costs, bound - costs.overhead_ms, prompt.done)
             take = min(prompt.remaining, room, max(floor, within))
             plan.append(take)
             room -= take
@@ -197,6 +212,8 @@ class StepPolicy:
                 added = costs.overhead_ms + _prompt_ms(costs, prompt.done, take)
                 spent_ms += added
                 room_ms -= added
+                if index >= floors:
+                    lent_room -= added
                 if take == prompt.remaining:  # its first token: those behind may delay it only a little, a floor's not
                     room_ms = 0.0 if index < floors else min(room_ms, JOIN_SHARE * spent_ms)
         return plan
@@ -217,6 +234,16 @@ def prefill_order(tenants: Sequence[tuple[int, int]]) -> tuple[list[int], int]:
         held[tenant] += 1
         (first if tenant and held[tenant] <= floor else rest).append(index)
     return first + rest, len(first)
+
+
+def floor_lent(running: Sequence[tuple[int, int]], floors: Mapping[int, int]) -> bool:
+    """Whether a slot floor is lent out on a server (objective 8): ``running`` holds each running request's tenant
+    (its floor id) and that tenant's floor, ``floors`` the floor of every tenant with one that the server knows
+    of; lent when one of those holds fewer running requests than its floor while a request outside every floor
+    runs (that one holds a slot the owner can take back)."""
+    held = Counter(tenant for tenant, _ in running)
+    _, within = prefill_order(running)
+    return within < len(running) and any(held[tenant] < floor for tenant, floor in floors.items() if tenant)
 
 
 def _decoding_step(decoding: int, longest: int, runs: int) -> Step:
@@ -258,6 +285,7 @@ class Load:
     waiting: tuple[Prompt, ...] = ()
     runs: int = 0  # micro-batches the decoding streams take (runs of consecutive sequence ids)
     floors: int = 0  # the first ``floors`` of ``waiting`` are within their tenant's slot floor (objective 7)
+    lent_ms: float = 0.0  # while a floor is lent out, what the other prompts may add to a step (objective 8)
 
     @property
     def published(self) -> bool:
@@ -322,12 +350,14 @@ def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = (), under_way_
     if decoding >= policy.options.batch:
         return Prediction(math.inf, math.inf)
     if decoding or waiting:  # the step under way: what is left of it, then the state after it
-        takes = policy.plan(costs, decoding, longest, waiting, runs, floors)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, load.lent_ms)
         step = costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         elapsed = 0.5 * step if under_way_ms is None else max(0.0, step - under_way_ms)
         decoding, longest, runs, waiting, floors = _advance(decoding, longest, runs, waiting, takes, floors)
     waiting += ahead
-    ttft = _run(costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed, floors=floors)
+    ttft = _run(
+        costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed, floors=floors, lent_ms=load.lent_ms
+    )
     return Prediction(ttft, max(0.0, ttft - own))
 
 
@@ -371,16 +401,18 @@ def _run(
     elapsed: float,
     ends: Sequence[int] = (),
     floors: int = 0,
+    lent_ms: float = 0.0,
 ) -> float:
     """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed.  ``ends``: for as many
     of the streams decoding now, the tokens after which each ends (the others, and those that start decoding on
-    the way, go on); ``floors``: the first of ``waiting`` within their tenant's slot floor."""
+    the way, go on); ``floors``: the first of ``waiting`` within their tenant's slot floor; ``lent_ms``: the
+    others' share of a step while a floor is lent, taken to stay lent."""
     last = len(waiting) - 1
     left = [e for e in ends if e > 0][:decoding]
     for _ in range(MAX_STEPS):
         if decoding >= policy.options.batch:
             return math.inf
-        takes = policy.plan(costs, decoding, longest, waiting, runs, floors)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, lent_ms)
         elapsed += costs.step_ms(_shape(decoding, longest, runs, waiting, takes))
         if takes[last] == waiting[last].remaining:
             return elapsed

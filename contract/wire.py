@@ -83,6 +83,7 @@ def load_record(load: Load) -> np.ndarray:
         waiting = (*waiting[: LOAD_PROMPTS - 1], Prompt(rest[0].done, sum(p.remaining for p in rest)))
     r["listed"] = len(waiting)
     r["floors"] = min(load.floors, len(waiting) - (len(load.waiting) > LOAD_PROMPTS))  # never the summed entry
+    r["lent_ms"] = load.lent_ms
     pairs = r["prompts"]
     for i, prompt in enumerate(waiting):
         pairs[2 * i], pairs[2 * i + 1] = min(prompt.done, 0xFFFFFFFF), min(prompt.remaining, 0xFFFFFFFF)
@@ -119,7 +120,8 @@ def read_load(region: np.void) -> Load | None:
     listed = min(int(region["listed"]), LOAD_PROMPTS)
     waiting = tuple(Prompt(int(pairs[2 * i]), int(pairs[2 * i + 1])) for i in range(listed) if pairs[2 * i + 1])
     floors = min(int(region["floors"]), len(waiting))
-    return Load(costs, options, int(region["decoding"]), int(region["longest"]), waiting, int(region["runs"]), floors)
+    decoding, longest, runs = int(region["decoding"]), int(region["longest"]), int(region["runs"])
+    return Load(costs, options, decoding, longest, waiting, runs, floors, float(region["lent_ms"]))
 
 
 # -- connection private data (what each side tells the other when a connection is set up) ---------------

@@ -45,6 +45,7 @@ from edgepath.contract.plan import (
     Step,
     StepPolicy,
     chunk_attended,
+    floor_lent,
     prefill_order,
 )
 from edgepath.model import known_answer
@@ -62,6 +63,7 @@ log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
+FLOOR_MEMORY_S = 3600.0  # a slot floor no request has named for this long is no longer kept free of long steps
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine) until the
 # warm-up steps measure it here (a context too small for them keeps these); it then follows the steps as they run.
 _START_COSTS_ONE_THREAD = Costs(overhead_ms=12.0, prompt_ms=2.0, decode_ms=4.0, context_ms=1.2, decode_context_ms=9.0)
@@ -183,6 +185,12 @@ class LlamaOptions:
     )
     min_prefill: int = _knob(
         16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", read=_integer(1)
+    )
+    lent_ms: float = _knob(
+        50.0,
+        help="MS > 0: while a tenant's slot floor is lent out, the other tenants' prompts add at most this much to a "
+        "step, so the step its owner waits out when it takes its slot back is short (docs/TENANTS.md)",
+        read=_real(0.0, strict=True),
     )
     share_cpus: bool = _knob(
         True,
@@ -408,6 +416,8 @@ class LlamaHandler:
         self.batch_capacity = batch
         stall = float(np.float32(options.stall_ms))  # as published: the agents replay the plan with it
         self.policy = StepPolicy(PolicyOptions(stall, options.min_prefill, batch))
+        self.lent_ms = float(np.float32(options.lent_ms))  # as published, as the stall
+        self._floors: dict[int, tuple[int, float]] = {}  # floor id -> (its floor, when a request last said so)
         self.cost = CostModel(_START_COSTS_ONE_THREAD.scaled(1.0 / options.threads))
         self.governor = ThreadGovernor(options.threads) if options.share_cpus and options.threads > 1 else None
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
@@ -502,6 +512,8 @@ class LlamaHandler:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
         self._running[slot] = _Sequence(request, sampler, prompt_len, words=words)
+        if request.tenant and request.floor:
+            self._floors[request.tenant] = (request.floor, time.monotonic())
         return []
 
     def step(self, now: float) -> list[Emit]:
@@ -844,8 +856,8 @@ class LlamaHandler:
                 longest = max(longest, seq.prompt_len + seq.count - 1)
             ahead.append(seq)
         self.cost.forget(time.monotonic())
-        options = self.policy.options
-        return Load(self.cost.costs(), options, len(decoding), longest, tuple(waiting), runs(decoding), floors)
+        options, lent = self.policy.options, self._lent()
+        return Load(self.cost.costs(), options, len(decoding), longest, tuple(waiting), runs(decoding), floors, lent)
 
     # -- HoldsPrefixes: what the slot server publishes in its pool's prefix table --------------------
     def prefixes_version(self) -> int:
@@ -871,11 +883,12 @@ class LlamaHandler:
         for seq in order:
             (decoding if seq.prefilled == seq.prompt_len else waiting).append(seq)
         longest = max((seq.prompt_len + seq.count - 1 for seq in decoding), default=0)
-        costs = self.cost.costs()
+        costs, lent = self.cost.costs(), self._lent()
         while True:
             prompts = [Prompt(seq.prefilled, seq.prompt_len - seq.prefilled) for seq in waiting]
             floors = sum(id(seq) in floor_ones for seq in waiting)  # the first ones: the order keeps them first
-            takes = self.policy.plan(costs, len(decoding), longest, prompts, runs(s.stream for s in decoding), floors)
+            streams = runs(s.stream for s in decoding)
+            takes = self.policy.plan(costs, len(decoding), longest, prompts, streams, floors, lent)
             # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
             # not on arrival: requests that arrive together with a shared prefix then copy it from the one
             # that computed it first.  Placing one can shorten its prompt: plan again.
@@ -916,6 +929,18 @@ class LlamaHandler:
         running = list(self._running.values())
         order, within = prefill_order([(s.request.tenant, s.request.floor) for s in running])
         return [running[i] for i in order], within
+
+    def _lent(self) -> float:
+        """The policy's ``lent_ms`` now: the option while a floor this server has seen asked for is lent out
+        (:func:`floor_lent`), else 0.  A floor unasked for ``FLOOR_MEMORY_S`` (its tenant gone from the tenants file,
+        or silent) is forgotten."""
+        if not self._floors:
+            return 0.0
+        now = time.monotonic()
+        self._floors = {t: (f, seen) for t, (f, seen) in self._floors.items() if now - seen < FLOOR_MEMORY_S}
+        running = [(s.request.tenant, s.request.floor) for s in self._running.values()]
+        floors = {t: f for t, (f, _) in self._floors.items()}
+        return self.lent_ms if floor_lent(running, floors) else 0.0
 
     def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
         """Whether a waiting prompt served before ``new`` (:meth:`_in_prefill_order`) will compute, but has not yet

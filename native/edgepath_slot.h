@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 11  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35) */
+#define EP_ABI_VERSION 12  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35); 12: the load region's lent_ms (was spare): what a borrower's prompt may add to a step while a floor is lent (issue 35) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -230,7 +230,7 @@ struct ep_load {
     uint32_t listed;           /* entries of prompts[] in use (at most EP_LOAD_PROMPTS) */
     uint32_t prompts[28];      /* per prompt in prefill, in the order served: positions held, tokens to compute */
     uint32_t floors;           /* the first `floors` listed are within their tenant's slot floor (ABI 11) */
-    uint32_t spare;            /* 0 */
+    float lent_ms;             /* while a slot floor is lent out, what other prompts add to a step; 0: none is (ABI 12) */
     uint64_t begin;            /* the version, stored first */
 };
 

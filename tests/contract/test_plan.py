@@ -22,6 +22,7 @@ from edgepath.contract.plan import (
     Step,
     StepPolicy,
     chunk_attended,
+    floor_lent,
     own_ms,
     predict,
     prefill_order,
@@ -528,3 +529,44 @@ def test_the_prediction_plans_the_floors_steps_as_the_server_does() -> None:
     # of 90 ms), the one behind a floor with none -- then the rest beside 6 streams
     assert borrower.ttft_ms == pytest.approx(500 + 1000 + (90 + 22) + (22 + 10 + 2 * 94))
     assert behind_floor.ttft_ms == pytest.approx(500 + 1000 + 90 + (22 + 10 + 2 * 100))
+
+
+def test_while_a_floor_is_lent_the_others_prompts_add_at_most_lent_ms_to_a_step() -> None:
+    """Objective 8: the step a floor's owner waits out when it takes its slot back stays short -- a borrower's prompt
+    adds at most ``lent_ms`` (its chunk's micro-batch included; ``min_prefill`` aside), a floor's prompt is not held
+    to it."""
+    wide = policy(stall_ms=1000.0)
+    assert wide.plan(FLAT, 5, 0, fresh(100)) == [100]  # 20 ms of decoding + 10 + 200: within the stall
+    assert wide.plan(FLAT, 5, 0, fresh(100), lent_ms=50.0) == [20]  # 10 + 2 x 20 = 50 ms
+    assert wide.plan(FLAT, 5, 0, fresh(100), floors=1, lent_ms=50.0) == [100]  # the floor's own prompt
+    assert wide.plan(FLAT, 5, 0, fresh(1000, 100), floors=1, lent_ms=50.0) == [485, 0]
+    assert wide.plan(FLAT, 5, 0, fresh(100), lent_ms=5.0) == [8]  # admitted prompts always progress
+    # the borrowers share it: the first's 10 tokens spend 30 of the 50 ms, the quarter-share rule leaves 12.5
+    assert wide.plan(FLAT, 5, 0, fresh(10, 100), lent_ms=50.0) == [10, 1]
+    # nobody decodes: a borrower's prompt is no longer computed whole, a floor's still is
+    assert wide.plan(FLAT, 0, 0, fresh(300)) == [300]
+    assert wide.plan(FLAT, 0, 0, fresh(300), lent_ms=50.0) == [20]
+    assert wide.plan(FLAT, 0, 0, fresh(300, 100), floors=1, lent_ms=50.0) == [300, 0]
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="lent_ms must be finite and >= 0 ms"):
+            wide.plan(FLAT, 5, 0, fresh(100), lent_ms=bad)
+
+
+def test_a_floor_is_lent_while_its_tenant_holds_less_than_it_and_a_request_outside_every_floor_runs() -> None:
+    assert floor_lent([(1, 2), (0, 0)], {1: 2})  # tenant 1 holds 1 of its 2; tenant 0's request can be taken back
+    assert floor_lent([(0, 0)] * 8, {1: 2})
+    assert not floor_lent([(1, 2), (1, 2), (0, 0)], {1: 2})  # it holds its floor
+    assert not floor_lent([(1, 2)], {1: 2})  # nobody to take a slot back from
+    assert not floor_lent([(0, 0)] * 8, {})  # no floor known
+    assert not floor_lent([(1, 2)] * 3, {1: 2})  # above its floor, and no other floor
+    assert floor_lent([(1, 2)] * 3, {1: 2, 2: 1})  # tenant 2 holds none of its 1; tenant 1's third is outside
+
+
+def test_the_prediction_plans_a_borrowers_steps_within_lent_ms_as_the_server_does() -> None:
+    """The load region carries ``lent_ms``; the prediction replays it: a 100-token prompt beside five decoding streams
+    in five steps of 20 + 10 + 40 ms instead of one of 230."""
+    load = Load(FLAT, PolicyOptions(1000.0, 8, 512), decoding=5, runs=1)
+    lent = replace(load, lent_ms=50.0)
+    assert wire.read_load(wire.load_record(lent)[0]) == lent
+    assert predict(load, Prompt(0, 100)).ttft_ms == pytest.approx(10 + 230)  # half the step under way, then one
+    assert predict(lent, Prompt(0, 100)).ttft_ms == pytest.approx(10 + 5 * 70)
