@@ -45,6 +45,7 @@ from edgepath.contract.plan import (
     Step,
     StepPolicy,
     chunk_attended,
+    decodes,
     floor_lent,
     prefill_order,
 )
@@ -875,7 +876,8 @@ class LlamaHandler:
     def _plan(self, out: list[Emit]) -> tuple[int, list[tuple[_Sequence, int, int, int]]]:
         """This step's batch: (tokens, [(sequence, batch start, length, first position)]), in sequence-id
         order (llama.cpp cuts a step into micro-batches of consecutive sequence ids).  Every decoding slot
-        has one token; prompts get what the policy plans, in :meth:`_in_prefill_order`."""
+        has one token (but in a floor's first-token step); prompts get what the policy plans, in
+        :meth:`_in_prefill_order`."""
         decoding: list[_Sequence] = []
         waiting: list[_Sequence] = []
         order, within = self._in_prefill_order()
@@ -899,7 +901,9 @@ class LlamaHandler:
                 waiting.remove(new)  # not this step: an older prompt is still computing the prefix it shares
                 continue
             self._place(new)
-        parts = [(seq, seq.prompt_len + seq.count - 1, 1) for seq in decoding]
+        parts = []  # a floor's first token: the streams decoding decode in the next step (objective 7)
+        if decodes(prompts, takes, floors):
+            parts = [(seq, seq.prompt_len + seq.count - 1, 1) for seq in decoding]
         for seq, take in zip(waiting, takes, strict=True):
             if take == 0:
                 continue

@@ -22,6 +22,7 @@ from edgepath.contract.plan import (
     Step,
     StepPolicy,
     chunk_attended,
+    decodes,
     floor_lent,
     own_ms,
     predict,
@@ -507,14 +508,20 @@ def test_prompts_within_their_tenants_floor_are_served_first_then_oldest_first()
     assert prefill_order([]) == ([], 0)
 
 
-def test_no_prompt_joins_the_step_that_gives_a_floors_prompt_its_first_token() -> None:
+def test_nothing_joins_the_step_that_gives_a_floors_prompt_its_first_token() -> None:
     """Objective 7: where a borrower's prompt may add a quarter to an earlier prompt's first-token step, it adds
-    nothing to a floor's (``min_prefill`` aside: admitted prompts always progress)."""
-    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100)) == [30, 6, 0]  # a quarter: 6 tokens
-    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100), floors=1) == [30, 0, 0]
-    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(3, 100), floors=1) == [3, 5]  # min_prefill 8 in all
-    # a floor's prompt that does not finish in this step leaves the bound to those behind it, as any prompt does
-    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(1000, 100), floors=1) == [485, 0]
+    nothing to a floor's -- not even ``min_prefill`` --, and the streams decoding decode in the next step."""
+    wide = policy(stall_ms=1000.0)
+    assert wide.plan(FLAT, 5, 0, fresh(30, 100, 100)) == [30, 6, 0]  # a quarter: 6 tokens
+    assert decodes(fresh(30, 100, 100), [30, 6, 0], 0)
+    assert wide.plan(FLAT, 5, 0, fresh(30, 100, 100), floors=1) == [30, 0, 0]
+    assert not decodes(fresh(30, 100, 100), [30, 0, 0], 1)
+    assert wide.plan(FLAT, 5, 0, fresh(3, 100), floors=1) == [3, 0]
+    # a floor's prompt that does not finish in this step leaves the bound to those behind it, as any prompt does,
+    # and the streams decode beside it
+    assert wide.plan(FLAT, 5, 0, fresh(1000, 100), floors=1) == [485, 0]
+    assert decodes(fresh(1000, 100), [485, 0], 1)
+    assert decodes(fresh(30, 100), [30, 0], 0) and decodes([], [], 0)
 
 
 def test_the_prediction_plans_the_floors_steps_as_the_server_does() -> None:
@@ -526,9 +533,9 @@ def test_the_prediction_plans_the_floors_steps_as_the_server_does() -> None:
         assert StepPolicy(published.options).plan(FLAT, 5, 0, published.waiting, 1, published.floors) == [485]
     borrower, behind_floor = predict(load, Prompt(0, 100)), predict(floor, Prompt(0, 100))
     # then 485 more of the floor's, then its last 30 -- which the borrower's prompt joins with 6 tokens (a quarter
-    # of 90 ms), the one behind a floor with none -- then the rest beside 6 streams
+    # of 90 ms); the floor's alone, its 5 streams decoding in the next step -- then the rest beside 6 streams
     assert borrower.ttft_ms == pytest.approx(500 + 1000 + (90 + 22) + (22 + 10 + 2 * 94))
-    assert behind_floor.ttft_ms == pytest.approx(500 + 1000 + 90 + (22 + 10 + 2 * 100))
+    assert behind_floor.ttft_ms == pytest.approx(500 + 1000 + 70 + (22 + 10 + 2 * 100))
 
 
 def test_while_a_floor_is_lent_the_others_prompts_add_at_most_lent_ms_to_a_step() -> None:

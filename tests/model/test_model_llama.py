@@ -19,7 +19,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 
 from helpers.model import max_prompt_tokens, stream_of
 
-from edgepath.contract.plan import Prompt, StepPolicy
+from edgepath.contract.plan import Prompt, StepPolicy, decodes
 from edgepath.contract.wire import Sampling
 from edgepath.edge.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
@@ -139,32 +139,41 @@ def test_the_step_cost_model_is_measured_by_this_machines_warm_up_steps(caplog: 
 
 def test_every_step_is_the_one_the_published_load_plans(floors_handler: LlamaHandler, tok: GGUFTokenizer) -> None:
     """One planner on both sides: before each step the handler's load, replayed through the policy, says how many
-    prompt and decoded tokens the step will carry -- and the step carries exactly those, a floor lent out or not."""
+    prompt and decoded tokens the step will carry -- and the step carries exactly those: a floor lent out or not,
+    and the step that gives a floor's prompt its first token without the streams decoding (objective 7)."""
     handler = floors_handler
     pool = Pool()
-    questions = ["Name a colour.", "What is the capital of France?", "Count to twenty, one number per line."]
-    for slot, question in enumerate(questions):  # the floor's stream outlasts the others'
-        floor = slot // 2
-        handler.add(pool.request(slot, chat(tok, question), max_new=12 + 28 * floor, tenant=(floor, 2 * floor)), 0.0)
-    # slot 2's tenant has a floor of 2: its prompt first, no one joins it, and while it holds 1 of its 2 the
-    # others' prompts are held to lent_ms (objective 8 of contract/plan.py)
-    assert handler.load().floors == 1 and handler.load().lent_ms == handler.lent_ms > 0
-    steps, lent = 0, set()
-    while handler.wake_in(0.0) is not None and steps < 200:
+    for slot, question in enumerate(["Name a colour.", "What is the capital of France?"]):
+        handler.add(pool.request(slot, chat(tok, question), max_new=12), 0.0)
+    steps, lent, alone = 0, set(), 0
+
+    def replay() -> None:
+        nonlocal steps, alone
         load = handler.load()
         lent.add(load.lent_ms)
         policy = StepPolicy(load.options)
         plan = (load.costs, load.decoding, load.longest, list(load.waiting), load.runs, load.floors, load.lent_ms)
         takes = policy.plan(*plan)
+        decoded = load.decoding if decodes(load.waiting, takes, load.floors) else 0
+        alone += load.decoding > decoded
         before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
         handler.step(0.0)
         steps += 1
-        assert (handler.stats.prompt_tokens - before[0], handler.stats.decode_tokens - before[1]) == (
-            sum(takes),
-            load.decoding,
-        )
+        after = (handler.stats.prompt_tokens - before[0], handler.stats.decode_tokens - before[1])
+        assert after == (sum(takes), decoded)
+
+    while handler.load().waiting:  # the two without a floor start decoding
+        replay()
+    # slot 2's tenant has a floor of 2: its prompt first, in a step of its own, and while it holds 1 of its 2 the
+    # others' prompts are held to lent_ms (objective 8); its stream outlasts the others'
+    mine = chat(tok, "Count to twenty, one number per line.")
+    handler.add(pool.request(2, mine, max_new=40, tenant=(1, 2)), 0.0)
+    assert handler.load().floors == 1 and handler.load().lent_ms == handler.lent_ms > 0
+    while handler.wake_in(0.0) is not None and steps < 200:
+        replay()
     assert steps > 3 and handler.wake_in(0.0) is None
-    assert lent == {handler.lent_ms, 0.0}  # lent while the others ran, not once the floor's ran alone
+    assert alone == 1  # the floor's first-token step, its two streams decoding in the next
+    assert lent == {handler.lent_ms, 0.0}  # lent while the others ran, not before the floor was known nor after
 
 
 def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:
