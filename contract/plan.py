@@ -16,7 +16,8 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    steps and gives its first token as early as the bound allows.
 4. *A whole prompt at once when nothing decodes* (up to ``batch`` tokens): nobody waits on that step; other
    prompts join it only within the stall bound (and objective 6).
-5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step.
+5. *Admitted prompts always progress*: a waiting prompt gets at least ``min_prefill`` tokens in every step (but the
+   one that gives a floor's prompt its first token, objective 7).
 6. *A later prompt never delays an earlier one's first token by much*: in a step where a prompt gets its first
    token, the prompts behind it add at most ``JOIN_SHARE`` of what the step costs up to it (``min_prefill`` aside).
    That first token was predicted, and the request admitted, without the prompts that arrived after it; letting
