@@ -514,7 +514,7 @@ class LlamaHandler:
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
         self._running[slot] = _Sequence(request, sampler, prompt_len, words=words)
         if request.tenant and request.floor:
-            self._floors[request.tenant] = (request.floor, time.monotonic())
+            self._learn_floor(request.tenant, request.floor)
         return []
 
     def step(self, now: float) -> list[Emit]:
@@ -934,14 +934,19 @@ class LlamaHandler:
         order, within = prefill_order([(s.request.tenant, s.request.floor) for s in running])
         return [running[i] for i in order], within
 
-    def _lent(self) -> float:
-        """The policy's ``lent_ms`` now: the option while a floor this server has seen asked for is lent out
-        (:func:`floor_lent`), else 0.  A floor unasked for ``FLOOR_MEMORY_S`` (its tenant gone from the tenants file,
-        or silent) is forgotten."""
-        if not self._floors:
-            return 0.0
+    def _learn_floor(self, tenant: int, floor: int) -> None:
+        """Remember ``tenant``'s slot floor as a request named it now, and forget those unnamed for
+        ``FLOOR_MEMORY_S`` (a tenant gone from the tenants file, or silent): here, not on every step, since a floor
+        can only be lent while a request that arrived through :meth:`add` runs."""
         now = time.monotonic()
         self._floors = {t: (f, seen) for t, (f, seen) in self._floors.items() if now - seen < FLOOR_MEMORY_S}
+        self._floors[tenant] = (floor, now)
+
+    def _lent(self) -> float:
+        """The policy's ``lent_ms`` now: the option while a floor this server has seen asked for is lent out
+        (:func:`floor_lent`), else 0."""
+        if not self._floors:
+            return 0.0
         running = [(s.request.tenant, s.request.floor) for s in self._running.values()]
         floors = {t: f for t, (f, _) in self._floors.items()}
         return self.lent_ms if floor_lent(running, floors) else 0.0
