@@ -173,7 +173,7 @@ MODES = ("batch", "direct")
 
 
 def create_app(slot_server: str, tokenizer_path: str | None, mode: str, max_batch: int, window: float) -> FastAPI:
-    from edgepath.edge.tokenizer import load_tokenizer
+    from edgepath.edge.text.tokenizer import load_tokenizer
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import HttpCore, Limits, Request, Work
-from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.edge.http import Limits, Request, Work
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.text.tokenizer import load_tokenizer
 from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 128

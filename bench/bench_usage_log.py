@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.edge.usage import FSYNC, Usage, UsageLog
+from edgepath.edge.tenancy.usage import FSYNC, Usage, UsageLog
 
 LINE = Usage("acme", 7, "/v1/chat/completions", "smollm2", 261, 256, 12, "stop", 81.5, 3.25, "chatcmpl-ep7")
 

@@ -33,7 +33,7 @@ from edgepath.bench.readme import rewrite_block
 from edgepath.children import Child
 from edgepath.config import AgentSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.http import Headers, Request, Response
-from edgepath.edge.tokenizer import load_tokenizer
+from edgepath.edge.text.tokenizer import load_tokenizer
 from edgepath.native.abi import lib
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
@@ -176,7 +176,7 @@ def breakdown(profiler: cProfile.Profile) -> list[tuple[float, str]]:
     total = max(v[3] for v in stats.values())
     doorbell = _own(stats, "ep_write_imm") + _own(stats, "ep_write_then_imm")
     stages = [
-        (_cumulative(stats, "edge/tokenizer.py", "encode_into"), "tokenizing the prompt into the frame"),
+        (_cumulative(stats, "edge/text/tokenizer.py", "encode_into"), "tokenizing the prompt into the frame"),
         (_cumulative(stats, "dpu/agent.py", "submit") - doorbell, "claim + send in Python (`Agent.submit`)"),
         (
             sum(_cumulative(stats, "edge/metrics.py", n) for n in ("answered", "edge", "first_token")),
@@ -184,7 +184,7 @@ def breakdown(profiler: cProfile.Profile) -> list[tuple[float, str]]:
         ),
         (_cumulative(stats, "edge/http.py", "handle"), "parse + route (`HttpCore.handle`)"),
         (doorbell, "the doorbell: eventfd write to a sleeping slot-server poller (none while it is awake)"),
-        (_cumulative(stats, "edge/tokenizer.py", "decode"), "detokenizing the answer's `text`"),
+        (_cumulative(stats, "edge/text/tokenizer.py", "decode"), "detokenizing the answer's `text`"),
         (_cumulative(stats, "dpu/agent.py", "poll"), "taking deliveries (CQ poll, `Agent.deliver`)"),
         (_own(stats, "orjson"), "the answer's JSON (orjson)"),
     ]

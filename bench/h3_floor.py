@@ -14,7 +14,7 @@ import signal
 from functools import partial
 from typing import Any, ClassVar
 
-from edgepath.edge.quic_engine import DEFAULT_ENGINE, ENGINES, QuicEngine, load_engine
+from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE, ENGINES, QuicEngine, load_engine
 
 
 def fixed_response(size: int) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from edgepath.bench.model_workload import Workload
 from edgepath.contract.wire import Sampling
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import ffi, lib

@@ -488,7 +488,7 @@ def _progress(log: list, line: str) -> None:
 
 
 def _tls() -> tuple[str, str]:
-    from edgepath.edge.tls import resolve
+    from edgepath.edge.adapters.tls import resolve
 
     tls = resolve(None, None)
     return str(tls.certificate), str(tls.private_key)

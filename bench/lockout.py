@@ -156,7 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """0 when every request of the sweep was admitted, else 1."""
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
 
     low, _, high = args.sweep_tokens.partition("-")

@@ -24,7 +24,7 @@ import numpy as np
 
 from edgepath.bench.model_workload import Workload
 from edgepath.contract.wire import Sampling
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.llama import LlamaHandler
 from edgepath.slots.handlers import HandlerConfig, SlotRequest
 

@@ -1139,7 +1139,7 @@ def _llama_server_build(no_build: bool) -> dict[str, Any]:
 
 
 def _chats(model: str, seed: int, prompt_range: tuple[int, int], plan: Plan, slots: int, prefix_tokens: int) -> Chats:
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer(Path(model))
     try:

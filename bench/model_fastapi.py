@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract.wire import Sampling
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.llama import LlamaHandler
 from edgepath.slots.handlers import HandlerConfig, SlotRequest
 

@@ -188,7 +188,7 @@ def handler_decode(options: dict[str, str], slots: int, context: int, tokens: in
     tokens each (prefill untimed) -- the figure to set beside llama-batched-bench's S_TG with
     ``-npp context -ntg tokens -npl 1,slots``."""
     from edgepath.contract.wire import Sampling
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.llama import LlamaHandler
     from edgepath.slots.handlers import HandlerConfig, SlotRequest
 
@@ -255,7 +255,7 @@ def arrival(options: dict[str, str], slots: int, context: int, prompt: int, roun
     ``context`` prompt tokens generate (the policy's objective 5: near the idle one), with the generating
     sequences' inter-token gaps (one step each) until that first token (objective 2: at most ``stall_ms``)."""
     from edgepath.contract.wire import Sampling
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.llama import LlamaHandler
     from edgepath.slots.handlers import HandlerConfig, SlotRequest
 

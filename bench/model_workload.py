@@ -91,7 +91,7 @@ QUESTIONS = (
     "Can I pick up my order at the shop instead?",
 )  # fmt: skip
 
-#: A count of the tokens of a text in the model's vocabulary (edgepath.edge.tokenizer.GGUFTokenizer).
+#: A count of the tokens of a text in the model's vocabulary (edgepath.edge.text.tokenizer.GGUFTokenizer).
 Counter = Callable[[str], int]
 
 

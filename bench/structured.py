@@ -271,7 +271,7 @@ def h3_parse(port: int, served: str, plan: Plan, model: type[BaseModel], questio
     the server's advice, as the SDK does."""
     from curl_cffi import CurlHttpVersion, requests
 
-    from edgepath.edge.tls import default_certificate
+    from edgepath.edge.adapters.tls import default_certificate
 
     reply = Reply("http/3", model.__name__, seed)
     body = {
@@ -429,7 +429,7 @@ async def _h3_ready(proc: subprocess.Popen[bytes], port: int, timeout: float) ->
     """Wait until an HTTP/3 ``serve`` answers ``/v1/models``; the model it lists."""
     from curl_cffi import CurlHttpVersion, requests
 
-    from edgepath.edge.tls import default_certificate
+    from edgepath.edge.adapters.tls import default_certificate
 
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:

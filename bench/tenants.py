@@ -570,7 +570,7 @@ def _noisy_bodies(model: str, chats: Iterable[list[dict]], max_tokens: int, salt
 
 def main(args: argparse.Namespace) -> int:
     """0 when the promises held (the quiet tenant never refused, the probe's cache isolation), else 1."""
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
 
     low, high = _lengths(args.quiet_tokens)

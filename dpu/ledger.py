@@ -1,5 +1,5 @@
 """The quota ledger several edges share: its home, a region of bucket words, and an edge's view of it, which
-CASes those words over the transport (:mod:`edgepath.edge.quota` makes every decision; the
+CASes those words over the transport (:mod:`edgepath.edge.tenancy.quota` makes every decision; the
 edge reaches memory only through this layer, the agent side).
 
 The home does nothing per request -- it registers the region, accepts edges and lets go of those gone -- so
@@ -91,9 +91,9 @@ class LedgerHome:
 
 
 class RemoteLedger:
-    """An edge's view of a ledger home at ``address`` (a :class:`~edgepath.edge.quota.Ledger`): each CAS one remote
-    compare-and-swap.  ``connect`` is made at once (a home that does not answer is the caller's error); lost later,
-    every CAS raises :class:`LedgerUnavailable` until a thread has connected again."""
+    """An edge's view of a ledger home at ``address`` (a :class:`~edgepath.edge.tenancy.quota.Ledger`): each CAS
+    one remote compare-and-swap.  ``connect`` is made at once (a home that does not answer is the caller's error);
+    lost later, every CAS raises :class:`LedgerUnavailable` until a thread has connected again."""
 
     def __init__(
         self,

@@ -11,16 +11,20 @@ choice reused (the prompt tokens no slot computed for this request).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import orjson
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.actions import Answer, EndStream, Respond, SendChunk, StartStream
-from edgepath.edge.http import Headers, Response
-from edgepath.edge.openai import Usage
+from edgepath.edge.apis.openai_answers import Usage
+from edgepath.edge.http import Formatter, Headers, Request, Response, Work
+from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.tracked import Action, Phase, Tracked
 
 #: seeds are carried as unsigned 64-bit words (contract/wire.py's ``Sampling``)
 _SEED_MASK = (1 << 64) - 1
@@ -115,3 +119,96 @@ class ChoiceGroup:
             raise RuntimeError(f"choice {self.index(member)} of request {self.rid} ended twice")
         self.ended.add(member)
         self.usages[self.index(member)] = choice.usage()
+
+
+@dataclass(eq=False, slots=True)
+class Choices:
+    """A request of ``n`` choices in flight: its members (one :class:`Tracked` each, choice 0 first, answering under
+    keys of their own) and the combiner that makes their answers one (:mod:`edgepath.edge.choices`)."""
+
+    combine: ChoiceGroup
+    route: str
+    request: Request
+    members: list[Tracked]
+
+
+class Groups:
+    """The requests of ``n`` choices in flight, by the client's key and by each member's: the fan-out of one request
+    into its choices, and the fan-in of what they answer into the client's one answer."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self.metrics = metrics
+        self._groups: dict[int, Choices] = {}
+        self._keys = itertools.count(1)  # members answer under -1, -2, ... (clients' keys are >= 0)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def get(self, key: int) -> Choices | None:
+        """The group of a client's key or of a member's (None: no group, or answered already)."""
+        return self._groups.get(key)
+
+    def fan_out(self, t: Tracked, formatter: Callable[[Work], Formatter], tokens: np.ndarray) -> Choices:
+        """Make ``t``'s spare frames the requests of choices 1..n-1 -- the same ids (``tokens``: the frames' token
+        arrays), their own seeds and formatters -- with ``t`` choice 0; every member answers under a key of its
+        own.  The group is not in flight until :meth:`add`."""
+        rid, frame = t.rid, t.frame
+        assert frame is not None and t.formatter is not None
+        words = t.input_count + (0 if t.work.constraint is None else len(t.work.constraint))
+        t.rid = -next(self._keys)
+        members = [t]
+        for choice, spare in enumerate(t.spares, 1):
+            tokens[spare, :words] = tokens[frame, :words]
+            work = replace(
+                t.work,
+                sampling=choice_sampling(t.work.sampling, choice),
+                options={**t.work.options, "choice": (t.formatter, choice)},
+            )
+            member = Tracked(
+                -next(self._keys), t.request, t.route, work, formatter(work), Phase.TOKENIZING, dict(t.timings), spare,
+                input_count=t.input_count, choice=choice,
+            )  # fmt: skip
+            members.append(member)
+        t.spares = []
+        return Choices(ChoiceGroup(rid, [m.rid for m in members], t.work.stream), t.route, t.request, members)
+
+    def add(self, group: Choices) -> None:
+        """``group`` is in flight: its members' actions are combined from now on."""
+        for key in [group.combine.rid, *(m.rid for m in group.members)]:
+            self._groups[key] = group
+
+    def drop(self, group: Choices) -> list[Tracked]:
+        """Forget ``group``; its members, for the lifecycle to abandon those still in flight."""
+        self._groups.pop(group.combine.rid, None)
+        for member in group.members:
+            self._groups.pop(member.rid, None)
+        return group.members
+
+    def fan_in(self, actions: list[Action], now: int) -> list[Action]:
+        """The actions of choices of several made the one answer to their request (:class:`ChoiceGroup`)."""
+        out: list[Action] = []
+        for action in actions:
+            if action.rid >= 0:  # a client's own
+                out.append(action)
+                continue
+            group = self._groups.get(action.rid)
+            if group is None:
+                continue  # a choice of a request answered already (another choice failed in the same event)
+            combine, member = group.combine, action.rid
+            formatter: Any = next(m.formatter for m in group.members if m.rid == member)  # a Choice
+            match action:
+                case StartStream(_, status, headers):
+                    out += combine.start(status, headers)
+                case SendChunk(_, data):
+                    out += combine.chunk(data)
+                case EndStream(_, data):
+                    out += combine.end(member, data, formatter)
+                case Respond(_, response) if response.status == 200:
+                    out += combine.whole(member, response, formatter)
+                case _:
+                    raise AssertionError(f"a choice answered {action!r}: its failures are its request's")
+            if combine.done:  # every choice answered and forgotten: only the keys are left
+                for key in [combine.rid, *combine.members]:
+                    self._groups.pop(key, None)
+                self.metrics.answered(group.route, 200, now - group.request.t_receive_ns)
+        return out

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
 from edgepath.edge.body import BodyLimits
-from edgepath.edge.http import Headers, HttpCore, HttpError, Request, Response
+from edgepath.edge.http import Headers, HttpError, Request, Response
 from edgepath.edge.lifecycle import (
     DEFAULT_FORMATTERS,
     Action,
@@ -31,10 +31,12 @@ from edgepath.edge.lifecycle import (
     SendChunk,
     StartStream,
     Tokenize,
-    chat_tools,
 )
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.tokenizer import Tokenizer
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.gate import TenantGate
+from edgepath.edge.text.tokenizer import Tokenizer
+from edgepath.edge.tokenizing import chat_tools
 from edgepath.native.abi import lib
 
 log = logging.getLogger("edgepath.edge")
@@ -112,8 +114,10 @@ class EdgeService:
         body_timeout: float = 5.0,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
         supervision: Callable[[], tuple[int, int] | None] | None = None,
+        gate: TenantGate | None = None,
     ) -> None:
-        """``supervision``: (restarts, hangs) of the slot server the app supervises, for /metrics."""
+        """``supervision``: (restarts, hangs) of the slot server the app supervises, for /metrics; ``gate``: the
+        tenants' slot caps, quotas and usage log (:class:`~edgepath.edge.tenancy.gate.TenantGate`)."""
         self.core = core
         self.tokenizer = tokenizer
         self.port = port
@@ -137,6 +141,7 @@ class EdgeService:
             workers=workers,
             request_timeout_ns=int(request_timeout * 1e9),
             formatters=formatters,
+            gate=gate,
         )
         self._replies: dict[int, Reply] = {}
         self._rids = itertools.count(1)

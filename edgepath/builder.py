@@ -42,13 +42,14 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent_service import AgentService
     from edgepath.dpu.ledger import LedgerHome
     from edgepath.dpu.port import AgentPort
-    from edgepath.edge.auth import ApiKeys
-    from edgepath.edge.http import HttpCore
-    from edgepath.edge.quota import Quotas
+    from edgepath.edge.adapters.tls import TlsFiles
+    from edgepath.edge.routes import HttpCore
     from edgepath.edge.service import EdgeService
-    from edgepath.edge.tls import TlsFiles
-    from edgepath.edge.tokenizer import Tokenizer
-    from edgepath.edge.usage import UsageLog
+    from edgepath.edge.tenancy.auth import ApiKeys
+    from edgepath.edge.tenancy.gate import TenantGate
+    from edgepath.edge.tenancy.quota import Quotas
+    from edgepath.edge.tenancy.usage import UsageLog
+    from edgepath.edge.text.tokenizer import Tokenizer
     from edgepath.hangwatch import HangWatch
     from edgepath.slots.config import SlotServerConfig
     from edgepath.slots.handlers import HandlerConfig
@@ -313,7 +314,7 @@ class ServePlan:
 
 def plan_serve(options: ServeOptions) -> ServePlan:
     """What ``serve`` runs, each choice checked in the order its mistakes are reported."""
-    from edgepath.edge.auth import load_keys
+    from edgepath.edge.tenancy.auth import load_keys
 
     options = with_model(options)  # the model found and checked before anything starts
     check_listen(options.edge)
@@ -487,7 +488,7 @@ async def start_edge(
     ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none).
     Returns the edge's graceful stop (:func:`drain_edge`), to await before ``cleanup``."""
     from edgepath.edge.service import TOKENIZER_WORKERS
-    from edgepath.edge.tokenizer import load_tokenizer
+    from edgepath.edge.text.tokenizer import load_tokenizer
 
     edge = plan.options.edge
     tokenizer = load_tokenizer(edge.tokenizer)
@@ -497,6 +498,15 @@ async def start_edge(
     executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
+    from edgepath.edge.tenancy.gate import TenantGate
+
+    usage = None
+    if edge.usage_log is not None:
+        from edgepath.edge.tenancy.usage import UsageLog
+
+        usage = UsageLog(edge.usage_log, edge.usage_fsync, edge.usage_fsync_interval)
+        cleanup.callback(usage.close)
+    quotas = shared_quotas(edge.quota_home, options, cleanup) if edge.quota_home is not None else None
     service = build_edge(
         edge,
         options.sizes.capacity,
@@ -507,17 +517,9 @@ async def start_edge(
         executor,
         supervision,
         model_side=options.handler.name == "llama",
+        gate=TenantGate(quotas, usage),
     )
     give_floors(plan.keys, agent)
-    if edge.quota_home is not None:
-        service.lifecycle.quotas = shared_quotas(edge.quota_home, options, cleanup)
-    usage = None
-    if edge.usage_log is not None:
-        from edgepath.edge.usage import UsageLog
-
-        usage = UsageLog(edge.usage_log, edge.usage_fsync, edge.usage_fsync_interval)
-        cleanup.callback(usage.close)
-        service.lifecycle.usage = usage
     service.start()
     cleanup.callback(service.stop)
 
@@ -556,7 +558,7 @@ def reload_keys(edge: EdgeSettings, core: HttpCore, agent: AgentPort | None = No
     """SIGHUP: read the API keys and the tenants file again and serve new requests with them (and give ``agent``
     their slot floors); streams in flight keep the tenant they were admitted as.  A file that cannot be used is
     one error line, and the keys in use are kept."""
-    from edgepath.edge.auth import load_keys
+    from edgepath.edge.tenancy.auth import load_keys
 
     try:
         keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)
@@ -629,7 +631,7 @@ def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitS
     """The edge's quotas in the ledger at ``address`` (``--quota-home``), shared with the other edges there; a
     ledger that does not answer is an error naming the option."""
     from edgepath.dpu.ledger import RemoteLedger
-    from edgepath.edge.quota import Quotas
+    from edgepath.edge.tenancy.quota import Quotas
     from edgepath.transports.base import TransportError
 
     transport = ledger_transport(address, options)
@@ -649,7 +651,7 @@ def give_floors(keys: ApiKeys | None, agent: AgentPort) -> None:
     """The tenants' slot floors to the edge's agent, by floor id (docs/TENANTS.md): an agent in this process takes
     lent slots back by them (an agent process learns each tenant's floor from its requests' headers).  Floors that
     add up to more than the slots attached cannot all be had at once: said once per start or reload."""
-    from edgepath.edge.tenants import floors_by_id
+    from edgepath.edge.tenancy.tenants import floors_by_id
 
     floors = floors_by_id(keys.tenants if keys is not None else [])
     set_floors = getattr(agent, "set_floors", None)
@@ -677,17 +679,17 @@ def on_sighup(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -
 
 def serve_tls(edge: EdgeSettings) -> TlsFiles | None:
     """The edge's TLS files (QUIC only): the given ones, or the self-signed pair (made when missing)."""
-    from edgepath.edge.tls import resolve
+    from edgepath.edge.adapters.tls import resolve
 
     return resolve(edge.certificate, edge.private_key) if edge.transport == "quic" else None
 
 
 async def _listen(edge: EdgeSettings, service: EdgeService, tls: TlsFiles | None) -> asyncio.Server | QuicServer:
     if tls is None:
-        from edgepath.edge.tcp import serve_tcp
+        from edgepath.edge.adapters.tcp import serve_tcp
 
         return await serve_tcp(service, edge.host, edge.port, reuse_port=edge.reuse_port)
-    from edgepath.edge.quic import serve_quic, server_configuration
+    from edgepath.edge.adapters.quic import serve_quic, server_configuration
 
     configuration = server_configuration(str(tls.certificate), str(tls.private_key), edge.quic_engine)
     return await serve_quic(
@@ -704,7 +706,7 @@ async def _listen(edge: EdgeSettings, service: EdgeService, tls: TlsFiles | None
 def use_chat_template(tokenizer: Tokenizer, path: str) -> None:
     """``--chat-template FILE`` replaces the model's own template; chats are tokenized with the template's
     markers as control tokens, which only the GGUF tokenizer can do (checked here, before serving)."""
-    from edgepath.edge.chat import load_chat_template
+    from edgepath.edge.text.chat import load_chat_template
 
     set_template = getattr(tokenizer, "set_chat_template", None)
     if set_template is None:
@@ -725,16 +727,19 @@ def build_edge(
     executor: Executor,
     supervision: Callable[[], tuple[int, int] | None] | None = None,
     model_side: bool = False,
+    gate: TenantGate | None = None,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
     servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``; the bound
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
     log probabilities and enforces grammars (the llama handler)."""
-    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, GenerateFormatter, HttpCore, Limits
-    from edgepath.edge.openai_routes import OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.apis.generate import GenerateFormatter
+    from edgepath.edge.apis.openai_routes import OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.apis.tools import TOOL_FORMATS
+    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, Limits
+    from edgepath.edge.routes import HttpCore
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
-    from edgepath.edge.tools import TOOL_FORMATS
 
     upstream = agent.capacity()
     limits = Limits(
@@ -773,6 +778,7 @@ def build_edge(
             CHAT: openai_format,
         },
         supervision=supervision,
+        gate=gate,
     )
 
 

@@ -37,10 +37,10 @@ from edgepath.dpu.agent import DEFAULT_MAX_WAIT, DEFAULT_MIGRATION_LIMIT
 from edgepath.dpu.discovery import DEFAULT_RESOLVE_INTERVAL, checked_source
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
-from edgepath.edge.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
-from edgepath.edge.quic_engine import ENGINES as QUIC_ENGINES
+from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
+from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.edge.retry import DEFAULT_RETRIES
-from edgepath.edge.usage import FSYNC as USAGE_FSYNC
+from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
 from edgepath.options import (
     handler_spec,
     key_value,

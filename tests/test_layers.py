@@ -49,6 +49,42 @@ ALLOWED = {
 }
 
 
+#: the rooms of ``edge/`` and the rooms each may import (its own always).  The text a model reads and writes
+#: (``text/``: tokenizers, chat templates, detokenizing, stop strings) and who a request is (``tenancy/``: keys,
+#: tenants, quotas, usage, the tenant gate) stand on nothing else of the edge; the HTTP vocabulary (``core``:
+#: requests, responses, work, errors, refusals, body limits) knows tenants; the API shapes (``apis/``) build on
+#: those; the engine (router, lifecycle, driver, n choices, ops pages, measurements, metrics) runs the shapes; the
+#: adapters (``adapters/``: QUIC, HTTP/1.1, TLS) feed the engine's driver and know no shape; the client
+#: (``edgepath request``, the load generators) stands alone.
+EDGE_ROOMS = {
+    "text": set(),
+    "tenancy": set(),
+    "core": {"tenancy"},
+    "apis": {"core", "tenancy", "text"},
+    "engine": {"core", "apis", "tenancy", "text"},
+    "adapters": {"core", "engine"},
+    "client": set(),
+}
+#: the rooms that are folders; the modules at edge/'s top are the core's, the client's or the engine's
+EDGE_FOLDERS = ("adapters", "apis", "tenancy", "text")
+EDGE_TOP = {
+    "http": "core",
+    "actions": "core",
+    "refusals": "core",
+    "body": "core",
+    "client": "client",
+    "retry": "client",
+}
+
+
+def _room_of(module: str) -> str | None:
+    """The room of ``edge/`` a module belongs to (None: outside edge/, or edge/'s own package)."""
+    if not module.startswith("edgepath.edge."):
+        return None
+    first = module.split(".")[2]
+    return first if first in EDGE_FOLDERS else EDGE_TOP.get(first, "engine")
+
+
 def _layer_of(module: str) -> str | None:
     """The layer of an absolute module name inside edgepath (None: outside edgepath)."""
     if module != "edgepath" and not module.startswith("edgepath."):
@@ -125,6 +161,26 @@ def test_every_import_runs_down_the_layers() -> None:
     assert wrong == [], "imports against the layering (" + ", ".join(f"{k}<-{v}" for k, v in ALLOWED.items()) + ")"
 
 
+def test_edge_rooms_import_only_the_rooms_below_them() -> None:
+    """Every room of edge/ is a folder or named in EDGE_TOP, and its imports within edge/ follow EDGE_ROOMS."""
+    wrong, unplaced = [], []
+    for path in sorted((ROOT / "edge").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if len(rel.parts) > 2 and rel.parts[1] not in EDGE_FOLDERS:
+            unplaced.append(str(rel))
+        module = ".".join(["edgepath", *rel.with_suffix("").parts])
+        room = _room_of(module)
+        if room is None:
+            continue
+        package = ".".join(["edgepath", *rel.parts[:-1]])
+        for line, target in _imports(path, package):
+            other = _room_of(target)
+            if other is not None and other != room and other not in EDGE_ROOMS[room]:
+                wrong.append(f"{rel}:{line} ({room}) imports {target} ({other})")
+    assert unplaced == [], f"folders of edge/ not in EDGE_FOLDERS: {unplaced}"
+    assert wrong == [], "imports against edge/'s rooms: " + "; ".join(wrong)
+
+
 def test_nothing_below_the_app_layer_imports_it() -> None:
     upward = [
         where
@@ -150,7 +206,8 @@ def test_the_product_wheel_does_not_carry_the_benchmarks() -> None:
     through the entry point the command line reads."""
     product = tomllib.loads((ROOT / "pyproject.toml").read_text())
     bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())
-    assert set(product["tool"]["setuptools"]["packages"]) == {PACKAGES[f][0] for f in PACKAGES if f != "bench"}
+    packages = {PACKAGES[f][0] for f in PACKAGES if f != "bench"} | {f"edgepath.edge.{room}" for room in EDGE_FOLDERS}
+    assert set(product["tool"]["setuptools"]["packages"]) == packages
     assert "bench" not in product["tool"]["setuptools"]["package-dir"].values()
     assert product["project"]["optional-dependencies"].keys().isdisjoint({"bench"})
     assert bench["tool"]["setuptools"]["packages"] == ["edgepath.bench"]

@@ -16,8 +16,8 @@ from edgepath.config import DataPath
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerHome, RemoteLedger
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
-from edgepath.edge.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
-from edgepath.edge.tenants import Tenant
+from edgepath.edge.tenancy.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
+from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.transports.base import Transport, TransportError
 
 pytestmark = pytest.mark.transport

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.edge.auth import ApiKeys, load_keys
-from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
+from edgepath.edge.http import Limits, Request, Response, StateQuery, Work
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.auth import ApiKeys, load_keys
 
 LIMITS = Limits(max_body=1024, input_capacity=16, output_capacity=32, vocab_size=1000)
 BODY = b'{"prompt": "hi"}'

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
+from edgepath.edge.adapters.tcp import EdgeHttp11Protocol
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.body import BodyLimits
-from edgepath.edge.http import Headers, HttpCore, HttpError, Limits, Request, Response
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.http import Headers, HttpError, Limits, Request, Response
+from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import Ticket
-from edgepath.edge.tcp import EdgeHttp11Protocol
 
 
 class _Handle:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.edge.chat import (
+from edgepath.edge.text.chat import (
     NO_TEMPLATE,
     ChatMessage,
     ChatTemplate,

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from test_edge_lifecycle import INPUT, OUTPUT, TIMEOUT, Clock, FakePort, sse
 
 from edgepath.contract.wire import Sampling
+from edgepath.edge.apis.openai_answers import Usage
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
 from edgepath.edge.choices import choice_sampling, merged_usage
-from edgepath.edge.http import COMPLETIONS, HttpCore, Limits, Request
+from edgepath.edge.http import COMPLETIONS, Limits, Request
 from edgepath.edge.lifecycle import (
     DEFAULT_FORMATTERS,
     Action,
@@ -25,9 +27,8 @@ from edgepath.edge.lifecycle import (
     Tokenize,
 )
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.openai import Usage
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
-from edgepath.edge.tokenizer import INLINE_CHARS
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.text.tokenizer import INLINE_CHARS
 from edgepath.native.abi import Status
 
 MODEL = "m"
@@ -103,7 +104,7 @@ def test_n_choices_are_claimed_together_with_their_own_seeds_and_answered_as_one
     assert [c["text"] for c in doc["choices"]] == ["hi", "o", "yo!"]
     assert doc["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
-    assert port.held == set() and edge.tracked == {} and edge.by_frame == {} and edge.groups == {}
+    assert port.held == set() and edge.tracked == {} and edge.by_frame == {} and len(edge.groups) == 0
     assert edge.metrics.exposition().count(b'edgepath_requests_total{route="/v1/completions",status="200"} 1') == 1
 
 
@@ -126,7 +127,7 @@ def test_streamed_choices_carry_their_indexes_and_the_stream_ends_once_with_one_
     usages = [e["usage"] for e in events if e.get("usage")]
     assert usages == [{"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                        "prompt_tokens_details": {"cached_tokens": 0}}]  # fmt: skip
-    assert edge.groups == {} and port.held == set()
+    assert len(edge.groups) == 0 and port.held == set()
 
 
 def test_a_client_that_goes_away_cancels_every_choice() -> None:
@@ -138,7 +139,7 @@ def test_a_client_that_goes_away_cancels_every_choice() -> None:
     edge.deliveries([port.finish(frames[1])], now=2)  # one choice ended already
     assert edge.client_gone(4, now=3) == []
     assert sorted(port.abandoned) == sorted([frames[0], frames[2]]) and port.in_flight == set()
-    assert edge.tracked == {} and edge.groups == {} and port.held == set()
+    assert edge.tracked == {} and len(edge.groups) == 0 and port.held == set()
 
 
 def test_a_choice_that_fails_answers_its_request_once_and_the_others_are_abandoned() -> None:
@@ -150,7 +151,7 @@ def test_a_choice_that_fails_answers_its_request_once_and_the_others_are_abandon
     (action,) = edge.tick(now=1)
     assert isinstance(action, Respond) and action.rid == 5 and action.response.status == 503
     assert sorted(port.abandoned) == sorted([frames[0], frames[2]]) and port.held == set()
-    assert edge.tracked == {} and edge.groups == {}
+    assert edge.tracked == {} and len(edge.groups) == 0
     port.lost = frames[:]  # every choice lost at once: still one answer
     edge.receive(6, completion(3), now=2)
     port.lost = port.groups[1][:]
@@ -164,7 +165,7 @@ def test_a_group_refused_at_claim_time_is_one_429_and_every_frame_comes_back() -
     port.refuse_with = Status.NO_SLOT
     (action,) = edge.receive(7, completion(4), now=0)
     assert isinstance(action, Respond) and action.rid == 7 and action.response.status == 429
-    assert port.held == set() and len(port.free) == 8 and edge.tracked == {} and edge.groups == {}
+    assert port.held == set() and len(port.free) == 8 and edge.tracked == {} and len(edge.groups) == 0
 
 
 def test_n_frames_or_none_a_request_that_cannot_get_them_all_is_429_and_holds_nothing() -> None:
@@ -184,7 +185,7 @@ def test_an_agent_process_refusing_the_group_through_its_frames_is_one_429() -> 
     (action,) = edge.deliveries([port.finish(frames[0], Status.NO_SLOT)], now=1)
     assert isinstance(action, Respond) and action.rid == 9 and action.response.status == 429
     assert sorted(port.abandoned) == sorted(frames[1:])  # the others' refusals come to abandoned frames
-    assert edge.tracked == {} and edge.groups == {} and port.held == set()
+    assert edge.tracked == {} and len(edge.groups) == 0 and port.held == set()
 
 
 def test_a_choice_answered_in_the_event_another_fails_in_is_not_sent() -> None:
@@ -195,7 +196,7 @@ def test_a_choice_answered_in_the_event_another_fails_in_is_not_sent() -> None:
     port.produce(a, [104])
     actions = edge.deliveries([port.finish(a, Status.STOP), port.finish(b, Status.HANDLER_ERROR)], now=1)
     assert [(x.rid, x.response.status) for x in actions if isinstance(x, Respond)] == [(10, 502)]
-    assert len(actions) == 1 and edge.tracked == {} and edge.groups == {} and port.held == set()
+    assert len(actions) == 1 and edge.tracked == {} and len(edge.groups) == 0 and port.held == set()
 
 
 operations = st.lists(
@@ -277,4 +278,4 @@ def test_whatever_happens_each_request_of_n_choices_is_answered_once_and_every_f
             assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
             assert seen.count("respond") + seen.count("end") == 1
     assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
-    assert edge.groups == {} and edge.busy_workers == 0 and edge.unmatched == 0 and edge.broken == 0
+    assert len(edge.groups) == 0 and edge.tokenizing.busy == 0 and edge.unmatched == 0 and edge.broken == 0

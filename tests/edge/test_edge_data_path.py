@@ -15,11 +15,12 @@ import pytest
 from helpers.tokenizers import CharTokenizer
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
+from edgepath.edge.http import Headers, Limits, Request, Response
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, Respond
 from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import EdgeService
-from edgepath.edge.tokenizer import Tokenizer, load_tokenizer
+from edgepath.edge.text.tokenizer import Tokenizer, load_tokenizer
 from edgepath.native.abi import REQUEST_HEADER, State, lib
 from edgepath.slots.handlers import echo
 from edgepath.slots.server import SlotServer, SlotServerConfig

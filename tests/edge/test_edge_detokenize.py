@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.edge.detokenize import REPLACEMENT, IncrementalDetokenizer
-from edgepath.edge.tokenizer import TekkenTokenizer, load_tokenizer
+from edgepath.edge.text.detokenize import REPLACEMENT, IncrementalDetokenizer
+from edgepath.edge.text.tokenizer import TekkenTokenizer, load_tokenizer
 
 UNICODE_HEAVY = [
     "東京タワーは333メートルです。中文测试：你好，世界！",  # noqa: RUF001 (full-width punctuation on purpose)

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from edgepath.dpu.link_state import Readiness
+from edgepath.edge.apis.generate import GenerateFormatter
 from edgepath.edge.http import (
-    GenerateFormatter,
     Handled,
-    HttpCore,
     HttpError,
     Limits,
     Outcome,
@@ -23,6 +22,8 @@ from edgepath.edge.http import (
     server_timing,
     timing_headers,
 )
+from edgepath.edge.ops import health_response
+from edgepath.edge.routes import HttpCore
 
 LIMITS = Limits(max_body=1024, input_capacity=16, output_capacity=32, vocab_size=1000)
 
@@ -100,7 +101,7 @@ def test_health_and_metrics_are_routed_with_query() -> None:
 def test_bad_input(method: str, target: str, body: str | bytes, status: int, type_: str) -> None:
     result = call(method, target, body)
     if isinstance(result, StateQuery):  # /health validates its query with live state at hand
-        result = HttpCore.health_response(1, 2, Readiness(True, "ok"), result.query, lambda pct: (0.0, 0, 0.0))
+        result = health_response(1, 2, Readiness(True, "ok"), result.query, lambda pct: (0.0, 0, 0.0))
     got_status, got_type, _ = error_of(result)
     assert (got_status, got_type) == (status, type_)
 
@@ -113,15 +114,15 @@ def test_405_names_the_allowed_methods() -> None:
 
 def test_prompt_too_long_reports_exact_count_and_limit() -> None:
     core = HttpCore(LIMITS)
-    core.check_length(16)
+    core.limits.check_length(16)
     with pytest.raises(HttpError) as info:
-        core.check_length(17)
+        core.limits.check_length(17)
     assert (info.value.status, info.value.type) == (400, "prompt_too_long")
     assert "17 tokens" in info.value.message and "at most 16" in info.value.message
 
 
 def test_no_slot_is_429_with_retry_after() -> None:
-    response = error_response(HttpCore(LIMITS).no_slot())
+    response = error_response(HttpCore(LIMITS).refusals.no_slot())
     status, type_, _ = error_of(response)
     assert (status, type_) == (429, "no_slot")
     assert dict(response.headers)[b"retry-after"] == b"1"
@@ -163,7 +164,7 @@ def test_health_reports_slots_and_percentile() -> None:
         asked.append(pct)
         return 123.0, 10, 12.5
 
-    response = HttpCore.health_response(3, 8, Readiness(True, "ok"), {"latency": ["99.9"]}, window)
+    response = health_response(3, 8, Readiness(True, "ok"), {"latency": ["99.9"]}, window)
     doc = json.loads(response.body)
     assert response.status == 200 and asked == [99.9]
     assert doc == {
@@ -173,7 +174,7 @@ def test_health_reports_slots_and_percentile() -> None:
         "slot_servers": [],
         "latency": {"percentile": 99.9, "edge_us": 123.0, "samples": 10, "window_s": 12.5},
     }
-    down = HttpCore.health_response(0, 8, Readiness(False, "unavailable", "no slot server is attached"), {}, window)
+    down = health_response(0, 8, Readiness(False, "unavailable", "no slot server is attached"), {}, window)
     assert down.status == 503
     assert json.loads(down.body) == {
         "status": "unavailable",

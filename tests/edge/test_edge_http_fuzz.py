@@ -8,7 +8,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.edge.http import HttpCore, Limits, Request, Response, StateQuery, Work
+from edgepath.edge.http import Limits, Request, Response, StateQuery, Work
+from edgepath.edge.routes import HttpCore
 
 LIMITS = Limits(max_body=512, input_capacity=16, output_capacity=32, vocab_size=1000)
 CORE = HttpCore(LIMITS)

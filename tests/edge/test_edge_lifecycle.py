@@ -21,7 +21,8 @@ from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
-from edgepath.edge.http import GenerateFormatter, HttpCore, HttpError, Limits, Outcome, Request, Response
+from edgepath.edge.apis.generate import GenerateFormatter
+from edgepath.edge.http import HttpError, Limits, Outcome, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
     EdgeLifecycle,
@@ -32,7 +33,8 @@ from edgepath.edge.lifecycle import (
     Tokenize,
 )
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.tokenizer import INLINE_CHARS
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.text.tokenizer import INLINE_CHARS
 from edgepath.native.abi import Status
 
 INPUT, OUTPUT = 64, 64
@@ -268,9 +270,9 @@ def test_a_moved_stream_reports_the_cached_tokens_of_its_first_placement(port, t
     prompt, and that placement's cached count is over both -- its own KV reused, more than its prompt.  Its usage
     says its first placement's count.  (Before, OpenAI's usage refused a count over the prompt: the moved answer
     never ended, and the other answers of the same batch of deliveries were lost with it; bench tenants found it.)"""
+    from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
     from edgepath.edge.http import COMPLETIONS
     from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
-    from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
 
     routes = OpenAIRoutes("m", OUTPUT, tokenizer.vocab_size, ChatSupport(False, "none"), 0)
     core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size), None, routes)
@@ -475,7 +477,7 @@ def test_a_client_gone_while_a_worker_writes_into_the_frame_releases_it_after_th
     assert len(port.held) == 1  # the worker may still be writing into it
     assert edge.tokenized(1, 3, now=10) == []
     assert port.held == set() and port.submitted == [] and edge.tracked == {}
-    assert edge.busy_workers == 0
+    assert edge.tokenizing.busy == 0
 
 
 def test_frames_lost_with_the_slot_server_are_503_and_a_dead_server_is_revived(port, tokenizer) -> None:
@@ -591,7 +593,7 @@ def test_tokenizer_failure_and_too_long_prompts_give_the_frame_back(port, tokeni
     assert isinstance(work, Tokenize)
     (failed_on_worker,) = edge.tokenized(3, ValueError("worker exploded"), now=5)
     assert failed_on_worker.response.status == 500
-    assert port.held == set() and edge.busy_workers == 0
+    assert port.held == set() and edge.tokenizing.busy == 0
 
 
 def test_token_input_is_copied_into_the_frame_without_the_tokenizer(port, tokenizer) -> None:
@@ -741,7 +743,7 @@ def test_whatever_happens_every_request_is_answered_once_and_every_frame_comes_b
             assert seen and seen[-1] in ("respond", "end"), f"request {rid} unanswered: {seen}"
             assert seen.count("respond") + seen.count("end") == 1
     assert port.held == set() and port.in_flight == set() and edge.tracked == {} and edge.by_frame == {}
-    assert edge.busy_workers == 0 and edge.unmatched == 0 and edge.broken == 0
+    assert edge.tokenizing.busy == 0 and edge.unmatched == 0 and edge.broken == 0
 
 
 class StopAt(GenerateFormatter):

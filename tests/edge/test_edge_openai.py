@@ -15,31 +15,34 @@ from hypothesis import strategies as st
 
 from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
-from edgepath.edge.auth import ApiKeys
-from edgepath.edge.chat import ChatMessage
-from edgepath.edge.http import CHAT, COMPLETIONS, HttpCore, HttpError, Limits, Outcome, Request, Work, body_too_large
-from edgepath.edge.openai import (
+from edgepath.edge.apis.openai import (
     SSE_DONE,
-    Answer,
-    AnswerStep,
     OpenAIError,
     OpenAILimits,
     OpenAIRequest,
+    invalid_request,
+    model_not_found,
+    parse_chat_request,
+    parse_completion_request,
+    sse_event,
+)
+from edgepath.edge.apis.openai_answers import (
+    Answer,
+    AnswerStep,
     StreamEncoder,
     Usage,
     chat_completion,
     completion_body,
-    invalid_request,
-    model_not_found,
     models_list,
-    parse_chat_request,
-    parse_completion_request,
     response_id,
-    sse_event,
     text_completion,
 )
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
-from edgepath.edge.sampling import show
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
+from edgepath.edge.apis.sampling import show
+from edgepath.edge.http import CHAT, COMPLETIONS, HttpError, Limits, Outcome, Request, Work, body_too_large
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.auth import ApiKeys
+from edgepath.edge.text.chat import ChatMessage
 
 MODEL = "smollm2-135m"
 LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
@@ -423,10 +426,10 @@ def test_every_error_on_the_openai_routes_is_one_of_openais() -> None:
     code is the error's own name."""
     core = openai_core()
     with pytest.raises(HttpError) as too_long:
-        core.check_length(9)
+        core.limits.check_length(9)
     cases = [
-        (OpenAIError.of(core.no_slot()), 429, "requests", "no_slot", "does not queue"),
-        (OpenAIError.of(core.busy()), 429, "requests", "tokenizer_busy", "tokenizer worker"),
+        (OpenAIError.of(core.refusals.no_slot()), 429, "requests", "no_slot", "does not queue"),
+        (OpenAIError.of(core.refusals.busy()), 429, "requests", "tokenizer_busy", "tokenizer worker"),
         (OpenAIError.of(body_too_large(100, 64)), 413, "invalid_request_error", "body_too_large", "100 bytes"),
         (OpenAIError.of(too_long.value), 400, "invalid_request_error", "prompt_too_long", "9 tokens"),
         (
@@ -447,7 +450,7 @@ def test_every_error_on_the_openai_routes_is_one_of_openais() -> None:
         assert list(body) == ["error"]
         assert body["error"] == {"message": err.message, "type": type_, "param": err.param, "code": code}
         assert err.status == status and needle in err.message
-    assert OpenAIError.of(core.no_slot()).headers == [(b"retry-after", b"1")]
+    assert OpenAIError.of(core.refusals.no_slot()).headers == [(b"retry-after", b"1")]
     stream_end = OpenAIError.of(HttpError(502, "slot_error", "status X")).event()
     assert stream_end.endswith(SSE_DONE) and json.loads(stream_end[6 : -len(SSE_DONE)])["error"]["code"] == "slot_error"
 
@@ -689,7 +692,7 @@ def test_openai_client_maps_our_errors(client_for: Any) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2
         )
     assert (info.value.code, info.value.param) == ("invalid_value", "n")
-    busy = OpenAIError.of(openai_core().no_slot())  # what the server answers when no slot is free
+    busy = OpenAIError.of(openai_core().refusals.no_slot())  # what the server answers when no slot is free
     with pytest.raises(openai.RateLimitError) as limited:
         client_for(busy.status, busy.body(), b"application/json", busy.headers).completions.create(
             model=MODEL, prompt="x"
@@ -705,7 +708,7 @@ def test_openai_client_maps_our_errors(client_for: Any) -> None:
 
 @pytest.fixture(scope="module")
 def tekken() -> Any:
-    from edgepath.edge.tokenizer import load_tokenizer
+    from edgepath.edge.text.tokenizer import load_tokenizer
 
     return load_tokenizer()
 

@@ -12,9 +12,9 @@ import pytest
 from edgepath.builder import worker_argv
 from edgepath.cli import build_parser
 from edgepath.config import EdgeSettings, ServeOptions, Supervision
-from edgepath.edge import quic_engine
-from edgepath.edge.quic import protocol_class
-from edgepath.edge.quic_engine import ENGINES, QuicEngineError, load_engine
+from edgepath.edge.adapters import quic_engine
+from edgepath.edge.adapters.quic import protocol_class
+from edgepath.edge.adapters.quic_engine import ENGINES, QuicEngineError, load_engine
 
 
 def _qh3_or_skip() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from edgepath.edge.quic import DEFERRED_TRANSMIT_S, EdgeProtocol
+from edgepath.edge.adapters.quic import DEFERRED_TRANSMIT_S, EdgeProtocol
 
 
 class _EngineProtocol:

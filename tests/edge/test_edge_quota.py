@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerUnavailable
-from edgepath.edge.quota import (
+from edgepath.edge.tenancy.quota import (
     Ledger,
     Limits,
     LocalLedger,
@@ -23,7 +23,7 @@ from edgepath.edge.quota import (
     headers,
     reset_text,
 )
-from edgepath.edge.tenants import Tenant
+from edgepath.edge.tenancy.tenants import Tenant
 
 ACME = Tenant("acme", b"tenant:acme", tokens_per_minute=600)  # 10 tokens a second
 S = 10**9  # nanoseconds in a second

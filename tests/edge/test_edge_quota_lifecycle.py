@@ -14,13 +14,15 @@ from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerUnavailable
-from edgepath.edge.auth import ApiKeys
-from edgepath.edge.http import HttpCore, Limits, Request
+from edgepath.edge.http import Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
-from edgepath.edge.quota import Quotas
-from edgepath.edge.tenants import Tenant
-from edgepath.edge.usage import Usage
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.auth import ApiKeys
+from edgepath.edge.tenancy.gate import TenantGate
+from edgepath.edge.tenancy.quota import Quotas
+from edgepath.edge.tenancy.tenants import Tenant
+from edgepath.edge.tenancy.usage import Usage
 from edgepath.native.abi import Status
 
 INPUT, OUTPUT = 64, 64
@@ -38,7 +40,14 @@ def lifecycle(port: FakePort, tenant: Tenant) -> EdgeLifecycle:
     keys = ApiKeys.of_digests([(hashlib.sha256(b"k").digest(), tenant)])
     core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size), keys)
     return EdgeLifecycle(
-        core, tokenizer, port, metrics, Clock(), workers=2, request_timeout_ns=TIMEOUT, wall_clock=lambda: 0
+        core,
+        tokenizer,
+        port,
+        metrics,
+        Clock(),
+        workers=2,
+        request_timeout_ns=TIMEOUT,
+        gate=TenantGate(wall_clock=lambda: 0),
     )
 
 
@@ -83,7 +92,7 @@ def test_a_request_larger_than_the_whole_quota_never_fits(port: FakePort) -> Non
 
 
 def remaining(edge: EdgeLifecycle, tenant: Tenant = ACME, unit: str = "tokens") -> int:
-    got = edge.quotas.limits(tenant, 0)
+    got = edge.gate.quotas.limits(tenant, 0)
     assert isinstance(got, dict), got
     return got[unit].remaining
 
@@ -145,13 +154,13 @@ def test_a_tenant_at_its_slot_cap_is_refused_at_once_until_one_of_its_requests_e
     assert len(port.submitted) == 2
     edge.client_gone(1, now=1)  # one ends (any way): a place is free again
     assert edge.receive(4, generate(3), now=2) == [] and len(port.submitted) == 3
-    assert edge.in_flight["capped"] == 2
+    assert edge.gate.in_flight["capped"] == 2
 
 
 def test_each_request_that_ran_is_one_usage_record_equal_to_its_answer_and_counted_per_tenant(port: FakePort) -> None:
     edge = lifecycle(port, ACME)
     records: list[Usage] = []
-    edge.usage = records.append
+    edge.gate.usage = records.append
     edge.receive(1, generate(3), now=0)
     (frame,) = port.submitted
     port.produce(frame, [104, 105])
@@ -208,14 +217,14 @@ def test_a_ledger_out_of_reach_fails_closed_for_tenants_with_a_quota_only(port: 
             raise LedgerUnavailable("ledger /run/q.sock: its home has gone")
 
     edge = lifecycle(port, ACME)
-    edge.quotas = Quotas(Gone())
+    edge.gate.quotas = Quotas(Gone())
     (refused,) = edge.receive(1, generate(3), now=0)
     assert isinstance(refused, Respond) and refused.response.status == 503
     error = json.loads(refused.response.body)["error"]
     assert error["type"] == "quota_unavailable" and "its home has gone" in error["message"]
     assert port.submitted == [] and not port.held  # nothing claimed, the frame back
     free = lifecycle(port, Tenant("free", b"tenant:free"))
-    free.quotas = Quotas(Gone())
+    free.gate.quotas = Quotas(Gone())
     assert free.receive(2, generate(3), now=0) == [] and len(port.submitted) == 1  # no quota: served as ever
 
 

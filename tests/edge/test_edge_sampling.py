@@ -18,11 +18,12 @@ from helpers.tokenizers import CharTokenizer
 
 from edgepath.contract.wire import Sampling
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import COMPLETIONS, Headers, HttpCore, Limits, Request, Response, Work
+from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_completion_request
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
+from edgepath.edge.apis.sampling import RULES
+from edgepath.edge.http import COMPLETIONS, Headers, Limits, Request, Response, Work
 from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
-from edgepath.edge.openai import OpenAIError, OpenAILimits, parse_completion_request
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
-from edgepath.edge.sampling import RULES
+from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import EdgeService
 from edgepath.native.abi import lib
 from edgepath.slots.handlers import SlotRequest, echo

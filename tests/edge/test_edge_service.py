@@ -18,9 +18,10 @@ import pytest
 from helpers.tokenizers import CharTokenizer
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.http import Headers, HttpCore, Limits, Request, Response
+from edgepath.edge.http import Headers, Limits, Request, Response
+from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import EdgeService
-from edgepath.edge.tokenizer import INLINE_CHARS
+from edgepath.edge.text.tokenizer import INLINE_CHARS
 from edgepath.native.abi import lib
 from edgepath.slots.handlers import BatchHandler, PacedEcho, SlotRequest, echo
 from edgepath.slots.server import SlotServer, SlotServerConfig

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgepath.edge.stop import StopMatcher, StopResult
+from edgepath.edge.text.stop import StopMatcher, StopResult
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[list[str], bool]:

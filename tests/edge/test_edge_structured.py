@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from edgepath.edge.openai import OpenAIError, OpenAILimits, parse_chat_request
+from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
-from edgepath.edge.structured import FormatRefused, grammar_for
+from edgepath.edge.apis.structured import FormatRefused, grammar_for
 
 MODEL = "m"
 GRAMMARS = OpenAILimits(max_tokens=64, vocab_size=100, models=(MODEL,), grammars=True)

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from edgepath.contract import wire
-from edgepath.edge.auth import ApiKeys
-from edgepath.edge.http import COMPLETIONS, GENERATE, HttpCore, Limits, Request, Response, Work
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
-from edgepath.edge.tenants import ANONYMOUS, CACHE_SALT_MAX, PUBLIC_NAMESPACE, Tenant
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.apis.sampling import CACHE_SALT_MAX
+from edgepath.edge.http import COMPLETIONS, GENERATE, Limits, Request, Response, Work
+from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.auth import ApiKeys
+from edgepath.edge.tenancy.tenants import ANONYMOUS, PUBLIC_NAMESPACE, Tenant
 
 LIMITS = Limits(max_body=4096, input_capacity=16, output_capacity=32, vocab_size=1000)
 MODEL = "m"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.edge.auth import load_keys
-from edgepath.edge.tenants_file import TenantsFileError, parse_tenants, read_tenants
+from edgepath.edge.tenancy.auth import load_keys
+from edgepath.edge.tenancy.tenants_file import TenantsFileError, parse_tenants, read_tenants
 
 
 def digest(key: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.edge.tokenizer import HFTokenizer, TekkenTokenizer, default_tekken_path, load_tokenizer
+from edgepath.edge.text.tokenizer import HFTokenizer, TekkenTokenizer, default_tekken_path, load_tokenizer
 
 
 @pytest.fixture(scope="module")

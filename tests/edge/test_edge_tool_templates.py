@@ -8,7 +8,7 @@ The templates are real ones, verbatim, as llama.cpp's repository keeps them for 
   Llama-3.3-70B-Instruct (custom tools in the first user turn, a call answered as JSON ``{"name": ...,
   "parameters": ...}``, results in ``ipython`` turns), from the same folder, commit a4b2d1d0.
 
-They are rendered by the edge's own sandboxed renderer (:mod:`edgepath.edge.chat`) and by the GGUF tokenizer's
+They are rendered by the edge's own sandboxed renderer (:mod:`edgepath.edge.text.chat`) and by the GGUF tokenizer's
 chat path (SmolLM2's vocabulary: the text is what is checked, and what a user may put in it)."""
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from edgepath.edge.chat import ChatMessage, ChatTemplate
+from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
+from edgepath.edge.apis.openai_answers import Answer
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.apis.tools import ToolOutput, ToolSpec, parse_tools, read_answer, template_format
 from edgepath.edge.http import CHAT, Work
-from edgepath.edge.openai import Answer, OpenAILimits, parse_chat_request
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
-from edgepath.edge.tools import ToolOutput, ToolSpec, parse_tools, read_answer, template_format
+from edgepath.edge.text.chat import ChatMessage, ChatTemplate
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
@@ -133,7 +134,7 @@ def test_llama_renders_the_tools_in_the_first_user_turn_and_calls_as_json() -> N
 
 def template_input(req: Any) -> dict[str, Any]:
     """The options the route gives the tokenizer for ``req``: its messages and the tools its template renders."""
-    from edgepath.edge import tools
+    from edgepath.edge.apis import tools
 
     return {"messages": list(tools.template_messages(req.messages)), "tools": req.template_tools}
 
@@ -288,7 +289,7 @@ def test_a_streamed_hermes_answer_sends_its_text_then_its_calls() -> None:
 def test_a_control_tokens_text_in_tools_or_calls_is_refused_by_the_tokenizer() -> None:
     """What the template prints of ``tools`` and ``tool_calls`` is template text, whose markers are parsed as
     control tokens: one written there by a client could end a turn, so it is refused (a 400 at the route)."""
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
 
     tok = GGUFTokenizer(default_model_path())

@@ -11,11 +11,12 @@ import pytest
 from helpers.openai_mock import client_answering
 
 from edgepath.contract import wire
-from edgepath.edge.chat import ChatMessage
+from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
+from edgepath.edge.apis.openai_answers import Answer, TokenLogprob
+from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.apis.tools import ToolOutput, ToolSpec, calls_text, fallback_prompt, parse_tools, read_calls
 from edgepath.edge.http import CHAT, Work
-from edgepath.edge.openai import Answer, OpenAIError, OpenAILimits, TokenLogprob, parse_chat_request
-from edgepath.edge.openai_routes import ChatSupport, OpenAIRoutes
-from edgepath.edge.tools import ToolOutput, ToolSpec, calls_text, fallback_prompt, parse_tools, read_calls
+from edgepath.edge.text.chat import ChatMessage
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepath.edge.usage import Usage, UsageLog
+from edgepath.edge.tenancy.usage import Usage, UsageLog
 
 
 def test_each_record_is_one_line_visible_before_the_log_is_closed(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from edgepath.children import free_port as free_port  # the one free-port helper, re-exported for the tests
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
-from edgepath.edge.quic_engine import QuicEngineError, load_engine
+from edgepath.edge.adapters.quic_engine import QuicEngineError, load_engine
 from edgepath.serve import run
 
 

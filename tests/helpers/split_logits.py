@@ -26,7 +26,7 @@ SYSTEM = "You are a helpful assistant at a railway station. " + " ".join(
 def differences(deterministic: bool = False, flash_attn: str = "off") -> dict[str, float]:
     """{cuts: largest |logit difference| from the prompt computed in one step} (and ``argmax``: 1 when every cut's
     best token is the one step's), with llama.cpp's flash attention ``flash_attn``."""
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
 
     lib = llama_cpp(deterministic)
     options = LlamaOptions.parse({"threads": "1", "flash_attn": flash_attn}, CAP)

@@ -15,7 +15,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status

@@ -505,7 +505,7 @@ def test_batcher_runs_a_batch_to_completion_and_queues_the_rest() -> None:
     pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
     from edgepath.bench.model_fastapi import END, Batcher, Job
     from edgepath.contract.wire import Sampling
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
     from edgepath.model.llama import LlamaHandler
     from edgepath.slots.handlers import HandlerConfig

@@ -143,7 +143,7 @@ def test_the_shipped_reference_is_what_the_exact_forward_pass_computes_here(mode
 
 def test_the_default_model_answers_what_the_exact_model_answers(model: Path, shipped: KnownAnswer) -> None:
     """The reference's answer is the README's: llama.cpp decodes it token for token."""
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
 
     answer = GGUFTokenizer(model).decode(np.array(shipped.ids[shipped.positions[0] + 1 :], dtype=np.int32))
     assert answer == "The capital of France is Paris."

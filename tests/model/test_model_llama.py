@@ -21,7 +21,7 @@ from helpers.model import max_prompt_tokens, stream_of
 
 from edgepath.contract.plan import Prompt, StepPolicy, decodes
 from edgepath.contract.wire import Sampling
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler, LlamaOptions

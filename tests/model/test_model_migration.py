@@ -17,7 +17,7 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 from helpers.datapath import collect, send
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path
 from edgepath.model.llama import LlamaHandler
 from edgepath.native.abi import Status

@@ -20,7 +20,7 @@ from helpers.model import stream_of
 from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.choices import choice_sampling
-from edgepath.edge.tokenizer import GGUFTokenizer
+from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path, deterministic_libs
 from edgepath.model.known_answer import BATCH_TOLERANCE, FLASH_TOLERANCE, batch_tolerance
 from edgepath.model.llama import LlamaHandler, LlamaOptions

@@ -10,7 +10,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-from edgepath.edge.tokenizer import GGUFTokenizer, load_tokenizer  # noqa: E402
+from edgepath.edge.text.tokenizer import GGUFTokenizer, load_tokenizer  # noqa: E402
 from edgepath.model.gguf import ModelFileError, default_model_path  # noqa: E402
 
 CORPUS = [
@@ -153,7 +153,7 @@ def test_chat_bad_messages_are_named(tok: GGUFTokenizer) -> None:
 
 def test_chat_template_flag_replaces_the_models_template_and_needs_a_gguf_tokenizer(tmp_path) -> None:
     from edgepath.builder import use_chat_template
-    from edgepath.edge.tokenizer import load_tokenizer
+    from edgepath.edge.text.tokenizer import load_tokenizer
     from edgepath.model.gguf import default_model_path
 
     template = tmp_path / "plain.jinja"

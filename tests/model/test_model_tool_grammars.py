@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from edgepath.contract.wire import Sampling
-from edgepath.edge.openai import OpenAILimits, parse_chat_request
+from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
@@ -30,7 +30,7 @@ NOW = {"type": "function", "function": {"name": "now"}}
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Iterator[Any]:
-    from edgepath.edge.tokenizer import GGUFTokenizer
+    from edgepath.edge.text.tokenizer import GGUFTokenizer
     from edgepath.model.gguf import default_model_path
 
     tok = GGUFTokenizer(default_model_path())

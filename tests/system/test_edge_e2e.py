@@ -13,9 +13,9 @@ import pytest
 from helpers.edge import RunningEdge, echo_edge_on, free_port, running_edge
 
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
+from edgepath.edge.adapters.quic_engine import ENGINES
+from edgepath.edge.adapters.tls import default_certificate
 from edgepath.edge.client import H3Client, H3Response, h3_client
-from edgepath.edge.quic_engine import ENGINES
-from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 

@@ -16,8 +16,8 @@ import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
+from edgepath.edge.adapters.tls import default_certificate
 from edgepath.edge.client import H3Response, h3_client
-from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 

@@ -17,8 +17,8 @@ from helpers.edge import free_port, running_edge
 from helpers.procs import all_claimed, all_free
 
 from edgepath.config import EdgeSettings, HandlerSettings, ServeOptions, Sizing
+from edgepath.edge.adapters.tls import default_certificate
 from edgepath.edge.client import H3Client, h3_client
-from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow
 

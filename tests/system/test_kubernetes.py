@@ -19,7 +19,7 @@ import yaml
 from containers.podman_pods import INIT_TYPE, expand, secret_data, to_podman
 
 from edgepath.cli import build_parser
-from edgepath.edge.auth import load_keys
+from edgepath.edge.tenancy.auth import load_keys
 from edgepath.transports.base import DEFAULT_HANG_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"

@@ -19,7 +19,7 @@ import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
 
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
-from edgepath.edge.tls import default_certificate
+from edgepath.edge.adapters.tls import default_certificate
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 pytest.importorskip("curl_cffi", reason="libcurl's HTTP/3 client (curl_cffi) is a bench dependency")

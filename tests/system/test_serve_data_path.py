@@ -21,8 +21,8 @@ from edgepath.config import (
     Sizing,
     StartedSlotServer,
 )
+from edgepath.edge.adapters.tls import default_certificate
 from edgepath.edge.client import h3_client
-from edgepath.edge.tls import default_certificate
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve with its slot-server child
 

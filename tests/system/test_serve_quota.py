@@ -22,7 +22,7 @@ from test_serve_tenants import no_flat_keys  # noqa: F401  (autouse: no flat key
 
 from edgepath.children import Child, free_port
 from edgepath.contract import wire
-from edgepath.edge.quota import MINUTE_NS
+from edgepath.edge.tenancy.quota import MINUTE_NS
 
 pytestmark = pytest.mark.slow  # multi-process: serve processes, their workers and slot server
 

@@ -3,7 +3,7 @@ except by :func:`load_keys`).
 
 Keys are held as SHA-256 digests and compared with ``hmac.compare_digest`` against every key, so
 neither a key's length nor which key nearly matched shows in the timing.  Each key stands for a tenant
-(:mod:`edgepath.edge.tenants`): with a flat list, a tenant of its own.
+(:mod:`edgepath.edge.tenancy.tenants`): with a flat list, a tenant of its own.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from edgepath.edge.tenants import Tenant, key_tenant
-from edgepath.edge.tenants_file import TenantsFileError, read_tenants
+from edgepath.edge.tenancy.tenants import Tenant, key_tenant
+from edgepath.edge.tenancy.tenants_file import TenantsFileError, read_tenants
 
 ENV_VAR = "EDGEPATH_API_KEYS"
 
@@ -80,8 +80,8 @@ def load_keys(
     tenants_file: str | None = None,
 ) -> ApiKeys | None:
     """Keys from ``path`` (one per line, ``#`` comments) and/or ``$EDGEPATH_API_KEYS`` (comma-separated), each a
-    tenant of its own, and those of ``tenants_file`` (:mod:`edgepath.edge.tenants_file`) with their tenants; None
-    when none is set (no authentication)."""
+    tenant of its own, and those of ``tenants_file`` (:mod:`edgepath.edge.tenancy.tenants_file`) with their
+    tenants; None when none is set (no authentication)."""
     env = (os.environ if environ is None else environ).get(ENV_VAR)
     if path is None and env is None and tenants_file is None:
         if protect_ops:

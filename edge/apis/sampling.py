@@ -92,3 +92,26 @@ def parse_sampling(doc: Mapping[str, Any], default: Sampling) -> Sampling:
         return default  # most requests name none: no per-field look-ups
     given = {name: parse(doc[name]) for name, parse in RULES.items() if doc.get(name) is not None}
     return replace(default, **given) if given else default
+
+
+#: the longest ``cache_salt`` a request may give, in UTF-8 bytes
+CACHE_SALT_MAX = 256
+
+
+def parse_cache_salt(doc: Mapping[str, Any]) -> str | None:
+    """A request's ``cache_salt`` field: a non-empty string of at most :data:`CACHE_SALT_MAX` UTF-8 bytes, or None
+    when absent (or null).  :class:`SamplingInvalid` (naming the field) otherwise."""
+    value = doc.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SamplingInvalid("cache_salt", f"'cache_salt' must be a non-empty string, got {show(value)}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SamplingInvalid(
+            "cache_salt", "'cache_salt' holds an unpaired surrogate escape, which is not valid UTF-8"
+        ) from None
+    if size > CACHE_SALT_MAX:
+        raise SamplingInvalid("cache_salt", f"'cache_salt' must be at most {CACHE_SALT_MAX} bytes, got {size}")
+    return value

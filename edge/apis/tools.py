@@ -18,7 +18,7 @@ How the tools reach the model depends on the chat template (:func:`template_form
 ``tool_choice`` ``required`` and a named function are **enforced**: the grammar of the answer's calls in its
 format -- each call's ``name`` one of the tools offered (or the one named) and its ``arguments`` valid against that
 tool's ``parameters`` -- travels to the slot as ``response_format``'s grammars do
-(:func:`edgepath.edge.structured.schema_grammar`), so the answer is a valid call unless ``max_tokens`` cuts it.
+(:func:`edgepath.edge.apis.structured.schema_grammar`), so the answer is a valid call unless ``max_tokens`` cuts it.
 ``auto`` constrains nothing: the answer is read as calls when it is calls in its format (:class:`ToolOutput`), else
 it is the text.  ``none`` offers no tool.
 """
@@ -31,9 +31,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from edgepath.edge.chat import ChatMessage
-from edgepath.edge.sampling import show as _show
-from edgepath.edge.structured import FormatRefused, schema_grammar
+from edgepath.edge.apis.sampling import show as _show
+from edgepath.edge.apis.structured import FormatRefused, schema_grammar
+from edgepath.edge.text.chat import ChatMessage
 
 Choice = Literal["auto", "required", "named"]
 ToolFormat = Literal["fallback", "hermes", "llama3-json"]
@@ -114,7 +114,7 @@ def template_format(source: str | None) -> ToolFormat:
     ``tools`` and asks for that call format (its ``<tool_call>`` tags; Llama 3's markers and ``{"name": ...,
     "parameters": ...}``), else ``fallback`` -- no place for tools, or a call format this edge cannot read back
     (Mistral's ``[TOOL_CALLS]`` list among them)."""
-    from edgepath.edge.chat import ChatTemplate, ChatTemplateError
+    from edgepath.edge.text.chat import ChatTemplate, ChatTemplateError
 
     if source is None:
         return "fallback"

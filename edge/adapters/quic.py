@@ -1,4 +1,4 @@
-"""HTTP/3 adapter: QUIC engine events in (aioquic or qh3, edge/quic_engine.py), complete :class:`Request`
+"""HTTP/3 adapter: QUIC engine events in (aioquic or qh3, edge/adapters/quic_engine.py), complete :class:`Request`
 objects out, responses back.
 
 Only framing lives here: collecting a stream's headers and body, enforcing the body limit while it
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.body import IncomingBody
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response
-from edgepath.edge.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
 

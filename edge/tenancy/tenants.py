@@ -1,7 +1,7 @@
 """Who a request is, for the prefix cache and for quotas: tenants, sans I/O.
 
 A **tenant** is what an API key stands for.  With a flat key list (``--api-keys-file``, ``$EDGEPATH_API_KEYS``)
-each key is a tenant of its own; a tenants file (:mod:`edgepath.edge.tenants_file`) maps several keys to one
+each key is a tenant of its own; a tenants file (:mod:`edgepath.edge.tenancy.tenants_file`) maps several keys to one
 named tenant with its limits.  Without any keys every request is the one anonymous tenant.
 
 Each tenant has a **cache namespace**: the edge turns it and the request's own ``cache_salt`` (a body field, as
@@ -15,17 +15,13 @@ tenant reuses the public namespace's prefixes (a public system prompt) while wha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from edgepath.contract import wire
-from edgepath.edge.sampling import SamplingInvalid, show
 
 #: the namespace of tenants that opt in to the shared prefix cache (``share_prefix = true``)
 PUBLIC_NAMESPACE = wire.PUBLIC_NAMESPACE
-#: the longest ``cache_salt`` a request may give, in UTF-8 bytes
-CACHE_SALT_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +88,3 @@ def key_tenant(digest: bytes) -> Tenant:
     """The tenant of one key of a flat list: a namespace of its own (sharing is never the default), named by the
     first 12 hex digits of the key's SHA-256 (the key itself is never shown)."""
     return Tenant(f"key-{digest.hex()[:12]}", b"key:" + digest)
-
-
-def parse_cache_salt(doc: Mapping[str, Any]) -> str | None:
-    """A request's ``cache_salt`` field: a non-empty string of at most :data:`CACHE_SALT_MAX` UTF-8 bytes, or None
-    when absent (or null).  :class:`SamplingInvalid` (naming the field) otherwise."""
-    value = doc.get("cache_salt")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise SamplingInvalid("cache_salt", f"'cache_salt' must be a non-empty string, got {show(value)}")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise SamplingInvalid(
-            "cache_salt", "'cache_salt' holds an unpaired surrogate escape, which is not valid UTF-8"
-        ) from None
-    if size > CACHE_SALT_MAX:
-        raise SamplingInvalid("cache_salt", f"'cache_salt' must be at most {CACHE_SALT_MAX} bytes, got {size}")
-    return value

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgepath.contract.wire import QUOTA_MAX
-from edgepath.edge.tenants import Tenant, with_floor_ids
+from edgepath.edge.tenancy.tenants import Tenant, with_floor_ids
 
 #: a tenant's name: a metric label and a usage-log field, so short and plain
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

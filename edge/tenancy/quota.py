@@ -29,7 +29,7 @@ from typing import Protocol
 
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerUnavailable
-from edgepath.edge.tenants import Tenant
+from edgepath.edge.tenancy.tenants import Tenant
 
 MINUTE_NS, DAY_NS = 60 * 10**9, 86400 * 10**9
 

@@ -24,7 +24,7 @@ REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The part of :class:`edgepath.edge.tokenizer.Tokenizer` this module needs."""
+    """The part of :class:`edgepath.edge.text.tokenizer.Tokenizer` this module needs."""
 
     def decode(self, ids: np.ndarray) -> str: ...
 

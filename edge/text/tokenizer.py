@@ -157,7 +157,7 @@ class GGUFTokenizer:
         self.path = path
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.chat_template: str | None = meta_str(self._model, "tokenizer.chat_template")
-        self._template: Any = None  # compiled on first use (edgepath.edge.chat.ChatTemplate)
+        self._template: Any = None  # compiled on first use (edgepath.edge.text.chat.ChatTemplate)
         self.bos_token = self._special_text(lib.llama_vocab_bos(self._vocab))
         self.eos_token = self._special_text(lib.llama_vocab_eos(self._vocab))
 
@@ -215,14 +215,14 @@ class GGUFTokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
     ) -> list[tuple[str, bool]]:
         """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
-        rendered (by :mod:`edgepath.edge.chat`, as transformers does) with a placeholder per content.
+        rendered (by :mod:`edgepath.edge.text.chat`, as transformers does) with a placeholder per content.
 
         A template may print a content through ``tojson`` (Llama 3.1's tool results): the placeholder holds a
         newline, which ``tojson`` escapes, so such a place is found and the content put there JSON-escaped, as
         the template would have printed it.  What a template prints of ``tools`` and of an assistant's
         ``tool_calls`` is template text; so neither may hold the text of one of the model's control tokens
         (ValueError names it), which would be parsed as the token."""
-        from edgepath.edge.chat import ChatTemplate
+        from edgepath.edge.text.chat import ChatTemplate
 
         if self.chat_template is None:
             raise ValueError(f"{self.path} has no tokenizer.chat_template in its metadata")

@@ -159,7 +159,7 @@ class ChatTemplate:
 
         A message is a :class:`ChatMessage` or a mapping as OpenAI's API has it (``tool_calls``, ``tool_call_id``),
         and ``tools`` the functions offered, as transformers' ``apply_chat_template(tools=...)`` passes them: a
-        template that has a place for tools renders them (:mod:`edgepath.edge.tools`).  ``now`` feeds
+        template that has a place for tools renders them (:mod:`edgepath.edge.apis.tools`).  ``now`` feeds
         ``strftime_now`` for templates that print today's date; a template that calls it without ``now`` is an
         error rather than a silent read of the clock."""
         if not messages:

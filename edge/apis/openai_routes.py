@@ -1,6 +1,6 @@
 """OpenAI's routes on the edge: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-The pure pieces live in :mod:`edgepath.edge.openai` (request validation, response and stream shapes,
+The pure pieces live in :mod:`edgepath.edge.apis.openai` (request validation, response and stream shapes,
 detokenizer, stop strings); this module binds them to the lifecycle: a body becomes a :class:`Work`
 item (sampling parameters travel to the model side in the request header, the chat is tokenized
 with the model's own template straight into the frame), and an :class:`OpenAIFormatter` turns
@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from edgepath.contract import wire
-from edgepath.edge import openai as oa
-from edgepath.edge import tools as tool_calling
+from edgepath.edge.apis import openai as oa
+from edgepath.edge.apis import openai_answers as oaa
+from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
-from edgepath.edge.tokenizer import Tokenizer
+from edgepath.edge.text.tokenizer import Tokenizer
 
 
 def openai_error(exc: HttpError) -> Response:
@@ -42,7 +43,7 @@ class ChatSupport:
     available: bool
     why_not: str = ""
     tool_format: tool_calling.ToolFormat = "fallback"
-    """How tools reach the model: the template's own way, or the fallback prompt (:mod:`edgepath.edge.tools`)."""
+    """How tools reach the model: the template's own way, or the fallback prompt (:mod:`edgepath.edge.apis.tools`)."""
 
 
 def chat_support(tokenizer: Tokenizer) -> ChatSupport:
@@ -86,8 +87,12 @@ class OpenAIRoutes:
         return openai_error(exc)
 
     def models(self) -> Response:
-        body = json.dumps(oa.models_list([self.model], self.created), separators=(",", ":")).encode()
+        body = json.dumps(oaa.models_list([self.model], self.created), separators=(",", ":")).encode()
         return Response(200, [(b"content-type", JSON)], body)
+
+    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
+        """``GET /v1/models``: the model listing; a POST: :meth:`parse`."""
+        return self.models() if method == "GET" else self.parse(path, body)
 
     def parse(self, path: str, body: bytes) -> Work | Response:
         """A :class:`Work` item, or the error response (OpenAI's shape) for a body that is refused."""
@@ -135,7 +140,7 @@ def _finish_reason(outcome: Outcome, produced: int, max_tokens: int, stopped: bo
 
 class OpenAIFormatter:
     """One OpenAI answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`): every output id goes
-    through :class:`~edgepath.edge.openai.Answer` once -- detokenized without broken characters, held back
+    through :class:`~edgepath.edge.apis.openai.Answer` once -- detokenized without broken characters, held back
     while it could be the start of a stop string, cut at a stop string (``done``: the lifecycle then
     cancels the slot)."""
 
@@ -146,8 +151,8 @@ class OpenAIFormatter:
         self.request = request
         self.tokenizer = tokenizer
         self.width = wire.record_words(request.logprobs)  # output words per token
-        self.answer = oa.Answer(request, tokenizer, request_id, created, prompt_tokens=0, index=index)
-        self.answer_id: str | None = oa.response_id(request.kind, request_id)  # the answer's "id"
+        self.answer = oaa.Answer(request, tokenizer, request_id, created, prompt_tokens=0, index=index)
+        self.answer_id: str | None = oaa.response_id(request.kind, request_id)  # the answer's "id"
         self.model: str | None = request.model  # the answer's "model"
         self.watch = bool(request.stop)  # stop strings need the output as it is produced
         self.done = False
@@ -175,12 +180,12 @@ class OpenAIFormatter:
         self.done = step.stopped
         return head + step.data
 
-    def _entries(self, records: wire.TokenRecords) -> list[oa.TokenLogprob]:
+    def _entries(self, records: wire.TokenRecords) -> list[oaa.TokenLogprob]:
         def text(token: int) -> str:
             return self.tokenizer.decode(np.array([token], dtype=np.int64))
 
         return [
-            oa.TokenLogprob(
+            oaa.TokenLogprob(
                 text(token), float(logprob), tuple((text(t), float(lp)) for t, lp in zip(top, tops, strict=True))
             )
             for token, logprob, top, tops in zip(
@@ -215,10 +220,10 @@ class OpenAIFormatter:
     def failure(self, error: HttpError) -> Response:
         return openai_error(error)
 
-    def usage(self) -> oa.Usage:
+    def usage(self) -> oaa.Usage:
         return self.answer.usage()
 
-    def closing(self, usage: oa.Usage) -> bytes:
+    def closing(self, usage: oaa.Usage) -> bytes:
         return self.answer.closing(usage)
 
     def error(self, error: HttpError) -> bytes:

@@ -1,0 +1,189 @@
+"""The router, sans I/O: a complete request in; an answer, a unit of work or a live-state query out.
+
+Every path of the API is in one table, :data:`ROUTES`: the methods it allows and which API *shape* answers it --
+``edgepath`` (:mod:`edgepath.edge.apis.generate`), ``openai`` (:mod:`edgepath.edge.apis.openai_routes`) or ``ops``
+(live state the lifecycle owns: :mod:`edgepath.edge.ops`).  Routing, ``Allow``, authentication, error shapes and
+metric labels all read it.  :class:`HttpCore` checks the path, the method, the body's size and the API key, then
+hands the body to its shape, which parses it into a :class:`~edgepath.edge.http.Work` item or refuses it in its own
+error shape; every bad input is answered here, at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import SplitResult, parse_qs, urlsplit
+
+from edgepath.edge.apis.generate import GenerateRoutes
+from edgepath.edge.http import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    HEALTH,
+    LIVE,
+    METRICS,
+    MODELS,
+    READY,
+    TOKENIZE,
+    Handled,
+    Headers,
+    HttpError,
+    Limits,
+    Request,
+    Response,
+    StateQuery,
+    Work,
+    body_too_large,
+    error_response,
+    max_wait_of,
+)
+from edgepath.edge.refusals import Refusals
+from edgepath.edge.tenancy.auth import ApiKeys
+from edgepath.edge.tenancy.tenants import ANONYMOUS, Tenant
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One path of the API: the methods it allows and the API shape that answers it (``ops``: live state from the
+    lifecycle; open without an API key unless ops are protected)."""
+
+    methods: tuple[str, ...]
+    api: str
+
+
+#: the one route table: routing, ``Allow``, authentication, error shapes and metric labels all read it
+ROUTES: dict[str, Route] = {
+    GENERATE: Route(("POST",), "edgepath"),
+    TOKENIZE: Route(("POST",), "edgepath"),
+    COMPLETIONS: Route(("POST",), "openai"),
+    CHAT: Route(("POST",), "openai"),
+    MODELS: Route(("GET",), "openai"),
+    HEALTH: Route(("GET",), "ops"),
+    LIVE: Route(("GET",), "ops"),
+    READY: Route(("GET",), "ops"),
+    METRICS: Route(("GET",), "ops"),
+}
+
+
+def api_of(path: str) -> str | None:
+    """Who answers ``path`` (see :class:`Route`); None for a path the API does not have."""
+    route = ROUTES.get(path)
+    return route.api if route is not None else None
+
+
+def route_label(request: Request) -> str:
+    """The metrics label of a request: its path if it is one of the API's, else "other" (bounded cardinality)."""
+    path = request.target.split("?", 1)[0]
+    return path if path in ROUTES else "other"
+
+
+class ApiShape(Protocol):
+    """One API's routes as the router needs them: a body into work (or an answer), and an error in its shape."""
+
+    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
+        """The work a request asks for, or its whole answer (a listing; an error in this API's shape).  May raise
+        :class:`HttpError`, which :meth:`error` shapes."""
+        ...
+
+    def error(self, exc: HttpError) -> Response: ...
+
+
+class HttpCore:
+    """Routing, authentication and validation of edgepath's HTTP API, independent of transport.
+
+    ``openai``: the OpenAI shape (its routes answer 404 without it); ``shapes``: further API shapes by the name
+    :data:`ROUTES` gives them.  edgepath's own shape is always served.
+    """
+
+    def __init__(
+        self,
+        limits: Limits,
+        api_keys: ApiKeys | None = None,
+        openai: ApiShape | None = None,
+        *,
+        shapes: Mapping[str, ApiShape] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.api_keys = api_keys
+        self.refusals = Refusals(limits.retry_after_s)
+        self.shapes: dict[str, ApiShape] = {"edgepath": GenerateRoutes(limits), **(shapes or {})}
+        if openai is not None:
+            self.shapes["openai"] = openai
+
+    def handle(self, request: Request) -> Handled:
+        """A final :class:`Response`, a :class:`Work` item, or a :class:`StateQuery` for
+        health/metrics, which need live state the lifecycle owns."""
+        try:
+            return self._route(request)
+        except HttpError as exc:
+            return self.refusal(request.target, exc)
+
+    def refusal(self, target: str, exc: HttpError) -> Response:
+        """The error answer to a request for ``target``, in the shape of the API that path belongs to
+        (OpenAI's on the OpenAI routes, edgepath's elsewhere)."""
+        try:
+            path = urlsplit(target).path
+        except ValueError:  # a target _route refused as unreadable: edgepath's shape
+            path = ""
+        api = api_of(path)
+        shape = self.shapes.get(api) if api is not None and api != "ops" else None
+        return shape.error(exc) if shape is not None else error_response(exc)
+
+    def _route(self, request: Request) -> Handled:
+        parts = _split(request.target)
+        tenant = self._authorize(parts.path, request.headers)
+        route = ROUTES.get(parts.path)
+        if route is None:
+            raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST {GENERATE}")
+        methods = route.methods
+        if request.method not in methods:
+            raise HttpError(
+                405,
+                "method_not_allowed",
+                f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
+                [(b"allow", ", ".join(methods).encode())],
+            )
+        if len(request.body) > self.limits.max_body:  # the adapters refuse it while it arrives: seldom seen here
+            raise body_too_large(len(request.body), self.limits.max_body)
+        if route.api == "ops":
+            return StateQuery(parts.path, parse_qs(parts.query))
+        shape = self.shapes.get(route.api)
+        if shape is None:
+            raise HttpError(404, "not_found", f"{parts.path} is not served here (no {route.api} routes configured)")
+        work = shape.handle(parts.path, request.method, request.body)
+        if isinstance(work, Work) and work.kind == "generate":
+            work.max_wait_ms = max_wait_of(request.headers)
+            work.tenant = tenant
+            work.salt = tenant.salt(work.cache_salt)
+        return work
+
+    def _authorize(self, path: str, headers: Headers) -> Tenant:
+        """The request's tenant; 401 unless the request carries a valid key (when keys are configured).
+        Unknown paths are checked too, so an unauthenticated client learns nothing about the routes."""
+        keys = self.api_keys
+        if keys is None or (api_of(path) == "ops" and not keys.protect_ops):
+            return ANONYMOUS
+        presented = keys.presented(headers)
+        tenant = keys.identify(presented)
+        if tenant is None:
+            why = "is not valid" if presented else "is missing"
+            raise HttpError(
+                401,
+                "unauthorized",
+                f"API key {why}: send it as 'x-api-key: KEY' or 'Authorization: Bearer KEY'",
+                [(b"www-authenticate", b"Bearer")],
+            )
+        return tenant
+
+
+def _split(target: str) -> SplitResult:
+    """The request target's parts, or a 400 that says why it cannot be read (``//[``: an unclosed IPv6 host)."""
+    try:
+        return urlsplit(target)
+    except ValueError as exc:
+        raise HttpError(
+            400,
+            "invalid_target",
+            f"the request target {target[:80]!r} cannot be read ({exc}); send a path such as {GENERATE}",
+        ) from None

@@ -1,0 +1,2 @@
+"""The model's own text at the edge: tokenizers (``tokenizer``), chat templates (``chat``), incremental
+detokenizing (``detokenize``) and stop strings (``stop``)."""

@@ -1,0 +1,110 @@
+"""Where a request's prompt becomes token ids: written straight into its frame's registered array (or, for
+``/v1/tokenize``, into a fresh one), through the model's chat template when it is a chat.
+
+A small prompt is encoded inline, on the event loop (cheaper than a hand-off); a large one goes to a worker as a
+:class:`~edgepath.edge.tracked.Tokenize` action, and its result comes back to the lifecycle's ``tokenized``.  The
+workers are few and counted here: a large prompt that finds them all busy is refused at once (429
+``tokenizer_busy``), never queued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from edgepath.edge.http import HttpError, Work
+from edgepath.edge.text.tokenizer import INLINE_CHARS, Tokenizer
+from edgepath.edge.tracked import Tokenize, Tracked
+
+log = logging.getLogger("edgepath.edge")
+
+
+def chat_size(messages: Any, tools: list[dict[str, Any]] | None) -> int:
+    """About how many characters a chat's tokenizer reads: its contents, and the tools its template renders."""
+    size = sum(len(m.get("content") or "") for m in messages)
+    return size + (len(json.dumps(tools)) if tools else 0)
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """``encode_chat_into``'s keyword for the tools its template renders (none without them)."""
+    return {} if tools is None else {"tools": tools}
+
+
+def prompt_size(work: Work) -> int:
+    """About how many characters the tokenizer reads for ``work`` (0 for token ids, which need none)."""
+    if work.prompt is not None:
+        return len(work.prompt)
+    messages = work.options.get("messages")
+    return 0 if messages is None else chat_size(messages, work.options.get("tools"))
+
+
+#: what :meth:`Tokenizing.start` did: the count written into the frame (or the ids), a worker's action, or the
+#: exception the tokenizer raised
+Started = int | np.ndarray | Tokenize | BaseException
+
+
+class Tokenizing:
+    """The tokenizer of one edge and its ``workers`` (``clock``: monotonic ns, for the ``tokenize`` timing)."""
+
+    def __init__(self, tokenizer: Tokenizer, clock: Callable[[], int], workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"tokenizer workers must be at least 1, got {workers}")
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.workers = workers
+        self.busy = 0
+
+    def full(self, work: Work) -> bool:
+        """``work``'s prompt needs a worker and every worker is busy: refuse it now (nothing is queued)."""
+        return prompt_size(work) > INLINE_CHARS and self.busy >= self.workers
+
+    def start(self, t: Tracked, out: np.ndarray | None) -> Started:
+        """Encode ``t``'s prompt into ``out`` (a frame's token array; None: into a fresh array) inline, or hand it to
+        a worker when it is large.  Token ids given as such are copied (they fit ``out`` or the caller's length check
+        refuses them)."""
+        work = t.work
+        messages, tools = work.options.get("messages"), work.options.get("tools")
+        if prompt_size(work) > INLINE_CHARS:
+            self.busy += 1
+            t.timings["tokenize_start"] = self.clock()
+            return Tokenize(t.rid, work.prompt, out, messages, tools)
+        t0 = self.clock()
+        try:
+            result: int | np.ndarray
+            if work.prompt is None and messages is None:
+                assert work.tokens is not None
+                if out is None:
+                    result = np.asarray(work.tokens, dtype=np.int32)
+                else:
+                    result = len(work.tokens)
+                    if result <= len(out):
+                        out[:result] = work.tokens
+            elif messages is not None:
+                assert out is not None  # /v1/tokenize takes a prompt or ids, never a chat
+                result = self.tokenizer.encode_chat_into(messages, out, **chat_tools(tools))  # type: ignore[attr-defined]
+            else:
+                prompt = work.prompt
+                assert prompt is not None
+                result = self.tokenizer.encode(prompt) if out is None else self.tokenizer.encode_into(prompt, out)
+        except Exception as exc:
+            return exc
+        t.timings["tokenize"] = self.clock() - t0
+        return result
+
+    def done(self, t: Tracked, now: int) -> None:
+        """A worker finished ``t``'s prompt (``now``: monotonic ns): it is free again, the stage is timed."""
+        self.busy -= 1
+        t.timings["tokenize"] = now - t.timings.pop("tokenize_start")
+
+
+def tokenizer_error(work: Work, exc: BaseException) -> HttpError:
+    """The answer to a request whose tokenizer raised: 400 when the model's chat template refused the messages (a
+    ValueError: the client's to fix), else 500 (logged: the server's)."""
+    if "messages" in work.options and isinstance(exc, ValueError):
+        return HttpError(400, "invalid_request", f"the chat could not be rendered: {exc}")
+    log.error("tokenizer failed on a %d-character prompt: %r", len(work.prompt or ""), exc)
+    return HttpError(500, "tokenizer_error", f"the tokenizer failed: {exc}")
