@@ -3,8 +3,9 @@
 Both ports keep one -- :class:`~edgepath.dpu.agent.Agent` (frames it sends to slot servers) and
 :class:`~edgepath.dpu.agent_client.AgentClient` (frames it hands to an agent process) -- so the rules of a
 frame's life are written once (see :mod:`edgepath.dpu.port`): a frame is acquired, sent, gets streamed
-progress and exactly one final answer, and is released; an abandoned frame delivers nothing more and
-goes back to the free list only when the other side has let go of it.  A frame whose other side went away
+progress and exactly one final answer, and is released; an abandoned frame delivers nothing more but its final
+(marked ``abandoned``: what was computed for it, for the bill) and goes back to the free list only when the other
+side has let go of it.  A frame whose other side went away
 before it was answered is *lost*: it waits, out of flight, until the caller hears of it (:meth:`FrameBook.take`)
 -- or gives up on it first (:meth:`FrameBook.abandon`), which frees it then, so it is never reported too: the
 request ends once and the frame is freed once, whichever comes first.  What does not match a frame in
@@ -76,15 +77,16 @@ class FrameBook(Generic[F]):
         flight.count = count
         return Delivery(index, count, False)
 
-    def final(self, index: int, output_count: int, answers: int = 0) -> Delivery | None:
+    def final(self, index: int, output_count: int, answers: int = 0) -> Delivery:
         """In-flight frame ``index`` has its final result (for request ``answers``, e.g. its generation):
-        delivered, or, for an abandoned frame, counted late and the frame freed."""
+        delivered -- for an abandoned frame, counted late, the frame freed, and delivered as ``abandoned`` with the
+        tokens computed for it (what its request is billed: docs/TENANTS.md, "Usage")."""
         flight = self.inflight.pop(index)
         self._answered[index] = answers
         if flight.abandoned:
             self.stats.late += 1
             self._free.append(index)
-            return None
+            return Delivery(index, output_count, True, abandoned=True)
         self.stats.delivered += 1
         return Delivery(index, output_count, True)
 

@@ -33,6 +33,9 @@ class Delivery:
     index: int
     count: int
     final: bool
+    #: the final result of a frame the caller abandoned: ``count`` output tokens were computed for it (what its
+    #: request is billed), and the frame is free already -- the caller does not release it
+    abandoned: bool = False
 
 
 @dataclass

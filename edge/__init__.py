@@ -7,6 +7,6 @@ answer streamed back.  Its rooms (``tests/test_layers.py`` says which may import
 - ``tenancy/`` -- who a request is and what it may spend: keys, tenants, quotas, usage, the tenant gate;
 - ``text/`` -- the model's own text: tokenizers, chat templates, incremental detokenizing, stop strings;
 - at the top, the vocabulary every room speaks (``http``, ``actions``, ``refusals``, ``body``), the engine that runs
-  a request (``routes``, ``lifecycle``, ``tracked``, ``tokenizing``, ``choices``, ``measure``, ``service``, ``ops``,
-  ``metrics``) and the client (``client``, ``retry``).
+  a request (``routes``, ``lifecycle``, ``tracked``, ``tokenizing``, ``choices``, ``billing``, ``measure``,
+  ``service``, ``ops``, ``metrics``) and the client (``client``, ``retry``).
 """

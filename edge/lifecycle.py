@@ -28,6 +28,7 @@ from edgepath.contract import wire
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.actions import EndStream, Respond, SendChunk, StartStream
 from edgepath.edge.apis.generate import GenerateFormatter, tokenize_response
+from edgepath.edge.billing import Billing
 from edgepath.edge.choices import Choices, Groups
 from edgepath.edge.http import (
     GENERATE,
@@ -46,7 +47,7 @@ from edgepath.edge.measure import Measure
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.ops import OpsPages, unresponsive
 from edgepath.edge.routes import HttpCore, route_label
-from edgepath.edge.tenancy.gate import Refusal, TenantGate
+from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.text.tokenizer import Tokenizer
 from edgepath.edge.tokenizing import Tokenizing, tokenizer_error
 from edgepath.edge.tracked import (
@@ -58,7 +59,6 @@ from edgepath.edge.tracked import (
     Tracked,
     output_tokens,
     prompt_charged,
-    usage_line,
     write_request,
 )
 from edgepath.native.abi import Status
@@ -106,6 +106,9 @@ class EdgeLifecycle:
         self.gate = gate if gate is not None else TenantGate()
         self.ops = OpsPages(port, metrics)
         self.measure = Measure(port.frames, metrics)
+        self.billing = Billing(
+            self.gate, metrics, self.measure, request_timeout_ns
+        )  # what each request is charged, and when
         #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
         self.draining = False
         self.groups = Groups(metrics)  # requests of n choices in flight (edge/choices.py)
@@ -174,6 +177,9 @@ class EdgeLifecycle:
         """Output from the port: stream what is new, answer what is final."""
         actions: list[Action] = []
         for delivery in deliveries:
+            if delivery.abandoned:  # given up before its answer: charged what was computed for it
+                self.billing.computed(delivery)
+                continue
             t = self.by_frame.get(delivery.index)
             if t is None:
                 self.unmatched += 1
@@ -193,6 +199,7 @@ class EdgeLifecycle:
         port = self.port
         actions: list[Action] = []
         port.revive()  # a no-op while every link is up; one of several may be down while alive() is True
+        self.billing.expire(now)
         lost = [(index, t) for index in port.check_links() if (t := self.by_frame.get(index)) is not None]
         for index, t in lost:  # all of them first: a lost choice's group must not abandon the others lost with it
             self._forget(t)
@@ -282,15 +289,9 @@ class EdgeLifecycle:
         hold, refusal = self.gate.admit(t.work.tenant, tokens, requests=1 if t.choice == 0 else 0)
         t.limits = hold.limits
         if refusal is not None:
-            return self._gate_refused(refusal)
+            return self._counted(self.refusals.tenant(refusal))
         t.hold = hold
         return None
-
-    def _gate_refused(self, refusal: Refusal) -> HttpError:
-        error = self.refusals.tenant(refusal)
-        if error.status == 429:
-            self.metrics.refused(error.type)
-        return error
 
     def _early_refusal(self, work: Work, frame: int, slots: int) -> HttpError | None:
         """The refusal a request gets before its prompt costs anything (templating, tokenizing): its tenant at its
@@ -299,7 +300,7 @@ class EdgeLifecycle:
         per attempt, not a tokenization -- CPU the model shares on a CPU server (docs/TENANTS.md)."""
         capped = self.gate.over_cap(work.tenant)
         if capped is not None:
-            return self._gate_refused(capped)
+            return self._counted(self.refusals.tenant(capped))
         status = self.port.early_refusal(frame, work.tenant.floor_id, work.tenant.slot_floor, slots)
         if status is None:
             return None
@@ -381,10 +382,14 @@ class EdgeLifecycle:
                 self._abandon(member, finish)
 
     def _abandon(self, t: Tracked, finish: str) -> None:
-        """Forget ``t`` and give up its frame on the port, which cancels its slot (``finish``: how it ended)."""
-        self._forget(t, finish=finish)
-        if t.frame is not None and t.phase is not Phase.TOKENIZING:
-            self.port.abandon(t.frame)
+        """Forget ``t`` and give up its frame on the port, which cancels its slot (``finish``: how it ended); it is
+        charged what its slot server computed for it, when that is known (edge/billing.py)."""
+        if t.frame is None or t.phase is Phase.TOKENIZING:
+            self._forget(t, finish=finish)
+            return
+        self._untrack(t)
+        self.port.abandon(t.frame)
+        self.billing.defer(t, finish)
 
     def _release(self, t: Tracked) -> None:
         """Give back every frame ``t`` holds (a request of n choices holds n before it is submitted)."""
@@ -504,7 +509,10 @@ class EdgeLifecycle:
 
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame)."""
-        error = self.refusals.data_path(status, self.port.frames.result_headers[frame])
+        return self._counted(self.refusals.data_path(status, self.port.frames.result_headers[frame]))
+
+    def _counted(self, error: HttpError) -> HttpError:
+        """``error``, counted among the refusals in ``/metrics`` when it is a 429."""
         if error.status == 429:
             self.metrics.refused(error.type)
         return error
@@ -535,20 +543,16 @@ class EdgeLifecycle:
     def _forget(self, t: Tracked, output: int | None = None, cached: int = 0, finish: str = "failed") -> None:
         """The edge owes ``t`` nothing more.  A request that ran on a slot (submitted, and not refused by the data
         path: ``output`` :data:`NOTHING_RAN`) is charged its prompt and the tokens of its ``output`` words (None: those
-        the client was sent) against its quota, and its usage (``cached`` prompt tokens from the cache, how it ended:
-        ``finish``) goes to the per-tenant metrics and the usage log; one that did not run is charged nothing."""
+        the client was sent), with ``cached`` prompt tokens and how it ended (``finish``); one that did not run is
+        charged nothing (edge/billing.py)."""
+        self._untrack(t)
+        ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
+        self.billing.charge(t, ran, t.sent if output is None else output, cached, finish)
+
+    def _untrack(self, t: Tracked) -> None:
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
-        ran = t.phase is not Phase.TOKENIZING and output != NOTHING_RAN
-        completion = output_tokens(t.work, t.sent if output is None else output) if ran else 0  # words to tokens
-        if t.hold is not None:
-            self.gate.settle(t.hold, prompt_charged(t) + completion, ran)
-            t.hold = None
-        if ran:  # its usage: per-tenant counters, and a line of the usage log (when there is one)
-            usage = usage_line(t, completion, cached, finish)
-            self.metrics.tenant_usage(usage.tenant, finish, usage.prompt_tokens, usage.cached_tokens, completion)
-            self.gate.record(usage)
 
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns

@@ -94,13 +94,18 @@ class TenantGate:
             self.in_flight[tenant.name] += 1
         return hold, None
 
+    def uncap(self, hold: Hold) -> None:
+        """The request of ``hold`` no longer counts under its tenant's ``slot_cap`` (it was given up; its tokens are
+        settled later, when what was computed for it is known)."""
+        if hold.capped:
+            hold.capped = False
+            self.in_flight[hold.tenant.name] -= 1
+
     def settle(self, hold: Hold, used: int, ran: bool) -> None:
         """The request of ``hold`` ended having used ``used`` tokens (``ran``: a slot ran it; one that did not is
         charged nothing): what it reserved and did not use goes back, its place under the cap frees.  Settling
         twice settles once."""
-        if hold.capped:
-            hold.capped = False
-            self.in_flight[hold.tenant.name] -= 1
+        self.uncap(hold)
         if hold.reservation is not None:
             self.quotas.settle(hold.reservation, used, self.wall_clock(), ran=ran)
             hold.reservation = None

@@ -215,8 +215,13 @@ def test_abandon_fences_the_frame_until_the_server_lets_go(agent: Agent, serve) 
     assert index in agent.inflight  # not reusable yet: the slot may still write into it
     free_before = len(agent.book._free)
     deadline = time.monotonic() + 10
+    finals = []
     while index in agent.inflight and time.monotonic() < deadline:
-        assert all(d.index != index for d in agent.poll(timeout=0.2))  # nothing delivered for it
+        got = [d for d in agent.poll(timeout=0.2) if d.index == index]
+        assert all(d.final and d.abandoned for d in got)  # nothing for it but its final, marked abandoned
+        finals += got
+    # once: what the slot server computed before it stopped, for the request's bill
+    assert [d.count for d in finals] == [agent.frames.result_headers[index].output_count]
     assert index not in agent.inflight
     assert len(agent.book._free) == free_before + 1  # handed back by the agent itself
     assert agent.delivery_stats.abandoned == 1 and agent.delivery_stats.late >= 1

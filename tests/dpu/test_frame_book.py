@@ -47,7 +47,7 @@ def test_progress_is_delivered_only_when_it_is_news_and_the_final_once() -> None
     assert book.stats == DeliveryStats(delivered=1)
 
 
-def test_an_abandoned_frame_delivers_nothing_and_comes_back_with_its_final() -> None:
+def test_an_abandoned_frame_delivers_only_its_final_marked_abandoned_and_comes_back_with_it() -> None:
     book: FrameBook[Flight] = FrameBook(2)
     index = book.acquire()
     assert index is not None
@@ -57,7 +57,8 @@ def test_an_abandoned_frame_delivers_nothing_and_comes_back_with_its_final() -> 
     assert book.abandon(index) is None  # once
     assert book.progress(index, 3) is None
     assert book.acquire() == 1 and book.acquire() is None  # not back yet: the other side may still write
-    assert book.final(index, 3) is None
+    # what was computed for it, for its bill; the frame is free already (the caller does not release it)
+    assert book.final(index, 3) == Delivery(index, 3, True, abandoned=True)
     assert book.acquire() == index  # the book gave it back itself
     assert book.stats == DeliveryStats(abandoned=1, late=2)
     with pytest.raises(ValueError, match="frame 0 is not in flight"):

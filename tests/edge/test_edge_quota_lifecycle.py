@@ -14,6 +14,7 @@ from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
 from edgepath.contract import wire
 from edgepath.dpu.ledger import LedgerUnavailable
+from edgepath.dpu.port import Delivery
 from edgepath.edge.http import Limits, Request
 from edgepath.edge.lifecycle import Action, EdgeLifecycle, EndStream, StartStream
 from edgepath.edge.metrics import EdgeMetrics
@@ -117,15 +118,20 @@ def test_every_end_refunds_what_was_not_used(port: FakePort, end: str) -> None:
         actions = edge.deliveries([port.finish(frame, Status.STOP)], now=2)
         assert only(actions, EndStream)
         expect = 5 + 4
-    elif end == "client_gone":
+    elif end == "client_gone":  # charged what the slot server computed, which it says when it has stopped
         edge.client_gone(1, now=2)
-        expect = 5 + 3
+        assert remaining(edge) == QUOTA - 35  # still reserved: what was computed is not known yet
+        edge.deliveries([Delivery(frame, 6, True, abandoned=True)], now=3)
+        expect = 5 + 6
     elif end == "failed":
         actions = edge.deliveries([port.finish(frame, Status.HANDLER_ERROR)], now=2)
         assert only(actions, EndStream)
         expect = 5 + 3
-    elif end == "timeout":
+    elif end == "timeout":  # the slot server never says what it computed: charged what the edge saw, in time
         edge.tick(now=TIMEOUT * 3)
+        edge.tick(now=TIMEOUT * 4)
+        assert remaining(edge) == QUOTA - 35
+        edge.tick(now=TIMEOUT * 5 + 1)
         expect = 5 + 3
     else:  # an agent process answers a refusal through the port after the submit
         port.frames.results[frame]["output_count"] = 0
@@ -171,15 +177,17 @@ def test_each_request_that_ran_is_one_usage_record_equal_to_its_answer_and_count
     second = port.submitted[-1]
     edge.deliveries([port.produce(second, [110])], now=3)
     edge.client_gone(2, now=4)
+    assert len(records) == 1  # what the slot server computed for it is not known yet
+    edge.deliveries([Delivery(second, 3, True, abandoned=True)], now=5)  # it computed 3 before it stopped
     port.refuse_with = Status.NO_SLOT
-    edge.receive(3, generate(3), now=5)  # refused by the data path: no record
+    edge.receive(3, generate(3), now=6)  # refused by the data path: no record
     assert [(r.tenant, r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.finish) for r in records] == [
         ("acme", doc["input_count"], doc["cached_tokens"], doc["output_count"], "stop"),
-        ("acme", 5, 0, 1, "cancelled"),
+        ("acme", 5, 0, 3, "cancelled"),
     ]
     assert records[0].ttft_ms is not None and records[1].request_id != records[0].request_id
     text = edge.metrics.exposition().decode()
-    assert 'edgepath_tenant_tokens_total{kind="completion",tenant="acme"} 3.0' in text
+    assert 'edgepath_tenant_tokens_total{kind="completion",tenant="acme"} 5.0' in text
     assert 'edgepath_tenant_tokens_total{kind="prompt",tenant="acme"} 10.0' in text
     assert 'edgepath_tenant_requests_total{finish="cancelled",tenant="acme"} 1.0' in text
 

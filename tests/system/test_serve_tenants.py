@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.supervised import start_serve_tcp
+from helpers.supervised import scrape, start_serve_tcp
 from test_cli_errors import edgepath_fails
 
 from edgepath.children import Child
@@ -245,3 +245,49 @@ def test_sighup_reopens_the_usage_log_for_rotation(edgepath_process: Callable[..
     conn.close()
     lines = [json.loads(line) for f in (rotated, log) for line in f.read_text().splitlines()]
     assert {line["model"] for line in lines} == {served}  # /v1/generate's answer names none: the served model
+
+
+def test_a_non_streamed_answer_cut_mid_way_is_billed_what_was_computed_the_same_in_log_quota_and_metrics(
+    edgepath_process: Callable[..., Child], tmp_path: Path
+) -> None:
+    """Issue 50: a non-streamed request sends the edge no progress, so a client that hung up used to be billed 0
+    completion tokens however much was computed.  Now the slot server's count comes with the abandoned frame's final
+    result: the usage line, the tenant's quota and ``/metrics`` all charge it."""
+    path, log = tmp_path / "tenants.toml", tmp_path / "usage.jsonl"
+    path.write_text(tenants(("acme", "key-a")) + "tokens_per_day = 2000\n")
+    _, port = start_serve_tcp(
+        edgepath_process,
+        "--handler",
+        "paced-echo",
+        "--handler-option",
+        "token_delay=0.02",
+        "--tenants-file",
+        str(path),
+        "--usage-log",
+        str(log),
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    ids = list(range(1, 201))  # echoed at 20 ms a token: 4 s for the whole answer
+    body = json.dumps({"tokens": ids, "max_tokens": 200})
+    conn.request("POST", "/v1/generate", body, {"x-api-key": "key-a", "content-type": "application/json"})
+    time.sleep(1.5)  # well into the answer
+    conn.close()  # the client hangs up: the edge cancels the slot
+    deadline = time.monotonic() + 20
+    while not (log.exists() and log.read_text()):
+        assert time.monotonic() < deadline, "no usage line for the cancelled request"
+        time.sleep(0.05)
+    (line,) = [json.loads(text) for text in log.read_text().splitlines()]
+    assert line["finish"] == "cancelled" and line["prompt_tokens"] == 200
+    assert 0 < line["completion_tokens"] < 200  # what was computed before the cancel landed: not 0, not all
+    metrics = scrape(port)
+    assert f'edgepath_tenant_tokens_total{{kind="completion",tenant="acme"}} {line["completion_tokens"]}.0' in metrics
+    status, _ = generate(port, "key-a", max_tokens=1)  # the quota was charged the same: prompt + completion
+    assert status == 200
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/generate", json.dumps({"tokens": [1], "max_tokens": 1}), {"x-api-key": "key-a"})
+    response = conn.getresponse()
+    response.read()
+    remaining = int(response.getheader("x-ratelimit-remaining-tokens"))
+    spent = 200 + line["completion_tokens"] + 2 + 2  # the cut request, a 1-token request, this one's reservation
+    assert abs(remaining - (2000 - spent)) <= 2  # refills at 2,000 a day: well under a token in this test
+    conn.close()
