@@ -103,7 +103,7 @@ def test_a_step_without_its_carry_is_not_run(tmp_path: Path, monkeypatch: pytest
     gpu_check = _bench("gpu_check")
     monkeypatch.setattr(gpu_check, "CARRY", tmp_path / "no-carry")
     monkeypatch.setattr(gpu_check.sysconfig, "get_config_var", lambda name: ".cpython-399-x86_64-linux-gnu.so")
-    monkeypatch.setattr(gpu_check, "importable", lambda name: False)
+    monkeypatch.setattr(gpu_check, "unimportable", lambda names, site: list(names))
     for name in (gpu_check.gpu_steps.HOST_LIB_ENV, "EDGEPATH_POLLER_FATBIN"):  # main() sets them for its steps
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)  # restored to unset afterwards, whatever main() put there
