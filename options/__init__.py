@@ -1,21 +1,28 @@
-"""Command-line options declared once, on the fields of the configuration they fill.
+"""Options declared once, on the fields of the configuration they fill: the one way edgepath declares an option.
 
-A command's configuration is a dataclass (:class:`~edgepath.config.ServeOptions`,
-:class:`~edgepath.config.SlotServerSettings`, ...) whose fields are declared with :func:`option`: the
-default, the help, the parser of the text and the flag.  From that one declaration :func:`add_options`
-builds the argparse arguments (defaults taken from the fields), :func:`from_args` makes the
-configuration from what was parsed, and :func:`to_argv` writes the command line that makes the same
-configuration again -- how ``serve`` starts its slot server and its edge workers.  A field holding
-another configuration (:func:`section`: the data path, an agent, a handler) brings that one's options
-along, with the defaults the enclosing command gives them; :func:`like` fills a field of one
-configuration with an option another declares (``serve``'s ``--slot-spin-us`` is the slot server's
-``--spin-us``), so no option is declared twice.
+A configuration is a dataclass whose fields are declared with :func:`option`: the default, the help, the parser
+of the text (:class:`Flag`).  The same declaration serves the two ways an option is given:
 
-Every option is given at most once: a repeated single-valued option is an error (argparse would keep
-the last one silently), and only an option declared ``repeat`` collects several values.
+* **a command-line flag** (:class:`~edgepath.config.ServeOptions`, :class:`~edgepath.config.SlotServerSettings`,
+  ...): :func:`add_options` builds the argparse arguments (defaults taken from the fields), :func:`from_args`
+  makes the configuration from what was parsed, and :func:`to_argv` writes the command line that makes the same
+  configuration again -- how ``serve`` starts its slot server and its edge workers.  A field holding another
+  configuration (:func:`section`: the data path, an agent, a handler) brings that one's options along, with the
+  defaults the enclosing command gives them; :func:`like` fills a field of one configuration with an option
+  another declares (``serve``'s ``--slot-spin-us`` is the slot server's ``--spin-us``), so no option is declared
+  twice.  Every option is given at most once: a repeated single-valued option is an error (argparse would keep
+  the last one silently), and only an option declared ``repeat`` collects several values.
+* **a handler's ``KEY=VALUE``** (``--handler-option``; the llama handler's
+  :class:`~edgepath.model.llama.LlamaOptions`, the echo handlers' options): :func:`read_pairs` reads them, each
+  by its field's parser, and an unknown key or a wrong value is an :class:`OptionError` that names the option,
+  what is allowed and its default.
 
-The value parsers below check a flag's text and say what is allowed; they are argparse ``type``
-functions, so a mistake is one line naming the option and the value.
+:func:`rows` gives every option's name, default and help as ``--help`` says them, from which the docs' option
+tables are written (``scripts/option-tables``).  This package sits below every layer (it knows no other part of
+edgepath), so the app layer, the slot server and the model side declare their options the same way.
+
+The value parsers below check an option's text and say what is allowed; they are argparse ``type`` functions,
+so a mistake is one line naming the option and the value.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -209,6 +217,91 @@ def to_argv(config: Any, keep: Callable[[Flag], bool] = lambda flag: True) -> li
     return argv
 
 
+# -- KEY=VALUE options (a handler's) ----------------------------------------------------------------------
+
+
+class OptionError(ValueError):
+    """A ``KEY=VALUE`` option that is not declared, or whose value its parser refuses; the message names the
+    option, what is allowed and its default."""
+
+
+def read_pairs(cls: type[Any], pairs: Mapping[str, str]) -> dict[str, Any]:
+    """The values of the ``KEY=VALUE`` options given (``pairs``; a key is a field's name), each read by its field's
+    parser and checked against its choices; an option not given is left out (the caller's default applies)."""
+    declared = {item.field: item.flag for item in _declared(cls) if item.flag is not None}
+    unknown = sorted(set(pairs) - set(declared))
+    if unknown:
+        allowed = "; ".join(f"{key}={what}" for key, what in describe(cls).items())
+        raise OptionError(f"unknown option(s) {unknown}; allowed: {allowed}")
+    values: dict[str, Any] = {}
+    for key, raw in pairs.items():
+        flag = declared[key]
+        try:
+            if flag.choices is not None and raw not in flag.choices:
+                raise argparse.ArgumentTypeError(f"expected one of {', '.join(flag.choices)}, got {raw!r}")
+            values[key] = flag.type(raw) if flag.type is not None else raw
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise OptionError(f"{key}: {exc} ({describe(cls)[key]})") from None
+    return values
+
+
+def describe(cls: type[Any]) -> dict[str, str]:
+    """Each ``KEY=VALUE`` option of ``cls`` as messages and ``--help`` say it: ``key -> "help (default: X)"``."""
+    return {row.name: f"{row.help} (default: {row.default})" for row in rows(cls, pairs=True)}
+
+
+# -- the options as their documentation says them ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One option as the docs' tables say it: its flag (or key), its default, and what it is."""
+
+    name: str
+    default: str
+    help: str
+
+
+def rows(cls: type[Any], defaults: Any = None, *, pairs: bool = False) -> list[Row]:
+    """Every option of ``cls`` (and of its sections) in field order, as ``--help`` says it: the flag with its
+    metavar (with ``pairs``, the ``KEY``), the default as the command line writes it (or the words that say what
+    decides it), and the help without its own mention of the default, which has a column of its own.  Hidden
+    options (help ``argparse.SUPPRESS``) are left out."""
+    out: list[Row] = []
+    for item in _declared(cls, defaults):
+        if item.flag is None:
+            assert item.group is not None
+            out += rows(item.group, item.default, pairs=pairs)
+            continue
+        flag = item.flag
+        if flag.help == argparse.SUPPRESS:
+            continue
+        default = default_text(flag, item.default)
+        if pairs or flag.positional:
+            name = item.field
+        else:
+            name = flag.flag(item.field) + (f" {flag.metavar}" if flag.metavar else "")
+        help = re.sub(r"\s*\(default:? %\(default\)s\)|[;,]\s*default:? %\(default\)s", "", flag.help)
+        out.append(Row(name, default, help.replace("%(default)s", default).replace("%%", "%")))
+    return out
+
+
+def default_text(flag: Flag, default: Any) -> str:
+    """An option's default as its documentation says it: the words of ``default_text``, else the value as the
+    command line writes it (numbers shortest), ``off`` for a switch, ``-`` for none."""
+    if flag.default_text is not None:
+        return flag.default_text
+    if flag.switch:
+        return "off"
+    if default is None or default == ():
+        return "-"
+    if flag.repeat:
+        return ", ".join(flag.text(value) for value in default)
+    if isinstance(default, float) and flag.text is str:
+        return f"{default:g}"
+    return flag.text(default)
+
+
 # -- once only ------------------------------------------------------------------------------------------
 
 
@@ -270,6 +363,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
@@ -329,16 +437,19 @@ def key_value_text(pair: tuple[str, str]) -> str:
     return f"{pair[0]}={pair[1]}"
 
 
-def handler_spec(text: str) -> str:
-    """A handler that can be found here (a built-in or ``module:attribute``): checked before anything
-    starts, without building it (a model is loaded by the slot server, once)."""
-    from edgepath.handlers import find_handler
+def choice(**values: Any) -> dict[str, Any]:
+    """The :class:`Flag` fields of an option whose text is one of ``values``' names (in this order in messages),
+    each meaning its value: ``option(True, **choice(on=True, off=False), help=...)``."""
 
-    try:
-        find_handler(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-    return text
+    def parse(text: str) -> Any:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(values)}, got {text!r}")
+        return values[text]
+
+    def write(value: Any) -> str:
+        return next(name for name, meant in values.items() if meant == value)
+
+    return {"type": parse, "text": write, "metavar": "|".join(values)}
 
 
 def seconds_in(per_second: float) -> tuple[Callable[[str], float], Callable[[float], str]]:
