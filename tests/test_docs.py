@@ -78,7 +78,7 @@ def test_every_product_module_is_on_the_map(folder: str) -> None:
     """Each module of the package is named in its row of the README's layout table, or on the one docs page the row
     points to for it: as ``name.py`` (when no other module of the package has that name), ``sub/name.py`` or
     ``folder/sub/name.py``; a sub-package as ``sub/``.  And every ``name.py`` the row names is one of the
-    package's modules."""
+    package's modules (or a path from the repository's root)."""
     rows = _layout_rows()
     assert folder in rows, f"the README's layout table has no row for {folder}/"
     row = rows[folder]
@@ -100,7 +100,11 @@ def test_every_product_module_is_on_the_map(folder: str) -> None:
         if not forms & named:
             missing.append(f"{folder}/{module}")
     assert not missing, f"not on the map (README's layout row for {folder}/, or {pages or 'no page'}): {missing}"
-    stale = sorted(n for n in _named(row) if n.endswith(".py") and not any(str(m).endswith(n) for m in modules))
+    stale = sorted(
+        n
+        for n in _named(row)
+        if n.endswith(".py") and not any(str(m).endswith(n) for m in modules) and not (ROOT / n).exists()
+    )
     assert not stale, f"the README's {folder}/ row names modules that are not there: {stale}"
 
 
