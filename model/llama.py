@@ -91,7 +91,7 @@ def _references(value: str) -> str:
     try:
         known_answer.load(Path(value))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ArgumentTypeError(f"expected on, off or a references file, got {value!r} ({exc})") from exc
+        raise ArgumentTypeError(f"{value!r} is not a references file ({exc}); expected on, off or PATH.json") from exc
     return value
 
 
