@@ -79,7 +79,7 @@ def test_claim(benchmark, local_pair) -> None:
     def setup() -> None:
         _free_all(server, link)
 
-    result = benchmark.pedantic(agent.claim, args=(link,), setup=setup, rounds=ROUNDS, iterations=1)
+    result = benchmark.pedantic(agent.claims.claim, args=(link,), setup=setup, rounds=ROUNDS, iterations=1)
     assert result is not None
 
 
@@ -92,7 +92,7 @@ def test_write_doorbell(benchmark, local_pair) -> None:
         cq.poll(256)  # keep the server's completion queue from filling; nothing else runs
         return (link, 0, 0, 1, TOKENS), {}
 
-    benchmark.pedantic(agent._send, setup=setup, rounds=ROUNDS, iterations=1)
+    benchmark.pedantic(agent.claims.send, setup=setup, rounds=ROUNDS, iterations=1)
     agent.inflight.clear()
     assert link.conn.counters.bytes_written >= 64 + 4 * TOKENS + 8
 

@@ -2,9 +2,10 @@
 gets its first token -- one code for both sides of the data path.
 
 The slot server's model handler plans every step with :class:`StepPolicy` and learns step costs with
-:class:`CostModel`; it publishes the costs, the policy's knobs and what it has to do (:class:`Load`) in its
-pool's load region.  An agent predicts a request's time to first token by running **the same policy** forward
-over what it read (:func:`first_token_ms`): there is no second copy of the arithmetic to drift apart.
+:class:`~edgepath.model.cost.CostModel`; it publishes the costs, the policy's knobs and what it has to do
+(:class:`Load`) in its pool's load region.  An agent predicts a request's time to first token by running **the
+same policy** forward over what it read (:func:`first_token_ms`): there is no second copy of the arithmetic to
+drift apart.
 
 **The policy** (one ``llama_decode`` per step over every running slot; on a CPU a prompt token costs about what a
 decoded one does, and every decoding stream waits for the whole step), its objectives in order:
@@ -45,19 +46,22 @@ stream of a micro-batch to the longest: attention grows with the context, the re
 with one KV stream per sequence, computes a step in micro-batches -- one per run of consecutive sequence ids
 among the decoding streams, and one more per prompt chunk beside them -- and each reads the weights once: a
 step of seven decoding streams and 8 prompt tokens costs two micro-batches, twice the fixed part of a step of
-either alone.  Measured at warm-up on the machine it runs on (:meth:`CostModel.calibrate`), then followed
-robustly (:meth:`CostModel.observe`): one pathological step -- a neighbour's burst, a stolen CPU -- moves it
+either alone.  Measured at warm-up on the machine it runs on, then followed robustly by the model side
+(:class:`~edgepath.model.cost.CostModel`): one pathological step -- a neighbour's burst, a stolen CPU -- moves it
 little, and it returns to the calibration when steps run as measured again.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,31 +234,78 @@ def decodes(waiting: Sequence[Prompt], takes: Sequence[int], floors: int) -> boo
     return not any(take and take == p.remaining for p, take in zip(waiting[:floors], takes[:floors], strict=True))
 
 
+def within_floor(tenant: int, floor: int, rank: int) -> bool:
+    """The per-server rule, for one request: whether a tenant's ``rank``-th request running on one slot server (1: its
+    oldest there) is *within* its slot ``floor`` -- what the step policy serves first (:func:`prefill_order`).  A
+    tenant without a floor id (0) has no floor."""
+    return tenant != 0 and rank <= floor
+
+
+def under_floor(tenant: int, floor: int, holdings: Mapping[int, int]) -> bool:
+    """The per-tenant rule: whether ``tenant`` holds fewer slots than its ``floor``, ``holdings`` counting its slots
+    (across every pool an agent reads, when an agent asks whether it may take a slot back -- dpu/floor_book.py --;
+    its running requests on one server, when the server asks whether a floor is lent out: :func:`floor_lent`).  A
+    tenant without a floor id (0) is never under a floor."""
+    return tenant != 0 and holdings.get(tenant, 0) < floor
+
+
 def prefill_order(tenants: Sequence[tuple[int, int]]) -> tuple[list[int], int]:
     """The order prompts are served in: ``tenants`` holds each running request's tenant (its floor id, 0 for none)
     and that tenant's slot floor, in arrival order; the answer is their indexes, the requests within their tenant's
-    floor first -- a tenant's first ``floor`` requests here -- then the rest, each group oldest first, and how many
-    are within a floor (the first group's length).  A floor is
-    a slot a tenant can always have (docs/TENANTS.md); served first, it is also a first token that does not wait
-    behind the prompts of the tenants it was lent to.  A server's published waiting prompts are in this order, so
-    the agent's prediction runs the same policy."""
+    floor first (:func:`within_floor`) then the rest, each group oldest first, and how many are within a floor (the
+    first group's length).  A floor is a slot a tenant can always have (docs/TENANTS.md); served first, it is also a
+    first token that does not wait behind the prompts of the tenants it was lent to.  A server's published waiting
+    prompts are in this order, so the agent's prediction runs the same policy."""
     held: Counter[int] = Counter()
     first: list[int] = []
     rest: list[int] = []
     for index, (tenant, floor) in enumerate(tenants):
         held[tenant] += 1
-        (first if tenant and held[tenant] <= floor else rest).append(index)
+        (first if within_floor(tenant, floor, held[tenant]) else rest).append(index)
     return first + rest, len(first)
 
 
 def floor_lent(running: Sequence[tuple[int, int]], floors: Mapping[int, int]) -> bool:
     """Whether a slot floor is lent out on a server (objective 8): ``running`` holds each running request's tenant
     (its floor id) and that tenant's floor, ``floors`` the floor of every tenant with one that the server knows
-    of; lent when one of those holds fewer running requests than its floor while a request outside every floor
-    runs (that one holds a slot the owner can take back)."""
+    of; lent when one of those is under its floor by its running requests here (:func:`under_floor`) while a
+    request outside every floor runs (that one holds a slot the owner can take back)."""
     held = Counter(tenant for tenant, _ in running)
     _, within = prefill_order(running)
-    return within < len(running) and any(held[tenant] < floor for tenant, floor in floors.items() if tenant)
+    return within < len(running) and any(under_floor(tenant, floor, held) for tenant, floor in floors.items())
+
+
+#: a slot floor learned from the requests that name it is forgotten once none has named it for this long (a tenant
+#: gone from the tenants file, or silent): the slot server's handler and the agents forget alike (:class:`FloorMemory`)
+FLOOR_MEMORY_S = 3600.0
+
+
+class FloorMemory(Generic[T]):
+    """What requests said of their tenants' slot limits (a floor; an agent also keeps the cap), by floor id, each
+    forgotten :data:`FLOOR_MEMORY_S` after a request last said it.  Forgetting runs when something is learned --
+    nothing can be lent or taken by a floor unless a request that names one arrives -- at most once a minute, so
+    learning costs a dict store per request."""
+
+    SWEEP_S = 60.0  # how often learning also forgets: a floor is forgotten within a minute of its hour
+
+    def __init__(self, memory_s: float = FLOOR_MEMORY_S) -> None:
+        self.memory_s = memory_s
+        self._seen: dict[int, tuple[T, float]] = {}  # floor id -> (what was said, when last)
+        self._swept = -math.inf
+
+    def learn(self, tenant: int, value: T, now: float) -> None:
+        """A request of ``tenant`` said ``value`` at ``now`` (monotonic seconds)."""
+        if now - self._swept >= min(self.SWEEP_S, self.memory_s):
+            self._swept = now
+            self._seen = {t: (v, seen) for t, (v, seen) in self._seen.items() if now - seen < self.memory_s}
+        self._seen[tenant] = (value, now)
+
+    def table(self) -> dict[int, T]:
+        """What is remembered, by floor id."""
+        return {tenant: value for tenant, (value, _) in self._seen.items()}
+
+    def __bool__(self) -> bool:
+        return bool(self._seen)
 
 
 def _decoding_step(decoding: int, longest: int, runs: int) -> Step:
@@ -444,129 +495,3 @@ def _run(
         runs = min(runs, decoding)
         last = len(waiting) - 1
     return math.inf
-
-
-class CostModel:
-    """The step costs: the calibration measured on this machine, followed online, robustly, within bounds.
-
-    Online, over the last ``window`` steps within ``horizon_s`` seconds, two numbers are fitted: a speed factor
-    ``f`` over the calibration's overhead, prompt, decode and decoded-context costs (the machine, or its
-    neighbours, running faster or slower) and the prompt context cost ``c`` (per 1,000 positions prompt tokens
-    attend: the warm-up's prompts are too short to show it, llama.cpp padding a sequence's KV window), by least
-    squares with Huber weights (a step far off the fit weighs little) and a weak pull towards the calibration.
-    ``f`` stays within ``bounds``, ``c`` within ``[0, bounds[1] x prompt_ms]``; with no recent step both return
-    to the calibration.  So one step slowed 15x by a neighbour moves nothing, a machine that stays 2x slower is
-    followed within a few steps, and a model that learned from starved steps cannot lock admission out: it returns
-    to what was measured (issue 34's lock-out rested on a one-rate model pulled up 25x by such steps).  The bounds
-    are not symmetric: neighbours make steps slower, never faster, so steps faster than calibrated are evidence
-    that the calibration itself was starved (a slot server restarted beside a busy one, in the container lane,
-    calibrated 3-5x slow) and are followed further down (1/5) than slower ones up (4x)."""
-
-    #: a Huber weight's corner: a step within 25 % of the fit counts fully, beyond that less and less
-    HUBER = 0.25
-    #: how much the attended positions must vary across steps (relative to their mean) before they move the context
-    #: cost away from the calibration's
-    PRIOR = 0.05
-
-    def __init__(
-        self,
-        base: Costs,
-        window: int = 64,
-        horizon_s: float = 30.0,
-        bounds: tuple[float, float] = (0.2, 4.0),
-        big: int = 4,
-    ) -> None:
-        if not base.known:
-            raise ValueError(f"cost model: need a prompt or a decode cost > 0 ms, got {base}")
-        if not (window >= 1 and horizon_s > 0 and 0 < bounds[0] <= 1 <= bounds[1] and big >= 1):
-            raise ValueError(f"cost model: bad window {window}, horizon {horizon_s}, bounds {bounds}, big {big}")
-        self.bounds = bounds
-        self.horizon_s = horizon_s
-        self.big = big  # steps of fewer tokens are too short to say much (timer and scheduler noise)
-        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=window)  # when, base ms, attended, ms
-        self._set_base(base)
-
-    def _set_base(self, base: Costs) -> None:
-        self.base = base
-        self._flat = replace(base, context_ms=0.0)  # what the factor scales
-        self._steps.clear()
-        self._factor, self._context = 1.0, base.context_ms
-        self._costs = base.published()
-
-    @property
-    def factor(self) -> float:
-        return self._factor
-
-    def costs(self) -> Costs:
-        """The costs to plan and publish with now (as published: float32)."""
-        return self._costs
-
-    def observe(self, step: Step, ms: float, now: float) -> None:
-        """A step of this shape took ``ms`` milliseconds at ``now`` (monotonic seconds)."""
-        self.forget(now)
-        if step.tokens < self.big or not math.isfinite(ms) or ms <= 0:
-            return
-        self._steps.append((now, self._flat.step_ms(step), step.attended / 1e3, ms))
-        self._refit()
-
-    def forget(self, now: float) -> None:
-        """Drop what is older than the horizon (with nothing recent left, the calibration is what holds)."""
-        steps = self._steps
-        if steps and now - steps[0][0] > self.horizon_s:
-            while steps and now - steps[0][0] > self.horizon_s:
-                steps.popleft()
-            self._refit()
-
-    def _refit(self) -> None:
-        base = self.base
-        if not self._steps:
-            self._factor, self._context = 1.0, base.context_ms
-        else:
-            data = np.array(self._steps)[:, 1:]
-            x, z = data[:, 1] / data[:, 0], data[:, 2] / data[:, 0]  # per step: z = f + (f * c) * x
-            f, c, c0 = self._factor, self._context, base.context_ms
-            low, high = self.bounds
-            for _ in range(3):  # iteratively reweighted: Huber weights on the relative residual
-                fit = f * (1 + c * x)
-                r = np.abs(z - fit) / np.maximum(fit, 1e-9)
-                w = np.where(r <= self.HUBER, 1.0, self.HUBER / np.maximum(r, 1e-12))
-                mx, mz = float(w @ x) / float(w.sum()), float(w @ z) / float(w.sum())
-                # the slope only from how the context varies across steps, pulled towards the calibration's
-                # (steps all of one shape say nothing of it); the level from the rest
-                spread = float(w @ ((x - mx) ** 2)) + float(w.sum()) * (self.PRIOR * mx) ** 2 + 1e-18
-                prior = f * c0
-                slope = prior + float(w @ ((x - mx) * (z - mz - prior * (x - mx)))) / spread
-                f = min(high, max(low, mz - max(0.0, slope) * mx))
-                c = min(high * base.prompt_ms, max(0.0, slope / f))
-            self._factor, self._context = f, c
-        f = self._factor
-        self._costs = replace(self._flat.scaled(f), context_ms=f * self._context).published()
-
-    def calibrate(self, steps: Sequence[Step], ms: Sequence[float]) -> bool:
-        """Set the calibration from measured steps (``steps[i]`` took ``ms[i]``): non-negative least squares
-        over the five costs.  Whether it took: steps that make no cost model (too few, not finite, nothing
-        rising with tokens) leave it as it was."""
-        if len(steps) != len(ms) or len(steps) < 2 or not all(math.isfinite(t) and t > 0 for t in ms):
-            return False
-        x = np.array([[s.ubatches, s.prompt, s.decode, s.attended / 1e3, s.context / 1e3] for s in steps])
-        y = np.array(ms, dtype=float)
-        active = [i for i in range(5) if np.any(x[:, i] != x[0, i]) or i == 0]
-        while True:
-            solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-            negative = [a for a, v in zip(active, solution, strict=True) if v < 0]
-            if not negative:
-                break
-            active.remove(negative[0])
-            if not active:
-                return False
-        values = [0.0] * 5
-        for a, v in zip(active, solution, strict=True):
-            values[a] = float(v)
-        fitted = Costs(*values)
-        if not fitted.known:
-            return False
-        if fitted.prompt_ms == 0 or fitted.decode_ms == 0:  # one kind unmeasured: it costs what the other does
-            rate = fitted.prompt_ms or fitted.decode_ms
-            fitted = replace(fitted, prompt_ms=fitted.prompt_ms or rate, decode_ms=fitted.decode_ms or rate)
-        self._set_base(fitted)
-        return True

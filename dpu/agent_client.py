@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout, reply_stride, request_stride
@@ -100,6 +100,11 @@ class AgentClient:
         except TransportError:
             return False
         return True
+
+    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
+        """Nothing to hand over: the agent process learns each tenant's floor from its requests' headers (an edge
+        and the agent process share memory for frames only), so it takes slots back only from tenants whose floor
+        a request has named there."""
 
     def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
         """None: the agent process reads the state words and decides at :meth:`submit` (the free count it publishes

@@ -5,13 +5,14 @@ work-conserving: any tenant claims any FREE slot, so a floor nobody uses is lent
 claimer's tenant into the slot's state word (ABI 10: its floor id, 0 for a tenant without a floor), and the
 word keeps it until the slot is FREE again, so every agent that reads a pool's state words -- any edge, any
 ``--workers`` process, any host on that slot server -- sees how many slots each tenant holds, from what it
-reads anyway.  When a tenant under its floor finds no FREE slot, a slot of a tenant *above* its floor (one
-without a floor is always above it) is taken back: the agent asks the slot server to hand it that slot
-(:meth:`~edgepath.dpu.agent.Agent.submit`).  If the floors of all tenants fit in the slots (the sum of the
-floors at most the slots), such a slot always exists: the other tenants hold more than their floors add up to.
+reads anyway.  When a tenant under its floor (:func:`~edgepath.contract.plan.under_floor`) finds no FREE
+slot, a slot of a tenant *above* its floor (one without a floor is always above it) is taken back: the agent
+asks the slot server to hand it that slot (:class:`~edgepath.dpu.floor_book.FloorBook`).  If the floors of all
+tenants fit in the slots (the sum of the floors at most the slots), such a slot always exists: the other tenants
+hold more than their floors add up to.
 
-This module only decides, from state words and floors (sans I/O): how many slots each tenant holds, whether
-a tenant is under its floor, and which slots it may take back, best first.
+This module only decides, from state words and floors (sans I/O): how many slots each tenant holds, how many of
+them are above its floor, and which slots a tenant under its floor may take back, best first.
 """
 
 from __future__ import annotations
@@ -60,14 +61,10 @@ def moving(holdings: Counter[int], reclaims: Sequence[tuple[int, int]]) -> Count
     return out
 
 
-def under_floor(tenant: int, floor: int, holdings: Mapping[int, int]) -> bool:
-    """Whether ``tenant`` (a floor id; 0 has no floor) holds fewer slots than its ``floor``."""
-    return tenant != 0 and holdings.get(tenant, 0) < floor
-
-
-def lent(tenant: int, floors: Mapping[int, int], holdings: Mapping[int, int]) -> int:
-    """How many of ``tenant``'s slots are above its floor (lent to it): all of a tenant without a floor, none of
-    one whose floor is not known here (never taken from a tenant that might be within its floor)."""
+def above_floor(tenant: int, floors: Mapping[int, int], holdings: Mapping[int, int]) -> int:
+    """How many of ``tenant``'s slots are above its floor (borrowed: it may lose them to a tenant under its own): all
+    of a tenant without a floor, none of one whose floor is not known here (never taken from a tenant that might be
+    within its floor)."""
     if tenant == 0:
         return holdings.get(0, 0)
     floor = floors.get(tenant)
@@ -89,7 +86,7 @@ def victims(
     caller's admission order), each pool's slots from ``start`` on (a rotating cursor, so that several agents do not
     all pick the same slot).  ``skip``: (server, slot) pairs not to offer (reclaims under way).  RUNNING slots come
     first: the slot server ends those at once.  Then slots claimed or rung but not started yet: the server cannot
-    end those yet and says so, and the reclaimer asks again (:data:`~edgepath.dpu.agent.RECLAIM_TRIES` times) --
+    end those yet and says so, and the reclaimer asks again (:data:`~edgepath.dpu.floor_book.RECLAIM_TRIES` times) --
     without them, a tenant under its floor that arrived while every lent slot had just changed hands was refused
     (a noisy closed loop re-claims a slot the moment it frees: ``tests/system/test_serve_floors.py`` saw it)."""
     out: list[tuple[int, int, int, Victim]] = []
@@ -101,7 +98,7 @@ def victims(
             ):
                 word = int(pool[slot])
                 owner = wire.word_tenant(word)
-                spare = lent(owner, floors, holdings)
+                spare = above_floor(owner, floors, holdings)
                 if owner == tenant or spare <= 0 or (server, slot) in skip:
                     continue
                 out.append((rank, -spare, len(out), Victim(server, slot, wire.word_generation(word), owner)))

@@ -230,15 +230,14 @@ class LinkSet:
         self._on_unresponsive = on_unresponsive
         self._words_per_link = max_slots_per_server
         # Per server [pool header from its heartbeat][cached state words, padded to a cache line][its prefix
-        # table] (as laid out in its pool: one READ), then a cancel word and a reclaim word to send from, then a
-        # pool header to read into.
+        # table] (as laid out in its pool: one READ), then the word a signal (a cancel, a reclaim) is sent from --
+        # a WRITE returns once its data is placed, so one word serves every signal --, then a pool header to read
+        # into.
         self._link_bytes = HEAD + -(-8 * max_slots_per_server // 64) * 64 + 8 * wire.PREFIX_ENTRIES_MAX
         words_size = self._link_bytes * max_servers
-        self.scratch_mr = transport.register("words", words_size + 16 + POOL_HEADER.itemsize, Access.NONE)
-        self._cancel_off = words_size
-        self._cancel_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
-        self._reclaim_off = words_size + 8
-        self._reclaim_src = self.scratch_mr.buf[words_size + 8 : words_size + 16].view(np.uint64)
+        self.scratch_mr = transport.register("words", words_size + 8 + POOL_HEADER.itemsize, Access.NONE)
+        self._signal_off = words_size
+        self._signal_src = self.scratch_mr.buf[words_size : words_size + 8].view(np.uint64)
         self.links: list[ServerLink] = []
         self.by_conn: dict[int, ServerLink] = {}
         self.max_servers = max_servers
@@ -601,38 +600,30 @@ class LinkSet:
         self._on_down(link)
 
     # -- writing --------------------------------------------------------------------
-    def send_cancel(self, link: ServerLink, slot: int, generation: int) -> None:
-        """Write ``slot``'s cancel word (its generation) and ring it; a failure takes the link down."""
-        self._cancel_src[0] = wire.cancel_word(generation)
-        try:
-            link.conn.write_with_imm(
-                self.scratch_mr,
-                self._cancel_off,
-                link.pool,
-                link.cancels_offset + 8 * slot,
-                8,
-                wire.cancel_imm(slot, generation),
-            )
-        except TransportError as exc:
-            self.failed(link, exc)
+    def send_cancel(self, link: ServerLink, slot: int, generation: int) -> bool:
+        """Write ``slot``'s cancel word (its generation) and ring it; False when that fails (the link is then down)."""
+        return self._signal(
+            link, link.cancels_offset, slot, wire.cancel_word(generation), wire.cancel_imm(slot, generation)
+        )
 
     def send_reclaim(self, link: ServerLink, slot: int, generation: int, word: int) -> bool:
         """Write ``slot``'s reclaim word -- ``word``, the CLAIMED word of the generation after ``generation`` this
         agent asks the slot to be handed over as -- and ring it; False when that fails (the link is then down)."""
-        self._reclaim_src[0] = word
+        if not self._signal(link, link.reclaims_offset, slot, word, wire.reclaim_imm(slot, generation)):
+            return False
+        link.stats.reclaims += 1
+        return True
+
+    def _signal(self, link: ServerLink, words_offset: int, slot: int, word: int, imm: int) -> bool:
+        """The one way an agent signals a slot: write ``word`` into the slot's entry of the pool's word array at
+        ``words_offset`` and ring it with ``imm`` (one WRITE_WITH_IMM, from the link set's scratch word); a failure
+        takes the link down."""
+        self._signal_src[0] = word
         try:
-            link.conn.write_with_imm(
-                self.scratch_mr,
-                self._reclaim_off,
-                link.pool,
-                link.reclaims_offset + 8 * slot,
-                8,
-                wire.reclaim_imm(slot, generation),
-            )
+            link.conn.write_with_imm(self.scratch_mr, self._signal_off, link.pool, words_offset + 8 * slot, 8, imm)
         except TransportError as exc:
             self.failed(link, exc)
             return False
-        link.stats.reclaims += 1
         return True
 
     # -- reporting ------------------------------------------------------------------

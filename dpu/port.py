@@ -16,7 +16,7 @@ arrived, or its link died) -- so nothing of the old request can ever land in the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +78,12 @@ class AgentPort(Protocol):
 
     def acquire(self) -> int | None:
         """A frame to fill, or None when all are in use (the caller answers 429)."""
+        ...
+
+    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
+        """The slot floors of every tenant that has one, by floor id (the tenants file's: docs/TENANTS.md): whose
+        slots above their floor may be taken back for a tenant under its own.  Floors not given here are learned
+        from the requests that name them."""
         ...
 
     def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:

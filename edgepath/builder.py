@@ -654,9 +654,7 @@ def give_floors(keys: ApiKeys | None, agent: AgentPort) -> None:
     from edgepath.edge.tenancy.tenants import floors_by_id
 
     floors = floors_by_id(keys.tenants if keys is not None else [])
-    set_floors = getattr(agent, "set_floors", None)
-    if set_floors is not None:
-        set_floors(floors)
+    agent.set_floors(floors)
     slots = sum(server.total_slots or 0 for server in agent.servers())
     if floors and slots and sum(floors.values()) > slots:
         log.warning(

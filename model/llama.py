@@ -38,8 +38,8 @@ import numpy as np
 
 from edgepath.contract import wire
 from edgepath.contract.plan import (
-    CostModel,
     Costs,
+    FloorMemory,
     Load,
     PolicyOptions,
     Prompt,
@@ -53,6 +53,7 @@ from edgepath.contract.plan import (
 from edgepath.model import known_answer
 from edgepath.model.blobs import BlobPool
 from edgepath.model.convert import sha256
+from edgepath.model.cost import CostModel
 from edgepath.model.gguf import ModelFileError, default_model_path, llama_cpp, load_model
 from edgepath.model.known_answer import shipped
 from edgepath.model.prefix import CacheStats, PrefixBook, common_prefix, runs
@@ -66,7 +67,6 @@ log = logging.getLogger("edgepath.model.llama")
 
 MAX_SEQ = 256  # LLAMA_MAX_SEQ in llama.cpp: sequence ids are bits of a 256-bit set
 SUMMARY_S = 60.0  # seconds between the info lines that sum up the steps
-FLOOR_MEMORY_S = 3600.0  # a slot floor no request has named for this long is no longer kept free of long steps
 # Start values of the step-cost model (docs/MODEL.md, measured on this project's 2-core machine) until the
 # warm-up steps measure it here (a context too small for them keeps these); it then follows the steps as they run.
 _START_COSTS_ONE_THREAD = Costs(overhead_ms=12.0, prompt_ms=2.0, decode_ms=4.0, context_ms=1.2, decode_context_ms=9.0)
@@ -352,7 +352,8 @@ class LlamaHandler:
         stall = float(np.float32(options.stall_ms))  # as published: the agents replay the plan with it
         self.policy = StepPolicy(PolicyOptions(stall, options.min_prefill, batch))
         self.lent_ms = float(np.float32(options.lent_ms))  # as published, as the stall
-        self._floors: dict[int, tuple[int, float]] = {}  # floor id -> (its floor, when a request last said so)
+        #: floors learned from the requests that name them (a floor lent out keeps steps short: objective 8)
+        self._floors: FloorMemory[int] = FloorMemory()
         self.cost = CostModel(_START_COSTS_ONE_THREAD.scaled(1.0 / options.threads))
         self.governor = ThreadGovernor(options.threads) if options.share_cpus and options.threads > 1 else None
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
@@ -447,8 +448,8 @@ class LlamaHandler:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]
         self._running[slot] = _Sequence(request, sampler, prompt_len, words=words)
-        if request.tenant and request.floor:
-            self._learn_floor(request.tenant, request.floor)
+        if request.tenant and request.floor:  # learned here, not on every step: nothing is lent without a request
+            self._floors.learn(request.tenant, request.floor, time.monotonic())
         return []
 
     def step(self, now: float) -> list[Emit]:
@@ -570,7 +571,7 @@ class LlamaHandler:
         """Throw-away steps before the first request.  The first, as llama-server does at start: the weights
         are paged in and llama.cpp's compute buffers allocated now, not inside the first request's time to
         first token.  Then the steps that measure the step cost model on this machine
-        (:meth:`~edgepath.contract.plan.CostModel.calibrate`): decode steps of one and of several streams at
+        (:meth:`~edgepath.model.cost.CostModel.calibrate`): decode steps of one and of several streams at
         the start of their sequences (a decoded token also computes its logits), prompts of two sizes from
         position 0 and the long one again after itself (what a longer context adds to a prompt token), then the
         same several streams decoding after that context (copied into each: what it adds to a decoded token,
@@ -868,22 +869,13 @@ class LlamaHandler:
         order, within = prefill_order([(s.request.tenant, s.request.floor) for s in running])
         return [running[i] for i in order], within
 
-    def _learn_floor(self, tenant: int, floor: int) -> None:
-        """Remember ``tenant``'s slot floor as a request named it now, and forget those unnamed for
-        ``FLOOR_MEMORY_S`` (a tenant gone from the tenants file, or silent): here, not on every step, since a floor
-        can only be lent while a request that arrived through :meth:`add` runs."""
-        now = time.monotonic()
-        self._floors = {t: (f, seen) for t, (f, seen) in self._floors.items() if now - seen < FLOOR_MEMORY_S}
-        self._floors[tenant] = (floor, now)
-
     def _lent(self) -> float:
         """The policy's ``lent_ms`` now: the option while a floor this server has seen asked for is lent out
         (:func:`floor_lent`), else 0."""
         if not self._floors:
             return 0.0
         running = [(s.request.tenant, s.request.floor) for s in self._running.values()]
-        floors = {t: f for t, (f, _) in self._floors.items()}
-        return self.lent_ms if floor_lent(running, floors) else 0.0
+        return self.lent_ms if floor_lent(running, self._floors.table()) else 0.0
 
     def _shares_pending(self, new: _Sequence, waiting: list[_Sequence]) -> bool:
         """Whether a waiting prompt served before ``new`` (:meth:`_in_prefill_order`) will compute, but has not yet

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgepath.contract import wire
+from edgepath.contract.plan import under_floor
 from edgepath.contract.wire import SlotWord
 from edgepath.dpu import floors
 from edgepath.native.abi import Event, State
@@ -36,19 +37,19 @@ def test_held_counts_every_slot_that_is_not_free_by_its_tenant() -> None:
 
 def test_under_floor_only_for_a_tenant_with_a_floor() -> None:
     holdings = Counter({QUIET: 1, 0: 5})
-    assert floors.under_floor(QUIET, 2, holdings)
-    assert not floors.under_floor(QUIET, 1, holdings)
-    assert floors.under_floor(OTHER, 1, holdings)  # holds none
-    assert not floors.under_floor(0, 3, holdings)  # no floor id: never under a floor
+    assert under_floor(QUIET, 2, holdings)
+    assert not under_floor(QUIET, 1, holdings)
+    assert under_floor(OTHER, 1, holdings)  # holds none
+    assert not under_floor(0, 3, holdings)  # no floor id: never under a floor
 
 
 def test_lent_slots_are_those_above_the_floor_and_all_of_a_tenant_without_one() -> None:
     holdings = Counter({QUIET: 3, BUSY: 1, 0: 2, 9: 4})
     table = {QUIET: 2, BUSY: 2}
-    assert floors.lent(QUIET, table, holdings) == 1
-    assert floors.lent(BUSY, table, holdings) == 0
-    assert floors.lent(0, table, holdings) == 2
-    assert floors.lent(9, table, holdings) == 0  # a floor not known here: never taken from
+    assert floors.above_floor(QUIET, table, holdings) == 1
+    assert floors.above_floor(BUSY, table, holdings) == 0
+    assert floors.above_floor(0, table, holdings) == 2
+    assert floors.above_floor(9, table, holdings) == 0  # a floor not known here: never taken from
 
 
 def test_victims_are_running_slots_of_tenants_above_their_floors_the_most_lent_first() -> None:
@@ -99,7 +100,7 @@ SLOTS = 6
 @dataclass
 class Pool:
     """A slot pool's state words stepped with the real state machine, a slot server that acts on reclaims in the
-    order they arrive, and agents that decide with dpu/floors.py as :class:`~edgepath.dpu.agent.Agent` does."""
+    order they arrive, and agents that decide with dpu/floors.py as :class:`~edgepath.dpu.floor_book.FloorBook` does."""
 
     floors_of: dict[int, int]
     agents: int
@@ -129,7 +130,7 @@ class Pool:
             return
         floor = self.floors_of.get(tenant, 0)
         holdings = self.holdings(agent)
-        if not floors.under_floor(tenant, floor, holdings):
+        if not under_floor(tenant, floor, holdings):
             return  # a borrower finds no free slot: 429, as always
         skip = frozenset((0, slot) for slot in self.pending.get(agent, {}))
         found = floors.victims(tenant, [self.words], self.floors_of, holdings, skip, start=agent * 7 + tries)
@@ -196,7 +197,7 @@ class Pool:
             self._run(slot, word)
         elif tries + 1 < self.tries:
             self.arrive(agent, tenant, tries + 1)
-        elif floors.under_floor(tenant, self.floors_of.get(tenant, 0), self.holdings(agent)):
+        elif under_floor(tenant, self.floors_of.get(tenant, 0), self.holdings(agent)):
             self.refused_owners += 1
 
     def drain(self) -> None:

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from edgepath.contract.plan import CostModel, Costs, Load, PolicyOptions, Prompt, StepPolicy
+from edgepath.contract.plan import Costs, Load, PolicyOptions, Prompt, StepPolicy
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
+from edgepath.model.cost import CostModel
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, SlotRequest
 

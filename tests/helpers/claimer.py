@@ -118,12 +118,12 @@ def stale(cfg: dict) -> None:
         max_slots_per_server=256,
     )
     link = agent.attach(cfg["address"])
-    slot, gen = agent.claim(link)
+    slot, gen = agent.claims.claim(link)
     print(json.dumps({"slot": slot, "generation": gen}), flush=True)
     if sys.stdin.readline().strip() != "ring":
         return
     write_request(agent.frames, 0, [5, 6, 7], request_id=1, max_new_tokens=3)
-    agent._send(link, 0, slot, gen, 3)
+    agent.claims.send(link, 0, slot, gen, 3)
     answered = agent.poll(timeout=cfg.get("wait", 1.0))
     print(json.dumps({"rang": True, "answered": answered}), flush=True)
     t.close()

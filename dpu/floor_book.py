@@ -1,0 +1,234 @@
+"""The floor book: the tenants' slot floors as one agent knows them, what they hold, and taking a lent slot back.
+
+One object holds everything an agent knows and does about slot floors (docs/TENANTS.md):
+
+- **the floors**: those configured (the tenants file's, :meth:`FloorBook.set_floors`) and those learned from the
+  requests that name them (their header's floor id and floor), each learned one forgotten an hour after a request
+  last named it -- the rule the slot server's handler follows too (:class:`~edgepath.contract.plan.FloorMemory`);
+- **what each tenant holds**: counted from the state words as last read (:mod:`~edgepath.dpu.floors`), with this
+  agent's reclaims under way counted as done (:class:`Standing`) -- once per request decided on them, and once more
+  only on words read anew since (a failed claim, a refusal, re-reads them);
+- **the reclaim protocol**: a request of a tenant under its floor (:func:`~edgepath.contract.plan.under_floor`)
+  that finds no free slot asks for a slot of a tenant above its floor -- one WRITE_WITH_IMM of the slot's reclaim
+  word -- and is sent when the slot server hands it over (:meth:`FloorBook.handed_over`), claims another when it
+  does not, or is refused once it has tried :data:`RECLAIM_TRIES` slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from edgepath.contract import wire
+from edgepath.contract.plan import FloorMemory, under_floor
+from edgepath.dpu import floors
+from edgepath.dpu.admission import Choice
+from edgepath.dpu.claims import NO_CHAIN, Claims, InFlight
+from edgepath.dpu.links import ServerLink
+from edgepath.dpu.port import Delivery
+from edgepath.native.abi import Status
+from edgepath.transports.base import TransportError
+
+log = logging.getLogger("edgepath.agent")
+
+#: how many slots one request under its tenant's floor tries to take back before it is refused (each try is one
+#: reclaim word written and rung, answered by the slot server at its next turn): another agent may take the same
+#: slot first, or the stream there may end by itself meanwhile and its slot be claimed by someone else
+RECLAIM_TRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """A tenant's standing for one request: its floor id, its floor, and what every tenant holds (the state words as
+    last read, this agent's reclaims under way counted as done), counted once for the decision it is made for."""
+
+    tenant: int
+    floor: int
+    holdings: Counter[int]
+
+    @property
+    def under_floor(self) -> bool:
+        """Whether the tenant holds fewer slots than its floor: it may take one back."""
+        return under_floor(self.tenant, self.floor, self.holdings)
+
+
+class FloorBook:
+    """Slot floors for one agent's requests: the floors, what tenants hold, the reclaims under way."""
+
+    def __init__(self, claims: Claims) -> None:
+        self.claims = claims
+        self.link_set = claims.link_set
+        self.frames = claims.frames
+        self.book = claims.book
+        self._configured: dict[int, int] = {}  # floor id -> floor, from the tenants file
+        self._learned: FloorMemory[int] = FloorMemory()  # floor id -> floor, from requests
+        self._reclaims: dict[tuple[int, int], int] = {}  # (id of the link, slot) -> frame reclaiming it
+        self._cursor = 0  # where victims are looked for from, turned at every reclaim (agents pick apart)
+
+    # -- the floors ---------------------------------------------------------------------
+    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
+        """The slot floors of every tenant that has one, by floor id (docs/TENANTS.md): whose slots above their
+        floor this agent may take back for a tenant under its own.  A tenant not listed here is learned from the
+        requests that name it (their header's floor); one neither listed nor seen is never taken from."""
+        self._configured = dict(floors_by_id)
+
+    def table(self) -> dict[int, int]:
+        """Every floor known here by floor id: those configured, and those learned that are not."""
+        return {**self._learned.table(), **self._configured}
+
+    def learn(self, tenant: int, floor: int) -> None:
+        """A request of ``tenant`` (a floor id) named ``floor``."""
+        if tenant and floor:
+            self._learned.learn(tenant, floor, self.link_set.clock())
+
+    # -- what tenants hold ----------------------------------------------------------------
+    def holdings(self) -> Counter[int]:
+        """Slots each tenant holds on the slot servers this agent reads (the state words as last read), this agent's
+        reclaims under way counted as done."""
+        holdings = floors.held([link.words for link in self.link_set.links if link.alive])
+        under_way = []
+        for index in self._reclaims.values():
+            flight = self.book.inflight.get(index)
+            if flight is not None and flight.reclaim:
+                victim = wire.word_tenant(int(flight.link.words[flight.slot]))
+                under_way.append((victim, wire.word_tenant(flight.reclaim)))
+        return floors.moving(holdings, under_way)
+
+    def standing(self, index: int) -> Standing:
+        """Frame ``index``'s tenant's standing, its floor learned from the request's header: what every tenant holds
+        is counted here (once) only for a tenant with a floor."""
+        req = self.frames.request_headers[index]
+        tenant, floor = req.tenant, req.slot_floor
+        self.learn(tenant, floor)
+        if not tenant or not floor:
+            return Standing(tenant, floor, Counter())
+        return Standing(tenant, floor, self.holdings())
+
+    # -- taking a lent slot back ------------------------------------------------------------
+    def take_back(
+        self, index: int, count: int, fits: list[ServerLink], choices: list[Choice], standing: Standing, tries: int = 0
+    ) -> bool:
+        """Frame ``index``'s tenant is under its floor and no slot is free: ask for a slot of a tenant above its floor
+        (:func:`~edgepath.dpu.floors.victims`, on the servers in admission's order).  One WRITE_WITH_IMM of the
+        slot's reclaim word -- the CLAIMED word, this agent's and the tenant's, of the generation after the running
+        one -- and the slot server ends that stream (RECLAIMED, to its own agent, which moves it) and hands the slot
+        over without its ever being FREE.  The frame is booked in flight meanwhile and sent when the server says it
+        acted (:meth:`settle`).  False when no slot may be taken back."""
+        req = self.frames.request_headers[index]
+        tenant = standing.tenant
+        order = [fits[choice.server] for choice in choices]
+        predictions = [choice.prediction for choice in choices]
+        positions = {id(link): at for at, link in enumerate(order)}
+        under_way = frozenset((positions[key[0]], key[1]) for key in self._reclaims if key[0] in positions)
+        self._cursor += 1
+        start = self._cursor + 7 * (order[0].claimant if order else 0)  # agents start apart
+        words = [link.words for link in order]
+        for victim in floors.victims(tenant, words, self.table(), standing.holdings, under_way, start):
+            link = order[victim.server]
+            word = wire.claim_word(wire.free_word(victim.generation), link.claimant, tenant)
+            if not self.link_set.send_reclaim(link, victim.slot, victim.generation, word):
+                continue  # that link is down now
+            flight = InFlight(
+                link=link,
+                slot=victim.slot,
+                generation=wire.word_generation(word),
+                prompt=count,
+                max_new=req.max_new_tokens,
+                reclaim=word,
+                reclaim_tries=tries + 1,
+                reclaim_due=self.link_set.clock() + self.link_set.hang_timeout,
+                prediction=predictions[victim.server],
+            )
+            self.book.sent(index, flight)
+            self._reclaims[(id(link), victim.slot)] = index
+            log.debug("frame %d (tenant %d) takes back slot %d of %s from tenant %d", index, tenant, victim.slot,
+                      link.address, victim.tenant)  # fmt: skip
+            return True
+        return False
+
+    def handed_over(self, conn_id: int, slot: int) -> Delivery | None:
+        """A slot server acted on this agent's reclaim of ``slot`` (its HANDOVER immediate)."""
+        link = self.link_set.by_conn.get(conn_id)
+        index = None if link is None else self._reclaims.pop((id(link), slot), None)
+        flight = None if index is None else self.book.inflight.get(index)
+        if index is None or flight is None or not flight.reclaim:
+            self.book.unknown()
+            return None
+        return self.settle(index, flight)
+
+    def settle(self, index: int, flight: InFlight) -> Delivery | None:
+        """The reclaim of frame ``index`` was answered (or is overdue): read the slot's word.  Handed over (the
+        word is the reclaim's) -- or found FREE in the generation it was asked in (the stream there ended first) and
+        claimed with one CAS -- the request is sent.  Otherwise another claim took it: the request claims a free
+        slot or takes another back (at most :data:`RECLAIM_TRIES` slots), else it is refused NO_SLOT, answered
+        through the port.  None unless it is answered now."""
+        link, slot, word, gen = flight.link, flight.slot, flight.reclaim, flight.generation
+        flight.reclaim = 0
+        try:
+            self.link_set.refresh(link)
+            found = int(link.words[slot])
+            if wire.is_free(found) and wire.next_generation(wire.word_generation(found)) == gen:
+                swapped = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, found, word)
+                link.stats.cas_attempts += 1
+                found = word if swapped == found else swapped
+                link.words_ptr[slot] = found
+        except TransportError as exc:
+            self.link_set.failed(link, exc)  # lost with the link (answered 503), or freed when abandoned
+            return None
+        if found == word:
+            link.stats.handovers += 1
+            if flight.abandoned or flight.cancelled:
+                self.claims.unclaim(link, slot, word)
+            else:  # handed over long after its decision: what was matched then is not known here
+                self.claims.resend(index, flight, (link, Choice(0, 0, flight.prediction), slot, gen), flight.prompt,
+                                   NO_CHAIN)  # fmt: skip
+                return None
+        elif (
+            not (flight.abandoned or flight.cancelled)
+            and flight.reclaim_tries < RECLAIM_TRIES
+            and self._again(index, flight)
+        ):
+            return None
+        result = self.frames.result_headers[index]
+        if flight.cancelled and not flight.abandoned:
+            result.refuse(Status.CANCELLED)
+        else:
+            result.no_slot(self.claims.frees_in([link]))
+        return self.book.final(index, 0, gen)
+
+    def _again(self, index: int, flight: InFlight) -> bool:
+        """A reclaim that did not get its slot: claim a free one, or take another back while the tenant is still
+        under its floor; whether the request is in flight again."""
+        words = wire.input_words(flight.prompt, self.frames.request_headers[index].flags)
+        fits = [link for link in self.link_set.links if link.up and words <= link.input_capacity]
+        if not fits:
+            return False
+        standing = self.standing(index)
+        choices = self.claims.unbounded(index, flight.prompt, fits)
+        claimed = self.claims.first_one(choices, fits, standing.tenant)
+        if claimed is not None:
+            self.claims.resend(index, flight, claimed, flight.prompt)
+            return True
+        return standing.under_floor and self.take_back(
+            index, flight.prompt, fits, choices, standing, flight.reclaim_tries
+        )
+
+    def overdue(self) -> list[int]:
+        """Reclaims no slot server answered within a hang timeout: settled on what their slot's word says now;
+        those it answers are returned (the caller reports them as lost: answered 503)."""
+        now = self.link_set.clock()
+        overdue = [(i, f) for i, f in self.book.inflight.items() if f.reclaim and now >= f.reclaim_due]
+        answered = []
+        for index, flight in overdue:
+            self._reclaims.pop((id(flight.link), flight.slot), None)
+            flight.reclaim_tries = RECLAIM_TRIES  # a server that does not answer is not asked again
+            if self.settle(index, flight) is not None:
+                answered.append(index)
+        return answered
+
+    def forget(self, link: ServerLink) -> None:
+        """``link`` went down: the reclaims asked of it are answered with it (lost, or moved)."""
+        for key in [key for key in self._reclaims if key[0] == id(link)]:
+            del self._reclaims[key]
