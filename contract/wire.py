@@ -653,8 +653,9 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     output_offset: int  # a migrated request: output tokens its answer already has; its output goes after them
     migrations: int  # how often it has moved to another slot server
     cache_salt: int  # the prefix cache's namespace (cache_salt()): KV and placement only from the same salt
-    tenant: int  # the tenant's floor id (0: none), claimed with: the state word's tenant
+    tenant: int  # the tenant's id in the state words (0: no floor and no cap), claimed with: the state word's tenant
     slot_floor: int  # that tenant's slot floor
+    slot_cap: int  # that tenant's slot cap (0: none)
 
     def fill(
         self,
@@ -689,13 +690,17 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         """The prefix cache namespace the request reads and writes (:func:`cache_salt`; 0: none)."""
         self._p.cache_salt = salt
 
-    def floored(self, tenant: int, slot_floor: int) -> None:
-        """The request's tenant's floor id (0: a tenant without a slot floor) and that floor: what the agent claims
-        with (the state word's tenant) and decides a reclaim by (docs/TENANTS.md)."""
+    def floored(self, tenant: int, slot_floor: int, slot_cap: int = 0) -> None:
+        """The request's tenant's id in the state words (0: a tenant with neither a slot floor nor a slot cap), its
+        floor and its cap: what the agent claims with (the state word's tenant), decides a reclaim by and counts a
+        cap by, across every edge (docs/TENANTS.md)."""
         if not 0 <= tenant <= TENANT_MAX:
             raise ValueError(f"tenant floor id must be in 0..{TENANT_MAX}, got {tenant}")
+        if not 0 <= slot_floor <= 0xFFFFFFFF or not 0 <= slot_cap <= 0xFFFFFFFF:
+            raise ValueError(f"slot floor and cap must be in 0..{0xFFFFFFFF}, got {slot_floor} and {slot_cap}")
         self._p.tenant = tenant
         self._p.slot_floor = slot_floor if tenant else 0
+        self._p.slot_cap = slot_cap if tenant else 0
 
     def predicted(self, ttft_ms: float, wait_ms: float) -> None:
         """The agent's prediction at claim time, for the edge's ``Server-Timing`` and metrics."""
@@ -759,7 +764,7 @@ class ResultHeader(_StructView, struct="ep_result_header"):
     prefill_us: int  # its uncached prompt's cost on an idle server (the step cost model; with cached_tokens)
     refusal_wait_us: int  # OVER_BOUND: the least predicted wait among the servers tried
     refusal_bound_ms: int  # OVER_BOUND: the bound the agent applied
-    retry_after_ms: int  # NO_SLOT, OVER_BOUND: when a retry is predicted to be admitted (0: no estimate)
+    retry_after_ms: int  # NO_SLOT, OVER_BOUND, SLOT_CAP: when a retry is predicted to be admitted (0: no estimate)
     reserved32: int
 
     def begin(self, request_id: int, generation: int, slot: int) -> None:
@@ -787,7 +792,7 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         lib.ep_result_end(self._p, generation & 0xFFFFFFFF, status, output_count)
 
     def refuse(self, status: int) -> None:
-        """An answer without a slot (NO_SLOT, OVER_BOUND, UNAVAILABLE, BAD_REQUEST), written by an agent
+        """An answer without a slot (NO_SLOT, OVER_BOUND, SLOT_CAP, UNAVAILABLE, BAD_REQUEST), written by an agent
         process (an OVER_BOUND's wait is already written: :meth:`over_bound`)."""
         p = self._p
         p.status = status
@@ -810,6 +815,14 @@ class ResultHeader(_StructView, struct="ep_result_header"):
         p.output_count = 0
         p.retry_after_ms = min(math.ceil(retry_ms), 0xFFFFFFFF)
 
+    def capped(self, retry_ms: float) -> None:
+        """Refused SLOT_CAP: the request's tenant holds its slot cap across every pool; when one of its slots is
+        predicted to free (0: no estimate)."""
+        p = self._p
+        p.status = Status.SLOT_CAP
+        p.output_count = 0
+        p.retry_after_ms = min(math.ceil(retry_ms), 0xFFFFFFFF)
+
     def placed_for(self, generation: int) -> int | None:
         """Output tokens placed for ``generation`` as the progress word says, or None when the word is
         another generation's (a late write for an older request of the same entry)."""
@@ -820,7 +833,7 @@ class ResultHeader(_StructView, struct="ep_result_header"):
 #: final statuses that mean "the model side ran the request" (output, if any, is valid)
 FINISHED = (Status.OK, Status.LENGTH, Status.STOP, Status.CANCELLED, Status.RECLAIMED)
 #: statuses the data path answers before any slot ran the request
-REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.UNAVAILABLE, Status.BAD_REQUEST)
+REFUSALS = (Status.NO_SLOT, Status.OVER_BOUND, Status.SLOT_CAP, Status.UNAVAILABLE, Status.BAD_REQUEST)
 FLAG_STREAM = lib.EP_FLAG_STREAM
 
 

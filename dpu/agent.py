@@ -47,7 +47,7 @@ from edgepath.dpu.links import (
     ServerLink,
 )
 from edgepath.dpu.migration import DEFAULT_MIGRATION_LIMIT, Mover
-from edgepath.dpu.port import Delivery, SlotServerStatus
+from edgepath.dpu.port import Delivery, SlotLimits, SlotServerStatus
 from edgepath.dpu.resolvers import Follower
 from edgepath.dpu.retry_advice import RetryAdvice
 from edgepath.dpu.submission import Submission
@@ -144,9 +144,9 @@ class Agent:
         self._lost: list[int] = []  # frames lost with a link that went down, for check_links to return
         self._stalled: list[int] = []  # frames in flight on a link when it became unresponsive, for stalled()
 
-    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
-        """The slot floors of every tenant that has one, by floor id (:meth:`FloorBook.set_floors`)."""
-        self.floors.set_floors(floors_by_id)
+    def set_limits(self, limits: Mapping[int, SlotLimits]) -> None:
+        """The slot floors and caps of every tenant that has one, by its id (:meth:`FloorBook.set_limits`)."""
+        self.floors.set_limits(limits)
 
     # -- requests: the port's calls, each answered by the part whose job it is ----------------------
     def check_frame(self, index: int) -> str | None:

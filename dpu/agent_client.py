@@ -19,7 +19,7 @@ from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout, reply_stride, request_stride
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
-from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
+from edgepath.dpu.port import Delivery, DeliveryStats, SlotLimits, SlotServerStatus
 from edgepath.native.abi import Status
 from edgepath.transports.base import Access, TransportError
 from edgepath.transports.loopback import LoopbackTransport
@@ -101,10 +101,10 @@ class AgentClient:
             return False
         return True
 
-    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
-        """Nothing to hand over: the agent process learns each tenant's floor from its requests' headers (an edge
-        and the agent process share memory for frames only), so it takes slots back only from tenants whose floor
-        a request has named there."""
+    def set_limits(self, limits: Mapping[int, SlotLimits]) -> None:
+        """Nothing to hand over: the agent process learns each tenant's floor and cap from its requests' headers (an
+        edge and the agent process share memory for frames only), so it takes slots back only from tenants whose
+        floor a request has named there."""
 
     def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:
         """None: the agent process reads the state words and decides at :meth:`submit` (the free count it publishes

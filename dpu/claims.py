@@ -262,15 +262,19 @@ class Claims:
             return False
         return True
 
-    def frees_in(self, links: list[ServerLink]) -> float:
+    def frees_in(self, links: list[ServerLink], tenant: int | None = None) -> float:
         """A NO_SLOT's retry time (ms): when a slot of ``links`` is predicted to free for this client -- the soonest
-        of this agent's requests there to reach its ``max_tokens`` at the server's decode step cost (a stream that
-        stops earlier frees its slot sooner), booked for the mean time between two slots freeing
-        (:class:`~edgepath.dpu.retry_advice.RetryAdvice`); 0 (no estimate: the edge's default) when none is known."""
+        of this agent's requests there (of ``tenant`` only, when given: a SLOT_CAP's) to reach its ``max_tokens`` at
+        the server's decode step cost (a stream that stops earlier frees its slot sooner), booked for the mean time
+        between two slots freeing (:class:`~edgepath.dpu.retry_advice.RetryAdvice`); 0 (no estimate: the edge's
+        default) when none is known."""
         frees = []
-        for flight in self.book.inflight.values():
+        headers = self.frames.request_headers
+        for index, flight in self.book.inflight.items():
             load = flight.link.load
             if flight.link not in links or not load.published:
+                continue
+            if tenant is not None and headers[index].tenant != tenant:
                 continue
             frees.append(max(1, flight.max_new - flight.count) * load.decode_step_ms())
         if not frees:

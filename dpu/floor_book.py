@@ -1,13 +1,18 @@
-"""The floor book: the tenants' slot floors as one agent knows them, what they hold, and taking a lent slot back.
+"""The floor book: the tenants' slot floors and caps as one agent knows them, what they hold, and taking a lent
+slot back.
 
-One object holds everything an agent knows and does about slot floors (docs/TENANTS.md):
+One object holds everything an agent knows and does about a tenant's slots (docs/TENANTS.md):
 
-- **the floors**: those configured (the tenants file's, :meth:`FloorBook.set_floors`) and those learned from the
-  requests that name them (their header's floor id and floor), each learned one forgotten an hour after a request
-  last named it -- the rule the slot server's handler follows too (:class:`~edgepath.contract.plan.FloorMemory`);
+- **the limits**: each tenant's slot floor and slot cap, by its id in the state words -- those configured (the
+  tenants file's, :meth:`FloorBook.set_limits`) and those learned from the requests that name them (their header's
+  id, floor and cap), each learned one forgotten an hour after a request last named it: the rule the slot server's
+  handler follows too (:class:`~edgepath.contract.plan.FloorMemory`);
 - **what each tenant holds**: counted from the state words as last read (:mod:`~edgepath.dpu.floors`), with this
   agent's reclaims under way counted as done (:class:`Standing`) -- once per request decided on them, and once more
   only on words read anew since (a failed claim, a refusal, re-reads them);
+- **the cap**: a request whose tenant would hold more slots than its cap, across every pool -- so across every edge
+  and agent that claims on them -- is refused SLOT_CAP; the count is taken again after its claims, on the words
+  read then, so two edges never both keep a tenant's last slot (:meth:`FloorBook.keeps`);
 - **the reclaim protocol**: a request of a tenant under its floor (:func:`~edgepath.contract.plan.under_floor`)
   that finds no free slot asks for a slot of a tenant above its floor -- one WRITE_WITH_IMM of the slot's reclaim
   word -- and is sent when the slot server hands it over (:meth:`FloorBook.handed_over`), claims another when it
@@ -27,7 +32,7 @@ from edgepath.dpu import floors
 from edgepath.dpu.admission import Choice
 from edgepath.dpu.claims import NO_CHAIN, Claims, InFlight
 from edgepath.dpu.links import ServerLink
-from edgepath.dpu.port import Delivery
+from edgepath.dpu.port import Delivery, SlotLimits
 from edgepath.native.abi import Status
 from edgepath.transports.base import TransportError
 
@@ -41,47 +46,70 @@ RECLAIM_TRIES = 8
 
 @dataclass(frozen=True, slots=True)
 class Standing:
-    """A tenant's standing for one request: its floor id, its floor, and what every tenant holds (the state words as
-    last read, this agent's reclaims under way counted as done), counted once for the decision it is made for."""
+    """A tenant's standing for one request: its id in the state words, its floor and cap, and what every tenant holds
+    (the state words as last read, this agent's reclaims under way counted as done), counted once for the decision
+    it is made for."""
 
     tenant: int
-    floor: int
+    limits: SlotLimits
     holdings: Counter[int]
+
+    @property
+    def floor(self) -> int:
+        return self.limits.floor
+
+    @property
+    def cap(self) -> int:
+        return self.limits.cap
 
     @property
     def under_floor(self) -> bool:
         """Whether the tenant holds fewer slots than its floor: it may take one back."""
         return under_floor(self.tenant, self.floor, self.holdings)
 
+    def over_cap(self, more: int = 0) -> bool:
+        """Whether the tenant would hold more than its cap with ``more`` slots (0: as it is)."""
+        return bool(self.tenant and self.cap) and self.holdings.get(self.tenant, 0) + more > self.cap
+
 
 class FloorBook:
-    """Slot floors for one agent's requests: the floors, what tenants hold, the reclaims under way."""
+    """Slot floors and caps for one agent's requests: the tenants' limits, what they hold, the reclaims under way."""
 
     def __init__(self, claims: Claims) -> None:
         self.claims = claims
         self.link_set = claims.link_set
         self.frames = claims.frames
         self.book = claims.book
-        self._configured: dict[int, int] = {}  # floor id -> floor, from the tenants file
-        self._learned: FloorMemory[int] = FloorMemory()  # floor id -> floor, from requests
+        self._configured: dict[int, SlotLimits] = {}  # tenant id -> its limits, from the tenants file
+        self._learned: FloorMemory[SlotLimits] = FloorMemory()  # tenant id -> its limits, from requests
         self._reclaims: dict[tuple[int, int], int] = {}  # (id of the link, slot) -> frame reclaiming it
         self._cursor = 0  # where victims are looked for from, turned at every reclaim (agents pick apart)
 
-    # -- the floors ---------------------------------------------------------------------
-    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
-        """The slot floors of every tenant that has one, by floor id (docs/TENANTS.md): whose slots above their
-        floor this agent may take back for a tenant under its own.  A tenant not listed here is learned from the
-        requests that name it (their header's floor); one neither listed nor seen is never taken from."""
-        self._configured = dict(floors_by_id)
+    # -- the limits -------------------------------------------------------------------------
+    def set_limits(self, limits: Mapping[int, SlotLimits]) -> None:
+        """The slot floors and caps of every tenant that has one, by its id in the state words (docs/TENANTS.md):
+        whose slots above their floor this agent may take back for a tenant under its own.  A tenant not listed here
+        is learned from the requests that name it (their header's floor and cap); one neither listed nor seen is
+        never taken from."""
+        self._configured = dict(limits)
 
     def table(self) -> dict[int, int]:
-        """Every floor known here by floor id: those configured, and those learned that are not."""
-        return {**self._learned.table(), **self._configured}
+        """Every floor known here by tenant id (0 for a tenant with a cap only): those configured, and those
+        learned that are not."""
+        learned = self._learned.table()
+        return {tenant: limits.floor for tenant, limits in {**learned, **self._configured}.items()}
 
-    def learn(self, tenant: int, floor: int) -> None:
-        """A request of ``tenant`` (a floor id) named ``floor``."""
-        if tenant and floor:
-            self._learned.learn(tenant, floor, self.link_set.clock())
+    def learn(self, tenant: int, limits: SlotLimits) -> SlotLimits:
+        """A request of ``tenant`` (its id) named ``limits``: remembered, and what this agent counts it by
+        (:meth:`limits`)."""
+        if tenant and (limits.floor or limits.cap):
+            self._learned.learn(tenant, limits, self.link_set.clock())
+        return self.limits(tenant, limits)
+
+    def limits(self, tenant: int, named: SlotLimits) -> SlotLimits:
+        """What this agent counts ``tenant`` by when a request names ``named``: the configured limits where there are
+        some (the tenants file is the one source), else what the request named (none for id 0)."""
+        return self._configured.get(tenant, named) if tenant else SlotLimits()
 
     # -- what tenants hold ----------------------------------------------------------------
     def holdings(self) -> Counter[int]:
@@ -97,14 +125,44 @@ class FloorBook:
         return floors.moving(holdings, under_way)
 
     def standing(self, index: int) -> Standing:
-        """Frame ``index``'s tenant's standing, its floor learned from the request's header: what every tenant holds
-        is counted here (once) only for a tenant with a floor."""
+        """Frame ``index``'s tenant's standing, its limits learned from the request's header: what every tenant holds
+        is counted here (once) only for a tenant with a floor or a cap."""
         req = self.frames.request_headers[index]
-        tenant, floor = req.tenant, req.slot_floor
-        self.learn(tenant, floor)
-        if not tenant or not floor:
-            return Standing(tenant, floor, Counter())
-        return Standing(tenant, floor, self.holdings())
+        tenant = req.tenant
+        limits = self.learn(tenant, SlotLimits(req.slot_floor, req.slot_cap))
+        if not limits.floor and not limits.cap:
+            return Standing(tenant, limits, Counter())
+        return Standing(tenant, limits, self.holdings())
+
+    def fresh(self, standing: Standing) -> Standing:
+        """``standing`` counted again on the state words read now (one RDMA READ per slot server connected)."""
+        for link in self.link_set.links:
+            if link.alive:
+                self.link_set.probe(link)
+        return Standing(standing.tenant, standing.limits, self.holdings())
+
+    def keeps(self, index: int, standing: Standing, link: ServerLink, claimed: list[tuple[int, int]]) -> bool:
+        """Whether frame ``index`` may keep the slots just ``claimed`` for it on ``link``: always, for a tenant without
+        a cap; otherwise counted again on the words read now, which hold those claims -- over its cap, they are given
+        back and the request is refused SLOT_CAP (its retry time in the result header).  Two claims that race for a
+        tenant's last slot under its cap may both be refused, never both kept: the later one's READ sees the earlier
+        one's claim."""
+        if not standing.cap:
+            return True
+        if not self.fresh(standing).over_cap():
+            return True
+        self.claims.give_back(link, claimed, standing.tenant)
+        self.frames.result_headers[index].capped(self.claims.frees_in(self.link_set.links, standing.tenant))
+        return False
+
+    def refuse_cap(self, index: int, standing: Standing, more: int = 1) -> bool:
+        """Whether frame ``index`` is refused SLOT_CAP before any claim: its tenant would hold more than its cap with
+        ``more`` slots on the words as last read, and still would on the words read now (a refusal never rests on an
+        old view)."""
+        if not standing.over_cap(more) or not self.fresh(standing).over_cap(more):
+            return False
+        self.frames.result_headers[index].capped(self.claims.frees_in(self.link_set.links, standing.tenant))
+        return True
 
     # -- taking a lent slot back ------------------------------------------------------------
     def take_back(
@@ -181,39 +239,44 @@ class FloorBook:
             link.stats.handovers += 1
             if flight.abandoned or flight.cancelled:
                 self.claims.unclaim(link, slot, word)
+            elif not self.keeps(index, self.standing(index), link, [(slot, gen)]):  # another edge's claims came first
+                return self.book.final(index, 0, gen)
             else:  # handed over long after its decision: what was matched then is not known here
                 self.claims.resend(index, flight, (link, Choice(0, 0, flight.prediction), slot, gen), flight.prompt,
                                    NO_CHAIN)  # fmt: skip
                 return None
-        elif (
-            not (flight.abandoned or flight.cancelled)
-            and flight.reclaim_tries < RECLAIM_TRIES
-            and self._again(index, flight)
-        ):
-            return None
-        result = self.frames.result_headers[index]
-        if flight.cancelled and not flight.abandoned:
-            result.refuse(Status.CANCELLED)
         else:
-            result.no_slot(self.claims.frees_in([link]))
+            again: Status | None = Status.NO_SLOT
+            if not (flight.abandoned or flight.cancelled) and flight.reclaim_tries < RECLAIM_TRIES:
+                again = self._again(index, flight)
+            if again is None:
+                return None
+            if again == Status.NO_SLOT:
+                self.frames.result_headers[index].no_slot(self.claims.frees_in([link]))
+        if flight.cancelled and not flight.abandoned:
+            self.frames.result_headers[index].refuse(Status.CANCELLED)
         return self.book.final(index, 0, gen)
 
-    def _again(self, index: int, flight: InFlight) -> bool:
+    def _again(self, index: int, flight: InFlight) -> Status | None:
         """A reclaim that did not get its slot: claim a free one, or take another back while the tenant is still
-        under its floor; whether the request is in flight again."""
+        under its floor.  None: the request is in flight again; else its refusal -- NO_SLOT, or SLOT_CAP (written
+        in its result header: :meth:`keeps`)."""
         words = wire.input_words(flight.prompt, self.frames.request_headers[index].flags)
         fits = [link for link in self.link_set.links if link.up and words <= link.input_capacity]
         if not fits:
-            return False
+            return Status.NO_SLOT
         standing = self.standing(index)
         choices = self.claims.unbounded(index, flight.prompt, fits)
         claimed = self.claims.first_one(choices, fits, standing.tenant)
         if claimed is not None:
+            link, _, slot, gen = claimed
+            if not self.keeps(index, standing, link, [(slot, gen)]):
+                return Status.SLOT_CAP
             self.claims.resend(index, flight, claimed, flight.prompt)
-            return True
-        return standing.under_floor and self.take_back(
-            index, flight.prompt, fits, choices, standing, flight.reclaim_tries
-        )
+            return None
+        if standing.under_floor and self.take_back(index, flight.prompt, fits, choices, standing, flight.reclaim_tries):
+            return None
+        return Status.NO_SLOT
 
     def overdue(self) -> list[int]:
         """Reclaims no slot server answered within a hang timeout: settled on what their slot's word says now;

@@ -52,6 +52,16 @@ class DeliveryStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotLimits:
+    """A tenant's limits on the slots it holds at once, counted from the state words across every edge and pool
+    (docs/TENANTS.md): its ``floor`` -- slots it can always have, taken back when lent -- and its ``cap`` -- slots
+    it may hold at most (0: none)."""
+
+    floor: int = 0
+    cap: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class SlotServerStatus:
     """One slot server behind a port, as ``/health`` and ``/metrics`` list it; a count the port does not
     know (an agent process does not publish them) is None."""
@@ -80,10 +90,10 @@ class AgentPort(Protocol):
         """A frame to fill, or None when all are in use (the caller answers 429)."""
         ...
 
-    def set_floors(self, floors_by_id: Mapping[int, int]) -> None:
-        """The slot floors of every tenant that has one, by floor id (the tenants file's: docs/TENANTS.md): whose
-        slots above their floor may be taken back for a tenant under its own.  Floors not given here are learned
-        from the requests that name them."""
+    def set_limits(self, limits: Mapping[int, SlotLimits]) -> None:
+        """The slot floors and caps of every tenant that has one, by its id in the state words (the tenants file's:
+        docs/TENANTS.md): whose slots above their floor may be taken back for a tenant under its own, and how many
+        each may hold.  Limits not given here are learned from the requests that name them."""
         ...
 
     def early_refusal(self, index: int, tenant: int, floor: int, slots: int = 1) -> Status | None:

@@ -3,7 +3,8 @@
 A request (one frame, or the n frames of one request's choices) is checked, placed by admission (which slot
 server gives its first token soonest, within its bound on waiting: :class:`~edgepath.dpu.admission.Admission`),
 claimed (:class:`~edgepath.dpu.claims.Claims`: one CAS per slot, n slots of one server all or none) and sent --
-or refused now: NO_SLOT, OVER_BOUND, UNAVAILABLE, BAD_REQUEST.  A request of a tenant under its slot floor is never
+or refused now: NO_SLOT, OVER_BOUND, SLOT_CAP (its tenant holds its cap of slots, counted from the state words
+across every edge), UNAVAILABLE, BAD_REQUEST.  A request of a tenant under its slot floor is never
 refused for its wait, and when no slot is free it takes one back (:class:`~edgepath.dpu.floor_book.FloorBook`).
 """
 
@@ -18,6 +19,7 @@ from edgepath.dpu.admission import Choice, Decision, cached_tokens
 from edgepath.dpu.claims import ONLY, Claims, InFlight
 from edgepath.dpu.floor_book import FloorBook
 from edgepath.dpu.links import ServerLink
+from edgepath.dpu.port import SlotLimits
 from edgepath.native.abi import Status
 from edgepath.transports.base import TransportError
 
@@ -66,15 +68,15 @@ class Submission:
         ups = [link for link in ups if link.up]
         if not ups or any(link.free_hint >= slots for link in ups):
             return None
-        self.floors.learn(tenant, floor)
-        if slots == 1 and tenant and floor and under_floor(tenant, floor, self.floors.holdings()):
+        floor = self.floors.limits(tenant, SlotLimits(floor)).floor
+        if slots == 1 and floor and under_floor(tenant, floor, self.floors.holdings()):
             return None  # it takes a slot back (a group never does)
         self.frames.result_headers[index].no_slot(self.claims.frees_in(ups))
         return Status.NO_SLOT
 
     def submit(self, index: int) -> Status | None:
         """Send frame ``index``. None: in flight (its result arrives through the port); otherwise the immediate
-        outcome: NO_SLOT, OVER_BOUND, UNAVAILABLE (no live server) or BAD_REQUEST."""
+        outcome: NO_SLOT, OVER_BOUND, SLOT_CAP, UNAVAILABLE (no live server) or BAD_REQUEST."""
         if self.check_frame(index) is not None:
             return Status.BAD_REQUEST
         return self._submit([index])
@@ -101,6 +103,8 @@ class Submission:
         if isinstance(fits, Status):
             return fits
         standing = self.floors.standing(first)
+        if standing.cap and self.floors.refuse_cap(first, standing, n):
+            return Status.SLOT_CAP  # its figures are in the first frame's result header
         owner = n == 1 and standing.under_floor
         choices = self._choose(first, count, fits, owner)
         if choices == Status.OVER_BOUND and n == 1 and standing.floor and not owner:
@@ -121,6 +125,8 @@ class Submission:
             self.frames.result_headers[first].no_slot(self.claims.frees_in(fits))
             return Status.NO_SLOT
         link, choice, claimed = got
+        if not self.floors.keeps(first, standing, link, claimed):
+            return Status.SLOT_CAP  # counted with its claims on the words read now: over its cap, they went back
         if choice.matched:
             link.stats.affine += 1
         if log.isEnabledFor(logging.DEBUG):

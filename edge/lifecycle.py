@@ -509,7 +509,9 @@ class EdgeLifecycle:
 
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame)."""
-        return self._counted(self.refusals.data_path(status, self.port.frames.result_headers[frame]))
+        frames = self.port.frames
+        slot_cap = frames.request_headers[frame].slot_cap  # the agents count it across every edge
+        return self._counted(self.refusals.data_path(status, frames.result_headers[frame], slot_cap))
 
     def _counted(self, error: HttpError) -> HttpError:
         """``error``, counted among the refusals in ``/metrics`` when it is a 429."""

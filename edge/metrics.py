@@ -188,7 +188,7 @@ class EdgeMetrics:
             "edgepath_refusals",
             "Requests refused 429 at claim time, by reason: no free slot (no_slot), or every server's predicted "
             "wait for a first token over the request's bound (over_bound), its tenant's token quota spent "
-            "(quota_exceeded) or its slot_cap reached at this edge (slot_cap)",
+            "(quota_exceeded) or its slot_cap reached (slot_cap: at this edge, or across every edge)",
             ["reason"],
             registry=self.registry,
         )

@@ -44,10 +44,11 @@ class Refusals:
             retry_ms,
         )
 
-    def over_cap(self, cap: int) -> HttpError:
-        """429 ``slot_cap`` at once: the tenant already has ``cap`` requests in flight at this edge, its most."""
-        why = f"this API key's tenant has {cap} requests in flight at this edge, its slot_cap"
-        return self.retry_later("slot_cap", why, 0.0)
+    def over_cap(self, cap: int, retry_ms: float = 0.0, everywhere: bool = False) -> HttpError:
+        """429 ``slot_cap`` at once: the tenant already has ``cap`` requests in flight at this edge, or holds ``cap``
+        slots across every edge (``everywhere``: the agent counted them), its most."""
+        where = "slots across every edge" if everywhere else "requests in flight at this edge"
+        return self.retry_later("slot_cap", f"this API key's tenant holds {cap} {where}, its slot_cap", retry_ms)
 
     def over_quota(self, refused: Refused) -> HttpError:
         """429 ``quota_exceeded`` at once, before any work: the request's prompt and ``max_tokens`` (or the request
@@ -92,11 +93,14 @@ class Refusals:
             return self.quota_unavailable(refusal.why)
         return self.over_quota(refusal)
 
-    def data_path(self, status: Status, result: wire.ResultHeader) -> HttpError:
+    def data_path(self, status: Status, result: wire.ResultHeader, cap: int = 0) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``result``: its frame's result
-        header, which says when to come back, the bound and, for OVER_BOUND, the least predicted wait)."""
+        header, which says when to come back, the bound and, for OVER_BOUND, the least predicted wait; ``cap``: its
+        tenant's slot cap, which the agent counts across every edge -- SLOT_CAP, docs/TENANTS.md)."""
         if status == Status.NO_SLOT:
             return self.no_slot(result.retry_after_ms)
+        if status == Status.SLOT_CAP:
+            return self.over_cap(cap, result.retry_after_ms, everywhere=True)
         if status == Status.OVER_BOUND:
             return self.over_bound(result.refusal_wait_us / 1e3, result.refusal_bound_ms, result.retry_after_ms)
         if status == Status.UNAVAILABLE:

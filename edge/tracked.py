@@ -108,7 +108,7 @@ def write_request(req: wire.RequestHeader, t: Tracked, t_tokenized_ns: int) -> N
     )
     req.bound(work.max_wait_ms)  # 0: the agent's own bound
     req.salted(work.salt)  # the prefix cache namespace: the tenant's and the request's cache_salt
-    req.floored(work.tenant.floor_id, work.tenant.slot_floor)  # whose slot it claims: docs/TENANTS.md
+    req.floored(work.tenant.floor_id, work.tenant.slot_floor, work.tenant.slot_cap)  # docs/TENANTS.md
     req.unsent()  # the agent stamps it when it sends the request (not yet, when it takes a slot back)
 
 

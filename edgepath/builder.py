@@ -519,7 +519,7 @@ async def start_edge(
         model_side=options.handler.name == "llama",
         gate=TenantGate(quotas, usage),
     )
-    give_floors(plan.keys, agent)
+    give_limits(plan.keys, agent)
     service.start()
     cleanup.callback(service.stop)
 
@@ -568,7 +568,7 @@ def reload_keys(edge: EdgeSettings, core: HttpCore, agent: AgentPort | None = No
     core.api_keys = keys
     log.info("SIGHUP: %s", f"{len(keys.tenants)} tenant(s) reloaded" if keys is not None else "no API keys")
     if agent is not None:
-        give_floors(keys, agent)
+        give_limits(keys, agent)
     return True
 
 
@@ -647,20 +647,23 @@ def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitS
     return Quotas(ledger)
 
 
-def give_floors(keys: ApiKeys | None, agent: AgentPort) -> None:
-    """The tenants' slot floors to the edge's agent, by floor id (docs/TENANTS.md): an agent in this process takes
-    lent slots back by them (an agent process learns each tenant's floor from its requests' headers).  Floors that
-    add up to more than the slots attached cannot all be had at once: said once per start or reload."""
-    from edgepath.edge.tenancy.tenants import floors_by_id
+def give_limits(keys: ApiKeys | None, agent: AgentPort) -> None:
+    """The tenants' slot floors and caps to the edge's agent, by their ids in the state words (docs/TENANTS.md): an
+    agent in this process takes lent slots back and counts caps by them (an agent process learns each tenant's from
+    its requests' headers).  Floors that add up to more than the slots attached cannot all be had at once: said once
+    per start or reload."""
+    from edgepath.dpu.port import SlotLimits
 
-    floors = floors_by_id(keys.tenants if keys is not None else [])
-    agent.set_floors(floors)
+    tenants = keys.tenants if keys is not None else []
+    limits = {t.floor_id: SlotLimits(t.slot_floor, t.slot_cap) for t in tenants if t.floor_id}
+    agent.set_limits(limits)
+    floors = sum(limit.floor for limit in limits.values())
     slots = sum(server.total_slots or 0 for server in agent.servers())
-    if floors and slots and sum(floors.values()) > slots:
+    if floors and slots and floors > slots:
         log.warning(
             "the tenants' slot floors add up to %d, more than the %d slots of the slot servers attached: a tenant "
             "under its floor is refused (429 no_slot) when every slot is held by tenants within their floors",
-            sum(floors.values()),
+            floors,
             slots,
         )
 

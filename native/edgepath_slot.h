@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 12  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35); 12: the load region's lent_ms (was spare): what a borrower's prompt may add to a step while a floor is lent (issue 35) */
+#define EP_ABI_VERSION 13  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35); 12: the load region's lent_ms (was spare): what a borrower's prompt may add to a step while a floor is lent (issue 35); 13: the request header's slot_cap (was spare) and EP_STATUS_SLOT_CAP: a tenant's cap on the slots it holds, counted from the state words across every edge (issue 50) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -50,9 +50,9 @@
 
 /*
  * State word: tenant (bits 56..63) | generation (bits 32..55) | claimant (bits 8..31) | state (bits 0..7).
- * The tenant is the claimer's tenant's floor id (1..EP_TENANT_MAX; 0: a tenant without a slot floor), set by the
- * claim and kept until the slot is FREE again, so that every agent that reads the state words sees whose slots
- * are taken (issue 35: slot floors).  The generation wraps at 2^24 (immediates carry 14 bits of it).
+ * The tenant is the claimer's tenant's id (1..EP_TENANT_MAX for a tenant with a slot floor or a slot cap; 0: neither),
+ * set by the claim and kept until the slot is FREE again, so that every agent that reads the state words sees whose
+ * slots are taken (issue 35: slot floors; issue 50: slot caps, counted across every edge).  The generation wraps at 2^24 (immediates carry 14 bits of it).
  * A claim or a hand-over names its holder as one 32-bit value: tenant << 24 | claimant.
  */
 #define EP_CLAIMANT_MAX 16777215
@@ -102,6 +102,7 @@
 #define EP_STATUS_CANCELLED 7    /* the requester cancelled; output so far is valid */
 #define EP_STATUS_OVER_BOUND 8   /* refused at claim time: no server would give the first token within the bound */
 #define EP_STATUS_RECLAIMED 9    /* the slot was taken back for a tenant under its slot floor; output so far is valid */
+#define EP_STATUS_SLOT_CAP 10    /* refused at claim time: the request's tenant holds its slot_cap of slots, across every pool */
 
 /* Request flags. */
 #define EP_FLAG_STREAM 1         /* stream output tokens as they are produced */
@@ -259,9 +260,11 @@ struct ep_request_header {
     uint32_t migrations;       /* how often the request has moved to another slot server */
     uint64_t cache_salt;       /* the prefix cache's namespace (the edge's tenant and the request's cache_salt):
                                   KV is reused only from prefixes written under the same salt (0: no salt) */
-    uint32_t tenant;           /* the request's tenant's floor id (0: a tenant without a slot floor), claimed with */
+    uint32_t tenant;           /* the request's tenant's id in the state words (1..EP_TENANT_MAX for a tenant with a
+                                  slot floor or a slot cap; 0: neither), claimed with */
     uint32_t slot_floor;       /* that tenant's slot floor: slots it may always have (0: none) */
-    uint64_t reserved[1];
+    uint32_t slot_cap;         /* that tenant's slot cap: slots it may hold at most, across every pool (0: none; ABI 13) */
+    uint32_t reserved[1];
 };
 
 struct ep_result_header {
@@ -280,7 +283,7 @@ struct ep_result_header {
     uint32_t prefill_us;       /* what its uncached prompt costs on an idle server (the step cost model) */
     uint32_t refusal_wait_us;  /* OVER_BOUND: the least predicted wait among the servers tried */
     uint32_t refusal_bound_ms; /* OVER_BOUND: the bound on waiting the agent applied (the request's or its own) */
-    uint32_t retry_after_ms;   /* NO_SLOT, OVER_BOUND: when the agent predicts a retry would be admitted (jittered) */
+    uint32_t retry_after_ms;   /* NO_SLOT, OVER_BOUND, SLOT_CAP: when the agent predicts a retry would be admitted */
     uint32_t reserved32;
     uint64_t reserved[5];
 };

@@ -38,7 +38,7 @@ class Tenant:
     requests_per_day: int = 0
     share_prefix: bool = False
     read_shared_prefix: bool = False  # reads the public namespace; what it writes stays in its own
-    #: its slot floor's id in the state words (1..255; 0: no floor): :func:`with_floor_ids`
+    #: its id in the state words, which floors and caps are counted by (1..255; 0: neither): :func:`with_floor_ids`
     floor_id: int = 0
 
     @property
@@ -62,26 +62,22 @@ ANONYMOUS = Tenant("anonymous", b"")
 
 
 def with_floor_ids(pairs: Sequence[tuple[bytes, Tenant]]) -> list[tuple[bytes, Tenant]]:
-    """``pairs`` with each tenant that has a slot floor given its floor id: 1, 2, ... in the order of the tenants'
-    names (so every edge derives the same ids from the same file, whatever the order of its tables).  The id is
-    what a claim writes into the slot's state word (ABI 10: 8 bits), so at most ``wire.TENANT_MAX`` tenants may
-    have a floor: ValueError beyond, naming the limit."""
-    floored = sorted({tenant.name for _, tenant in pairs if tenant.slot_floor})
-    if len(floored) > wire.TENANT_MAX:
+    """``pairs`` with each tenant that has a slot floor or a slot cap given its id in the state words: 1, 2, ... in the
+    order of the tenants' names (so every edge derives the same ids from the same file, whatever the order of its
+    tables).  The id is what a claim writes into the slot's state word (ABI 10: 8 bits), from which every agent
+    counts what a tenant holds, so at most ``wire.TENANT_MAX`` tenants may have either: ValueError beyond, naming
+    the limit."""
+    counted = sorted({tenant.name for _, tenant in pairs if tenant.slot_floor or tenant.slot_cap})
+    if len(counted) > wire.TENANT_MAX:
         raise ValueError(
-            f"{len(floored)} tenants have a slot_floor; at most {wire.TENANT_MAX} may (a floor id is 8 bits of the "
-            "slot state word)"
+            f"{len(counted)} tenants have a slot_floor or a slot_cap; at most {wire.TENANT_MAX} may (a tenant's id is "
+            "8 bits of the slot state word)"
         )
-    ids = {name: at + 1 for at, name in enumerate(floored)}
+    ids = {name: at + 1 for at, name in enumerate(counted)}
     numbered: dict[str, Tenant] = {}  # one tenant object per name, as given: its keys share it
     for _, tenant in pairs:
         numbered.setdefault(tenant.name, replace(tenant, floor_id=ids.get(tenant.name, 0)))
     return [(digest, numbered[tenant.name]) for digest, tenant in pairs]
-
-
-def floors_by_id(tenants: Sequence[Tenant]) -> dict[int, int]:
-    """The slot floors of ``tenants`` by floor id: what an agent takes lent slots back by."""
-    return {tenant.floor_id: tenant.slot_floor for tenant in tenants if tenant.floor_id}
 
 
 def key_tenant(digest: bytes) -> Tenant:

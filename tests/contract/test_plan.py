@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from edgepath.contract import wire
 from edgepath.contract.plan import (
+    FLOOR_MEMORY_S,
     Costs,
+    FloorMemory,
     Load,
     PolicyOptions,
     Prediction,
@@ -453,3 +455,18 @@ def test_the_prediction_plans_a_borrowers_steps_within_lent_ms_as_the_server_doe
     assert wire.read_load(wire.load_record(lent)[0]) == lent
     assert predict(load, Prompt(0, 100)).ttft_ms == pytest.approx(10 + 230)  # half the step under way, then one
     assert predict(lent, Prompt(0, 100)).ttft_ms == pytest.approx(10 + 5 * 70)
+
+
+def test_a_floor_unnamed_for_an_hour_is_forgotten_when_another_is_learned() -> None:
+    """The one forgetting rule, the slot server's handler's and the agents' alike: what a request last said an hour ago
+    or more is gone by the next time anything is learned."""
+    memory: FloorMemory[int] = FloorMemory()
+    memory.learn(1, 2, now=0.0)
+    memory.learn(2, 1, now=100.0)
+    memory.learn(1, 3, now=1000.0)  # said again: remembered from then, with what it says now
+    assert memory.table() == {1: 3, 2: 1}
+    memory.learn(3, 1, now=100.0 + FLOOR_MEMORY_S)
+    assert memory.table() == {1: 3, 3: 1}  # tenant 2 was last named an hour ago
+    memory.learn(3, 1, now=1000.0 + FLOOR_MEMORY_S + FloorMemory.SWEEP_S)
+    assert memory.table() == {3: 1} and memory
+    assert not FloorMemory()

@@ -16,7 +16,7 @@ from helpers.waiting import eventually
 from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
-from edgepath.dpu.port import Delivery
+from edgepath.dpu.port import Delivery, SlotLimits
 from edgepath.native.abi import State, Status
 
 pytestmark = pytest.mark.transport
@@ -57,7 +57,7 @@ def test_a_tenant_under_its_floor_takes_its_slots_back_from_one_that_filled_the_
     noisy, quiet = new_agent(), new_agent()
     noisy.attach(server.address)
     quiet.attach(server.address)
-    quiet.set_floors({QUIET: 2})
+    quiet.set_limits({QUIET: SlotLimits(2)})
     borrowed = []
     for k in range(4):
         index, refused = submit(noisy, [10 * (k + 1)])
@@ -105,7 +105,7 @@ def test_the_borrowers_stream_moves_to_a_free_slot_and_goes_on_as_one_stream(new
     assert eventually(lambda: full.pool.count(State.RUNNING) == 2, 5.0)
     noisy.attach(spare.address)  # the noisy tenant's agent sees a server with free slots now
     quiet.attach(full.address)  # the quiet tenant's sees only the full one
-    quiet.set_floors({QUIET: 1})
+    quiet.set_limits({QUIET: SlotLimits(1)})
     mine, refused = submit(quiet, [500], QUIET, 1)
     assert refused is None
     finals = until_final([noisy, quiet], {(1, mine): None, **{(0, i): None for i in borrowed}})

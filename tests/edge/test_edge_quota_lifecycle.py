@@ -163,6 +163,23 @@ def test_a_tenant_at_its_slot_cap_is_refused_at_once_until_one_of_its_requests_e
     assert edge.gate.in_flight["capped"] == 2
 
 
+def test_a_tenant_at_its_slot_cap_across_every_edge_is_a_429_slot_cap_from_the_agent(port: FakePort) -> None:
+    """The edge's own count is the early refusal; the agent counts the tenant's slots across every edge and refuses
+    SLOT_CAP: the same answer, saying where it was counted and when to come back, and the edge's count given back."""
+    capped = Tenant("capped", b"tenant:capped", slot_cap=5, floor_id=7)
+    edge = lifecycle(port, capped)
+    for index in range(port.frames.count):
+        port.frames.result_headers[index].capped(1200.0)
+    port.refuse_with = Status.SLOT_CAP
+    (refused,) = edge.receive(1, generate(3), now=0)
+    assert isinstance(refused, Respond) and refused.response.status == 429
+    error = json.loads(refused.response.body)["error"]
+    assert error["type"] == "slot_cap" and "5 slots across every edge" in error["message"]
+    assert dict(refused.response.headers)[b"retry-after-ms"] == b"1200"
+    assert edge.gate.in_flight["capped"] == 0  # nothing held for it at this edge
+    assert 'edgepath_refusals_total{reason="slot_cap"} 1.0' in edge.metrics.exposition().decode()
+
+
 def test_each_request_that_ran_is_one_usage_record_equal_to_its_answer_and_counted_per_tenant(port: FakePort) -> None:
     edge = lifecycle(port, ACME)
     records: list[Usage] = []

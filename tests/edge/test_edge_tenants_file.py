@@ -48,6 +48,14 @@ def test_a_file_maps_each_key_to_its_tenant_and_limits() -> None:
     assert (bot.slot_cap, bot.tokens_per_minute, bot.tokens_per_day) == (0, 0, 0)  # 0: none
 
 
+def test_a_tenant_with_a_floor_or_a_cap_has_an_id_in_the_state_words_and_one_with_neither_has_none() -> None:
+    """The agents count floors and caps from the state words' tenant field: every tenant with either gets an id, in
+    the order of the names (every edge derives the same ids from the same file)."""
+    text = GOOD + f'[tenants.capped]\nkeys = ["{digest("capped")}"]\nslot_cap = 3\n'
+    ids = {tenant.name: tenant.floor_id for _, tenant in parse_tenants(text, "t.toml")}
+    assert ids == {"acme": 1, "capped": 2, "public-bot": 0}
+
+
 def test_keys_of_one_tenant_share_its_cache_namespace_and_others_do_not(tmp_path: Path) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text(GOOD)
