@@ -22,7 +22,7 @@ One object holds everything an agent knows and does about a tenant's slots (docs
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,6 +42,12 @@ log = logging.getLogger("edgepath.agent")
 #: reclaim word written and rung, answered by the slot server at its next turn): another agent may take the same
 #: slot first, or the stream there may end by itself meanwhile and its slot be claimed by someone else
 RECLAIM_TRIES = 8
+#: a tenant under its floor takes slots back -- cutting or moving another tenant's stream -- at most ``slot_floor``
+#: times in any window of this many seconds, per agent (docs/TENANTS.md): a floor used for real work (requests
+#: that hold their slot a second or more) never meets it, while a flood of requests that end as soon as they start
+#: no longer cuts a borrower's answer for each of its tokens; beyond it the tenant claims like anyone (a free slot,
+#: or 429 no_slot with when its next take-back is allowed)
+RECLAIM_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,8 @@ class Standing:
     tenant: int
     limits: SlotLimits
     holdings: Counter[int]
+    #: slots it may still take back in the window (:data:`RECLAIM_WINDOW_S`)
+    reclaims_left: int = 0
 
     @property
     def floor(self) -> int:
@@ -66,6 +74,12 @@ class Standing:
     def under_floor(self) -> bool:
         """Whether the tenant holds fewer slots than its floor: it may take one back."""
         return under_floor(self.tenant, self.floor, self.holdings)
+
+    @property
+    def takes_back(self) -> bool:
+        """Whether a request of the tenant that finds no free slot takes one back: under its floor, and within the
+        rate at which a floor takes slots back."""
+        return self.under_floor and self.reclaims_left > 0
 
     def over_cap(self, more: int = 0) -> bool:
         """Whether the tenant would hold more than its cap with ``more`` slots (0: as it is)."""
@@ -83,6 +97,7 @@ class FloorBook:
         self._configured: dict[int, SlotLimits] = {}  # tenant id -> its limits, from the tenants file
         self._learned: FloorMemory[SlotLimits] = FloorMemory()  # tenant id -> its limits, from requests
         self._reclaims: dict[tuple[int, int], int] = {}  # (id of the link, slot) -> frame reclaiming it
+        self._taken: dict[int, deque[float]] = {}  # tenant id -> when its requests took slots back, in the window
         self._cursor = 0  # where victims are looked for from, turned at every reclaim (agents pick apart)
 
     # -- the limits -------------------------------------------------------------------------
@@ -125,14 +140,33 @@ class FloorBook:
         return floors.moving(holdings, under_way)
 
     def standing(self, index: int) -> Standing:
-        """Frame ``index``'s tenant's standing, its limits learned from the request's header: what every tenant holds
-        is counted here (once) only for a tenant with a floor or a cap."""
+        """Frame ``index``'s tenant's standing, its limits learned from the request's header (:meth:`named`)."""
         req = self.frames.request_headers[index]
-        tenant = req.tenant
-        limits = self.learn(tenant, SlotLimits(req.slot_floor, req.slot_cap))
+        return self.named(req.tenant, self.learn(req.tenant, SlotLimits(req.slot_floor, req.slot_cap)))
+
+    def named(self, tenant: int, named: SlotLimits) -> Standing:
+        """The standing of ``tenant`` when a request names ``named`` (:meth:`limits`): what every tenant holds is
+        counted here (once) only for a tenant with a floor or a cap."""
+        limits = self.limits(tenant, named)
         if not limits.floor and not limits.cap:
             return Standing(tenant, limits, Counter())
-        return Standing(tenant, limits, self.holdings())
+        left = limits.floor - len(self._recent(tenant)) if limits.floor else 0
+        return Standing(tenant, limits, self.holdings(), left)
+
+    def _recent(self, tenant: int) -> deque[float]:
+        """When ``tenant``'s requests took slots back within the last :data:`RECLAIM_WINDOW_S`, oldest first."""
+        taken = self._taken.setdefault(tenant, deque())
+        now = self.link_set.clock()
+        while taken and now - taken[0] >= RECLAIM_WINDOW_S:
+            taken.popleft()
+        return taken
+
+    def take_back_in(self, standing: Standing) -> float:
+        """Milliseconds until ``standing``'s tenant, under its floor, may take a slot back again (0: it may now)."""
+        if not standing.under_floor or standing.reclaims_left > 0:
+            return 0.0
+        taken = self._recent(standing.tenant)
+        return max(0.0, taken[0] + RECLAIM_WINDOW_S - self.link_set.clock()) * 1e3 if taken else 0.0
 
     def fresh(self, standing: Standing) -> Standing:
         """``standing`` counted again on the state words read now (one RDMA READ per slot server connected)."""
@@ -183,7 +217,8 @@ class FloorBook:
         self._cursor += 1
         start = self._cursor + 7 * (order[0].claimant if order else 0)  # agents start apart
         words = [link.words for link in order]
-        for victim in floors.victims(tenant, words, self.table(), standing.holdings, under_way, start):
+        since = [link.claimed_since for link in order]
+        for victim in floors.victims(tenant, words, self.table(), standing.holdings, under_way, start, since):
             link = order[victim.server]
             word = wire.claim_word(wire.free_word(victim.generation), link.claimant, tenant)
             if not self.link_set.send_reclaim(link, victim.slot, victim.generation, word):
@@ -201,6 +236,8 @@ class FloorBook:
             )
             self.book.sent(index, flight)
             self._reclaims[(id(link), victim.slot)] = index
+            if not tries:  # a request counts once against the rate, however many slots it asks for
+                self._recent(tenant).append(self.link_set.clock())
             log.debug("frame %d (tenant %d) takes back slot %d of %s from tenant %d", index, tenant, victim.slot,
                       link.address, victim.tenant)  # fmt: skip
             return True

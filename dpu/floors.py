@@ -80,18 +80,23 @@ def victims(
     holdings: Mapping[int, int],
     skip: frozenset[tuple[int, int]] = frozenset(),
     start: int = 0,
+    since: Sequence[np.ndarray] | None = None,
 ) -> list[Victim]:
     """The slots ``tenant`` may take back, best first: slots of other tenants above their floors (the tenant with
-    the most slots lent first, so a floor is taken from whoever borrowed most), servers in the order given (the
-    caller's admission order), each pool's slots from ``start`` on (a rotating cursor, so that several agents do not
-    all pick the same slot).  ``skip``: (server, slot) pairs not to offer (reclaims under way).  RUNNING slots come
-    first: the slot server ends those at once.  Then slots claimed or rung but not started yet: the server cannot
-    end those yet and says so, and the reclaimer asks again (:data:`~edgepath.dpu.floor_book.RECLAIM_TRIES` times) --
-    without them, a tenant under its floor that arrived while every lent slot had just changed hands was refused
-    (a noisy closed loop re-claims a slot the moment it frees: ``tests/system/test_serve_floors.py`` saw it)."""
-    out: list[tuple[int, int, int, Victim]] = []
+    the most slots lent first, so a floor is taken from whoever borrowed most), of those the stream that has run
+    least first (``since``, per pool: when each slot's claim was first seen, the latest first -- its cut throws away
+    least: a floor that takes slots back often takes back the slot a borrower has just refilled, not a long answer
+    near its end), servers in the order given (the caller's admission order), each pool's slots from ``start`` on (a
+    rotating cursor, so that several agents do not all pick the same slot).  ``skip``: (server, slot) pairs not to
+    offer (reclaims under way).  RUNNING slots come first: the slot server ends those at once.  Then slots claimed
+    or rung but not started yet: the server cannot end those yet and says so, and the reclaimer asks again
+    (:data:`~edgepath.dpu.floor_book.RECLAIM_TRIES` times) -- without them, a tenant under its floor that arrived
+    while every lent slot had just changed hands was refused (a noisy closed loop re-claims a slot the moment it
+    frees: ``tests/system/test_serve_floors.py`` saw it)."""
+    out: list[tuple[int, int, float, int, Victim]] = []
     for server, pool in enumerate(words):
         n = len(pool)
+        seen = None if since is None else since[server]
         for rank, state in enumerate(_VICTIM_STATES):
             for slot in sorted(
                 (int(s) for s in np.flatnonzero(wire.in_state(pool, state))), key=lambda s: (s - start) % n
@@ -101,8 +106,9 @@ def victims(
                 spare = above_floor(owner, floors, holdings)
                 if owner == tenant or spare <= 0 or (server, slot) in skip:
                     continue
-                out.append((rank, -spare, len(out), Victim(server, slot, wire.word_generation(word), owner)))
-    out.sort(key=lambda entry: entry[:3])
+                young = 0.0 if seen is None else -float(seen[slot])
+                out.append((rank, -spare, young, len(out), Victim(server, slot, wire.word_generation(word), owner)))
+    out.sort(key=lambda entry: entry[:4])
     return [victim for *_, victim in out]
 
 

@@ -109,6 +109,10 @@ class ServerLink:
 
     def __post_init__(self) -> None:
         self.words_ptr = ffi.cast("uint64_t *", ffi.from_buffer(self.words))
+        #: per slot, when its current claim (the word's tenant, generation and claimant) was first seen here (this
+        #: link set's clock): how long a stream has run, to within a read -- a floor takes back the youngest first
+        self.claimed_since = np.zeros(len(self.words))
+        self._claims_seen = np.zeros(len(self.words), dtype=np.uint64)
         #: bytes of the pool header and load region read before the state words: from the heartbeat word on
         self.head = self.states_offset - wire.HEARTBEAT_OFFSET
         self._load = Load()  # the last whole load region read, parsed (a torn read keeps it)
@@ -160,6 +164,15 @@ class ServerLink:
             return None
         ran = wire.under_way_ms(int(self.beat[0]), self._load_version)
         return None if ran is None else ran + max(0.0, now - self.tracker.observed) * 1e3
+
+    def saw(self, now: float) -> None:
+        """The words were read at ``now``: a slot whose claim changed since the last read was claimed then (to within
+        the time between two reads)."""
+        claims = self.words >> np.uint64(8)
+        changed = claims != self._claims_seen
+        if changed.any():
+            self._claims_seen[changed] = claims[changed]
+            self.claimed_since[changed] = now
 
     def wrote(self, slot: int, generation: int, claim: Claimed) -> None:
         """This agent wrote ``claim`` into ``slot``, claimed in ``generation``: what :attr:`unseen` counts for it
@@ -543,6 +556,7 @@ class LinkSet:
         self._read(link)
         tracker = link.tracker
         now = self.clock()
+        link.saw(now)
         self._heed_drain(link, now)
         before = tracker.state
         state = tracker.observe(int(link.beat[0]), now)

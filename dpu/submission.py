@@ -14,10 +14,9 @@ import logging
 from collections.abc import Sequence
 
 from edgepath.contract import wire
-from edgepath.contract.plan import under_floor
 from edgepath.dpu.admission import Choice, Decision, cached_tokens
 from edgepath.dpu.claims import ONLY, Claims, InFlight
-from edgepath.dpu.floor_book import FloorBook
+from edgepath.dpu.floor_book import FloorBook, Standing
 from edgepath.dpu.links import ServerLink
 from edgepath.dpu.port import SlotLimits
 from edgepath.native.abi import Status
@@ -68,10 +67,10 @@ class Submission:
         ups = [link for link in ups if link.up]
         if not ups or any(link.free_hint >= slots for link in ups):
             return None
-        floor = self.floors.limits(tenant, SlotLimits(floor)).floor
-        if slots == 1 and floor and under_floor(tenant, floor, self.floors.holdings()):
+        standing = self.floors.named(tenant, SlotLimits(floor))
+        if slots == 1 and standing.takes_back:
             return None  # it takes a slot back (a group never does)
-        self.frames.result_headers[index].no_slot(self.claims.frees_in(ups))
+        self.frames.result_headers[index].no_slot(self._retry_in(ups, standing))
         return Status.NO_SLOT
 
     def submit(self, index: int) -> Status | None:
@@ -105,11 +104,11 @@ class Submission:
         standing = self.floors.standing(first)
         if standing.cap and self.floors.refuse_cap(first, standing, n):
             return Status.SLOT_CAP  # its figures are in the first frame's result header
-        owner = n == 1 and standing.under_floor
+        owner = n == 1 and standing.takes_back
         choices = self._choose(first, count, fits, owner)
         if choices == Status.OVER_BOUND and n == 1 and standing.floor and not owner:
             standing = self.floors.standing(first)  # on the words the refusal re-read: under its floor, not refused
-            owner = standing.under_floor
+            owner = standing.takes_back
             if owner:
                 choices = self._choose(first, count, fits, owner)
         if isinstance(choices, Status):
@@ -118,11 +117,11 @@ class Submission:
         if got is None:
             if owner:  # counted again on the words the failed claims re-read: still under its floor, it takes one back
                 standing = self.floors.standing(first)
-                if standing.under_floor and self.floors.take_back(first, count, fits, choices, standing):
+                if standing.takes_back and self.floors.take_back(first, count, fits, choices, standing):
                     return None  # in flight: sent once its slot is handed over
             if not any(link.up for link in self.link_set.links):
                 return Status.UNAVAILABLE
-            self.frames.result_headers[first].no_slot(self.claims.frees_in(fits))
+            self.frames.result_headers[first].no_slot(self._retry_in(fits, standing))
             return Status.NO_SLOT
         link, choice, claimed = got
         if not self.floors.keeps(first, standing, link, claimed):
@@ -132,6 +131,13 @@ class Submission:
         if log.isEnabledFor(logging.DEBUG):
             self._log_admission(first, link, claimed[0][0], count, choice)
         return self._send_all(link, indexes, claimed, count, choice)
+
+    def _retry_in(self, links: list[ServerLink], standing: Standing) -> float:
+        """A NO_SLOT's retry time (ms): when a slot of ``links`` is predicted to free, or -- for a tenant under its
+        floor that took slots back as often as a floor may -- when it may take one back again, whichever is sooner
+        (0: no estimate)."""
+        frees, again = self.claims.frees_in(links), self.floors.take_back_in(standing)
+        return min(frees, again) if frees and again else frees or again
 
     def _fits(self, words: int, n: int) -> list[ServerLink] | Status:
         """The UP slot servers with room for a prompt of ``words`` and ``n`` slots (one pass in the common case), or

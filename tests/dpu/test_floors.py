@@ -72,6 +72,15 @@ def test_victims_are_running_slots_of_tenants_above_their_floors_the_most_lent_f
     assert [v.slot for v in floors.victims(QUIET, [pool], table, holdings, skip=frozenset({(0, 0)}))] == [4, 1, 2]
 
 
+def test_of_one_tenants_running_slots_the_stream_that_has_run_least_is_taken_first() -> None:
+    """Its cut throws away least: a flood of short requests under a floor takes back the slot a borrower refilled
+    last, not a long answer near its end (tests/dpu/test_reclaim_rate.py)."""
+    pool = words((State.RUNNING, 0), (State.RUNNING, 0), (State.RUNNING, 0), (State.CLAIMED, 0))
+    since = np.array([3.0, 9.0, 1.0, 10.0])  # when each claim was first seen: slot 1 started last of those running
+    got = floors.victims(QUIET, [pool], {QUIET: 1}, floors.held([pool]), since=[since])
+    assert [v.slot for v in got] == [1, 0, 2, 3]  # running ones first, youngest first; then the one not started
+
+
 def test_slots_claimed_but_not_started_are_victims_after_every_running_one() -> None:
     pool = words((State.CLAIMED, 0), (State.READY, 0), (State.RUNNING, QUIET))
     holdings = floors.held([pool])
