@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from edgepath.children import Child, free_port
 
 
@@ -115,6 +117,43 @@ def start_serve_tcp(start: Callable[..., Child], *args: str, timeout: float = 30
     port = free_port(socket.SOCK_STREAM)
     serve = start("serve", "--transport", "tcp", "--port", str(port), "--slots", "4", *args, timeout=timeout)
     return serve, port
+
+
+def complete(port: int, key: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` to the edge's ``/v1/completions`` at ``port`` with API key ``key``, over a new connection (so that
+    either of ``serve --workers`` takes it): the status and the JSON document."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def no_flat_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A serve started now reads no flat key list (``$EDGEPATH_API_KEYS``) and keeps its state under ``tmp_path``:
+    the tenants file a test writes is the only source of keys."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("EDGEPATH_API_KEYS", raising=False)
+
+
+def start_tenants_serve(start: Callable[..., Child], tenants: Path, *args: str) -> tuple[Child, int]:
+    """``serve`` over HTTP/1.1 with 4 slots of paced-echo (a token every 50 ms, served as model "echo") and the
+    tenants file ``tenants`` (:func:`start_serve_tcp`)."""
+    return start_serve_tcp(
+        start,
+        "--handler",
+        "paced-echo",
+        "--handler-option",
+        "token_delay=0.05",
+        "--served-model-name",
+        "echo",
+        "--tenants-file",
+        str(tenants),
+        *args,
+        timeout=60,
+    )
 
 
 def get(port: int, path: str) -> tuple[int, dict]:

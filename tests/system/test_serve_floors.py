@@ -5,15 +5,13 @@ served every time -- its slot taken back from the noisy tenant, whose cut answer
 from __future__ import annotations
 
 import hashlib
-import http.client
-import json
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.supervised import scrape, start_serve_tcp
+from helpers.supervised import complete, get, no_flat_keys, scrape, start_tenants_serve
 
 from edgepath.children import Child
 
@@ -21,7 +19,7 @@ pytestmark = pytest.mark.slow  # multi-process: edgepath serve, two edge workers
 
 MODEL = "echo"
 TOKENS = 40  # paced-echo answers the prompt's ids back, one every 50 ms: 2 s a request
-PROMPT = list(range(1, TOKENS + 1))
+BODY = {"model": MODEL, "prompt": list(range(1, TOKENS + 1)), "max_tokens": TOKENS}
 
 
 def tenants_file(path: Path) -> None:
@@ -34,21 +32,9 @@ def tenants_file(path: Path) -> None:
     )
 
 
-def complete(port: int, key: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS})
-        conn.request("POST", "/v1/completions", body, {"authorization": f"Bearer {key}"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
-
-
 @pytest.fixture(autouse=True)
-def no_flat_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.delenv("EDGEPATH_API_KEYS", raising=False)
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    no_flat_keys(monkeypatch, tmp_path)
 
 
 def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slot(
@@ -56,27 +42,14 @@ def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slo
 ) -> None:
     path = tmp_path / "tenants.toml"
     tenants_file(path)
-    serve, port = start_serve_tcp(
-        edgepath_process,
-        "--handler",
-        "paced-echo",
-        "--handler-option",
-        "token_delay=0.05",
-        "--served-model-name",
-        MODEL,
-        "--tenants-file",
-        str(path),
-        "--workers",
-        "2",
-        timeout=60,
-    )
+    serve, port = start_tenants_serve(edgepath_process, path, "--workers", "2")
     noisy: list[tuple[int, dict]] = []
     lock = threading.Lock()
     stop = threading.Event()
 
     def flood() -> None:  # a closed loop that asks again at once after a 429: every slot that frees is taken
         while not stop.is_set():
-            status, doc = complete(port, "noisy-key")
+            status, doc = complete(port, "noisy-key", BODY)
             with lock:
                 noisy.append((status, doc))
 
@@ -87,7 +60,7 @@ def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slo
     while not any(status == 429 for status, _ in list(noisy)):  # the pool is full: the noisy tenant is refused
         assert time.monotonic() < deadline, "the noisy tenant never filled the slots"
         time.sleep(0.05)
-    quiet = [complete(port, "quiet-key") for _ in range(6)]  # one at a time, each while the pool is full
+    quiet = [complete(port, "quiet-key", BODY) for _ in range(6)]  # one at a time, each while the pool is full
     stop.set()
     for thread in clients:
         thread.join(timeout=60)
@@ -107,10 +80,7 @@ def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slo
     assert 'finish="reclaimed"' in metrics and 'tenant="noisy"' in metrics
     deadline = time.monotonic() + 30
     while True:  # every slot back to FREE
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", "/health")
-        health = json.loads(conn.getresponse().read())
-        conn.close()
+        health = get(port, "/health")[1]
         if health["free_slots"] == health["total_slots"] == 4:
             break
         assert time.monotonic() < deadline, health

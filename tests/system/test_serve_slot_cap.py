@@ -5,8 +5,6 @@ own count would let it have the cap once per edge."""
 from __future__ import annotations
 
 import hashlib
-import http.client
-import json
 import threading
 import time
 from collections import Counter
@@ -14,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.supervised import get, start_serve_tcp
+from helpers.supervised import complete, get, no_flat_keys, start_tenants_serve
 
 from edgepath.children import Child
 
@@ -23,23 +21,12 @@ pytestmark = pytest.mark.slow  # multi-process: edgepath serve, two edge workers
 MODEL = "echo"
 CAP = 2
 TOKENS = 20  # paced-echo answers one token every 50 ms: 1 s a request
-
-
-def complete(port: int) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # a new connection: either worker takes it
-    try:
-        body = json.dumps({"model": MODEL, "prompt": list(range(1, TOKENS + 1)), "max_tokens": TOKENS})
-        conn.request("POST", "/v1/completions", body, {"authorization": "Bearer capped-key"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+BODY = {"model": MODEL, "prompt": list(range(1, TOKENS + 1)), "max_tokens": TOKENS}
 
 
 @pytest.fixture(autouse=True)
-def no_flat_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    monkeypatch.delenv("EDGEPATH_API_KEYS", raising=False)
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    no_flat_keys(monkeypatch, tmp_path)
 
 
 def test_two_edges_hold_a_tenant_to_its_slot_cap_in_total(
@@ -48,27 +35,14 @@ def test_two_edges_hold_a_tenant_to_its_slot_cap_in_total(
     path = tmp_path / "tenants.toml"
     key = hashlib.sha256(b"capped-key").hexdigest()
     path.write_text(f'[tenants.capped]\nkeys = ["sha256:{key}"]\nslot_cap = {CAP}\n')
-    serve, port = start_serve_tcp(
-        edgepath_process,
-        "--handler",
-        "paced-echo",
-        "--handler-option",
-        "token_delay=0.05",
-        "--served-model-name",
-        MODEL,
-        "--tenants-file",
-        str(path),
-        "--workers",
-        "2",
-        timeout=60,
-    )
+    serve, port = start_tenants_serve(edgepath_process, path, "--workers", "2")
     answers: Counter[str] = Counter()
     lock = threading.Lock()
     stop = threading.Event()
 
     def client() -> None:  # a closed loop, asking again at once after a 429
         while not stop.is_set():
-            status, doc = complete(port)
+            status, doc = complete(port, "capped-key", BODY)
             if status == 200:
                 outcome = "served"
             elif status == 429 and doc["error"]["code"] == "slot_cap":
