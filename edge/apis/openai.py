@@ -35,6 +35,7 @@ from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.text.chat import ChatMessage
+from edgepath.edge.text.thinking import Thinking
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -143,6 +144,8 @@ class OpenAILimits:
     """How tools are offered to the model and its calls read (:func:`edgepath.edge.apis.tools.template_format`)."""
     choices: int = 1
     """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
+    thinking: Thinking | None = None
+    """How the chat template's model thinks (:func:`edgepath.edge.text.thinking.thinking_of`); None: it does not."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -178,6 +181,8 @@ class OpenAIRequest:
     """The tools offered to the model (chat's ``tools``, not ``tool_choice`` ``none``): its answer is read as calls."""
     n: int = 1
     """Choices to generate for the one prompt (:mod:`edgepath.edge.choices`)."""
+    thinking: Thinking | None = None
+    """How the chat template's model thinks (its thinking goes to ``reasoning_content``); None: it does not."""
 
 
 def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
@@ -222,7 +227,7 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
         )
     return _common(
         doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint or tools_grammar,
-        tools=tools, template_tools=template_tools,
+        tools=tools, template_tools=template_tools, thinking=limits.thinking,
     )  # fmt: skip
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepath.edge.apis.openai import SSE_DONE, FinishReason, Kind, OpenAIRequest, dumps, sse_event
-from edgepath.edge.apis.tools import ToolCall, ToolOutput
-from edgepath.edge.text.detokenize import Decoder, IncrementalDetokenizer
-from edgepath.edge.text.stop import StopMatcher
+from edgepath.edge.apis.output import OutputText, Piece
+from edgepath.edge.apis.tools import ToolCall
+from edgepath.edge.text.detokenize import Decoder
 
 # -- responses ------------------------------------------------------------------------------------------
 
@@ -115,6 +115,7 @@ def _whole(
     tool_calls: Sequence[ToolCall] = (),
     index: int = 0,
     details: Mapping[str, str] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
@@ -124,6 +125,8 @@ def _whole(
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if tool_calls:  # OpenAI's shape: the calls, and no content unless text came beside them
             message.update(content=text or None, tool_calls=[c.payload() for c in tool_calls])
+        if reasoning is not None:  # a thinking model's thinking, where vLLM and llama-server put it
+            message["reasoning_content"] = reasoning or None
         choice = {"index": index, "message": message, "logprobs": shaped, "finish_reason": reason}
     if details is not None:
         choice["finish_details"] = dict(details)
@@ -149,11 +152,13 @@ def completion_body(
     tool_calls: Sequence[ToolCall] = (),
     index: int = 0,
     details: Mapping[str, str] | None = None,
+    reasoning: str | None = None,
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
     tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made; ``index``: the
     choice's, of ``n``; ``details``: why it ended, beside ``finish_reason``, when the answer was cut short by the
-    server: :data:`~edgepath.edge.http.RECLAIMED`)."""
+    server: :data:`~edgepath.edge.http.RECLAIMED`; ``reasoning``: a thinking model's thinking, None when its
+    template does not think)."""
     return dumps(
         _whole(
             request.kind,
@@ -167,6 +172,7 @@ def completion_body(
             tool_calls,
             index,
             details,
+            reasoning,
         )
     )
 
@@ -233,6 +239,11 @@ class StreamEncoder:
         if self.kind == "completion":
             return sse_event(self._chunk(delta, None, shaped))
         return sse_event(self._chunk({"content": delta}, None, shaped))
+
+    def reasoning(self, delta: str) -> bytes:
+        """A thinking model's thinking, in ``delta.reasoning_content`` (vLLM's and llama-server's name)."""
+        self._expect("open")
+        return sse_event(self._chunk({"reasoning_content": delta}, None)) if delta else b""
 
     def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
         """The answer's calls as OpenAI streams them: per call, a chunk with its index, id, type and name (and
@@ -311,9 +322,9 @@ class AnswerStep:
 class Answer:
     """One request's answer, from output token ids to the bytes a client receives.
 
-    Chains the pieces in the order the text needs them: :class:`IncrementalDetokenizer` (no broken
-    characters), :class:`StopMatcher` (no part of a stop string leaks, the answer ends before it),
-    then :class:`StreamEncoder` for ``stream: true`` or one JSON body at the end otherwise.
+    The ids go through :class:`~edgepath.edge.apis.output.OutputText` (detokenized without broken characters, cut
+    at a stop string with nothing of it leaked, the model's thinking split from its answer, tool calls read back),
+    then through :class:`StreamEncoder` for ``stream: true`` or into one JSON body at the end otherwise.
     ``completion_tokens`` counts every id fed, i.e. what the model produced for this request,
     including ids that arrived after a stop matched (they were generated before the cancel landed).
     """
@@ -334,29 +345,23 @@ class Answer:
         self.created = created
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: int | None = None  # known once the model side has answered
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stop = StopMatcher(request.stop)
+        self._out = OutputText(tokenizer, request.stop, request.tools, f"call_{request_id}", request.thinking)
         self._stream = StreamEncoder.for_request(request, request_id, created, index) if request.stream else None
-        self._parts: list[str] = []
         self._logprobs: list[TokenLogprob] = []
-        self._stopped = False
         self._state = "new"
-        self._tools = ToolOutput(request.tools, f"call_{request_id}") if request.tools is not None else None
-        self._held: list[TokenLogprob] = []  # entries of the text held while it may be tool calls
-        self._calls: tuple[ToolCall, ...] = ()
 
     @property
     def text(self) -> str:
         """The answer's text released so far (all of it once finished)."""
-        return "".join(self._parts)
+        return self._out.text
 
     @property
     def completion_tokens(self) -> int:
-        return self._detok.token_count
+        return self._out.token_count
 
     @property
     def stopped(self) -> bool:
-        return self._stopped
+        return self._out.stopped
 
     def start(self) -> bytes:
         """The opening bytes of a stream (the chat role chunk), sent before the first token."""
@@ -368,35 +373,32 @@ class Answer:
         """The next output ids from the model side, and their entries when the request asked for log
         probabilities (one per id; those that come after a stop string matched are dropped with their ids)."""
         self._expect("open")
-        delta = self._detok.feed(ids)
-        if self._stopped:
+        if self._out.stopped:
+            self._out.feed(ids)
             return AnswerStep(b"", True)
         if logprobs:
             self._logprobs.extend(logprobs)
-        return self._release(delta, logprobs)
+        piece = self._out.feed(ids, logprobs or ())
+        return AnswerStep(self._send(piece), self._out.stopped)
 
     def finish(self, reason: FinishReason, details: Mapping[str, str] | None = None) -> bytes:
         """The model side ended (``"length"`` at max_tokens, ``"stop"`` at its end-of-sequence) or a stop
         string matched (``"stop"``); ``details``: why the server cut it short, when it did
         (:data:`~edgepath.edge.http.RECLAIMED`).  Returns the closing SSE events and ``[DONE]``, or the JSON body."""
         self._expect("open")
-        if self._stopped and reason != "stop":
+        if self._out.stopped and reason != "stop":
             raise ValueError(f"a stop string matched, so the finish reason is 'stop', not {reason!r}")
         self._state = "finished"
-        out = b""
-        if not self._stopped:
-            step = self._release(self._detok.flush())
-            out = step.data
-            if step.stopped:
-                reason = "stop"
-            else:
-                out += self._text(self._stop.flush())
-        if self._tools is not None:
-            out += self._read_calls()
-            reason = "tool_calls" if self._calls else reason
+        out = b"".join(self._send(piece) for piece in self._out.finish())
+        if self._out.stopped:
+            reason = "stop"
+        calls = self._out.calls
+        if calls:
+            reason = "tool_calls"
         usage = self.usage()
         if self._stream is None:
             logprobs = self._logprobs if self.request.logprobs is not None else None
+            reasoning = self._out.reasoning if self.request.thinking is not None else None
             return completion_body(
                 self.request,
                 self.request_id,
@@ -405,10 +407,13 @@ class Answer:
                 reason,
                 usage,
                 logprobs,
-                self._calls,
+                calls,
                 self.index,
                 details,
+                reasoning,
             )
+        if calls:
+            out += self._stream.tool_calls(calls)
         return (
             out + self._stream.finish(reason, details) + self._stream.end(usage if self._stream.include_usage else None)
         )
@@ -422,34 +427,12 @@ class Answer:
         assert self._stream is not None, "only a stream is closed"
         return self._stream.closing(usage if self._stream.include_usage else None)
 
-    def _read_calls(self) -> bytes:
-        """The held text read as tool calls (:class:`~edgepath.edge.apis.tools.ToolOutput`): the calls' chunks, or the
-        text released when it is not calls."""
-        assert self._tools is not None
-        text, self._calls = self._tools.finish()
-        held, self._held = self._held, []
-        self._parts.append(text)
+    def _send(self, piece: Piece) -> bytes:
+        """A piece's chunks on a stream (nothing for a whole answer, which is written at the end)."""
         if self._stream is None:
             return b""
-        if self._calls:
-            return (self._stream.text(text, held) if held or text else b"") + self._stream.tool_calls(self._calls)
-        return self._stream.text(text, held)
-
-    def _release(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> AnswerStep:
-        result = self._stop.feed(delta)
-        self._stopped = result.stopped
-        return AnswerStep(self._text(result.text, logprobs), result.stopped)
-
-    def _text(self, text: str, logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
-        if self._tools is not None and self._tools.holding:
-            text = self._tools.feed(text)
-            if not text:  # maybe tool calls: held, with the entries of its tokens
-                self._held.extend(logprobs or ())
-                return b""
-            logprobs, self._held = [*self._held, *(logprobs or ())], []
-        if text:
-            self._parts.append(text)
-        return self._stream.text(text, logprobs) if self._stream is not None else b""
+        out = self._stream.reasoning(piece.reasoning) if piece.reasoning else b""
+        return out + self._stream.text(piece.text, piece.entries)
 
     def _expect(self, state: str) -> None:
         if self._state != state:

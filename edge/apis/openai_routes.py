@@ -23,6 +23,7 @@ from edgepath.edge.apis import openai as oa
 from edgepath.edge.apis import openai_answers as oaa
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.text.thinking import Thinking, thinking_of
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
@@ -44,6 +45,8 @@ class ChatSupport:
     why_not: str = ""
     tool_format: tool_calling.ToolFormat = "fallback"
     """How tools reach the model: the template's own way, or the fallback prompt (:mod:`edgepath.edge.apis.tools`)."""
+    thinking: Thinking | None = None
+    """How the template's model thinks (:mod:`edgepath.edge.text.thinking`); None: it does not."""
 
 
 def chat_support(tokenizer: Tokenizer) -> ChatSupport:
@@ -52,7 +55,7 @@ def chat_support(tokenizer: Tokenizer) -> ChatSupport:
     source = getattr(tokenizer, "chat_template", None)
     if source is None:
         return ChatSupport(False, f"{tokenizer.name} carries no chat template; " + oa_chat_hint())
-    return ChatSupport(True, tool_format=tool_calling.template_format(source))
+    return ChatSupport(True, tool_format=tool_calling.template_format(source), thinking=thinking_of(source))
 
 
 def oa_chat_hint() -> str:
@@ -78,7 +81,7 @@ class OpenAIRoutes:
         self.model = model
         self.limits = oa.OpenAILimits(
             max_tokens, vocab_size, (model,), logprobs=logprobs, grammars=grammars, tool_format=chat.tool_format,
-            choices=choices,
+            choices=choices, thinking=chat.thinking,
         )  # fmt: skip
         self.chat = chat
         self.created = created

@@ -47,6 +47,12 @@ class StopMatcher:
         self._hold_max = max((len(s) - 1 for s in self._stops), default=0)
         self._held = ""
         self._done = False
+        self._matched: str | None = None
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string the text ended at (None while none has matched): Anthropic's ``stop_sequence``."""
+        return self._matched
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -92,7 +98,7 @@ class StopMatcher:
             if i >= 0:
                 key = (i + len(s), i)
                 if best is None or key < best:
-                    best = key
+                    best, self._matched = key, s
         return None if best is None else best[1]
 
     def _held_tail(self, text: str) -> int:

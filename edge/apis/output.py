@@ -1,0 +1,147 @@
+"""An answer's text from its output ids, sans I/O: the one pipeline every API shape's answer goes through.
+
+The ids are detokenized without broken characters (:class:`~edgepath.edge.text.detokenize.IncrementalDetokenizer`),
+cut at a stop string with nothing of it released (:class:`~edgepath.edge.text.stop.StopMatcher`), split into the
+model's thinking and its answer when its chat template thinks (:class:`~edgepath.edge.text.thinking.ThinkingSplit`),
+and the answer held while it may be tool calls, then read as calls or released as text
+(:class:`~edgepath.edge.apis.tools.ToolOutput`).  What comes out are :class:`Piece` s -- thinking and answer text
+that may be sent now -- and at the end the calls; each shape (OpenAI's chat and completions, Anthropic's Messages,
+OpenAI's Responses) only writes them in its own events or body.
+
+``entries`` travel with the text they came from: OpenAI's log probabilities, held with the answer text while it is
+held (a shape without them passes none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edgepath.edge.apis.tools import ToolCall, ToolOutput, ToolSpec
+from edgepath.edge.text.detokenize import Decoder, IncrementalDetokenizer
+from edgepath.edge.text.stop import StopMatcher
+from edgepath.edge.text.thinking import Thinking, ThinkingSplit
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Text that may be sent now: the model's thinking, its answer, and the entries of the tokens they came from."""
+
+    reasoning: str = ""
+    text: str = ""
+    entries: tuple[Any, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.text or self.entries)
+
+
+class OutputText:
+    """One answer's output ids to its thinking, its text and its tool calls.
+
+    ``token_count`` counts every id fed -- what the model produced for this request -- including ids that arrived
+    after a stop string matched (they were generated before the cancel landed)."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        stops: Sequence[str] = (),
+        tools: ToolSpec | None = None,
+        call_prefix: str = "call",
+        thinking: Thinking | None = None,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(decoder)
+        self._stop = StopMatcher(stops)
+        self._split = ThinkingSplit(thinking) if thinking is not None else None
+        self._tools = ToolOutput(tools, call_prefix) if tools is not None else None
+        self._parts: list[str] = []
+        self._thoughts: list[str] = []
+        self._held: list[Any] = []  # entries of the answer text held while it may be tool calls
+        self._stopped = False
+        self._finished = False
+        self.calls: tuple[ToolCall, ...] = ()
+
+    @property
+    def token_count(self) -> int:
+        return self._detok.token_count
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: nothing more is released; the slot should be cancelled."""
+        return self._stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string the answer ended at, if it did."""
+        return self._stop.matched
+
+    @property
+    def text(self) -> str:
+        """The answer text released so far (all of it once finished; with calls, the text beside them)."""
+        return "".join(self._parts)
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking released so far."""
+        return "".join(self._thoughts)
+
+    def feed(self, ids: Sequence[int], entries: Sequence[Any] = ()) -> Piece:
+        """The next output ids (and their entries): what may be sent now.  Ids after a stop string are counted
+        and dropped with their entries."""
+        self._expect_open()
+        delta = self._detok.feed(ids)
+        if self._stopped:
+            return Piece()
+        return self._release(delta, tuple(entries))
+
+    def finish(self) -> list[Piece]:
+        """The output ended: the text still held, in order; the calls are then in :attr:`calls`."""
+        self._expect_open()
+        self._finished = True
+        pieces: list[Piece] = []
+        if not self._stopped:
+            pieces.append(self._release(self._detok.flush(), ()))
+            if not self._stopped:
+                pieces.append(self._answer(self._stop.flush(), ()))
+        if self._split is not None:
+            reasoning, content = self._split.flush()
+            self._thoughts.append(reasoning)
+            pieces.append(Piece(reasoning=reasoning))
+            pieces.append(self._content(content, ()))
+        if self._tools is not None:
+            text, self.calls = self._tools.finish()
+            held, self._held = tuple(self._held), []
+            self._parts.append(text)
+            pieces.append(Piece(text=text, entries=held))
+        return [p for p in pieces if p]
+
+    def _release(self, delta: str, entries: tuple[Any, ...]) -> Piece:
+        result = self._stop.feed(delta)
+        self._stopped = result.stopped
+        return self._answer(result.text, entries)
+
+    def _answer(self, text: str, entries: tuple[Any, ...]) -> Piece:
+        """Text past the stop strings: its thinking released, its answer on to the tool calls' reader."""
+        if self._split is None:
+            return self._content(text, entries)
+        reasoning, content = self._split.feed(text)
+        self._thoughts.append(reasoning)
+        piece = self._content(content, entries if not (reasoning and not content) else ())
+        if reasoning and not content:  # the entries go with the thinking they came from
+            return Piece(reasoning=reasoning, entries=entries)
+        return Piece(reasoning, piece.text, piece.entries)
+
+    def _content(self, text: str, entries: tuple[Any, ...]) -> Piece:
+        if self._tools is not None and self._tools.holding:
+            text = self._tools.feed(text)
+            if not text:  # maybe tool calls: held, with the entries of its tokens
+                self._held.extend(entries)
+                return Piece()
+            entries, self._held = (*self._held, *entries), []
+        if text:
+            self._parts.append(text)
+        return Piece(text=text, entries=entries)
+
+    def _expect_open(self) -> None:
+        if self._finished:
+            raise RuntimeError("OutputText: the output is finished")
