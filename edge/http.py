@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +28,8 @@ Headers = list[tuple[bytes, bytes]]
 # The API's paths; what each allows and who answers it is the route table, ROUTES.
 GENERATE, TOKENIZE = "/v1/generate", "/v1/tokenize"
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's Messages API
+RESPONSES = "/v1/responses"  # OpenAI's Responses API
 HEALTH, METRICS = "/health", "/metrics"
 #: Kubernetes-style probes: the edge process answers (liveness), and it can serve -- a slot server is up (readiness)
 LIVE, READY = "/health/live", "/health/ready"
@@ -91,6 +93,8 @@ class Work:
     # counts output words, a whole number of records
     constraint: np.ndarray | None = None  # a grammar's words, written after the prompt (contract/wire.py)
     choices: int = 1  # OpenAI's n: choices of the one prompt, each on a slot of one slot server (edge/choices.py)
+    #: a tokenize call that answers with the count alone, in its API's shape (Anthropic's count_tokens)
+    counted: Callable[[int], Response] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ from edgepath.edge.billing import Billing
 from edgepath.edge.choices import Choices, Groups
 from edgepath.edge.http import (
     GENERATE,
-    TOKENIZE,
     Formatter,
     HttpError,
     Outcome,
@@ -40,7 +39,6 @@ from edgepath.edge.http import (
     Response,
     StateQuery,
     Work,
-    error_response,
     timing_headers,
 )
 from edgepath.edge.measure import Measure
@@ -151,6 +149,9 @@ class EdgeLifecycle:
         if isinstance(result, np.ndarray):
             self._forget(t)
             return [self._respond(rid, t.route, t.request, t.timings, tokenize_response(result.tolist()))]
+        if t.work.counted is not None:  # a count alone, in its API's shape
+            self._forget(t)
+            return [self._respond(rid, t.route, t.request, t.timings, t.work.counted(result))]
         return self.groups.fan_in(self._tokenized_into_frame(t, result, now), now)
 
     def client_gone(self, rid: int, now: int) -> list[Action]:
@@ -269,12 +270,12 @@ class EdgeLifecycle:
         except HttpError as exc:
             self._forget(t)
             self._release(t)
-            return [self._answer(t, _failure(t, exc))]
+            return [self._answer(t, self._failure(t, exc))]
         over = self._admit(t)
         if over is not None:
             self._forget(t)
             self._release(t)
-            return [self._answer(t, _failure(t, over))]
+            return [self._answer(t, self._failure(t, over))]
         if constraint is not None:  # the grammar goes after the prompt, sent with it in the one WRITE
             self.port.frames.tokens[t.frame, n : n + len(constraint)] = constraint
         if t.spares:
@@ -308,7 +309,7 @@ class EdgeLifecycle:
 
     def _submit_one(self, t: Tracked, now: int) -> list[Action]:
         refusal = self._submit([t], now)
-        return [] if refusal is None else [self._answer(t, _failure(t, refusal))]
+        return [] if refusal is None else [self._answer(t, self._failure(t, refusal))]
 
     def _submit(self, members: list[Tracked], now: int) -> HttpError | None:
         """The one way requests go to the agent: every member's header written (its ids are in its frame already),
@@ -371,7 +372,7 @@ class EdgeLifecycle:
                 self._forget(member)
                 assert member.frame is not None
                 self.port.release(member.frame)
-        response = _failure(t, refusal)
+        response = self._failure(t, refusal)
         response.headers += t.limits
         return [self._respond(rid, t.route, t.request, t.timings, response)]
 
@@ -456,7 +457,7 @@ class EdgeLifecycle:
             port.release(frame)
             if t.rid < 0:  # a choice's: its request's answer, the other choices abandoned
                 return self._fail(t, refusal)
-            return [self._answer(t, _failure(t, refusal))]
+            return [self._answer(t, self._failure(t, refusal))]
         self.measure.edge(t, frame, now)
         if status not in wire.FINISHED:
             self._forget(t, finish="failed")
@@ -484,19 +485,27 @@ class EdgeLifecycle:
 
     # -- tokenize only -------------------------------------------------------------------------------
     def _tokenize_only(self, rid: int, request: Request, work: Work, timings: dict[str, int]) -> list[Action]:
-        route = TOKENIZE
-        if work.prompt is None:
+        """``/v1/tokenize`` (the ids), or a count alone in its API's shape (``work.counted``: Anthropic's
+        ``count_tokens``, a chat through the model's template, counted in a scratch array -- never a frame)."""
+        route = work.route
+        if work.prompt is None and work.counted is None:
             assert work.tokens is not None
             return [self._respond(rid, route, request, timings, tokenize_response(work.tokens))]
         if self.tokenizing.full(work):
-            return [self._respond(rid, route, request, timings, error_response(self.refusals.busy()))]
+            return [
+                self._respond(rid, route, request, timings, self.core.refusal(request.target, self.refusals.busy()))
+            ]
         t = Tracked(rid, request, route, work, None, Phase.TOKENIZING, timings)
-        started = self.tokenizing.start(t, None)
+        scratch = np.empty(self.core.limits.input_capacity, np.int32) if work.counted is not None else None
+        started = self.tokenizing.start(t, scratch)
         if isinstance(started, Tokenize):
             self.tracked[rid] = t
             return [started]
         if isinstance(started, BaseException):
             return self._tokenizer_failed(t, started)
+        if work.counted is not None:
+            assert isinstance(started, int)
+            return [self._respond(rid, route, request, timings, work.counted(started))]
         assert isinstance(started, np.ndarray)
         return [self._respond(rid, route, request, timings, tokenize_response(started.tolist()))]
 
@@ -505,7 +514,7 @@ class EdgeLifecycle:
         """A tokenizer exception answers its own request (edge/tokenizing.py says how); the server keeps serving."""
         self._forget(t)
         self._release(t)
-        return [self._answer(t, _failure(t, tokenizer_error(t.work, exc)))]
+        return [self._answer(t, self._failure(t, tokenizer_error(t.work, exc)))]
 
     def _refusal(self, status: Status, frame: int) -> HttpError:
         """The answer to a request the data path refused before any slot ran it (``frame``: its frame)."""
@@ -531,7 +540,7 @@ class EdgeLifecycle:
             assert t.formatter is not None
             if started:
                 return [EndStream(rid, t.formatter.error(error))]
-            response = _failure(t, error)
+            response = self._failure(t, error)
             response.headers += t.limits + timing_headers(t.timings)
             return [Respond(rid, response)]
         if t.rid < 0:
@@ -540,7 +549,7 @@ class EdgeLifecycle:
             assert t.formatter is not None
             self._count(t, error.status, self.clock())
             return [EndStream(t.rid, t.formatter.error(error))]
-        return [self._answer(t, _failure(t, error))]
+        return [self._answer(t, self._failure(t, error))]
 
     def _forget(self, t: Tracked, output: int | None = None, cached: int = 0, finish: str = "failed") -> None:
         """The edge owes ``t`` nothing more.  A request that ran on a slot (submitted, and not refused by the data
@@ -555,6 +564,10 @@ class EdgeLifecycle:
         self.tracked.pop(t.rid, None)
         if t.frame is not None and self.by_frame.get(t.frame) is t:
             del self.by_frame[t.frame]
+
+    def _failure(self, t: Tracked, error: HttpError) -> Response:
+        """An error answer in the route's shape: its formatter's, or (a tokenize call) its path's API's."""
+        return t.formatter.failure(error) if t.formatter is not None else self.core.refusal(t.request.target, error)
 
     def _count(self, t: Tracked, status: int, now: int) -> None:
         total = now - t.request.t_receive_ns
@@ -581,8 +594,3 @@ _STATUS_NAMES = {int(status): status.name for status in Status}
 
 def _status_name(status: int) -> str:
     return _STATUS_NAMES.get(status) or str(status)
-
-
-def _failure(t: Tracked, error: HttpError) -> Response:
-    """An error answer in the route's shape (its formatter's), or edgepath's for /v1/tokenize."""
-    return t.formatter.failure(error) if t.formatter is not None else error_response(error)

@@ -1,7 +1,9 @@
 """The router, sans I/O: a complete request in; an answer, a unit of work or a live-state query out.
 
 Every path of the API is in one table, :data:`ROUTES`: the methods it allows and which API *shape* answers it --
-``edgepath`` (:mod:`edgepath.edge.apis.generate`), ``openai`` (:mod:`edgepath.edge.apis.openai_routes`) or ``ops``
+``edgepath`` (:mod:`edgepath.edge.apis.generate`), ``openai`` (:mod:`edgepath.edge.apis.openai_routes`),
+``responses`` (:mod:`edgepath.edge.apis.responses_answers`), ``anthropic``
+(:mod:`edgepath.edge.apis.anthropic_answers`) or ``ops``
 (live state the lifecycle owns: :mod:`edgepath.edge.ops`).  Routing, ``Allow``, authentication, error shapes and
 metric labels all read it.  :class:`HttpCore` checks the path, the method, the body's size and the API key, then
 hands the body to its shape, which parses it into a :class:`~edgepath.edge.http.Work` item or refuses it in its own
@@ -19,12 +21,15 @@ from edgepath.edge.apis.generate import GenerateRoutes
 from edgepath.edge.http import (
     CHAT,
     COMPLETIONS,
+    COUNT_TOKENS,
     GENERATE,
     HEALTH,
     LIVE,
+    MESSAGES,
     METRICS,
     MODELS,
     READY,
+    RESPONSES,
     TOKENIZE,
     Handled,
     Headers,
@@ -59,6 +64,9 @@ ROUTES: dict[str, Route] = {
     COMPLETIONS: Route(("POST",), "openai"),
     CHAT: Route(("POST",), "openai"),
     MODELS: Route(("GET",), "openai"),
+    RESPONSES: Route(("POST",), "responses"),
+    MESSAGES: Route(("POST",), "anthropic"),
+    COUNT_TOKENS: Route(("POST",), "anthropic"),
     HEALTH: Route(("GET",), "ops"),
     LIVE: Route(("GET",), "ops"),
     READY: Route(("GET",), "ops"),

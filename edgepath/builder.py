@@ -735,10 +735,13 @@ def build_edge(
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
     log probabilities and enforces grammars (the llama handler)."""
+    from edgepath.edge.apis import anthropic_answers, responses_answers
+    from edgepath.edge.apis.anthropic import AnthropicLimits
     from edgepath.edge.apis.generate import GenerateFormatter
     from edgepath.edge.apis.openai_routes import OpenAIRoutes, chat_support, formatter_factory
+    from edgepath.edge.apis.responses import ResponsesLimits
     from edgepath.edge.apis.tools import TOOL_FORMATS
-    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, Limits
+    from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, Limits
     from edgepath.edge.routes import HttpCore
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
@@ -764,8 +767,18 @@ def build_edge(
         choices=most_choices(agent),
     )
     openai_format = formatter_factory(time.time)
+    # the other shapes of a chat: the same template, tools, grammars and thinking as the chat route's
+    cap, tools, thinking = limits.output_capacity, chat.tool_format, chat.thinking
+    anthropic = anthropic_answers.AnthropicRoutes(
+        AnthropicLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
+    )
+    responses = responses_answers.ResponsesRoutes(
+        ResponsesLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
+    )
+    if chat.thinking is not None:
+        log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers)")
     return EdgeService(
-        HttpCore(limits, keys, openai),
+        HttpCore(limits, keys, openai, shapes={"anthropic": anthropic, "responses": responses}),
         tokenizer,
         agent,
         loop,
@@ -777,6 +790,8 @@ def build_edge(
             GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
             COMPLETIONS: openai_format,
             CHAT: openai_format,
+            MESSAGES: anthropic_answers.formatter_factory(),
+            RESPONSES: responses_answers.formatter_factory(time.time),
         },
         supervision=supervision,
         gate=gate,

@@ -23,12 +23,14 @@ import orjson
 
 from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
 from edgepath.edge.apis import tools as tool_calling
+from edgepath.edge.apis.conversation import NoGrammar, conversation
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
     is_number,
     parse_cache_salt,
     parse_sampling,
+    parse_stops,
     show,
 )
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
@@ -235,33 +237,19 @@ def _tool_calling(
     doc: Mapping[str, Any], turns: Sequence[ChatMessage | ToolTurn], limits: OpenAILimits
 ) -> tuple[tuple[ChatMessage | ToolTurn, ...], ToolSpec | None, str | None, tuple[Mapping[str, Any], ...] | None]:
     """The conversation as the model sees it, the tools, the calls' grammar when they are enforced, and the tools
-    the template renders: with the fallback (:mod:`edgepath.edge.apis.tools`), the tools offered by its prompt and
-    earlier calls and results as text; with a template that has tools, the turns as they are and the tools for it."""
+    the template renders (:func:`edgepath.edge.apis.conversation.conversation`, the one way every shape does it)."""
     try:
         spec = tool_calling.parse_tools(doc, limits.tool_format)
-        if limits.tool_format == "fallback":
-            messages: tuple[ChatMessage | ToolTurn, ...] = tool_calling.flatten(turns)
-        else:
-            tool_calling.call_names(turns)
-            messages = tuple(turns)
+        chat = conversation(turns, spec, limits.tool_format, limits.grammars)
     except ToolsRefused as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
-    if spec is None:
-        return messages, None, None, None
-    constraint = None
-    if spec.constrained:
-        if not limits.grammars:
-            raise unsupported(
-                "tool_choice", doc.get("tool_choice"), "'none' or 'auto' (this model side enforces no grammar)"
-            )
-        try:
-            constraint = tool_calling.grammar(spec)
-        except FormatRefused as exc:
-            raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
-    if spec.format == "fallback":
-        plain = tuple(m for m in messages if isinstance(m, ChatMessage))
-        return tool_calling.offer(plain, spec), spec, constraint, None
-    return messages, spec, constraint, tool_calling.template_tools(spec)
+    except FormatRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
+    except NoGrammar:
+        raise unsupported(
+            "tool_choice", doc.get("tool_choice"), "'none' or 'auto' (this model side enforces no grammar)"
+        ) from None
+    return chat.messages, chat.tools, chat.constraint, chat.template_tools
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -549,19 +537,10 @@ def _cache_salt(doc: Mapping[str, Any]) -> str | None:
 
 
 def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
-    value = doc.get("stop")
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise invalid_request(
-            f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, got {show(value)}",
-            param="stop",
-            code="invalid_value",
-        )
-    for s in stops:
-        _check_utf8(s, "stop")
-    return tuple(stops)
+    try:
+        return parse_stops(doc.get("stop"), "stop", MAX_STOPS, single=True)
+    except SamplingInvalid as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 
 
 def _include_usage(doc: Mapping[str, Any], stream: bool) -> bool:

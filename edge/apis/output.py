@@ -49,7 +49,13 @@ class OutputText:
         tools: ToolSpec | None = None,
         call_prefix: str = "call",
         thinking: Thinking | None = None,
+        *,
+        count_thinking: bool = False,
     ) -> None:
+        """``count_thinking``: count the tokens of the thinking (:attr:`reasoning_tokens`; ids are then taken one
+        at a time while the thinking may go on)."""
+        self._count_thinking = count_thinking and thinking is not None
+        self.reasoning_tokens = 0
         self._detok = IncrementalDetokenizer(decoder)
         self._stop = StopMatcher(stops)
         self._split = ThinkingSplit(thinking) if thinking is not None else None
@@ -89,10 +95,30 @@ class OutputText:
         """The next output ids (and their entries): what may be sent now.  Ids after a stop string are counted
         and dropped with their entries."""
         self._expect_open()
+        if self._count_thinking and self._split is not None and not self._split.decided and not entries:
+            return self._counted(ids)
         delta = self._detok.feed(ids)
         if self._stopped:
             return Piece()
         return self._release(delta, tuple(entries))
+
+    def _counted(self, ids: Sequence[int]) -> Piece:
+        """``ids`` one at a time while the thinking may go on, each one whose text was (part of) the thinking
+        counted; the rest at once."""
+        assert self._split is not None
+        reasoning, text = [], []
+        for k, token in enumerate(ids):
+            if self._split.decided or self._stopped:
+                rest = self.feed(ids[k:])
+                reasoning.append(rest.reasoning)
+                text.append(rest.text)
+                break
+            before = self._split.within
+            piece = self._release(self._detok.feed([token]), ())
+            self.reasoning_tokens += before or self._split.within
+            reasoning.append(piece.reasoning)
+            text.append(piece.text)
+        return Piece("".join(reasoning), "".join(text))
 
     def finish(self) -> list[Piece]:
         """The output ended: the text still held, in order; the calls are then in :attr:`calls`."""

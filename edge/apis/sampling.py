@@ -115,3 +115,25 @@ def parse_cache_salt(doc: Mapping[str, Any]) -> str | None:
     if size > CACHE_SALT_MAX:
         raise SamplingInvalid("cache_salt", f"'cache_salt' must be at most {CACHE_SALT_MAX} bytes, got {size}")
     return value
+
+
+def parse_stops(value: Any, param: str, most: int, *, single: bool) -> tuple[str, ...]:
+    """Stop strings as a request gives them (``single``: one string is taken for a list of one, as OpenAI's
+    ``stop``; Anthropic's ``stop_sequences`` is a list): at most ``most`` non-empty strings of valid UTF-8, or
+    :class:`SamplingInvalid` naming ``param``.  None is no stop string."""
+    if value is None:
+        return ()
+    stops = [value] if single and isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > most or not all(isinstance(s, str) and s for s in stops):
+        shape = "a non-empty string or a list" if single else "a list"
+        raise SamplingInvalid(
+            param, f"'{param}' must be {shape} of at most {most} non-empty strings, got {show(value)}"
+        )
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SamplingInvalid(
+                param, f"'{param}' holds an unpaired surrogate escape, which is not valid UTF-8"
+            ) from None
+    return tuple(stops)

@@ -173,29 +173,35 @@ def _tools(raw: Any) -> tuple[Tool, ...]:
                 f"{where}.function",
                 f"'{where}.function' must be an object {{name, description?, parameters?}}, got {_show(function)}",
             )
-        name = function.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ToolsRefused(
-                f"{where}.function.name",
-                f"'{where}.function.name' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}",
-            )
-        if any(t.name == name for t in tools):
-            raise ToolsRefused(f"{where}.function.name", f"'{where}.function.name': {name!r} is given twice")
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ToolsRefused(
-                f"{where}.function.description",
-                f"'{where}.function.description' must be a string, got {_show(description)}",
-            )
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise ToolsRefused(f"{where}.function.strict", f"'{where}.function.strict' must be true or false")
-        tools.append(Tool(name, description or "", _parameters(function.get("parameters"), f"{where}.function")))
+        tools.append(
+            checked_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                         f"{where}.function", tools)
+        )  # fmt: skip
     return tuple(tools)
 
 
-def _parameters(parameters: Any, where: str) -> Mapping[str, Any]:
-    at = f"{where}.parameters"
+def checked_tool(
+    name: Any, description: Any, parameters: Any, where: str, taken: Sequence[Tool] = (), schema: str = "parameters"
+) -> Tool:
+    """One function tool as every API shape gives it (a name, an optional description, the JSON schema of its
+    arguments as ``schema`` -- Anthropic's ``input_schema``), checked: ToolsRefused names ``where.<field>`` and what
+    is allowed; a name already ``taken`` is refused."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ToolsRefused(
+            f"{where}.name", f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}"
+        )
+    if any(t.name == name for t in taken):
+        raise ToolsRefused(f"{where}.name", f"'{where}.name': {name!r} is given twice")
+    if description is not None and not isinstance(description, str):
+        raise ToolsRefused(f"{where}.description", f"'{where}.description' must be a string, got {_show(description)}")
+    return Tool(name, description or "", _parameters(parameters, where, schema))
+
+
+def _parameters(parameters: Any, where: str, schema: str = "parameters") -> Mapping[str, Any]:
+    at = f"{where}.{schema}"
     if parameters is None:
         return NO_PARAMETERS
     if not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object":

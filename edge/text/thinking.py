@@ -69,9 +69,14 @@ class ThinkingSplit:
         self._trim = thinking.starts_open  # at the start of a part: its leading white space is dropped
 
     @property
-    def inside(self) -> bool:
-        """Whether the output is in its thinking now (or may still open it)."""
-        return self._state != _AFTER
+    def within(self) -> bool:
+        """Whether the output is inside its thinking now."""
+        return self._state == _INSIDE
+
+    @property
+    def decided(self) -> bool:
+        """Whether the thinking is over, or the output did not open one: the rest is all answer."""
+        return self._state == _AFTER
 
     def feed(self, text: str) -> Split:
         """The thinking and the answer text that may be released now."""

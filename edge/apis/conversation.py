@@ -1,0 +1,84 @@
+"""A chat as the model sees it, and the work item that runs it, for every API shape that speaks in turns.
+
+OpenAI's chat completions, Anthropic's Messages and OpenAI's Responses each read their own fields into the same
+things -- turns (:class:`~edgepath.edge.text.chat.ChatMessage`, or :class:`~edgepath.edge.apis.tools.ToolTurn` for
+calls and their results), the tools offered (:class:`~edgepath.edge.apis.tools.ToolSpec`), a ``response_format``'s
+grammar -- and from there on one path: :func:`conversation` makes the turns the chat template renders (the tools in
+the template's own way, or the fallback prompt) and the calls' grammar when they are enforced, and :func:`chat_work`
+the :class:`~edgepath.edge.http.Work` item the lifecycle tokenizes with the model's template, admits and submits.
+So every shape gets the same tokenizer, template, tools rendering, grammars, admission, quotas and usage log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from edgepath.contract import wire
+from edgepath.contract.wire import Sampling
+from edgepath.edge.apis import tools as tool_calling
+from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolTurn
+from edgepath.edge.http import Work
+from edgepath.edge.text.chat import ChatMessage
+
+Turn = ChatMessage | ToolTurn
+
+
+class NoGrammar(ValueError):
+    """The tools must be called (a grammar enforces it), and this model side enforces no grammar."""
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """The turns the template renders, the tools offered, the grammar of their calls when enforced, and the tools
+    the template renders itself (None with the fallback prompt or no tools)."""
+
+    messages: tuple[Turn, ...]
+    tools: ToolSpec | None
+    constraint: str | None
+    template_tools: tuple[Mapping[str, Any], ...] | None
+
+
+def conversation(turns: Sequence[Turn], spec: ToolSpec | None, fmt: ToolFormat, grammars: bool) -> Conversation:
+    """``turns`` and the tools of ``spec`` as the model is offered them in ``fmt``: with the fallback
+    (:mod:`edgepath.edge.apis.tools`), the tools offered by its prompt and earlier calls and results as text; with a
+    template that has tools, the turns as they are and the tools for it.  ToolsRefused names a result that answers
+    no call; FormatRefused a tool schema that cannot be enforced; :class:`NoGrammar` a call that must be made on a
+    model side without grammars."""
+    if fmt == "fallback":
+        messages: tuple[Turn, ...] = tool_calling.flatten(turns)
+    else:
+        tool_calling.call_names(turns)
+        messages = tuple(turns)
+    if spec is None:
+        return Conversation(messages, None, None, None)
+    constraint = None
+    if spec.constrained:
+        if not grammars:
+            raise NoGrammar("this model side enforces no grammar")
+        constraint = tool_calling.grammar(spec)
+    if spec.format == "fallback":
+        plain = tuple(m for m in messages if isinstance(m, ChatMessage))
+        return Conversation(tool_calling.offer(plain, spec), spec, constraint, None)
+    return Conversation(messages, spec, constraint, tool_calling.template_tools(spec))
+
+
+def chat_work(
+    route: str,
+    chat: Conversation,
+    constraint: str | None,
+    *,
+    max_tokens: int,
+    stream: bool,
+    sampling: Sampling,
+    options: dict[str, Any],
+) -> Work:
+    """The work item of a chat on ``route``: its turns and tools for the template, ``constraint`` (a
+    ``response_format``'s or the calls' grammar) encoded for the slot; ``options`` is what the route's formatter
+    needs.  wire.RequestInvalid when the grammar cannot travel."""
+    options = {**options, "messages": list(tool_calling.template_messages(chat.messages))}
+    if chat.template_tools is not None:
+        options["tools"] = list(chat.template_tools)
+    encoded = wire.constraint_encoding(constraint) if constraint is not None else None
+    return Work("generate", None, None, max_tokens, stream, sampling, route, options, constraint=encoded)

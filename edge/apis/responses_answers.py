@@ -1,0 +1,255 @@
+"""OpenAI's Responses API on the edge: the route bound to the lifecycle and its answers, whole or streamed.
+
+A body becomes the one chat :class:`~edgepath.edge.http.Work` item every shape makes
+(:func:`edgepath.edge.apis.conversation.chat_work`); the answer's ids go through the one text pipeline
+(:class:`~edgepath.edge.apis.output.OutputText`) and come out as a ``Response`` whose ``output`` holds a
+``reasoning`` item when the model thought, a ``message`` with its ``output_text``, and ``function_call`` items --
+or as the typed event stream: ``response.created``, ``response.in_progress``, per item
+``response.output_item.added`` / its deltas (``response.reasoning_text.delta``, ``response.output_text.delta``
+inside ``response.content_part.added`` / ``.done``, ``response.function_call_arguments.delta``) /
+``response.output_item.done``, then ``response.completed`` (``response.incomplete`` when ``max_output_tokens``
+cut it), every event numbered by ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from edgepath.contract import wire
+from edgepath.edge.apis import openai as oa
+from edgepath.edge.apis.conversation import chat_work
+from edgepath.edge.apis.openai_routes import openai_error
+from edgepath.edge.apis.output import OutputText, Piece
+from edgepath.edge.apis.responses import ResponsesLimits, ResponsesRequest, parse_response_request
+from edgepath.edge.http import JSON, RESPONSES, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.text.tokenizer import Tokenizer
+
+
+class ResponsesRoutes:
+    """Parses ``/v1/responses`` requests into :class:`Work` for one served model (an
+    :class:`~edgepath.edge.routes.ApiShape`)."""
+
+    def __init__(self, limits: ResponsesLimits, chat_available: bool, why_not: str = "") -> None:
+        self.limits = limits
+        self.chat_available = chat_available
+        self.why_not = why_not
+
+    def error(self, exc: HttpError) -> Response:
+        return openai_error(exc)
+
+    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
+        try:
+            if not self.chat_available:
+                raise oa.invalid_request(f"responses are not available: {self.why_not}")
+            req = parse_response_request(body, self.limits)
+            work = chat_work(
+                RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
+                sampling=req.sampling, options={"responses": req},
+            )  # fmt: skip
+        except oa.OpenAIError as err:
+            return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
+        except wire.RequestInvalid as exc:
+            bad = oa.invalid_request(f"'text.format': {exc}", param="text.format")
+            return Response(bad.status, [(b"content-type", JSON)], bad.body())
+        work.cache_salt = req.cache_salt
+        return work
+
+
+def _usage(outcome: Outcome, out: OutputText) -> dict[str, Any]:
+    produced = out.token_count
+    return {
+        "input_tokens": outcome.input_count,
+        "input_tokens_details": {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": produced,
+        "output_tokens_details": {"reasoning_tokens": out.reasoning_tokens},
+        "total_tokens": outcome.input_count + produced,
+    }
+
+
+class ResponsesFormatter:
+    """One Responses answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`)."""
+
+    def __init__(self, request: ResponsesRequest, tokenizer: Tokenizer, rid: str, created: int) -> None:
+        self.request = request
+        self.rid = rid
+        self.created = created
+        self.answer_id: str | None = f"resp_{rid}"
+        self.model: str | None = request.model
+        self.watch = False
+        self.done = False
+        self._out = OutputText(tokenizer, (), request.chat.tools, f"call_{rid}", request.thinking, count_thinking=True)
+        self._fed = 0
+        self._seq = 0
+        self._started = False
+        self._item: str | None = None  # the kind of the output item open on the stream
+        self._index = -1
+        self._items: list[dict[str, Any]] = []  # the output items the stream has finished
+
+    # -- the lifecycle's calls --------------------------------------------------------------------------
+    def start(self) -> tuple[int, Headers]:
+        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        data = self._feed(ids)
+        return data if self.request.stream else b""
+
+    def complete(self, outcome: Outcome) -> Response:
+        self._feed(outcome.tokens[self._fed :])
+        self._out.finish()
+        return Response(200, [(b"content-type", JSON)], orjson.dumps(self._response(outcome, self._output())))
+
+    def end(self, outcome: Outcome) -> bytes:
+        out = self._opening() + self._feed(outcome.tokens[self._fed :])
+        for piece in self._out.finish():
+            out += self._piece(piece)
+        opened = self._item == "message" or any(item["type"] == "message" for item in self._items)
+        if not self._out.calls and not opened:
+            out += self._open("message", self._message_item(None, "in_progress"))  # an empty answer: its message
+        for k, call in enumerate(self._out.calls):
+            item = {"id": f"fc_{self.rid}_{k}", "type": "function_call", "status": "in_progress",
+                    "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
+            out += self._open(f"function_call {k}", item)
+            where = {"item_id": item["id"], "output_index": self._index}
+            out += self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
+            out += self._event("response.function_call_arguments.done", **where, arguments=call.arguments)
+        out += self._close()
+        response = self._response(outcome, self._items)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return out + self._event(kind, response=response)
+
+    def failure(self, error: HttpError) -> Response:
+        return openai_error(error)
+
+    def error(self, error: HttpError) -> bytes:
+        err = oa.OpenAIError.of(error)
+        return self._event("error", code=err.code, message=err.message, param=None)
+
+    # -- the answer ---------------------------------------------------------------------------------------
+    def _feed(self, ids: np.ndarray) -> bytes:
+        head = self._opening() if self.request.stream else b""
+        if not len(ids):
+            return head
+        self._fed += len(ids)
+        piece = self._out.feed(ids.tolist())
+        return head + (self._piece(piece) if self.request.stream else b"")
+
+    def _response(self, outcome: Outcome | None, output: list[dict[str, Any]]) -> dict[str, Any]:
+        req = self.request
+        incomplete = (
+            outcome is not None
+            and not self._out.calls
+            and (outcome.status in ("LENGTH", "RECLAIMED") or self._out.token_count >= req.max_tokens)
+        )
+        return {
+            "id": self.answer_id, "object": "response", "created_at": self.created, "model": req.model,
+            "status": "in_progress" if outcome is None else "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "output": output, "instructions": req.instructions, "metadata": req.metadata or {},
+            "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.sampling.temperature, "top_p": req.sampling.top_p, "tool_choice": req.tool_choice,
+            "tools": list(req.tools), "text": {"format": dict(req.text_format)}, "store": False,
+            "previous_response_id": None, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+            "usage": None if outcome is None else _usage(outcome, self._out),
+        }  # fmt: skip
+
+    def _output(self) -> list[dict[str, Any]]:
+        """The whole answer's output items."""
+        items: list[dict[str, Any]] = []
+        if self._out.reasoning:
+            items.append(self._reasoning_item(self._out.reasoning))
+        if self._out.text or not self._out.calls:
+            items.append(self._message_item(self._out.text))
+        items += [
+            {"id": f"fc_{self.rid}_{k}", "type": "function_call", "status": "completed", "arguments": c.arguments,
+             "call_id": c.id, "name": c.name}
+            for k, c in enumerate(self._out.calls)
+        ]  # fmt: skip
+        return items
+
+    def _reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if text else []
+        return {"id": f"rs_{self.rid}", "type": "reasoning", "summary": [], "content": content, "status": status}
+
+    def _message_item(self, text: str | None, status: str = "completed") -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"id": f"msg_{self.rid}", "type": "message", "role": "assistant", "status": status, "content": content}
+
+    # -- the stream ---------------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    def _opening(self) -> bytes:
+        if self._started:
+            return b""
+        self._started = True
+        response = self._response(None, [])
+        return self._event("response.created", response=response) + self._event("response.in_progress",
+                                                                                 response=response)  # fmt: skip
+
+    def _piece(self, piece: Piece) -> bytes:
+        out = b""
+        if piece.reasoning:
+            out += self._open("reasoning", self._reasoning_item("", "in_progress"))
+            out += self._event("response.reasoning_text.delta", item_id=f"rs_{self.rid}", output_index=self._index,
+                               content_index=0, delta=piece.reasoning)  # fmt: skip
+        if piece.text:
+            out += self._open("message", self._message_item(None, "in_progress"))
+            out += self._event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=self._index,
+                               content_index=0, delta=piece.text, logprobs=[])  # fmt: skip
+        return out
+
+    def _open(self, kind: str, item: dict[str, Any]) -> bytes:
+        """Start an output item of ``kind`` unless one is open (the one open before it is finished)."""
+        if self._item == kind:
+            return b""
+        out = self._close()
+        self._index += 1
+        self._item = kind
+        out += self._event("response.output_item.added", output_index=self._index, item=item)
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._event("response.content_part.added", item_id=item["id"], output_index=self._index,
+                               content_index=0, part=part)  # fmt: skip
+        return out
+
+    def _close(self) -> bytes:
+        kind, self._item = self._item, None
+        if kind is None:
+            return b""
+        where = {"output_index": self._index}
+        if kind == "reasoning":
+            text = self._out.reasoning
+            item = self._reasoning_item(text)
+            out = self._event("response.reasoning_text.done", item_id=item["id"], **where, content_index=0, text=text)
+        elif kind == "message":
+            text = self._out.text
+            item = self._message_item(text)
+            part = item["content"][0]
+            out = self._event("response.output_text.done", item_id=item["id"], **where, content_index=0, text=text,
+                              logprobs=[])  # fmt: skip
+            out += self._event("response.content_part.done", item_id=item["id"], **where, content_index=0, part=part)
+        else:
+            k = int(kind.split()[1])
+            call = self._out.calls[k]
+            item = {"id": f"fc_{self.rid}_{k}", "type": "function_call", "status": "completed",
+                    "arguments": call.arguments, "call_id": call.id, "name": call.name}  # fmt: skip
+            out = b""
+        self._items.append(item)
+        return out + self._event("response.output_item.done", **where, item=item)
+
+
+def formatter_factory(clock: Callable[[], float]) -> Callable[[Work, Tokenizer], ResponsesFormatter]:
+    """The lifecycle's formatter factory for ``/v1/responses``; ``clock`` (wall seconds) stamps ``created_at``."""
+    ids = itertools.count(1)
+
+    def make(work: Work, tokenizer: Tokenizer) -> ResponsesFormatter:
+        return ResponsesFormatter(work.options["responses"], tokenizer, f"ep{next(ids)}", int(clock()))
+
+    return make
