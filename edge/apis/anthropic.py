@@ -27,7 +27,7 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
-from edgepath.edge.apis.structured import FormatRefused
+from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
 from edgepath.edge.http import Headers, HttpError, json_type, load_json
 from edgepath.edge.text.chat import ChatMessage
@@ -58,9 +58,10 @@ MAX_STOP_SEQUENCES = 16
 ROLES = ("user", "assistant")
 CREATE_FIELDS = frozenset(
     {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-     "tools", "tool_choice", "metadata", "thinking", "service_tier", "cache_salt"}
+     "tools", "tool_choice", "metadata", "thinking", "service_tier", "output_config", "cache_salt"}
 )  # fmt: skip
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_salt"})
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICES = '{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": NAME} or {"type": "none"}'
 
 
@@ -123,6 +124,8 @@ class MessagesRequest:
     stream: bool = False
     cache_salt: str | None = None
     thinking: Thinking | None = None
+    constraint: str | None = None
+    """The grammar the answer must match: ``output_config.format``'s, or the calls' when they are enforced."""
 
 
 #: Anthropic's defaults: temperature 1, no top_p or top_k
@@ -168,12 +171,18 @@ def parse_messages(body: bytes | Mapping[str, Any], limits: AnthropicLimits, *, 
         raise invalid(f"temperature: must be a number in [0, 1], got {show(doc['temperature'])}")
     _metadata(doc.get("metadata"))
     _service_tier(doc.get("service_tier"))
+    shaped = _output_format(doc.get("output_config"), limits)
+    if shaped is not None and chat.tools is not None:
+        raise invalid(
+            "output_config.format: cannot be combined with 'tools' (the answer may be tool calls); give "
+            '"tool_choice": {"type": "none"} or drop one of them'
+        )
     stream = doc.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise invalid(f"stream: must be true or false, got {show(stream)}")
     return MessagesRequest(
         model, chat, _max_tokens(doc.get("max_tokens"), limits.max_tokens), sampling, stop, bool(stream), salt,
-        limits.thinking,
+        limits.thinking, shaped or chat.constraint,
     )  # fmt: skip
 
 
@@ -399,12 +408,35 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec
     return ToolSpec(tools, "required" if kind == "any" else "auto", None, not serial, fmt)
 
 
+def _output_format(raw: Any, limits: AnthropicLimits) -> str | None:
+    """``output_config``: ``format`` (a JSON schema the answer must match) as the grammar that enforces it (the
+    chat route's ``response_format``: :mod:`edgepath.edge.apis.structured`); ``effort`` is checked, not used."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"effort", "format"}:
+        raise invalid(f'output_config: must be {{"format"?: ..., "effort"?: ...}}, got {show(raw)}')
+    if raw.get("effort") not in (None, *EFFORTS):
+        raise invalid(f"output_config.effort: must be one of {', '.join(EFFORTS)}, got {show(raw['effort'])}")
+    fmt = raw.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or set(fmt) != {"type", "schema"}:
+        raise invalid(f'output_config.format: must be {{"type": "json_schema", "schema": {{...}}}}, got {show(fmt)}')
+    if not limits.grammars:
+        raise invalid("output_config.format: not supported by this server (its model side enforces no grammar)")
+    try:
+        return grammar_for({"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
+    except FormatRefused as exc:
+        param = exc.param.replace("response_format.json_schema", "output_config.format")
+        raise invalid(f"{param}: {exc.message.replace(exc.param, param)}") from None
+
+
 def _thinking(raw: Any, max_tokens: Any) -> None:
     """``thinking``: checked as Anthropic checks it; the model thinks as its chat template has it (docs/API.md)."""
     if raw is None:
         return
     kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind == "disabled" and set(raw) == {"type"}:
+    if kind in ("disabled", "adaptive") and set(raw) == {"type"}:
         return
     if kind == "enabled" and set(raw) == {"type", "budget_tokens"}:
         budget = raw["budget_tokens"]

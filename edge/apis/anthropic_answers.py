@@ -57,13 +57,13 @@ class AnthropicRoutes:
             if count:
                 return _count_work(req)
             work = chat_work(
-                MESSAGES, req.chat, req.chat.constraint, max_tokens=req.max_tokens, stream=req.stream,
+                MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
                 sampling=req.sampling, options={"anthropic": req},
             )  # fmt: skip
         except AnthropicError as err:
             return _error_response(err)
         except wire.RequestInvalid as exc:
-            return _error_response(AnthropicError(400, f"tools: {exc}"))
+            return _error_response(AnthropicError(400, f"tools or output_config.format: {exc}"))
         work.cache_salt = req.cache_salt
         return work
 
