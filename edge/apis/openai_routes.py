@@ -14,7 +14,6 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from edgepath.contract import wire
 from edgepath.edge.apis import openai as oa
 from edgepath.edge.apis import openai_answers as oaa
 from edgepath.edge.apis import tools as tool_calling
+from edgepath.edge.apis.conversation import Conversation, chat_work
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.text.thinking import Thinking, thinking_of
 from edgepath.edge.text.tokenizer import Tokenizer
@@ -108,26 +108,26 @@ class OpenAIRoutes:
                 req = oa.parse_completion_request(body, self.limits)
         except oa.OpenAIError as err:
             return _error_response(err)
-        options: dict[str, Any] = {"openai": req}
-        if req.messages is not None:
-            options["messages"] = list(tool_calling.template_messages(req.messages))
-            if req.template_tools is not None:
-                options["tools"] = list(req.template_tools)
-        tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
         # with log probabilities each token is a record of output words: max_tokens counts words on the wire
         words = req.max_tokens * wire.record_words(req.logprobs)
-        flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
-        constraint = None
-        if req.constraint is not None:
-            try:
-                constraint = wire.constraint_encoding(req.constraint)
-            except wire.RequestInvalid as exc:
-                param = "tools" if req.tools is not None else "response_format"
-                return _error_response(oa.invalid_request(f"'{param}': {exc}", param=param))
-        work = Work(
-            "generate", req.prompt, tokens, words, req.stream, req.sampling, path, options, flags=flags,
-            constraint=constraint,
-        )  # fmt: skip
+        try:
+            if req.messages is not None:  # a chat: the one path of every chat shape
+                chat = Conversation(req.messages, req.tools, req.constraint, req.template_tools)
+                work = chat_work(
+                    path, chat, req.constraint, max_tokens=words, stream=req.stream, sampling=req.sampling,
+                    options={"openai": req},
+                )  # fmt: skip
+            else:
+                tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
+                constraint = wire.constraint_encoding(req.constraint) if req.constraint is not None else None
+                work = Work(
+                    "generate", req.prompt, tokens, words, req.stream, req.sampling, path, {"openai": req},
+                    constraint=constraint,
+                )  # fmt: skip
+        except wire.RequestInvalid as exc:
+            param = "tools" if req.tools is not None else "response_format"
+            return _error_response(oa.invalid_request(f"'{param}': {exc}", param=param))
+        work.flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
         work.cache_salt = req.cache_salt
         work.choices = req.n
         return work
