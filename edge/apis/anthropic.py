@@ -255,6 +255,7 @@ def _messages(raw: Any) -> list[Turn]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where}: must be an object with 'role' and 'content', got {json_type(message)}")
+        _answers_a_call(turns, message, where)
         extra = sorted(set(message) - {"role", "content"})
         if extra:
             raise invalid(f"{where}.{extra[0]}: Extra inputs are not permitted")
@@ -274,6 +275,22 @@ def _messages(raw: Any) -> list[Turn]:
             "this server; end with a user turn"
         )
     return turns
+
+
+def _answers_a_call(turns: Sequence[Turn], message: Mapping[str, Any], where: str) -> None:
+    """Each ``tool_result`` of ``message`` answers a ``tool_use`` of an earlier assistant turn (named in Anthropic's
+    places; the shared check names the conversation's turns)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return
+    made = {c.id for t in turns if isinstance(t, ToolTurn) for c in t.calls}
+    for j, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") == "tool_result":
+            call_id = block.get("tool_use_id")
+            if isinstance(call_id, str) and call_id not in made:
+                raise invalid(
+                    f"{where}.content[{j}].tool_use_id: {call_id!r} answers no tool_use of an earlier assistant turn"
+                )
 
 
 def _user(blocks: list[Any], where: str) -> list[Turn]:

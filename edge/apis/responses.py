@@ -221,6 +221,12 @@ def _input(raw: Any) -> list[Turn]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise invalid_request(f"'{where}.call_id' must name the call this output answers", param=where)
+            if not any(isinstance(t, ToolTurn) and any(c.id == call_id for c in t.calls) for t in turns):
+                raise invalid_request(
+                    f"'{where}.call_id' = {call_id!r} answers no function_call earlier in 'input'",
+                    param=f"{where}.call_id",
+                    code="invalid_value",
+                )
             output = item.get("output")
             if isinstance(output, list):
                 output = "\n".join(_part(p, f"{where}.output[{j}]", ("input_text",)) for j, p in enumerate(output))

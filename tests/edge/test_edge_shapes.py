@@ -117,6 +117,10 @@ def test_a_conversation_with_a_tool_round_trip_becomes_the_chat_the_template_ren
             "messages[0].content[0]: content blocks of type 'image' are not supported",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "s"}]}, "tools[0].type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]},
+            "messages[0].content[0].tool_use_id: 'toolu_9' answers no tool_use",
+        ),
         ({"tools": [{"name": "f"}]}, "tools[0].input_schema: Field required"),
         ({"tools": [{"name": "bad name", "input_schema": {}}]}, "tools[0].name"),
         ({"tool_choice": {"type": "any"}}, "needs 'tools'"),
@@ -287,6 +291,7 @@ def test_input_items_become_the_chat_with_calls_and_their_outputs() -> None:
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"input": [{"type": "input_image"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"max_output_tokens": 65}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
