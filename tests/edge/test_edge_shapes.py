@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.tokenizers import CharTokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
 from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, parse_messages
@@ -23,7 +25,7 @@ from edgepath.edge.apis.openai_routes import formatter_factory as openai_formatt
 from edgepath.edge.apis.responses import ResponsesLimits, parse_response_request
 from edgepath.edge.apis.responses_answers import ResponsesFormatter, ResponsesRoutes
 from edgepath.edge.apis.responses_answers import formatter_factory as responses_formatters
-from edgepath.edge.http import CHAT, COUNT_TOKENS, MESSAGES, RESPONSES, HttpError, Limits, Outcome, Request
+from edgepath.edge.http import CHAT, COUNT_TOKENS, MESSAGES, RESPONSES, HttpError, Limits, Outcome, Request, Work
 from edgepath.edge.lifecycle import EdgeLifecycle, EndStream
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.refusals import Refusals
@@ -446,3 +448,41 @@ def test_a_streamed_message_ends_in_anthropics_events_through_the_lifecycle() ->
     (end,) = only(actions, EndStream)
     assert end.data.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
     assert records[0].answer_id == "msg_ep1"
+
+
+# -- hostile input: whatever arrives, each shape answers in its own error shape and never raises ------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=16,
+)
+KEYS = ["model", "messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+        "input", "instructions", "max_output_tokens", "text", "stream", "thinking", "output_config"]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    path=st.sampled_from([MESSAGES, COUNT_TOKENS, RESPONSES]),
+    doc=st.dictionaries(st.sampled_from(KEYS), json_values, max_size=3),
+    with_model=st.booleans(),
+)
+def test_any_document_is_work_or_an_error_in_the_shapes_own_form(
+    path: str, doc: dict[str, Any], with_model: bool
+) -> None:
+    """A valid body with up to three fields replaced by anything JSON can hold."""
+    shape: Any = ResponsesRoutes(R_LIMITS, True) if path == RESPONSES else AnthropicRoutes(A_LIMITS, True)
+    base = BODIES[MESSAGES if path == COUNT_TOKENS else path] if with_model else {}
+    if path == COUNT_TOKENS:
+        base = {k: v for k, v in base.items() if k != "max_tokens"}
+    doc = {**base, **doc}
+    result = shape.handle(path, "POST", json.dumps(doc).encode())
+    if isinstance(result, Work):
+        assert (result.options["messages"] and 1 <= result.max_tokens <= 64) or result.kind == "tokenize"
+        return
+    assert result.status in (400, 404)
+    body = json.loads(result.body)
+    if path == RESPONSES:
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    else:
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
