@@ -56,6 +56,7 @@ class OutputText:
         at a time while the thinking may go on)."""
         self._count_thinking = count_thinking and thinking is not None
         self.reasoning_tokens = 0
+        self._undecided = 0  # ids fed before the output opened its thinking or showed it would not
         self._detok = IncrementalDetokenizer(decoder)
         self._stop = StopMatcher(stops)
         self._split = ThinkingSplit(thinking) if thinking is not None else None
@@ -115,7 +116,11 @@ class OutputText:
                 break
             before = self._split.within
             piece = self._release(self._detok.feed([token]), ())
-            self.reasoning_tokens += before or self._split.within
+            if before or self._split.within:  # its text was thinking (the open tag's ids with it)
+                self.reasoning_tokens += 1 + self._undecided
+                self._undecided = 0
+            elif not self._split.decided:
+                self._undecided += 1
             reasoning.append(piece.reasoning)
             text.append(piece.text)
         return Piece("".join(reasoning), "".join(text))

@@ -486,3 +486,30 @@ def test_any_document_is_work_or_an_error_in_the_shapes_own_form(
         assert set(body["error"]) == {"message", "type", "param", "code"}
     else:
         assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+
+
+def test_a_thinking_models_thought_is_a_reasoning_item_with_its_tokens_counted() -> None:
+    from pydantic import TypeAdapter
+
+    from edgepath.edge.text.thinking import Thinking
+
+    text = "<think>\nHmm.\n</think>\n\nHello."
+    ids = np.array([ord(c) for c in text], np.int32)
+    limits = ResponsesLimits(64, (MODEL,), thinking=Thinking())
+    whole = ResponsesFormatter(parse_response_request({"model": MODEL, "input": "hi"}, limits), CharTokenizer(),
+                               "ep1", 0).complete(Outcome(1, 3, ids, "STOP", 1))  # fmt: skip
+    response = openai.types.responses.Response.model_validate(json.loads(whole.body))
+    reasoning, _ = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Hmm."
+    assert response.output_text == "Hello."
+    # one id per character: the thinking's ids are those up to the close tag (its white space included)
+    assert response.usage.output_tokens_details.reasoning_tokens == text.index("</think>") + len("</think>")
+    fmt = ResponsesFormatter(
+        parse_response_request({"model": MODEL, "input": "hi", "stream": True}, limits), CharTokenizer(), "ep1", 0
+    )
+    raw = fmt.tokens(ids[:10]) + fmt.end(Outcome(2, 3, ids, "STOP", 1))
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    events = [adapter.validate_python(json.loads(b.split("\n")[1][6:])) for b in raw.decode().split("\n\n")[:-1]]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Hmm."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello."
+    assert events[-1].response.output == response.output
