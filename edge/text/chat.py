@@ -181,6 +181,9 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 strftime_now=strftime_now,
+                # a reasoning model thinks, as llama-server renders its templates by default: templates that read
+                # it (Qwen3's, llama.cpp's DeepSeek-R1 distillations') disagree on what its absence means
+                enable_thinking=True,
             )
         except ChatTemplateError:
             raise

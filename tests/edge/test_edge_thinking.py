@@ -1,12 +1,11 @@
 """A reasoning model's thinking split from its answer, with the real templates of two reasoning families, verbatim as
-llama.cpp's repository keeps them for its own chat tests:
+llama.cpp keeps them for its own chat tests (``models/templates/`` of the llama.cpp inside llama-cpp-python's sdist:
+tests/helpers/templates.py):
 
-* ``templates/Qwen-Qwen3-0.6B.jinja``: Qwen3's ``chat_template`` (the model opens ``<think>`` itself; Hermes
-  ``<tool_call>`` blocks), from github.com/ggml-org/llama.cpp, ``models/templates/`` (a fork's copy, commit
-  b354d7c9, line ends made LF);
-* ``templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja``: the DeepSeek-R1 distillations' template, whose
-  generation prompt ends with ``<think>\\n`` (the output starts inside the thinking), from the same folder, commit
-  20bdc4fa.
+* ``Qwen-Qwen3-0.6B.jinja``: Qwen3's ``chat_template`` (the model opens ``<think>`` itself; Hermes ``<tool_call>``
+  blocks);
+* ``deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja``: the DeepSeek-R1 distillations' template, whose generation
+  prompt ends with ``<think>\\n`` (the output starts inside the thinking).
 
 The thinking goes to OpenAI chat's ``reasoning_content`` and never into ``content`` however the text is cut into
 deltas; the split is the one text transform every shape uses (:mod:`edgepath.edge.apis.output`)."""
@@ -14,10 +13,10 @@ deltas; the split is the one text transform every shape uses (:mod:`edgepath.edg
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from helpers.templates import template
 from helpers.tokenizers import CharTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,10 +28,9 @@ from edgepath.edge.apis.tools import template_format
 from edgepath.edge.text.chat import ChatTemplate
 from edgepath.edge.text.thinking import Thinking, ThinkingSplit, thinking_of
 
-HERE = Path(__file__).parent / "templates"
-QWEN3 = (HERE / "Qwen-Qwen3-0.6B.jinja").read_text()
-R1 = (HERE / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
-QWEN25 = (HERE / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+QWEN3 = template("Qwen-Qwen3-0.6B.jinja")
+R1 = template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+QWEN25 = template("Qwen-Qwen2.5-7B-Instruct.jinja")
 ASKED = [{"role": "user", "content": "What is the capital of France?"}]
 # what each family answers: Qwen3 opens the block itself; R1's prompt opened it
 QWEN3_OUT = "<think>\nThe user asks for the capital of France.\nIt is Paris.\n</think>\n\nThe capital is Paris."

@@ -1,12 +1,12 @@
 """Tools rendered by a model's own chat template, and its calls read back in the format the template asks for.
 
-The templates are real ones, verbatim, as llama.cpp's repository keeps them for its own tool-call tests:
+The templates are real ones, verbatim, as llama.cpp keeps them for its own chat tests (``models/templates/`` of the
+llama.cpp inside llama-cpp-python's sdist: tests/helpers/templates.py):
 
-* ``templates/Qwen-Qwen2.5-7B-Instruct.jinja``: Qwen2.5-7B-Instruct's ``chat_template`` (Hermes-style
-  ``<tool_call>`` blocks), from github.com/ggerganov/llama.cpp, ``tests/chat/templates/``, commit eaca756e;
-* ``templates/meta-llama-Llama-3.3-70B-Instruct.jinja``: the Llama 3.1 family's template as Meta ships it with
+* ``Qwen-Qwen2.5-7B-Instruct.jinja``: Qwen2.5-7B-Instruct's ``chat_template`` (Hermes-style ``<tool_call>`` blocks);
+* ``meta-llama-Llama-3.3-70B-Instruct.jinja``: the Llama 3.1 family's template as Meta ships it with
   Llama-3.3-70B-Instruct (custom tools in the first user turn, a call answered as JSON ``{"name": ...,
-  "parameters": ...}``, results in ``ipython`` turns), from the same folder, commit a4b2d1d0.
+  "parameters": ...}``, results in ``ipython`` turns).
 
 They are rendered by the edge's own sandboxed renderer (:mod:`edgepath.edge.text.chat`) and by the GGUF tokenizer's
 chat path (SmolLM2's vocabulary: the text is what is checked, and what a user may put in it)."""
@@ -14,10 +14,10 @@ chat path (SmolLM2's vocabulary: the text is what is checked, and what a user ma
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.templates import template
 
 from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
 from edgepath.edge.apis.openai_answers import Answer
@@ -28,9 +28,8 @@ from edgepath.edge.text.chat import ChatMessage, ChatTemplate
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-HERE = Path(__file__).parent / "templates"
-QWEN = (HERE / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-LLAMA = (HERE / "meta-llama-Llama-3.3-70B-Instruct.jinja").read_text()
+QWEN = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+LLAMA = template("meta-llama-Llama-3.3-70B-Instruct.jinja")
 # SmolLM2-135M-Instruct's (tests/edge/test_edge_chat.py): no place for tools
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -6,7 +6,6 @@ same check the slot's sampler makes before each token (:class:`edgepath.model.sa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-TEMPLATES = Path(__file__).parents[1] / "edge" / "templates"
 WEATHER = {
     "type": "function",
     "function": {

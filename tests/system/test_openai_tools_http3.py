@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
+from helpers.templates import template_path
 
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.adapters.tls import default_certificate
@@ -25,7 +25,6 @@ pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip i
 pytest.importorskip("curl_cffi", reason="libcurl's HTTP/3 client (curl_cffi) is a bench dependency")
 pytestmark = pytest.mark.slow  # a served model
 
-QWEN = Path(__file__).parents[1] / "edge" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 WEATHER = {
     "type": "function",
     "function": {
@@ -47,7 +46,7 @@ def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from edgepath.model.gguf import default_model_path
 
     gguf = str(default_model_path())
-    template = str(QWEN) if request.param == "qwen2.5-template" else None
+    template = str(template_path("Qwen-Qwen2.5-7B-Instruct.jinja")) if request.param == "qwen2.5-template" else None
     options = ServeOptions(
         edge=EdgeSettings(transport="quic", port_asked=free_port(), tokenizer=gguf, chat_template=template),
         sizing=Sizing(slots=2, input_capacity=2048, output_capacity=160),  # the calls' grammar follows the prompt
