@@ -4,24 +4,32 @@ edge reaches memory only through this layer, the agent side).
 
 The home does nothing per request -- it registers the region, accepts edges and lets go of those gone -- so
 quotas across edges need no middle layer: an edge's CAS lands in the home's memory (shared memory on loopback,
-through the NIC over verbs) and is the admission decision itself.  ``serve --workers N`` keeps one in the
-supervising process for its workers; ``serve --quota-listen ADDRESS`` keeps one for edges elsewhere, which reach
-it with ``--quota-home ADDRESS``.  The address says the transport: a socket path is loopback (edges on one
-machine), ``IP:PORT`` is verbs (edges on several hosts, with the data path's device).
+through the NIC over verbs) and is the admission decision itself.  ``edgepath ledger --listen ADDRESS`` keeps one
+in a process of its own (:mod:`edgepath.dpu.ledger_service`: one ledger for a deployment's edges, its words kept in a
+file across its restarts); ``serve --workers N`` keeps one in the supervising process for its workers; ``serve
+--quota-listen ADDRESS`` keeps one in a serve for edges elsewhere.  Edges reach one with ``--quota-home ADDRESS``.
+The address says the transport: a socket path is loopback (edges on one machine), ``HOST:PORT`` is verbs (edges on
+several hosts, with the data path's device; a host name is resolved again at every connect).
 
 Failure: an edge that loses its home (a failed operation, the connection closed) refuses every request of a
 tenant with a quota (:class:`LedgerUnavailable`: 503 ``quota_unavailable``, fail closed)
 while a thread reconnects with bounded back-off; what it could not give back meanwhile stays charged.  A home that
-starts again starts with every bucket full.
+starts again starts from the words it is given (a ledger process: its file, :mod:`edgepath.dpu.ledger_file`), else
+with every bucket full.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from edgepath.contract import wire
 from edgepath.dpu.backoff import Backoff, Retry
@@ -40,22 +48,52 @@ CHECK_INTERVAL = 0.1
 
 
 def transport_kind(address: str) -> str:
-    """The transport a ledger address is reached over: a socket path is loopback, ``IP:PORT`` verbs."""
+    """The transport a ledger address is reached over: a socket path is loopback, ``HOST:PORT`` verbs."""
     return "loopback" if "/" in address else "verbs"
 
 
-class LedgerHome:
-    """The ledger's region (``entries`` pairs of words, all 0: every bucket full) exported at ``address`` to every
-    edge that connects, by a thread that accepts them and closes those gone."""
+def resolved(address: str, getaddrinfo: Callable[..., list[tuple[Any, ...]]] = socket.getaddrinfo) -> str:
+    """``address`` as the transport connects to it: a verbs ``HOST:PORT`` whose host is a name (a StatefulSet
+    pod's DNS name, which outlives its IP address) made ``IP:PORT`` -- asked again at every connect, so a ledger
+    restarted at another address is found; an IP address or a socket path as it is."""
+    if transport_kind(address) == "loopback":
+        return address
+    host, _, port = address.rpartition(":")
+    try:
+        ipaddress.ip_address(host)
+        return address
+    except ValueError:
+        pass
+    try:
+        infos = getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise TransportError(f"cannot resolve {host}: {exc}") from None
+    if not infos:
+        raise TransportError(f"cannot resolve {host}: no address")
+    return f"{infos[0][4][0]}:{port}"
 
-    def __init__(self, transport: Transport, address: str, entries: int = wire.LEDGER_ENTRIES) -> None:
+
+class LedgerHome:
+    """The ledger's region (``entries`` pairs of words: ``words``, as a ledger file kept them, or all 0: every bucket
+    full) exported at ``address`` to every edge that connects, by a thread that accepts them and closes those gone."""
+
+    def __init__(
+        self, transport: Transport, address: str, entries: int = wire.LEDGER_ENTRIES, words: bytes | None = None
+    ) -> None:
         self.address = address
         self.region = transport.register(wire.LEDGER_REGION, 16 * entries, wire.LEDGER_ACCESS)
+        if words is not None:
+            self.region.buf[:] = np.frombuffer(words, dtype=np.uint8)  # before any edge can connect
         self._listener: Listener = transport.listen(address, [self.region], wire.ledger_hello(entries))
         self._edges: list[Connection] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ledger-home", daemon=True)
         self._thread.start()
+
+    def words(self) -> bytes:
+        """A copy of the words as they are now (each aligned 64-bit word read whole; words may change meanwhile,
+        each is a bucket or a key of its own)."""
+        return self.region.buf.view(np.uint64).tobytes()
 
     @property
     def edges(self) -> int:
@@ -117,7 +155,7 @@ class RemoteLedger:
         self._conn, self._region = conn, region
 
     def _connect(self) -> tuple[Connection, RemoteRegion, int]:
-        conn = self._transport.connect(self.address, [], {}, timeout=self._timeout)
+        conn = self._transport.connect(resolved(self.address), [], {}, timeout=self._timeout)
         try:
             entries = wire.read_ledger_hello(conn.peer_info)
             region = conn.remote[wire.LEDGER_REGION]

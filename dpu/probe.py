@@ -69,3 +69,24 @@ def probe(
             sleep(READ_INTERVAL)
     finally:
         transport.close()
+
+
+def probe_ledger(transport: Transport, address: str, timeout: float) -> Verdict:
+    """Connect to the quota ledger at ``address`` over ``transport`` (closed on return) as an edge does, read one of
+    its words by remote compare-and-swap (one that changes nothing), and let go: a ledger's liveness probe."""
+    from edgepath.dpu.ledger import LedgerUnavailable, RemoteLedger
+
+    try:
+        try:
+            ledger = RemoteLedger(transport, address, timeout=timeout)
+        except TransportError as exc:
+            return Verdict(False, f"{address}: no quota ledger answers: {exc}")
+        try:
+            ledger.cas(0, 0, 0)
+        except LedgerUnavailable as exc:
+            return Verdict(False, f"{address}: its words cannot be read: {exc}")
+        finally:
+            ledger.close()
+        return Verdict(True, f"{address}: up (a quota ledger of {ledger.entries} entries, its words read)")
+    finally:
+        transport.close()

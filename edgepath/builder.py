@@ -27,10 +27,12 @@ from edgepath.config import (
     Capacity,
     DataPath,
     EdgeSettings,
+    LedgerSettings,
     ServeOptions,
     SlotServerSettings,
     StartedSlotServer,
 )
+from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.options import to_argv
 from edgepath.runtime import runtime_dir
 
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from edgepath.dpu.agent_client import AgentClient
     from edgepath.dpu.agent_service import AgentService
     from edgepath.dpu.ledger import LedgerHome
+    from edgepath.dpu.ledger_service import LedgerService
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.adapters.tls import TlsFiles
     from edgepath.edge.routes import HttpCore
@@ -326,7 +329,7 @@ def plan_serve(options: ServeOptions) -> ServePlan:
             check_ledger_address(flag, address, options.data_path)
     if edge.quota_home is not None:
         with contextlib.ExitStack() as probe:  # a ledger that does not answer is refused before anything starts
-            shared_quotas(edge.quota_home, options, probe)
+            shared_quotas(edge.quota_home, options, probe, wait=edge.quota_wait)
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
@@ -600,14 +603,34 @@ def check_ledger_address(flag: str, address: str, data_path: DataPath) -> None:
         )
 
 
-def ledger_transport(address: str, options: ServeOptions) -> Transport:
+def ledger_transport(address: str, data_path: DataPath, hang_timeout: float) -> Transport:
     """The transport a quota ledger at ``address`` is reached over (:func:`edgepath.dpu.ledger.transport_kind`):
     loopback for a socket path; verbs, on the data path's device, for IP:PORT."""
     from edgepath.dpu.ledger import transport_kind
 
     kind = transport_kind(address)
-    data_path = options.data_path if kind == options.data_path.kind else DataPath(kind)
-    return data_path_transport(data_path, options.agent.hang_timeout)
+    return data_path_transport(data_path if kind == data_path.kind else DataPath(kind), hang_timeout)
+
+
+def build_ledger(settings: LedgerSettings) -> LedgerService:
+    """``edgepath ledger``: a quota ledger home at ``settings.listen``, its words from and to ``settings.state``; a
+    state file it cannot read, or an address it cannot listen at, is an error naming it, before any edge can
+    connect."""
+    from edgepath.dpu.ledger_service import LedgerService
+    from edgepath.transports.base import TransportError
+
+    check_ledger_address("--listen", settings.listen, settings.data_path)
+    if settings.state is not None and not Path(settings.state).parent.is_dir():
+        raise ValueError(f"--state {settings.state}: no directory {Path(settings.state).parent} to keep it in")
+    transport = ledger_transport(settings.listen, settings.data_path, DEFAULT_HANG_TIMEOUT)
+    try:
+        return LedgerService(transport, settings.listen, settings.state, settings.save_interval)
+    except TransportError as exc:
+        transport.close()
+        raise RuntimeError(f"--listen {settings.listen}: {exc}") from exc
+    except BaseException:
+        transport.close()
+        raise
 
 
 def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> LedgerHome:
@@ -616,7 +639,7 @@ def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitSta
     from edgepath.dpu.ledger import LedgerHome
     from edgepath.transports.base import TransportError
 
-    transport = ledger_transport(address, options)
+    transport = ledger_transport(address, options.data_path, options.agent.hang_timeout)
     cleanup.callback(transport.close)
     try:
         home = LedgerHome(transport, address)
@@ -627,21 +650,30 @@ def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitSta
     return home
 
 
-def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> Quotas:
+def shared_quotas(address: str, options: ServeOptions, cleanup: contextlib.ExitStack, wait: float = 0.0) -> Quotas:
     """The edge's quotas in the ledger at ``address`` (``--quota-home``), shared with the other edges there; a
-    ledger that does not answer is an error naming the option."""
+    ledger that does not answer within ``wait`` seconds (``--quota-wait``: tried again meanwhile) is an error
+    naming the option."""
     from edgepath.dpu.ledger import RemoteLedger
     from edgepath.edge.tenancy.quota import Quotas
     from edgepath.transports.base import TransportError
 
-    transport = ledger_transport(address, options)
+    transport = ledger_transport(address, options.data_path, options.agent.hang_timeout)
     cleanup.callback(transport.close)
-    try:
-        ledger = RemoteLedger(transport, address)
-    except TransportError as exc:
-        raise RuntimeError(
-            f"--quota-home {address}: {exc}; give the address a quota ledger is kept at (serve --quota-listen)"
-        ) from exc
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            ledger = RemoteLedger(transport, address)
+            break
+        except TransportError as exc:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"--quota-home {address}: {exc}"
+                    + (f" (tried for {wait:g} s, --quota-wait)" if wait else "")
+                    + "; give the address a quota ledger is kept at (edgepath ledger --listen, serve --quota-listen)"
+                ) from exc
+            log.info("--quota-home %s: no ledger answers yet (%s); trying again", address, exc)
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     cleanup.callback(ledger.close)
     log.info("quotas counted in the quota ledger at %s", address)
     return Quotas(ledger)

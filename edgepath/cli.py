@@ -19,6 +19,7 @@ from edgepath.config import (
     AgentServiceSettings,
     ChatSettings,
     DemoSettings,
+    LedgerSettings,
     ProbeSettings,
     RequestSettings,
     ServeOptions,
@@ -87,9 +88,13 @@ def _run_until_signal(
 def _serve_until_signal(server: Any, listen: str, report: Callable[[], str], graceful: bool = False) -> int:
     """Print the ready line, serve until SIGINT/SIGTERM (``graceful``: a first SIGTERM drains the server: see
     :func:`_run_until_signal`), close; ``report`` is logged at the end."""
-    print(f"ready {listen}", flush=True)
+
+    def serve() -> None:  # the ready line once the signal handlers are in place: a SIGTERM right after it is a stop
+        print(f"ready {listen}", flush=True)
+        server.serve()
+
     try:
-        _run_until_signal(server.serve, server.stop, server.drain if graceful else None)
+        _run_until_signal(serve, server.stop, server.drain if graceful else None)
     finally:
         server.close()
         log.info("%s", report())
@@ -110,6 +115,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     settings = from_args(AgentServiceSettings, args)
     service = build_agent_service(settings)
     return _serve_until_signal(service, settings.listen, lambda: f"agent: {service.agent.describe()}")
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    from edgepath.builder import build_ledger
+
+    settings = from_args(LedgerSettings, args)
+    service = build_ledger(settings)
+    return _serve_until_signal(service, settings.listen, service.describe)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -147,11 +160,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_probe(args: argparse.Namespace) -> int:
     from edgepath.builder import data_path_transport
-    from edgepath.dpu.probe import probe
+    from edgepath.dpu.probe import probe, probe_ledger
 
     settings = from_args(ProbeSettings, args)
     transport = data_path_transport(settings.data_path, settings.hang_timeout)
-    verdict = probe(transport, settings.address, settings.hang_timeout, ready=settings.ready)
+    if settings.ledger:
+        verdict = probe_ledger(transport, settings.address, settings.hang_timeout)
+    else:
+        verdict = probe(transport, settings.address, settings.hang_timeout, ready=settings.ready)
     print(verdict.reason, file=sys.stdout if verdict.passed else sys.stderr)
     return 0 if verdict.passed else 1
 
@@ -161,7 +177,7 @@ COMMANDS = "edgepath.commands"
 
 
 #: the commands this package defines itself (the others come from :data:`COMMANDS` entry points)
-BUILT_IN = ("slot-server", "agent", "demo", "serve", "request", "chat", "probe")
+BUILT_IN = ("slot-server", "agent", "ledger", "demo", "serve", "request", "chat", "probe")
 
 #: what ``edgepath --help`` says: what the program is for and how to start, for its users
 DESCRIPTION = """\
@@ -217,14 +233,22 @@ def build_parser(added: bool = True) -> argparse.ArgumentParser:
     data_path_commands = (
         ("slot-server", "run a model side alone: a slot pool served by a handler", SlotServerSettings, cmd_slot_server),
         ("agent", "run an agent alone: it claims slots and writes requests for edges", AgentServiceSettings, cmd_agent),
+        (
+            "ledger",
+            "keep the quota ledger every edge of a deployment counts the tenants' quotas in (serve --quota-home)",
+            LedgerSettings,
+            cmd_ledger,
+        ),
         ("demo", "run the whole data path in one process, without a model, and report", DemoSettings, cmd_demo),
     )
     p = sub.add_parser(
         "probe",
-        help="check a slot server as its agents do (a container's liveness or readiness probe); exit 0 if it passes",
+        help="check a slot server as its agents do, or a quota ledger as its edges do (a container's liveness or "
+        "readiness probe); exit 0 if it passes",
         description="Attach to a running slot server as an agent does (its pool verified), wait for its heartbeat "
         "to move (at most --hang-timeout seconds) and let go: exit 0 when it passes, 1 with the reason when not. "
-        "With --ready, a draining slot server (SIGTERM) fails too.",
+        "With --ready, a draining slot server (SIGTERM) fails too. With --ledger, the address is a quota ledger's: "
+        "connect as an edge does and read a word.",
     )
     add_options(p, ProbeSettings)
     p.set_defaults(func=cmd_probe)

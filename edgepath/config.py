@@ -12,6 +12,7 @@ that fill them (:func:`edgepath.options.option`: default, help, parser):
   (``edgepath agent``), made of those;
 * :class:`ServeOptions` (``edgepath serve``): :class:`EdgeSettings`, an agent, a handler, a data path,
   :class:`Sizing`, :class:`StartedSlotServer` and :class:`Supervision`;
+* :class:`LedgerSettings` (``edgepath ledger``: the quota ledger of a deployment's edges);
 * :class:`DemoSettings`, and the clients' :class:`RequestSettings` and :class:`ChatSettings`, the other
   commands.
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from edgepath.contract.pool import DEFAULT_CAPACITY, DEFAULT_SLOTS
 from edgepath.dpu.agent import DEFAULT_MAX_WAIT, DEFAULT_MIGRATION_LIMIT
 from edgepath.dpu.discovery import DEFAULT_RESOLVE_INTERVAL, checked_source
+from edgepath.dpu.ledger_file import DEFAULT_SAVE_INTERVAL
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
@@ -400,11 +402,17 @@ class EdgeSettings:
         "socket path (edges on this machine) or IP:PORT (over --data-path verbs); default: this edge's own (with "
         "--workers, one the workers share); an address where none answers is refused at start",
     )
+    quota_wait: float = option(
+        0.0,
+        type=non_negative_float,
+        help="seconds to wait at start for the --quota-home ledger to answer (a ledger process starting beside this "
+        "edge) before refusing it; 0: refuse at once (default %(default)s)",
+    )
     quota_listen: str | None = option(
         None,
         worker=False,
         help="keep a quota ledger at this address (a socket path, or IP:PORT over verbs) for this serve and for other "
-        "edges, which give it as their --quota-home (docs/TENANTS.md)",
+        "edges, which give it as their --quota-home (docs/TENANTS.md); a ledger of its own process: `edgepath ledger`",
     )
     protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
     request_timeout: float = option(
@@ -443,6 +451,8 @@ class EdgeSettings:
             raise ValueError(
                 "--quota-home uses a quota ledger kept elsewhere and --quota-listen keeps one here: give one of them"
             )
+        if self.quota_wait and self.quota_home is None:
+            raise ValueError("--quota-wait is how long to wait for the --quota-home ledger: give --quota-home too")
         if self.usage_fsync != "none" and self.usage_log is None:
             raise ValueError(f"--usage-fsync {self.usage_fsync} is for the usage log: give --usage-log PATH too")
 
@@ -642,6 +652,31 @@ class ServeOptions:
 
 
 @dataclass(frozen=True)
+class LedgerSettings:
+    """``edgepath ledger``: one quota ledger for the edges of a deployment, in a process of its own
+    (:mod:`edgepath.dpu.ledger_service`), its words kept in a file across restarts."""
+
+    listen: str = option(
+        factory=lambda: default_address("ledger"),
+        help="where edges reach it (their --quota-home): a socket path (edges on this machine, loopback) or "
+        "HOST:PORT (--data-path verbs, an address of the RDMA device's netdev); default %(default)s",
+    )
+    state: str | None = option(
+        None,
+        help="keep the words in this file: read at start (a restart goes on from what was spent), saved as they "
+        "change; a file that is not a ledger of this size is refused (docs/TENANTS.md); default: none, every "
+        "bucket full at each start",
+    )
+    save_interval: float = option(
+        DEFAULT_SAVE_INTERVAL,
+        type=positive_float,
+        help="seconds between saves of the words to --state when they changed: a kill (SIGKILL) forgives at most "
+        "what was spent in this long; a stop (SIGTERM) saves them all (default %(default)s)",
+    )
+    data_path: DataPath = section(DataPath)
+
+
+@dataclass(frozen=True)
 class DemoSettings:
     """``edgepath demo``: the whole data path in one process, with an echo slot server."""
 
@@ -732,5 +767,16 @@ class ProbeSettings:
         help="a readiness probe: fail too while it drains (SIGTERM); without it, a liveness probe: its pool "
         "verified and its heartbeat moving",
     )
+    ledger: bool = option(
+        False,
+        switch=True,
+        help="the address is a quota ledger's (`edgepath ledger --listen`): pass when it answers as one",
+    )
     hang_timeout: float = like(AgentSettings, "hang_timeout")
     data_path: DataPath = section(DataPath)
+
+    def __post_init__(self) -> None:
+        if self.ledger and self.ready:
+            raise ValueError(
+                "--ready is for a slot server (draining or not); a quota ledger is up or not: not with --ledger"
+            )

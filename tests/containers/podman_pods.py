@@ -2,7 +2,9 @@
 runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
 
 * a StatefulSet becomes its pods, ``NAME-0`` .. ``NAME-(replicas-1)`` (the names a StatefulSet gives them, which
-  the one-node overlay's slot servers use for their socket paths), a Deployment its pods ``NAME-0`` ..;
+  the one-node overlay's slot servers use for their socket paths), a Deployment its pods ``NAME-0`` ..; a host port
+  can be published by one pod only, so a Deployment's pods after the first publish none (there is no Service in
+  front of them: the host reaches them at their pod addresses);
 * every ``env`` value becomes a literal: a Secret's or ConfigMap's key, the pod's name or namespace (podman 4.3
   reads ``secretKeyRef`` from a podman secret of its own format instead, and knows no ``metadata.namespace``);
   one known only once the pod runs (``status.podIP``) is an error;
@@ -11,9 +13,14 @@ runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
   ``metadata.namespace`` field references; ``$$`` is a literal ``$``; an undefined one stays as written);
 * a Secret mounted as a volume becomes a ConfigMap of the same name and data, mounted as one (podman 4.3 reads a
   ``secret`` volume from a podman secret of its own, and crashes on one it does not find);
+* a PersistentVolumeClaim mounted (a pod's own, or one a StatefulSet's ``volumeClaimTemplates`` make for it,
+  ``TEMPLATE-NAME-ORDINAL``) becomes the ``hostPath`` of the PersistentVolume bound to it (its ``volumeName``, or a
+  PersistentVolume whose ``claimRef`` names it), as the control plane binds it and the kubelet mounts it (podman
+  would make a named volume of its own for the claim instead); a claim no PersistentVolume among the manifests is
+  bound to is an error (podman has no provisioner);
 * init containers are of podman's kind "always" (see ``INIT_TYPE``);
-* what podman does not run (Namespace, Service, PodDisruptionBudget, Secret) is left out; ConfigMaps stay (podman
-  reads ``envFrom`` and ``configMap`` volumes from them).
+* what podman does not run (Namespace, Service, PodDisruptionBudget, Secret, NetworkPolicy, PersistentVolume and
+  PersistentVolumeClaim) is left out; ConfigMaps stay (podman reads ``envFrom`` and ``configMap`` volumes from them).
 
     python tests/containers/podman_pods.py < rendered.yaml > pods.yaml
 """
@@ -86,9 +93,13 @@ def _key(objects: dict[str, dict[str, str]], kind: str, ref: dict[str, str], var
 
 
 def pods_of(
-    controller: dict[str, Any], config_maps: dict[str, dict[str, str]], secrets: dict[str, dict[str, str]]
+    controller: dict[str, Any],
+    config_maps: dict[str, dict[str, str]],
+    secrets: dict[str, dict[str, str]],
+    bound: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The pods a StatefulSet or Deployment would make, their command lines expanded."""
+    """The pods a StatefulSet or Deployment would make, their command lines expanded; ``bound``: each claim's
+    PersistentVolume (:func:`bindings`)."""
     name = controller["metadata"]["name"]
     namespace = controller["metadata"].get("namespace", "default")
     template = controller["spec"]["template"]
@@ -97,6 +108,11 @@ def pods_of(
         pod_name = f"{name}-{ordinal}"
         spec = copy.deepcopy(template["spec"])
         spec.setdefault("restartPolicy", "Always")
+        if ordinal and controller["kind"] == "Deployment":
+            for container in spec["containers"]:
+                for port in container.get("ports", ()):
+                    port.pop("hostPort", None)
+                    port.pop("hostIP", None)
         spec.setdefault("hostname", pod_name)
         for container in (*spec.get("initContainers", ()), *spec["containers"]):
             fields = {"metadata.name": pod_name, "metadata.namespace": namespace}
@@ -104,13 +120,26 @@ def pods_of(
             for key in ("command", "args"):
                 if key in container:
                     container[key] = [expand(str(part), env) for part in container[key]]
+        for template_claim in controller["spec"].get("volumeClaimTemplates", ()):
+            claim = template_claim["metadata"]["name"]
+            spec.setdefault("volumes", []).append(
+                {"name": claim, "persistentVolumeClaim": {"claimName": f"{claim}-{pod_name}"}}
+            )
         for volume in spec.get("volumes", ()):
+            if "persistentVolumeClaim" in volume:
+                claim = volume.pop("persistentVolumeClaim")["claimName"]
+                if claim not in (bound or {}):
+                    raise ValueError(
+                        f"volume {volume['name']}: no PersistentVolume among the manifests is bound to claim {claim} "
+                        "(podman provisions none)"
+                    )
+                volume["hostPath"] = copy.deepcopy((bound or {})[claim]["spec"]["hostPath"])
             if "secret" in volume:
                 source = volume.pop("secret")
-                name = source.pop("secretName")
-                if name not in secrets:
-                    raise ValueError(f"volume {volume['name']}: no Secret {name} among the manifests")
-                volume["configMap"] = {"name": name, **source}  # items, defaultMode, optional: the same fields
+                secret = source.pop("secretName")
+                if secret not in secrets:
+                    raise ValueError(f"volume {volume['name']}: no Secret {secret} among the manifests")
+                volume["configMap"] = {"name": secret, **source}  # items, defaultMode, optional: the same fields
         metadata = {**copy.deepcopy(template.get("metadata", {})), "name": pod_name, "namespace": namespace}
         if spec.get("initContainers"):
             metadata.setdefault("annotations", {})[INIT_TYPE] = "always"
@@ -124,12 +153,25 @@ def secret_data(secret: dict[str, Any]) -> dict[str, str]:
     return {**values, **secret.get("stringData", {})}
 
 
+def bindings(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each claim's hostPath PersistentVolume among ``docs``: the one a PersistentVolumeClaim names (``volumeName``),
+    or the one whose ``claimRef`` names the claim (how a StatefulSet's claims are bound to volumes made for them)."""
+    volumes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolume" and "hostPath" in d["spec"]}
+    bound = {v["spec"]["claimRef"]["name"]: v for v in volumes.values() if "claimRef" in v["spec"]}
+    for claim in (d for d in docs if d["kind"] == "PersistentVolumeClaim"):
+        name = claim["spec"].get("volumeName")
+        if name in volumes:
+            bound[claim["metadata"]["name"]] = volumes[name]
+    return bound
+
+
 def to_podman(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ConfigMaps and pods of rendered manifests ``docs``, as podman kube play runs them."""
     config_maps = {d["metadata"]["name"]: dict(d.get("data", {})) for d in docs if d["kind"] == "ConfigMap"}
     secrets = {d["metadata"]["name"]: secret_data(d) for d in docs if d["kind"] == "Secret"}
+    bound = bindings(docs)
     out = [d for d in docs if d["kind"] == "ConfigMap"]
-    pods = [pod for doc in docs if doc["kind"] in CONTROLLERS for pod in pods_of(doc, config_maps, secrets)]
+    pods = [pod for doc in docs if doc["kind"] in CONTROLLERS for pod in pods_of(doc, config_maps, secrets, bound)]
     mounted = sorted({v["configMap"]["name"] for p in pods for v in p["spec"].get("volumes", ()) if "configMap" in v})
     for name in mounted:  # the Secrets mounted as volumes, as the ConfigMaps podman mounts instead
         if name in secrets and name not in config_maps:

@@ -154,3 +154,20 @@ def test_an_address_where_no_home_listens_is_an_error_at_once(
 ) -> None:
     with pytest.raises(TransportError):
         RemoteLedger(new_transport(), new_address("nobody"), timeout=1.0)
+
+
+def test_a_home_started_from_the_words_another_kept_goes_on_from_what_was_spent(
+    new_transport: Callable[[], Transport], new_address: Callable[[str], str]
+) -> None:
+    """What ``edgepath ledger --state`` does across a restart, over the transport: the words a home had (a copy, as
+    its file keeps them) are the next home's before any edge connects, so what was spent stays spent."""
+    address = new_address("ledger")
+    now = 1_800_000_000 * S  # one instant: nothing refills between the two homes
+    home = LedgerHome(new_transport(), address)
+    assert isinstance(Quotas(RemoteLedger(new_transport(), address)).reserve(GREEDY, 2500, now), Reservation)
+    kept = home.words()
+    home.close()
+    home = LedgerHome(new_transport(), new_address("ledger-again"), words=kept)
+    got = Quotas(RemoteLedger(new_transport(), home.address)).limits(GREEDY, now)
+    assert isinstance(got, dict) and got["tokens"].remaining == 6000 - 2500
+    home.close()
