@@ -400,17 +400,20 @@ class Cpu:
         }
 
 
-async def noisy_alone(port: int, pid: int, key: str, bodies: list[Body], args: argparse.Namespace) -> dict[str, Any]:
-    """Phase B: the noisy loop alone, measured for ``--noisy-seconds`` once it holds every slot."""
-    before = await counters(port)
+async def noisy_alone(
+    port: int, ops: int, pid: int, key: str, bodies: list[Body], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Phase B: the noisy loop alone, measured for ``--noisy-seconds`` once it holds every slot (``ops``: the edge's
+    ops listener, /health and /metrics)."""
+    before = await counters(ops)
     loop = Noisy(port, key, bodies, args.noisy_clients, args.noisy_pause, args.seed)
-    took = await saturated(port, args.start_timeout)
-    cpu, sampler = Cpu(pid, loop), Sampler(port)
+    took = await saturated(ops, args.start_timeout)
+    cpu, sampler = Cpu(pid, loop), Sampler(ops)
     w0 = time.perf_counter()
     await asyncio.sleep(args.noisy_seconds)
     w1, usage, idle = time.perf_counter(), cpu.read(), await sampler.stop()
     outcomes = loop.finish()
-    d = delta(before, await counters(port))
+    d = delta(before, await counters(ops))
     return {
         "noisy": noisy_summary(outcomes, w0, w1), "clients": args.noisy_clients, "saturated_after_s": round(took, 2),
         "idle": idle, "cpu": usage, "metrics": d, "reclaims": _reclaims(d),
@@ -418,19 +421,19 @@ async def noisy_alone(port: int, pid: int, key: str, bodies: list[Body], args: a
 
 
 async def both(
-    port: int, pid: int, keys: dict[str, str], quiet: list[Body], noisy: list[Body], clients: int,
+    port: int, ops: int, pid: int, keys: dict[str, str], quiet: list[Body], noisy: list[Body], clients: int,
     args: argparse.Namespace, seed: int,
 ) -> dict[str, Any]:  # fmt: skip
     """Phases C and D: the noisy loop with ``clients``, and once it holds all the slots it can have the quiet
     tenant's chats one at a time."""
-    before = await counters(port)
+    before = await counters(ops)
     loop = Noisy(port, keys[NOISY], noisy, clients, args.noisy_pause, seed)
-    took = await saturated(port, args.start_timeout, max(0, args.slots - clients))
-    cpu, sampler = Cpu(pid, loop), Sampler(port)
+    took = await saturated(ops, args.start_timeout, max(0, args.slots - clients))
+    cpu, sampler = Cpu(pid, loop), Sampler(ops)
     rows, w0, w1 = await quiet_run(port, keys[QUIET], quiet, args.quiet_gap)
     usage, idle = cpu.read(), await sampler.stop()
     outcomes = loop.finish()
-    d = delta(before, await counters(port))
+    d = delta(before, await counters(ops))
     q = quiet_summary(rows)
     return {
         "quiet": q, "noisy": noisy_summary(outcomes, w0, w1), "clients": clients,
@@ -448,17 +451,18 @@ async def _run(
     tenants = out / "tenants.toml"
     tenants.write_text(tenants_toml(keys, args.floor))
     model = Path(setup.model).stem
-    port = free_port(socket.SOCK_STREAM)
+    port, ops = free_port(socket.SOCK_STREAM), free_port(socket.SOCK_STREAM)
     argv = [
         *SYSTEMS[EDGEPATH].command(setup, port, args.threads),
         "--tenants-file", str(tenants), "--served-model-name", model,
+        "--ops-listen", f"127.0.0.1:{ops}",  # /health and /metrics: the operator's, on a listener of their own
     ]  # fmt: skip
     result: dict[str, Any] = {"command": " ".join(argv)}
     log_path = out / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
-        await wait_ready(proc, port, "/health", args.start_timeout)
+        await wait_ready(proc, ops, "/health", args.start_timeout)
         result["threads"] = threads_reported(SYSTEMS[EDGEPATH], log_path)
         for key in keys.values():  # warm-up, outside every window
             warm = await stream_chat(port, chat_body(model, quiet_chats[0], 4, "warm-up"), TIMEOUT_S, auth(key))
@@ -473,18 +477,18 @@ async def _run(
             return [chat_body(model, m, args.quiet_max_tokens, f"phase-{phase}") for m in quiet_chats]
 
         # A: the quiet tenant alone
-        before, cpu = await counters(port), Cpu(proc.pid)
+        before, cpu = await counters(ops), Cpu(proc.pid)
         rows, _, _ = await quiet_run(port, keys[QUIET], quiet("A"), args.quiet_gap)
         usage = cpu.read()
-        result["A_quiet_alone"] = {**quiet_summary(rows), "cpu": usage, "metrics": delta(before, await counters(port))}
+        result["A_quiet_alone"] = {**quiet_summary(rows), "cpu": usage, "metrics": delta(before, await counters(ops))}
         # B: the noisy tenant alone; C: both, the noisy loop at --noisy-clients
-        result["B_noisy_alone"] = await noisy_alone(port, proc.pid, keys[NOISY], noisy["B"], args)
-        result["C_both"] = await both(port, proc.pid, keys, quiet("C"), noisy["C"], args.noisy_clients, args, 2)
+        result["B_noisy_alone"] = await noisy_alone(port, ops, proc.pid, keys[NOISY], noisy["B"], args)
+        result["C_both"] = await both(port, ops, proc.pid, keys, quiet("C"), noisy["C"], args.noisy_clients, args, 2)
         if args.within_floor_phase:
             # D: both, the noisy tenant held to the slots the floor leaves (never refused, nothing taken back): what
             # sharing the model's compute alone costs the quiet tenant, without reclaims and refusals
             fill = args.slots - args.floor
-            result["D_noisy_within"] = await both(port, proc.pid, keys, quiet("D"), noisy["D"], fill, args, 3)
+            result["D_noisy_within"] = await both(port, ops, proc.pid, keys, quiet("D"), noisy["D"], fill, args, 3)
     finally:
         stop(proc)
     errors = [line for line in log_path.read_text(errors="replace").splitlines() if " ERROR " in line]

@@ -58,6 +58,8 @@ class Request:
     body: bytes
     t_receive_ns: int
     t_arrival_ns: int | None = None
+    #: it came in on the ops listener (``--ops-listen``): only the ops routes are served there, without a key
+    ops: bool = False
 
 
 @dataclass(slots=True)

@@ -170,8 +170,8 @@ class EdgeMetrics:
         )
         self.tenant_requests = Counter(
             "edgepath_tenant_requests",
-            "Requests that ran on a slot, by tenant (the configuration's: a tenants file's names, key-<digest> for a "
-            "flat key list, anonymous without keys) and how they ended",
+            "Requests that ran on a slot, by tenant (the configuration's: a tenants file's names, key-<n> for the "
+            "n-th key of a flat key list, anonymous without keys) and how they ended",
             ["tenant", "finish"],
             registry=self.registry,
         )

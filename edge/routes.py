@@ -74,6 +74,11 @@ ROUTES: dict[str, Route] = {
 }
 
 
+#: the ops routes a probe asks (Kubernetes' kubelet): open without a key unless ``--protect-ops``, on every listener;
+#: they say only up or not (and why not)
+PROBES = frozenset({LIVE, READY})
+
+
 def api_of(path: str) -> str | None:
     """Who answers ``path`` (see :class:`Route`); None for a path the API does not have."""
     route = ROUTES.get(path)
@@ -102,6 +107,12 @@ class HttpCore:
 
     ``openai``: the OpenAI shape (its routes answer 404 without it); ``shapes``: further API shapes by the name
     :data:`ROUTES` gives them.  edgepath's own shape is always served.
+
+    The ops routes (``/metrics`` names tenants and their usage; ``/health`` the slot servers, their addresses and
+    load) are the operator's: with ``ops_listener`` (where ``--ops-listen`` serves them) only the probes are
+    answered on the clients' listener, the rest 404 naming it; without it they need a key whenever keys are
+    configured.  A request that came in on the ops listener (:attr:`Request.ops`) gets the ops routes only, without
+    a key.
     """
 
     def __init__(
@@ -111,9 +122,11 @@ class HttpCore:
         openai: ApiShape | None = None,
         *,
         shapes: Mapping[str, ApiShape] | None = None,
+        ops_listener: str | None = None,
     ) -> None:
         self.limits = limits
         self.api_keys = api_keys
+        self.ops_listener = ops_listener
         self.refusals = Refusals(limits.retry_after_s)
         self.shapes: dict[str, ApiShape] = {"edgepath": GenerateRoutes(limits), **(shapes or {})}
         if openai is not None:
@@ -140,8 +153,12 @@ class HttpCore:
 
     def _route(self, request: Request) -> Handled:
         parts = _split(request.target)
-        tenant = self._authorize(parts.path, request.headers)
         route = ROUTES.get(parts.path)
+        if request.ops and (route is None or route.api != "ops"):
+            raise HttpError(
+                404, "not_found", f"no such path {parts.path!r} on the ops listener; it serves {_OPS_PATHS}"
+            )
+        tenant = self._authorize(parts.path, request.headers, request.ops)
         if route is None:
             raise HttpError(404, "not_found", f"no such path {parts.path!r}; try POST {GENERATE}")
         methods = route.methods
@@ -166,11 +183,17 @@ class HttpCore:
             work.salt = tenant.salt(work.cache_salt)
         return work
 
-    def _authorize(self, path: str, headers: Headers) -> Tenant:
+    def _authorize(self, path: str, headers: Headers, on_ops_listener: bool = False) -> Tenant:
         """The request's tenant; 401 unless the request carries a valid key (when keys are configured).
-        Unknown paths are checked too, so an unauthenticated client learns nothing about the routes."""
+        Unknown paths are checked too, so an unauthenticated client learns nothing about the routes.  The ops
+        routes: see the class."""
         keys = self.api_keys
-        if keys is None or (api_of(path) == "ops" and not keys.protect_ops):
+        if api_of(path) == "ops":
+            if on_ops_listener or (path in PROBES and (keys is None or not keys.protect_ops)):
+                return ANONYMOUS
+            if self.ops_listener is not None:
+                raise HttpError(404, "not_found", f"{path} is served on the ops listener ({self.ops_listener})")
+        if keys is None:
             return ANONYMOUS
         presented = keys.presented(headers)
         tenant = keys.identify(presented)
@@ -183,6 +206,9 @@ class HttpCore:
                 [(b"www-authenticate", b"Bearer")],
             )
         return tenant
+
+
+_OPS_PATHS = ", ".join(sorted(path for path, route in ROUTES.items() if route.api == "ops"))
 
 
 def _split(target: str) -> SplitResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
@@ -33,7 +34,7 @@ from edgepath.config import (
     StartedSlotServer,
 )
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
-from edgepath.options import to_argv
+from edgepath.options import split_host_port, to_argv
 from edgepath.runtime import runtime_dir
 
 if TYPE_CHECKING:
@@ -321,9 +322,16 @@ def plan_serve(options: ServeOptions) -> ServePlan:
 
     options = with_model(options)  # the model found and checked before anything starts
     check_listen(options.edge)
+    check_ops_listen(options.edge)
     slot_server = started_slot_server(options, _slot_server_listen(options)) if options.starts_slot_server else None
     edge = options.edge
     keys = load_keys(edge.api_keys_file, edge.protect_ops, tenants_file=edge.tenants_file)  # checked before any start
+    if keys is None and not is_loopback(edge.host) and not edge.allow_anonymous:
+        raise ValueError(
+            f"--host {edge.host}: no API keys are configured, so anyone who reaches this address would be served; "
+            "give --api-keys-file, --tenants-file or $EDGEPATH_API_KEYS, serve on a loopback address (127.0.0.1), "
+            "or say so with --allow-anonymous"
+        )
     for flag, address in (("--quota-home", edge.quota_home), ("--quota-listen", edge.quota_listen)):
         if address is not None:
             check_ledger_address(flag, address, options.data_path)
@@ -407,6 +415,37 @@ def check_listen(edge: EdgeSettings) -> None:
             probe.bind(infos[0][4])
     except OSError as exc:
         raise _cannot_listen(edge, exc) from exc
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (``--host``) is this machine's loopback address, which only local processes reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_ops_listen(edge: EdgeSettings) -> None:
+    """Fail before anything starts when ``--ops-listen`` cannot be listened on (TCP), or is the clients' port."""
+    if edge.ops_listen is None:
+        return
+    host, port = split_host_port(edge.ops_listen)
+    if port == edge.port and edge.transport == "tcp":
+        raise ValueError(f"--ops-listen {edge.ops_listen}: port {port} is the clients' (--port): give another")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if edge.reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise RuntimeError(
+            f"--ops-listen {edge.ops_listen}: cannot listen there: {exc.strerror or exc}; give a free port and an "
+            "address of this machine"
+        ) from exc
 
 
 def _cannot_listen(edge: EdgeSettings, exc: OSError) -> RuntimeError:
@@ -537,6 +576,13 @@ async def start_edge(
     except OSError as exc:
         raise _cannot_listen(edge, exc) from exc
     cleanup.callback(server.close)
+    if edge.ops_listen is not None:  # open until the end: probes and scrapes see the drain
+        from edgepath.edge.adapters.ops import serve_ops
+
+        host, port = split_host_port(edge.ops_listen)
+        ops = await serve_ops(service, host, port, reuse_port=edge.reuse_port)
+        cleanup.callback(ops.close)
+        log.info("ops listener (/metrics, /health, probes; HTTP/1.1) on %s", edge.ops_listen)
     return lambda: drain_edge(service, server, edge.grace_period)
 
 
@@ -810,7 +856,9 @@ def build_edge(
     if chat.thinking is not None:
         log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers)")
     return EdgeService(
-        HttpCore(limits, keys, openai, shapes={"anthropic": anthropic, "responses": responses}),
+        HttpCore(
+            limits, keys, openai, shapes={"anthropic": anthropic, "responses": responses}, ops_listener=edge.ops_listen
+        ),
         tokenizer,
         agent,
         loop,

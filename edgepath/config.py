@@ -45,6 +45,7 @@ from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
 from edgepath.handlers import handler_spec
 from edgepath.options import (
+    host_port,
     key_value,
     key_value_text,
     like,
@@ -414,7 +415,26 @@ class EdgeSettings:
         help="keep a quota ledger at this address (a socket path, or IP:PORT over verbs) for this serve and for other "
         "edges, which give it as their --quota-home (docs/TENANTS.md); a ledger of its own process: `edgepath ledger`",
     )
-    protect_ops: bool = option(False, switch=True, help="require a key for /health and /metrics too")
+    protect_ops: bool = option(
+        False,
+        switch=True,
+        help="require a key for the probes /health/live and /health/ready too (/health and /metrics need one whenever "
+        "keys are configured, or are served only on --ops-listen)",
+    )
+    ops_listen: str | None = option(
+        None,
+        type=host_port,
+        metavar="HOST:PORT",
+        help="serve /metrics, /health and the probes on a listener of their own (HTTP/1.1, no key: keep it off the "
+        "clients' network -- Kubernetes: a container port no Service exposes); the client listener then answers "
+        "only the probes of them",
+    )
+    allow_anonymous: bool = option(
+        False,
+        switch=True,
+        help="serve without API keys on an address other than loopback (refused otherwise: anyone who reaches it "
+        "would be served)",
+    )
     request_timeout: float = option(
         60.0,
         type=positive_float,

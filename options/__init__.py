@@ -409,6 +409,20 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+def host_port(text: str) -> str:
+    """``HOST:PORT`` (an address to listen on: ``0.0.0.0:9090``, ``[::1]:9090``), kept as given."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 1-65535 (e.g. 0.0.0.0:9090), got {text!r}")
+    return text
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """A :func:`host_port` text as (host, port), an IPv6 host without its brackets."""
+    host, _, port = text.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def readable_file(text: str) -> str:
     path = Path(text)
     try:

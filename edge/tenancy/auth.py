@@ -103,9 +103,10 @@ def load_keys(
 
 
 def _flat_pairs(keys: Iterable[str]) -> list[tuple[bytes, Tenant]]:
-    """Each key of a flat list, as its digest and its own tenant."""
-    digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
-    return [(digest, key_tenant(digest)) for digest in digests]
+    """Each key of a flat list, as its digest and its own tenant, named by its place in the list (a key given twice
+    is the first)."""
+    digests = dict.fromkeys(hashlib.sha256(k.encode()).digest() for k in keys if k)
+    return [(digest, key_tenant(digest, ordinal)) for ordinal, digest in enumerate(digests, start=1)]
 
 
 def _flat_keys(path: str | None, env: str | None) -> list[str]:

@@ -80,7 +80,9 @@ def with_floor_ids(pairs: Sequence[tuple[bytes, Tenant]]) -> list[tuple[bytes, T
     return [(digest, numbered[tenant.name]) for digest, tenant in pairs]
 
 
-def key_tenant(digest: bytes) -> Tenant:
-    """The tenant of one key of a flat list: a namespace of its own (sharing is never the default), named by the
-    first 12 hex digits of the key's SHA-256 (the key itself is never shown)."""
-    return Tenant(f"key-{digest.hex()[:12]}", b"key:" + digest)
+def key_tenant(digest: bytes, ordinal: int) -> Tenant:
+    """The tenant of the ``ordinal``-th key (from 1) of a flat list: a namespace of its own (sharing is never the
+    default; the cache keys by the key's digest), named ``key-<ordinal>`` -- never by anything computed from the key
+    alone, which a metrics page would turn into an offline guessing oracle (an unsalted digest, or part of one,
+    checks a guessed key without asking the edge)."""
+    return Tenant(f"key-{ordinal}", b"key:" + digest)

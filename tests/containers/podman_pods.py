@@ -4,7 +4,9 @@ runs Pods and Deployments but has no controllers and no ``$(VAR)`` expansion:
 * a StatefulSet becomes its pods, ``NAME-0`` .. ``NAME-(replicas-1)`` (the names a StatefulSet gives them, which
   the one-node overlay's slot servers use for their socket paths), a Deployment its pods ``NAME-0`` ..; a host port
   can be published by one pod only, so a Deployment's pods after the first publish none (there is no Service in
-  front of them: the host reaches them at their pod addresses);
+  front of them: the host reaches them at their pod addresses); a port without a host port is left out (podman 4.3
+  publishes it on the host at its own number -- the second pod with it fails, "address already in use" -- and the
+  pod's address reaches it without), so a probe that names a port is given its number, as a kubelet resolves it;
 * every ``env`` value becomes a literal: a Secret's or ConfigMap's key, the pod's name or namespace (podman 4.3
   reads ``secretKeyRef`` from a podman secret of its own format instead, and knows no ``metadata.namespace``);
   one known only once the pod runs (``status.podIP``) is an error;
@@ -108,11 +110,17 @@ def pods_of(
         pod_name = f"{name}-{ordinal}"
         spec = copy.deepcopy(template["spec"])
         spec.setdefault("restartPolicy", "Always")
-        if ordinal and controller["kind"] == "Deployment":
-            for container in spec["containers"]:
-                for port in container.get("ports", ()):
-                    port.pop("hostPort", None)
-                    port.pop("hostIP", None)
+        for container in spec["containers"]:
+            named = {p["name"]: p["containerPort"] for p in container.get("ports", ()) if "name" in p}
+            for probe in (container.get(kind) for kind in ("startupProbe", "livenessProbe", "readinessProbe")):
+                http = (probe or {}).get("httpGet")
+                if http is not None and isinstance(http.get("port"), str):  # by its number, as a kubelet resolves it
+                    http["port"] = named[http["port"]]
+            published = [p for p in container.get("ports", ()) if "hostPort" in p]
+            if ordinal and controller["kind"] == "Deployment":
+                published = []
+            if "ports" in container:
+                container["ports"] = published
         spec.setdefault("hostname", pod_name)
         for container in (*spec.get("initContainers", ()), *spec["containers"]):
             fields = {"metadata.name": pod_name, "metadata.namespace": namespace}

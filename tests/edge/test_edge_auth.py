@@ -1,7 +1,9 @@
-"""API keys: 401 with a clear body when missing or wrong; /health and /metrics open unless protected."""
+"""API keys: 401 with a clear body when missing or wrong; /health and /metrics the operator's (a key, or the ops
+listener), the probes open; flat keys named by their place in the list."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -62,12 +64,58 @@ def test_unknown_paths_do_not_leak_past_the_key_check() -> None:
     unauthorized(handle(ApiKeys(["k"]), "/admin", []))
 
 
-def test_ops_routes_are_open_unless_protected() -> None:
-    assert handle(ApiKeys(["k"]), "/health", [], "GET") == StateQuery("/health", {})
-    unauthorized(handle(ApiKeys(["k"], protect_ops=True), "/metrics", [], "GET"))
-    assert handle(ApiKeys(["k"], protect_ops=True), "/metrics", [(b"x-api-key", b"k")], "GET") == StateQuery(
-        "/metrics", {}
-    )
+def ops(
+    keys: ApiKeys | None,
+    target: str,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    *,
+    on_ops: bool = False,
+    **core: str,
+) -> object:
+    request = Request("GET", target, list(headers), b"", t_receive_ns=1, ops=on_ops)
+    return HttpCore(LIMITS, keys, **core).handle(request)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_with_keys_health_and_metrics_need_one_and_the_probes_do_not(path: str) -> None:
+    """/metrics names tenants and their usage, /health the slot servers and their load: the operator's, not a
+    client's; the probes (/health/live, /health/ready) say only up or not, and a kubelet sends no key."""
+    keys = ApiKeys(["k"])
+    assert "missing" in unauthorized(ops(keys, path))
+    assert ops(keys, path, ((b"x-api-key", b"k"),)) == StateQuery(path, {})
+    for probe in ("/health/live", "/health/ready"):
+        assert ops(keys, probe) == StateQuery(probe, {})
+        unauthorized(ops(ApiKeys(["k"], protect_ops=True), probe))  # --protect-ops: the probes too
+    assert ops(None, path) == StateQuery(path, {})  # no keys at all (loopback, or --allow-anonymous): open
+
+
+def test_with_an_ops_listener_the_clients_listener_answers_only_the_probes() -> None:
+    for keys in (None, ApiKeys(["k"])):
+        for path in ("/health", "/metrics"):
+            gone = ops(keys, path, ((b"x-api-key", b"k"),), ops_listener="0.0.0.0:9090")
+            assert isinstance(gone, Response) and gone.status == 404, gone
+            assert "ops listener (0.0.0.0:9090)" in json.loads(gone.body)["error"]["message"]
+        assert ops(keys, "/health/ready", ops_listener="0.0.0.0:9090") == StateQuery("/health/ready", {})
+
+
+def test_the_ops_listener_serves_the_ops_routes_without_a_key_and_nothing_else() -> None:
+    keys = ApiKeys(["k"], protect_ops=True)
+    for path in ("/health", "/metrics", "/health/live", "/health/ready"):
+        assert ops(keys, path, on_ops=True, ops_listener="0.0.0.0:9090") == StateQuery(path, {})
+    for path in ("/v1/generate", "/v1/models", "/admin"):
+        gone = ops(keys, path, ((b"x-api-key", b"k"),), on_ops=True, ops_listener="0.0.0.0:9090")
+        assert isinstance(gone, Response) and gone.status == 404, gone
+        assert "/metrics" in json.loads(gone.body)["error"]["message"]  # it says what it serves
+
+
+def test_flat_keys_are_named_by_their_place_in_the_list_never_by_their_digest() -> None:
+    """A tenant's name is a metrics label and a usage-log field: a digest of the key (or part of one) there would
+    let anyone who reads it check guessed keys offline."""
+    keys = ApiKeys(["alpha", "beta", "alpha"])  # a key given twice is the first
+    assert [t.name for t in keys.tenants] == ["key-1", "key-2"]
+    named = keys.identify(b"beta")
+    assert named is not None and named.name == "key-2"
+    assert hashlib.sha256(b"beta").hexdigest()[:6] not in named.name
 
 
 def test_loading_keys(tmp_path: Path) -> None:

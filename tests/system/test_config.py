@@ -35,7 +35,17 @@ from edgepath.config import (
 )
 from edgepath.dpu.discovery import checked_source
 from edgepath.handlers import handler_spec
-from edgepath.options import add_options, describe, from_args, key_value, option, port_number, readable_file, rows
+from edgepath.options import (
+    add_options,
+    describe,
+    from_args,
+    host_port,
+    key_value,
+    option,
+    port_number,
+    readable_file,
+    rows,
+)
 from edgepath.slots.handlers import HandlerError
 
 
@@ -249,6 +259,7 @@ def _single_valued(parser: argparse.ArgumentParser, readable: str) -> Iterator[t
         handler_spec: "echo",
         port_number: "4000",
         checked_source: "dir:/run/edgepath/slots",
+        host_port: "127.0.0.1:9090",
     }
     for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._AppendAction | argparse._HelpAction):

@@ -139,6 +139,11 @@ def test_network_policies_let_only_edges_reach_the_slot_servers_and_the_ledger(o
     }
     service = objects["Service", "edgepath-edge"]["spec"]["ports"]
     assert open_ports == {(p["targetPort"], p["protocol"]) for p in service}  # clients reach the client ports only
+    edge = containers(objects, "Deployment", "edgepath-edge").values()
+    ops_ports = {p["containerPort"] for c in edge for p in c["ports"] if p["name"].startswith("ops")}
+    for rule in edge_rules:  # the ops listeners: from namespaces labelled for it only
+        if {port["port"] for port in rule["ports"]} & ops_ports:
+            assert [set(f) for f in rule["from"]] == [{"namespaceSelector"}], rule
 
 
 def test_the_edge_listens_on_udp_for_http3_and_tcp_for_http_with_its_probes(overlay: tuple[str, dict]) -> None:
@@ -147,15 +152,21 @@ def test_the_edge_listens_on_udp_for_http3_and_tcp_for_http_with_its_probes(over
     assert (service["http3"]["protocol"], service["http3"]["targetPort"]) == ("UDP", 4433)
     assert (service["http"]["protocol"], service["http"]["targetPort"]) == ("TCP", 8080)
     edge = containers(objects, "Deployment", "edgepath-edge")
+    exposed = {p["targetPort"] for p in service.values()}
     for name, transport, protocol in (("http", "tcp", "TCP"), ("http3", "quic", "UDP")):
         container = edge[name]
-        (port,) = container["ports"]
+        port, ops = container["ports"]
         assert arg(container, "--transport") == transport and port["protocol"] == protocol
         assert int(arg(container, "--port")) == port["containerPort"] == service[name]["targetPort"]
-    http = edge["http"]
-    assert http["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
-    assert http["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
-    assert http["startupProbe"]["httpGet"]["path"] == "/health/live"
+        # the ops listener: its own port, HTTP/1.1, in no Service; both edges' probes go there (a kubelet speaks
+        # no HTTP/3), never to the clients' port
+        assert arg(container, "--ops-listen") == f"0.0.0.0:{ops['containerPort']}" and ops["protocol"] == "TCP"
+        assert ops["containerPort"] not in exposed
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": ops["name"]}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": ops["name"]}
+        assert container["startupProbe"]["httpGet"] == {"path": "/health/live", "port": ops["name"]}
+    annotations = objects["Deployment", "edgepath-edge"]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == edge["http"]["ports"][1]["containerPort"]  # scraped there
 
 
 def test_the_edges_follow_the_slot_servers_where_the_statefulset_puts_them(overlay: tuple[str, dict]) -> None:
@@ -320,9 +331,16 @@ def test_the_edges_carry_the_engine_type_an_inference_pool_reads_their_metrics_b
 def test_the_podman_overlay_publishes_the_edge_on_the_hosts_loopback_address() -> None:
     edge = containers(render("podman"), "Deployment", "edgepath-edge")
     ports = {
-        (p["containerPort"], p["protocol"]): (p["hostIP"], p["hostPort"]) for c in edge.values() for p in c["ports"]
+        (p["containerPort"], p["protocol"]): (p["hostIP"], p["hostPort"])
+        for c in edge.values()
+        for p in c["ports"]
+        if "hostPort" in p
     }
-    assert ports == {(8080, "TCP"): ("127.0.0.1", 18080), (4433, "UDP"): ("127.0.0.1", 14433)}
+    assert ports == {
+        (8080, "TCP"): ("127.0.0.1", 18080),
+        (4433, "UDP"): ("127.0.0.1", 14433),
+        (9090, "TCP"): ("127.0.0.1", 19090),  # the HTTP/1.1 edge's ops listener: /health and /metrics for the lane
+    }
 
 
 def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_lines_expanded(tmp_path: Path) -> None:
@@ -342,7 +360,13 @@ def test_podman_gets_the_pods_the_controllers_would_make_with_their_command_line
     published = {
         n: [p.get("hostPort") for c in pod["spec"]["containers"] for p in c.get("ports", ())] for n, pod in pods.items()
     }
-    assert published["edgepath-edge-0"] == [18080, 14433] and published["edgepath-edge-1"] == [None, None]  # one pod's
+    assert published["edgepath-edge-0"] == [18080, 19090, 14433]  # a host port is one pod's
+    assert published["edgepath-edge-1"] == []  # reached at its pod address
+    for pod in pods.values():  # a probe's named port by its number, as a kubelet resolves it (the port may be gone)
+        for container in pod["spec"]["containers"]:
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if "httpGet" in container.get(kind, {}):
+                    assert container[kind]["httpGet"]["port"] in (9090, 9091), (pod["metadata"]["name"], kind)
     kinds = {d["kind"] for d in to_podman(docs)}
     assert kinds == {"ConfigMap", "Pod"}  # what podman kube play runs; Services, budgets, Secrets, volumes left out
     config = objects["ConfigMap", next(n for k, n in objects if k == "ConfigMap")]["data"]

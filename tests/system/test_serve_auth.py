@@ -1,4 +1,5 @@
-"""API keys over HTTP/3 on a real ``edgepath serve``: 401 without a good key, /health open."""
+"""API keys over HTTP/3 on a real ``edgepath serve``: 401 without a good key; with keys, the readiness probe open
+and /health not."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_over_quic_a_missing_key_is_401_and_a_good_one_is_served(tmp_path: Path)
                 ) as c:
                     statuses.append((await c.generate("hello")).status)
             async with h3_client("127.0.0.1", edge.port, str(default_certificate()), server_name="localhost") as c:
+                statuses.append((await c.request("GET", "/health/ready")).status)
                 statuses.append((await c.request("GET", "/health")).status)
             return tuple(statuses)
 
-        assert asyncio.run(asyncio.wait_for(main(), 60)) == (401, 401, 200, 200)
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == (401, 401, 200, 200, 401)

@@ -5,6 +5,7 @@ served every time -- its slot taken back from the noisy tenant, whose cut answer
 from __future__ import annotations
 
 import hashlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.supervised import complete, get, no_flat_keys, scrape, start_tenants_serve
 
-from edgepath.children import Child
+from edgepath.children import Child, free_port
 
 pytestmark = pytest.mark.slow  # multi-process: edgepath serve, two edge workers and the slot-server child
 
@@ -42,7 +43,14 @@ def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slo
 ) -> None:
     path = tmp_path / "tenants.toml"
     tenants_file(path)
-    serve, port = start_tenants_serve(edgepath_process, path, "--workers", "2")
+    serve, port = start_tenants_serve(
+        edgepath_process,
+        path,
+        "--workers",
+        "2",
+        "--ops-listen",
+        f"127.0.0.1:{(ops := free_port(socket.SOCK_STREAM))}",  # /health and /metrics: the operator's listener
+    )
     noisy: list[tuple[int, dict]] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -76,11 +84,11 @@ def test_a_quiet_tenant_with_a_floor_is_served_while_a_noisy_one_fills_every_slo
         assert "slot floor" in choice["finish_details"]["message"]
         assert doc["usage"]["completion_tokens"] < TOKENS
     assert all(status in (200, 429) for status, _ in noisy)
-    metrics = scrape(port)  # the answering worker's and the others', merged
+    metrics = scrape(ops)  # the answering worker's and the others', merged
     assert 'finish="reclaimed"' in metrics and 'tenant="noisy"' in metrics
     deadline = time.monotonic() + 30
     while True:  # every slot back to FREE
-        health = get(port, "/health")[1]
+        health = get(ops, "/health")[1]
         if health["free_slots"] == health["total_slots"] == 4:
             break
         assert time.monotonic() < deadline, health

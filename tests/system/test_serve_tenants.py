@@ -99,11 +99,11 @@ def test_sighup_reloads_the_tenants_without_dropping_a_stream_and_a_bad_file_kee
     assert generate(port, "key-b")[0] == 200
 
 
-def _free_slots(port: int, total: bool = False) -> int:
-    """``/health``'s free (or total) slots."""
+def _free_slots(port: int, total: bool = False, key: str = "key-a") -> int:
+    """``/health``'s free (or total) slots (with keys configured, ``/health`` needs one)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", "/health")
+        conn.request("GET", "/health", headers={"x-api-key": key})
         health = json.loads(conn.getresponse().read())
     finally:
         conn.close()
