@@ -167,11 +167,11 @@ def get(port: int, path: str) -> tuple[int, dict]:
         conn.close()
 
 
-def scrape(port: int) -> str:
-    """The edge's ``/metrics`` exposition."""
+def scrape(port: int, key: str | None = None) -> str:
+    """The edge's ``/metrics`` exposition (``key``: with API keys configured, ``/metrics`` needs one)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
-        conn.request("GET", "/metrics")
+        conn.request("GET", "/metrics", headers={"x-api-key": key} if key else {})
         response = conn.getresponse()
         assert response.status == 200, response.status
         return response.read().decode()

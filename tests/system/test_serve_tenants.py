@@ -279,7 +279,7 @@ def test_a_non_streamed_answer_cut_mid_way_is_billed_what_was_computed_the_same_
     (line,) = [json.loads(text) for text in log.read_text().splitlines()]
     assert line["finish"] == "cancelled" and line["prompt_tokens"] == 200
     assert 0 < line["completion_tokens"] < 200  # what was computed before the cancel landed: not 0, not all
-    metrics = scrape(port)
+    metrics = scrape(port, "key-a")
     assert f'edgepath_tenant_tokens_total{{kind="completion",tenant="acme"}} {line["completion_tokens"]}.0' in metrics
     status, _ = generate(port, "key-a", max_tokens=1)  # the quota was charged the same: prompt + completion
     assert status == 200
