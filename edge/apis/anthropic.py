@@ -26,6 +26,7 @@ import orjson
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
@@ -370,11 +371,10 @@ def _unsupported_block(block: Any, allowed: Sequence[str]) -> str:
 def _tools(raw: Any) -> tuple[Tool, ...]:
     if raw is None:
         return ()
-    if not isinstance(raw, list) or len(raw) > tool_calling.MAX_TOOLS:
+    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
         raise ToolsRefused(
             "tools",
-            f"must be a list of at most {tool_calling.MAX_TOOLS} tools {{name, description?, input_schema}}, "
-            f"got {show(raw)}",
+            f"must be a list of at most {TOOLS_MAX} tools {{name, description?, input_schema}}, got {show(raw)}",
         )
     tools: list[Tool] = []
     for i, entry in enumerate(raw):

@@ -24,6 +24,7 @@ import orjson
 from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import NoGrammar, conversation
+from edgepath.edge.apis.limits import STOPS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -43,7 +44,6 @@ Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_STOPS = 4
 #: most alternatives per token of the completions route's ``logprobs`` (OpenAI's limit there)
 COMPLETION_LOGPROBS_MAX = 5
 SSE_DONE = b"data: [DONE]\n\n"
@@ -381,6 +381,10 @@ def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage | ToolTurn, ...]:
             param="messages",
             code="missing_required_parameter" if messages is None else "invalid_type",
         )
+    try:
+        check_messages(len(messages))
+    except LimitExceeded as exc:
+        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
 
 
@@ -538,7 +542,7 @@ def _cache_salt(doc: Mapping[str, Any]) -> str | None:
 
 def _stop(doc: Mapping[str, Any]) -> tuple[str, ...]:
     try:
-        return parse_stops(doc.get("stop"), "stop", MAX_STOPS, single=True)
+        return parse_stops(doc.get("stop"), "stop", STOPS_MAX, single=True)
     except SamplingInvalid as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 

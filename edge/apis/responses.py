@@ -22,6 +22,7 @@ from typing import Any
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.openai import invalid_request, model_not_found, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
@@ -292,10 +293,10 @@ def _call(item: Mapping[str, Any], where: str) -> ToolCall:
 def _tools(raw: Any) -> tuple[Tool, ...]:
     if raw is None:
         return ()
-    if not isinstance(raw, list) or len(raw) > tool_calling.MAX_TOOLS:
+    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
         raise ToolsRefused(
             "tools",
-            f'\'tools\' must be a list of at most {tool_calling.MAX_TOOLS} {{"type": "function", "name", '
+            f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "name", '
             f'"description"?, "parameters"?}} objects, got {show(raw)}',
         )
     tools: list[Tool] = []

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from edgepath.contract.wire import Sampling
+from edgepath.edge.apis.limits import LimitExceeded, check_stops
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's documented range for seed (int64)
 TOP_K_MAX = 2**31 - 1  # the request header's top_k is an int32
@@ -129,6 +130,10 @@ def parse_stops(value: Any, param: str, most: int, *, single: bool) -> tuple[str
         raise SamplingInvalid(
             param, f"'{param}' must be {shape} of at most {most} non-empty strings, got {show(value)}"
         )
+    try:
+        check_stops(tuple(stops), param)  # each one's length and all together (edge/apis/limits.py)
+    except LimitExceeded as exc:
+        raise SamplingInvalid(param, exc.message) from None
     for s in stops:
         try:
             s.encode("utf-8")

@@ -9,13 +9,17 @@ grammar sampler leaves only the tokens it allows.
 A schema is checked before it is converted: a keyword the converter would ignore -- ``minimum``,
 ``uniqueItems``, ``not``, ... -- would leave the answer silently unconstrained in that respect, so it is a 400
 naming the keyword and where it is, never a grammar that enforces less than asked (llama-server fails open:
-llama.cpp #19051).
+llama.cpp #19051).  The check also bounds what the grammar costs to build (:mod:`edgepath.edge.apis.limits`): the
+converter writes every repetition out (``maxLength`` 10^8 took it seconds and 1.8 GB), so a schema's nesting and its
+repetitions are counted first, and a request past them is a 400 before anything is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from edgepath.edge.apis.limits import LimitExceeded, SchemaBudget
 
 #: keywords the converter enforces
 ENFORCED = frozenset(
@@ -89,11 +93,21 @@ def schema_grammar(schema: Mapping[str, Any], where: str) -> str:
 
 
 def check_schema(schema: Any, where: str, root: Mapping[str, Any]) -> None:
-    """Every keyword of ``schema`` (and of its sub-schemas) is one the grammar enforces, or an annotation."""
+    """Every keyword of ``schema`` (and of its sub-schemas) is one the grammar enforces, or an annotation; its
+    nesting and its repetitions are within the limits (:mod:`edgepath.edge.apis.limits`)."""
+    try:
+        _check(schema, where, root, SchemaBudget(), 0)
+    except LimitExceeded as exc:
+        raise FormatRefused(exc.param, exc.message) from None
+
+
+def _check(schema: Any, where: str, root: Mapping[str, Any], budget: SchemaBudget, depth: int) -> None:
     if isinstance(schema, bool):
         return  # true: anything; false is refused by the converter
     if not isinstance(schema, Mapping):
         raise FormatRefused(where, f"'{where}' must be a schema (an object), got {_show(schema)}")
+    budget.depth(depth, where)
+    budget.schema(schema, where)
     for key, value in schema.items():
         at = f"{where}.{key}"
         if key not in ENFORCED and key not in ANNOTATIONS:
@@ -115,17 +129,17 @@ def check_schema(schema: Any, where: str, root: Mapping[str, Any]) -> None:
         elif key == "$ref" and not (isinstance(value, str) and value.startswith("#/")):
             raise FormatRefused(at, f"'{at}' must be a reference within the schema ('#/...'), got {_show(value)}")
         elif key in _ONE and isinstance(value, Mapping | bool):
-            check_schema(value, at, root)
+            _check(value, at, root, budget, depth + 1)
         elif key in _LIST:
             if not isinstance(value, list) or not value:
                 raise FormatRefused(at, f"'{at}' must be a non-empty list of schemas, got {_show(value)}")
             for i, sub in enumerate(value):
-                check_schema(sub, f"{at}[{i}]", root)
+                _check(sub, f"{at}[{i}]", root, budget, depth + 1)
         elif key in (*_MAP, "$defs", "definitions"):
             if not isinstance(value, Mapping):
                 raise FormatRefused(at, f"'{at}' must be an object of schemas, got {_show(value)}")
             for name, sub in value.items():
-                check_schema(sub, f"{at}.{name}", root)
+                _check(sub, f"{at}.{name}", root, budget, depth + 1)
         elif key in _ONE:
             raise FormatRefused(at, f"'{at}' must be a schema (an object) or a boolean, got {_show(value)}")
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.sampling import show as _show
 from edgepath.edge.apis.structured import FormatRefused, schema_grammar
 from edgepath.edge.text.chat import ChatMessage
@@ -46,9 +47,8 @@ TOOL_FORMATS: dict[str, str] = {
 }
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
-#: OpenAI's limits on a function's name and on the tools of one request
+#: OpenAI's limit on a function's name (on the tools of one request: edge/apis/limits.py)
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-MAX_TOOLS = 128
 CHOICES = '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": NAME}}'
 #: the parameters of a function that takes none (OpenAI: ``parameters`` left out)
 NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}}
@@ -152,10 +152,10 @@ def parse_tools(doc: Mapping[str, Any], format: ToolFormat = "fallback") -> Tool
 
 
 def _tools(raw: Any) -> tuple[Tool, ...]:
-    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
+    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
         raise ToolsRefused(
             "tools",
-            f'\'tools\' must be a list of at most {MAX_TOOLS} {{"type": "function", "function": {{name, '
+            f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "function": {{name, '
             f"description?, parameters?}}}} objects, got {_show(raw)}",
         )
     tools: list[Tool] = []

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
+from edgepath.edge.apis.limits import MESSAGES_MAX, STOP_CHARS_MAX, STOP_TOTAL_MAX
 from edgepath.edge.apis.openai import (
     SSE_DONE,
     OpenAIError,
@@ -244,6 +245,29 @@ def test_stop_forms() -> None:
     for bad in ("", [""], ["a", "b", "c", "d", "e"], [1], {"a": 1}, ["ok", None]):
         err = refused(completion, stop=bad)
         assert err.param == "stop" and "at most 4 non-empty strings" in err.message
+
+
+@pytest.mark.parametrize(
+    ("stop", "says"),
+    [
+        (["x" * (STOP_CHARS_MAX + 1)], f"a string of {STOP_CHARS_MAX + 1} characters; each may have at most"),
+        (["x" * STOP_CHARS_MAX] * 2 + ["y"], f"{2 * STOP_CHARS_MAX + 1} characters in all"),
+    ],
+)
+def test_stop_strings_past_their_limits_are_a_400_naming_the_limit(stop: list[str], says: str) -> None:
+    """A stop string's cost is bounded before the request is admitted: one of 32,000 characters cost the edge
+    590 MB with the old prefix set (issue 49); now its length and the total are limits."""
+    assert STOP_TOTAL_MAX < 2 * STOP_CHARS_MAX + 1
+    err = refused(completion, stop=stop)
+    assert (err.status, err.param) == (400, "stop") and says in err.message
+    assert completion(stop=["x" * STOP_CHARS_MAX, "y" * (STOP_TOTAL_MAX - STOP_CHARS_MAX)]).stop
+
+
+def test_a_chat_of_more_messages_than_the_limit_is_a_400_before_any_is_read() -> None:
+    err = refused(chat, messages=[{"role": "user", "content": ""}] * (MESSAGES_MAX + 1))
+    assert (err.status, err.param, err.code) == (400, "messages", "limit_exceeded")
+    assert f"holds {MESSAGES_MAX + 1} messages; at most {MESSAGES_MAX}" in err.message
+    assert len(chat(messages=[{"role": "user", "content": ""}] * MESSAGES_MAX).messages or ()) == MESSAGES_MAX
 
 
 def test_stream_and_stream_options() -> None:
