@@ -35,6 +35,8 @@ _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 150e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 
 _TOKEN_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0, 30.0)
 # actual / predicted time to first token: 1 is a perfect prediction
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.33, 1.5, 2.0, 4.0)
+# How late the event loop runs a timer: every tenant's requests wait that long (target: under 50 ms, issue 49)
+_LAG_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0)
 #: the reasons a request is refused 429 at claim time (edgepath_refusals_total's label)
 REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded", "slot_cap")
 
@@ -224,6 +226,12 @@ class EdgeMetrics:
         if self.gateway is not None:
             self.registry.register(self.gateway)
         self.window = window or LatencyWindow()
+        self.loop_lag = Histogram(
+            "edgepath_event_loop_lag_seconds",
+            "How late the edge's event loop ran a timer due every 50 ms: what every request waited meanwhile",
+            buckets=_LAG_BUCKETS,
+            registry=self.registry,
+        )
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 

@@ -29,9 +29,12 @@ class Refusals:
         return self.retry_later("no_slot", "every slot is busy; this server does not queue requests", retry_ms)
 
     def busy(self) -> HttpError:
-        """429 at once when every tokenizer worker is busy with a large prompt: no waiting line."""
+        """429 at once when every tokenizer worker is busy with a large prompt, or the request's tenant holds its
+        share of them: no waiting line."""
         return self.retry_later(
-            "tokenizer_busy", "every tokenizer worker is busy with a large prompt; this server does not queue", 0.0
+            "tokenizer_busy",
+            "every tokenizer worker this API key may use is busy with a large prompt; this server does not queue",
+            0.0,
         )
 
     def over_bound(self, wait_ms: float, bound_ms: float, retry_ms: float) -> HttpError:

@@ -51,6 +51,9 @@ def _seconds() -> float:
 
 #: worker threads for prompts over INLINE_CHARS; when all are busy a large prompt gets 429, never a wait
 TOKENIZER_WORKERS = 2
+#: how often the event loop's lag is sampled: a timer due this often, and how late it ran
+#: (``edgepath_event_loop_lag_seconds``)
+LAG_PROBE_S = 0.05
 
 
 class Reply(Protocol):
@@ -147,17 +150,27 @@ class EdgeService:
         self._rids = itertools.count(1)
         self._check_interval = check_interval
         self._check_handle: asyncio.TimerHandle | None = None
+        self._probe_handle: asyncio.TimerHandle | None = None
 
     # -- start / stop ----------------------------------------------------------------------------
     def start(self) -> None:
         self.loop.add_reader(self.port.fileno(), self._on_readable)
         self._on_readable()  # arms the port (and drains anything already there)
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
+        self._probe(self.loop.time())
 
     def stop(self) -> None:
         self.loop.remove_reader(self.port.fileno())
-        if self._check_handle is not None:
-            self._check_handle.cancel()
+        for handle in (self._check_handle, self._probe_handle):
+            if handle is not None:
+                handle.cancel()
+
+    def _probe(self, due: float) -> None:
+        """Record how late the loop ran this timer (due at ``due``), and set the next: the loop's lag, which every
+        request on it waits out -- the measure that nothing before admission holds the loop."""
+        now = self.loop.time()
+        self.metrics.loop_lag.observe(max(0.0, now - due))
+        self._probe_handle = self.loop.call_at(now + LAG_PROBE_S, self._probe, now + LAG_PROBE_S)
 
     def drain(self) -> None:
         """Stop taking new requests (503 ``draining``, /health/ready 503) and finish those under way."""
@@ -207,17 +220,17 @@ class EdgeService:
         self._run(self.lifecycle.tick(_now()))
 
     def _tokenize(self, action: Tokenize) -> None:
-        run = self.loop.run_in_executor
+        work: Callable[[], Any]
         if action.messages is not None:
             encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
-            encode = functools.partial(encode_chat, **chat_tools(action.tools))
-            future = run(self.executor, encode, action.messages, action.out)
+            work = functools.partial(encode_chat, action.messages, action.out, **chat_tools(action.tools))
         else:
             assert action.prompt is not None
             if action.out is None:
-                future = run(self.executor, self.tokenizer.encode, action.prompt)
+                work = functools.partial(self.tokenizer.encode, action.prompt)
             else:
-                future = run(self.executor, self.tokenizer.encode_into, action.prompt, action.out)
+                work = functools.partial(self.tokenizer.encode_into, action.prompt, action.out)
+        future = self.loop.run_in_executor(self.executor, work)
         future.add_done_callback(lambda f: self._tokenized(action.rid, f))
 
     def _tokenized(self, rid: int, future: asyncio.Future[Any]) -> None:

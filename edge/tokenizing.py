@@ -2,9 +2,13 @@
 ``/v1/tokenize``, into a fresh one), through the model's chat template when it is a chat.
 
 A small prompt is encoded inline, on the event loop (cheaper than a hand-off); a large one goes to a worker as a
-:class:`~edgepath.edge.tracked.Tokenize` action, and its result comes back to the lifecycle's ``tokenized``.  The
-workers are few and counted here: a large prompt that finds them all busy is refused at once (429
-``tokenizer_busy``), never queued.
+:class:`~edgepath.edge.tracked.Tokenize` action, and its result comes back to the lifecycle's ``tokenized``.  "Large"
+counts what the work costs, not only the text: a chat's messages each cost its template
+:data:`~edgepath.edge.apis.limits.MESSAGE_CHARS` beyond their content (30,000 empty messages held the event loop
+2.9 s when only the contents were counted).  The workers are few and counted here, each tenant's too: a tenant may
+hold at most its share of them (:attr:`Tokenizing.share`, all but one when there are several), so one tenant's large
+prompts wait behind its own and a worker stays free for the others.  A large prompt that finds every worker busy, or
+its tenant's share taken, is refused at once (429 ``tokenizer_busy``), never queued.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.edge.apis.limits import MESSAGE_CHARS
 from edgepath.edge.http import HttpError, Work
 from edgepath.edge.text.tokenizer import INLINE_CHARS, Tokenizer
 from edgepath.edge.tracked import Tokenize, Tracked
@@ -24,8 +29,9 @@ log = logging.getLogger("edgepath.edge")
 
 
 def chat_size(messages: Any, tools: list[dict[str, Any]] | None) -> int:
-    """About how many characters a chat's tokenizer reads: its contents, and the tools its template renders."""
-    size = sum(len(m.get("content") or "") for m in messages)
+    """About how many characters of work a chat's template and tokenizer do: its contents, each message's own cost
+    to the template, and the tools its template renders."""
+    size = sum(len(m.get("content") or "") + MESSAGE_CHARS for m in messages)
     return size + (len(json.dumps(tools)) if tools else 0)
 
 
@@ -56,11 +62,17 @@ class Tokenizing:
         self.tokenizer = tokenizer
         self.clock = clock
         self.workers = workers
+        #: most workers one tenant may hold at once: all but one, so another tenant always finds one free
+        self.share = max(1, workers - 1)
         self.busy = 0
+        self._held: dict[str, int] = {}  # workers held by each tenant (those holding none are not listed)
 
     def full(self, work: Work) -> bool:
-        """``work``'s prompt needs a worker and every worker is busy: refuse it now (nothing is queued)."""
-        return prompt_size(work) > INLINE_CHARS and self.busy >= self.workers
+        """``work`` needs a worker and every worker is busy, or its tenant holds its share of them: refuse it now
+        (nothing is queued)."""
+        if prompt_size(work) <= INLINE_CHARS:
+            return False
+        return self.busy >= self.workers or self._held.get(work.tenant.name, 0) >= self.share
 
     def start(self, t: Tracked, out: np.ndarray | None) -> Started:
         """Encode ``t``'s prompt into ``out`` (a frame's token array; None: into a fresh array) inline, or hand it to
@@ -70,6 +82,8 @@ class Tokenizing:
         messages, tools = work.options.get("messages"), work.options.get("tools")
         if prompt_size(work) > INLINE_CHARS:
             self.busy += 1
+            tenant = work.tenant.name
+            self._held[tenant] = self._held.get(tenant, 0) + 1
             t.timings["tokenize_start"] = self.clock()
             return Tokenize(t.rid, work.prompt, out, messages, tools)
         t0 = self.clock()
@@ -96,8 +110,15 @@ class Tokenizing:
         return result
 
     def done(self, t: Tracked, now: int) -> None:
-        """A worker finished ``t``'s prompt (``now``: monotonic ns): it is free again, the stage is timed."""
+        """A worker finished ``t``'s prompt (``now``: monotonic ns): it is free again (its tenant's share too), the
+        stage is timed."""
         self.busy -= 1
+        tenant = t.work.tenant.name
+        left = self._held[tenant] - 1
+        if left:
+            self._held[tenant] = left
+        else:
+            del self._held[tenant]
         t.timings["tokenize"] = now - t.timings.pop("tokenize_start")
 
 

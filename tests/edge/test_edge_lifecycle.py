@@ -22,6 +22,7 @@ from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.edge.apis.generate import GenerateFormatter
+from edgepath.edge.apis.limits import MESSAGE_CHARS
 from edgepath.edge.http import HttpError, Limits, Outcome, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
@@ -34,7 +35,9 @@ from edgepath.edge.lifecycle import (
 )
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.routes import HttpCore
+from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.text.tokenizer import INLINE_CHARS
+from edgepath.edge.tokenizing import chat_size
 from edgepath.native.abi import Status
 
 INPUT, OUTPUT = 64, 64
@@ -190,15 +193,16 @@ def tokenizer() -> CharTokenizer:
     return CharTokenizer()
 
 
-def lifecycle(port: FakePort, tokenizer: CharTokenizer, workers: int = 2) -> EdgeLifecycle:
+def lifecycle(port: FakePort, tokenizer: CharTokenizer, workers: int = 2, keys: ApiKeys | None = None) -> EdgeLifecycle:
     metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
-    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size))
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, tokenizer.vocab_size), keys)
     return EdgeLifecycle(core, tokenizer, port, metrics, Clock(), workers=workers, request_timeout_ns=TIMEOUT)
 
 
-def generate(now: int = 0, **fields: object) -> Request:
+def generate(now: int = 0, key: str | None = None, **fields: object) -> Request:
     body = json.dumps({"prompt": "hello", **fields}).encode()
-    return Request("POST", "/v1/generate", [], body, t_receive_ns=now)
+    headers = [] if key is None else [(b"x-api-key", key.encode())]
+    return Request("POST", "/v1/generate", headers, body, t_receive_ns=now)
 
 
 def only(actions: list[Action], kind: type) -> list:
@@ -400,7 +404,7 @@ def test_no_free_frame_is_429_before_tokenizing(port, tokenizer) -> None:
 
 
 def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(port, tokenizer) -> None:
-    edge = lifecycle(port, tokenizer, workers=2)
+    edge = lifecycle(port, tokenizer, workers=3)  # one tenant's share: all workers but one
     big = "x" * (INLINE_CHARS + 1)
     actions = [a for rid in range(4) for a in edge.receive(rid, generate(prompt=big), now=0)]
     work = only(actions, Tokenize)
@@ -416,6 +420,30 @@ def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(por
     assert too_long.response.status == 400 and port.submitted == [] and len(port.held) == 1
     (again,) = edge.receive(5, generate(prompt=big), now=20)
     assert isinstance(again, Tokenize) and again.rid == 5
+
+
+def test_one_tenants_large_prompts_leave_a_worker_to_the_others(port, tokenizer) -> None:
+    """A tenant holds at most its share of the workers (all but one): its further large prompts are 429 while
+    another tenant's still find a worker -- it waits behind its own requests, never behind another's."""
+    edge = lifecycle(port, tokenizer, workers=2, keys=ApiKeys(["a", "b"]))
+    big = "x" * (INLINE_CHARS + 1)
+    (first,) = edge.receive(1, generate(prompt=big, key="a"), now=0)
+    (second,) = edge.receive(2, generate(prompt=big, key="a"), now=0)
+    assert isinstance(first, Tokenize) and body(second)["error"]["type"] == "tokenizer_busy"
+    (other,) = edge.receive(3, generate(prompt=big, key="b"), now=0)
+    assert isinstance(other, Tokenize)
+    (third,) = edge.receive(4, generate(prompt=big, key="b"), now=0)
+    assert body(third)["error"]["type"] == "tokenizer_busy"  # every worker busy now
+    edge.tokenized(1, tokenizer.encode_into(big, first.out), now=1)  # a's worker is back: a may use one again
+    (again,) = edge.receive(5, generate(prompt=big, key="a"), now=2)
+    assert isinstance(again, Tokenize)
+
+
+def test_a_chats_messages_count_towards_the_work_that_leaves_the_event_loop() -> None:
+    """30,000 empty messages held the loop 2.9 s when only their contents were counted: each message now costs its
+    template MESSAGE_CHARS, so a chat of many short messages is templated on a worker."""
+    few = [{"role": "user", "content": ""}] * (INLINE_CHARS // MESSAGE_CHARS)
+    assert chat_size(few, None) <= INLINE_CHARS < chat_size([*few, {"role": "user", "content": ""}], None)
 
 
 def test_large_prompt_tokenized_on_a_worker_is_submitted(port, tokenizer) -> None:

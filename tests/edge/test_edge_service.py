@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -180,9 +181,10 @@ def test_too_long_after_tokenizing_releases_the_frame(slot_server: Server) -> No
 
 def test_a_burst_of_large_prompts_gets_the_free_workers_and_429_for_the_rest(slot_server: Server) -> None:
     big = [generate(f"{i}" + "q" * (CAP - 1) + " " * INLINE_CHARS) for i in range(6)]  # long text, fits no slot
-    replies, service = asyncio.run(serve_requests(slot_server, CharTokenizer(), 8, big, workers=2))
+    replies, service = asyncio.run(serve_requests(slot_server, CharTokenizer(), 8, big, workers=3))
     kinds = [r.response.status for r in replies]
-    # the burst arrives in one loop turn: two workers take two prompts, the rest are refused at once
+    # the burst (one tenant's) arrives in one loop turn: its share of the workers (all but one) takes two prompts,
+    # the rest are refused at once
     assert kinds[:2] == [400, 400] and kinds[2:] == [429] * 4
     assert all(b"tokenizer_busy" in r.response.body for r in replies[2:])
     assert free_frames(service) == 8
@@ -295,3 +297,22 @@ def test_a_client_gone_mid_stream_stops_the_handler_and_frees_everything(paced_s
     assert not reply.done.is_set()
     assert service.port.delivery_stats.abandoned == 1
     assert paced_server.server.stats.cancelled == 1  # the handler was stopped, not run to its end
+
+
+def test_the_event_loops_lag_is_measured(slot_server: Server) -> None:
+    """A probe due every 50 ms records how late the loop ran it (``edgepath_event_loop_lag_seconds``): a callback
+    that holds the loop 300 ms shows as one sample past the 250 ms bucket -- what /health/live waited meanwhile."""
+
+    async def go() -> EdgeService:
+        service = new_service(slot_server, CharTokenizer(), 2)
+        await asyncio.sleep(0.2)  # a few probes on an idle loop
+        asyncio.get_running_loop().call_soon(time.sleep, 0.3)  # something holding the loop
+        await asyncio.sleep(0.2)
+        service.stop()
+        return service
+
+    service = asyncio.run(go())
+    registry = service.metrics.registry
+    count = registry.get_sample_value("edgepath_event_loop_lag_seconds_count")
+    under = registry.get_sample_value("edgepath_event_loop_lag_seconds_bucket", {"le": "0.25"})
+    assert count is not None and under is not None and count >= 4 and count - under >= 1
