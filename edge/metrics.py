@@ -26,6 +26,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from edgepath.dpu.link_state import LinkState
 from edgepath.dpu.port import DeliveryStats, SlotServerStatus
+from edgepath.edge.connections import ConnectionLimits
 
 SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -235,6 +236,10 @@ class EdgeMetrics:
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
+    def watch_connections(self, limits: ConnectionLimits) -> None:
+        """Show ``limits``' open and refused connections (the service's, once it has them)."""
+        self.registry.register(_Connections(limits))
+
     def answered(self, route: str, status: int, total_ns: int) -> None:
         children = self._answered.get((route, status))
         if children is None:  # labels() looks the child up under a lock: once per (route, status)
@@ -316,6 +321,23 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Connections:
+    """The client connections of this edge (edge/connections.py), read when scraped: open now, and refused since it
+    started, by reason (``total``, ``per_address``)."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("edgepath_connections_open", "Client connections open", value=self.limits.open)
+        refused = CounterMetricFamily(
+            "edgepath_connections_refused", "Client connections refused past a limit, by reason", labels=["reason"]
+        )
+        for reason in ("total", "per_address"):
+            refused.add_metric([reason], self.limits.refused[reason])
+        yield refused
 
 
 class _Gateway:

@@ -20,6 +20,12 @@ from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.connections import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+    ConnectionLimits,
+)
 from edgepath.edge.http import Headers, HttpError, Request, Response
 from edgepath.edge.lifecycle import (
     DEFAULT_FORMATTERS,
@@ -70,9 +76,11 @@ class Reply(Protocol):
 
 class Intake(Protocol):
     """What an HTTP adapter sees of the edge (:class:`EdgeService` is one): the body limits it applies
-    while a request arrives, and where complete requests, early refusals and early resets go."""
+    while a request arrives, the connections it may keep, and where complete requests, early refusals and early
+    resets go."""
 
     body: BodyLimits
+    connections: ConnectionLimits
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
         """Answer a complete request through ``reply``; cancel the ticket when its client goes away."""
@@ -115,6 +123,7 @@ class EdgeService:
         check_interval: float = 0.25,
         request_timeout: float = 60.0,
         body_timeout: float = 5.0,
+        connections: ConnectionLimits | None = None,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
         supervision: Callable[[], tuple[int, int] | None] | None = None,
         gate: TenantGate | None = None,
@@ -127,6 +136,9 @@ class EdgeService:
         self.loop = loop
         self.executor = executor
         self.body = BodyLimits(core.limits.max_body, body_timeout)
+        self.connections = connections or ConnectionLimits(
+            DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS, DEFAULT_IDLE_TIMEOUT
+        )
         self.metrics = EdgeMetrics(
             lambda: port.free_slots()[0],
             lambda: port.delivery_stats,
@@ -135,6 +147,7 @@ class EdgeService:
             clock=_seconds,
             gateway=lambda: (self.pending, *port.free_slots()),
         )
+        self.metrics.watch_connections(self.connections)
         self.lifecycle = EdgeLifecycle(
             core,
             tokenizer,

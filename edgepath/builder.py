@@ -770,7 +770,9 @@ async def _listen(edge: EdgeSettings, service: EdgeService, tls: TlsFiles | None
         return await serve_tcp(service, edge.host, edge.port, reuse_port=edge.reuse_port)
     from edgepath.edge.adapters.quic import serve_quic, server_configuration
 
-    configuration = server_configuration(str(tls.certificate), str(tls.private_key), edge.quic_engine)
+    configuration = server_configuration(
+        str(tls.certificate), str(tls.private_key), edge.quic_engine, idle_timeout=edge.idle_timeout
+    )
     return await serve_quic(
         service,
         edge.host,
@@ -819,6 +821,7 @@ def build_edge(
     from edgepath.edge.apis.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.apis.responses import ResponsesLimits
     from edgepath.edge.apis.tools import TOOL_FORMATS
+    from edgepath.edge.connections import ConnectionLimits
     from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, Limits
     from edgepath.edge.routes import HttpCore
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
@@ -866,6 +869,7 @@ def build_edge(
         workers=TOKENIZER_WORKERS,
         request_timeout=edge.request_timeout,
         body_timeout=edge.body_timeout,
+        connections=ConnectionLimits(edge.max_connections, edge.max_connections_per_address, edge.idle_timeout),
         formatters={
             GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
             COMPLETIONS: openai_format,

@@ -41,6 +41,7 @@ from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
+from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
 from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
 from edgepath.handlers import handler_spec
@@ -443,7 +444,26 @@ class EdgeSettings:
     body_timeout: float = option(
         5.0,
         type=positive_float,
-        help="seconds a request may take to arrive complete (headers and body); then 408 and the stream is closed",
+        help="seconds a request may take to arrive complete (headers and body; over HTTP/1.1 a connection's first "
+        "request from its accept, a later one from its first byte); then 408 and the stream is closed",
+    )
+    idle_timeout: float = option(
+        DEFAULT_IDLE_TIMEOUT,
+        type=positive_float,
+        help="seconds a connection may stay silent between requests (HTTP/1.1 keep-alive) or at all (QUIC's idle "
+        "timeout) before it is closed (default %(default)s)",
+    )
+    max_connections: int = option(
+        DEFAULT_MAX_CONNECTIONS,
+        type=positive_int,
+        help="client connections this edge keeps open at once; past it a new one is refused (HTTP/1.1: 503 with "
+        "Retry-After; HTTP/3: CONNECTION_REFUSED; default %(default)s)",
+    )
+    max_connections_per_address: int = option(
+        DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,
+        type=non_negative_int,
+        help="client connections one client address may keep open at once (0: no limit per address, e.g. behind a "
+        "proxy); past it a new one is refused as past --max-connections (default %(default)s)",
     )
     quic_retry: bool = option(
         False,

@@ -20,7 +20,10 @@ H3_NO_ERROR (STOP_SENDING), so a client such as libcurl reads the 413/408 instea
 Per-connection limits (aioquic's, not configurable there): at most 128 bidirectional streams open at
 once (MAX_STREAMS credit is granted again as streams finish), ``max_stream_data`` and ``max_data``
 flow-control windows of 1 MiB.  A stream holds no frame and no slot until its request is complete,
-and the body deadline bounds how long an incomplete one is kept.
+and the body deadline bounds how long an incomplete one is kept.  Connections are counted with the HTTP/1.1
+adapter's (:mod:`edgepath.edge.connections`): a new one past ``--max-connections`` or
+``--max-connections-per-address`` is closed with CONNECTION_REFUSED as soon as its first packet is read; one
+silent for ``--idle-timeout`` is closed by the QUIC engine (its ``max_idle_timeout``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
 from edgepath.edge.body import IncomingBody
+from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
@@ -47,6 +51,8 @@ else:
     _ProtocolBase = object  # the engine's QuicConnectionProtocol is mixed in by protocol_class()
 
 H3_NO_ERROR = 0x100
+#: QUIC's transport error for a server that refuses a connection (RFC 9000 §20.1)
+CONNECTION_REFUSED = 0x2
 #: at most this long after a datagram that completed a request, its transmit happens even with no answer
 #: yet (the engines' ACK delay: no ACK is due earlier; flow-control credit waits at most this long)
 DEFERRED_TRANSMIT_S = 0.001
@@ -121,6 +127,8 @@ class EdgeProtocol(_ProtocolBase):
         self._completed = False  # this datagram completed a request that is not answered yet
         self._answered = False  # a response was produced while this datagram was processed
         self._deferred: asyncio.TimerHandle | None = None
+        self._address: str | None = None  # the client's address, while the connection is counted
+        self._admitted = False
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self._arrival_ns = None  # stamped when aioquic hands over this datagram's first event
@@ -130,6 +138,23 @@ class EdgeProtocol(_ProtocolBase):
             super().datagram_received(data, addr)  # the engine's: receive, events, transmit()
         finally:
             self._receiving = False
+        if not self._admitted:
+            self._admit(str(addr[0]) if isinstance(addr, tuple) and addr else "unknown")
+
+    def _admit(self, address: str) -> None:
+        """A new connection's first packet is read: count it, or close it with CONNECTION_REFUSED."""
+        self._admitted = True
+        refused = self._service.connections.admit(address)
+        if refused is None:
+            self._address = address
+            return
+        self._quic.close(error_code=CONNECTION_REFUSED, reason_phrase=f"{refused.message}; try again later")
+        self.transmit()
+
+    def _release(self) -> None:
+        if self._address is not None:
+            self._service.connections.release(self._address)
+            self._address = None
 
     def transmit(self) -> None:
         """The engine's transmit, except right after a datagram whose request will be answered shortly."""
@@ -159,6 +184,7 @@ class EdgeProtocol(_ProtocolBase):
             self._reset(event.stream_id)
         elif isinstance(event, self.engine.ConnectionTerminated):
             self._terminated = True
+            self._release()
             for stream_id in list(self._streams):
                 self._reset(stream_id)
         if self._h3 is not None:
@@ -253,9 +279,14 @@ def protocol_class(engine: QuicEngine) -> type[EdgeProtocol]:
     return type(f"EdgeProtocol_{engine.name}", (EdgeProtocol, engine.QuicConnectionProtocol), {"engine": engine})
 
 
-def server_configuration(certificate: str, private_key: str, engine: str = DEFAULT_ENGINE) -> QuicConfiguration:
+def server_configuration(
+    certificate: str, private_key: str, engine: str = DEFAULT_ENGINE, idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+) -> QuicConfiguration:
+    """The edge's QUIC configuration: its certificate, and ``idle_timeout`` (seconds) as QUIC's ``max_idle_timeout``:
+    a connection silent that long is closed by the engine."""
     config = load_engine(engine).configuration(is_client=False)
     config.load_cert_chain(certificate, private_key)
+    config.idle_timeout = idle_timeout
     return config
 
 

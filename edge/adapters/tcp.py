@@ -3,8 +3,14 @@
 Same service, same responses as the QUIC adapter: h11 does the framing, this module only moves
 bytes and events.  One request at a time per connection (h11 pauses a pipelining client until the
 response is out); keep-alive is supported.  A streamed answer goes out with chunked transfer
-coding, one chunk per event batch.  A request must be complete within ``--body-timeout`` of its
-first byte: 408 and the connection closed otherwise (it held no frame meanwhile).
+coding, one chunk per event batch.
+
+No connection can sit on the edge unbounded: a new one past the edge's connection limits
+(:mod:`edgepath.edge.connections`) gets a 503 with ``Retry-After`` and is closed; a connection's first request must
+be complete within ``--body-timeout`` of its accept (a silent connection too: its only timer used to start at a
+request's first byte), a later one within ``--body-timeout`` of its first byte -- 408 and the connection closed
+otherwise (it held no frame meanwhile); and between requests a keep-alive connection may stay silent for
+``--idle-timeout``, then it is closed.
 """
 
 from __future__ import annotations
@@ -34,24 +40,53 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._busy = False  # a request is being answered; h11 holds later ones back
         self._closing = False  # the answer being sent is the connection's last (an early refusal)
         self._arrival_ns: int | None = None
+        self._address: str | None = None  # the client's address, while the connection is counted
+        self._idle: asyncio.TimerHandle | None = None  # between requests: --idle-timeout
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+        refused = self._service.connections.admit(address)
+        if refused is not None:
+            retry = [(b"retry-after", b"1")]
+            self._raw_error(HttpError(503, "too_many_connections", f"{refused.message}; try again later", retry))
+            return
+        self._address = address
+        # the first request's deadline runs from the accept: a connection that never speaks is closed too
+        self._body = self._service.body.start(asyncio.get_running_loop(), self._body_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._drop_body()
+        self._stop_idle()
         if self._ticket is not None:
             self._ticket.cancel()
             self._ticket = None
         self._transport = None
+        if self._address is not None:
+            self._service.connections.release(self._address)
+            self._address = None
 
     def data_received(self, data: bytes) -> None:
         self._arrival_ns = lib.ep_now_ns()
+        self._stop_idle()
         if not self._busy and self._body is None:
             self._body = self._service.body.start(asyncio.get_running_loop(), self._body_late)
         self._conn.receive_data(data)
         self._process()
+
+    def _stop_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_late(self) -> None:
+        """Silent for ``--idle-timeout`` between requests: the connection is closed (no request is under way)."""
+        self._idle = None
+        if self._transport is not None and not self._busy and self._body is None:
+            self._transport.close()
+            self._transport = None
 
     def _drop_body(self) -> None:
         if self._body is not None:
@@ -141,9 +176,10 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         assert self._transport is not None
         self._drop_body()
         body = error_response(error).body
+        extra = "".join(f"{name.decode()}: {value.decode()}\r\n" for name, value in error.headers)
         head = (
             f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\nserver: {SERVER.decode()}\r\n\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\nserver: {SERVER.decode()}\r\n{extra}\r\n"
         )
         if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self._transport.write(head.encode() + body)
@@ -196,6 +232,12 @@ class EdgeHttp11Protocol(asyncio.Protocol):
             return
         self._conn.start_next_cycle()
         self._process()
+        if not self._busy and self._body is None and self._transport is not None:
+            loop = asyncio.get_running_loop()
+            if self._conn.trailing_data[0]:  # part of the next request came while this one was answered
+                self._body = self._service.body.start(loop, self._body_late)
+            else:
+                self._idle = loop.call_later(self._service.connections.idle_timeout, self._idle_late)
 
 
 def _framing_error(exc: h11.RemoteProtocolError) -> HttpError:

@@ -12,6 +12,7 @@ import pytest
 from edgepath.edge.adapters.tcp import EdgeHttp11Protocol
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.connections import ConnectionLimits
 from edgepath.edge.http import Headers, HttpError, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import Ticket
@@ -85,6 +86,7 @@ class _Intake:
             Limits(max_body, 16, 16, 100), None, OpenAIRoutes("echo", 16, 100, ChatSupport(False, ""), 0)
         )
         self.body = BodyLimits(max_body, 30.0)
+        self.connections = ConnectionLimits(10, 10, 30.0)
         self.handled: list[Request] = []
         self.refused: list[tuple[Request, HttpError]] = []
 

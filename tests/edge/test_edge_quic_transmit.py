@@ -4,9 +4,11 @@ answer (one transmit per request instead of an empty one first), bounded by DEFE
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 from edgepath.edge.adapters.quic import DEFERRED_TRANSMIT_S, EdgeProtocol
+from edgepath.edge.connections import ConnectionLimits
 
 
 class _EngineProtocol:
@@ -34,7 +36,7 @@ class _Protocol(EdgeProtocol, _EngineProtocol):  # type: ignore[misc]
 
 def _run(body: Any) -> None:
     async def main() -> None:
-        await body(_Protocol(service=None))
+        await body(_Protocol(service=SimpleNamespace(connections=ConnectionLimits(10, 10, 30.0))))
 
     asyncio.run(asyncio.wait_for(main(), 30))
 
