@@ -44,6 +44,7 @@ from edgepath.edge.http import (
 from edgepath.edge.measure import Measure
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.ops import OpsPages, unresponsive
+from edgepath.edge.overload import MemoryGuard
 from edgepath.edge.routes import HttpCore, route_label
 from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.text.tokenizer import Tokenizer
@@ -109,6 +110,8 @@ class EdgeLifecycle:
         )  # what each request is charged, and when
         #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
         self.draining = False
+        #: the edge's memory is over its high-water mark (edge/overload.py): new work gets 503 ``overloaded``
+        self.memory = MemoryGuard()
         self.groups = Groups(metrics)  # requests of n choices in flight (edge/choices.py)
 
     # -- events ----------------------------------------------------------------------------------
@@ -123,6 +126,13 @@ class EdgeLifecycle:
             return [self._respond(rid, route_label(request), request, timings, handled)]
         if isinstance(handled, StateQuery):
             return [self._respond(rid, handled.route, request, timings, self.ops.answer(handled, now, self.draining))]
+        if self.memory.shedding:  # before any of the work's memory is spent; what is under way goes on
+            reading = self.memory.reading
+            assert reading.limit is not None
+            error = self.refusals.overloaded(reading.used, reading.limit)
+            return [
+                self._respond(rid, route_label(request), request, timings, self.core.refusal(request.target, error))
+            ]
         if handled.kind == "tokenize":
             return self._tokenize_only(rid, request, handled, timings)
         return self.groups.fan_in(self._generate(rid, request, handled, timings, now), now)

@@ -27,6 +27,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from edgepath.dpu.link_state import LinkState
 from edgepath.dpu.port import DeliveryStats, SlotServerStatus
 from edgepath.edge.connections import ConnectionLimits
+from edgepath.edge.overload import MemoryGuard
 
 SHARED_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -236,6 +237,10 @@ class EdgeMetrics:
         self._shared_dir = os.environ.get(SHARED_DIR_ENV)
         self._answered: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
+    def watch_memory(self, guard: MemoryGuard) -> None:
+        """Show ``guard``'s latest reading and whether it sheds new work."""
+        self.registry.register(_Memory(guard))
+
     def watch_connections(self, limits: ConnectionLimits) -> None:
         """Show ``limits``' open and refused connections (the service's, once it has them)."""
         self.registry.register(_Connections(limits))
@@ -321,6 +326,26 @@ class _FreeSlots:
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("edgepath_free_slots", "Free slots on attached slot servers", value=float(self.read()))
+
+
+class _Memory:
+    """The edge's memory against its limit (edge/overload.py), as last read on the lifecycle's tick."""
+
+    def __init__(self, guard: MemoryGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        reading = self.guard.reading
+        yield GaugeMetricFamily("edgepath_memory_bytes", "Resident memory of this edge process", value=reading.used)
+        if reading.limit is not None:
+            yield GaugeMetricFamily(
+                "edgepath_memory_limit_bytes", "The memory limit new work is shed against", value=reading.limit
+            )
+        yield GaugeMetricFamily(
+            "edgepath_overloaded",
+            "1 while new requests are shed with 503 overloaded (memory over its high-water mark), else 0",
+            value=int(self.guard.shedding),
+        )
 
 
 class _Connections:

@@ -79,6 +79,17 @@ class Refusals:
             [(b"retry-after", str(self.retry_after_s).encode())],
         )
 
+    def overloaded(self, used: int, limit: int) -> HttpError:
+        """503 at once: the edge's memory is over its high-water mark (edge/overload.py), so new work is shed until
+        it is back under; the requests under way go on."""
+        return HttpError(
+            503,
+            "overloaded",
+            f"this edge uses {used >> 20} MiB of its {limit >> 20} MiB memory limit and sheds new requests until it "
+            "is back under its high-water mark; retry later (or on another edge)",
+            [(b"retry-after", str(self.retry_after_s).encode())],
+        )
+
     def retry_later(self, type_: str, why: str, retry_ms: float) -> HttpError:
         """A 429 that says when to come back (``retry_ms``; 0: no estimate, the default ``Retry-After``)."""
         if retry_ms > 0:

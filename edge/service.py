@@ -39,6 +39,7 @@ from edgepath.edge.lifecycle import (
     Tokenize,
 )
 from edgepath.edge.metrics import EdgeMetrics
+from edgepath.edge.overload import DEFAULT_HIGH_WATER, MemoryGuard, MemoryReading
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.text.tokenizer import Tokenizer
@@ -124,12 +125,16 @@ class EdgeService:
         request_timeout: float = 60.0,
         body_timeout: float = 5.0,
         connections: ConnectionLimits | None = None,
+        memory: Callable[[], MemoryReading] | None = None,
+        memory_high_water: float = DEFAULT_HIGH_WATER,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
         supervision: Callable[[], tuple[int, int] | None] | None = None,
         gate: TenantGate | None = None,
     ) -> None:
         """``supervision``: (restarts, hangs) of the slot server the app supervises, for /metrics; ``gate``: the
-        tenants' slot caps, quotas and usage log (:class:`~edgepath.edge.tenancy.gate.TenantGate`)."""
+        tenants' slot caps, quotas and usage log (:class:`~edgepath.edge.tenancy.gate.TenantGate`); ``memory``: reads
+        the edge's memory and its limit on every tick, new work being shed above ``memory_high_water`` of the limit
+        (edge/overload.py; None: never)."""
         self.core = core
         self.tokenizer = tokenizer
         self.port = port
@@ -159,6 +164,9 @@ class EdgeService:
             formatters=formatters,
             gate=gate,
         )
+        self.lifecycle.memory = MemoryGuard(memory_high_water)
+        self.metrics.watch_memory(self.lifecycle.memory)
+        self._memory = memory
         self._replies: dict[int, Reply] = {}
         self._rids = itertools.count(1)
         self._check_interval = check_interval
@@ -170,6 +178,8 @@ class EdgeService:
         self.loop.add_reader(self.port.fileno(), self._on_readable)
         self._on_readable()  # arms the port (and drains anything already there)
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
+        if self._memory is not None:
+            self.lifecycle.memory.update(self._memory())
         self._probe(self.loop.time())
 
     def stop(self) -> None:
@@ -230,6 +240,8 @@ class EdgeService:
         # stalled server or deadline is ever answered, and every stream on such a link waits for its client's
         # idle timeout (the loop's exception handler still logs the error).
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
+        if self._memory is not None:
+            self.lifecycle.memory.update(self._memory())
         self._run(self.lifecycle.tick(_now()))
 
     def _tokenize(self, action: Tokenize) -> None:

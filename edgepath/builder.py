@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import signal
@@ -823,6 +824,7 @@ def build_edge(
     from edgepath.edge.apis.tools import TOOL_FORMATS
     from edgepath.edge.connections import ConnectionLimits
     from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, Limits
+    from edgepath.edge.overload import read_memory
     from edgepath.edge.routes import HttpCore
     from edgepath.edge.service import TOKENIZER_WORKERS, EdgeService
 
@@ -870,6 +872,8 @@ def build_edge(
         request_timeout=edge.request_timeout,
         body_timeout=edge.body_timeout,
         connections=ConnectionLimits(edge.max_connections, edge.max_connections_per_address, edge.idle_timeout),
+        memory=functools.partial(read_memory, edge.memory_limit),
+        memory_high_water=edge.memory_high_water,
         formatters={
             GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
             COMPLETIONS: openai_format,

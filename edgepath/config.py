@@ -42,6 +42,7 @@ from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+from edgepath.edge.overload import DEFAULT_HIGH_WATER
 from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
 from edgepath.handlers import handler_spec
@@ -59,6 +60,7 @@ from edgepath.options import (
     readable_file,
     seconds_in,
     section,
+    share,
     slots_spec,
     to_argv,
 )
@@ -458,6 +460,18 @@ class EdgeSettings:
         type=positive_int,
         help="client connections this edge keeps open at once; past it a new one is refused (HTTP/1.1: 503 with "
         "Retry-After; HTTP/3: CONNECTION_REFUSED; default %(default)s)",
+    )
+    memory_limit: int | None = option(
+        None,
+        type=positive_int,
+        default_text="the memory limit of this process's cgroup (a container's, a pod's); none: no shedding",
+        help="bytes of memory this edge may use: above --memory-high-water of it, new requests are shed with 503 "
+        "overloaded and Retry-After (default %(default)s)",
+    )
+    memory_high_water: float = option(
+        DEFAULT_HIGH_WATER,
+        type=share,
+        help="the share of the memory limit above which new requests are shed (default %(default)s)",
     )
     max_connections_per_address: int = option(
         DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,

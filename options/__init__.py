@@ -403,6 +403,14 @@ def positive_float(text: str) -> float:
     return _number(text, zero_allowed=False)
 
 
+def share(text: str) -> float:
+    """A share of a whole, in (0, 1]."""
+    value = _number(text, zero_allowed=False)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {text!r}")
+    return value
+
+
 def port_number(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}")
