@@ -33,6 +33,8 @@ RESPONSES = "/v1/responses"  # OpenAI's Responses API
 HEALTH, METRICS = "/health", "/metrics"
 #: Kubernetes-style probes: the edge process answers (liveness), and it can serve -- a slot server is up (readiness)
 LIVE, READY = "/health/live", "/health/ready"
+#: the OpenAPI document of the routes (edge/openapi.py)
+OPENAPI = "/openapi.json"
 
 # Every stage that can appear in Server-Timing, in the order a request passes them.
 STAGES = (

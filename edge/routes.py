@@ -30,6 +30,7 @@ from edgepath.edge.http import (
     MESSAGES,
     METRICS,
     MODELS,
+    OPENAPI,
     READY,
     RESPONSES,
     TOKENIZE,
@@ -43,8 +44,10 @@ from edgepath.edge.http import (
     Work,
     body_too_large,
     error_response,
+    json_response,
     max_wait_of,
 )
+from edgepath.edge.openapi import document
 from edgepath.edge.refusals import Refusals
 from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.tenancy.tenants import ANONYMOUS, Tenant
@@ -73,7 +76,10 @@ ROUTES: dict[str, Route] = {
     LIVE: Route(("GET",), "ops"),
     READY: Route(("GET",), "ops"),
     METRICS: Route(("GET",), "ops"),
+    OPENAPI: Route(("GET",), "openapi"),
 }
+#: the APIs the router answers itself (no shape): the ops pages and the OpenAPI document
+OWN_APIS = ("ops", "openapi")
 
 
 #: the ops routes a probe asks (Kubernetes' kubelet): open without a key unless ``--protect-ops``, on every listener;
@@ -133,6 +139,15 @@ class HttpCore:
         self.shapes: dict[str, ApiShape] = {"edgepath": GenerateRoutes(limits), **(shapes or {})}
         if openai is not None:
             self.shapes["openai"] = openai
+        self._openapi: Response | None = None
+
+    def openapi(self) -> Response:
+        """``/openapi.json``: the document of the routes this edge serves (written once, on first ask)."""
+        if self._openapi is None:
+            model = getattr(self.shapes.get("openai"), "model", None)
+            routes = {path: route.methods for path, route in ROUTES.items()}
+            self._openapi = json_response(200, document(self.limits, routes, model))
+        return Response(self._openapi.status, list(self._openapi.headers), self._openapi.body)
 
     def handle(self, request: Request) -> Handled:
         """A final :class:`Response`, a :class:`Work` item, or a :class:`StateQuery` for
@@ -150,7 +165,7 @@ class HttpCore:
         except ValueError:  # a target _route refused as unreadable: edgepath's shape
             path = ""
         api = api_of(path)
-        shape = self.shapes.get(api) if api is not None and api != "ops" else None
+        shape = self.shapes.get(api) if api is not None and api not in OWN_APIS else None
         return shape.error(exc) if shape is not None else error_response(exc)
 
     def _route(self, request: Request) -> Handled:
@@ -175,6 +190,8 @@ class HttpCore:
             raise body_too_large(len(request.body), self.limits.max_body)
         if route.api == "ops":
             return StateQuery(parts.path, parse_qs(parts.query))
+        if route.api == "openapi":
+            return self.openapi()
         shape = self.shapes.get(route.api)
         if shape is None:
             raise HttpError(404, "not_found", f"{parts.path} is not served here (no {route.api} routes configured)")
@@ -199,7 +216,7 @@ class HttpCore:
                 return ANONYMOUS
             if self.ops_listener is not None:
                 raise HttpError(404, "not_found", f"{path} is served on the ops listener ({self.ops_listener})")
-        if keys is None:
+        if keys is None or (api_of(path) == "openapi" and not keys.protect_ops):
             return ANONYMOUS
         presented = keys.presented(headers)
         tenant = keys.identify(presented)
