@@ -49,6 +49,12 @@ def cmd_stream(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_hostile(args: argparse.Namespace) -> int:
+    from edgepath.bench.hostile import main
+
+    return main(args)
+
+
 def cmd_edge_cpu(args: argparse.Namespace) -> int:
     from edgepath.bench.edge_cpu import main
 
@@ -74,6 +80,7 @@ def add_structured_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_command(sub: Any) -> None:
     """``edgepath bench`` and its benchmarks, on ``edgepath``'s subcommands ``sub``."""
+    from edgepath.bench.hostile import add_arguments as add_hostile_arguments
     from edgepath.bench.lockout import add_arguments as add_lockout_arguments
     from edgepath.bench.model_compare import add_arguments as add_model_arguments
     from edgepath.bench.stream import add_arguments as add_stream_arguments
@@ -138,6 +145,12 @@ def add_command(sub: Any) -> None:
     )
     add_tenants_arguments(p)
     p.set_defaults(func=cmd_tenants)
+    p = bench.add_parser(
+        "hostile",
+        help="what one hostile request costs the edge (RSS, /health/live), and a flood of them vs a quiet chat",
+    )
+    add_hostile_arguments(p)
+    p.set_defaults(func=cmd_hostile)
     p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
     add_stream_arguments(p)
     p.set_defaults(func=cmd_stream)

@@ -6,7 +6,8 @@ Every path of the API is in one table, :data:`ROUTES`: the methods it allows and
 (:mod:`edgepath.edge.apis.anthropic_answers`) or ``ops``
 (live state the lifecycle owns: :mod:`edgepath.edge.ops`).  Routing, ``Allow``, authentication, error shapes and
 metric labels all read it.  :class:`HttpCore` checks the path, the method, the body's size and the API key, then
-hands the body -- nested no deeper than ``JSON_DEPTH_MAX`` (:mod:`edgepath.edge.apis.limits`) -- to its shape,
+hands the body -- nested no deeper than ``JSON_DEPTH_MAX``, with at most ``JSON_CONTAINERS_MAX`` arrays and objects
+(:mod:`edgepath.edge.apis.limits`) -- to its shape,
 which parses it into a :class:`~edgepath.edge.http.Work` item or refuses it in its own error shape; every bad input
 is answered here, at once.
 """
@@ -19,7 +20,7 @@ from typing import Protocol
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from edgepath.edge.apis.generate import GenerateRoutes
-from edgepath.edge.apis.limits import LimitExceeded, check_json_depth
+from edgepath.edge.apis.limits import LimitExceeded, check_json
 from edgepath.edge.http import (
     CHAT,
     COMPLETIONS,
@@ -195,10 +196,10 @@ class HttpCore:
         shape = self.shapes.get(route.api)
         if shape is None:
             raise HttpError(404, "not_found", f"{parts.path} is not served here (no {route.api} routes configured)")
-        try:  # before any shape parses it: no parser or walk of the document recurses past the limit
-            check_json_depth(request.body)
+        try:  # before any shape parses it: no parser or walk of the document recurses or allocates past the limits
+            check_json(request.body)
         except LimitExceeded as exc:
-            raise HttpError(400, "json_too_deep", exc.message) from None
+            raise HttpError(400, exc.code, exc.message) from None
         work = shape.handle(parts.path, request.method, request.body)
         if isinstance(work, Work) and work.kind == "generate":
             work.max_wait_ms = max_wait_of(request.headers)
