@@ -79,6 +79,15 @@ class Refusals:
             [(b"retry-after", str(self.retry_after_s).encode())],
         )
 
+    def waiting(self) -> HttpError:
+        """429 at once: the request's tenant already has its large requests waiting for their turn to be read
+        (edge/turns.py), so this one is not read at all."""
+        return self.retry_later(
+            "large_requests_waiting",
+            "this API key already has its large requests waiting to be read; this server does not queue more",
+            0.0,
+        )
+
     def overloaded(self, used: int, limit: int) -> HttpError:
         """503 at once: the edge's memory is over its high-water mark (edge/overload.py), so new work is shed until
         it is back under; the requests under way go on."""

@@ -207,6 +207,14 @@ class HttpCore:
             work.salt = tenant.salt(work.cache_salt)
         return work
 
+    def tenant_of(self, request: Request) -> str:
+        """The name of the tenant ``request`` is from, without reading its body ("": none yet -- its answer says
+        why, when it is read)."""
+        try:
+            return self._authorize(_split(request.target).path, request.headers).name
+        except HttpError:
+            return ""
+
     def _authorize(self, path: str, headers: Headers, on_ops_listener: bool = False) -> Tenant:
         """The request's tenant; 401 unless the request carries a valid key (when keys are configured).
         Unknown paths are checked too, so an unauthenticated client learns nothing about the routes.  The ops

@@ -44,6 +44,7 @@ from edgepath.edge.routes import HttpCore
 from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.text.tokenizer import Tokenizer
 from edgepath.edge.tokenizing import chat_tools
+from edgepath.edge.turns import LARGE_BODY, Turns
 from edgepath.native.abi import lib
 
 log = logging.getLogger("edgepath.edge")
@@ -167,6 +168,8 @@ class EdgeService:
         self.lifecycle.memory = MemoryGuard(memory_high_water)
         self.metrics.watch_memory(self.lifecycle.memory)
         self._memory = memory
+        self._turns: Turns[tuple[int, Request]] = Turns()  # large requests waiting for their tenant's turn
+        self._turn_due = False
         self._replies: dict[int, Reply] = {}
         self._rids = itertools.count(1)
         self._check_interval = check_interval
@@ -206,11 +209,32 @@ class EdgeService:
 
     # -- events from adapters --------------------------------------------------------------------
     def handle(self, request: Request, reply: Reply) -> Ticket:
-        """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled."""
+        """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled.  A large one
+        waits for its tenant's turn (edge/turns.py), or is refused at once when its tenant's line is full."""
         rid = next(self._rids)
         self._replies[rid] = reply
-        self._run(self.lifecycle.receive(rid, request, _now()))
+        if len(request.body) < LARGE_BODY:
+            self._run(self.lifecycle.receive(rid, request, _now()))
+        elif not self._turns.add(self.core.tenant_of(request), (rid, request)):
+            self._run(
+                self.lifecycle.refuse(rid, request, self.core.refusal(request.target, self.core.refusals.waiting()))
+            )
+        elif not self._turn_due:
+            self._turn_due = True
+            self.loop.call_soon(self._turn)
         return Ticket(self, rid)
+
+    def _turn(self) -> None:
+        """Read the next tenant's large request; the next one in the next loop iteration (other events between)."""
+        self._turn_due = False
+        waiting = self._turns.next()
+        if waiting is not None:
+            rid, request = waiting
+            if rid in self._replies:  # its client may have gone while it waited
+                self._run(self.lifecycle.receive(rid, request, _now()))
+        if len(self._turns):
+            self._turn_due = True
+            self.loop.call_soon(self._turn)
 
     def refuse(self, request: Request, error: HttpError, reply: Reply) -> None:
         """Answer an adapter's early refusal (413, 408) in its route's shape, counted like the rest."""

@@ -8,6 +8,7 @@ time: tests wait for answers (events) or for states (frames free, nothing pendin
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,9 @@ from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Headers, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import EdgeService
+from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.text.tokenizer import INLINE_CHARS
+from edgepath.edge.turns import LARGE_BODY
 from edgepath.native.abi import lib
 from edgepath.slots.handlers import BatchHandler, PacedEcho, SlotRequest, echo
 from edgepath.slots.server import SlotServer, SlotServerConfig
@@ -316,3 +319,50 @@ def test_the_event_loops_lag_is_measured(slot_server: Server) -> None:
     count = registry.get_sample_value("edgepath_event_loop_lag_seconds_count")
     under = registry.get_sample_value("edgepath_event_loop_lag_seconds_bucket", {"le": "0.25"})
     assert count is not None and under is not None and count >= 4 and count - under >= 1
+
+
+def test_a_tenants_large_requests_wait_for_their_turn_and_a_small_one_is_answered_first(slot_server: Server) -> None:
+    """Three large requests of one tenant and a small one of another arrive together: the small one is read (and, a
+    /v1/tokenize, answered) at once, the large ones one per loop turn, and past LARGE_WAITING the tenant's next large
+    one is 429 before it is read."""
+    pad = " " * LARGE_BODY
+
+    def request(key: str, prompt: str) -> Request:
+        if key == "b":  # a small /v1/tokenize: answered as soon as it is read
+            body, path = json.dumps({"prompt": prompt}).encode(), "/v1/tokenize"
+        else:
+            body, path = json.dumps({"prompt": prompt, "max_tokens": 2}).encode(), "/v1/generate"
+        return Request("POST", path, [(b"x-api-key", key.encode())], body, lib.ep_now_ns())
+
+    async def go() -> list[Recorded]:
+        agent = Agent(LoopbackTransport(), frames=8, input_capacity=CAP, output_capacity=CAP)
+        agent.attach(slot_server.address)
+        core = HttpCore(Limits(1 << 20, CAP, CAP, CharTokenizer().vocab_size), ApiKeys(["a", "b"]))
+        service = EdgeService(
+            core, CharTokenizer(), agent, asyncio.get_running_loop(), ThreadPoolExecutor(2), workers=2
+        )
+        service.start()
+        order: list[str] = []
+
+        @dataclass
+        class Named(Recorded):
+            name: str = ""
+
+            def respond(self, response: Response) -> None:
+                order.append(self.name)
+                super().respond(response)
+
+        replies: list[Recorded] = [Named(name=name) for name in ("a1", "a2", "a3", "b")]
+        for reply, (key, prompt) in zip(
+            replies, [("a", "x" + pad), ("a", "y" + pad), ("a", "z" + pad), ("b", "hi")], strict=True
+        ):
+            service.handle(request(key, prompt), reply)
+        await asyncio.wait_for(asyncio.gather(*(r.done.wait() for r in replies)), 30)
+        service.stop()
+        assert order[:2] == ["a3", "b"]  # the refused one, then the small one: both before any large one was read
+        return replies
+
+    replies = asyncio.run(go())
+    # a1: read in its turn, too long for a slot; a2: its turn came while a1 held a's share of the tokenizer workers
+    assert [r.response.status for r in replies] == [400, 429, 429, 200]
+    assert b"tokenizer_busy" in replies[1].response.body and b"large_requests_waiting" in replies[2].response.body
