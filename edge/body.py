@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterable
 
 from edgepath.edge.http import HttpError, body_too_large
 
+#: the most bytes a request's target and header fields may take together (nginx's large_client_header_buffers: 4 x 8k)
+HEAD_MAX = 16 * 1024
+
 
 class BodyLimits:
-    """``--max-body`` (bytes) and ``--body-timeout`` (seconds) of one edge."""
+    """``--max-body`` (bytes) and ``--body-timeout`` (seconds) of one edge, and :data:`HEAD_MAX`."""
 
     __slots__ = ("max_body", "timeout")
 
@@ -28,6 +31,19 @@ class BodyLimits:
             raise ValueError(f"body timeout must be positive, got {timeout} s")
         self.max_body = max_body
         self.timeout = timeout
+
+    @staticmethod
+    def head(target: bytes | str, headers: Iterable[tuple[bytes, bytes]]) -> HttpError | None:
+        """431 when the target and the header fields take more than :data:`HEAD_MAX` bytes (a head that arrived whole
+        in one read is not bounded by the framing layer's own limit on what it buffers)."""
+        size = len(target) + sum(len(name) + len(value) for name, value in headers)
+        if size > HEAD_MAX:
+            return HttpError(
+                431,
+                "headers_too_large",
+                f"the request's target and header fields take {size} bytes; the limit is {HEAD_MAX}",
+            )
+        return None
 
     def declared(self, headers: Iterable[tuple[bytes, bytes]]) -> HttpError | None:
         """413 at once when the request's ``Content-Length`` is past the limit (nothing more is read)."""

@@ -41,6 +41,7 @@ _DESCRIPTIONS = {
     "404": "no such model",
     "408": "the request did not arrive complete within --body-timeout",
     "413": "the body is larger than --max-body",
+    "431": "the request's target and header fields take more than 16 KiB",
     "429": "refused at once (no slot, over the bound on waiting, quota, slot cap, tokenizer workers); Retry-After",
     "500": "the tokenizer failed",
     "502": "the slot server answered with an error status",
@@ -72,6 +73,8 @@ def document(limits: Limits, routes: Mapping[str, tuple[str, ...]], model: str |
         if path in (COMPLETIONS, CHAT, MODELS) and model is None:
             continue
         operation = operations[path]
+        error = "OpenAIError" if path in (COMPLETIONS, CHAT, MODELS) else "EdgeError"
+        operation["responses"].update(_errors(("431",), error))  # a head past 16 KiB, on any route
         paths[path] = {method.lower(): operation for method in methods}
     return {
         "openapi": "3.1.0",

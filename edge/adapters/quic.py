@@ -204,7 +204,7 @@ class EdgeProtocol(_ProtocolBase):
                     elif not name.startswith(b":"):
                         stream.headers.append((name, value))
                 limits = self._service.body
-                error = limits.declared(stream.headers)
+                error = limits.head(stream.target, stream.headers) or limits.declared(stream.headers)
                 if error is not None:
                     self._refuse_early(event.stream_id, stream, error)
                 elif not event.stream_ended:

@@ -124,7 +124,9 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                 self._request = event
                 if self._body is None:  # a pipelined request h11 held back: it starts now
                     self._body = self._service.body.start(asyncio.get_running_loop(), self._body_late)
-                error = self._service.body.declared(event.headers)
+                error = self._service.body.head(event.target, event.headers) or self._service.body.declared(
+                    event.headers
+                )
             elif isinstance(event, h11.Data):
                 assert self._body is not None  # opened with the request
                 error = self._body.add(event.data)

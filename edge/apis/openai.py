@@ -59,6 +59,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     408: "timeout",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "requests",
     500: "server_error",
     502: "server_error",

@@ -136,3 +136,20 @@ def test_http3_refuses_a_connection_past_the_cap_and_closes_an_idle_one(tmp_path
         server.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_http11_a_head_past_16_kib_is_431_in_one_read_or_many() -> None:
+    """h11 bounds only what it buffers of an incomplete head: one that arrives whole in one read is bounded here."""
+
+    async def main() -> None:
+        intake = _Intake(ConnectionLimits(total=100, per_address=100, idle_timeout=30.0))
+        server = await serve_tcp(intake, "127.0.0.1", 0)  # type: ignore[arg-type]
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await _open(port)
+        writer.write(b"GET /health/live HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in answer and intake.handled == 0
+        writer.close()
+        server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
