@@ -530,7 +530,7 @@ async def start_edge(
     """The edge in this process: tokenizer, service, listener; ``cleanup`` stops them in reverse.
     ``supervision``: the supervised slot server's (restarts, hangs) for /metrics (None: serve supervises none).
     Returns the edge's graceful stop (:func:`drain_edge`), to await before ``cleanup``."""
-    from edgepath.edge.service import TOKENIZER_WORKERS
+    from edgepath.edge.service import TOKENIZER_WORKERS, lower_priority
     from edgepath.edge.text.tokenizer import load_tokenizer
 
     edge = plan.options.edge
@@ -538,7 +538,7 @@ async def start_edge(
     if edge.chat_template is not None:
         use_chat_template(tokenizer, edge.chat_template)
     log.info("tokenizer %s (%d ids)", tokenizer.name, tokenizer.vocab_size)
-    executor = ThreadPoolExecutor(max_workers=TOKENIZER_WORKERS, thread_name_prefix="tokenize")
+    executor = ThreadPoolExecutor(TOKENIZER_WORKERS, thread_name_prefix="tokenize", initializer=lower_priority)
     cleanup.callback(executor.shutdown, wait=False, cancel_futures=True)
     options = plan.options
     from edgepath.edge.tenancy.gate import TenantGate

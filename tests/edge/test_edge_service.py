@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from helpers.tokenizers import CharTokenizer
 from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Headers, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
-from edgepath.edge.service import EdgeService
+from edgepath.edge.service import WORKER_NICE, EdgeService, lower_priority
 from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.text.tokenizer import INLINE_CHARS
 from edgepath.edge.turns import LARGE_BODY
@@ -366,3 +367,10 @@ def test_a_tenants_large_requests_wait_for_their_turn_and_a_small_one_is_answere
     # a1: read in its turn, too long for a slot; a2: its turn came while a1 held a's share of the tokenizer workers
     assert [r.response.status for r in replies] == [400, 429, 429, 200]
     assert b"tokenizer_busy" in replies[1].response.body and b"large_requests_waiting" in replies[2].response.body
+
+
+def test_tokenizer_workers_run_at_a_lower_priority_than_the_event_loop() -> None:
+    """One tenant's large prompt on a worker yields the CPUs to the event loop and the model."""
+    with ThreadPoolExecutor(1, initializer=lower_priority) as pool:
+        nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
