@@ -20,13 +20,16 @@ from edgepath.edge.apis.sampling import CACHE_SALT_MAX, SEED_MAX, SEED_MIN, TOP_
 from edgepath.edge.http import (
     CHAT,
     COMPLETIONS,
+    COUNT_TOKENS,
     GENERATE,
     HEALTH,
     LIVE,
+    MESSAGES,
     METRICS,
     MODELS,
     OPENAPI,
     READY,
+    RESPONSES,
     TOKENIZE,
     Limits,
 )
@@ -47,6 +50,7 @@ _DESCRIPTIONS = {
     "502": "the slot server answered with an error status",
     "503": "no slot server is up, the edge is draining, or it sheds new work over its memory high-water mark",
     "504": "no result from the slot server in time",
+    "529": "Anthropic's routes: no slot could be had now (429 no_slot or over_bound elsewhere)",
 }
 
 
@@ -59,6 +63,9 @@ def document(limits: Limits, routes: Mapping[str, tuple[str, ...]], model: str |
         TOKENIZE: _post("Token ids of a prompt", "TokenizeRequest", "Tokenized", "EdgeError", False),
         COMPLETIONS: _post("OpenAI completions", "CompletionRequest", "OpenAIAnswer", "OpenAIError", True, "404"),
         CHAT: _post("OpenAI chat completions", "ChatRequest", "OpenAIAnswer", "OpenAIError", True, "404"),
+        RESPONSES: _post("OpenAI responses", "ResponsesRequest", "Response", "OpenAIError", True, "404"),
+        MESSAGES: _post("Anthropic messages", "MessagesRequest", "Message", "AnthropicError", True, "404", "529"),
+        COUNT_TOKENS: _post("Anthropic token count", "MessagesRequest", "TokenCount", "AnthropicError", False, "404"),
         MODELS: _get("The served model", _json("Models"), _errors(("401",), "OpenAIError")),
         HEALTH: _get("Slot servers, free slots, live latency", _json("Health"), _unready(("400", "401"))),
         LIVE: _get("Liveness: the edge process answers", _json("Health"), _errors(("401",), "EdgeError")),
@@ -70,10 +77,12 @@ def document(limits: Limits, routes: Mapping[str, tuple[str, ...]], model: str |
     }
     paths: dict[str, Any] = {}
     for path, methods in routes.items():
-        if path in (COMPLETIONS, CHAT, MODELS) and model is None:
+        if path in (COMPLETIONS, CHAT, MODELS, RESPONSES, MESSAGES, COUNT_TOKENS) and model is None:
             continue
         operation = operations[path]
-        error = "OpenAIError" if path in (COMPLETIONS, CHAT, MODELS) else "EdgeError"
+        error = {COMPLETIONS: "OpenAIError", CHAT: "OpenAIError", MODELS: "OpenAIError", RESPONSES: "OpenAIError"}.get(
+            path, "AnthropicError" if path in (MESSAGES, COUNT_TOKENS) else "EdgeError"
+        )
         operation["responses"].update(_errors(("431",), error))  # a head past 16 KiB, on any route
         paths[path] = {method.lower(): operation for method in methods}
     return {
@@ -221,6 +230,20 @@ def _schemas(limits: Limits, model: str | None) -> dict[str, Any]:
                 "logprobs": {"type": ["boolean", "null"]},
                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": TOP_LOGPROBS_MAX},
             },
+        },
+        "ResponsesRequest": {"type": "object", "required": ["model", "input"]},
+        "MessagesRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "properties": {"messages": {"type": "array", "maxItems": MESSAGES_MAX}},
+        },
+        "Message": {"type": "object", "required": ["id", "type"]},
+        "Response": {"type": "object", "required": ["id", "object"]},
+        "TokenCount": {"type": "object", "required": ["input_tokens"]},
+        "AnthropicError": {
+            "type": "object",
+            "required": ["type", "error"],
+            "properties": {"error": {"type": "object", "required": ["type", "message"]}},
         },
         "Generated": {"type": "object", "required": ["id", "tokens", "text"]},
         "Tokenized": {"type": "object", "required": ["tokens", "count"]},
