@@ -17,8 +17,12 @@ from functools import partial
 
 from edgepath.edge.adapters.tcp import EdgeHttp11Protocol
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.connections import ConnectionLimits
 from edgepath.edge.http import HttpError, Request
 from edgepath.edge.service import Intake, Reply, Ticket
+
+#: connections the ops listener keeps open at once, in total and per client address (probes and scrapers are few)
+OPS_CONNECTIONS, OPS_CONNECTIONS_PER_ADDRESS = 64, 16
 
 
 class OpsIntake:
@@ -27,6 +31,10 @@ class OpsIntake:
     def __init__(self, service: Intake) -> None:
         self._service = service
         self.body: BodyLimits = service.body
+        # connections of their own: a flood of the clients' listener never locks the probes and scrapers out
+        self.connections = ConnectionLimits(
+            OPS_CONNECTIONS, OPS_CONNECTIONS_PER_ADDRESS, service.connections.idle_timeout
+        )
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
         return self._service.handle(dataclasses.replace(request, ops=True), reply)
