@@ -656,6 +656,12 @@ class RequestHeader(_StructView, struct="ep_request_header"):
     tenant: int  # the tenant's id in the state words (0: no floor and no cap), claimed with: the state word's tenant
     slot_floor: int  # that tenant's slot floor
     slot_cap: int  # that tenant's slot cap (0: none)
+    min_p: float  # sampling, continued (ABI 14): 0 = off
+    presence_penalty: float  # 0 = off
+    frequency_penalty: float  # 0 = off
+    repetition_penalty: float  # 0 or 1 = off
+    logit_biases: int  # (id, bias) pairs at the end of the constraint words after the prompt
+    reserved32: int
 
     def fill(
         self,
@@ -678,6 +684,11 @@ class RequestHeader(_StructView, struct="ep_request_header"):
             sampling.top_p,
             sampling.top_k,
             sampling.seed,
+            sampling.min_p,
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+            sampling.repetition_penalty,
+            len(sampling.logit_bias),
             t_receive_ns,
             t_tokenized_ns,
         )
@@ -737,13 +748,16 @@ class RequestHeader(_StructView, struct="ep_request_header"):
         us = p.stream_window_us
         return us / 1e6 if us else default_window
 
-    def sampling(self) -> Sampling:
-        """The request's sampling parameters (a zeroed header, greedy, is one shared value: no allocation)."""
+    def sampling(self, logit_bias: LogitBias = ()) -> Sampling:
+        """The request's sampling parameters, with ``logit_bias`` read from the words after its prompt
+        (:func:`read_after_prompt`; the header holds only their count).  A zeroed header, greedy, is one shared
+        value: no allocation."""
         p = self._p
         temperature, top_p, top_k, seed = p.temperature, p.top_p, p.top_k, p.seed
-        if not (temperature or top_p or top_k or seed):
+        min_p, presence, frequency, repetition = p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        if not (temperature or top_p or top_k or seed or min_p or presence or frequency or repetition or logit_bias):
             return _ZEROED
-        return Sampling(temperature, top_p, top_k, seed)
+        return Sampling(temperature, top_p, top_k, seed, min_p, presence, frequency, repetition, logit_bias)
 
 
 class ResultHeader(_StructView, struct="ep_result_header"):
@@ -906,14 +920,41 @@ class RequestInvalid(ValueError):
     """A request that does not fit the slot format; the message says what is allowed."""
 
 
+#: a request's logit biases: (token id, bias added to its logit) pairs, ids ascending, each id once
+LogitBias = tuple[tuple[int, float], ...]
+#: most logit biases one request carries (the bound OpenAI's API applies)
+LOGIT_BIAS_MAX = int(lib.EP_LOGIT_BIAS_MAX)
+#: the window of the presence, frequency and repetition penalties: the sequence's last tokens, prompt included
+PENALTY_LAST_N = int(lib.EP_PENALTY_LAST_N)
+#: the ranges the slot checks (an API may allow less): presence and frequency penalties, repetition penalty, bias
+PENALTY_MAX, REPETITION_MAX, BIAS_MAX = 2.0, 10.0, 100.0
+
+
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Sampling parameters carried in the request header to the model side."""
+    """Sampling parameters carried to the model side: in the request header, but for ``logit_bias``, whose pairs
+    follow the prompt (:func:`after_prompt`) and whose count the header holds."""
 
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # 0 (a zeroed header) or 1: no nucleus cut
     top_k: int = 0  # 0: off
     seed: int = 0
+    min_p: float = 0.0  # 0: off
+    presence_penalty: float = 0.0  # 0: off
+    frequency_penalty: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 0 (a zeroed header) or 1: off
+    logit_bias: LogitBias = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (they need the sequence's last :data:`PENALTY_LAST_N` tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty not in (0.0, 1.0)
+
+    @property
+    def shaped(self) -> bool:
+        """Whether anything but temperature, top-k and top-p shapes the draw (then even greedy needs llama.cpp's
+        samplers: a bias or a penalty moves the likeliest token)."""
+        return self.penalized or bool(self.logit_bias) or self.min_p > 0.0
 
     def check(self) -> None:
         if not 0.0 <= self.temperature <= 2.0:
@@ -924,10 +965,40 @@ class Sampling:
             raise RequestInvalid(f"top_k must be a non-negative integer, got {self.top_k}")
         if not 0 <= self.seed < 2**64:
             raise RequestInvalid(f"seed must be an unsigned 64-bit integer, got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestInvalid(f"min_p must be between 0 and 1 (0: off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_MAX <= value <= PENALTY_MAX:
+                raise RequestInvalid(f"{name} must be between -{PENALTY_MAX:g} and {PENALTY_MAX:g}, got {value}")
+        if not 0.0 <= self.repetition_penalty <= REPETITION_MAX:
+            raise RequestInvalid(
+                f"repetition_penalty must be between 0 and {REPETITION_MAX:g} (0 or 1: off), "
+                f"got {self.repetition_penalty}"
+            )
+        check_logit_bias(self.logit_bias)
 
 
-#: the sampling of a zeroed request header: greedy, no nucleus cut
-_ZEROED = Sampling(0.0, 0.0, 0, 0)
+def check_logit_bias(logit_bias: LogitBias, vocab_size: int = 2**31) -> None:
+    """RequestInvalid unless ``logit_bias`` is at most :data:`LOGIT_BIAS_MAX` pairs of ascending ids below
+    ``vocab_size`` with finite biases within +-:data:`BIAS_MAX`."""
+    if len(logit_bias) > LOGIT_BIAS_MAX:
+        raise RequestInvalid(f"at most {LOGIT_BIAS_MAX} logit biases, got {len(logit_bias)}")
+    last = -1
+    for token, bias in logit_bias:
+        if not last < token < vocab_size:
+            raise RequestInvalid(
+                f"logit bias token ids must ascend within 0..{vocab_size - 1}, got {token} after {last}"
+            )
+        if not -BIAS_MAX <= bias <= BIAS_MAX:
+            raise RequestInvalid(
+                f"a logit bias must be between -{BIAS_MAX:g} and {BIAS_MAX:g}, got {bias} (token {token})"
+            )
+        last = token
+
+
+#: the sampling of a zeroed request header: greedy, no nucleus cut, no penalty
+_ZEROED = Sampling(0.0, 0.0, 0, 0, repetition_penalty=0.0)
 
 
 # -- a constraint after the prompt (native/edgepath_slot.h, issue 36) -------------------------------------
@@ -938,6 +1009,8 @@ CONSTRAINT_WORDS_MAX = lib.EP_FLAG_CONSTRAINT_MASK
 
 #: the request may also reuse prefixes written under :data:`PUBLIC_SALT`; what it writes stays under its own salt
 FLAG_READ_PUBLIC = lib.EP_FLAG_READ_PUBLIC
+#: the model's end-of-generation tokens are never drawn: the answer runs to its max_new_tokens (``ignore_eos``)
+FLAG_IGNORE_EOS = lib.EP_FLAG_IGNORE_EOS
 
 
 def readable_salts(salt: int, flags: int) -> tuple[int, ...]:
@@ -953,6 +1026,43 @@ def constraint_encoding(grammar: str) -> np.ndarray:
     if not 0 < len(words) <= CONSTRAINT_WORDS_MAX:
         raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, this one {len(words)}")
     return words
+
+
+def logit_bias_encoding(logit_bias: LogitBias) -> np.ndarray:
+    """Logit biases as the int32 words that end the constraint: per pair its token id, then its bias (float32 bits)."""
+    words = np.zeros(2 * len(logit_bias), dtype=np.int32)
+    if logit_bias:
+        words[0::2] = [token for token, _ in logit_bias]
+        words.view(np.float32)[1::2] = [bias for _, bias in logit_bias]
+    return words
+
+
+def after_prompt(grammar: str | None, logit_bias: LogitBias) -> np.ndarray | None:
+    """The words that follow a request's prompt: its grammar (:func:`constraint_encoding`), then its logit biases
+    (:func:`logit_bias_encoding`; the request header says how many); None when it has neither."""
+    if grammar is None and not logit_bias:
+        return None
+    parts = [constraint_encoding(grammar)] if grammar is not None else []
+    words = np.concatenate([*parts, logit_bias_encoding(logit_bias)])
+    if len(words) > CONSTRAINT_WORDS_MAX:
+        raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, this one {len(words)}")
+    return words
+
+
+def read_after_prompt(words: np.ndarray, logit_biases: int) -> tuple[str | None, LogitBias]:
+    """The grammar (None: none) and the logit biases in the words after a prompt (as :func:`after_prompt` made
+    them; ``logit_biases``: the request header's count).  ValueError when they cannot be: more biases than words, a
+    grammar that is not UTF-8."""
+    bias_words = 2 * logit_biases
+    if bias_words > len(words):
+        raise ValueError(f"{logit_biases} logit biases take {bias_words} words; {len(words)} follow the prompt")
+    pairs = np.ascontiguousarray(words[len(words) - bias_words :], dtype=np.int32)
+    ids, biases = pairs[0::2].tolist(), pairs.view(np.float32)[1::2].tolist()
+    try:
+        grammar = read_constraint(words[: len(words) - bias_words]) if bias_words < len(words) else None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"its grammar is not UTF-8 ({exc})") from None
+    return grammar, tuple(zip(ids, biases, strict=True))
 
 
 def constraint_flags(words: int) -> int:

@@ -186,7 +186,8 @@ void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_
 
 void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, uint32_t max_new_tokens,
                      uint32_t flags, float temperature, float top_p, uint32_t top_k, uint64_t seed,
-                     uint64_t t_receive_ns, uint64_t t_tokenized_ns)
+                     float min_p, float presence_penalty, float frequency_penalty, float repetition_penalty,
+                     uint32_t logit_biases, uint64_t t_receive_ns, uint64_t t_tokenized_ns)
 {
     struct ep_request_header *req = request;
     req->request_id = request_id;
@@ -197,6 +198,11 @@ void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, u
     req->top_p = top_p;
     req->top_k = top_k;
     req->seed = seed;
+    req->min_p = min_p;
+    req->presence_penalty = presence_penalty;
+    req->frequency_penalty = frequency_penalty;
+    req->repetition_penalty = repetition_penalty;
+    req->logit_biases = logit_biases;
     req->t_receive_ns = t_receive_ns;
     req->t_tokenized_ns = t_tokenized_ns;
     req->max_wait_ms = 0;  /* a frame is reused: the writer sets its bound after filling */

@@ -57,7 +57,8 @@ void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_
 /* Header operations of the wire contract's typed views (contract/wire.py), one call each on the hot path. */
 void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, uint32_t max_new_tokens,
                      uint32_t flags, float temperature, float top_p, uint32_t top_k, uint64_t seed,
-                     uint64_t t_receive_ns, uint64_t t_tokenized_ns);
+                     float min_p, float presence_penalty, float frequency_penalty, float repetition_penalty,
+                     uint32_t logit_biases, uint64_t t_receive_ns, uint64_t t_tokenized_ns);
 /* A slot starts a request: whose, when, nothing produced yet (progress = generation << 32). */
 void ep_result_begin(void *result, uint64_t request_id, uint32_t generation, uint32_t slot);
 /* The final result: status, output count (progress = generation << 32 | count), the time. */

@@ -24,7 +24,7 @@
 
 /* CDEF-BEGIN */
 #define EP_POOL_MAGIC 0x4c4f4f5045474445
-#define EP_ABI_VERSION 13  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35); 12: the load region's lent_ms (was spare): what a borrower's prompt may add to a step while a floor is lent (issue 35); 13: the request header's slot_cap (was spare) and EP_STATUS_SLOT_CAP: a tenant's cap on the slots it holds, counted from the state words across every edge (issue 50) */
+#define EP_ABI_VERSION 14  /* 3: cached_tokens in the result header (issue 19); 4: the pool header's heartbeat (issue 20); 5: the prefix table (issue 19); 6: the load and pace words, the wait bound and predictions (issue 27), a migrated request's output offset (issue 28); 7: the load region replaces the load and pace words: the step policy's costs, knobs and prompts in prefill, tear-free; a refusal's bound and retry time (issue 34); 8: the request's cache salt, which keys the prefix hashes (issue 35); the pool header's draining word (issue 37); log probabilities in the output area, asked for by EP_FLAG_LOGPROBS, and a constraint after the prompt, EP_FLAG_CONSTRAINT (issue 36); 9: the load region's micro-batch costs: decode_context_ms, the decoding streams' runs and longest context (issue 34); 10: the claimant's tenant in the state word (8 bits taken from the generation, now 24), slot floors taken back by a reclaim word and a hand-over (issue 35); 11: the heartbeat word and the load region's version are the server's CLOCK_MONOTONIC in ns when stored, so an agent knows how long the step planned from the load it read had run (issue 34); the load region's floors, 14 prompts listed instead of 15 (issue 35); 12: the load region's lent_ms (was spare): what a borrower's prompt may add to a step while a floor is lent (issue 35); 13: the request header's slot_cap (was spare) and EP_STATUS_SLOT_CAP: a tenant's cap on the slots it holds, counted from the state words across every edge (issue 50); 14: the request header's third cache line: min_p, the presence, frequency and repetition penalties, and the logit biases that follow the prompt; EP_FLAG_IGNORE_EOS (issue 51) */
 
 /* Slot states (low 8 bits of the state word). */
 #define EP_FREE 0
@@ -119,12 +119,15 @@
 /*
  * A constraint (issue 36): with EP_FLAG_CONSTRAINT, the (flags >> EP_FLAG_CONSTRAINT_SHIFT) & EP_FLAG_CONSTRAINT_MASK
  * int32 words after the prompt's token_count ids hold a GBNF grammar (llama.cpp's), UTF-8, zero-padded, that the
- * output must match; the request's input is token_count + those words (within the input capacity), written and
- * sent with the prompt in the one WRITE.
+ * output must match, then the request's logit biases (ABI 14, issue 51): the request header's logit_biases pairs
+ * of words, a token id and the bias added to its logit (float32 bits), the last 2 * logit_biases words.  The
+ * grammar takes the words before them (none: no grammar).  The request's input is token_count + those words
+ * (within the input capacity), written and sent with the prompt in the one WRITE.
  */
 #define EP_FLAG_CONSTRAINT 4
 #define EP_FLAG_CONSTRAINT_SHIFT 16
 #define EP_FLAG_CONSTRAINT_MASK 0xffff
+#define EP_LOGIT_BIAS_MAX 300    /* logit biases one request may carry (the bound OpenAI's API applies) */
 /*
  * A reader of the shared prefix (issue 35): with EP_FLAG_READ_PUBLIC the model side may also reuse KV written under
  * the public namespace's cache salt (the edge's wire.PUBLIC_SALT: what tenants that share their prefixes write),
@@ -132,8 +135,19 @@
  * flag reuses its own salt's prefixes only (it computes more, it reads nothing more).
  */
 #define EP_FLAG_READ_PUBLIC 8
+/*
+ * The model's end-of-generation tokens are never drawn (ABI 14, issue 51: vLLM's and llama.cpp's ignore_eos, which
+ * load generators send to get answers of a set length): the answer runs to max_new_tokens or the slot's context.
+ */
+#define EP_FLAG_IGNORE_EOS 16
 
 #define EP_ALIGN 64
+
+/*
+ * The penalties' window (ABI 14): the presence, frequency and repetition penalties count a token's occurrences
+ * among the sequence's last EP_PENALTY_LAST_N tokens, prompt included (llama-server's default repeat_last_n).
+ */
+#define EP_PENALTY_LAST_N 64
 
 /*
  * Prefix affinity (issue 19).  A prompt's token ids are cut into blocks of EP_PREFIX_BLOCK; block b's
@@ -265,6 +279,14 @@ struct ep_request_header {
     uint32_t slot_floor;       /* that tenant's slot floor: slots it may always have (0: none) */
     uint32_t slot_cap;         /* that tenant's slot cap: slots it may hold at most, across every pool (0: none; ABI 13) */
     uint32_t reserved[1];
+    /* -- sampling parameters, continued (third cache line, ABI 14): a zeroed line changes nothing -- */
+    float min_p;               /* drop tokens less likely than min_p x the likeliest's probability (0 = off) */
+    float presence_penalty;    /* subtracted from the logit of a token among the last EP_PENALTY_LAST_N (0 = off) */
+    float frequency_penalty;   /* ... times its count there (0 = off) */
+    float repetition_penalty;  /* ... divides a positive logit, multiplies a negative one (0 or 1 = off) */
+    uint32_t logit_biases;     /* (id, bias) pairs at the end of the constraint words after the prompt (0: none) */
+    uint32_t reserved32;
+    uint64_t reserved_sampling[5];
 };
 
 struct ep_result_header {
@@ -298,7 +320,7 @@ struct ep_result_header {
 EP_STATIC_ASSERT(sizeof(struct ep_pool_header) == 192, "ep_pool_header must be 192 bytes");
 EP_STATIC_ASSERT(sizeof(struct ep_load) == 192, "ep_load must be 192 bytes (three cache lines)");
 EP_STATIC_ASSERT(sizeof(((struct ep_load *)0)->prompts) == 8 * EP_LOAD_PROMPTS, "prompts: two words per entry");
-EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 128, "ep_request_header must be 128 bytes");
+EP_STATIC_ASSERT(sizeof(struct ep_request_header) == 192, "ep_request_header must be 192 bytes (three cache lines)");
 EP_STATIC_ASSERT(sizeof(struct ep_result_header) == 128, "ep_result_header must be 128 bytes");
 
 #endif

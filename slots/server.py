@@ -241,7 +241,7 @@ class SlotServer:
             self._start(slot, conn_id, gen, now)
         return len(started)
 
-    def _problem(self, req: RequestHeader, sampling: wire.Sampling, peer: AgentPeer | None) -> str | None:
+    def _problem(self, req: RequestHeader, peer: AgentPeer | None) -> str | None:
         """Why the request in a slot cannot run (None: it can): the slot server checks what any writer put
         there, the agent's checks notwithstanding."""
         out_cap = self.config.output_capacity
@@ -255,12 +255,24 @@ class SlotServer:
             out_cap -= req.output_offset  # the migrated request's own output goes after what its answer has
         words = wire.input_words(req.token_count, req.flags)  # the prompt and its constraint
         problem = wire.request_problem(words, req.max_new_tokens, self.config.input_capacity, out_cap)
-        if problem is None:
-            try:
-                sampling.check()
-            except wire.RequestInvalid as exc:
-                problem = str(exc)
+        if problem is None and req.logit_biases > wire.LOGIT_BIAS_MAX:
+            problem = f"{req.logit_biases} logit biases; a request carries at most {wire.LOGIT_BIAS_MAX}"
         return problem
+
+    def _read(self, req: RequestHeader, slot: int) -> tuple[str | None, wire.Sampling]:
+        """The request's constraint (None: none) and its sampling, logit biases included (the words after its prompt,
+        which :meth:`_problem` found within the slot); ValueError naming what is wrong with them."""
+        constraint: str | None = None
+        logit_bias: wire.LogitBias = ()
+        if req.flags & wire.FLAG_CONSTRAINT or req.logit_biases:
+            after = self.pool.slots.tokens[slot, req.token_count : wire.input_words(req.token_count, req.flags)]
+            constraint, logit_bias = wire.read_after_prompt(after, req.logit_biases)
+        sampling = req.sampling(logit_bias)
+        try:
+            sampling.check()
+        except wire.RequestInvalid as exc:
+            raise ValueError(str(exc)) from None
+        return constraint, sampling
 
     def _start(self, slot: int, conn_id: int, gen: int, now: float) -> None:
         """A RUNNING slot: validate its request and hand it to the model side."""
@@ -279,8 +291,12 @@ class SlotServer:
             reply_index=req.reply_index,
             offset=req.output_offset,
         )
-        sampling = req.sampling()
-        problem = self._problem(req, sampling, peer)
+        problem = self._problem(req, peer)
+        if problem is None:
+            try:
+                constraint, sampling = self._read(req, slot)
+            except ValueError as exc:
+                problem = str(exc)
         if problem is not None:
             log.warning("slot %d: bad request: %s", slot, problem)
             self.stats.bad_requests += 1
@@ -288,17 +304,6 @@ class SlotServer:
             return
         slots = self.pool.slots
         max_new = req.max_new_tokens
-        constraint = None
-        if req.flags & wire.FLAG_CONSTRAINT:
-            try:
-                constraint = wire.read_constraint(
-                    slots.tokens[slot, req.token_count : wire.input_words(req.token_count, req.flags)]
-                )
-            except ValueError as exc:
-                log.warning("slot %d: bad request: its constraint is not UTF-8 (%s)", slot, exc)
-                self.stats.bad_requests += 1
-                self._finish(run, Status.BAD_REQUEST, 0)
-                return
         request = SlotRequest(
             slot,
             request_id,

@@ -30,7 +30,8 @@ def test_views_read_and_write_the_frame_memory_in_place() -> None:
     layout = FrameLayout(8, 4)
     frames = FrameArray(np.zeros(2 * layout.stride, dtype=np.uint8), 0, 2, layout)
     req, res = frames.request_headers[1], frames.result_headers[1]
-    assert req.sampling() == wire.Sampling(0.0, 0.0, 0, 0)  # a zeroed header: greedy, no cut
+    zeroed = wire.Sampling(0.0, 0.0, 0, 0, repetition_penalty=0.0)  # a zeroed header: greedy, no cut, no penalty
+    assert req.sampling() == zeroed and not zeroed.shaped
     sampling = wire.Sampling(0.5, 0.9, 40, 7)
     req.fill(11, 3, 4, wire.FLAG_STREAM, sampling, 100, 200)
     req.stamp(2**32 + 5, 3, 1)  # the generation is the word's 32 bits
@@ -239,3 +240,49 @@ def test_constraints_of_no_size_or_too_large_are_refused() -> None:
         wire.constraint_flags(0)
     with pytest.raises(ValueError):
         wire.read_constraint(np.array([-1], dtype=np.int32))  # not UTF-8
+
+
+def test_the_third_header_line_carries_min_p_the_penalties_and_the_bias_count() -> None:
+    layout = FrameLayout(8, 4)
+    frames = FrameArray(np.zeros(layout.stride, dtype=np.uint8), 0, 1, layout)
+    req = frames.request_headers[0]
+    bias = ((3, -100.0), (7, 2.5))
+    sampling = wire.Sampling(0.5, 1.0, 0, 9, 0.25, 0.5, -1.0, 1.25, bias)  # all exact in float32
+    req.fill(1, 3, 4, 0, sampling, 0, 0)
+    row = frames.requests[0]
+    assert int(row["logit_biases"]) == 2  # the pairs themselves follow the prompt
+    assert req.sampling(bias) == sampling
+    req.fill(2, 3, 4, 0, wire.Sampling(), 0, 0)  # a frame reused: nothing of the last request's sampling is left
+    assert (float(row["min_p"]), float(row["presence_penalty"]), int(row["logit_biases"])) == (0.0, 0.0, 0)
+    assert float(row["repetition_penalty"]) == 1.0 and not req.sampling().shaped
+
+
+def test_logit_biases_follow_the_grammar_after_the_prompt_and_read_back() -> None:
+    bias = ((5, -100.0), (40_000, 0.25))
+    for grammar in ('root ::= "a"', None):
+        words = wire.after_prompt(grammar, bias)
+        assert words is not None and len(words) == (0 if grammar is None else 3) + 4
+        assert wire.read_after_prompt(words, len(bias)) == (grammar, bias)
+    assert wire.after_prompt(None, ()) is None
+    assert wire.read_after_prompt(wire.after_prompt('root ::= "a"', ()), 0) == ('root ::= "a"', ())
+    with pytest.raises(ValueError, match="3 logit biases take 6 words; 4 follow the prompt"):
+        wire.read_after_prompt(wire.after_prompt(None, bias), 3)
+    with pytest.raises(ValueError, match="its grammar is not UTF-8"):
+        wire.read_after_prompt(np.array([-1, 5, 0], dtype=np.int32), 1)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        (wire.Sampling(min_p=1.5), "min_p must be between 0 and 1"),
+        (wire.Sampling(presence_penalty=-2.5), "presence_penalty must be between -2 and 2"),
+        (wire.Sampling(frequency_penalty=float("nan")), "frequency_penalty must be between -2 and 2"),
+        (wire.Sampling(repetition_penalty=11.0), "repetition_penalty must be between 0 and 10"),
+        (wire.Sampling(logit_bias=((5, 1.0), (5, 2.0))), "must ascend"),
+        (wire.Sampling(logit_bias=((5, 101.0),)), "between -100 and 100"),
+        (wire.Sampling(logit_bias=tuple((i, 0.0) for i in range(301))), "at most 300 logit biases"),
+    ],
+)
+def test_a_slot_refuses_sampling_out_of_range(sampling: wire.Sampling, message: str) -> None:
+    with pytest.raises(wire.RequestInvalid, match=message):
+        sampling.check()
