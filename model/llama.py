@@ -443,7 +443,10 @@ class LlamaHandler:
             return [Emit(slot, 0, Status.LENGTH)]
         try:
             grammar = None if request.constraint is None else (self._vocab, request.constraint)
-            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar)
+            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar, request.tokens)
+        except ValueError as exc:
+            log.warning("slot %d: bad request: %s", slot, exc)
+            return [Emit(slot, 0, Status.BAD_REQUEST)]
         except RuntimeError:
             log.exception("slot %d: cannot build a sampler for %s", slot, request.sampling)
             return [Emit(slot, 0, Status.HANDLER_ERROR)]

@@ -14,18 +14,22 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.contract.wire import Sampling
+from edgepath.contract.wire import PENALTY_LAST_N, Sampling
 
 
 class SlotSampler:
-    """One slot's sampler: at temperature 0 greedy, an argmax over the logits row in numpy; otherwise a
-    llama.cpp sampler chain built from the request's :class:`Sampling` -- top-k, top-p, temperature and a
-    seeded draw (llama.cpp seeds are 32-bit: the low 32 bits of the request's seed).  With a constraint (a GBNF
-    grammar, llama.cpp's grammar sampler) the token is drawn as without one and the grammar asked whether it
-    may come next; only when it may not is the draw made again over the tokens the grammar allows (as
-    llama-server does: asking about one token is far cheaper than masking the whole vocabulary every step).
-    :meth:`close` frees the chain and the grammar; a sampler is used by one slot only (they keep the draw's and
-    the grammar's state)."""
+    """One slot's sampler: at temperature 0 with nothing else asked, greedy, an argmax over the logits row in numpy;
+    otherwise a llama.cpp sampler chain built from the request's :class:`Sampling` in llama-server's order --
+    logit biases, the penalties, top-k, top-p, min-p, temperature, then a seeded draw (llama.cpp seeds are 32-bit:
+    the low 32 bits of the request's seed) or, at temperature 0, the likeliest token.  The penalties count the
+    sequence's last :data:`~edgepath.contract.wire.PENALTY_LAST_N` tokens, its prompt's included, as llama-server's
+    do: the chain is given the prompt's tail when it is made, and every token it picks.
+
+    With a constraint (a GBNF grammar, llama.cpp's grammar sampler) the token is drawn as without one and the
+    grammar asked whether it may come next; only when it may not is the draw made again over the tokens the grammar
+    allows (as llama-server does: asking about one token is far cheaper than masking the whole vocabulary every
+    step), and the chain is told only of the token kept.  :meth:`close` frees the chain and the grammar; a sampler
+    is used by one slot only (they keep the draw's, the penalties' and the grammar's state)."""
 
     def __init__(
         self,
@@ -34,15 +38,26 @@ class SlotSampler:
         n_vocab: int,
         top_logprobs: int | None = None,
         grammar: tuple[Any, str] | None = None,
+        prompt: np.ndarray | None = None,
     ) -> None:
         """``top_logprobs``: None, no log probabilities; else how many alternatives :meth:`logprobs` gives;
-        ``grammar``: (the model's vocabulary, GBNF text) the output must match.  Raises RuntimeError when
-        llama.cpp cannot make the chain (a grammar it cannot parse among the reasons)."""
+        ``grammar``: (the model's vocabulary, GBNF text) the output must match; ``prompt``: the sequence's prompt
+        (its tail is what the penalties count first).  Raises ValueError for a logit bias on a token the vocabulary
+        does not have, RuntimeError when llama.cpp cannot make the chain (a grammar it cannot parse among the
+        reasons)."""
         self._lib = lib
         self.sampling = sampling
         self.n_vocab = n_vocab
         self.top_logprobs = top_logprobs
-        self._chain = None if sampling.temperature == 0.0 else _chain(lib, sampling)
+        outside = [token for token, _ in sampling.logit_bias if not 0 <= token < n_vocab]
+        if outside:
+            raise ValueError(f"logit bias on token {outside[0]}, outside the vocabulary's 0..{n_vocab - 1}")
+        self._chain = None
+        if sampling.temperature != 0.0 or sampling.shaped:
+            self._chain = _chain(lib, sampling, n_vocab)
+            if sampling.penalized and prompt is not None:
+                for token in prompt[-PENALTY_LAST_N:].tolist():
+                    lib.llama_sampler_accept(self._chain, token)
         self._grammar = None
         if grammar is not None:
             self._grammar = lib.llama_sampler_init_grammar(grammar[0], grammar[1].encode(), b"root")
@@ -50,22 +65,43 @@ class SlotSampler:
                 self.close()
                 raise RuntimeError("llama.cpp could not parse the request's grammar")
             self._one = np.zeros(1, dtype=_TOKEN_DATA)  # one candidate: may the drawn token come next?
-            self._all = np.zeros(0, dtype=_TOKEN_DATA)  # every candidate, made when a draw is refused
+        self._all = np.zeros(0, dtype=_TOKEN_DATA)  # every candidate, made when a draw needs them
 
     def sample(self, ctx: Any, index: int) -> int:
         """The next token from the logits of batch index ``index`` of the step just decoded on ``ctx``."""
-        token = self._draw(ctx, index)
         if self._grammar is None:
-            return token
+            return self._draw(ctx, index)
+        token = self._peek(ctx, index)
         if not self._allows(token):
             token = self._draw_allowed(ctx, index)
+        if self._chain is not None:
+            self._lib.llama_sampler_accept(self._chain, token)
         self._lib.llama_sampler_accept(self._grammar, token)
         return token
 
     def _draw(self, ctx: Any, index: int) -> int:
+        """The chain's pick, which the chain counts as the sequence's next token (``llama_sampler_sample``)."""
         if self._chain is None:
             return int(self.logits(ctx, index).argmax())
         return int(self._lib.llama_sampler_sample(self._chain, ctx, index))
+
+    def _peek(self, ctx: Any, index: int) -> int:
+        """The chain's pick, not yet counted: the grammar may refuse it."""
+        if self._chain is None:
+            return int(self.logits(ctx, index).argmax())
+        candidates = self._candidates(self._every(ctx, index))
+        self._lib.llama_sampler_apply(self._chain, ctypes.byref(candidates))
+        return int(candidates.data[candidates.selected].id)
+
+    def _every(self, ctx: Any, index: int) -> np.ndarray:
+        """Every token of the vocabulary as a candidate, with its logit of batch index ``index``."""
+        if len(self._all) != self.n_vocab:
+            self._all = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        every = self._all
+        every["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        every["logit"] = self.logits(ctx, index)
+        every["p"] = 0.0
+        return every
 
     def _candidates(self, data: np.ndarray) -> Any:
         pointer = data.ctypes.data_as(self._lib.llama_token_data_p)
@@ -78,22 +114,15 @@ class SlotSampler:
         return bool(np.isfinite(one["logit"][0]))
 
     def _draw_allowed(self, ctx: Any, index: int) -> int:
-        """The draw again, over the tokens the grammar allows next (the others' logits made -inf)."""
+        """The draw again, over the tokens the grammar allows next (the others' logits made -inf); not counted."""
         lib = self._lib
-        if len(self._all) != self.n_vocab:
-            self._all = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
-        every = self._all
-        every["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        every["logit"] = self.logits(ctx, index)
-        every["p"] = 0.0
+        every = self._every(ctx, index)
         candidates = self._candidates(every)
         lib.llama_sampler_apply(self._grammar, ctypes.byref(candidates))
         if self._chain is None:
             return int(every["logit"].argmax())
         lib.llama_sampler_apply(self._chain, ctypes.byref(candidates))
-        token = int(candidates.data[candidates.selected].id)
-        lib.llama_sampler_accept(self._chain, token)
-        return token
+        return int(candidates.data[candidates.selected].id)
 
     def logprobs(self, ctx: Any, index: int, token: int) -> tuple[float, np.ndarray, np.ndarray]:
         """``token``'s log probability and the ``top_logprobs`` likeliest ids with theirs (likeliest first), from
@@ -125,20 +154,50 @@ class SlotSampler:
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
-def _chain(lib: Any, sampling: Sampling) -> Any:
+#: the seed llama.cpp's draw takes for "draw a random seed" (LLAMA_DEFAULT_SEED)
+_RANDOM_SEED = 0xFFFFFFFF
+
+
+def dist_seed(seed: int) -> int:
+    """The 32-bit seed of llama.cpp's draw for a request's seed: its low 32 bits -- but for 0xFFFFFFFF, which
+    llama.cpp would replace by a random seed (a given seed must give the same answer again): 0xFFFFFFFE then."""
+    low = seed & 0xFFFFFFFF
+    return low - 1 if low == _RANDOM_SEED else low
+
+
+def _chain(lib: Any, sampling: Sampling, n_vocab: int) -> Any:
+    """The llama.cpp chain of ``sampling``, in llama-server's order (``common/sampling.cpp``): logit biases first,
+    then the penalties, top-k, top-p, min-p, temperature, the draw; greedy at temperature 0."""
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
     if not chain:
         raise RuntimeError("llama_sampler_chain_init returned NULL")
     parts = []
-    if sampling.top_k > 0:
-        parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
-    if sampling.top_p < 1.0:
-        parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
-    parts.append(lib.llama_sampler_init_temp(sampling.temperature))
-    parts.append(lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+    if sampling.logit_bias:
+        biases = (lib.llama_logit_bias * len(sampling.logit_bias))(*sampling.logit_bias)
+        parts.append(lib.llama_sampler_init_logit_bias(n_vocab, len(sampling.logit_bias), biases))  # copied
+    if sampling.penalized:
+        repetition = sampling.repetition_penalty or 1.0  # 0 (a zeroed header): off
+        parts.append(
+            lib.llama_sampler_init_penalties(
+                n_vocab, PENALTY_LAST_N, repetition, sampling.frequency_penalty, sampling.presence_penalty
+            )
+        )
+    if sampling.temperature == 0.0:
+        parts.append(lib.llama_sampler_init_greedy())
+    else:
+        if sampling.top_k > 0:
+            parts.append(lib.llama_sampler_init_top_k(sampling.top_k))
+        if 0.0 < sampling.top_p < 1.0:
+            parts.append(lib.llama_sampler_init_top_p(sampling.top_p, 1))
+        if sampling.min_p > 0.0:
+            parts.append(lib.llama_sampler_init_min_p(sampling.min_p, 1))
+        parts.append(lib.llama_sampler_init_temp(sampling.temperature))
+        parts.append(lib.llama_sampler_init_dist(dist_seed(sampling.seed)))
+    if not all(parts):
+        for part in [chain, *parts]:
+            if part:
+                lib.llama_sampler_free(part)
+        raise RuntimeError(f"a llama.cpp sampler for {sampling} could not be created")
     for part in parts:
-        if not part:
-            lib.llama_sampler_free(chain)
-            raise RuntimeError(f"a llama.cpp sampler for {sampling} could not be created")
         lib.llama_sampler_chain_add(chain, part)  # the chain owns it from here
     return chain
