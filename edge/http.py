@@ -27,6 +27,7 @@ Headers = list[tuple[bytes, bytes]]
 
 # The API's paths; what each allows and who answers it is the route table, ROUTES.
 GENERATE, TOKENIZE = "/v1/generate", "/v1/tokenize"
+LLAMA_TOKENIZE, LLAMA_DETOKENIZE = "/tokenize", "/detokenize"  # llama-server's shapes (edge/apis/llama_utils.py)
 COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/models"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"  # Anthropic's Messages API
 RESPONSES = "/v1/responses"  # OpenAI's Responses API
@@ -95,7 +96,7 @@ class Work:
     salt: int = 0  # the request header's cache_salt: the tenant's namespace and cache_salt (wire.cache_salt)
     flags: int = 0  # request flags beyond the stream flag (log probabilities: contract/wire.py); max_tokens then
     # counts output words, a whole number of records
-    constraint: np.ndarray | None = None  # a grammar's words, written after the prompt (contract/wire.py)
+    constraint: np.ndarray | None = None  # the words after the prompt: grammar, logit biases (wire.after_prompt)
     choices: int = 1  # OpenAI's n: choices of the one prompt, each on a slot of one slot server (edge/choices.py)
     #: a tokenize call that answers with the count alone, in its API's shape (Anthropic's count_tokens)
     counted: Callable[[int], Response] | None = None
@@ -194,9 +195,9 @@ class Limits:
             raise HttpError(
                 400,
                 "prompt_too_long",
-                f"prompt is {count} tokens and the response_format's grammar takes {constraint} words after it; a "
-                f"slot holds at most {cap} (a simpler schema, a shorter prompt, or a server with larger "
-                "--input-capacity)",
+                f"prompt is {count} tokens and its grammar (response_format, tools) and logit_bias take {constraint} "
+                f"words after it; a slot holds at most {cap} (a simpler schema, fewer biases, a shorter prompt, or a "
+                "server with larger --input-capacity)",
             )
 
 

@@ -158,7 +158,7 @@ class EdgeLifecycle:
             return self._tokenizer_failed(t, result)
         if isinstance(result, np.ndarray):
             self._forget(t)
-            return [self._respond(rid, t.route, t.request, t.timings, tokenize_response(result.tolist()))]
+            return [self._respond(rid, t.route, t.request, t.timings, _ids_answer(t.work, result))]
         if t.work.counted is not None:  # a count alone, in its API's shape
             self._forget(t)
             return [self._respond(rid, t.route, t.request, t.timings, t.work.counted(result))]
@@ -517,7 +517,7 @@ class EdgeLifecycle:
             assert isinstance(started, int)
             return [self._respond(rid, route, request, timings, work.counted(started))]
         assert isinstance(started, np.ndarray)
-        return [self._respond(rid, route, request, timings, tokenize_response(started.tolist()))]
+        return [self._respond(rid, route, request, timings, _ids_answer(work, started))]
 
     # -- helpers --------------------------------------------------------------------------------------
     def _tokenizer_failed(self, t: Tracked, exc: BaseException) -> list[Action]:
@@ -604,3 +604,10 @@ _STATUS_NAMES = {int(status): status.name for status in Status}
 
 def _status_name(status: int) -> str:
     return _STATUS_NAMES.get(status) or str(status)
+
+
+def _ids_answer(work: Work, ids: np.ndarray) -> Response:
+    """A tokenize request's answer: its route's shape (``options["answer"]``: llama-server's ``/tokenize``), else
+    ``/v1/tokenize``'s."""
+    answer = work.options.get("answer")
+    return answer(ids) if answer is not None else tokenize_response(ids.tolist())

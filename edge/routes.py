@@ -3,7 +3,8 @@
 Every path of the API is in one table, :data:`ROUTES`: the methods it allows and which API *shape* answers it --
 ``edgepath`` (:mod:`edgepath.edge.apis.generate`), ``openai`` (:mod:`edgepath.edge.apis.openai_routes`),
 ``responses`` (:mod:`edgepath.edge.apis.responses_answers`), ``anthropic``
-(:mod:`edgepath.edge.apis.anthropic_answers`) or ``ops``
+(:mod:`edgepath.edge.apis.anthropic_answers`), ``llama`` (llama-server's utility routes:
+:mod:`edgepath.edge.apis.llama_utils`) or ``ops``
 (live state the lifecycle owns: :mod:`edgepath.edge.ops`).  Routing, ``Allow``, authentication, error shapes and
 metric labels all read it.  :class:`HttpCore` checks the path, the method, the body's size and the API key, then
 hands the body -- nested no deeper than ``JSON_DEPTH_MAX``, with at most ``JSON_CONTAINERS_MAX`` arrays and objects
@@ -28,6 +29,8 @@ from edgepath.edge.http import (
     GENERATE,
     HEALTH,
     LIVE,
+    LLAMA_DETOKENIZE,
+    LLAMA_TOKENIZE,
     MESSAGES,
     METRICS,
     MODELS,
@@ -73,6 +76,8 @@ ROUTES: dict[str, Route] = {
     RESPONSES: Route(("POST",), "responses"),
     MESSAGES: Route(("POST",), "anthropic"),
     COUNT_TOKENS: Route(("POST",), "anthropic"),
+    LLAMA_TOKENIZE: Route(("POST",), "llama"),
+    LLAMA_DETOKENIZE: Route(("POST",), "llama"),
     HEALTH: Route(("GET",), "ops"),
     LIVE: Route(("GET",), "ops"),
     READY: Route(("GET",), "ops"),

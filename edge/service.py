@@ -291,7 +291,7 @@ class EdgeService:
         else:
             assert action.prompt is not None
             if action.out is None:
-                work = functools.partial(self.tokenizer.encode, action.prompt)
+                work = functools.partial(action.encode or self.tokenizer.encode, action.prompt)
             else:
                 work = functools.partial(self.tokenizer.encode_into, action.prompt, action.out)
         future = self.loop.run_in_executor(self.executor, work)

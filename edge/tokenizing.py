@@ -80,12 +80,13 @@ class Tokenizing:
         refuses them)."""
         work = t.work
         messages, tools = work.options.get("messages"), work.options.get("tools")
+        encode = work.options.get("encode")  # a route's own way to encode (llama-server's /tokenize options)
         if prompt_size(work) > INLINE_CHARS:
             self.busy += 1
             tenant = work.tenant.name
             self._held[tenant] = self._held.get(tenant, 0) + 1
             t.timings["tokenize_start"] = self.clock()
-            return Tokenize(t.rid, work.prompt, out, messages, tools)
+            return Tokenize(t.rid, work.prompt, out, messages, tools, encode)
         t0 = self.clock()
         try:
             result: int | np.ndarray
@@ -103,7 +104,10 @@ class Tokenizing:
             else:
                 prompt = work.prompt
                 assert prompt is not None
-                result = self.tokenizer.encode(prompt) if out is None else self.tokenizer.encode_into(prompt, out)
+                if out is not None:
+                    result = self.tokenizer.encode_into(prompt, out)
+                else:
+                    result = (encode or self.tokenizer.encode)(prompt)
         except Exception as exc:
             return exc
         t.timings["tokenize"] = self.clock() - t0

@@ -7,6 +7,7 @@ lifecycle (:mod:`edgepath.edge.lifecycle`) moves them along, the choices of one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -32,6 +33,7 @@ class Tokenize:
     out: np.ndarray | None
     messages: list[dict[str, Any]] | None = None  # a chat, tokenized with the model's template instead
     tools: list[dict[str, Any]] | None = None  # the tools the chat's template renders, when it has a place for them
+    encode: Callable[[str], np.ndarray] | None = None  # a route's own encoding into a fresh array (out None)
 
 
 Action = Answer | Tokenize

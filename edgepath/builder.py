@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from edgepath.dpu.ledger_service import LedgerService
     from edgepath.dpu.port import AgentPort
     from edgepath.edge.adapters.tls import TlsFiles
-    from edgepath.edge.routes import HttpCore
+    from edgepath.edge.routes import ApiShape, HttpCore
     from edgepath.edge.service import EdgeService
     from edgepath.edge.tenancy.auth import ApiKeys
     from edgepath.edge.tenancy.gate import TenantGate
@@ -561,6 +561,7 @@ async def start_edge(
         supervision,
         model_side=options.handler.name == "llama",
         gate=TenantGate(quotas, usage),
+        fingerprint=serve_fingerprint(options),
     )
     give_limits(plan.keys, agent)
     service.start()
@@ -810,15 +811,18 @@ def build_edge(
     supervision: Callable[[], tuple[int, int] | None] | None = None,
     model_side: bool = False,
     gate: TenantGate | None = None,
+    fingerprint: str | None = None,
 ) -> EdgeService:
     """The edge service of ``serve``: HTTP core with limits no larger than ``capacity`` and the agent's slot
     servers', API keys (None: no authentication), tokenizer and agent (not started: call ``start()``; the bound
     on waiting is the agent's alone: the edge only passes on what a request asks); ``supervision``:
     the supervised slot server's (restarts, hangs), for /metrics; ``model_side``: whether the model side computes
-    log probabilities and enforces grammars (the llama handler)."""
+    log probabilities and enforces grammars (the llama handler); ``fingerprint``: the OpenAI answers'
+    ``system_fingerprint`` (:func:`serve_fingerprint`)."""
     from edgepath.edge.apis import anthropic_answers, responses_answers
     from edgepath.edge.apis.anthropic import AnthropicLimits
     from edgepath.edge.apis.generate import GenerateFormatter
+    from edgepath.edge.apis.llama_utils import LlamaUtilRoutes, has_vocabulary
     from edgepath.edge.apis.openai_routes import OpenAIRoutes, chat_support, formatter_factory
     from edgepath.edge.apis.responses import ResponsesLimits
     from edgepath.edge.apis.tools import TOOL_FORMATS
@@ -848,6 +852,7 @@ def build_edge(
         logprobs=model_side,
         grammars=model_side,
         choices=most_choices(agent),
+        fingerprint=fingerprint,
     )
     openai_format = formatter_factory(time.time)
     # the other shapes of a chat: the same template, tools, grammars and thinking as the chat route's
@@ -860,10 +865,11 @@ def build_edge(
     )
     if chat.thinking is not None:
         log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers)")
+    shapes: dict[str, ApiShape] = {"anthropic": anthropic, "responses": responses}
+    if has_vocabulary(tokenizer):  # llama-server's /tokenize and /detokenize need the model's own vocabulary
+        shapes["llama"] = LlamaUtilRoutes(tokenizer)
     return EdgeService(
-        HttpCore(
-            limits, keys, openai, shapes={"anthropic": anthropic, "responses": responses}, ops_listener=edge.ops_listen
-        ),
+        HttpCore(limits, keys, openai, shapes=shapes, ops_listener=edge.ops_listen),
         tokenizer,
         agent,
         loop,
@@ -884,6 +890,16 @@ def build_edge(
         supervision=supervision,
         gate=gate,
     )
+
+
+def serve_fingerprint(options: ServeOptions) -> str | None:
+    """The ``system_fingerprint`` of what ``serve`` runs: its model file, llama.cpp build and handler options
+    (:mod:`edgepath.model.fingerprint`); None without a model (the echo handler)."""
+    if options.handler.name != "llama" or options.model is None:
+        return None
+    from edgepath.model.fingerprint import system_fingerprint
+
+    return system_fingerprint(Path(options.model), options.handler.options)
 
 
 def most_choices(agent: AgentPort) -> int:

@@ -75,10 +75,10 @@ def chat_work(
     options: dict[str, Any],
 ) -> Work:
     """The work item of a chat on ``route``: its turns and tools for the template, ``constraint`` (a
-    ``response_format``'s or the calls' grammar) encoded for the slot; ``options`` is what the route's formatter
-    needs.  wire.RequestInvalid when the grammar cannot travel."""
+    ``response_format``'s or the calls' grammar) and the sampling's logit biases encoded for the slot, after the
+    prompt; ``options`` is what the route's formatter needs.  wire.RequestInvalid when the grammar cannot travel."""
     options = {**options, "messages": list(tool_calling.template_messages(chat.messages))}
     if chat.template_tools is not None:
         options["tools"] = list(chat.template_tools)
-    encoded = wire.constraint_encoding(constraint) if constraint is not None else None
+    encoded = wire.after_prompt(constraint, sampling.logit_bias)
     return Work("generate", None, None, max_tokens, stream, sampling, route, options, constraint=encoded)

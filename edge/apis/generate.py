@@ -15,9 +15,16 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis.sampling import FIELDS as SAMPLING_FIELDS
-from edgepath.edge.apis.sampling import GENERATE_DEFAULT, SamplingInvalid, parse_cache_salt, parse_sampling
+from edgepath.edge.apis.sampling import (
+    GENERATE_DEFAULT,
+    SamplingInvalid,
+    fresh_seed,
+    parse_cache_salt,
+    parse_sampling,
+)
 from edgepath.edge.http import (
     GENERATE,
     RECLAIMED,
@@ -42,10 +49,11 @@ def tokenize_response(ids: Sequence[int]) -> Response:
 
 class GenerateRoutes:
     """``/v1/generate`` and ``/v1/tokenize`` bodies into :class:`Work` (``limits``: the slot's capacities and the
-    vocabulary the token ids must come from)."""
+    vocabulary the token ids must come from; ``seeds``: where a request that samples without a seed gets one)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, seeds: Callable[[], int] = fresh_seed) -> None:
         self.limits = limits
+        self.seeds = seeds
 
     def handle(self, path: str, method: str, body: bytes) -> Work:
         """The work a POST asks for; :class:`HttpError` (400) naming the field that is wrong."""
@@ -66,7 +74,9 @@ class GenerateRoutes:
         prompt, tokens = self._input(doc)
         if kind == "tokenize":
             return Work(kind, prompt, tokens, 0, False, route=path)
-        work = Work(kind, prompt, tokens, self._max_tokens(doc), _stream(doc), _sampling(doc), route=path)
+        sampling = self._sampling(doc)
+        work = Work(kind, prompt, tokens, self._max_tokens(doc), _stream(doc), sampling, route=path)
+        work.constraint = wire.after_prompt(None, sampling.logit_bias)  # the logit biases follow the prompt
         try:
             work.cache_salt = parse_cache_salt(doc)
         except SamplingInvalid as exc:
@@ -100,20 +110,19 @@ class GenerateRoutes:
             raise HttpError(400, "invalid_request", f"'tokens' must be a non-empty list of token ids in 0..{vocab - 1}")
         return None, tokens
 
+    def _sampling(self, doc: dict[str, Any]) -> Sampling:
+        """The sampling fields, parsed and refused exactly as on the OpenAI routes (greedy by default)."""
+        try:
+            return parse_sampling(doc, GENERATE_DEFAULT, vocab_size=self.limits.vocab_size, seeds=self.seeds)
+        except SamplingInvalid as exc:
+            raise HttpError(400, "invalid_request", exc.message) from None
+
     def _max_tokens(self, doc: dict[str, Any]) -> int:
         cap = self.limits.output_capacity
         value = doc.get("max_tokens", cap)
         if type(value) is not int or not 1 <= value <= cap:
             raise HttpError(400, "invalid_max_tokens", f"'max_tokens' must be an integer in 1..{cap}, got {value!r}")
         return value
-
-
-def _sampling(doc: dict[str, Any]) -> Sampling:
-    """The sampling fields, parsed and refused exactly as on the OpenAI routes (greedy by default)."""
-    try:
-        return parse_sampling(doc, GENERATE_DEFAULT)
-    except SamplingInvalid as exc:
-        raise HttpError(400, "invalid_request", exc.message) from None
 
 
 def _stream(doc: dict[str, Any]) -> bool:

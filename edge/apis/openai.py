@@ -5,17 +5,17 @@ endpoint, so the shapes here follow the ``openai`` package's own types (``types/
 ``types/chat/chat_completion.py``, ``types/chat/chat_completion_chunk.py``, ``types/model.py``).
 
 Nothing here touches a socket, a clock or a random source: the service passes the request id, the
-``created`` time and the token counts in, and sends the bytes that come back.  Options that would
-change the answer and that edgepath cannot honour (``n > 1``, ``logit_bias``, …) are refused
-with a 400 naming the option: a client must never get a silently different answer.  Unknown keys are
-ignored, as OpenAI-compatible servers commonly do.  The sampling fields (``temperature``, ``top_p``, ``seed``,
-and ``top_k`` as vLLM's and llama.cpp's servers take it) are parsed by :mod:`edgepath.edge.apis.sampling`, the
-one parser ``/v1/generate`` uses too.
+``created`` time, the token counts and where fresh seeds come from in, and sends the bytes that come back.
+Every field is applied, or taken because it cannot change the answer, or refused with a 400 naming it
+(:mod:`edgepath.edge.apis.openai_fields`): a client must never get a silently different answer.  The sampling
+fields (``temperature``, ``top_p``, ``seed``, the penalties, ``logit_bias``, and ``top_k``, ``min_p`` and
+``repetition_penalty`` as vLLM's and llama.cpp's servers take them) are parsed by
+:mod:`edgepath.edge.apis.sampling`, the one parser ``/v1/generate`` uses too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,10 +25,11 @@ from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import NoGrammar, conversation
 from edgepath.edge.apis.limits import STOPS_MAX, LimitExceeded, check_messages
+from edgepath.edge.apis.openai_fields import FieldRefused, check_fields
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
-    is_number,
+    fresh_seed,
     parse_cache_salt,
     parse_sampling,
     parse_stops,
@@ -149,6 +150,8 @@ class OpenAILimits:
     """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
     thinking: Thinking | None = None
     """How the chat template's model thinks (:func:`edgepath.edge.text.thinking.thinking_of`); None: it does not."""
+    fingerprint: str | None = None
+    """The answers' ``system_fingerprint``: which model and build answer (None: not known)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.vocab_size < 1 or not self.models:
@@ -186,12 +189,17 @@ class OpenAIRequest:
     """Choices to generate for the one prompt (:mod:`edgepath.edge.choices`)."""
     thinking: Thinking | None = None
     """How the chat template's model thinks (its thinking goes to ``reasoning_content``); None: it does not."""
+    fingerprint: str | None = None
+    """The server's ``system_fingerprint`` (:attr:`OpenAILimits.fingerprint`), for the answer."""
 
 
-def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
-    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError`."""
+def parse_completion_request(
+    body: bytes | Mapping[str, Any], limits: OpenAILimits, seeds: Callable[[], int] = fresh_seed
+) -> OpenAIRequest:
+    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError` (``seeds``: where a request that
+    samples without a seed gets one)."""
     doc = _document(body)
-    _refuse_unsupported(doc, "completion")
+    _check_fields(doc, "completion")
     prompt, prompt_ids = _completion_prompt(doc, limits.vocab_size)
     top = _completion_logprobs(doc)
     return _common(
@@ -199,16 +207,20 @@ def parse_completion_request(body: bytes | Mapping[str, Any], limits: OpenAILimi
         "completion",
         limits,
         _max_tokens(doc, *_cap(limits, top, "logprobs")),
+        seeds,
         prompt=prompt,
         prompt_ids=prompt_ids,
         logprobs=top,
     )
 
 
-def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) -> OpenAIRequest:
-    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
+def parse_chat_request(
+    body: bytes | Mapping[str, Any], limits: OpenAILimits, seeds: Callable[[], int] = fresh_seed
+) -> OpenAIRequest:
+    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError` (``seeds``: as for
+    :func:`parse_completion_request`)."""
     doc = _document(body)
-    _refuse_unsupported(doc, "chat")
+    _check_fields(doc, "chat")
     messages, tools, tools_grammar, template_tools = _tool_calling(doc, _messages(doc), limits)
     top = _chat_logprobs(doc)
     legacy = _max_tokens(doc, *_cap(limits, top, "top_logprobs"), "max_tokens")
@@ -229,8 +241,8 @@ def parse_chat_request(body: bytes | Mapping[str, Any], limits: OpenAILimits) ->
             code="invalid_value",
         )
     return _common(
-        doc, "chat", limits, max_tokens, messages=messages, logprobs=top, constraint=constraint or tools_grammar,
-        tools=tools, template_tools=template_tools, thinking=limits.thinking,
+        doc, "chat", limits, max_tokens, seeds, messages=messages, logprobs=top,
+        constraint=constraint or tools_grammar, tools=tools, template_tools=template_tools, thinking=limits.thinking,
     )  # fmt: skip
 
 
@@ -274,6 +286,7 @@ def _common(
     kind: Kind,
     limits: OpenAILimits,
     max_tokens: int,
+    seeds: Callable[[], int],
     **inputs: Any,
 ) -> OpenAIRequest:
     model = doc.get("model")
@@ -292,11 +305,12 @@ def _common(
         kind=kind,
         model=model,
         max_tokens=max_tokens,
-        sampling=_sampling(doc),
+        sampling=_sampling(doc, limits.vocab_size, seeds),
         stop=_stop(doc),
         stream=stream,
         include_usage=_include_usage(doc, stream),
         cache_salt=_cache_salt(doc),
+        fingerprint=limits.fingerprint,
         **inputs,
     )
 
@@ -316,32 +330,12 @@ def _choices(doc: Mapping[str, Any], limits: OpenAILimits) -> int:
     return value
 
 
-def _refuse_unsupported(doc: Mapping[str, Any], kind: Kind) -> None:
-    """400 for every option that would change the answer in a way this server cannot deliver."""
-    if kind == "completion":
-        value = doc.get("best_of")
-        if value is not None and (type(value) is not int or value != 1):
-            raise unsupported("best_of", value, "1 (choices are not ranked: ask for several with 'n')")
-    if kind == "completion":
-        if doc.get("echo") not in (None, False):
-            raise unsupported("echo", doc["echo"], "false")
-        if doc.get("suffix") not in (None, ""):
-            raise unsupported("suffix", doc["suffix"], "null (no insertion mode)")
-    else:
-        if doc.get("functions") not in (None, []):
-            raise unsupported("functions", doc["functions"], "none (the deprecated form of 'tools': give 'tools')")
-        if doc.get("function_call") not in (None, "none"):
-            raise unsupported("function_call", doc["function_call"], "'none' (deprecated: give 'tool_choice')")
-        if doc.get("modalities") not in (None, ["text"]):
-            raise unsupported("modalities", doc["modalities"], '["text"]')
-        if doc.get("audio") is not None:
-            raise unsupported("audio", doc["audio"], "null (text only)")
-    if doc.get("logit_bias") not in (None, {}):
-        raise unsupported("logit_bias", doc["logit_bias"], "null or {}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = doc.get(name)
-        if value is not None and (not is_number(value) or value != 0):
-            raise unsupported(name, value, "0")
+def _check_fields(doc: Mapping[str, Any], kind: Kind) -> None:
+    """400 for a field the route neither applies, nor takes as harmless, nor finds at a value that changes nothing."""
+    try:
+        check_fields(doc, kind)
+    except FieldRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code=exc.code) from None
 
 
 def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
@@ -526,10 +520,10 @@ def _max_tokens(doc: Mapping[str, Any], cap: int, why: str, name: str = "max_tok
     return value
 
 
-def _sampling(doc: Mapping[str, Any]) -> Sampling:
+def _sampling(doc: Mapping[str, Any], vocab_size: int, seeds: Callable[[], int]) -> Sampling:
     """The request's sampling (OpenAI's defaults), parsed as on every route (:mod:`edgepath.edge.apis.sampling`)."""
     try:
-        return parse_sampling(doc, OPENAI_DEFAULT)
+        return parse_sampling(doc, OPENAI_DEFAULT, vocab_size=vocab_size, seeds=seeds)
     except SamplingInvalid as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 

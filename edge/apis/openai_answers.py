@@ -116,6 +116,7 @@ def _whole(
     index: int = 0,
     details: Mapping[str, str] | None = None,
     reasoning: str | None = None,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
@@ -135,7 +136,7 @@ def _whole(
         "object": "text_completion" if kind == "completion" else "chat.completion",
         "created": created,
         "model": model,
-        "system_fingerprint": None,
+        "system_fingerprint": fingerprint,
         "choices": [choice],
         "usage": usage.payload(),
     }
@@ -173,6 +174,7 @@ def completion_body(
             index,
             details,
             reasoning,
+            request.fingerprint,
         )
     )
 
@@ -204,8 +206,10 @@ class StreamEncoder:
         include_usage: bool,
         index: int = 0,
         closes: bool = True,
+        fingerprint: str | None = None,
     ) -> None:
         self.kind = kind
+        self.fingerprint = fingerprint
         self.index = index
         self.closes = closes
         self.id = response_id(kind, request_id)
@@ -220,7 +224,10 @@ class StreamEncoder:
         """The encoder of choice ``index`` of ``request`` (one of several closes nothing itself)."""
         if not request.stream:
             raise ValueError("StreamEncoder.for_request: the request did not ask for a stream")
-        return cls(request.kind, request_id, created, request.model, request.include_usage, index, request.n == 1)
+        return cls(
+            request.kind, request_id, created, request.model, request.include_usage, index, request.n == 1,
+            request.fingerprint,
+        )  # fmt: skip
 
     def start(self) -> bytes:
         self._advance("new", "open")
@@ -292,7 +299,7 @@ class StreamEncoder:
             "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if self.include_usage:

@@ -22,6 +22,7 @@ from edgepath.edge.apis import openai as oa
 from edgepath.edge.apis import openai_answers as oaa
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, chat_work
+from edgepath.edge.apis.sampling import fresh_seed
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.text.thinking import Thinking, thinking_of
 from edgepath.edge.text.tokenizer import Tokenizer
@@ -75,16 +76,21 @@ class OpenAIRoutes:
         logprobs: bool = False,
         grammars: bool = False,
         choices: int = 1,
+        fingerprint: str | None = None,
+        seeds: Callable[[], int] = fresh_seed,
     ) -> None:
         """``logprobs``, ``grammars``: whether the model side computes log probabilities and enforces a grammar
-        (``response_format``); else asking for them is a 400; ``choices``: the most ``n`` a request may ask."""
+        (``response_format``); else asking for them is a 400; ``choices``: the most ``n`` a request may ask;
+        ``fingerprint``: the answers' ``system_fingerprint`` (:mod:`edgepath.model.fingerprint`); ``seeds``: where a
+        request that samples without a seed gets one."""
         self.model = model
         self.limits = oa.OpenAILimits(
             max_tokens, vocab_size, (model,), logprobs=logprobs, grammars=grammars, tool_format=chat.tool_format,
-            choices=choices, thinking=chat.thinking,
+            choices=choices, thinking=chat.thinking, fingerprint=fingerprint,
         )  # fmt: skip
         self.chat = chat
         self.created = created
+        self.seeds = seeds
         if grammars:  # llama.cpp's grammar module loaded now: its import took 110 ms on the first grammar's loop turn
             import llama_cpp.llama_grammar  # noqa: F401
 
@@ -105,9 +111,9 @@ class OpenAIRoutes:
             if path == CHAT:
                 if not self.chat.available:
                     raise oa.invalid_request(f"chat completions are not available: {self.chat.why_not}")
-                req = oa.parse_chat_request(body, self.limits)
+                req = oa.parse_chat_request(body, self.limits, self.seeds)
             else:
-                req = oa.parse_completion_request(body, self.limits)
+                req = oa.parse_completion_request(body, self.limits, self.seeds)
         except oa.OpenAIError as err:
             return _error_response(err)
         # with log probabilities each token is a record of output words: max_tokens counts words on the wire
@@ -121,7 +127,7 @@ class OpenAIRoutes:
                 )  # fmt: skip
             else:
                 tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
-                constraint = wire.constraint_encoding(req.constraint) if req.constraint is not None else None
+                constraint = wire.after_prompt(req.constraint, req.sampling.logit_bias)  # what follows the prompt
                 work = Work(
                     "generate", req.prompt, tokens, words, req.stream, req.sampling, path, {"openai": req},
                     constraint=constraint,

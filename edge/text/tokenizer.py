@@ -158,6 +158,7 @@ class GGUFTokenizer:
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.chat_template: str | None = meta_str(self._model, "tokenizer.chat_template")
         self._template: Any = None  # compiled on first use (edgepath.edge.text.chat.ChatTemplate)
+        self._pieces: list[bytes] | None = None  # every token's bytes, made on first use (pieces())
         self.bos_token = self._special_text(lib.llama_vocab_bos(self._vocab))
         self.eos_token = self._special_text(lib.llama_vocab_eos(self._vocab))
 
@@ -295,6 +296,35 @@ class GGUFTokenizer:
             out = np.empty(n, dtype=np.int32)
             self.encode_into(text, out, special=special)
         return out[:n].copy()
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> np.ndarray:
+        """llama.cpp's tokenization of ``text`` as llama-server's ``/tokenize`` asks for it: the special tokens the
+        vocabulary adds (BOS) only with ``add_special``, control-token markers parsed as the tokens they name with
+        ``parse_special`` (never so for a prompt: :meth:`encode_into`)."""
+        out = np.empty(len(text) + 8, dtype=np.int32)
+        n = self._tokenize(text, out, add_special=add_special, special=parse_special)
+        if n > len(out):
+            out = np.empty(n, dtype=np.int32)
+            self._tokenize(text, out, add_special=add_special, special=parse_special)
+        return out[:n].copy()
+
+    def pieces(self) -> list[bytes]:
+        """Every token's piece, by id: its bytes as llama.cpp renders it, control tokens' text included (what
+        llama-server's ``/detokenize`` joins and ``/tokenize`` lists ``with_pieces``).  Made once, on first use (a
+        call per token of the vocabulary), so that a request's ids cost a list look-up each, not a call."""
+        if self._pieces is None:
+            buf = ctypes.create_string_buffer(256)
+            table = []
+            for token in range(self.vocab_size):
+                n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                if n < 0:  # longer than the buffer: -n bytes
+                    big = ctypes.create_string_buffer(-n)
+                    n = self._lib.llama_token_to_piece(self._vocab, token, big, len(big), 0, True)
+                    table.append(big.raw[:n])
+                else:
+                    table.append(buf.raw[:n])
+            self._pieces = table
+        return self._pieces
 
     def decode(self, ids: np.ndarray) -> str:
         """Text of ``ids`` as a client sees it: BOS/EOS removed, control tokens not rendered."""

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers.tokenizers import CharTokenizer
+from helpers.tokenizers import CharTokenizer, CharVocabulary
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +23,7 @@ from edgepath.dpu.link_state import LinkHealth, LinkState, LinkTracker, Reason
 from edgepath.dpu.port import Delivery, DeliveryStats, SlotServerStatus
 from edgepath.edge.apis.generate import GenerateFormatter
 from edgepath.edge.apis.limits import MESSAGE_CHARS
+from edgepath.edge.apis.llama_utils import LlamaUtilRoutes
 from edgepath.edge.http import HttpError, Limits, Outcome, Request, Response
 from edgepath.edge.lifecycle import (
     Action,
@@ -645,6 +646,26 @@ def test_tokenize_route_inline_and_on_a_worker(port, tokenizer) -> None:
     (done,) = edge.tokenized(2, np.array([1, 2], np.int32), now=5)
     assert body(done) == {"tokens": [1, 2], "count": 2}
     assert port.held == set()
+
+
+def test_llama_servers_tokenize_route_inline_and_on_a_worker_with_its_own_switches(port) -> None:
+    """``/tokenize`` (llama-server's shape) takes the lifecycle's tokenize path -- a large text on a worker -- with
+    its own encoding (add_special, parse_special) and answer."""
+    vocabulary = CharVocabulary()
+    metrics = EdgeMetrics(lambda: port.free_slots()[0], lambda: port.delivery_stats)
+    core = HttpCore(Limits(1 << 20, INPUT, OUTPUT, 1000), shapes={"llama": LlamaUtilRoutes(vocabulary)})
+    edge = EdgeLifecycle(core, vocabulary, port, metrics, Clock(), workers=1, request_timeout_ns=TIMEOUT)
+    small = Request("POST", "/tokenize", [], b'{"content": "ab", "add_special": true}', t_receive_ns=0)
+    (inline,) = edge.receive(1, small, now=0)
+    assert body(inline) == {"tokens": [CharVocabulary.BOS, 97, 98]}
+    text = "c" * (INLINE_CHARS + 1)
+    big = Request("POST", "/tokenize", [], json.dumps({"content": text, "with_pieces": True}).encode(), 0)
+    (work,) = edge.receive(2, big, now=0)
+    assert isinstance(work, Tokenize) and work.out is None and work.encode is not None
+    assert work.encode(text).tolist() == [99] * len(text)  # what the driver runs on the worker
+    (done,) = edge.tokenized(2, np.array([99, 100], np.int32), now=5)
+    assert body(done) == {"tokens": [{"id": 99, "piece": "c"}, {"id": 100, "piece": "d"}]}
+    assert edge.tokenizing.busy == 0 and port.held == set()
 
 
 def test_health_and_metrics_read_live_state_including_the_ports_delivery_stats(port, tokenizer) -> None:

@@ -47,14 +47,17 @@ from edgepath.edge.text.chat import ChatMessage
 
 MODEL = "smollm2-135m"
 LIMITS = OpenAILimits(max_tokens=256, vocab_size=1000, models=(MODEL, "echo"))
+#: the seed a request that samples without one gets here (the server draws one: tests/edge/test_edge_sampling.py)
+DRAWN = 1234
 
 
 def completion(**fields: Any) -> OpenAIRequest:
-    return parse_completion_request({"model": MODEL, "prompt": "hi", **fields}, LIMITS)
+    return parse_completion_request({"model": MODEL, "prompt": "hi", **fields}, LIMITS, lambda: DRAWN)
 
 
 def chat(**fields: Any) -> OpenAIRequest:
-    return parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}, LIMITS)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_chat_request(body, LIMITS, lambda: DRAWN)
 
 
 def refused(parse: Any, **fields: Any) -> OpenAIError:
@@ -68,7 +71,7 @@ def refused(parse: Any, **fields: Any) -> OpenAIError:
 
 def test_minimal_completion_gets_the_defaults() -> None:
     assert completion() == OpenAIRequest(
-        kind="completion", model=MODEL, max_tokens=256, sampling=Sampling(temperature=1.0, top_p=1.0), prompt="hi"
+        kind="completion", model=MODEL, max_tokens=256, sampling=Sampling(1.0, 1.0, seed=DRAWN), prompt="hi"
     )
 
 
@@ -92,7 +95,7 @@ def test_full_completion_from_json_bytes() -> None:
             "presence_penalty": 0,
             "frequency_penalty": 0.0,
             "logit_bias": {},
-            "some_future_option": {"ignored": True},
+            "metadata": {"harmless": True},
         }
     ).encode()
     req = parse_completion_request(body, LIMITS)
@@ -295,11 +298,20 @@ def test_stream_and_stream_options() -> None:
         ("chat", "response_format", {"type": "json_object"}),
         ("chat", "modalities", ["text", "audio"]),
         ("chat", "audio", {"voice": "alloy", "format": "mp3"}),
-        ("completion", "logit_bias", {"50256": -100}),
-        ("chat", "logit_bias", {"1": 5}),
-        ("completion", "presence_penalty", 0.5),
-        ("chat", "frequency_penalty", -1),
-        ("chat", "presence_penalty", "0"),
+        ("chat", "reasoning_effort", "high"),
+        ("completion", "use_beam_search", True),
+        ("chat", "ignore_eos", True),
+        ("completion", "min_tokens", 5),
+        ("chat", "stop_token_ids", [2]),
+        ("chat", "typical_p", 0.9),
+        ("completion", "mirostat", 2),
+        ("chat", "dry_multiplier", 0.8),
+        ("chat", "repeat_last_n", 128),
+        ("completion", "n_probs", 3),
+        ("chat", "samplers", ["top_k"]),
+        ("chat", "chat_template_kwargs", {"enable_thinking": False}),
+        ("completion", "grammar", 'root ::= "a"'),
+        ("chat", "echo", 1),  # a number is not false
     ],
 )
 def test_options_that_change_the_answer_are_refused_by_name(kind: str, name: str, value: Any) -> None:
@@ -328,18 +340,60 @@ def test_n_asks_for_choices_up_to_the_slots_a_request_may_hold() -> None:
     assert (err.param, err.code) == ("n", "invalid_value") and "in 1..1 (" in err.message
 
 
+#: llama.cpp's web UI sends its samplers' defaults: the ones that are off pass, with their settings
+LLAMA_CPP_DEFAULTS = {
+    "typical_p": 1, "repeat_last_n": 64, "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1, "xtc_probability": 0, "xtc_threshold": 0.1, "dynatemp_range": 0, "dynatemp_exponent": 1,
+    "timings_per_token": False, "samplers": None, "min_keep": 0,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kind", "fields"),
     [
         ("chat", {"n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none"}),
         ("chat", {"response_format": {"type": "text"}, "modalities": ["text"], "audio": None, "logit_bias": None}),
         ("completion", {"best_of": 1, "echo": False, "suffix": "", "presence_penalty": 0, "frequency_penalty": 0.0}),
-        ("chat", {"metadata": {"a": "b"}, "store": False, "user": "u", "parallel_tool_calls": True, "x-new": 1}),
+        ("chat", {"metadata": {"a": "b"}, "store": False, "user": "u", "parallel_tool_calls": True}),
+        ("chat", {"safety_identifier": "s", "prompt_cache_key": "k", "service_tier": "auto", "cache_prompt": False}),
+        ("chat", LLAMA_CPP_DEFAULTS),
+        # vLLM's extra fields at their defaults
+        ("completion", {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True, "min_tokens": 0}),
+        ("chat", {"add_generation_prompt": True, "continue_final_message": False, "echo": False, "bad_words": []}),
+        ("chat", {"unheard_of": None, "best_of": None}),  # null is not given, whatever the name
     ],
 )
-def test_harmless_values_of_those_options_and_unknown_keys_pass(kind: str, fields: dict[str, Any]) -> None:
+def test_harmless_fields_and_extensions_that_are_off_pass(kind: str, fields: dict[str, Any]) -> None:
     req = (completion if kind == "completion" else chat)(**fields)
     assert req.kind == kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [
+        ("chat", "x-new"),
+        ("completion", "some_future_option"),
+        ("chat", "best_of"),  # the completions route's, not chat's
+        ("chat", "suffix"),
+        ("completion", "messages"),
+        ("completion", "tools"),
+        ("chat", "temprature"),
+    ],
+)
+def test_a_field_the_route_does_not_know_is_refused_by_name(kind: str, name: str) -> None:
+    """Never silently ignored: an option of another server, another route's, a misspelt one."""
+    err = refused(completion if kind == "completion" else chat, **{name: 1})
+    assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", name, "unknown_parameter")
+    assert err.message.startswith(f'Unrecognized request argument supplied: "{name}"')
+
+
+def test_a_setting_of_a_sampler_that_is_on_is_refused_with_the_sampler() -> None:
+    assert chat(mirostat=0, mirostat_tau=3.0).kind == "chat"  # off: its settings change nothing
+    err = refused(chat, mirostat=2, mirostat_tau=3.0)
+    assert (err.param, err.code) == ("mirostat", "unsupported_parameter")
+    err = refused(chat, mirostat_tau=3.0, mirostat=2)  # the setting comes first: refused, naming the switch
+    assert (err.param, err.code) == ("mirostat_tau", "unsupported_parameter")
+    assert "allowed: any value while 'mirostat' is off" in err.message
 
 
 def test_model_is_required_and_must_be_served() -> None:
@@ -542,6 +596,21 @@ def test_chat_completion_exact_shape() -> None:
         chat_completion(8, 0, MODEL, "", "cancelled", Usage(0, 0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="negative"):
         Usage(-1, 0)
+
+
+def test_the_servers_fingerprint_is_in_every_answer_and_chunk() -> None:
+    """``system_fingerprint`` names the model and build that answered (edgepath/builder.py's serve_fingerprint)."""
+    limits = OpenAILimits(max_tokens=8, vocab_size=1000, models=(MODEL,), fingerprint="fp_0123456789ab")
+    body = {"model": MODEL, "prompt": "hi"}
+    request = parse_completion_request(body, limits)
+    assert request.fingerprint == "fp_0123456789ab"
+    whole = json.loads(completion_body(request, 1, 0, "x", "stop", Usage(1, 1)))
+    assert whole["system_fingerprint"] == "fp_0123456789ab"
+    streamed = parse_completion_request({**body, "stream": True, "stream_options": {"include_usage": True}}, limits)
+    enc = StreamEncoder.for_request(streamed, 1, 0)
+    chunks = events(enc.start() + enc.text("x") + enc.finish("stop") + enc.end(Usage(1, 1)))[:-1]
+    assert len(chunks) == 3 and {c["system_fingerprint"] for c in chunks} == {"fp_0123456789ab"}
+    assert parse_completion_request(body, LIMITS).fingerprint is None  # not known: null, as before
 
 
 def test_usage_reports_cached_prompt_tokens_as_openai_does() -> None:

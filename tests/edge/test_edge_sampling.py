@@ -9,15 +9,17 @@ import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.tokenizers import CharTokenizer
 
+from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.dpu.agent import Agent
+from edgepath.edge.apis.generate import GenerateRoutes
 from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_completion_request
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes, formatter_factory
 from edgepath.edge.apis.sampling import RULES
@@ -33,15 +35,31 @@ from edgepath.transports.loopback import LoopbackTransport
 CAP = 16
 LIMITS = Limits(max_body=1 << 16, input_capacity=CAP, output_capacity=CAP, vocab_size=CharTokenizer.vocab_size)
 MODEL = "echo"
-ASKED = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": -7}
-#: what the request header carries for ASKED (an int64 seed as its two's-complement u64)
-CARRIED = Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=2**64 - 7)
+ASKED = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "seed": -7,
+    "min_p": 0.05,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.25,
+    "repetition_penalty": 1.1,
+    "logit_bias": {"7": 1.5, "5": -100},
+}
+#: what travels to the model side for ASKED (an int64 seed as its two's-complement u64; the biases' ids ascending)
+CARRIED = Sampling(0.7, 0.9, 40, 2**64 - 7, 0.05, 0.5, -0.25, 1.1, ((5, -100.0), (7, 1.5)))
 
 
 def generate(body: dict[str, Any]) -> Work | Response:
     handled = HttpCore(LIMITS).handle(Request("POST", "/v1/generate", [], json.dumps(body).encode(), 0))
     assert isinstance(handled, Work | Response)
     return handled
+
+
+def complete(body: dict[str, Any], seeds: Any = None) -> Sampling:
+    """The sampling of a ``/v1/completions`` body (``seeds``: where a missing seed comes from)."""
+    extra = {} if seeds is None else {"seeds": seeds}
+    return parse_completion_request({"model": MODEL, "prompt": "a", **body}, _openai_limits(), **extra).sampling
 
 
 def test_the_parser_knows_every_field_of_sampling() -> None:
@@ -56,7 +74,36 @@ def test_generate_takes_the_sampling_fields_and_is_greedy_without_them() -> None
     assert isinstance(plain, Work) and plain.sampling == Sampling() and plain.sampling.temperature == 0.0
     nulls = generate({"prompt": "a", **dict.fromkeys(ASKED)})  # null is "not given", as on the OpenAI routes
     assert isinstance(nulls, Work) and nulls.sampling == Sampling()
-    assert parse_completion_request({"model": MODEL, "prompt": "a", **ASKED}, _openai_limits()).sampling == CARRIED
+    assert complete(ASKED) == CARRIED
+    assert work.constraint is not None and wire.read_after_prompt(work.constraint, 2) == (None, CARRIED.logit_bias)
+    assert plain.constraint is None  # nothing follows the prompt
+
+
+def test_a_request_that_samples_without_a_seed_gets_a_fresh_one() -> None:
+    """OpenAI's and llama-server's way: no seed, a new draw per request; a given seed is kept; greedy needs none."""
+    seeds = iter(range(100, 200))
+    assert complete({}, lambda: next(seeds)).seed == 100  # OpenAI's default temperature is 1
+    assert complete({"temperature": 0.5}, lambda: next(seeds)).seed == 101
+    assert complete({"seed": 3}, lambda: next(seeds)).seed == 3
+    assert complete({"temperature": 0}, lambda: next(seeds)).seed == 0
+    routes = GenerateRoutes(LIMITS, lambda: next(seeds))
+    sampled = routes.handle("/v1/generate", "POST", b'{"prompt": "a", "temperature": 1}')
+    greedy = routes.handle("/v1/generate", "POST", b'{"prompt": "a"}')
+    assert isinstance(sampled, Work) and sampled.sampling.seed == 102
+    assert isinstance(greedy, Work) and greedy.sampling.seed == 0
+    assert len({complete({}).seed for _ in range(10)}) == 10  # the OS's source: 64 bits each
+
+
+def test_repeat_penalty_is_repetition_penalty() -> None:
+    """llama.cpp's name for vLLM's field: either, or both when they agree."""
+    assert complete({"repeat_penalty": 1.3}).repetition_penalty == 1.3
+    assert complete({"repeat_penalty": 1.3, "repetition_penalty": 1.3}).repetition_penalty == 1.3
+    with pytest.raises(OpenAIError) as info:
+        complete({"repeat_penalty": 1.3, "repetition_penalty": 1.2})
+    assert (info.value.param, info.value.code) == ("repeat_penalty", "invalid_value")
+    assert "disagree; give one of them" in info.value.message
+    work = generate({"prompt": "a", "repeat_penalty": 1.5})
+    assert isinstance(work, Work) and work.sampling.repetition_penalty == 1.5
 
 
 def _openai_limits() -> OpenAILimits:
@@ -77,6 +124,22 @@ BAD = [
     ("seed", 2**63, "-9223372036854775808..9223372036854775807"),
     ("seed", 1.5, "-9223372036854775808..9223372036854775807"),
     ("seed", "7", "-9223372036854775808..9223372036854775807"),
+    ("min_p", -0.1, "[0, 1]"),
+    ("min_p", 1.01, "[0, 1]"),
+    ("presence_penalty", 2.5, "[-2, 2]"),
+    ("presence_penalty", "0.5", "[-2, 2]"),
+    ("frequency_penalty", -2.01, "[-2, 2]"),
+    ("repetition_penalty", 0, "(0, 10]"),
+    ("repetition_penalty", 11, "(0, 10]"),
+    ("repeat_penalty", -1, "(0, 10]"),
+    ("logit_bias", [[5, -100]], 'an object of at most 300 token ids (as strings: {"50256": -100})'),
+    ("logit_bias", {"five": -100}, "is not a token id"),
+    ("logit_bias", {"-5": -100}, "is not a token id"),
+    ("logit_bias", {"5": -101}, "in [-100, 100], got -101"),
+    ("logit_bias", {"5": True}, "in [-100, 100], got true"),
+    ("logit_bias", {"5": 1, "05": 2}, "names token 5 twice"),
+    ("logit_bias", {"1000": 1}, "this model's token ids are 0..999"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "has 301 entries; at most 300"),
 ]
 
 
@@ -86,7 +149,7 @@ def test_a_bad_sampling_field_is_refused_the_same_way_on_both_apis(name: str, va
     assert isinstance(refused, Response) and refused.status == 400
     error = json.loads(refused.body)["error"]
     assert error["type"] == "invalid_request"
-    assert error["message"].startswith(f"'{name}' must be ") and allowed in error["message"]
+    assert error["message"].startswith(f"'{name}' ") and allowed in error["message"]
     with pytest.raises(OpenAIError) as info:
         parse_completion_request({"model": MODEL, "prompt": "a", name: value}, _openai_limits())
     assert (info.value.status, info.value.param, info.value.code) == (400, name, "invalid_value")
@@ -147,7 +210,7 @@ def test_sampling_reaches_the_handler_from_both_apis(recording_server: tuple[Slo
     agent = Agent(transport, frames=2, input_capacity=CAP, output_capacity=CAP)
     agent.attach(server.address)
     tokenizer = CharTokenizer()
-    routes = OpenAIRoutes(MODEL, CAP, tokenizer.vocab_size, ChatSupport(False, "no template"), 0)
+    routes = OpenAIRoutes(MODEL, CAP, tokenizer.vocab_size, ChatSupport(False, "no template"), 0, seeds=lambda: 42)
     bodies = [
         ("/v1/generate", {"tokens": [1, 2, 3], "max_tokens": 3, **ASKED}),
         ("/v1/generate", {"tokens": [1, 2, 3], "max_tokens": 3}),
@@ -181,16 +244,15 @@ def test_sampling_reaches_the_handler_from_both_apis(recording_server: tuple[Slo
         assert asyncio.run(main()) == [200] * len(bodies)
     finally:
         transport.close()
-    openai_default = Sampling(temperature=1.0, top_p=1.0)  # OpenAI's default temperature is 1
-    got = [(s.temperature, s.top_p, s.top_k, s.seed) for s in seen]
-    assert got == [_expected(s) for s in (CARRIED, Sampling(), CARRIED, openai_default)]
+    openai_default = Sampling(temperature=1.0, top_p=1.0, seed=42)  # OpenAI's default temperature is 1: a fresh seed
+    assert seen == [_expected(s) for s in (CARRIED, Sampling(), CARRIED, openai_default)]
 
 
-def _expected(sampling: Sampling) -> tuple[Any, ...]:
-    """A sampling as the request header holds it (its floats are float32)."""
-    return (
-        pytest.approx(sampling.temperature, rel=1e-6),
-        pytest.approx(sampling.top_p, rel=1e-6),
-        sampling.top_k,
-        sampling.seed,
-    )
+def _expected(sampling: Sampling) -> Sampling:
+    """A sampling as the model side reads it (the header's floats are float32)."""
+    close = {
+        f.name: pytest.approx(getattr(sampling, f.name), rel=1e-6)
+        for f in fields(Sampling)
+        if isinstance(getattr(sampling, f.name), float)
+    }
+    return replace(sampling, **close)

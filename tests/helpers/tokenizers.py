@@ -33,6 +33,24 @@ class CharTokenizer:
         return "".join(chr(int(i)) for i in ids)
 
 
+class CharVocabulary(CharTokenizer):
+    """A CharTokenizer with what llama-server's ``/tokenize`` and ``/detokenize`` need (edge/apis/llama_utils.py):
+    BOS (id 1) when asked for; ``<b>`` is the control token 2 when parsed; every id's piece is its character's
+    UTF-8, but for id 999, half of one (not UTF-8 alone)."""
+
+    BOS = 1
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> np.ndarray:
+        ids = [self.BOS] if add_special else []
+        parts = text.split("<b>") if parse_special else [text]
+        for i, part in enumerate(parts):
+            ids += ([2] if i else []) + self.encode(part).tolist()
+        return np.array(ids, dtype=np.int32)
+
+    def pieces(self) -> list[bytes]:
+        return [chr(i).encode() for i in range(self.vocab_size - 1)] + [b"\xc3"]
+
+
 def byte_tokenizer(path: Path) -> Path:
     """A real Hugging Face ``tokenizer.json`` that loads in a millisecond: byte-level BPE with no merges
     (one id per UTF-8 byte, 256 ids), so any text survives encode -> decode exactly.  For process tests
