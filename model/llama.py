@@ -369,6 +369,8 @@ class LlamaHandler:
         try:
             self._vocab = lib.llama_model_get_vocab(self._model)
             self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+            # what a request that ignores end-of-generation never draws (FLAG_IGNORE_EOS), as llama-server finds them
+            self.eog = tuple(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(self._vocab, t))
             params = context_params(lib, slots, options, batch)
             self._ctx = lib.llama_init_from_model(self._model, params)
             if not self._ctx:
@@ -443,7 +445,8 @@ class LlamaHandler:
             return [Emit(slot, 0, Status.LENGTH)]
         try:
             grammar = None if request.constraint is None else (self._vocab, request.constraint)
-            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar, request.tokens)
+            suppress = self.eog if request.flags & wire.FLAG_IGNORE_EOS else ()
+            sampler = SlotSampler(self._lib, request.sampling, self.n_vocab, top, grammar, request.tokens, suppress)
         except ValueError as exc:
             log.warning("slot %d: bad request: %s", slot, exc)
             return [Emit(slot, 0, Status.BAD_REQUEST)]

@@ -10,6 +10,8 @@ logits elsewhere can use it as it is.
 from __future__ import annotations
 
 import ctypes
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,12 +41,14 @@ class SlotSampler:
         top_logprobs: int | None = None,
         grammar: tuple[Any, str] | None = None,
         prompt: np.ndarray | None = None,
+        suppress: Sequence[int] = (),
     ) -> None:
         """``top_logprobs``: None, no log probabilities; else how many alternatives :meth:`logprobs` gives;
         ``grammar``: (the model's vocabulary, GBNF text) the output must match; ``prompt``: the sequence's prompt
-        (its tail is what the penalties count first).  Raises ValueError for a logit bias on a token the vocabulary
-        does not have, RuntimeError when llama.cpp cannot make the chain (a grammar it cannot parse among the
-        reasons)."""
+        (its tail is what the penalties count first); ``suppress``: tokens never drawn (the end-of-generation tokens
+        of a request that ignores them: a bias of -inf each, as llama-server's ``ignore_eos``).  Raises ValueError
+        for a logit bias on a token the vocabulary does not have, RuntimeError when llama.cpp cannot make the chain
+        (a grammar it cannot parse among the reasons)."""
         self._lib = lib
         self.sampling = sampling
         self.n_vocab = n_vocab
@@ -53,8 +57,8 @@ class SlotSampler:
         if outside:
             raise ValueError(f"logit bias on token {outside[0]}, outside the vocabulary's 0..{n_vocab - 1}")
         self._chain = None
-        if sampling.temperature != 0.0 or sampling.shaped:
-            self._chain = _chain(lib, sampling, n_vocab)
+        if sampling.temperature != 0.0 or sampling.shaped or suppress:
+            self._chain = _chain(lib, sampling, n_vocab, suppress)
             if sampling.penalized and prompt is not None:
                 for token in prompt[-PENALTY_LAST_N:].tolist():
                     lib.llama_sampler_accept(self._chain, token)
@@ -165,16 +169,18 @@ def dist_seed(seed: int) -> int:
     return low - 1 if low == _RANDOM_SEED else low
 
 
-def _chain(lib: Any, sampling: Sampling, n_vocab: int) -> Any:
-    """The llama.cpp chain of ``sampling``, in llama-server's order (``common/sampling.cpp``): logit biases first,
-    then the penalties, top-k, top-p, min-p, temperature, the draw; greedy at temperature 0."""
+def _chain(lib: Any, sampling: Sampling, n_vocab: int, suppress: Sequence[int] = ()) -> Any:
+    """The llama.cpp chain of ``sampling``, in llama-server's order (``common/sampling.cpp``): logit biases first
+    (the ``suppress`` tokens' -inf among them), then the penalties, top-k, top-p, min-p, temperature, the draw;
+    greedy at temperature 0."""
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
     if not chain:
         raise RuntimeError("llama_sampler_chain_init returned NULL")
     parts = []
-    if sampling.logit_bias:
-        biases = (lib.llama_logit_bias * len(sampling.logit_bias))(*sampling.logit_bias)
-        parts.append(lib.llama_sampler_init_logit_bias(n_vocab, len(sampling.logit_bias), biases))  # copied
+    pairs = [*sampling.logit_bias, *((token, -math.inf) for token in suppress)]
+    if pairs:
+        biases = (lib.llama_logit_bias * len(pairs))(*pairs)
+        parts.append(lib.llama_sampler_init_logit_bias(n_vocab, len(pairs), biases))  # copied
     if sampling.penalized:
         repetition = sampling.repetition_penalty or 1.0  # 0 (a zeroed header): off
         parts.append(

@@ -66,7 +66,7 @@ class GenerateRoutes:
         if not isinstance(doc, dict):
             raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
         kind = "generate" if path == GENERATE else "tokenize"
-        generating = {"max_tokens", "stream", "cache_salt", *SAMPLING_FIELDS}
+        generating = {"max_tokens", "stream", "cache_salt", "ignore_eos", *SAMPLING_FIELDS}
         allowed = {"prompt", "tokens"} | (generating if kind == "generate" else set())
         unknown = sorted(set(doc) - allowed)
         if unknown:
@@ -77,6 +77,7 @@ class GenerateRoutes:
         sampling = self._sampling(doc)
         work = Work(kind, prompt, tokens, self._max_tokens(doc), _stream(doc), sampling, route=path)
         work.constraint = wire.after_prompt(None, sampling.logit_bias)  # the logit biases follow the prompt
+        work.flags = wire.FLAG_IGNORE_EOS if _flag(doc, "ignore_eos") else 0
         try:
             work.cache_salt = parse_cache_salt(doc)
         except SamplingInvalid as exc:
@@ -126,9 +127,16 @@ class GenerateRoutes:
 
 
 def _stream(doc: dict[str, Any]) -> bool:
-    value = doc.get("stream", False)
+    return _flag(doc, "stream")
+
+
+def _flag(doc: dict[str, Any], name: str) -> bool:
+    """A boolean field (false when absent or null)."""
+    value = doc.get(name)
+    if value is None:
+        return False
     if not isinstance(value, bool):
-        raise HttpError(400, "invalid_request", f"'stream' must be true or false, got {json_type(value)}")
+        raise HttpError(400, "invalid_request", f"'{name}' must be true or false, got {json_type(value)}")
     return value
 
 

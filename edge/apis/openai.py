@@ -191,6 +191,8 @@ class OpenAIRequest:
     """How the chat template's model thinks (its thinking goes to ``reasoning_content``); None: it does not."""
     fingerprint: str | None = None
     """The server's ``system_fingerprint`` (:attr:`OpenAILimits.fingerprint`), for the answer."""
+    ignore_eos: bool = False
+    """vLLM's and llama.cpp's ``ignore_eos``: the model's end-of-generation tokens are never drawn."""
 
 
 def parse_completion_request(
@@ -311,6 +313,7 @@ def _common(
         include_usage=_include_usage(doc, stream),
         cache_salt=_cache_salt(doc),
         fingerprint=limits.fingerprint,
+        ignore_eos=_optional_bool(doc, "ignore_eos", False),
         **inputs,
     )
 

@@ -31,7 +31,9 @@ class FieldRefused(ValueError):
         self.param, self.message, self.code = param, message, code
 
 
-_COMMON = frozenset({"model", "max_tokens", "stream", "stream_options", "stop", "n", "logprobs", "cache_salt"})
+_COMMON = frozenset(
+    {"model", "max_tokens", "stream", "stream_options", "stop", "n", "logprobs", "cache_salt", "ignore_eos"}
+)
 #: the fields each route applies (the sampling fields of :mod:`edgepath.edge.apis.sampling` among them)
 APPLIED: Mapping[Kind, frozenset[str]] = {
     "completion": _COMMON | SAMPLING_FIELDS | {"prompt"},
@@ -96,7 +98,6 @@ NEUTRAL_ANY: Mapping[str, Neutral] = {
     "length_penalty": _off((1,), "1 (no beam search)"),
     "stop_token_ids": _off(([],), "null or [] (give 'stop' strings)"),
     "include_stop_str_in_output": _off((False,), "false"),
-    "ignore_eos": _off((False,), "false"),
     "min_tokens": _off((0,), "0"),
     "skip_special_tokens": _off((True,), "true"),
     "spaces_between_special_tokens": _off((True,), "true"),

@@ -136,6 +136,7 @@ class OpenAIRoutes:
             param = "tools" if req.tools is not None else "response_format"
             return _error_response(oa.invalid_request(f"'{param}': {exc}", param=param))
         work.flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
+        work.flags |= wire.FLAG_IGNORE_EOS if req.ignore_eos else 0
         work.cache_salt = req.cache_salt
         work.choices = req.n
         return work

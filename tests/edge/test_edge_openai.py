@@ -300,7 +300,6 @@ def test_stream_and_stream_options() -> None:
         ("chat", "audio", {"voice": "alloy", "format": "mp3"}),
         ("chat", "reasoning_effort", "high"),
         ("completion", "use_beam_search", True),
-        ("chat", "ignore_eos", True),
         ("completion", "min_tokens", 5),
         ("chat", "stop_token_ids", [2]),
         ("chat", "typical_p", 0.9),
@@ -385,6 +384,18 @@ def test_a_field_the_route_does_not_know_is_refused_by_name(kind: str, name: str
     err = refused(completion if kind == "completion" else chat, **{name: 1})
     assert (err.status, err.type, err.param, err.code) == (400, "invalid_request_error", name, "unknown_parameter")
     assert err.message.startswith(f'Unrecognized request argument supplied: "{name}"')
+
+
+def test_ignore_eos_is_applied_as_a_request_flag() -> None:
+    """vLLM's and llama.cpp's ``ignore_eos`` (load generators send it for answers of a set length)."""
+    assert chat(ignore_eos=True).ignore_eos and not chat(ignore_eos=False).ignore_eos and not chat().ignore_eos
+    err = refused(completion, ignore_eos="yes")
+    assert (err.param, err.code) == ("ignore_eos", "invalid_type")
+    routes = OpenAIRoutes(MODEL, 8, 1000, ChatSupport(False, "no template"), 0)
+    work = routes.parse(COMPLETIONS, json.dumps({"model": MODEL, "prompt": "hi", "ignore_eos": True}).encode())
+    assert isinstance(work, Work) and work.flags & wire.FLAG_IGNORE_EOS
+    plain = routes.parse(COMPLETIONS, json.dumps({"model": MODEL, "prompt": "hi"}).encode())
+    assert isinstance(plain, Work) and not plain.flags & wire.FLAG_IGNORE_EOS
 
 
 def test_a_setting_of_a_sampler_that_is_on_is_refused_with_the_sampler() -> None:

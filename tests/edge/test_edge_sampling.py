@@ -94,6 +94,16 @@ def test_a_request_that_samples_without_a_seed_gets_a_fresh_one() -> None:
     assert len({complete({}).seed for _ in range(10)}) == 10  # the OS's source: 64 bits each
 
 
+def test_generate_takes_ignore_eos_as_a_request_flag() -> None:
+    work = generate({"prompt": "a", "ignore_eos": True})
+    assert isinstance(work, Work) and work.flags & wire.FLAG_IGNORE_EOS
+    plain = generate({"prompt": "a", "ignore_eos": None})
+    assert isinstance(plain, Work) and not plain.flags & wire.FLAG_IGNORE_EOS
+    refused = generate({"prompt": "a", "ignore_eos": 1})
+    assert isinstance(refused, Response) and refused.status == 400
+    assert "'ignore_eos' must be true or false" in json.loads(refused.body)["error"]["message"]
+
+
 def test_repeat_penalty_is_repetition_penalty() -> None:
     """llama.cpp's name for vLLM's field: either, or both when they agree."""
     assert complete({"repeat_penalty": 1.3}).repetition_penalty == 1.3

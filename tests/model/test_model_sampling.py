@@ -181,6 +181,17 @@ def test_a_grammar_and_a_penalty_together_keep_to_the_grammar(handler: LlamaHand
     assert len(parts) == 3 and set(parts) <= {"yes", "no"}, text
 
 
+def test_ignore_eos_runs_an_answer_that_would_stop_to_its_max_tokens(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
+    """vLLM's and llama.cpp's ``ignore_eos``: the end-of-generation tokens are never drawn (a bias of -inf)."""
+    prompt = chat(tok, "What is the capital of France?")
+    words, final = run(handler, prompt, Sampling(), 24)
+    assert final.status == Status.STOP and len(words) < 24  # "The capital of France is Paris."
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=2)):
+        words, final = run(handler, prompt, sampling, 24, wire.FLAG_IGNORE_EOS)
+        assert final.status == Status.LENGTH and len(words) == 24
+        assert handler.eog and not set(words.tolist()) & set(handler.eog)
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_a_bad_request(handler: LlamaHandler, tok: GGUFTokenizer) -> None:
     prompt = chat(tok, "Hi")
     _, final = run(handler, prompt, Sampling(logit_bias=((handler.n_vocab, 1.0),)))
