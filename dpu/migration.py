@@ -47,7 +47,7 @@ class Mover:
         elif wire.logprobs_top(flags) is not None:
             why = "its output holds log-probability records, which a prompt cannot carry"
         elif wire.constraint_words(flags):
-            why = "a constraint follows its prompt, which the answer so far would overwrite"
+            why = "words follow its prompt (a grammar, logit biases), which the answer so far would overwrite"
         candidates = [
             link
             for link in claims.link_set.links
