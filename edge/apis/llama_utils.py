@@ -30,6 +30,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    429: "unavailable_error",  # a busy tokenizer; llama-server says 503 where it is busy
     503: "unavailable_error",
 }
 TOKENIZE_FIELDS = {"content": None, "add_special": False, "parse_special": True, "with_pieces": False}
