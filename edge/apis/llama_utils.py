@@ -81,9 +81,8 @@ class LlamaUtilRoutes:
         encode = functools.partial(self.vocabulary.tokenize, add_special=add_special, parse_special=parse_special)
         answer = functools.partial(self._tokens, with_pieces)
         # an empty text has no tokens but, maybe, BOS: llama-server answers it; the lifecycle's path takes it too
-        return Work(
-            "tokenize", content, None, 0, False, route=LLAMA_TOKENIZE, options={"encode": encode, "answer": answer}
-        )
+        options = {"encode": encode, "answer": answer}  # the lifecycle's refusals take this shape by the path
+        return Work("tokenize", content, None, 0, False, route=LLAMA_TOKENIZE, options=options)
 
     def _tokens(self, with_pieces: bool, ids: np.ndarray) -> Response:
         tokens = ids.tolist()

@@ -663,8 +663,14 @@ def test_llama_servers_tokenize_route_inline_and_on_a_worker_with_its_own_switch
     (work,) = edge.receive(2, big, now=0)
     assert isinstance(work, Tokenize) and work.out is None and work.encode is not None
     assert work.encode(text).tolist() == [99] * len(text)  # what the driver runs on the worker
+    (busy,) = edge.receive(3, big, now=0)  # the one worker is busy: 429, in llama-server's error shape
+    assert busy.response.status == 429 and body(busy)["error"]["type"] == "unavailable_error"
     (done,) = edge.tokenized(2, np.array([99, 100], np.int32), now=5)
     assert body(done) == {"tokens": [{"id": 99, "piece": "c"}, {"id": 100, "piece": "d"}]}
+    (again,) = edge.receive(4, big, now=6)
+    assert isinstance(again, Tokenize)
+    (failed,) = edge.tokenized(4, RuntimeError("worker exploded"), now=7)
+    assert failed.response.status == 500 and body(failed)["error"]["code"] == 500
     assert edge.tokenizing.busy == 0 and port.held == set()
 
 
