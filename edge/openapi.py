@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from edgepath.contract.wire import TOP_LOGPROBS_MAX
+from edgepath.contract.wire import BIAS_MAX, LOGIT_BIAS_MAX, PENALTY_MAX, REPETITION_MAX, TOP_LOGPROBS_MAX
 from edgepath.edge.apis.limits import JSON_DEPTH_MAX, MESSAGES_MAX, STOP_CHARS_MAX, STOPS_MAX, TOOLS_MAX
 from edgepath.edge.apis.sampling import CACHE_SALT_MAX, SEED_MAX, SEED_MIN, TOP_K_MAX
 from edgepath.edge.http import (
@@ -24,6 +24,8 @@ from edgepath.edge.http import (
     GENERATE,
     HEALTH,
     LIVE,
+    LLAMA_DETOKENIZE,
+    LLAMA_TOKENIZE,
     MESSAGES,
     METRICS,
     MODELS,
@@ -66,6 +68,10 @@ def document(limits: Limits, routes: Mapping[str, tuple[str, ...]], model: str |
         RESPONSES: _post("OpenAI responses", "ResponsesRequest", "Response", "OpenAIError", True, "404"),
         MESSAGES: _post("Anthropic messages", "MessagesRequest", "Message", "AnthropicError", True, "404", "529"),
         COUNT_TOKENS: _post("Anthropic token count", "MessagesRequest", "TokenCount", "AnthropicError", False, "404"),
+        LLAMA_TOKENIZE: _post("llama-server's tokenize", "LlamaTokenizeRequest", "LlamaTokens", "LlamaError", False),
+        LLAMA_DETOKENIZE: _post(
+            "llama-server's detokenize", "LlamaDetokenizeRequest", "LlamaContent", "LlamaError", False
+        ),
         MODELS: _get("The served model", _json("Models"), _errors(("401",), "OpenAIError")),
         HEALTH: _get("Slot servers, free slots, live latency", _json("Health"), _unready(("400", "401"))),
         LIVE: _get("Liveness: the edge process answers", _json("Health"), _errors(("401",), "EdgeError")),
@@ -80,9 +86,10 @@ def document(limits: Limits, routes: Mapping[str, tuple[str, ...]], model: str |
         if path in (COMPLETIONS, CHAT, MODELS, RESPONSES, MESSAGES, COUNT_TOKENS) and model is None:
             continue
         operation = operations[path]
-        error = {COMPLETIONS: "OpenAIError", CHAT: "OpenAIError", MODELS: "OpenAIError", RESPONSES: "OpenAIError"}.get(
-            path, "AnthropicError" if path in (MESSAGES, COUNT_TOKENS) else "EdgeError"
-        )
+        error = {
+            COMPLETIONS: "OpenAIError", CHAT: "OpenAIError", MODELS: "OpenAIError", RESPONSES: "OpenAIError",
+            LLAMA_TOKENIZE: "LlamaError", LLAMA_DETOKENIZE: "LlamaError",
+        }.get(path, "AnthropicError" if path in (MESSAGES, COUNT_TOKENS) else "EdgeError")  # fmt: skip
         operation["responses"].update(_errors(("431",), error))  # a head past 16 KiB, on any route
         paths[path] = {method.lower(): operation for method in methods}
     return {
@@ -149,6 +156,18 @@ def _schemas(limits: Limits, model: str | None) -> dict[str, Any]:
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": 0, "maximum": TOP_K_MAX},
         "seed": {"type": ["integer", "null"], "minimum": SEED_MIN, "maximum": SEED_MAX},
+        "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        "presence_penalty": {"type": ["number", "null"], "minimum": -PENALTY_MAX, "maximum": PENALTY_MAX},
+        "frequency_penalty": {"type": ["number", "null"], "minimum": -PENALTY_MAX, "maximum": PENALTY_MAX},
+        "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": REPETITION_MAX},
+        "repeat_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": REPETITION_MAX},
+        "logit_bias": {
+            "type": ["object", "null"],
+            "maxProperties": LOGIT_BIAS_MAX,
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -BIAS_MAX, "maximum": BIAS_MAX},
+        },
+        "ignore_eos": {"type": ["boolean", "null"]},
         "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": CACHE_SALT_MAX},
     }
     stop = {
@@ -232,6 +251,29 @@ def _schemas(limits: Limits, model: str | None) -> dict[str, Any]:
             },
         },
         "ResponsesRequest": {"type": "object", "required": ["model", "input"]},
+        "LlamaTokenizeRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["content"],
+            "properties": {
+                "content": {"type": "string"},
+                "add_special": {"type": ["boolean", "null"]},
+                "parse_special": {"type": ["boolean", "null"]},
+                "with_pieces": {"type": ["boolean", "null"]},
+            },
+        },
+        "LlamaDetokenizeRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"tokens": {**ids, "minItems": 0}},
+        },
+        "LlamaTokens": {"type": "object", "required": ["tokens"]},
+        "LlamaContent": {"type": "object", "required": ["content"]},
+        "LlamaError": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["code", "message", "type"]}},
+        },
         "MessagesRequest": {
             "type": "object",
             "required": ["model", "messages"],

@@ -151,7 +151,11 @@ class HttpCore:
         """``/openapi.json``: the document of the routes this edge serves (written once, on first ask)."""
         if self._openapi is None:
             model = getattr(self.shapes.get("openai"), "model", None)
-            routes = {path: route.methods for path, route in ROUTES.items()}
+            routes = {
+                path: route.methods
+                for path, route in ROUTES.items()
+                if route.api != "llama" or "llama" in self.shapes  # llama-server's: with the model's vocabulary
+            }
             self._openapi = json_response(200, document(self.limits, routes, model))
         return Response(self._openapi.status, list(self._openapi.headers), self._openapi.body)
 
