@@ -24,6 +24,7 @@ from typing import Any
 import jsonschema
 import pytest
 from helpers.edge import RunningEdge, free_port, running_edge
+from helpers.supervised import scrape
 
 from edgepath.config import AgentSettings, EdgeSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.adapters.tls import default_certificate
@@ -221,8 +222,7 @@ def test_a_429_is_retried_by_the_anthropic_sdk(edge: RunningEdge, model: str) ->
 
 
 def _refused(edge: RunningEdge) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{edge.port}/metrics") as r:
-        text = r.read().decode()
+    text = scrape(edge.port, KEYS["alpha"])  # with keys configured, /metrics needs one (or the ops listener)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
