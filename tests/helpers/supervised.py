@@ -156,11 +156,12 @@ def start_tenants_serve(start: Callable[..., Child], tenants: Path, *args: str) 
     )
 
 
-def get(port: int, path: str) -> tuple[int, dict]:
-    """GET ``path`` of the edge at ``port``: the status and the JSON document."""
+def get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
+    """GET ``path`` of the edge at ``port``: the status and the JSON document (``key``: with API keys configured,
+    the ops pages -- ``/health`` -- need one)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"x-api-key": key} if key else {})
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:

@@ -62,7 +62,7 @@ def test_two_edges_hold_a_tenant_to_its_slot_cap_in_total(
         # within microseconds, unrung -- docs/TENANTS.md); each request here holds its slot for 1 s
         seen = []
         for _ in range(2):
-            health = get(port, "/health")[1]
+            health = get(port, "/health", "capped-key")[1]
             seen.append(health["total_slots"] - health["free_slots"])
             time.sleep(0.01)
         held.append(min(seen))
@@ -76,7 +76,7 @@ def test_two_edges_hold_a_tenant_to_its_slot_cap_in_total(
     assert set(answers) <= {"served", "edges", "this edge"}, answers
     deadline = time.monotonic() + 30
     while True:  # every slot back to FREE
-        _, health = get(port, "/health")
+        _, health = get(port, "/health", "capped-key")
         if health["free_slots"] == health["total_slots"] == 4:
             break
         assert time.monotonic() < deadline, health
