@@ -33,6 +33,7 @@ from edgepath.contract.wire import FINISHED
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import FrameError, write_request
 from edgepath.native.abi import Status
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 Ids = Sequence[int] | np.ndarray  # token ids: a JSON list, or the tokenizer's array
@@ -182,7 +183,7 @@ def create_app(slot_server: str, tokenizer_path: str | None, mode: str, max_batc
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        agent = Agent(LoopbackTransport(), frames=256)
+        agent = Agent(LoopbackTransport(peer_keys(None)), frames=256)
         agent.attach(slot_server)
         dispatcher = state["dispatcher"] = Batcher(agent, max_batch, window) if mode == "batch" else Direct(agent)
         task = asyncio.create_task(dispatcher.run())

@@ -22,6 +22,7 @@ from edgepath.contract.wire import SlotWord
 from edgepath.dpu.agent import Agent, ServerLink
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import echo
 from edgepath.slots.server import SlotServer, SlotServerConfig
 from edgepath.transports.loopback import LoopbackTransport
@@ -34,14 +35,14 @@ ROUNDS = 5000
 def local_pair(tmp_path) -> Iterator[tuple[Agent, ServerLink, SlotServer]]:
     """An agent attached to an in-process slot server that the benchmark drives by hand."""
     server = SlotServer(
-        LoopbackTransport(),
+        LoopbackTransport(peer_keys(None)),
         str(tmp_path / "s.sock"),
         echo,
         SlotServerConfig(slots=4, input_capacity=TOKENS, output_capacity=TOKENS),
     )
     server.start_connection_manager()
     agent = Agent(
-        LoopbackTransport(),
+        LoopbackTransport(peer_keys(None)),
         frames=4,
         input_capacity=TOKENS,
         output_capacity=TOKENS,
@@ -104,7 +105,7 @@ def test_roundtrip(benchmark, slot_server_process, spin: bool) -> None:
         "--slots", "4", "--input-capacity", str(TOKENS), "--output-capacity", str(TOKENS), *spin_args
     )
     agent = Agent(
-        LoopbackTransport(),
+        LoopbackTransport(peer_keys(None)),
         frames=1,
         input_capacity=TOKENS,
         output_capacity=TOKENS,

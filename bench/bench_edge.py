@@ -12,6 +12,7 @@ from edgepath.dpu.agent import Agent
 from edgepath.edge.http import Limits, Request, Work
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.text.tokenizer import load_tokenizer
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 128
@@ -52,7 +53,7 @@ def test_parse(benchmark, prompt: str) -> None:
 
 def test_tokenize(benchmark, prompt: str) -> None:
     tokenizer = load_tokenizer()
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     agent = Agent(transport, frames=1, input_capacity=4096, output_capacity=16, max_servers=1, max_slots_per_server=1)
     view = agent.frames.tokens[0]
 

@@ -25,6 +25,7 @@ from edgepath.contract import wire
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status, lib
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 TOKENS = 16
@@ -38,7 +39,12 @@ def streaming_agent(slot_server_process) -> Iterator[Agent]:
         "--handler", "paced-echo", "--handler-option", "token_delay=0.5", "--stream-window-ms", "0",
     )  # fmt: skip
     agent = Agent(
-        LoopbackTransport(), frames=4, input_capacity=64, output_capacity=64, max_servers=1, max_slots_per_server=4
+        LoopbackTransport(peer_keys(None)),
+        frames=4,
+        input_capacity=64,
+        output_capacity=64,
+        max_servers=1,
+        max_slots_per_server=4,
     )
     agent.attach(address)
     yield agent

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.base import Access, Connection, MemoryRegion
 from edgepath.transports.registry import make_transport
 
@@ -95,8 +96,8 @@ def measure(
 
 def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warmup: int) -> dict[str, object]:
     """Both ends on ``device``, in this process."""
-    server = make_transport("verbs", device=device, gid_index=gid_index)
-    client = make_transport("verbs", device=device, gid_index=gid_index)
+    server = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
+    client = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
     try:
         pool = server.register("pool", 4096, POOL_ACCESS)
         local = client.register("local", 4096, Access.NONE)
@@ -121,7 +122,7 @@ def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warm
 
 def connect(device: str, gid_index: int, address: str, iterations: int, warmup: int) -> dict[str, object]:
     """The operations against a responder (``--serve``) at ``address``, from ``device``."""
-    client = make_transport("verbs", device=device, gid_index=gid_index)
+    client = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
     try:
         local = client.register("local", 4096, Access.NONE)
         conn = client.connect(address, [], {}, timeout=30.0)
@@ -133,7 +134,7 @@ def connect(device: str, gid_index: int, address: str, iterations: int, warmup: 
 def serve(device: str, gid_index: int, address: str, lifetime: float) -> dict[str, object]:
     """The responder: one pool at ``address``, one peer at a time until one has come and gone (or ``lifetime``
     seconds passed); the immediates it received."""
-    server = make_transport("verbs", device=device, gid_index=gid_index)
+    server = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
     try:
         pool = server.register("pool", 4096, POOL_ACCESS)
         listener = server.listen(address, [pool], {})

@@ -23,6 +23,7 @@ from edgepath.dpu.port import Delivery, DeliveryStats, SlotLimits, SlotServerSta
 from edgepath.native.abi import Status
 from edgepath.transports.base import Access, TransportError
 from edgepath.transports.loopback import LoopbackTransport
+from edgepath.transports.peer_auth import PeerKeys
 
 log = logging.getLogger("edgepath.agent_client")
 
@@ -30,9 +31,10 @@ log = logging.getLogger("edgepath.agent_client")
 class AgentClient:
     """An :class:`~edgepath.dpu.port.AgentPort` backed by an ``edgepath agent`` process."""
 
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
+    def __init__(self, address: str, keys: PeerKeys, timeout: float = 5.0) -> None:
+        """Connect to the agent process at ``address``, proving this edge holds ``keys``' peer secret."""
         self.address = address
-        self.transport = LoopbackTransport()
+        self.transport = LoopbackTransport(keys)
         self._completions = self.transport.register(wire.COMPLETIONS_REGION, 8, Access.REMOTE_WRITE)
         self._scratch = self.transport.register("scratch", 8, Access.NONE)
         self._alive = False

@@ -2,7 +2,8 @@
 CASes those words over the transport (:mod:`edgepath.edge.tenancy.quota` makes every decision; the
 edge reaches memory only through this layer, the agent side).
 
-The home does nothing per request -- it registers the region, accepts edges and lets go of those gone -- so
+The home does nothing per request -- it registers the region, accepts edges that prove they hold the peer secret
+(:mod:`edgepath.transports.peer_auth`) and lets go of those gone -- so
 quotas across edges need no middle layer: an edge's CAS lands in the home's memory (shared memory on loopback,
 through the NIC over verbs) and is the admission decision itself.  ``edgepath ledger --listen ADDRESS`` keeps one
 in a process of its own (:mod:`edgepath.dpu.ledger_service`: one ledger for a deployment's edges, its words kept in a
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import select
 import socket
 import threading
 import time
@@ -34,6 +34,7 @@ import numpy as np
 from edgepath.contract import wire
 from edgepath.dpu.backoff import Backoff, Retry
 from edgepath.transports.base import Connection, Listener, RemoteRegion, Transport, TransportError
+from edgepath.transports.connections import ConnectionManager
 
 log = logging.getLogger("edgepath.ledger")
 
@@ -75,7 +76,8 @@ def resolved(address: str, getaddrinfo: Callable[..., list[tuple[Any, ...]]] = s
 
 class LedgerHome:
     """The ledger's region (``entries`` pairs of words: ``words``, as a ledger file kept them, or all 0: every bucket
-    full) exported at ``address`` to every edge that connects, by a thread that accepts them and closes those gone."""
+    full) exported at ``address`` to every edge that connects and proves it holds the peer secret (a connection
+    manager sets peers up, refuses and counts the others), and a thread that closes the connections of edges gone."""
 
     def __init__(
         self, transport: Transport, address: str, entries: int = wire.LEDGER_ENTRIES, words: bytes | None = None
@@ -84,10 +86,13 @@ class LedgerHome:
         self.region = transport.register(wire.LEDGER_REGION, 16 * entries, wire.LEDGER_ACCESS)
         if words is not None:
             self.region.buf[:] = np.frombuffer(words, dtype=np.uint8)  # before any edge can connect
-        self._listener: Listener = transport.listen(address, [self.region], wire.ledger_hello(entries))
-        self._edges: list[Connection] = []
+        listener: Listener = transport.listen(address, [self.region], wire.ledger_hello(entries))
+        self._edges: dict[int, Connection] = {}
+        self._lock = threading.Lock()
+        self.connections = ConnectionManager(listener, self._admit, "ledger-home")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="ledger-home", daemon=True)
+        self._thread = threading.Thread(target=self._reap, name="ledger-home", daemon=True)
+        self.connections.start()
         self._thread.start()
 
     def words(self) -> bytes:
@@ -100,32 +105,33 @@ class LedgerHome:
         """Edges connected now."""
         return len(self._edges)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            watched = [self._listener.fileno(), *(edge.fileno() for edge in self._edges)]
-            try:
-                ready, _, _ = select.select(watched, [], [], 0.2)
-            except (OSError, ValueError):  # closed under us: stopping
-                return
-            if self._listener.fileno() in ready:
-                try:
-                    edge = self._listener.accept(timeout=1.0)
-                except (TransportError, OSError) as exc:
-                    log.warning("quota ledger at %s: an edge could not connect: %s", self.address, exc)
-                    edge = None
+    @property
+    def refused(self) -> int:
+        """Peers refused so far (the log says who and why)."""
+        return self.connections.refusals
+
+    def _admit(self, conn: Connection) -> dict[str, object]:
+        with self._lock:
+            self._edges[conn.conn_id] = conn
+        return {}
+
+    def _reap(self) -> None:
+        while not self._stop.wait(0.2):
+            for conn_id in self.connections.gone():
+                with self._lock:
+                    edge = self._edges.pop(conn_id, None)
                 if edge is not None:
-                    self._edges.append(edge)
-            for edge in [e for e in self._edges if e.fileno() in ready and not e.check_alive()]:
-                edge.close()
-                self._edges.remove(edge)
+                    edge.close()
 
     def close(self) -> None:
         """Stop accepting and let go of every edge (the transport's owner closes the region with it)."""
         self._stop.set()
         self._thread.join(timeout=2)
-        for edge in self._edges:
+        self.connections.close()
+        with self._lock:
+            edges, self._edges = list(self._edges.values()), {}
+        for edge in edges:
             edge.close()
-        self._listener.close()
 
 
 class RemoteLedger:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import time
@@ -61,21 +62,39 @@ if TYPE_CHECKING:
     from edgepath.slots.server import SlotServer
     from edgepath.supervisor import Supervisor
     from edgepath.transports.base import Transport
+    from edgepath.transports.peer_auth import PeerKeys
 
 log = logging.getLogger("edgepath")
 
 
-def data_path_transport(data_path: DataPath, hang_timeout: float) -> Transport:
+def data_path_transport(data_path: DataPath, hang_timeout: float, keys: PeerKeys | None = None) -> Transport:
     """A transport endpoint for the agent <-> slot-server link, whose operations wait less than
-    ``hang_timeout`` (the one its peers are judged by); when it cannot be had, an error that names the
-    flags that chose it."""
+    ``hang_timeout`` (the one its peers are judged by) and whose peers prove they hold the peer secret (``keys``, or
+    the data path's: :func:`data_path_keys`); when it cannot be had, an error that names the flags that chose it."""
     from edgepath.transports.base import TransportUnavailable
     from edgepath.transports.registry import make_transport
 
+    keys = keys if keys is not None else data_path_keys(data_path)
     try:
-        return make_transport(data_path.kind, **transport_options(data_path, hang_timeout))
+        return make_transport(data_path.kind, keys, **transport_options(data_path, hang_timeout))
     except TransportUnavailable as exc:
         raise TransportUnavailable(f"{' '.join(data_path.flags())}: {exc}") from exc
+
+
+def data_path_keys(data_path: DataPath) -> PeerKeys:
+    """The peer secret of the processes on ``data_path`` (:mod:`edgepath.peer_secret`: ``--peer-secret-file``, else
+    the environment); PeerSecretMissing (a ValueError) says how to give one."""
+    from edgepath.peer_secret import peer_keys
+
+    return peer_keys(data_path.peer_secret_file, data_path.peer_secret_grace)
+
+
+def shared_memory_transport(data_path: DataPath) -> Transport:
+    """A loopback endpoint for what this machine's processes share beside the data path (an agent process and its
+    edges, a quota ledger on a socket path), with the data path's peer secret."""
+    from edgepath.transports.loopback import LoopbackTransport
+
+    return LoopbackTransport(data_path_keys(data_path))
 
 
 def transport_options(data_path: DataPath, hang_timeout: float | None = None) -> dict[str, Any]:
@@ -131,17 +150,19 @@ def _handler_config(settings: SlotServerSettings) -> HandlerConfig:
     return handler_config(slot_server_config(settings), dict(settings.handler.options))
 
 
-def build_slot_server(settings: SlotServerSettings) -> SlotServer:
-    """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``)."""
+def build_slot_server(settings: SlotServerSettings, keys: PeerKeys | None = None) -> SlotServer:
+    """A slot server listening at ``settings.listen``, not yet serving (call ``serve()``); its agents prove they hold
+    ``keys``' secret (default: the data path's, :func:`data_path_keys`)."""
     from edgepath.handlers import load_handler
     from edgepath.slots.server import SlotServer
 
+    keys = keys if keys is not None else data_path_keys(settings.data_path)  # a missing secret before the model loads
     if settings.memory in ("gpu", "gpu-device"):
         from edgepath.slots.gpu import require_device
 
         require_device(settings.gpu_device, flag=f"--slots {settings.memory}")  # at once, before any transport
     handler = load_handler(settings.handler.name, _handler_config(settings))
-    transport = data_path_transport(settings.data_path, settings.hang_timeout)
+    transport = data_path_transport(settings.data_path, settings.hang_timeout, keys)
     server = SlotServer(transport, settings.listen, handler, slot_server_config(settings))
     log.info(
         "slot server on %s (%s): %d slots in %s memory, %d/%d tokens in/out, handler %s",
@@ -240,14 +261,13 @@ def build_agent_service(settings: AgentServiceSettings) -> AgentService:
     where the edges read them."""
     from edgepath.dpu.agent_service import AgentService, edge_regions
     from edgepath.transports.base import Access
-    from edgepath.transports.loopback import LoopbackTransport
 
     agent_settings, capacity = settings.agent, settings.capacity
 
     def agent_on(transport: Transport, **memory: Any) -> Agent:
         return make_agent(agent_settings, capacity, transport, **memory)
 
-    edge_transport = LoopbackTransport()
+    edge_transport = shared_memory_transport(settings.data_path)
     made: list[Transport] = [edge_transport]
     try:
         if settings.data_path.kind == "loopback":
@@ -342,6 +362,37 @@ def plan_serve(options: ServeOptions) -> ServePlan:
     if slot_server is not None:
         handler_options(slot_server)  # a wrong one is refused here, not by the child at its start
     return ServePlan(options, keys, slot_server)
+
+
+def with_peer_secret(options: ServeOptions) -> tuple[ServeOptions, Path | None]:
+    """``options`` with a peer secret: the one given (``--peer-secret-file``, or the environment), or -- when every
+    peer serve talks to is one it starts itself -- a fresh one in a file of serve's own (0600, in the runtime
+    directory, named by its process id: the caller removes it at the end), which its children's command lines name.
+    PeerSecretMissing (a ValueError) when serve reaches processes started elsewhere and none is given."""
+    from edgepath.peer_secret import PEER_SECRET_ENV, PeerSecretMissing, own_secret_file, secret_given
+
+    data_path = options.data_path
+    if secret_given(data_path.peer_secret_file):
+        return options, None
+    edge, agent = options.edge, options.agent
+    elsewhere = [
+        flag
+        for flag, given in (
+            ("--slot-server", options.slot_servers),
+            ("--slot-servers-from", agent.slot_servers_from),
+            ("--agent", options.agent_process),
+            ("--quota-home", edge.quota_home),
+            ("--quota-listen", edge.quota_listen),
+        )
+        if given
+    ]
+    if elsewhere:
+        raise PeerSecretMissing(
+            f"{elsewhere[0]}: processes started elsewhere prove they hold a peer secret, and serve must too: give "
+            f"--peer-secret-file FILE (or set {PEER_SECRET_ENV}) with the one they were given"
+        )
+    path = own_secret_file(runtime_dir() / f"{options.name}.{os.getpid()}.peer-secret")
+    return replace(options, data_path=replace(data_path, peer_secret_file=str(path))), path
 
 
 def with_model(options: ServeOptions) -> ServeOptions:
@@ -507,7 +558,8 @@ def serve_agent(
         from edgepath.dpu.agent_client import AgentClient
 
         assert options.agent_process is not None
-        return _named("--agent", options.agent_process, AgentClient)
+        keys = data_path_keys(options.data_path)
+        return _named("--agent", options.agent_process, lambda address: AgentClient(address, keys))
     flags = {listen: "--slot-server-listen"} if listen is not None else {}
     return build_agent(options.agent, options.sizes.capacity, transport, slot_servers, flags)
 
@@ -657,7 +709,9 @@ def ledger_transport(address: str, data_path: DataPath, hang_timeout: float) -> 
     from edgepath.dpu.ledger import transport_kind
 
     kind = transport_kind(address)
-    return data_path_transport(data_path if kind == data_path.kind else DataPath(kind), hang_timeout)
+    if kind != data_path.kind:  # the peer secret is the data path's either way
+        data_path = replace(data_path, kind=kind, device=None, gid_index=None)
+    return data_path_transport(data_path, hang_timeout)
 
 
 def build_ledger(settings: LedgerSettings) -> LedgerService:

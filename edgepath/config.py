@@ -3,7 +3,8 @@
 The tree is made of sections, each a frozen dataclass whose fields are declared once as the options
 that fill them (:func:`edgepath.options.option`: default, help, parser):
 
-* :class:`DataPath` -- the agent <-> slot-server link (``--data-path``, ``--device``, ``--gid-index``);
+* :class:`DataPath` -- the agent <-> slot-server link (``--data-path``, ``--device``, ``--gid-index``) and the peer
+  secret every process on it proves it holds (``--peer-secret-file``, ``--peer-secret-grace``);
 * :class:`Capacity` -- tokens a slot or a frame holds (``--input-capacity``, ``--output-capacity``);
 * :class:`HandlerSettings` -- the model side (``--handler``, ``--handler-option``), whose options the
   handler registry reads into typed ones (the llama handler's: :class:`edgepath.model.llama.LlamaOptions`);
@@ -64,6 +65,8 @@ from edgepath.options import (
     slots_spec,
     to_argv,
 )
+from edgepath.peer_secret import DEFAULT_GRACE as DEFAULT_PEER_SECRET_GRACE
+from edgepath.peer_secret import PEER_SECRET_ENV
 from edgepath.runtime import default_address
 from edgepath.slots.config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
 from edgepath.slots.config import SlotServerConfig
@@ -89,6 +92,21 @@ class DataPath:
         None, default_text="the first one", help="RDMA device for --data-path verbs (e.g. rxe0); default: %(default)s"
     )
     gid_index: int | None = option(None, type=non_negative_int, help="GID index for --data-path verbs")
+    peer_secret_file: str | None = option(
+        None,
+        type=readable_file,
+        metavar="FILE",
+        help="the peer secret (at least 32 bytes; a Kubernetes Secret mounted as a file): every slot server, agent "
+        f"and edge that connect to each other prove they hold it before any memory is shared; default: "
+        f"${PEER_SECRET_ENV}; serve makes one for the children it starts when given neither; the file is read "
+        "again every second, and a new secret replaces the old one (accepted --peer-secret-grace more)",
+    )
+    peer_secret_grace: float = option(
+        DEFAULT_PEER_SECRET_GRACE,
+        type=non_negative_float,
+        help="seconds the previous peer secret is still accepted after --peer-secret-file changed: connections "
+        "set up meanwhile with either one (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_PATHS:
@@ -97,8 +115,15 @@ class DataPath:
             raise ValueError(f"--device and --gid-index are for --data-path verbs, not {self.kind}")
 
     def flags(self) -> list[str]:
-        """The same choice as command-line flags of ``edgepath slot-server``, ``agent`` or ``serve``."""
-        return to_argv(self)
+        """The same link as command-line flags of ``edgepath slot-server``, ``agent`` or ``serve`` (the peer secret's
+        options left out: a child started with these finds the secret where its parent did, or is given it)."""
+        argv, out = iter(to_argv(self)), []
+        for arg in argv:
+            if arg.startswith("--peer-secret"):
+                next(argv)
+            else:
+                out.append(arg)
+        return out
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgepath.builder import build_agent, build_slot_server, data_path_transport
+from edgepath.builder import build_agent, build_slot_server, data_path_keys, data_path_transport
 from edgepath.config import AgentSettings, Capacity, DemoSettings, SlotServerSettings
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import Status, lib
+from edgepath.peer_secret import fresh_keys, secret_given
 from edgepath.runtime import runtime_dir
 
 STAGES = ("claim", "write_to_ready", "handler", "result_back", "total")
@@ -62,6 +63,9 @@ def run_demo(settings: DemoSettings, memory: str = "host") -> DemoReport:
     address = settings.slot_server_listen or str(runtime_dir() / f"demo-{time.monotonic_ns()}.sock")
     capacity = Capacity(tokens, tokens)
     agent_settings = AgentSettings(frames=max(concurrency, 1))
+    # the slot server and the agent are this process's own: a secret made now, unless one was given
+    given = secret_given(data_path.peer_secret_file)
+    keys = data_path_keys(data_path) if given else fresh_keys("the demo's own peer secret")
     server = build_slot_server(
         SlotServerSettings(
             listen=address,
@@ -71,11 +75,12 @@ def run_demo(settings: DemoSettings, memory: str = "host") -> DemoReport:
             spin=spin,
             hang_timeout=agent_settings.hang_timeout,
             data_path=data_path,
-        )
+        ),
+        keys,
     )
     worker = threading.Thread(target=server.serve, name="slot-server", daemon=True)
     worker.start()
-    agent_transport = data_path_transport(data_path, agent_settings.hang_timeout)
+    agent_transport = data_path_transport(data_path, agent_settings.hang_timeout, keys)
     try:
         agent = build_agent(agent_settings, capacity, agent_transport, (address,))
         link = agent.links[0]

@@ -42,6 +42,7 @@ from edgepath.builder import (
     start_edge,
     watch_started_slot_server,
     with_one_certificate,
+    with_peer_secret,
     worker_argv,
 )
 from edgepath.config import ServeOptions
@@ -56,6 +57,15 @@ log = logging.getLogger("edgepath.serve")
 async def run(options: ServeOptions, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when ``stop`` is None); :class:`GaveUp` when a
     started child (the slot server, or an edge worker) keeps dying."""
+    options, own_secret = with_peer_secret(options)  # a fresh one, when serve starts every peer it talks to
+    try:
+        await _run(options, ready, stop)
+    finally:
+        if own_secret is not None:
+            own_secret.unlink(missing_ok=True)
+
+
+async def _run(options: ServeOptions, ready: asyncio.Event | None, stop: asyncio.Event | None) -> None:
     loop = asyncio.get_running_loop()
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     plan = plan_serve(options)  # every choice checked before anything starts

@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <rdma/rdma_cma.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -87,6 +88,29 @@ int ep_v_cm_id_check(uintptr_t id, uintptr_t channel)
 int ep_v_cm_migrate(uintptr_t id, uintptr_t channel)
 {
     return rdma_migrate_id((struct rdma_cm_id *)id, (struct rdma_event_channel *)channel) ? -errno : 0;
+}
+
+int ep_v_cm_peer(uintptr_t id, char *out, int length)
+{
+    struct sockaddr *sa = rdma_get_peer_addr((struct rdma_cm_id *)id);
+    const void *addr;
+    int port;
+    char host[INET6_ADDRSTRLEN];
+
+    if (!sa || length < 1)
+        return -1;
+    if (sa->sa_family == AF_INET) {
+        addr = &((struct sockaddr_in *)sa)->sin_addr;
+        port = ntohs(((struct sockaddr_in *)sa)->sin_port);
+    } else if (sa->sa_family == AF_INET6) {
+        addr = &((struct sockaddr_in6 *)sa)->sin6_addr;
+        port = ntohs(((struct sockaddr_in6 *)sa)->sin6_port);
+    } else {
+        return -1;
+    }
+    if (!inet_ntop(sa->sa_family, addr, host, sizeof host))
+        return -1;
+    return snprintf(out, (size_t)length, "%s:%d", host, port) < length ? 0 : -1;
 }
 
 /* ---- synchronous one-sided operations ------------------------------------ */

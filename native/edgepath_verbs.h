@@ -37,6 +37,8 @@ int ep_v_cm_channel_fd(uintptr_t channel);
 int ep_v_cm_id_check(uintptr_t id, uintptr_t channel);
 /* Move a connection's rdma_cm id to its own event channel (pyverbs has no rdma_migrate_id). */
 int ep_v_cm_migrate(uintptr_t id, uintptr_t channel);
+/* The peer's address of a connection's rdma_cm id as "IP:PORT" (0), or -1: for a refusal's log line. */
+int ep_v_cm_peer(uintptr_t id, char *out, int length);
 
 /* One signaled WRITE / WRITE_WITH_IMM / READ, then wait for its completion on scq. */
 int ep_v_post_wait(uintptr_t qp, uintptr_t scq, int op, uint64_t laddr, uint32_t lkey, uint32_t length,

@@ -78,6 +78,7 @@ class ServerStats:
     deadline_exceeded: int = 0  # handlers answered HANDLER_ERROR at their deadline
     quarantined: int = 0  # slots held (DONE) until their handler lets go of them
     connections: int = 0
+    peers_refused: int = 0  # peers that did not prove they hold the peer secret, or were not admitted (each logged)
     cancelled: int = 0  # running slots stopped by their requester
     cancels_ignored: int = 0  # cancels for a slot that had already finished, or not the claimer's
     reclaimed: int = 0  # running slots taken back for a tenant under its slot floor and handed to its agent
@@ -211,6 +212,7 @@ class SlotServer:
     def _reap_gone(self) -> None:
         """Drop peers whose connection ended: their CLAIMED slots are reclaimed at once and their
         running slots are cancelled (nobody is left to read the output)."""
+        self.stats.peers_refused = self.connections.refusals
         gone = self.connections.gone()
         with self._lock:
             peers = [self.peers.pop(cid) for cid in gone if cid in self.peers]

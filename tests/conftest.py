@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,12 @@ from edgepath.builder import data_path_transport
 from edgepath.children import Child
 from edgepath.config import DataPath
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
+from edgepath.peer_secret import PEER_SECRET_ENV
 from edgepath.transports.base import Transport
+
+# Every process a test starts, and every transport it makes through the builder, proves it holds this run's peer
+# secret (docs/DATAPATH.md, "Peers prove they belong"): one made per run, inherited by the processes started.
+os.environ.setdefault(PEER_SECRET_ENV, secrets.token_hex(32))
 
 _ports = itertools.count(int(os.environ.get("EDGEPATH_TEST_PORT_BASE", "20000")))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgepath.handlers import BUILTIN, load_handler
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import BatchHandler, HandlerConfig, HandlerError
 from edgepath.transports.loopback import LoopbackTransport
 from edgepath.transports.registry import TRANSPORTS, make_transport
@@ -37,10 +38,10 @@ def test_the_builtin_handlers_are_named_and_each_builds() -> None:
 
 def test_transports_by_name_and_a_clear_error_for_any_other() -> None:
     assert TRANSPORTS == ("loopback", "verbs")
-    transport = make_transport("loopback")
+    transport = make_transport("loopback", peer_keys(None))
     try:
         assert isinstance(transport, LoopbackTransport)
     finally:
         transport.close()
     with pytest.raises(ValueError, match="unknown transport 'rdma': choose one of loopback, verbs"):
-        make_transport("rdma")
+        make_transport("rdma", peer_keys(None))

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from edgepath.transports.peer_auth import PeerKeys
 
 #: seconds of a still heartbeat after which agents call a slot server unresponsive (``--hang-timeout``): about
 #: 30x the longest silence the llama handler left here, beating from inside its steps (docs/DATAPATH.md).  Here
@@ -263,15 +267,44 @@ class CompletionQueue(abc.ABC):
 Admit = Callable[["Connection"], dict[str, Any]]
 
 
-class Listener(abc.ABC):
-    address: str
+class Incoming(abc.ABC):
+    """A peer that knocked on a listener and has not been set up yet: taken at once (:meth:`Listener.incoming`),
+    set up -- the peer-secret handshake (:mod:`edgepath.transports.peer_auth`), then the exchange of exports --
+    by :meth:`complete`, which may take a while and so may run on a thread of its own."""
+
+    #: who knocked, for a log line (a process id on loopback, an address on verbs)
+    peer: str
 
     @abc.abstractmethod
+    def complete(self, admit: Admit | None, deadline: float) -> Connection:
+        """The handshake, then ``admit(conn)`` on the fully set-up connection *before* the peer is told it is
+        accepted (so the peer can never use a connection this side has not yet registered; it returns
+        per-connection private data for the reply, as rdma_accept's private data does; ValueError from it refuses
+        the peer), then the reply with this side's exports.  Nothing of this side is described to the peer before
+        it has proved it holds the peer secret.  Raises :class:`~edgepath.transports.peer_auth.PeerRefused` when
+        the peer fails the handshake or does not finish it by ``deadline`` (``time.monotonic()``),
+        TransportError or ValueError when setup fails otherwise; the peer is then let go of."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Let go of the peer without setting it up."""
+
+
+class Listener(abc.ABC):
+    address: str
+    #: seconds a peer has to finish the handshake (:meth:`accept`; a connection manager uses it for each peer)
+    handshake_timeout: float
+
+    @abc.abstractmethod
+    def incoming(self, timeout: float | None = None) -> Incoming | None:
+        """The next peer that knocked (None after ``timeout`` seconds): quick, nothing set up yet."""
+
     def accept(self, timeout: float | None = None, admit: Admit | None = None) -> Connection | None:
-        """Accept one connection. ``admit(conn)`` runs on the fully set-up connection *before* the
-        peer is told it is accepted, so the peer can never use a connection this side has not yet
-        registered; it returns per-connection private data for the reply (as rdma_accept's private
-        data does), and raising ValueError from it refuses the peer."""
+        """Accept one connection: :meth:`incoming`, then :meth:`Incoming.complete` within the handshake timeout."""
+        pending = self.incoming(timeout)
+        if pending is None:
+            return None
+        return pending.complete(admit, time.monotonic() + self.handshake_timeout)
 
     @abc.abstractmethod
     def fileno(self) -> int:
@@ -283,10 +316,13 @@ class Listener(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """One endpoint: its registered memory, its completion queue, its connections."""
+    """One endpoint: its registered memory, its completion queue, its connections; ``keys`` (a
+    :class:`~edgepath.transports.peer_auth.PeerKeys`): the peer secrets its peers must prove they hold, and which it
+    proves it holds to them."""
 
     name: str
     cq: CompletionQueue
+    keys: PeerKeys
 
     @abc.abstractmethod
     def register(self, name: str, length: int, access: Access, buffer: np.ndarray | None = None) -> MemoryRegion:

@@ -4,10 +4,19 @@ Registered memory is a ``memfd`` mapped by both sides; remote CAS is a C11 atomi
 on the shared word; WRITE is one ``memcpy`` into the peer's mapping (the DMA a
 NIC would do); WRITE_WITH_IMM additionally posts to the peer's completion queue,
 a shared-memory MPSC ring with an eventfd for sleeping consumers.  Connection
-management (the rdma_cm role) is a Unix ``SOCK_SEQPACKET`` socket: each side
-sends the descriptors of the regions it exports, and nothing else, so a peer can
-only ever touch exported memory, with the access it was granted.  The socket
-stays open; its EOF is the disconnect event.
+management (the rdma_cm role) is a Unix ``SOCK_SEQPACKET`` socket: first the
+peer-secret handshake (:mod:`edgepath.transports.peer_auth`: opening, answer,
+proof), then each side sends the descriptors of the regions it exports, and
+nothing else -- the connector with its proof, once the listener proved itself;
+the listener once the connector's proof checked out.  The socket stays open;
+its EOF is the disconnect event.
+
+Every memfd is sealed at its size (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``),
+and a peer's descriptors are mapped only when sealed against shrinking and as
+long as their regions say: a peer cannot truncate memory this side writes into
+and make it fault (SIGBUS).  A peer holds the whole memfd it was given, so on
+one machine access is enforced by the verbs' checks in this process, not by the
+kernel (docs/DATAPATH.md, "Who may touch what").
 
 Caller-owned memory (``register(..., buffer=)``) is registered in place.  It can
 be exported only when it lies inside memory this process got from a loopback
@@ -18,11 +27,14 @@ memory has no descriptor a peer could map, so exporting it is refused.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import mmap
 import os
 import socket
+import struct
+import time
 import weakref
 from typing import Any
 
@@ -35,6 +47,7 @@ from edgepath.transports.base import (
     Completion,
     CompletionQueue,
     Connection,
+    Incoming,
     Listener,
     MemoryRegion,
     RemoteRegion,
@@ -43,12 +56,51 @@ from edgepath.transports.base import (
     TransportError,
     check_buffer,
 )
+from edgepath.transports.peer_auth import (
+    HANDSHAKE_TIMEOUT,
+    MALFORMED,
+    NO_HANDSHAKE,
+    TIMED_OUT,
+    ConnectorHandshake,
+    ListenerHandshake,
+    PeerKeys,
+    PeerRefused,
+)
 
-PROTOCOL_VERSION = 1
+#: 2: the peer-secret handshake before any descriptor is sent (1 sent them at once)
+PROTOCOL_VERSION = 2
+#: what every memfd here is sealed with once sized: it can neither shrink nor grow, and no seal can be taken off
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 DEFAULT_CQ_CAPACITY = 1 << 14
 _MAX_MESSAGE = 1 << 16
 _MAX_FDS = 64
 # Plain ints for the per-operation access checks (IntFlag arithmetic costs microseconds).
+
+
+def sealed_memfd(name: str, length: int) -> int:
+    """A memfd of ``length`` bytes sealed at that size (:data:`SEALS`)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, length)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_peer_memory(fd: int, end: int, what: str) -> None:
+    """Refuse a peer's descriptor that could shrink under this side's mapping (a write there would fault: SIGBUS):
+    it must be a memfd sealed against shrinking, at least ``end`` bytes long."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise TransportError(f"the peer's {what} is not a memfd sealed against shrinking (F_SEAL_SHRINK)")
+    size = os.fstat(fd).st_size
+    if size < end:
+        raise TransportError(f"the peer's {what} holds {size} bytes, fewer than the {end} it describes")
 
 
 class _Mapping:
@@ -77,9 +129,8 @@ class LoopbackRegion(MemoryRegion):
 
     @classmethod
     def allocate(cls, name: str, length: int, access: Access) -> LoopbackRegion:
-        """Fresh shared memory: a memfd of ``length`` bytes, mapped here."""
-        fd = os.memfd_create(f"edgepath-{name}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, length)
+        """Fresh shared memory: a memfd of ``length`` bytes, sealed at that size, mapped here."""
+        fd = sealed_memfd(f"edgepath-{name}", length)
         mapping = _Mapping(fd, length)
         region = cls(name, mapping.array, access, fd)
         region._map = mapping
@@ -125,8 +176,7 @@ class LoopbackCQ(CompletionQueue):
     def __init__(self, capacity: int = DEFAULT_CQ_CAPACITY) -> None:
         self.capacity = capacity
         size = int(lib.ep_cq_size(capacity))
-        self.mem_fd = os.memfd_create("edgepath-cq", os.MFD_CLOEXEC)
-        os.ftruncate(self.mem_fd, size)
+        self.mem_fd = sealed_memfd("edgepath-cq", size)
         self._map = _Mapping(self.mem_fd, size)
         if lib.ep_cq_init(self._map.ptr, capacity) != lib.EP_OK:
             raise ValueError(f"CQ capacity must be a power of two, got {capacity}")
@@ -165,8 +215,15 @@ class _PeerCQ:
     """The peer's completion queue, mapped for posting."""
 
     def __init__(self, mem_fd: int, event_fd: int, capacity: int) -> None:
-        self._map = _Mapping(mem_fd, int(lib.ep_cq_size(capacity)))
-        os.close(mem_fd)
+        try:
+            size = int(lib.ep_cq_size(capacity))
+            check_peer_memory(mem_fd, size, "completion queue")
+            self._map = _Mapping(mem_fd, size)
+        except BaseException:
+            os.close(event_fd)
+            raise
+        finally:
+            os.close(mem_fd)
         self.ptr = self._map.ptr
         self.event_fd = event_fd
 
@@ -181,23 +238,56 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
     socket.send_fds(sock, [data], fds)
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _recv(sock: socket.socket, deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """The next setup message and the descriptors that came with it; by ``deadline`` (``time.monotonic()``) when
+    given, else within the socket's timeout.  A refusal from the peer is raised as :class:`PeerRefused`."""
+    if deadline is not None:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
     if not data:
-        for fd in fds:
-            os.close(fd)
+        _close_all(fds)
         raise TransportError("peer closed the connection during setup")
     try:
         message = json.loads(data)
+        if not isinstance(message, dict):
+            raise ValueError("not a JSON object")
     except ValueError as exc:
-        for fd in fds:
-            os.close(fd)
-        raise TransportError(f"malformed connection message: {exc}") from exc
+        _close_all(fds)
+        raise PeerRefused(MALFORMED, f"a connection message that is not JSON ({exc})") from exc
     if message.get("version") != PROTOCOL_VERSION:
-        for fd in fds:
-            os.close(fd)
-        raise TransportError(f"peer speaks loopback protocol {message.get('version')!r}, this side {PROTOCOL_VERSION}")
+        _close_all(fds)
+        raise PeerRefused(
+            NO_HANDSHAKE,
+            f"the peer speaks loopback protocol {message.get('version')!r}, this side {PROTOCOL_VERSION} "
+            "(which opens with the peer-secret handshake)",
+        )
+    if "refused" in message:
+        _close_all(fds)
+        raise PeerRefused(str(message.get("reason", "refused")), f"the peer refused: {message['refused']}")
     return message, fds
+
+
+def _field(message: dict[str, Any], key: str) -> bytes:
+    """A handshake message's field (hex) as bytes; :class:`PeerRefused` when it is missing or not hex."""
+    try:
+        return bytes.fromhex(message[key])
+    except (KeyError, TypeError, ValueError):
+        raise PeerRefused(
+            NO_HANDSHAKE if key == "opening" else MALFORMED, f"no {key!r} in the peer's message"
+        ) from None
+
+
+def _refuse(sock: socket.socket, refused: PeerRefused) -> None:
+    """Tell the peer why (best effort: it may be gone, or not reading)."""
+    with contextlib.suppress(OSError):
+        sock.settimeout(0.1)
+        data = json.dumps({"version": PROTOCOL_VERSION, "refused": str(refused), "reason": refused.reason})
+        sock.send(data.encode())
 
 
 class LoopbackConnection(Connection):
@@ -209,24 +299,45 @@ class LoopbackConnection(Connection):
         message: dict[str, Any],
         fds: list[int],
     ) -> None:
+        """Takes ``fds`` (the peer's CQ memfd and eventfd, then one per export): each is closed here, mapped or
+        not; a descriptor that is not sealed memory of the length described is refused (TransportError)."""
         self.transport = transport
         self.sock = sock
         self.conn_id = conn_id
-        self.peer_assigned_id = int(message["conn_id"])
-        self.peer_info = dict(message.get("info", {}))
         self.counters = TransferCounters()
-        self._tag = self.peer_assigned_id << 32
         self._alive = True
-        self._peer_cq = _PeerCQ(fds[0], fds[1], int(message["cq_capacity"]))
         self.remote: dict[str, RemoteRegion] = {}
         self._maps: list[_Mapping] = []
-        for desc, fd in zip(message["exports"], fds[2:], strict=True):
-            access = Access(int(desc["access"]))
-            writable = bool(access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
-            mapping = _Mapping(fd, int(desc["length"]), writable, int(desc.get("offset", 0)))
-            os.close(fd)
-            self._maps.append(mapping)
-            self.remote[desc["name"]] = RemoteRegion(desc["name"], int(desc["length"]), access, mapping)
+        left = list(fds)
+        try:
+            self.peer_assigned_id = int(message["conn_id"])
+            self.peer_info = dict(message.get("info", {}))
+            self._tag = self.peer_assigned_id << 32
+            exports = list(message["exports"])
+            if len(left) != 2 + len(exports):
+                raise TransportError(f"the peer sent {len(left)} descriptors for {len(exports)} exports")
+            mem_fd, event_fd = left.pop(0), left.pop(0)
+            self._peer_cq = _PeerCQ(mem_fd, event_fd, int(message["cq_capacity"]))
+            for desc in exports:
+                fd = left.pop(0)
+                try:
+                    name, length, offset = str(desc["name"]), int(desc["length"]), int(desc.get("offset", 0))
+                    if length <= 0 or offset < 0:
+                        raise TransportError(f"the peer's region {name!r}: length {length} at offset {offset}")
+                    check_peer_memory(fd, offset + length, f"region {name!r}")
+                    access = Access(int(desc["access"]))
+                    writable = bool(access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC))
+                    mapping = _Mapping(fd, length, writable, offset)
+                finally:
+                    os.close(fd)
+                self._maps.append(mapping)
+                self.remote[name] = RemoteRegion(name, length, access, mapping)
+        except (KeyError, TypeError, ValueError) as exc:
+            _close_all(left)
+            raise TransportError(f"malformed hello from the peer: {exc!r}") from exc
+        except BaseException:
+            _close_all(left)
+            raise
 
     # -- the verbs' primitives (checked by Connection) -------------------------------
     def _cas(self, remote: RemoteRegion, offset: int, expected: int, desired: int) -> int:
@@ -326,31 +437,17 @@ class LoopbackListener(Listener):
         self.sock.bind(address)
         self.sock.listen(64)
 
-    def accept(self, timeout: float | None = None, admit: Admit | None = None) -> LoopbackConnection | None:
+    @property
+    def handshake_timeout(self) -> float:  # type: ignore[override]
+        return self.transport.handshake_timeout
+
+    def incoming(self, timeout: float | None = None) -> LoopbackIncoming | None:
         self.sock.settimeout(timeout)
         try:
             sock, _ = self.sock.accept()
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             return None
-        sock.settimeout(5.0)
-        conn = None
-        try:
-            message, fds = _recv(sock)
-            conn = LoopbackConnection(self.transport, sock, self.transport._next_id(), message, fds)
-            info = dict(self._info)
-            if admit is not None:
-                info.update(admit(conn))
-            _send(
-                sock, self.transport._hello(conn.conn_id, self._exports, info), self.transport._hello_fds(self._exports)
-            )
-        except (OSError, TransportError, KeyError, ValueError):
-            if conn is not None:
-                conn.close()
-            sock.close()
-            raise
-        sock.settimeout(None)
-        self.transport._track(conn)
-        return conn
+        return LoopbackIncoming(self, sock)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -359,6 +456,70 @@ class LoopbackListener(Listener):
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.address)
+
+
+def _peer_process(sock: socket.socket) -> str:
+    """Who is at the other end of a Unix socket: its process and user (SO_PEERCRED)."""
+    try:
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return "a peer"
+    return f"pid {pid} (uid {uid})"
+
+
+class LoopbackIncoming(Incoming):
+    """A peer accepted on the socket, not set up yet."""
+
+    def __init__(self, listener: LoopbackListener, sock: socket.socket) -> None:
+        self.listener = listener
+        self.sock = sock
+        self.peer = _peer_process(sock)
+
+    def complete(self, admit: Admit | None, deadline: float) -> LoopbackConnection:
+        listener, transport, sock = self.listener, self.listener.transport, self.sock
+        conn = None
+        try:
+            try:
+                opening, fds = _recv(sock, deadline)
+                if fds:
+                    _close_all(fds)
+                    raise PeerRefused(MALFORMED, "descriptors sent before the handshake")
+                handshake = ListenerHandshake(transport.keys, time.monotonic())
+                answer = handshake.answer(_field(opening, "opening"))
+                _send(sock, {"version": PROTOCOL_VERSION, "answer": answer.hex()}, [])
+                message, fds = _recv(sock, deadline)
+                try:
+                    handshake.verify(_field(message, "proof"))
+                except PeerRefused:
+                    _close_all(fds)  # the unproved peer's descriptors, never mapped
+                    raise
+            except PeerRefused as refused:
+                _refuse(sock, refused)
+                raise
+            except TimeoutError as exc:
+                raise PeerRefused(TIMED_OUT, "nothing more from the peer within the handshake timeout") from exc
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            conn = LoopbackConnection(transport, sock, transport._next_id(), message, fds)
+            info = dict(listener._info)
+            if admit is not None:
+                try:
+                    info.update(admit(conn))
+                except ValueError as exc:
+                    _refuse(sock, PeerRefused("not admitted", str(exc)))
+                    raise
+            exports = listener._exports
+            _send(sock, transport._hello(conn.conn_id, exports, info), transport._hello_fds(exports))
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            sock.close()
+            raise
+        sock.settimeout(None)
+        transport._track(conn)
+        return conn
+
+    def abort(self) -> None:
+        self.sock.close()
 
 
 def _claim_path(address: str) -> None:
@@ -382,7 +543,13 @@ class LoopbackTransport(Transport):
 
     name = "loopback"
 
-    def __init__(self, cq_capacity: int = DEFAULT_CQ_CAPACITY) -> None:
+    def __init__(
+        self, keys: PeerKeys, cq_capacity: int = DEFAULT_CQ_CAPACITY, handshake_timeout: float = HANDSHAKE_TIMEOUT
+    ) -> None:
+        """``keys``: the peer secrets (:class:`~edgepath.transports.peer_auth.PeerKeys`) every peer must prove it
+        holds, and this side proves it holds; ``handshake_timeout``: seconds a peer has to finish proving it."""
+        self.keys = keys
+        self.handshake_timeout = handshake_timeout
         self.cq: LoopbackCQ = LoopbackCQ(cq_capacity)
         self._ids = itertools.count(1)
         self.connections: dict[int, LoopbackConnection] = {}
@@ -440,16 +607,26 @@ class LoopbackTransport(Transport):
             raise TransportError(f"cannot connect to {address}: {exc}") from exc
         conn_id = self._next_id()
         regions = _own(exports)
+        deadline = time.monotonic() + timeout
         try:
-            _send(sock, self._hello(conn_id, regions, info), self._hello_fds(regions))
-            message, fds = _recv(sock)
+            handshake = ConnectorHandshake(self.keys, time.monotonic())
+            _send(sock, {"version": PROTOCOL_VERSION, "opening": handshake.opening().hex()}, [])
+            answer, fds = _recv(sock, deadline)
+            _close_all(fds)  # nothing comes with the answer; whatever did is not mapped
+            proof = handshake.proof(_field(answer, "answer"))
+            hello = {**self._hello(conn_id, regions, info), "proof": proof.hex()}
+            _send(sock, hello, self._hello_fds(regions))
+            message, fds = _recv(sock, deadline)
+            conn = LoopbackConnection(self, sock, conn_id, message, fds)
+        except PeerRefused as exc:
+            sock.close()
+            raise PeerRefused(exc.reason, f"{address}: {exc}") from None
         except OSError as exc:  # a peer too slow to answer within the timeout, or gone meanwhile
             sock.close()
             raise TransportError(f"connection setup with {address} failed: {exc}") from exc
         except TransportError:
             sock.close()
             raise
-        conn = LoopbackConnection(self, sock, conn_id, message, fds)
         sock.settimeout(None)
         self._track(conn)
         return conn

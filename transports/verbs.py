@@ -44,6 +44,7 @@ from edgepath.transports.base import (
     TransportUnavailable,
     check_buffer,
 )
+from edgepath.transports.peer_auth import HANDSHAKE_TIMEOUT, PeerKeys
 from edgepath.transports.verbs_datapath import (
     VerbsConnection,
     VerbsCQ,
@@ -74,21 +75,26 @@ NO_DEVICE = (
 
 
 class VerbsTransport(Transport):
-    """An endpoint on one RDMA device (``device``, default the first); ``gid_index`` is checked
-    to exist (rdma_cm picks the GID from the IP address of each connection); ``hang_timeout``: the one
-    its peers are judged by, which bounds how long one operation waits (:func:`op_timeout_ns`)."""
+    """An endpoint on one RDMA device (``device``, default the first); ``keys``: the peer secrets every peer must
+    prove it holds (:mod:`edgepath.transports.peer_auth`); ``gid_index`` is checked to exist (rdma_cm picks the GID
+    from the IP address of each connection); ``hang_timeout``: the one its peers are judged by, which bounds how long
+    one operation waits (:func:`op_timeout_ns`); ``handshake_timeout``: seconds a peer has to finish proving it."""
 
     name = "verbs"
 
     def __init__(
         self,
+        keys: PeerKeys,
         device: str | None = None,
         gid_index: int | None = None,
         port: int = 1,
         recv_depth: int = 1024,
         cq_entries: int = 4096,
         hang_timeout: float = DEFAULT_HANG_TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
+        self.keys = keys
+        self.handshake_timeout = handshake_timeout
         self.op_timeout_ns = op_timeout_ns(hang_timeout)
         try:
             from pyverbs import device as d
@@ -140,7 +146,8 @@ class VerbsTransport(Transport):
         self.cq = VerbsCQ(self, recv_depth)
         self._regions: list[VerbsRegion] = []
         self._listeners: list[VerbsListener] = []
-        # Every QP lets the peer READ (it reads this side's hello at setup); MRs narrow it per region.
+        # What a QP lets its peer do once the peer has proved it holds the peer secret (before, nothing): READ (of
+        # a connector's hello) and what some registered region grants; MRs narrow it per region.
         self.qp_access = ibv_access(Access.REMOTE_READ)
 
     def next_id(self) -> int:

@@ -146,9 +146,12 @@ def cm_event_nowait(channel: Any) -> Any | None:
 
 class VerbsConnection(Connection):
     """One RC QP plus its rdma_cm id, event channel, send CQ and control region (CAS results, the
-    peer's hello).  ``hello`` is the region this side's hello is published in for the peer to READ."""
+    peer's hello).  ``hello``: a connector's hello region (its hello for the acceptor to READ, and the mailbox the
+    acceptor WRITEs its own into); an acceptor has none -- it writes from its control region."""
 
-    def __init__(self, transport: VerbsTransport, conn_id: int, cmid: Any, channel: Any, hello: VerbsRegion) -> None:
+    def __init__(
+        self, transport: VerbsTransport, conn_id: int, cmid: Any, channel: Any, hello: VerbsRegion | None
+    ) -> None:
         from pyverbs import enums as e
         from pyverbs.cq import CQ
         from pyverbs.qp import QP, QPCap, QPInitAttr
@@ -280,8 +283,9 @@ class VerbsConnection(Connection):
             with contextlib.suppress(Exception):
                 obj.close()
         for region in (self.ctl, self.hello):
-            with contextlib.suppress(Exception):
-                region.close()
+            if region is not None:
+                with contextlib.suppress(Exception):
+                    region.close()
         self.cmid = None
 
 

@@ -23,6 +23,7 @@ from edgepath.dpu.frame import write_request
 from edgepath.dpu.link_state import LinkState, Reason
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import Status
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import PacedEcho, echo
 from edgepath.slots.server import SlotServer
 from edgepath.transports.base import Access, TransportError
@@ -37,7 +38,7 @@ class Running:
 
     def __init__(self, address: str, slot_server: str, **options: Any) -> None:
         """``options``: more of :class:`Agent`'s keywords (``hang_timeout``)."""
-        self.transport = LoopbackTransport()
+        self.transport = LoopbackTransport(peer_keys(None))
         self.agent = Agent(
             self.transport,
             frames=FRAMES,
@@ -78,7 +79,7 @@ def clients() -> Iterator[Callable[[str], AgentClient]]:
     made: list[AgentClient] = []
 
     def connect(address: str) -> AgentClient:
-        client = AgentClient(address)
+        client = AgentClient(address, peer_keys(None))
         made.append(client)
         return client
 
@@ -135,7 +136,7 @@ def test_edges_get_ranges_of_their_own_and_give_them_back(
     ranges = sorted(edge.base for edge in running.service.edges.values())
     assert ranges == [0, PER_EDGE]
     with pytest.raises(TransportError):
-        AgentClient(running.service.address, timeout=2.0)
+        AgentClient(running.service.address, peer_keys(None), timeout=2.0)
     assert _refused(caplog, "no free frame range for another edge")
     first.close()
     assert eventually(lambda: len(running.service.edges) == 1, 10.0), "the range of an edge that went away stays taken"
@@ -148,7 +149,7 @@ def test_edges_get_ranges_of_their_own_and_give_them_back(
 def test_only_an_edge_may_connect_to_an_agent_process(serve, agent_process, caplog: pytest.LogCaptureFixture) -> None:
     server = serve(echo, slots=2, cap=CAP)
     running = agent_process(server.address)
-    stranger = LoopbackTransport()
+    stranger = LoopbackTransport(peer_keys(None))
     try:
         region = stranger.register(wire.COMPLETIONS_REGION, 8, Access.REMOTE_WRITE)
         with pytest.raises(TransportError):

@@ -12,6 +12,7 @@ from helpers.procs import slot_states
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.peer_secret import peer_keys
 
 pytestmark = [pytest.mark.transport, pytest.mark.slow]
 
@@ -52,7 +53,7 @@ def test_every_request_is_answered_exactly_once_and_every_slot_is_free_after(
         "--output-capacity",
         str(TOKENS),
     )
-    client = AgentClient(agent_addr)
+    client = AgentClient(agent_addr, peer_keys(None))
     rng = np.random.default_rng(1)
     payload = rng.integers(0, 131_072, size=(REQUESTS, TOKENS), dtype=np.int32)
     answers = np.zeros(REQUESTS, dtype=np.int64)

@@ -28,6 +28,7 @@ from edgepath.edge.lifecycle import DEFAULT_FORMATTERS
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import EdgeService
 from edgepath.native.abi import lib
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import SlotRequest, echo
 from edgepath.slots.server import SlotServer, SlotServerConfig
 from edgepath.transports.loopback import LoopbackTransport
@@ -203,7 +204,7 @@ def recording_server(tmp_path: Path) -> Iterator[tuple[SlotServer, list[Sampling
         return echo(request)
 
     config = SlotServerConfig(slots=2, input_capacity=CAP, output_capacity=CAP)
-    server = SlotServer(LoopbackTransport(), str(tmp_path / "slots.sock"), handler, config)
+    server = SlotServer(LoopbackTransport(peer_keys(None)), str(tmp_path / "slots.sock"), handler, config)
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     yield server, seen
@@ -216,7 +217,7 @@ def test_sampling_reaches_the_handler_from_both_apis(recording_server: tuple[Slo
     """The values of a ``/v1/generate`` and of a ``/v1/completions`` body are what the model side's handler is
     given, through the frame's request header and the slot's."""
     server, seen = recording_server
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     agent = Agent(transport, frames=2, input_capacity=CAP, output_capacity=CAP)
     agent.attach(server.address)
     tokenizer = CharTokenizer()

@@ -28,6 +28,7 @@ from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.text.tokenizer import INLINE_CHARS
 from edgepath.edge.turns import LARGE_BODY
 from edgepath.native.abi import lib
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import BatchHandler, PacedEcho, SlotRequest, echo
 from edgepath.slots.server import SlotServer, SlotServerConfig
 from edgepath.transports.loopback import LoopbackTransport
@@ -82,7 +83,7 @@ def start_server(tmp_path: Path, handler: object, stream_window: float = 0.0) ->
 
     address = str(tmp_path / "slots.sock")
     config = SlotServerConfig(slots=4, input_capacity=CAP, output_capacity=CAP, stream_window=stream_window)
-    server = SlotServer(LoopbackTransport(), address, handler, config)  # type: ignore[arg-type]
+    server = SlotServer(LoopbackTransport(peer_keys(None)), address, handler, config)  # type: ignore[arg-type]
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     yield Server(address, server, gate)
@@ -104,7 +105,7 @@ def paced_server(tmp_path: Path) -> Iterator[Server]:
 
 
 def new_service(srv: Server, tokenizer: CharTokenizer, frames: int, workers: int = 1, **options: float) -> EdgeService:
-    agent = Agent(LoopbackTransport(), frames=frames, input_capacity=CAP, output_capacity=CAP)
+    agent = Agent(LoopbackTransport(peer_keys(None)), frames=frames, input_capacity=CAP, output_capacity=CAP)
     agent.attach(srv.address)  # returns once the slot server has admitted the agent
     service = EdgeService(
         HttpCore(Limits(1 << 20, CAP, CAP, tokenizer.vocab_size)),

@@ -18,13 +18,14 @@ from edgepath.contract.wire import SlotWord, claim_word
 from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.base import Access
 from edgepath.transports.registry import make_transport
 
 
 def race_cas(cfg: dict) -> dict:
     """Claim/release slots by remote CAS; while owning one, mark and re-check an owner word."""
-    t = make_transport(cfg["transport"], **cfg["options"])
+    t = make_transport(cfg["transport"], peer_keys(None), **cfg["options"])
     local = t.register("local", 64, Access.NONE)
     conn = t.connect(cfg["address"], [], {})
     pool = conn.remote["pool"]
@@ -64,7 +65,7 @@ def race_cas(cfg: dict) -> dict:
 
 def drive_agent(cfg: dict) -> dict:
     """Unique tokens per request; every answer must echo exactly what this process sent."""
-    t = make_transport(cfg["transport"], **cfg["options"])
+    t = make_transport(cfg["transport"], peer_keys(None), **cfg["options"])
     agent = Agent(
         t,
         frames=cfg["window"],
@@ -108,7 +109,7 @@ def drive_agent(cfg: dict) -> dict:
 
 
 def stale(cfg: dict) -> None:
-    t = make_transport(cfg["transport"], **cfg["options"])
+    t = make_transport(cfg["transport"], peer_keys(None), **cfg["options"])
     agent = Agent(
         t,
         frames=1,

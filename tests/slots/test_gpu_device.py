@@ -26,6 +26,7 @@ from edgepath.dpu.agent import Agent
 from edgepath.dpu.frame import write_request
 from edgepath.dpu.port import Delivery
 from edgepath.native.abi import State, Status, ffi, lib
+from edgepath.peer_secret import peer_keys
 from edgepath.slots import gpu
 from edgepath.slots import server as slot_server
 from edgepath.slots.handlers import PacedEcho, echo
@@ -76,7 +77,7 @@ def serve(fake: FakeCupy, tmp_path: Path) -> Iterator[Callable[..., SlotServer]]
 
 @pytest.fixture
 def agent() -> Iterator[Agent]:
-    a = Agent(LoopbackTransport(), frames=4, input_capacity=CAP, output_capacity=CAP)
+    a = Agent(LoopbackTransport(peer_keys(None)), frames=4, input_capacity=CAP, output_capacity=CAP)
     yield a
     a.transport.close()
 
@@ -239,7 +240,7 @@ def test_device_slots_over_verbs_on_the_twin(
 
 def test_device_pool_is_refused_on_a_transport_without_register_device(fake: FakeCupy, tmp_path: Path) -> None:
     """Loopback agents cannot write GPU memory: refused before any GPU memory or listener is made."""
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     address = tmp_path / "s.sock"
     try:
         with pytest.raises(ValueError, match=r"--slots gpu-device: the loopback data path .* use --data-path verbs"):

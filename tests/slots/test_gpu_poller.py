@@ -23,6 +23,7 @@ from edgepath.contract.pool import SlotPool
 from edgepath.contract.wire import claim_word, doorbell_word, step
 from edgepath.dpu.agent import Agent
 from edgepath.native.abi import Event, State, Status, ffi, lib
+from edgepath.peer_secret import peer_keys
 from edgepath.slots import gpu
 from edgepath.slots.handlers import echo
 from edgepath.slots.pollers import GpuDoorbellPoller
@@ -72,7 +73,7 @@ class Mapped:
     """A pool in loopback (memfd) memory, mapped into the GPU, with the poller running over it."""
 
     def __init__(self, slots: int, tokens: int = 128, lease_ns: int = 10**9) -> None:
-        self.transport = LoopbackTransport()
+        self.transport = LoopbackTransport(peer_keys(None))
         dims = SlotPool.layout_for(slots, tokens, tokens)
         region = self.transport.register("pool", int(dims["total_size"]), Access.REMOTE_WRITE)
         self.pool = SlotPool.create(region.buf, slots, tokens, tokens, lease_ns, 1)
@@ -285,14 +286,14 @@ def test_dmabuf_export_of_device_memory(device: gpu.DeviceInfo) -> None:
 def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
     """--slots gpu end to end: agent (loopback) claims, writes, rings; the kernel hands over; echo; result."""
     server = SlotServer(
-        LoopbackTransport(),
+        LoopbackTransport(peer_keys(None)),
         str(tmp_path / "s.sock"),
         echo,
         SlotServerConfig(slots=4, input_capacity=64, output_capacity=64, memory="gpu"),
     )
     worker = threading.Thread(target=server.serve, daemon=True)
     worker.start()
-    agent = Agent(LoopbackTransport(), frames=4, input_capacity=64, output_capacity=64)
+    agent = Agent(LoopbackTransport(peer_keys(None)), frames=4, input_capacity=64, output_capacity=64)
     try:
         agent.attach(server.address)
         for i in range(300):
@@ -325,7 +326,7 @@ def test_slot_server_with_gpu_slots_echoes(backend: str, tmp_path: Any) -> None:
 def test_slot_server_gpu_lease_expiry(backend: str, tmp_path: Any) -> None:
     """A claim never rung is expired by the kernel on the host's request after the lease."""
     server = SlotServer(
-        LoopbackTransport(),
+        LoopbackTransport(peer_keys(None)),
         str(tmp_path / "s.sock"),
         echo,
         SlotServerConfig(slots=2, input_capacity=8, output_capacity=8, memory="gpu", lease=0.05, scan_interval=0.01),

@@ -16,6 +16,7 @@ import pytest
 from edgepath import cli
 from edgepath.config import DEFAULT_SLOTS, SlotServerSettings
 from edgepath.options import from_args
+from edgepath.peer_secret import peer_keys
 from edgepath.slots import gpu
 from edgepath.slots.server import SlotServerConfig
 
@@ -178,7 +179,7 @@ def test_slot_server_gpu_start_failure_leaves_no_listener(monkeypatch: pytest.Mo
     from edgepath.transports.loopback import LoopbackTransport
 
     monkeypatch.setitem(sys.modules, "cupy", None)
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     address = tmp_path / "s.sock"
     try:
         with pytest.raises(gpu.GpuUnavailable, match="cupy is not installed"):

@@ -41,6 +41,7 @@ from edgepath.children import Child, free_port
 from edgepath.dpu.agent_client import AgentClient
 from edgepath.dpu.frame import write_request
 from edgepath.native.abi import State, Status
+from edgepath.peer_secret import peer_keys
 from edgepath.transports import verbs_setup
 from edgepath.transports.base import Access, TransportError
 from edgepath.transports.registry import make_transport
@@ -186,7 +187,9 @@ def responder(wire: Wire, name: str, **options: Any) -> Iterator[Any]:
     receive queue drained); closed afterwards.  ``options`` go to the verbs transport (``hang_timeout``)."""
     address = f"{wire.slot.addr}:{next(_ports)}"
     wire.remote.call("responder", name=name, address=address)
-    client = make_transport("verbs", device=wire.agent.device, gid_index=wire.agent.gid_index, **options)
+    client = make_transport(
+        "verbs", peer_keys(None), device=wire.agent.device, gid_index=wire.agent.gid_index, **options
+    )
     try:
         local = client.register("local", 4096, Access.NONE)
         conn = client.connect(address, [], {}, timeout=60.0)
@@ -509,7 +512,7 @@ class Run:
 def drive(agent_addr: str, requests: int, fault: Callable[[], None] | None = None, budget: float = 240.0) -> Run:
     """``requests`` echo requests through the agent, ``WINDOW`` in flight; ``fault`` runs in a thread
     once a fifth of them were sent, so it hits requests in flight.  Bounded by ``budget`` seconds."""
-    client = AgentClient(agent_addr)
+    client = AgentClient(agent_addr, peer_keys(None))
     rng = np.random.default_rng(requests)
     payload = rng.integers(0, 131_072, size=(requests, TOKENS), dtype=np.int32)
     answers = np.zeros(requests, dtype=np.int64)

@@ -17,6 +17,7 @@ from edgepath.builder import build_hang_watch
 from edgepath.config import DataPath
 from edgepath.dpu.link_state import LinkHealth, LinkState, Reason
 from edgepath.hangwatch import HangWatch, read_counts
+from edgepath.peer_secret import peer_keys
 from edgepath.slots.handlers import echo
 from edgepath.slots.server import SlotServer, SlotServerConfig
 from edgepath.supervisor import Supervisor, hang_verdict
@@ -49,7 +50,9 @@ class Recorder:
 
 @pytest.fixture
 def frozen(tmp_path: Path) -> Iterator[SlotServer]:
-    server = SlotServer(LoopbackTransport(), str(tmp_path / "slots.sock"), echo, SlotServerConfig(slots=2))
+    server = SlotServer(
+        LoopbackTransport(peer_keys(None)), str(tmp_path / "slots.sock"), echo, SlotServerConfig(slots=2)
+    )
     server.start_connection_manager()  # agents attach; the loop never turns
     yield server
     server.close()

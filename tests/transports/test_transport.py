@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.base import Access, Connection, MemoryRegion, Transport, TransportError, TransportUnavailable
 from edgepath.transports.loopback import LoopbackTransport
 
@@ -280,7 +281,7 @@ def test_local_view_maps_the_peer_s_region_where_the_transport_can(
 def test_closing_a_loopback_endpoint_twice_is_harmless() -> None:
     """A second close must not close descriptors (the CQ's memfd and eventfd, the regions' memfds) that by
     then may belong to someone else."""
-    t = LoopbackTransport()
+    t = LoopbackTransport(peer_keys(None))
     t.register("r", 64, Access.NONE)
     t.close()
     reused = os.eventfd(0)  # likely the number the CQ's eventfd had

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.base import Access, Transport, TransportUnavailable
 from edgepath.transports.registry import make_transport
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.transport
 
 def test_verbs_without_the_device_fails_at_once_saying_what_to_use_instead() -> None:
     with pytest.raises(TransportUnavailable, match=r"no RDMA device found.*--data-path loopback"):
-        make_transport("verbs", device="nosuchdev0", gid_index=1)
+        make_transport("verbs", peer_keys(None), device="nosuchdev0", gid_index=1)
 
 
 def test_the_cli_refuses_verbs_without_the_device_and_names_the_alternative() -> None:
