@@ -149,7 +149,8 @@ class ConnectionManager:
         reason = exc.reason if isinstance(exc, PeerRefused) else NOT_ADMITTED
         with self._lock:
             self.refused[reason] += 1
-        log.warning("%s: %s refused (%s): %s", self.name, peer, reason, exc)
+        why = str(exc) if isinstance(exc, PeerRefused) else f"{reason}: {exc}"
+        log.warning("%s: %s refused: %s", self.name, peer, why)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting and watching, and close the listener (connections already accepted stay up)."""

@@ -69,6 +69,8 @@ from edgepath.transports.peer_auth import (
 
 #: 2: the peer-secret handshake before any descriptor is sent (1 sent them at once)
 PROTOCOL_VERSION = 2
+#: a refusal's reason: a peer's memory that could shrink under this side's mapping, or is shorter than described
+UNSEALED = "memory not sealed"
 #: what every memfd here is sealed with once sized: it can neither shrink nor grow, and no seal can be taken off
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 DEFAULT_CQ_CAPACITY = 1 << 14
@@ -97,10 +99,10 @@ def check_peer_memory(fd: int, end: int, what: str) -> None:
     except OSError:
         seals = 0
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise TransportError(f"the peer's {what} is not a memfd sealed against shrinking (F_SEAL_SHRINK)")
+        raise PeerRefused(UNSEALED, f"the peer's {what} is not a memfd sealed against shrinking (F_SEAL_SHRINK)")
     size = os.fstat(fd).st_size
     if size < end:
-        raise TransportError(f"the peer's {what} holds {size} bytes, fewer than the {end} it describes")
+        raise PeerRefused(UNSEALED, f"the peer's {what} holds {size} bytes, fewer than the {end} it describes")
 
 
 class _Mapping:
@@ -499,7 +501,11 @@ class LoopbackIncoming(Incoming):
             except TimeoutError as exc:
                 raise PeerRefused(TIMED_OUT, "nothing more from the peer within the handshake timeout") from exc
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            conn = LoopbackConnection(transport, sock, transport._next_id(), message, fds)
+            try:
+                conn = LoopbackConnection(transport, sock, transport._next_id(), message, fds)
+            except TransportError as exc:
+                _refuse(sock, exc if isinstance(exc, PeerRefused) else PeerRefused(MALFORMED, str(exc)))
+                raise
             info = dict(listener._info)
             if admit is not None:
                 try:

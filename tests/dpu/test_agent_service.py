@@ -28,6 +28,7 @@ from edgepath.slots.handlers import PacedEcho, echo
 from edgepath.slots.server import SlotServer
 from edgepath.transports.base import Access, TransportError
 from edgepath.transports.loopback import LoopbackTransport
+from edgepath.transports.peer_auth import UNKNOWN_SECRET, PeerKeys, PeerRefused
 
 CAP = 32
 FRAMES, PER_EDGE = 8, 4
@@ -158,6 +159,18 @@ def test_only_an_edge_may_connect_to_an_agent_process(serve, agent_process, capl
         assert running.service.edges == {}
     finally:
         stranger.close()
+
+
+def test_an_edge_without_the_peer_secret_is_refused_before_it_sees_a_frame(
+    serve, agent_process, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = serve(echo, slots=2, cap=CAP)
+    running = agent_process(server.address)
+    with pytest.raises(PeerRefused) as refused:
+        AgentClient(running.service.address, PeerKeys(b"x" * 32, "a stranger's"), timeout=2.0)
+    assert refused.value.reason == UNKNOWN_SECRET
+    assert _refused(caplog, UNKNOWN_SECRET)
+    assert running.service.edges == {} and running.service.connections.refused[UNKNOWN_SECRET] == 1
 
 
 def test_a_refusal_is_answered_through_the_frame(serve, agent_process, clients) -> None:

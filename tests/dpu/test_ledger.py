@@ -19,6 +19,8 @@ from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.tenancy.quota import MINUTE_NS, Quotas, Refused, Reservation, Unavailable
 from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.transports.base import Transport, TransportError
+from edgepath.transports.peer_auth import UNKNOWN_SECRET, PeerKeys, PeerRefused
+from edgepath.transports.registry import make_transport
 
 pytestmark = pytest.mark.transport
 
@@ -171,3 +173,30 @@ def test_a_home_started_from_the_words_another_kept_goes_on_from_what_was_spent(
     got = Quotas(RemoteLedger(new_transport(), home.address)).limits(GREEDY, now)
     assert isinstance(got, dict) and got["tokens"].remaining == 6000 - 2500
     home.close()
+
+
+def test_an_edge_without_the_peer_secret_is_refused_and_counted_and_one_with_it_counts_on(
+    new_transport: Callable[[], Transport],
+    new_address: Callable[[str], str],
+    transport_name: str,
+    transport_options: dict[str, Any],
+) -> None:
+    """The issue-50 attacker on the ledger (zero a bucket, fill every entry) must first prove it holds the secret."""
+    address = new_address("ledger")
+    home = LedgerHome(new_transport(), address)
+    stranger = make_transport(transport_name, PeerKeys(b"x" * 32, "a stranger's"), **transport_options)
+    try:
+        with pytest.raises(PeerRefused) as refused:
+            RemoteLedger(stranger, address, timeout=20.0)
+        assert refused.value.reason == UNKNOWN_SECRET
+        deadline = time.monotonic() + 10
+        while home.refused != 1:
+            assert time.monotonic() < deadline, "the refusal was not counted"
+            time.sleep(0.02)
+        assert home.edges == 0
+        quotas = Quotas(RemoteLedger(new_transport(), address))
+        assert isinstance(quotas.reserve(GREEDY, 100, time.time_ns()), Reservation)
+        assert home.edges == 1
+    finally:
+        stranger.close()
+        home.close()

@@ -31,8 +31,9 @@ from typing import Any
 import cffi
 import numpy as np
 
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.base import Access
-from edgepath.transports.loopback import LoopbackRegion, LoopbackTransport, _Mapping
+from edgepath.transports.loopback import LoopbackRegion, LoopbackTransport, _Mapping, sealed_memfd
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
@@ -184,8 +185,7 @@ class FakeCupy(types.ModuleType):
                 """'Device' memory: a memfd mapped here, touched only by the twin kernel, the copies and
                 the twin NIC (:class:`TwinNicTransport`, which hands the memfd to agents as a NIC
                 registration of device memory would let them write it)."""
-                fd = os.memfd_create("twin-device", os.MFD_CLOEXEC)
-                os.ftruncate(fd, nbytes)
+                fd = sealed_memfd("twin-device", nbytes)  # as every loopback region: agents map only sealed memory
                 mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
                 view = ffi.from_buffer(mm)
                 address = int(ffi.cast("uintptr_t", view))
@@ -287,7 +287,7 @@ class TwinNicTransport(LoopbackTransport):
     name = "twin-nic"
 
     def __init__(self, cupy: FakeCupy) -> None:
-        super().__init__()
+        super().__init__(peer_keys(None))
         self._cupy = cupy
 
     def register_device(self, name: str, memory: Any, access: Access) -> LoopbackRegion:
