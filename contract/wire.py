@@ -37,9 +37,39 @@ from edgepath.native.abi import POOL_HEADER, Event, State, Status, StepError, ff
 from edgepath.transports.base import Access
 
 # -- regions -------------------------------------------------------------------------------------
-#: a slot server's pool: header, state/doorbell/cancel words, slots
+#: A slot server's pool is exported as three regions over the one memory, each granting an agent only what it
+#: needs (docs/DATAPATH.md, "Who may touch what"): ``pool`` -- the header, the load region, the state words and the
+#: prefix table, what admission reads (READ); ``states`` -- the state words, what a claim swaps (ATOMIC); ``inbox``
+#: -- the doorbell, cancel and reclaim words and the slots, what claiming and submitting write (WRITE).  No agent
+#: can READ a slot: another's prompt or answer.
 POOL_REGION = "pool"
-POOL_ACCESS = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
+POOL_ACCESS = Access.REMOTE_READ
+STATES_REGION = "states"
+STATES_ACCESS = Access.REMOTE_ATOMIC
+INBOX_REGION = "inbox"
+INBOX_ACCESS = Access.REMOTE_WRITE
+
+
+@dataclass(frozen=True)
+class Export:
+    """A region a slot server exports: ``length`` bytes of its pool from byte ``start``, granting ``access``."""
+
+    name: str
+    start: int
+    length: int
+    access: Access
+
+
+def pool_exports(states_offset: int, slot_count: int, doorbells_offset: int, total_size: int) -> list[Export]:
+    """The regions a pool of this layout (its header's fields) is exported as: what the slot server registers and
+    what an agent checks it was given."""
+    return [
+        Export(POOL_REGION, 0, doorbells_offset, POOL_ACCESS),
+        Export(STATES_REGION, states_offset, 8 * slot_count, STATES_ACCESS),
+        Export(INBOX_REGION, doorbells_offset, total_size - doorbells_offset, INBOX_ACCESS),
+    ]
+
+
 #: an agent's request entries ``[request header][tokens]``: edges fill them, the agent sends from them
 REQUESTS_REGION = "requests"
 #: an agent's reply entries ``[result header][output]``: the one region a slot server may write

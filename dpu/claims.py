@@ -116,7 +116,7 @@ class Claims:
     def _try_claim(self, link: ServerLink, slot: int, tenant: int = 0) -> int | None:
         """CAS ``slot`` FREE -> CLAIMED (by this agent, for ``tenant``); the generation claimed, or None. Learns the
         word on failure."""
-        offset = link.states_offset + 8 * slot
+        offset = 8 * slot  # in the states region: the words alone
         words = link.words_ptr
         expected = int(words[slot])
         holder = wire.holder(link.claimant, tenant)
@@ -125,7 +125,7 @@ class Claims:
             if not desired:
                 return None
             link.stats.cas_attempts += 1
-            found = link.conn.compare_and_swap(link.pool, offset, expected, desired)
+            found = link.conn.compare_and_swap(link.states, offset, expected, desired)
             if found == expected:
                 words[slot] = desired
                 return wire.word_generation(desired)
@@ -189,7 +189,7 @@ class Claims:
         gen = wire.word_generation(claimed)
         freed = wire.step(claimed, wire.Event.EXPIRE, gen)
         try:
-            found = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, claimed, freed)
+            found = link.conn.compare_and_swap(link.states, 8 * slot, claimed, freed)
         except TransportError as exc:
             log.warning("could not give back slot %d of %s: %s (its lease frees it)", slot, link.address, exc)
             return
@@ -230,7 +230,7 @@ class Claims:
         link.conn.write_then_imm(
             self.frames_mr,
             frame_off,
-            link.pool,
+            link.inbox,
             link.slots_offset + slot * link.slot_stride,
             self.layout.request_bytes(wire.input_words(count, req.flags)),  # the prompt and its constraint
             frame_off + _DOORBELL_FIELD,

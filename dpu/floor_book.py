@@ -265,7 +265,7 @@ class FloorBook:
             self.link_set.refresh(link)
             found = int(link.words[slot])
             if wire.is_free(found) and wire.next_generation(wire.word_generation(found)) == gen:
-                swapped = link.conn.compare_and_swap(link.pool, link.states_offset + 8 * slot, found, word)
+                swapped = link.conn.compare_and_swap(link.states, 8 * slot, found, word)
                 link.stats.cas_attempts += 1
                 found = word if swapped == found else swapped
                 link.words_ptr[slot] = found

@@ -80,8 +80,8 @@ class ServerLink:
     slot_count: int
     input_capacity: int
     output_capacity: int
-    states_offset: int
-    doorbells_offset: int
+    states_offset: int  # in the pool (and its ``pool`` region); the words are the whole of ``states``
+    doorbells_offset: int  # this and the next three: in ``inbox``
     cancels_offset: int
     reclaims_offset: int
     slots_offset: int
@@ -89,7 +89,9 @@ class ServerLink:
     epoch: int
     words: np.ndarray  # cached state words (a registered local region, target of refresh READs)
     words_offset: int
-    pool: RemoteRegion
+    pool: RemoteRegion  # what the agent READs: the header, the load region, the state words, the prefix table
+    states: RemoteRegion  # what it swaps by CAS: the state words
+    inbox: RemoteRegion  # what it writes: doorbell, cancel and reclaim words, the slots
     beat: np.ndarray  # the heartbeat word as last read, in the same region, ``head`` bytes before the words
     loads: np.ndarray  # the load region as last read (with the heartbeat): one record of wire.LOAD_REGION
     tracker: LinkTracker
@@ -462,8 +464,8 @@ class LinkSet:
 
     def _verify(self, address: str, conn: Connection, position: int) -> ServerLink:
         pool = conn.remote.get(wire.POOL_REGION)
-        if pool is None or Access.REMOTE_ATOMIC not in pool.access or Access.REMOTE_WRITE not in pool.access:
-            raise AgentError(f"{address}: peer exports no writable, atomic {wire.POOL_REGION!r} region")
+        if pool is None or Access.REMOTE_READ not in pool.access:
+            raise AgentError(f"{address}: peer exports no readable {wire.POOL_REGION!r} region")
         hdr_off = self.scratch_mr.buf.nbytes - POOL_HEADER.itemsize
         conn.read(self.scratch_mr, hdr_off, pool, 0, POOL_HEADER.itemsize)
         header = self.scratch_mr.buf[hdr_off : hdr_off + POOL_HEADER.itemsize].view(POOL_HEADER)[0]
@@ -496,6 +498,17 @@ class LinkSet:
                 f"{address}: a prefix table of {entries} entries at byte {int(header['prefixes_offset'])}, not right "
                 f"after the state words; this agent reads at most {wire.PREFIX_ENTRIES_MAX} entries there"
             )
+        regions = {}
+        layout = (int(header["states_offset"]), n, int(header["doorbells_offset"]), int(header["total_size"]))
+        for export in wire.pool_exports(*layout):
+            region = conn.remote.get(export.name)
+            if region is None or export.access not in region.access or region.length != export.length:
+                raise AgentError(
+                    f"{address}: peer exports no {export.name!r} region of {export.length} bytes granting "
+                    f"{export.access.name} (pool geometry of ABI {ABI_VERSION})"
+                )
+            regions[export.name] = region
+        inbox = int(header["doorbells_offset"])  # where the inbox region starts in the pool
         table_offset = words_offset + gap
         at_drain = words_offset - head + wire.DRAINING_OFFSET - wire.HEARTBEAT_OFFSET
         now = self.clock()
@@ -506,15 +519,17 @@ class LinkSet:
             int(header["input_capacity"]),
             int(header["output_capacity"]),
             int(header["states_offset"]),
-            int(header["doorbells_offset"]),
-            int(header["cancels_offset"]),
-            int(header["reclaims_offset"]),
-            int(header["slots_offset"]),
+            0,
+            int(header["cancels_offset"]) - inbox,
+            int(header["reclaims_offset"]) - inbox,
+            int(header["slots_offset"]) - inbox,
             int(header["slot_stride"]),
             int(header["server_epoch"]),
             words,
             words_offset,
             pool,
+            regions[wire.STATES_REGION],
+            regions[wire.INBOX_REGION],
             beat,
             loads,
             LinkTracker(address, self.hang_timeout, now),
@@ -629,12 +644,12 @@ class LinkSet:
         return True
 
     def _signal(self, link: ServerLink, words_offset: int, slot: int, word: int, imm: int) -> bool:
-        """The one way an agent signals a slot: write ``word`` into the slot's entry of the pool's word array at
-        ``words_offset`` and ring it with ``imm`` (one WRITE_WITH_IMM, from the link set's scratch word); a failure
-        takes the link down."""
+        """The one way an agent signals a slot: write ``word`` into the slot's entry of the word array at
+        ``words_offset`` of the inbox region and ring it with ``imm`` (one WRITE_WITH_IMM, from the link set's
+        scratch word); a failure takes the link down."""
         self._signal_src[0] = word
         try:
-            link.conn.write_with_imm(self.scratch_mr, self._signal_off, link.pool, words_offset + 8 * slot, 8, imm)
+            link.conn.write_with_imm(self.scratch_mr, self._signal_off, link.inbox, words_offset + 8 * slot, 8, imm)
         except TransportError as exc:
             self.failed(link, exc)
             return False

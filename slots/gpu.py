@@ -618,9 +618,11 @@ class DeviceSlots:
         self.slot_offset(slot)
         self.store_word(self.mirror.states_offset + 8 * slot, word)
 
-    def register_for_rdma(self, pd: Any, access: int) -> tuple[Any, str]:
-        """Register the whole pool with the NIC (dma-buf, nvidia-peermem as the logged fallback)."""
-        return register_for_rdma(pd, self.address, self.nbytes, access, self.poller.device.index)
+    def register_for_rdma(self, pd: Any, access: int, offset: int = 0, length: int | None = None) -> tuple[Any, str]:
+        """Register ``length`` bytes of the pool (default: the rest) from byte ``offset`` with the NIC (dma-buf,
+        nvidia-peermem as the logged fallback): the whole of it for this side, each part agents are given apart."""
+        length = self.nbytes - offset if length is None else length
+        return register_for_rdma(pd, self.address + offset, length, access, self.poller.device.index)
 
 
 def dmabuf_export(address: int, length: int, device: int = 0) -> tuple[int, int, int]:

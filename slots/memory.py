@@ -23,7 +23,7 @@ from edgepath.slots.config import SLOT_MEMORY, SlotServerConfig
 from edgepath.slots.handlers import Heartbeat
 from edgepath.slots.owned import OwnedWords
 from edgepath.slots.pollers import DeviceDoorbellPoller, GpuDoorbellPoller, HostPoller, Poller
-from edgepath.transports.base import MemoryRegion, Transport
+from edgepath.transports.base import Access, MemoryRegion, Transport
 
 if TYPE_CHECKING:
     from edgepath.slots.gpu import DeviceInfo, DeviceSlots
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 class PoolMemory:
     """A slot pool registered with a transport, its host view and its doorbell poller."""
 
-    #: what agents are given (registered with the transport as :data:`~edgepath.contract.wire.POOL_REGION`)
+    #: the whole pool, registered for this side's own use (what results are sent from); no peer is given it
     region: MemoryRegion
+    #: what agents are given: the pool's parts each agent may touch, and how (:func:`~edgepath.contract.wire.pool_exports`)
+    exports: list[MemoryRegion]
     #: the host's view of the pool (for a device pool: its pinned mirror)
     pool: SlotPool
     poller: Poller
@@ -124,17 +126,32 @@ class PoolSpec:
         return SlotPool.create(buf, *dims, self.lease_ns, self.epoch, self.prefix_entries)
 
 
-def _host_pool(transport: Transport, spec: PoolSpec) -> tuple[MemoryRegion, SlotPool]:
+def exports_of(pool: SlotPool) -> list[wire.Export]:
+    """The regions ``pool`` is exported as (:func:`~edgepath.contract.wire.pool_exports`)."""
+    h = pool.header
+    return wire.pool_exports(
+        int(h["states_offset"]), int(h["slot_count"]), int(h["doorbells_offset"]), int(h["total_size"])
+    )
+
+
+def _host_pool(transport: Transport, spec: PoolSpec) -> tuple[MemoryRegion, SlotPool, list[MemoryRegion]]:
+    """The pool in memory the transport allocates (no peer access: this side sends results from it), and the
+    regions agents are given over that same memory."""
     dims = SlotPool.layout_for(spec.slots, spec.input_capacity, spec.output_capacity, spec.prefix_entries)
-    region = transport.register(wire.POOL_REGION, int(dims["total_size"]), wire.POOL_ACCESS)
-    return region, spec.create(region.buf)
+    region = transport.register("pool-memory", int(dims["total_size"]), Access.NONE)
+    pool = spec.create(region.buf)
+    exports = [
+        transport.register(e.name, e.length, e.access, buffer=region.buf[e.start : e.start + e.length])
+        for e in exports_of(pool)
+    ]
+    return region, pool, exports
 
 
 class HostMemory(PoolMemory):
     """The pool in host memory the transport allocates, polled by the CPU."""
 
     def __init__(self, transport: Transport, spec: PoolSpec) -> None:
-        self.region, self.pool = _host_pool(transport, spec)
+        self.region, self.pool, self.exports = _host_pool(transport, spec)
         super().__init__()
         self.poller = HostPoller(self.pool, self.owned)
 
@@ -145,7 +162,7 @@ class MappedMemory(PoolMemory):
     def __init__(self, transport: Transport, spec: PoolSpec) -> None:
         from edgepath.slots.gpu import start_mapped_poller
 
-        self.region, self.pool = _host_pool(transport, spec)
+        self.region, self.pool, self.exports = _host_pool(transport, spec)
         cuda = start_mapped_poller(self.region.buf, spec.slots, spec.device)
         self.poller = GpuDoorbellPoller(self.pool, cuda, spec.handoff_wait)
         super().__init__()
@@ -171,7 +188,10 @@ class DeviceMemory(PoolMemory):
         )
         try:
             _require_write_ordering(device_slots.poller.device)
-            self.region = register(wire.POOL_REGION, device_slots, wire.POOL_ACCESS)
+            self.region = register("pool-memory", device_slots, Access.NONE)
+            self.exports = [
+                register(e.name, device_slots, e.access, e.start, e.length) for e in exports_of(device_slots.mirror)
+            ]
         except BaseException:
             device_slots.close()
             raise
@@ -229,7 +249,8 @@ class DeviceMemory(PoolMemory):
         """Deregister the pool from the NIC before its memory is freed (a region's close may run again when
         the transport closes), then stop the poller and free the device memory."""
         try:
-            self.region.close()  # type: ignore[attr-defined]
+            for region in (*self.exports, self.region):
+                region.close()  # type: ignore[attr-defined]
         finally:
             self.device_slots.close()  # type: ignore[union-attr]
 

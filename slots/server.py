@@ -155,7 +155,7 @@ class SlotServer:
         self.stats = ServerStats()
         self._turned = time.monotonic()  # when the loop last ended a turn (poll_once)
         try:
-            self.listener = transport.listen(address, [self.pool_mr], self._pool_info())
+            self.listener = transport.listen(address, self.memory.exports, self._pool_info())
         except BaseException:
             self.memory.close()
             raise

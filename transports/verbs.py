@@ -183,15 +183,18 @@ class VerbsTransport(Transport):
         self._regions.append(region)
         return region
 
-    def register_device(self, name: str, memory: Any, access: Access) -> VerbsDeviceRegion:
-        """Register GPU memory for peers to access as ``access`` allows: ``memory`` is a
-        :class:`edgepath.slots.gpu.DeviceSlots`, whose ``register_for_rdma`` tries dma-buf first and
-        nvidia-peermem as the logged fallback (``RdmaRegistrationError`` naming both reasons)."""
+    def register_device(
+        self, name: str, memory: Any, access: Access, offset: int = 0, length: int | None = None
+    ) -> VerbsDeviceRegion:
+        """Register GPU memory -- ``length`` bytes (default: the rest) from byte ``offset`` -- for peers to access as
+        ``access`` allows: ``memory`` is a :class:`edgepath.slots.gpu.DeviceSlots`, whose ``register_for_rdma``
+        tries dma-buf first and nvidia-peermem as the logged fallback (``RdmaRegistrationError`` naming both)."""
+        length = int(memory.nbytes) - offset if length is None else length
         self.qp_access |= ibv_access(access)
-        mr, how = memory.register_for_rdma(self.pd, ibv_access(access))
+        mr, how = memory.register_for_rdma(self.pd, ibv_access(access), offset, length)
         # pyverbs' DmaBufMR registers with iova = its offset into the dma-buf; peermem, at the pointer.
-        addr = int(mr.offset) if how == "dma-buf" else int(memory.address)
-        region = VerbsDeviceRegion(name, int(memory.nbytes), access, mr, addr, how)
+        addr = int(mr.offset) if how == "dma-buf" else int(memory.address) + offset
+        region = VerbsDeviceRegion(name, length, access, mr, addr, how)
         self._regions.append(region)
         log.info("%s: %d bytes of GPU memory registered through %s", name, region.length, how)
         return region

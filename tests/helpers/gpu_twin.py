@@ -290,19 +290,23 @@ class TwinNicTransport(LoopbackTransport):
         super().__init__(peer_keys(None))
         self._cupy = cupy
 
-    def register_device(self, name: str, memory: Any, access: Access) -> LoopbackRegion:
+    def register_device(
+        self, name: str, memory: Any, access: Access, offset: int = 0, length: int | None = None
+    ) -> LoopbackRegion:
         fd, _mm, _view = self._cupy.device_blocks[memory.address]
-        region = _DeviceRegion(name, fd, int(memory.nbytes), access)
+        length = int(memory.nbytes) - offset if length is None else length
+        region = _DeviceRegion(name, fd, length, access, offset)
         self._regions.append(region)
         return region
 
 
 class _DeviceRegion(LoopbackRegion):
-    """A loopback region over memory someone else allocated (the twin's device memfd)."""
+    """A loopback region over ``length`` bytes from ``offset`` of memory someone else allocated (the twin's device
+    memfd)."""
 
-    def __init__(self, name: str, fd: int, length: int, access: Access) -> None:
-        mapping = _Mapping(fd, length)
-        super().__init__(name, mapping.array, access, os.dup(fd))
+    def __init__(self, name: str, fd: int, length: int, access: Access, offset: int = 0) -> None:
+        mapping = _Mapping(fd, length, offset=offset)
+        super().__init__(name, mapping.array, access, os.dup(fd), offset)
         self._map = mapping
 
 

@@ -52,8 +52,8 @@ def test_doorbell_for_a_slot_never_claimed_is_ignored(new_transport, make_server
     rogue = new_transport()
     scratch = rogue.register("replies", 4096, Access.REMOTE_WRITE)
     conn = rogue.connect(server.address, [scratch], {"frames": 1, "input_capacity": CAP, "output_capacity": CAP})
-    pool = conn.remote["pool"]
-    conn.write_with_imm(scratch, 0, pool, int(conn.peer_info["doorbells_offset"]), 8, (1 << 16) | 0)
+    inbox = conn.remote["inbox"]  # from the doorbell words on
+    conn.write_with_imm(scratch, 0, inbox, 0, 8, (1 << 16) | 0)
     before = server.pool.states.copy()
     assert serve_once(server) == 0
     assert server.stats.rejected_doorbells == 1
@@ -121,11 +121,10 @@ def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_n
     layout = server.pool.layout
     replies = rogue.register("replies", layout.stride, Access.REMOTE_WRITE)
     conn = rogue.connect(server.address, [replies], {"frames": 1, "input_capacity": CAP, "output_capacity": CAP})
-    pool, info = conn.remote["pool"], conn.peer_info
+    states, inbox, info = conn.remote["states"], conn.remote["inbox"], conn.peer_info
     scratch = rogue.register("scratch", layout.stride, Access.NONE)
-    states = int(info["states_offset"])
     want = claim_word(0, conn.peer_assigned_id)
-    assert conn.compare_and_swap(pool, states, 0, want) == 0
+    assert conn.compare_and_swap(states, 0, 0, want) == 0
     frame = FrameArray(scratch.buf, 0, 1, layout)
     req = frame.requests[0]
     req["token_count"] = CAP + 1000  # a lie: the slot holds CAP tokens
@@ -133,15 +132,9 @@ def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_n
     req["reply_index"] = 0
     req["doorbell"] = doorbell_word(0, want >> 32)
     neighbour = server.pool.slots.raw[1].copy()
-    conn.write(scratch, 0, pool, int(info["slots_offset"]), REQUEST_HEADER.itemsize)
-    conn.write_with_imm(
-        scratch,
-        REQUEST_HEADER.fields["doorbell"][1],
-        pool,
-        int(info["doorbells_offset"]),
-        8,
-        doorbell_imm(0, want >> 32),
-    )
+    in_inbox = int(info["doorbells_offset"])  # where the inbox starts in the pool
+    conn.write(scratch, 0, inbox, int(info["slots_offset"]) - in_inbox, REQUEST_HEADER.itemsize)
+    conn.write_with_imm(scratch, REQUEST_HEADER.fields["doorbell"][1], inbox, 0, 8, doorbell_imm(0, want >> 32))
     assert serve_once(server) == 1
     assert rogue.cq.wait(5.0)
     answer = replies.buf[: RESULT_HEADER.itemsize].view(RESULT_HEADER)[0]  # replies: [result][output]
@@ -149,7 +142,40 @@ def test_a_frame_that_lies_about_its_size_is_refused_by_the_server_and_touches_n
     assert server.stats.bad_requests == 1 and server.pool.free_count() == 2
     assert np.array_equal(server.pool.slots.raw[1], neighbour)
     with pytest.raises(TransportError, match="outside remote region"):  # and nothing past the pool at all
-        conn.write(scratch, 0, pool, pool.length - 8, 64)
+        conn.write(scratch, 0, inbox, inbox.length - 8, 64)
+
+
+def test_least_privilege_an_agent_reads_what_admission_needs_and_no_slot(
+    agent: Agent, make_server, transport_name: str
+) -> None:
+    """What a slot server gives an agent -- one with the peer secret -- is three parts of its pool: ``pool``, what
+    admission READs (header, load region, state words, prefix table); ``states``, the words a claim swaps
+    (ATOMIC); ``inbox``, what claiming and submitting write (doorbells, cancels, reclaims, slots: WRITE).  Nothing
+    lets it READ a slot -- another tenant's prompt or answer.  Over verbs the NIC refuses such a READ itself (a
+    work request posted past the transport's own check fails with a remote access error)."""
+    server = make_server(slots=2)
+    link = agent.attach(server.address)
+    h = server.pool.header
+    remote = link.conn.remote
+    assert {name: (r.access, r.length) for name, r in remote.items()} == {
+        "pool": (Access.REMOTE_READ, int(h["doorbells_offset"])),
+        "states": (Access.REMOTE_ATOMIC, 8 * 2),
+        "inbox": (Access.REMOTE_WRITE, int(h["total_size"]) - int(h["doorbells_offset"])),
+    }
+    scratch, first_slot = agent.link_set.scratch_mr, int(h["slots_offset"]) - int(h["doorbells_offset"])
+    with pytest.raises(TransportError, match="does not grant REMOTE_READ"):
+        link.conn.read(scratch, 0, remote["inbox"], first_slot, 64)
+    with pytest.raises(TransportError, match="outside remote region 'pool'"):
+        link.conn.read(scratch, 0, remote["pool"], int(h["slots_offset"]), 64)
+    with pytest.raises(TransportError, match="does not grant REMOTE_WRITE"):
+        link.conn.write(scratch, 0, remote["states"], 0, 8)  # a state word changes by CAS alone
+    if transport_name == "verbs":
+        from edgepath.transports.verbs_shim import lib
+
+        addr, rkey = remote["inbox"].handle
+        post = link.conn.post_wait  # type: ignore[attr-defined]  # the verbs connection's own: no check of ours
+        with pytest.raises(TransportError, match="remote access error"):
+            post(lib.EP_V_READ, scratch.addr, scratch.lkey, 64, addr + first_slot, rkey, 0, "read a slot")
 
 
 def test_least_privilege_slot_servers_see_only_the_agents_replies(agent: Agent, make_server) -> None:

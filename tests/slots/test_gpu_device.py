@@ -287,36 +287,39 @@ def test_a_device_without_rdma_write_ordering_is_refused(
 
 def test_verbs_registers_device_memory_at_the_mrs_own_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dma-buf MR's address space starts at its iova (pyverbs: its offset into the dma-buf); an
-    nvidia-peermem MR's at the device pointer. Peers and local work requests must name those."""
+    nvidia-peermem MR's at the device pointer. Peers and local work requests must name those -- for the whole
+    pool (the server's own) and for each part agents are given (``offset``, ``length``)."""
     verbs = pytest.importorskip("edgepath.transports.verbs", reason="the verbs extension is not built here")
     from edgepath.transports import verbs_datapath
 
     monkeypatch.setattr(verbs, "ibv_access", lambda access: int(access) << 4)
     transport = object.__new__(verbs.VerbsTransport)
     transport.pd, transport.qp_access, transport._regions = "pd", 0, []
-    for how, addr in (("dma-buf", 0x40), ("nvidia-peermem", 0x7F00_0000_0000)):
+    for how, whole, part in (("dma-buf", 0x40, 0x40), ("nvidia-peermem", 0x7F00_0000_0000, 0x7F00_0000_0100)):
         mr = types.SimpleNamespace(lkey=11, rkey=22, offset=0x40)
-        seen: list[tuple[Any, int]] = []
+        seen: list[tuple[Any, int, int, int]] = []
 
-        def register(pd: Any, access: int, mr: Any = mr, how: str = how) -> tuple[Any, str]:
-            seen.append((pd, access))  # noqa: B023 (consumed in this iteration)
+        def register(pd: Any, access: int, offset: int, length: int, mr: Any = mr, how: str = how) -> tuple[Any, str]:
+            seen.append((pd, access, offset, length))  # noqa: B023 (consumed in this iteration)
             return mr, how
 
         memory = types.SimpleNamespace(address=0x7F00_0000_0000, nbytes=4096, register_for_rdma=register)
         region = transport.register_device("pool", memory, wire.POOL_ACCESS)
-        assert seen == [("pd", int(wire.POOL_ACCESS) << 4)]
+        states = transport.register_device("states", memory, wire.STATES_ACCESS, 0x100, 64)
+        assert seen == [("pd", int(wire.POOL_ACCESS) << 4, 0, 4096), ("pd", int(wire.STATES_ACCESS) << 4, 0x100, 64)]
         assert region.describe() == {
             "name": "pool",
             "length": 4096,
             "access": int(wire.POOL_ACCESS),
-            "addr": addr,
+            "addr": whole,
             "rkey": 22,
         }
-        assert verbs_datapath._local(region, 4000, 96) == (addr + 4000, 11)
+        assert (states.addr, states.length) == (part, 64)
+        assert verbs_datapath._local(region, 4000, 96) == (whole + 4000, 11)
         with pytest.raises(verbs_datapath.TransportError, match="outside region 'pool' of 4096 bytes"):
             verbs_datapath._local(region, 4000, 97)
         assert region.buf.nbytes == 0  # the host has no view of device memory
-    assert len(transport._regions) == 2
+    assert len(transport._regions) == 4
 
 
 # -- placement: the command line and the configuration -------------------------------------------------

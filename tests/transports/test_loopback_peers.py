@@ -82,9 +82,9 @@ def test_a_peer_with_the_secret_gets_memory_it_cannot_shrink(slot_server: SlotSe
     desc = {"name": "replies", "length": REPLIES, "access": int(Access.REMOTE_WRITE), "offset": 0}
     answer, fds = handshake(slot_server.address, PeerKeys(SECRET), CQ_BYTES, [(desc, replies)], AGENT)
     try:
-        assert [export["name"] for export in answer["exports"]] == ["pool"]
-        assert len(fds) == 3  # the listener's CQ memfd, its eventfd, the pool
-        for fd in (fds[0], fds[2]):  # the memfds
+        assert [export["name"] for export in answer["exports"]] == ["pool", "states", "inbox"]
+        assert len(fds) == 5  # the listener's CQ memfd, its eventfd, the pool's three parts
+        for fd in (fds[0], *fds[2:]):  # the memfds
             assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
             size = os.fstat(fd).st_size
             for length in (0, size - 1, size + 4096):  # shrinking would make the server's own writes fault
