@@ -34,7 +34,7 @@ class PoolMemory:
 
     #: the whole pool, registered for this side's own use (what results are sent from); no peer is given it
     region: MemoryRegion
-    #: what agents are given: the pool's parts each agent may touch, and how (:func:`~edgepath.contract.wire.pool_exports`)
+    #: what agents are given: the parts of the pool an agent may touch, and how (:func:`wire.pool_exports`)
     exports: list[MemoryRegion]
     #: the host's view of the pool (for a device pool: its pinned mirror)
     pool: SlotPool
