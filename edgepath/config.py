@@ -66,7 +66,7 @@ from edgepath.options import (
     to_argv,
 )
 from edgepath.peer_secret import DEFAULT_GRACE as DEFAULT_PEER_SECRET_GRACE
-from edgepath.peer_secret import PEER_SECRET_ENV
+from edgepath.peer_secret import PEER_SECRET_ENV, PEER_SECRET_FILE_ENV
 from edgepath.runtime import default_address
 from edgepath.slots.config import SLOT_MEMORY as SLOT_MEMORY  # re-exported: the commands' choices
 from edgepath.slots.config import SlotServerConfig
@@ -97,9 +97,10 @@ class DataPath:
         type=readable_file,
         metavar="FILE",
         help="the peer secret (at least 32 bytes; a Kubernetes Secret mounted as a file): every slot server, agent "
-        f"and edge that connect to each other prove they hold it before any memory is shared; default: "
-        f"${PEER_SECRET_ENV}; serve makes one for the children it starts when given neither; the file is read "
-        "again every second, and a new secret replaces the old one (accepted --peer-secret-grace more)",
+        "and edge that connect to each other prove they hold it before any memory is shared; default: the file "
+        f"${PEER_SECRET_FILE_ENV} names, else ${PEER_SECRET_ENV} itself; serve makes one for the children it "
+        "starts when given none; the file is read again every second, and a new secret replaces the old one (the "
+        "old one accepted --peer-secret-grace more)",
     )
     peer_secret_grace: float = option(
         DEFAULT_PEER_SECRET_GRACE,

@@ -3,7 +3,8 @@
 Every edgepath process that listens for peers or connects to them (slot servers, agents, edges reaching an agent
 process or a quota ledger, ``edgepath probe``) proves it holds the peer secret and asks its peers to prove the same
 (:mod:`edgepath.transports.peer_auth`).  The secret is read from ``--peer-secret-file FILE`` (a Kubernetes Secret
-mounted as a file, say), else from the environment variable :data:`PEER_SECRET_ENV`; its bytes are the secret (a
+mounted as a file, say) or the file :data:`PEER_SECRET_FILE_ENV` names, else from the environment variable
+:data:`PEER_SECRET_ENV`; its bytes are the secret (a
 trailing newline is not part of it), at least 32 of them.  ``edgepath serve`` makes a fresh one for the children it
 starts when it is given none (:func:`own_secret_file`).
 
@@ -22,13 +23,17 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from edgepath.transports.peer_auth import PeerKeys, check_secret
 
 log = logging.getLogger("edgepath.peer_secret")
 
-#: the environment variable that holds the peer secret when no file is given
+#: the environment variable that names the peer secret's file when ``--peer-secret-file`` is not given (so every
+#: command of a container -- its probes too -- finds the mounted Secret without a flag)
+PEER_SECRET_FILE_ENV = "EDGEPATH_PEER_SECRET_FILE"
+#: the environment variable that holds the peer secret itself when no file is named (read once: no rotation)
 PEER_SECRET_ENV = "EDGEPATH_PEER_SECRET"
 #: seconds between reads of a peer secret file (a changed secret is taken within this)
 POLL_INTERVAL = 1.0
@@ -55,11 +60,16 @@ _loaded: dict[tuple[str | None, str | None], PeerKeys] = {}
 _lock = threading.Lock()
 
 
-def peer_keys(secret_file: str | None, grace: float = DEFAULT_GRACE, environ: dict[str, str] | None = None) -> PeerKeys:
+def peer_keys(
+    secret_file: str | None, grace: float = DEFAULT_GRACE, environ: Mapping[str, str] | None = None
+) -> PeerKeys:
     """The process's peer keys from ``secret_file`` (watched for a new secret: see the module's docstring), else
-    from :data:`PEER_SECRET_ENV`; the same object for the same source, so a rotation reaches every endpoint of the
-    process.  :class:`PeerSecretMissing` when neither is given, ValueError when the secret cannot be used."""
-    env = (os.environ if environ is None else environ).get(PEER_SECRET_ENV)
+    from the file :data:`PEER_SECRET_FILE_ENV` names, else from :data:`PEER_SECRET_ENV`; the same object for the
+    same source, so a rotation reaches every endpoint of the process.  :class:`PeerSecretMissing` when none is
+    given, ValueError when the secret cannot be used."""
+    environ = os.environ if environ is None else environ
+    secret_file = secret_file or environ.get(PEER_SECRET_FILE_ENV) or None
+    env = environ.get(PEER_SECRET_ENV)
     source = (secret_file, None if secret_file else env)
     with _lock:
         keys = _loaded.get(source)
@@ -72,8 +82,9 @@ def peer_keys(secret_file: str | None, grace: float = DEFAULT_GRACE, environ: di
             keys = PeerKeys(env.encode(), f"${PEER_SECRET_ENV}")
         else:
             raise PeerSecretMissing(
-                f"no peer secret: give --peer-secret-file FILE or set {PEER_SECRET_ENV} -- the same on every slot "
-                f"server, agent and edge that connect to each other (make one with: {HOW_TO_MAKE})"
+                f"no peer secret: give --peer-secret-file FILE (or ${PEER_SECRET_FILE_ENV}) or set {PEER_SECRET_ENV} "
+                "-- the same on every slot server, agent and edge that connect to each other (make one with: "
+                f"{HOW_TO_MAKE})"
             )
         _loaded[source] = keys
         return keys
@@ -84,9 +95,10 @@ def fresh_keys(why: str) -> PeerKeys:
     return PeerKeys(secrets.token_hex(32).encode(), why)
 
 
-def secret_given(secret_file: str | None, environ: dict[str, str] | None = None) -> bool:
+def secret_given(secret_file: str | None, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a peer secret is given (a file, or the environment)."""
-    return secret_file is not None or bool((os.environ if environ is None else environ).get(PEER_SECRET_ENV))
+    environ = os.environ if environ is None else environ
+    return bool(secret_file or environ.get(PEER_SECRET_FILE_ENV) or environ.get(PEER_SECRET_ENV))
 
 
 def own_secret_file(path: Path) -> Path:

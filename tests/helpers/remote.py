@@ -105,6 +105,10 @@ class SlotHost:
     def op_stop(self, name: str) -> dict[str, Any]:
         return {"returncode": self._child(name).stop()}
 
+    def op_log(self, name: str) -> dict[str, Any]:
+        """The last lines ``name`` wrote on stderr (what it logged)."""
+        return {"stderr": self._child(name).stderr_tail()}
+
     def op_perftest(self, tool: str, args: list[str], timeout: float = 180.0) -> dict[str, Any]:
         """The server end of ``tool`` on this device, in the background (bounded by ``timeout``)."""
         if tool not in PERFTEST:

@@ -300,6 +300,50 @@ def test_an_operation_given_up_on_never_runs_when_the_wire_is_back(wire: Wire) -
     assert outcome["received"] == 0, f"the write given up on ran at the peer: {outcome}"
 
 
+# -- peers prove they belong, across the wire ------------------------------------------------------------
+
+
+def test_across_the_wire_a_peer_without_the_secret_is_refused_before_anything_is_described(wire: Wire) -> None:
+    """A slot server on the slot VM; from this VM: a connection request without the handshake (issue 50's attacker
+    over RDMA) and an agent with another secret are rejected at rdma_cm -- no QP of the slot server's ever granted
+    them anything, no region was described -- each logged there with who and why; an agent with the secret is
+    admitted and served."""
+    from helpers.rdma_cm import raw_connect
+
+    from edgepath.dpu.agent import Agent, AgentError
+    from edgepath.transports.peer_auth import NO_HANDSHAKE, UNKNOWN_SECRET, PeerKeys
+
+    address = f"{wire.slot.addr}:{next(_ports)}"
+    server = wire.slot_server("auth", address, "--slots", "2")
+    options = {"device": wire.agent.device, "gid_index": wire.agent.gid_index}
+    try:
+        event, reply = raw_connect(address, b"EPv1" + bytes(20))
+        assert event == "RDMA_CM_EVENT_REJECTED" and NO_HANDSHAKE.encode() in reply, (event, reply)
+        stranger = Agent(make_transport("verbs", PeerKeys(b"x" * 32, "a stranger's"), **options), frames=1)
+        try:
+            with pytest.raises(AgentError, match=UNKNOWN_SECRET):
+                stranger.attach(address, timeout=60.0)
+        finally:
+            stranger.transport.close()
+        agent = Agent(make_transport("verbs", peer_keys(None), **options), frames=1, input_capacity=64)
+        try:
+            link = agent.attach(address, timeout=60.0)
+            assert set(link.conn.remote) == {"pool", "states", "inbox"}
+            write_request(agent.frames, 0, [5, 6, 7], request_id=1, max_new_tokens=3)
+            assert agent.submit(0) is None
+            deadline = time.monotonic() + 60
+            while not any(d.final for d in agent.poll(timeout=1.0)):
+                assert time.monotonic() < deadline, "no answer across the wire"
+            assert agent.frames.outputs[0, :3].tolist() == [5, 6, 7]
+        finally:
+            agent.transport.close()
+        logged = wire.remote.call("log", name="auth")["stderr"]
+        refusals = [line for line in logged.splitlines() if "refused" in line and wire.agent.addr in line]
+        assert len(refusals) == 2 and NO_HANDSHAKE in refusals[0] and UNKNOWN_SECRET in refusals[1], logged
+    finally:
+        server.stop()
+
+
 # -- serve across the wire: two slot servers there and one here; one killed, loss, the link down and up ------
 
 
