@@ -3,9 +3,10 @@ keys made at test time, as an operator makes them.
 
     python tests/containers/make_secrets.py DIR
 
-writes ``DIR/secrets.yaml`` -- Secret ``edgepath-api-keys`` (key ``keys``: one flat key, a tenant of its own) and
+writes ``DIR/secrets.yaml`` -- Secret ``edgepath-api-keys`` (key ``keys``: one flat key, a tenant of its own),
 Secret ``edgepath-tenants`` (key ``tenants.toml``: tenants ``team-a`` and ``team-b`` with quotas, by their keys'
-SHA-256 digests) -- and ``DIR/keys.env``, the three keys for a shell to source (``KEY``, ``KEY_A``, ``KEY_B``);
+SHA-256 digests) and Secret ``edgepath-peer-secret`` (key ``secret``: what every slot server, edge and ledger proves
+it holds, docs/DEPLOY.md "The peer secret") -- and ``DIR/keys.env``, the three keys for a shell to source (``KEY``, ``KEY_A``, ``KEY_B``);
 both readable by their owner only.
 """
 
@@ -55,6 +56,7 @@ def make(directory: Path) -> dict[str, str]:
     docs = [
         secret("edgepath-api-keys", {"keys": keys["flat"] + "\n"}),
         secret("edgepath-tenants", {"tenants.toml": tenants_toml(keys)}),
+        secret("edgepath-peer-secret", {"secret": secrets.token_hex(32)}),
     ]
     variables = {"KEY": keys["flat"], "KEY_A": keys["team-a"], "KEY_B": keys["team-b"]}
     for path, text in (

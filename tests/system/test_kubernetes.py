@@ -304,6 +304,20 @@ def test_the_edges_read_keys_and_tenants_from_secrets_and_count_quotas_in_the_on
         assert argv[-1] == listen.replace("$(POD_IP)", "$POD_IP")
 
 
+def test_every_edge_slot_server_and_ledger_finds_the_peer_secret_in_a_secret(overlay: tuple[str, dict]) -> None:
+    """Slot servers and the ledger admit only peers that prove they hold the peer secret, and every container (and
+    its probes) finds it where it is told: a file of a mounted Secret, the user's to create -- no overlay ships it."""
+    _, objects = overlay
+    for kind, workload in WORKLOADS:
+        spec = pod_spec(objects, kind, workload)
+        for container in containers(objects, kind, workload).values():
+            env = {var["name"]: var.get("value") for var in container.get("env", ())}
+            path = env["EDGEPATH_PEER_SECRET_FILE"]
+            assert mounted_at(spec, container, path)["secret"]["secretName"] == "edgepath-peer-secret", workload
+            mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(path).parent))
+            assert mount["readOnly"] is True
+
+
 def test_the_secrets_the_lane_makes_are_keys_and_tenants_edgepath_reads(tmp_path: Path) -> None:
     """tests/containers/make_secrets.py: fresh keys at test time, each a tenant edgepath's own loader finds."""
     keys = make_secrets(tmp_path)
@@ -316,6 +330,7 @@ def test_the_secrets_the_lane_makes_are_keys_and_tenants_edgepath_reads(tmp_path
         named = loaded.identify(key.encode())
         assert named is not None and named.name == tenant and named.tokens_per_minute > 0
     assert loaded.identify(keys["KEY"].encode()) is not None  # the flat key, a tenant of its own
+    assert len(docs["edgepath-peer-secret"]["secret"]) >= 32  # the peer secret the pods prove they hold
     assert keys != make_secrets(tmp_path)  # fresh every time
     assert oct((tmp_path / "keys.env").stat().st_mode & 0o777) == "0o600"
 
