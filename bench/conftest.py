@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from edgepath.peer_secret import PEER_SECRET_ENV
+
+# The benchmarks' slot servers and agents prove they hold one peer secret: made per run, inherited by the processes
+# they start (docs/DATAPATH.md, "Peers prove they belong").
+os.environ.setdefault(PEER_SECRET_ENV, secrets.token_hex(32))
 
 
 @pytest.fixture

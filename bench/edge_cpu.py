@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import pstats
+import secrets
 import statistics
 import tempfile
 import time
@@ -35,6 +36,7 @@ from edgepath.config import AgentSettings, HandlerSettings, ServeOptions, Sizing
 from edgepath.edge.http import Headers, Request, Response
 from edgepath.edge.text.tokenizer import load_tokenizer
 from edgepath.native.abi import lib
+from edgepath.peer_secret import PEER_SECRET_ENV
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 MAX_TOKENS = 128
@@ -136,6 +138,7 @@ async def measure(
             sizing=Sizing(slots=max(64, 2 * concurrency)),
             agent=AgentSettings(frames=max(256, 4 * concurrency)),
         )
+        os.environ.setdefault(PEER_SECRET_ENV, secrets.token_hex(32))  # the slot server's and the agent's, this run's
         child = Child.start(slot_server_argv(started_slot_server(options, listen)))
         transport = serve_transport(options)
         assert transport is not None

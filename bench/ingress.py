@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import socket
 import subprocess
 import sys
@@ -48,6 +49,7 @@ from edgepath.bench.proc import cpu_seconds, descendants
 from edgepath.bench.readme import place_plot, rewrite_block
 from edgepath.bench.schedule import parse
 from edgepath.children import free_port
+from edgepath.peer_secret import PEER_SECRET_ENV
 
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
 MAX_TOKENS = 128
@@ -219,6 +221,9 @@ def running(sut: System, workdir: Path, slots: int, certificate: str, key: str, 
             args += ["--handler", "echo", "--workers", str(sut.workers)]  # the ingress benchmark excludes model time
             servers.start("edge", [py, "-m", "edgepath", "serve", *args, *tls], "ready")
         else:
+            # the slot server and the FastAPI baseline's agent prove they hold one peer secret: made for this run,
+            # inherited by both (a serve under test makes its own)
+            os.environ.setdefault(PEER_SECRET_ENV, secrets.token_hex(32))
             address = str(workdir / f"slots-{time.monotonic_ns()}.sock")
             slot_server = [py, "-m", "edgepath", "slot-server", "--listen", address, "--slots", str(slots)]
             servers.start("slot-server", slot_server, "ready")

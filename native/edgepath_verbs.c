@@ -90,6 +90,13 @@ int ep_v_cm_migrate(uintptr_t id, uintptr_t channel)
     return rdma_migrate_id((struct rdma_cm_id *)id, (struct rdma_event_channel *)channel) ? -errno : 0;
 }
 
+int ep_v_cm_reject(uintptr_t id, const char *data, int length)
+{
+    if (length < 0 || length > 148)
+        return -EINVAL;
+    return rdma_reject((struct rdma_cm_id *)id, data, (uint8_t)length) ? -errno : 0;
+}
+
 int ep_v_cm_peer(uintptr_t id, char *out, int length)
 {
     struct sockaddr *sa = rdma_get_peer_addr((struct rdma_cm_id *)id);

@@ -37,6 +37,8 @@ int ep_v_cm_channel_fd(uintptr_t channel);
 int ep_v_cm_id_check(uintptr_t id, uintptr_t channel);
 /* Move a connection's rdma_cm id to its own event channel (pyverbs has no rdma_migrate_id). */
 int ep_v_cm_migrate(uintptr_t id, uintptr_t channel);
+/* Reject a connection request with private data (at most 148 bytes: pyverbs' reject does not pass its own). */
+int ep_v_cm_reject(uintptr_t id, const char *data, int length);
 /* The peer's address of a connection's rdma_cm id as "IP:PORT" (0), or -1: for a refusal's log line. */
 int ep_v_cm_peer(uintptr_t id, char *out, int length);
 

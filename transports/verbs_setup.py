@@ -303,8 +303,7 @@ def connect(
         try:
             proof = handshake.proof(answer)
         except PeerRefused as exc:
-            with contextlib.suppress(Exception):
-                cmid.reject()  # the connection ends here: nothing of this side was described
+            _reject(cmid, channel, exc)  # the connection ends here: nothing of this side was described
             raise PeerRefused(exc.reason, f"{address}: {exc}") from None
         # The acceptor proved it holds the secret: now (and not before) the QP lets it reach this side's regions.
         _modify(conn, e.IBV_QPS_RTR, transport.qp_access | ibv_access(Access.REMOTE_READ | Access.REMOTE_WRITE))
@@ -326,10 +325,18 @@ def connect(
 def _rejected(address: str, reply: bytes) -> PeerRefused:
     """What a rejected connect request says: the acceptor's reason, when it gave one (its private data)."""
     text = reply.rstrip(b"\0").decode("utf-8", "replace")
-    reason, _, detail = text.partition(": ")
     if not text.startswith("EP "):
         return PeerRefused(NO_HANDSHAKE, f"{address} rejected the connection request (not an edgepath v2 listener?)")
-    return PeerRefused(reason[3:] or "refused", f"{address} rejected the connection: {detail}")
+    reason, _, _ = text[3:].partition(": ")
+    return PeerRefused(reason or "refused", f"{address} rejected the connection: {text[3:]}")
+
+
+def _reject(child: Any, channel: Any, refused: PeerRefused) -> None:
+    """Reject a connection request, ``refused``'s reason in the reject's private data (``EP reason: detail``)."""
+    why = f"EP {refused}".encode()[:_REJECT_PDATA]
+    rc = lib.ep_v_cm_reject(cm_id_handle(child, channel), why, len(why))
+    if rc:
+        log.debug("rejecting a connection request failed (%d)", rc)
 
 
 def _peer_of(child: Any, channel: Any) -> str:
@@ -427,9 +434,7 @@ class VerbsIncoming(Incoming):
 
     def _reject(self, refused: PeerRefused) -> None:
         """Reject the request, saying why in its private data; let go of its id."""
-        why = f"EP {refused.reason}: {refused}".encode()[:_REJECT_PDATA]
-        with contextlib.suppress(Exception):
-            self.child.reject(why, len(why))
+        _reject(self.child, self.channel, refused)
         self.abort()
 
     def abort(self) -> None:
@@ -492,9 +497,7 @@ class VerbsListener(Listener):
         if magic != _MAGIC:
             log.debug("connection request with private data %r", private[:64])
             refused = PeerRefused(NO_HANDSHAKE, f"{peer}: a connection request without the peer-secret handshake")
-            why = f"EP {refused.reason}: {refused}".encode()[:_REJECT_PDATA]
-            with contextlib.suppress(Exception):
-                child.reject(why, len(why))
+            _reject(child, self.channel, refused)
             child.close()
             raise refused
         child_ptr = cm_id_handle(child, self.channel)
