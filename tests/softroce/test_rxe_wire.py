@@ -329,12 +329,14 @@ def test_across_the_wire_a_peer_without_the_secret_is_refused_before_anything_is
         try:
             link = agent.attach(address, timeout=60.0)
             assert set(link.conn.remote) == {"pool", "states", "inbox"}
-            write_request(agent.frames, 0, [5, 6, 7], request_id=1, max_new_tokens=3)
-            assert agent.submit(0) is None
+            index = agent.acquire()
+            assert index is not None
+            write_request(agent.frames, index, [5, 6, 7], request_id=1, max_new_tokens=3)
+            assert agent.submit(index) is None
             deadline = time.monotonic() + 60
             while not any(d.final for d in agent.poll(timeout=1.0)):
                 assert time.monotonic() < deadline, "no answer across the wire"
-            assert agent.frames.outputs[0, :3].tolist() == [5, 6, 7]
+            assert agent.frames.outputs[index, :3].tolist() == [5, 6, 7]
         finally:
             agent.transport.close()
         logged = wire.remote.call("log", name="auth")["stderr"]
