@@ -114,7 +114,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     settings = from_args(AgentServiceSettings, args)
     service = build_agent_service(settings)
-    return _serve_until_signal(service, settings.listen, lambda: f"agent: {service.agent.describe()}")
+    return _serve_until_signal(
+        service,
+        settings.listen,
+        lambda: f"agent: {service.agent.describe()}; peers refused: {dict(service.connections.refused)}",
+    )
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:

@@ -6,8 +6,10 @@ the agent and slot server are written only against these.
 
 Model (RDMA's): an endpoint *registers* memory regions with the access peers may
 have, *exports* some of them when a connection is set up (the peer learns only
-those, like rkeys in rdma_cm private data), and owns one completion queue on
-which immediate-data completions from all of its connections arrive.
+those, like rkeys in rdma_cm private data, and only once both sides proved they
+hold the peer secret: :mod:`edgepath.transports.peer_auth`), and owns one
+completion queue on which immediate-data completions from all of its connections
+arrive.
 """
 
 from __future__ import annotations
