@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepath.peer_secret import peer_keys
+from edgepath.peer_secret import fresh_keys, peer_keys, secret_given
 from edgepath.transports.base import Access, Connection, MemoryRegion
 from edgepath.transports.registry import make_transport
 
@@ -96,8 +96,9 @@ def measure(
 
 def run(device: str, gid_index: int, addr: str, port: int, iterations: int, warmup: int) -> dict[str, object]:
     """Both ends on ``device``, in this process."""
-    server = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
-    client = make_transport("verbs", peer_keys(None), device=device, gid_index=gid_index)
+    keys = peer_keys(None) if secret_given(None) else fresh_keys("this benchmark's own")  # both ends are here
+    server = make_transport("verbs", keys, device=device, gid_index=gid_index)
+    client = make_transport("verbs", keys, device=device, gid_index=gid_index)
     try:
         pool = server.register("pool", 4096, POOL_ACCESS)
         local = client.register("local", 4096, Access.NONE)

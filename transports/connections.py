@@ -147,10 +147,10 @@ class ConnectionManager:
 
     def _refused(self, peer: str, exc: Exception) -> None:
         reason = exc.reason if isinstance(exc, PeerRefused) else NOT_ADMITTED
+        why = str(exc) if isinstance(exc, PeerRefused) else f"{reason}: {exc}"
+        log.warning("%s: %s refused: %s", self.name, peer, why)  # logged, then counted: a count has its line
         with self._lock:
             self.refused[reason] += 1
-        why = str(exc) if isinstance(exc, PeerRefused) else f"{reason}: {exc}"
-        log.warning("%s: %s refused: %s", self.name, peer, why)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting and watching, and close the listener (connections already accepted stay up)."""
