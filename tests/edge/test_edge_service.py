@@ -337,7 +337,7 @@ def test_a_tenants_large_requests_wait_for_their_turn_and_a_small_one_is_answere
         return Request("POST", path, [(b"x-api-key", key.encode())], body, lib.ep_now_ns())
 
     async def go() -> list[Recorded]:
-        agent = Agent(LoopbackTransport(), frames=8, input_capacity=CAP, output_capacity=CAP)
+        agent = Agent(LoopbackTransport(peer_keys(None)), frames=8, input_capacity=CAP, output_capacity=CAP)
         agent.attach(slot_server.address)
         core = HttpCore(Limits(1 << 20, CAP, CAP, CharTokenizer().vocab_size), ApiKeys(["a", "b"]))
         service = EdgeService(

@@ -19,6 +19,7 @@ from test_cli_errors import edgepath_fails
 from test_serve_quota import generate, tenants_file
 from test_serve_tenants import no_flat_keys  # noqa: F401  (autouse: no flat key list from the environment)
 
+from edgepath.peer_secret import peer_keys
 from edgepath.builder import data_path_transport
 from edgepath.children import Child
 from edgepath.config import DataPath
@@ -43,7 +44,7 @@ def ledger(start: Callable[..., Child], address: str, *args: str) -> Child:
 
 def remaining(address: str) -> int:
     """The tokens TENANT has left at T0 in the ledger at ``address``, read by a fresh edge."""
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     try:
         got = Quotas(RemoteLedger(transport, address)).limits(TENANT, T0)
         assert isinstance(got, dict), got
@@ -53,7 +54,7 @@ def remaining(address: str) -> int:
 
 
 def spend(address: str, tokens: int) -> None:
-    transport = LoopbackTransport()
+    transport = LoopbackTransport(peer_keys(None))
     try:
         assert isinstance(Quotas(RemoteLedger(transport, address)).reserve(TENANT, tokens, T0), Reservation)
     finally:
