@@ -6,8 +6,8 @@ keys made at test time, as an operator makes them.
 writes ``DIR/secrets.yaml`` -- Secret ``edgepath-api-keys`` (key ``keys``: one flat key, a tenant of its own),
 Secret ``edgepath-tenants`` (key ``tenants.toml``: tenants ``team-a`` and ``team-b`` with quotas, by their keys'
 SHA-256 digests) and Secret ``edgepath-peer-secret`` (key ``secret``: what every slot server, edge and ledger
-proves it holds, docs/DEPLOY.md "The peer secret") -- and ``DIR/keys.env``, the three keys for a shell to source (``KEY``, ``KEY_A``, ``KEY_B``);
-both readable by their owner only.
+proves it holds, docs/DEPLOY.md "The peer secret") -- and ``DIR/keys.env``, the three keys for a shell to source
+(``KEY``, ``KEY_A``, ``KEY_B``); both readable by their owner only.
 """
 
 from __future__ import annotations
