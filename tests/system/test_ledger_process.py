@@ -19,7 +19,6 @@ from test_cli_errors import edgepath_fails
 from test_serve_quota import generate, tenants_file
 from test_serve_tenants import no_flat_keys  # noqa: F401  (autouse: no flat key list from the environment)
 
-from edgepath.peer_secret import peer_keys
 from edgepath.builder import data_path_transport
 from edgepath.children import Child
 from edgepath.config import DataPath
@@ -28,6 +27,7 @@ from edgepath.dpu.ledger import RemoteLedger
 from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.edge.tenancy.quota import MINUTE_NS, Quotas, Refused, Reservation
 from edgepath.edge.tenancy.tenants import Tenant
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 pytestmark = pytest.mark.slow  # multi-process: a ledger process, edge processes
