@@ -104,7 +104,7 @@ def test_a_file_that_goes_bad_keeps_the_secret_in_use(secret_file: Path, caplog:
 
 
 def test_no_secret_says_how_to_give_one() -> None:
-    with pytest.raises(PeerSecretMissing, match=f"--peer-secret-file FILE or set {PEER_SECRET_ENV}.*secrets.token"):
+    with pytest.raises(PeerSecretMissing, match=f"--peer-secret-file FILE .*or set {PEER_SECRET_ENV}.*secrets.token"):
         peer_keys(None, environ={})
 
 
