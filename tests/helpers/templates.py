@@ -3,8 +3,10 @@ llama.cpp source inside the sdist of the llama-cpp-python the project pins (pypr
 fetches from PyPI once per machine -- the same sdist llama-server is built from (``edgepath bench`` / ``.ci/run``).
 So the tests render the templates real models ship, and the repository carries none of them.
 
-The templates are unpacked once into ``$XDG_CACHE_HOME/edgepath/chat-templates-<version>/``; a test that needs one
-where neither PyPI nor pip's cache can give the sdist fails, naming the command that fetches it.
+The templates are unpacked once into ``$XDG_CACHE_HOME/edgepath/chat-templates-<version>/`` (or read from the folder
+``$EDGEPATH_CHAT_TEMPLATES`` names: the soft-RoCE lane's VMs, which have no network, get the host's that way); a test
+that needs one where neither PyPI nor pip's cache can give the sdist fails within a minute, naming the command that
+fetches it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ def _version() -> str:
     return found.group(1)
 
 
-def _folder() -> Path:
+def folder() -> Path:
+    """The folder holding the templates, fetched and unpacked on first use."""
+    given = os.environ.get("EDGEPATH_CHAT_TEMPLATES")
+    if given:
+        assert Path(given).is_dir(), f"EDGEPATH_CHAT_TEMPLATES names {given}, which is not a folder"
+        return Path(given)
     version = _version()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgepath"
     folder = base / f"chat-templates-{version}"
@@ -37,7 +44,7 @@ def _folder() -> Path:
     base.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=base) as work:
         command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                   f"llama-cpp-python=={version}", "-d", work]  # fmt: skip
+                   "--retries", "1", "--timeout", "20", f"llama-cpp-python=={version}", "-d", work]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         sdists = sorted(Path(work).glob("*.tar.gz"))
         assert done.returncode == 0 and sdists, (
@@ -62,7 +69,7 @@ def _folder() -> Path:
 
 def template_path(name: str) -> Path:
     """Where the template ``name`` (llama.cpp's file name, e.g. ``Qwen-Qwen3-0.6B.jinja``) is, unpacked."""
-    path = _folder() / name
+    path = folder() / name
     assert path.is_file(), f"llama.cpp's models/templates/ in the llama-cpp-python {_version()} sdist has no {name}"
     return path
 
