@@ -644,10 +644,22 @@ def test_added_delay_shows_in_every_answer(wire: Wire, pair: Pair) -> None:
 def test_wire_cut_shorter_than_the_retry_budget_delays_requests_in_flight_and_loses_none(
     wire: Wire, pair: Pair
 ) -> None:
-    """A cut of 0.15 s is ridden out by retransmission: well inside the retry budget (7 ACK timeouts, 0.47 s)."""
-    cut = Cut(wire, 0.15)
-    run = drive(pair.agent_addr, 200, fault=cut, budget=120)
-    wire.record("wire cut 0.15 s", {**run.summary(), "cut_s": cut.lasted})
+    """A cut of 0.15 s is ridden out by retransmission: well inside the retry budget (7 ACK timeouts, 0.47 s).
+
+    The cut is the emulated VM's to end, and on a busy host its ``tc`` can take longer than the budget to do so: a
+    cut that outlasted the budget is not this test's fault, so it is made again (at most three times in all); every
+    run's requests are checked either way."""
+    for _ in range(3):
+        cut = Cut(wire, 0.15)
+        run = drive(pair.agent_addr, 200, fault=cut, budget=120)
+        wire.record("wire cut 0.15 s", {**run.summary(), "cut_s": cut.lasted})
+        if cut.lasted[1] < RETRY_BUDGET_S:
+            break
+        run.check_exactly_once({Status.OK, Status.NO_SLOT, Status.UNAVAILABLE})  # past the budget: the link fell
+        deadline = time.monotonic() + 120
+        while drive(pair.agent_addr, 1, budget=30).status[0] != Status.OK:  # re-attached before the next try
+            assert time.monotonic() < deadline, "the agent did not re-attach within 120 s"
+            time.sleep(0.5)
     assert cut.lasted[1] < RETRY_BUDGET_S, f"the cut lasted up to {cut.lasted[1]} s: not shorter than the budget"
     run.check_exactly_once({Status.OK, Status.NO_SLOT})
     assert run.latency_ns.max() >= 0.15e9, "no request waited out the cut: the fault missed the traffic"
