@@ -158,7 +158,8 @@ def _fastapi_batcher(s: Setup, port: int, threads: int | None) -> list[str]:
 
 
 def _handler_default() -> str:
-    from edgepath.model.llama import LlamaOptions  # lazily: building the CLI parser must not load the model code
+    # lazily: building the CLI parser must not load the model code
+    from edgepath.model.llama_options import LlamaOptions
     from edgepath.options import rows
 
     return "edgepath's llama handler: " + next(

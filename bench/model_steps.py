@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from edgepath.model.gguf import llama_cpp, load_model
-from edgepath.model.llama import LlamaOptions, context_params
+from edgepath.model.llama_context import context_params
+from edgepath.model.llama_options import LlamaOptions
 from edgepath.slots.handlers import HandlerError
 
 PREFILL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -38,7 +38,9 @@ import numpy as np
 
 from edgepath.contract.plan import Prompt, Step, StepPolicy, _run
 from edgepath.contract.wire import Sampling
-from edgepath.model.llama import COMPACT_MIN_LEFT, LlamaHandler, LlamaOptions
+from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama_options import LlamaOptions
+from edgepath.model.sequences import COMPACT_MIN_LEFT
 from edgepath.slots.handlers import SlotRequest
 
 IN_CAP, OUT_CAP = 1024, 256
@@ -95,15 +97,16 @@ def drive(
     limit: dict[int, int] = {}  # slot: its request's max_tokens
     arrivals: list[Arrival] = []
     compact_s = 0.0
-    compact = handler._compact
+    compact = handler.sequences.compact
 
-    def timed_compact() -> None:
+    def timed_compact() -> bool:
         nonlocal compact_s
         started = time.perf_counter()
-        compact()
+        moved = compact()
         compact_s += time.perf_counter() - started
+        return moved
 
-    handler._compact = timed_compact  # type: ignore[method-assign]
+    handler.sequences.compact = timed_compact  # type: ignore[method-assign]
     try:
         for i in range(steps):
             if free and draw.random() < rate:

@@ -44,7 +44,7 @@ class Handler:
 
 
 def _llama_options(config: HandlerConfig) -> Any:
-    from edgepath.model.llama import LlamaOptions  # optional extra: imported only when asked for
+    from edgepath.model.llama_options import LlamaOptions  # optional extra: imported only when asked for
 
     return LlamaOptions.parse(config.options, config.input_capacity + config.output_capacity)
 

@@ -8,18 +8,22 @@ CPUs": on the 2-core VM a 256-token prompt at 35 ms a token instead of 1.5, a de
 11 ms; on one thread 3.4 ms and 17 ms).  The kernel says when that happens: the time the model's threads spent
 runnable but not running (``/proc/self/task/*/schedstat``).  :class:`ThreadGovernor` (no I/O) runs the next steps
 on fewer threads while that share is large, and on all of them again once the CPUs it gave up have been idle for
-a while; :func:`read_sample` is its adapter.  Logits do not depend on the thread count (each row of a product is
-one thread's), so a step's answer is the same on any of them.
+a while; :func:`read_sample` is its adapter, and :func:`next_threads` what the step loop asks it after a step.
+Logits do not depend on the thread count (each row of a product is one thread's), so a step's answer is the same
+on any of them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 #: a step shorter than this says too little about waiting to act on (a decoded token takes 10+ ms)
 MIN_STEP_S = 0.002
 _USER_HZ = os.sysconf("SC_CLK_TCK")
+
+log = logging.getLogger("edgepath.model.llama")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +128,36 @@ class ThreadGovernor:
                 self._raised_at = after.at
             self._mark = after
         return self.threads
+
+
+def next_threads(governor: ThreadGovernor, before: CpuSample, decoded: float, calibrated_s: float) -> int | None:
+    """The thread count the next steps run on when the governor changes it after the step sampled ``before`` and
+    decoded at ``decoded`` (``perf_counter``), whose shape the calibration gives ``calibrated_s`` on all threads;
+    None when it stays.  A change is logged: why the model runs on fewer of its threads, or on more again."""
+    after = read_sample(decoded)
+    if after is None:
+        return None
+    threads = governor.threads
+    chosen = governor.after_step(before, after, calibrated_s)
+    if chosen == threads:
+        return None
+    if chosen < threads:
+        log.warning(
+            "llama: the model's %d threads waited for a CPU %.0f%% of a %.0f ms step, %.1fx the calibration's "
+            "time (another process takes CPUs): the next steps run on %d of %d",
+            threads,
+            100 * governor.last_wait,
+            1e3 * (after.at - before.at),
+            governor.last_ratio,
+            chosen,
+            governor.full,
+        )
+    else:
+        log.warning(
+            "llama: %.1f CPUs idle on average for %.1f s: the next steps run on %d of %d threads",
+            governor.last_idle,
+            governor.last_window,
+            chosen,
+            governor.full,
+        )
+    return chosen

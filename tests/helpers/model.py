@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from edgepath.model.llama import LlamaHandler, LlamaOptions
+from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama_options import LlamaOptions
 from edgepath.slots.handlers import HandlerConfig
 
 
 def stream_of(handler: LlamaHandler, slot: int) -> int:
     """The llama.cpp sequence a running slot's request runs on (-1: it waits for its first prompt step,
     where it is placed)."""
-    return handler._running[slot].stream
+    return handler.sequences.running[slot].stream
 
 
 def max_prompt_tokens(config: HandlerConfig) -> int:

@@ -12,7 +12,8 @@ import json
 import numpy as np
 
 from edgepath.model.gguf import default_model_path, llama_cpp, load_model
-from edgepath.model.llama import LlamaOptions, context_params
+from edgepath.model.llama_context import context_params
+from edgepath.model.llama_options import LlamaOptions
 
 CAP = 640
 QUESTION = "Which platform does the night train leave from?"

@@ -23,8 +23,10 @@ from edgepath.contract.plan import Prompt, StepPolicy, decodes
 from edgepath.contract.wire import Sampling
 from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.handlers import load_handler
+from edgepath.model.calibration import START_COSTS_ONE_THREAD
 from edgepath.model.gguf import default_model_path
-from edgepath.model.llama import LlamaHandler, LlamaOptions
+from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama_options import LlamaOptions
 from edgepath.model.prefix import runs
 from edgepath.model.threads import ThreadGovernor
 from edgepath.native.abi import Status, ffi, lib
@@ -129,9 +131,9 @@ def test_the_step_cost_model_is_measured_by_this_machines_warm_up_steps(caplog: 
         costs = base.values()
         assert logged == [pytest.approx(v, abs=6e-3) for v in costs]  # logged rounded
         assert base.prompt_ms > 0 and base.decode_ms > 0 and h.cost.factor == 1.0
-        assert base != LlamaHandler.__init__.__globals__["_START_COSTS_ONE_THREAD"]  # measured, not the start
+        assert base != START_COSTS_ONE_THREAD  # measured, not the start
         load = h.load()
-        assert load.costs == h.cost.costs() and load.options == h.policy.options  # what the agents read
+        assert load.costs == h.cost.costs() and load.options == h.planner.policy.options  # what the agents read
         assert load.options.min_prefill == h.options.min_prefill and load.options.batch == h.batch_capacity
     finally:
         h.close()
@@ -168,12 +170,12 @@ def test_every_step_is_the_one_the_published_load_plans(floors_handler: LlamaHan
     # others' prompts are held to lent_ms (objective 8); its stream outlasts the others'
     mine = chat(tok, "Count to twenty, one number per line.")
     handler.add(pool.request(2, mine, max_new=40, tenant=(1, 2)), 0.0)
-    assert handler.load().floors == 1 and handler.load().lent_ms == handler.lent_ms > 0
+    assert handler.load().floors == 1 and handler.load().lent_ms == handler.planner.lent_ms > 0
     while handler.wake_in(0.0) is not None and steps < 200:
         replay()
     assert steps > 3 and handler.wake_in(0.0) is None
     assert alone == 1  # the floor's first-token step, its two streams decoding in the next
-    assert lent == {handler.lent_ms, 0.0}  # lent while the others ran, not before the floor was known nor after
+    assert lent == {handler.planner.lent_ms, 0.0}  # lent while the others ran, not before the floor was known nor after
 
 
 def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:
@@ -196,7 +198,7 @@ def test_eog_stops_without_being_written(handler: LlamaHandler, tok: GGUFTokeniz
     assert final[0].status == Status.STOP
     assert 0 < final[0].count < OUT_CAP
     written = pool.outputs[0, : final[0].count]
-    eog = [t for t in written.tolist() if handler._lib.llama_vocab_is_eog(handler._vocab, t)]
+    eog = [t for t in written.tolist() if handler.context.is_eog(t)]
     assert eog == []
     assert kv_empty(handler)
 
@@ -268,7 +270,7 @@ def test_mixed_batch_reads_the_prompt_from_the_slot_when_it_decodes_it(
         if overwrite is not None:
             pool.inputs[1, : len(overwrite)] = overwrite
         handler.step(0.0)
-        assert handler.last_token_pointer == handler._tokens.ctypes.data  # a mixed batch
+        assert handler.last_token_pointer == handler.context.arrays.tokens.ctypes.data  # a mixed batch
         final = drive(handler)
         return pool.outputs[1, : final[1].count].tolist()
 
@@ -331,12 +333,12 @@ def test_model_error_fails_the_batch_slots_and_the_handler_keeps_serving(
     handler.add(pool.request(0, chat(tok, "Name a fruit."), 4), 0.0)
     handler.step(0.0)
     handler.add(pool.request(1, chat(tok, "Name a tree."), 4), 0.0)
-    real = handler._lib
-    handler._lib = FailingDecode(real)
+    real = handler.context.lib
+    handler.context.lib = FailingDecode(real)
     try:
         final = {e.slot: e for e in handler.step(0.0)}
     finally:
-        handler._lib = real
+        handler.context.lib = real
     assert final[0].status == Status.HANDLER_ERROR and final[0].count == 1
     assert final[1] == Emit(1, 0, Status.HANDLER_ERROR)
     assert handler.running == 0 and kv_empty(handler)
@@ -573,22 +575,23 @@ def test_a_prompt_within_its_tenants_floor_is_computed_before_older_ones(
 
 
 def test_a_sequence_copied_to_another_decodes_the_same_logits_bit_for_bit(handler: LlamaHandler) -> None:
-    """What closing a gap between runs does to a sequence (``_copy_sequence``): its next token's logits on the new
+    """What closing a gap between runs does to a sequence (``LlamaContext.copy``): its next token's logits on the new
     sequence are the ones it would have had on the old."""
     ids = (np.arange(64, dtype=np.int32) * 7919 + 11) % handler.n_vocab
-    lib = handler._lib
-    lib.llama_memory_clear(handler._mem, True)
+    context = handler.context
+    lib = context.lib
+    context.clear()
     try:
-        handler._timed_step([(0, 0, 30, False)], ids)
-        assert handler._copy_sequence(0, 3) and handler.kv_positions(3) == handler.kv_positions(0) == 30
+        context.timed_step([(0, 0, 30, False)], ids)
+        assert context.copy(0, 3) and handler.kv_positions(3) == handler.kv_positions(0) == 30
 
         def next_logits(seq: int) -> np.ndarray:
-            handler._timed_step([(seq, 30, 1, True)], ids)
-            return np.ctypeslib.as_array(lib.llama_get_logits_ith(handler._ctx, 0), shape=(handler.n_vocab,)).copy()
+            context.timed_step([(seq, 30, 1, True)], ids)
+            return np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, 0), shape=(handler.n_vocab,)).copy()
 
         assert np.array_equal(next_logits(0), next_logits(3))
     finally:
-        lib.llama_memory_clear(handler._mem, True)
+        context.clear()
 
 
 def test_a_gap_between_decoding_streams_is_closed_by_moving_one_sequence(
@@ -603,20 +606,20 @@ def test_a_gap_between_decoding_streams_is_closed_by_moving_one_sequence(
         handler.add(pool.request(slot, chat(tok, "Count to twenty."), max_new=40), 0.0)
     for _ in range(20):  # until all three decode
         handler.step(0.0)
-        if all(seq.count > 0 for seq in handler._running.values()):
+        if all(seq.count > 0 for seq in handler.sequences.running.values()):
             break
-    streams = {slot: seq.stream for slot, seq in handler._running.items()}
+    streams = {slot: seq.stream for slot, seq in handler.sequences.running.items()}
     assert len(streams) == 3 and runs(streams.values()) == 1 and handler.stats.compactions == moved_before
     middle = sorted(streams, key=streams.__getitem__)[1]
     handler.cancel(middle)
     assert handler.load().runs == 2
     handler.step(0.0)
     assert handler.stats.compactions == moved_before + 1
-    moved = next(slot for slot, seq in handler._running.items() if seq.stream != streams[slot])
-    seq = handler._running[moved]
+    moved = next(slot for slot, seq in handler.sequences.running.items() if seq.stream != streams[slot])
+    seq = handler.sequences.running[moved]
     assert handler.kv_positions(seq.stream) == seq.prompt_len + seq.count - 1  # all it held, on its new sequence
     assert handler.kv_positions(streams[moved]) <= 0  # the old one is empty
-    assert runs(s.stream for s in handler._running.values()) == 1 and handler.load().runs == 1
+    assert runs(s.stream for s in handler.sequences.running.values()) == 1 and handler.load().runs == 1
     finals = drive(handler)
     assert {finals[slot].status for slot in streams if slot != middle} <= {Status.STOP, Status.LENGTH}
 
@@ -629,8 +632,8 @@ def test_steps_go_to_fewer_threads_while_they_wait_for_cpus_and_answer_the_same(
     options = {**OPTIONS, "threads": "2"}
     two = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, options))
     try:
-        lib = two._lib
-        assert two.governor is not None and lib.llama_n_threads(two._ctx) == 2
+        lib = two.context.lib
+        assert two.governor is not None and lib.llama_n_threads(two.context.ctx) == 2
         pool = Pool()
         two.governor = None  # every step on both threads
         two.add(pool.request(0, prompt, 12), 0.0)
@@ -639,11 +642,11 @@ def test_steps_go_to_fewer_threads_while_they_wait_for_cpus_and_answer_the_same(
         two.governor.ratios[1] = 0.0  # one thread is taken to go at any speed
         two.add(pool.request(0, prompt, 12), 0.0)
         assert pool.outputs[0, : drive(two)[0].count].tolist() == steady
-        assert lib.llama_n_threads(two._ctx) == 1 and two.stats.thread_changes == 1
+        assert lib.llama_n_threads(two.context.ctx) == 1 and two.stats.thread_changes == 1
         two.governor.wait_share, two.governor.idle_share, two.governor.hold = 2.0, -1.0, 0.0  # CPUs idle
         two.add(pool.request(0, prompt, 12), 0.0)
         assert pool.outputs[0, : drive(two)[0].count].tolist() == steady
-        assert lib.llama_n_threads(two._ctx) == 2 and two.stats.thread_changes == 2
+        assert lib.llama_n_threads(two.context.ctx) == 2 and two.stats.thread_changes == 2
     finally:
         two.close()
     off = LlamaHandler.from_config(HandlerConfig(SLOTS, IN_CAP, OUT_CAP, {**options, "share_cpus": "off"}))

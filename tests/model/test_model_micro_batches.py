@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
 
-from edgepath.model.llama import micro_batches
+from edgepath.model.llama_context import micro_batches
 from edgepath.model.prefix import runs
 
 

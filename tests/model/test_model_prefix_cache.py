@@ -23,7 +23,8 @@ from edgepath.edge.choices import choice_sampling
 from edgepath.edge.text.tokenizer import GGUFTokenizer
 from edgepath.model.gguf import default_model_path, deterministic_libs
 from edgepath.model.known_answer import BATCH_TOLERANCE, FLASH_TOLERANCE, batch_tolerance
-from edgepath.model.llama import LlamaHandler, LlamaOptions
+from edgepath.model.llama import LlamaHandler
+from edgepath.model.llama_options import LlamaOptions
 from edgepath.model.prefix import common_prefix
 from edgepath.native.abi import Status
 from edgepath.slots.handlers import Emit, HandlerConfig, SlotRequest

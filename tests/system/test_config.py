@@ -386,7 +386,7 @@ def test_serve_refuses_a_wrong_handler_option_before_its_slot_server_starts(
 
 def test_the_llama_handler_options_are_declared_once_with_their_defaults() -> None:
     """What ``--help`` and the benchmarks say of a default is read off the declaration that sets it."""
-    from edgepath.model.llama import LlamaOptions
+    from edgepath.model.llama_options import LlamaOptions
 
     said = {row.name: row.default for row in rows(LlamaOptions, pairs=True)}
     assert said["cache_mb"] == "1024" and describe(LlamaOptions)["cache_mb"].endswith("(default: 1024)")
