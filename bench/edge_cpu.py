@@ -129,7 +129,8 @@ async def measure(
     requests: int, concurrency: int, warmup: int, runs: int, profile: bool
 ) -> tuple[list[EdgeCpu], cProfile.Profile | None]:
     """``runs`` measured runs, then (``profile``) one profiled run, on one edge and one slot server."""
-    from edgepath.builder import build_agent, build_edge, serve_transport, slot_server_argv, started_slot_server
+    from edgepath.builder import build_agent, serve_transport, slot_server_argv, started_slot_server
+    from edgepath.edge_builder import build_edge
 
     with tempfile.TemporaryDirectory(prefix="edgepath-edge-cpu-") as tmp:
         listen = str(Path(tmp) / "slots.sock")

@@ -1,7 +1,7 @@
 """What one llama_decode step costs on this machine, by tokens per step: the table that chose the step policy's
 defaults (docs/MODEL.md).
 
-Contexts are built exactly as the llama handler builds them (:func:`edgepath.model.llama.context_params`: one
+Contexts are built exactly as the llama handler builds them (:func:`edgepath.model.llama_context.context_params`: one
 KV stream per sequence, flash attention as configured); one context per thread count, all in this process,
 measured interleaved (A, B, A, B, ...) so that a neighbour's load hits every configuration alike.  Three
 shapes of step:

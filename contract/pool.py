@@ -160,6 +160,25 @@ def _rows(buf: np.ndarray, offset: int, count: int, stride: int, what: str) -> n
     return buf[offset:need].reshape(count, stride)
 
 
+#: the pool header's fields a slot server sends a peer on connect (:meth:`SlotPool.info`)
+_INFO = (
+    "abi_version",
+    "slot_count",
+    "input_capacity",
+    "output_capacity",
+    "slot_stride",
+    "states_offset",
+    "doorbells_offset",
+    "cancels_offset",
+    "slots_offset",
+    "total_size",
+    "server_epoch",
+    "lease_ns",
+    "prefixes_offset",
+    "prefix_entries",
+)
+
+
 class SlotPool:
     """Views of a slot pool: header, state words, doorbell words and slot frames."""
 
@@ -233,6 +252,11 @@ class SlotPool:
         if lib.ep_pool_init(ffi.from_buffer(buf), buf.nbytes, hdr) != lib.EP_OK:
             raise PoolError(f"pool needs {hdr.total_size} bytes, buffer has {buf.nbytes}")
         return cls(buf)
+
+    def info(self) -> dict[str, int]:
+        """What a slot server tells every peer of its pool when it connects: the header's dimensions and offsets,
+        its ABI version and epoch."""
+        return {name: int(self.header[name]) for name in _INFO}
 
     def word(self, slot: int) -> int:
         """The state word of ``slot``, read with acquire ordering."""

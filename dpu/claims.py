@@ -22,7 +22,7 @@ from edgepath.dpu.admission import Admission, Choice, Claimed, cached_tokens
 from edgepath.dpu.frame_book import Flight, FrameBook
 from edgepath.dpu.links import LinkSet, ServerLink
 from edgepath.dpu.retry_advice import RetryAdvice
-from edgepath.native.abi import REQUEST_HEADER, field_offset, lib
+from edgepath.native.abi import REQUEST_HEADER, Event, field_offset, lib
 from edgepath.transports.base import MemoryRegion, TransportError
 
 log = logging.getLogger("edgepath.agent")
@@ -187,7 +187,7 @@ class Claims:
         claimant).  A CAS that fails found the server had expired it already (the same FREE word) -- or a link gone
         down, whose slots are forgotten anyway."""
         gen = wire.word_generation(claimed)
-        freed = wire.step(claimed, wire.Event.EXPIRE, gen)
+        freed = wire.step(claimed, Event.EXPIRE, gen)
         try:
             found = link.conn.compare_and_swap(link.states, 8 * slot, claimed, freed)
         except TransportError as exc:

@@ -26,7 +26,7 @@ from edgepath.edge.http import Formatter, Headers, Request, Response, Work
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.tracked import Action, Phase, Tracked
 
-#: seeds are carried as unsigned 64-bit words (contract/wire.py's ``Sampling``)
+#: seeds are carried as unsigned 64-bit words (contract/wire/sampling.py's ``Sampling``)
 _SEED_MASK = (1 << 64) - 1
 
 

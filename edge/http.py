@@ -94,7 +94,7 @@ class Work:
     cache_salt: str | None = None  # the request's own cache_salt field
     tenant: Tenant = ANONYMOUS  # whose request it is (its API key's)
     salt: int = 0  # the request header's cache_salt: the tenant's namespace and cache_salt (wire.cache_salt)
-    flags: int = 0  # request flags beyond the stream flag (log probabilities: contract/wire.py); max_tokens then
+    flags: int = 0  # request flags beyond the stream flag (logprobs: contract/wire/logprobs.py); max_tokens then
     # counts output words, a whole number of records
     constraint: np.ndarray | None = None  # the words after the prompt: grammar, logit biases (wire.after_prompt)
     choices: int = 1  # OpenAI's n: choices of the one prompt, each on a slot of one slot server (edge/choices.py)

@@ -15,13 +15,11 @@ from importlib.metadata import entry_points
 from typing import Any, NoReturn
 
 from edgepath.children import watch_parent
+from edgepath.client_config import ChatSettings, ProbeSettings, RequestSettings
 from edgepath.config import (
     AgentServiceSettings,
-    ChatSettings,
     DemoSettings,
     LedgerSettings,
-    ProbeSettings,
-    RequestSettings,
     ServeOptions,
     SlotServerSettings,
 )

@@ -14,8 +14,8 @@ that fill them (:func:`edgepath.options.option`: default, help, parser):
 * :class:`ServeOptions` (``edgepath serve``): :class:`EdgeSettings`, an agent, a handler, a data path,
   :class:`Sizing`, :class:`StartedSlotServer` and :class:`Supervision`;
 * :class:`LedgerSettings` (``edgepath ledger``: the quota ledger of a deployment's edges);
-* :class:`DemoSettings`, and the clients' :class:`RequestSettings` and :class:`ChatSettings`, the other
-  commands.
+* :class:`DemoSettings`; the client commands' sections (``request``, ``chat``, ``probe``) are
+  :mod:`edgepath.client_config`'s.
 
 A command composes sections (:func:`~edgepath.options.section`, which may give some of their options the
 command's own defaults: ``serve``'s agent holds 256 frames, an ``edgepath agent`` 1024) or takes one
@@ -44,7 +44,6 @@ from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_EN
 from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
 from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
 from edgepath.edge.overload import DEFAULT_HIGH_WATER
-from edgepath.edge.retry import DEFAULT_RETRIES
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
 from edgepath.handlers import handler_spec
 from edgepath.options import (
@@ -769,94 +768,3 @@ class DemoSettings:
     spin: float = like(SlotServerSettings, "spin")
     data_path: DataPath = section(DataPath)
     slot_server_listen: str | None = like(SlotServerSettings, "listen", name="--slot-server-listen", default=None)
-
-
-#: output tokens ``edgepath request`` and ``edgepath chat`` ask for unless told: an answer of a few sentences
-#: (the server's own default is a slot's whole output capacity, 512 tokens with a model: seconds on a CPU)
-CLIENT_MAX_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class ServerAddress:
-    """The server ``edgepath request`` and ``edgepath chat`` send to, and how they trust and authenticate to it."""
-
-    host: str = option("127.0.0.1", help="the server to send to: its address or host name (default %(default)s)")
-    port: int = option(DEFAULT_PORTS["quic"], type=port_number, help="the server's HTTP/3 port (default %(default)s)")
-    cacert: str | None = option(
-        None, type=readable_file, help="CA file to verify the server (default: the local self-signed one)"
-    )
-    insecure: bool = option(False, switch=True, help="do not verify the server's certificate")
-    api_key: str | None = option(None, help="API key to send as x-api-key (default: $EDGEPATH_API_KEY)")
-    timeout: float = option(30.0, type=positive_float, help="seconds to wait for the answer (default %(default)s)")
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    """``edgepath request``: one request to edgepath's own route over HTTP/3, the text continued as it is."""
-
-    prompt: str = option(
-        positional=True, help="text for the model to continue as it is (no chat template: `edgepath chat` for that)"
-    )
-    max_tokens: int = option(CLIENT_MAX_TOKENS, type=positive_int, help="output tokens at most (default %(default)s)")
-    ids: bool = option(False, switch=True, help="print the output's token ids too")
-    stream: bool = option(
-        False, switch=True, help="ask for a stream and print its events as they arrive (one per token id)"
-    )
-    tokenize: bool = option(False, switch=True, help="only tokenize the prompt (POST /v1/tokenize): print its ids")
-    server: ServerAddress = section(ServerAddress)
-
-
-@dataclass(frozen=True)
-class ChatSettings:
-    """``edgepath chat``: one user message to the OpenAI chat route over HTTP/3, the answer printed as it streams."""
-
-    prompt: str = option(positional=True, help="what the user says (rendered with the model's chat template)")
-    system: str | None = option(None, help="a system message to send before it (default: none)")
-    model: str | None = option(None, help="the model to ask (default: the first the server lists at /v1/models)")
-    max_tokens: int = like(RequestSettings, "max_tokens")
-    temperature: float | None = option(
-        None,
-        type=non_negative_float,
-        help="sampling temperature, 0 (always the likeliest token) to 2 (default: the server's, 1)",
-    )
-    seed: int | None = option(None, type=int, help="seed of the sampler's draws (default: the server's)")
-    usage: bool = option(
-        False, switch=True, help="after the answer, print its token counts and the server's timings on stderr"
-    )
-    retries: int = option(
-        DEFAULT_RETRIES,
-        type=non_negative_int,
-        help="times to ask again after a 429, as the openai SDK does: after the server's retry-after-ms (else "
-        "Retry-After) when within 60 s, else 0.5 s x 2^n; all within --timeout (default %(default)s, the SDK's)",
-    )
-    server: ServerAddress = section(ServerAddress)
-
-
-@dataclass(frozen=True)
-class ProbeSettings:
-    """``edgepath probe``: a slot server checked as its agents judge it, for a container's liveness or readiness
-    probe (slot servers serve no HTTP)."""
-
-    address: str = option(
-        positional=True,
-        help="the slot server's address: its --listen (a socket path; IP:PORT with --data-path verbs)",
-    )
-    ready: bool = option(
-        False,
-        switch=True,
-        help="a readiness probe: fail too while it drains (SIGTERM); without it, a liveness probe: its pool "
-        "verified and its heartbeat moving",
-    )
-    ledger: bool = option(
-        False,
-        switch=True,
-        help="the address is a quota ledger's (`edgepath ledger --listen`): pass when it answers as one",
-    )
-    hang_timeout: float = like(AgentSettings, "hang_timeout")
-    data_path: DataPath = section(DataPath)
-
-    def __post_init__(self) -> None:
-        if self.ledger and self.ready:
-            raise ValueError(
-                "--ready is for a slot server (draining or not); a quota ledger is up or not: not with --ledger"
-            )

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from edgepath.config import ChatSettings, RequestSettings, ServerAddress
+from edgepath.client_config import ChatSettings, RequestSettings, ServerAddress
 from edgepath.edge.adapters.tls import default_certificate
 from edgepath.edge.client import EventReader, H3Client, H3Response, h3_client
 from edgepath.edge.retry import advised_wait, retry_delay

@@ -34,19 +34,17 @@ from typing import Any
 
 from edgepath.builder import (
     ledger_home,
-    on_sighup,
     plan_serve,
     serve_agent,
     serve_transport,
     slot_server_argv,
-    start_edge,
     watch_started_slot_server,
-    with_one_certificate,
     with_peer_secret,
     worker_argv,
 )
 from edgepath.config import ServeOptions
 from edgepath.edge.metrics import SHARED_DIR_ENV
+from edgepath.edge_builder import on_sighup, start_edge, with_one_certificate
 from edgepath.hangwatch import read_counts
 from edgepath.runtime import runtime_dir
 from edgepath.supervisor import GaveUp, RestartPolicy, Supervisor

@@ -54,7 +54,7 @@ int ep_next_free(const uint64_t *words, uint32_t n, uint32_t start);
 /* Agent: fill the fields a claim decides, just before the request is written. */
 void ep_request_stamp(void *request, uint32_t generation, uint32_t slot, uint32_t reply_index);
 
-/* Header operations of the wire contract's typed views (contract/wire.py), one call each on the hot path. */
+/* Header operations of the wire contract's typed views (contract/wire/headers.py), one call each on the hot path. */
 void ep_request_fill(void *request, uint64_t request_id, uint32_t token_count, uint32_t max_new_tokens,
                      uint32_t flags, float temperature, float top_p, uint32_t top_k, uint64_t seed,
                      float min_p, float presence_penalty, float frequency_penalty, float repetition_penalty,

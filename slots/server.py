@@ -9,7 +9,7 @@ Loop (one thread; peers come and go on a second, :class:`~edgepath.transports.co
   first at once and later ones coalesced within the stream window (:mod:`~edgepath.slots.streams`); a
   finished slot's whole result (header + output) goes with one WRITE, the slot is freed (DONE -> FREE),
   then a zero-length WRITE_WITH_IMM tells the agent -- so an agent that sees a result can claim the slot
-  again at once (:mod:`~edgepath.slots.peers`).
+  again at once (:mod:`~edgepath.slots.results`, over :mod:`~edgepath.slots.peers`' writes).
   every ``scan_interval``: peers that went away are reaped, and leases -- CLAIMED slots whose writer
   never rang are reclaimed.
   the heartbeat: every turn (and after every model step) advances a word in the pool header, so agents
@@ -18,7 +18,9 @@ Loop (one thread; peers come and go on a second, :class:`~edgepath.transports.co
   it inside a long step too; a model step over ``step_budget`` is logged and counted.
 
 Where the pool lives (host, GPU-mapped, GPU memory) is :mod:`~edgepath.slots.memory`'s business, which
-doorbell poller fits it :mod:`~edgepath.slots.pollers`'; the server only asks them.
+doorbell poller fits it :mod:`~edgepath.slots.pollers`'; how a started slot's request is checked and read,
+:mod:`~edgepath.slots.requests`'; what the pool publishes for the agents' admission (the handler's load, its
+prefixes), :mod:`~edgepath.slots.published`'.  The server only asks them.
 """
 
 from __future__ import annotations
@@ -28,13 +30,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from edgepath.contract import wire
-from edgepath.contract.plan import Load, Prompt, own_ms
-from edgepath.contract.wire import RequestHeader
-from edgepath.native.abi import Event, Status, lib
+from edgepath.contract.plan import Prompt, own_ms
+from edgepath.native.abi import Status, lib
 from edgepath.slots.config import SLOT_MEMORY, SlotServerConfig
 from edgepath.slots.drain import Drain
 from edgepath.slots.handlers import (
@@ -44,14 +44,14 @@ from edgepath.slots.handlers import (
     HandlerConfig,
     HoldsPrefixes,
     OneShot,
-    ReportsLoad,
-    SlotRequest,
     adapt,
 )
 from edgepath.slots.memory import PoolMemory, PoolSpec, open_pool_memory
 from edgepath.slots.peers import AgentPeer
-from edgepath.slots.streams import OutputStream
-from edgepath.transports.base import Completion, Connection, Transport, TransportError
+from edgepath.slots.published import Published
+from edgepath.slots.requests import read_request
+from edgepath.slots.results import Handover, Results, Running, ServerStats
+from edgepath.transports.base import Completion, Connection, Transport
 from edgepath.transports.connections import ConnectionManager
 
 log = logging.getLogger("edgepath.slot_server")
@@ -66,44 +66,11 @@ def handler_config(config: SlotServerConfig, options: dict[str, str] | None = No
     )
 
 
-@dataclass
-class ServerStats:
-    served: int = 0  # requests the handler finished (any final status but BAD_REQUEST)
-    handler_errors: int = 0
-    bad_requests: int = 0
-    rejected_doorbells: int = 0
-    expired_leases: int = 0
-    restored_words: int = 0  # state words found written back by a failed remote CAS and restored (slots/owned.py)
-    results_dropped: int = 0
-    deadline_exceeded: int = 0  # handlers answered HANDLER_ERROR at their deadline
-    quarantined: int = 0  # slots held (DONE) until their handler lets go of them
-    connections: int = 0
-    peers_refused: int = 0  # peers that did not prove they hold the peer secret, or were not admitted (each logged)
-    cancelled: int = 0  # running slots stopped by their requester
-    cancels_ignored: int = 0  # cancels for a slot that had already finished, or not the claimer's
-    reclaimed: int = 0  # running slots taken back for a tenant under its slot floor and handed to its agent
-    reclaims_refused: int = 0  # reclaims of a slot not running the generation they named (the agent is told)
-    progress_writes: int = 0  # streamed-output notifications sent
-    slow_steps: int = 0  # model steps longer than the step budget (each is logged)
-    longest_step: float = 0.0  # seconds of the longest model step so far
-
-
 #: seconds the loop may stand still (a step, a wait that overran, a SIGSTOP) before it asks every agent's
 #: connection whether it is still there before writing anything: an agent lets go of a server only after its
 #: heartbeat stood still for a whole hang timeout (seconds), and may have moved the server's requests, whose
 #: frames must then get nothing more from here.  Well below any hang timeout; a check is one call per agent.
 STOOD_STILL = 0.25
-
-
-@dataclass(eq=False, slots=True, kw_only=True)
-class _Running(OutputStream):
-    """A RUNNING slot between its start and its final result, and its output as its agent heard of it."""
-
-    slot: int
-    generation: int
-    peer: AgentPeer | None
-    reply_index: int
-    offset: int = 0  # output tokens the request's answer already has (a migrated request): its own go after
 
 
 class SlotServer:
@@ -124,21 +91,13 @@ class SlotServer:
             handler if isinstance(handler, BatchHandler) else adapt(handler, handler_config(cfg))
         )
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        holder = self.handler if isinstance(self.handler, HoldsPrefixes) else None
-        spec = PoolSpec.of(cfg, self.epoch, wire.PREFIX_ENTRIES if holder is not None else 0)
+        holds = isinstance(self.handler, HoldsPrefixes)
+        spec = PoolSpec.of(cfg, self.epoch, wire.PREFIX_ENTRIES if holds else 0)
         self.memory: PoolMemory = open_pool_memory(transport, cfg.memory, spec)
         if isinstance(self.handler, BeatsWithinSteps):
             self.handler.beat_within_steps(self.memory.heartbeat())
         self.pool = self.memory.pool
-        #: the handler whose prefixes the pool's table publishes (None: it holds none, or the pool has no table)
-        self._holder = holder if len(self.pool.prefixes) else None
-        self._prefixes_version: int | None = None
-        self._publish_prefixes()  # a handler may hold prefixes from the start
-        #: the handler whose load the pool header publishes (None: it reports none; the pace word stays 0)
-        self._reporter = self.handler if isinstance(self.handler, ReportsLoad) else None
-        self._load = Load()
-        self._load_fields = wire.load_record(self._load)
-        self._publish_load()
+        self.published = Published(self.handler, self.memory)
         self.pool_mr = self.memory.region
         self.poller = self.memory.poller
         #: the pool in GPU memory (``memory="gpu-device"``); then ``pool`` is its pinned host mirror
@@ -146,16 +105,13 @@ class SlotServer:
         self._req_hdr = self.pool.slots.request_headers
         self._res_hdr = self.pool.slots.result_headers
         self.peers: dict[int, AgentPeer] = {}
-        self.running: dict[int, _Running] = {}
-        self._held: dict[int, int] = {}  # slot -> generation: answered, kept until the handler lets go
-        #: slot -> (holder, reclaimer): a reclaimed slot the handler still holds, handed over once it lets go
-        self._handovers: dict[int, tuple[int, AgentPeer]] = {}
-        self._handed: dict[int, float] = {}  # slot -> until when the next step waits for its reclaimer's request
+        self.running: dict[int, Running] = {}
         self._lock = threading.Lock()
         self.stats = ServerStats()
+        self.results = Results(self.memory, self.pool, self.pool_mr, self.peers, self.stats, cfg)
         self._turned = time.monotonic()  # when the loop last ended a turn (poll_once)
         try:
-            self.listener = transport.listen(address, self.memory.exports, self._pool_info())
+            self.listener = transport.listen(address, self.memory.exports, self.pool.info())
         except BaseException:
             self.memory.close()
             raise
@@ -165,28 +121,6 @@ class SlotServer:
         self._drain_asked = threading.Event()  # drain(): set from a signal handler, acted on by the loop
         self.draining: Drain | None = None  # since when this server drains (it told its agents)
         self._serving = threading.Lock()  # held by serve(): close() frees GPU memory only after it returns
-
-    def _pool_info(self) -> dict[str, Any]:
-        h = self.pool.header
-        return {
-            name: int(h[name])
-            for name in (
-                "abi_version",
-                "slot_count",
-                "input_capacity",
-                "output_capacity",
-                "slot_stride",
-                "states_offset",
-                "doorbells_offset",
-                "cancels_offset",
-                "slots_offset",
-                "total_size",
-                "server_epoch",
-                "lease_ns",
-                "prefixes_offset",
-                "prefix_entries",
-            )
-        }
 
     # -- peers (admitted on the connection manager's thread, reaped on the loop's) ---------------
     def _admit(self, conn: Connection) -> dict[str, Any]:
@@ -243,48 +177,15 @@ class SlotServer:
             self._start(slot, conn_id, gen, now)
         return len(started)
 
-    def _problem(self, req: RequestHeader, peer: AgentPeer | None) -> str | None:
-        """Why the request in a slot cannot run (None: it can): the slot server checks what any writer put
-        there, the agent's checks notwithstanding."""
-        out_cap = self.config.output_capacity
-        if peer is not None:
-            out_cap = min(out_cap, peer.layout.output_capacity)
-            if not 0 <= req.reply_index < peer.frames:
-                return f"reply_index {req.reply_index} outside the agent's {peer.frames} frames"
-        if req.output_offset:
-            if req.output_offset > out_cap:
-                return f"output_offset {req.output_offset} is past the {out_cap} output tokens of a reply entry"
-            out_cap -= req.output_offset  # the migrated request's own output goes after what its answer has
-        words = wire.input_words(req.token_count, req.flags)  # the prompt and its constraint
-        problem = wire.request_problem(words, req.max_new_tokens, self.config.input_capacity, out_cap)
-        if problem is None and req.logit_biases > wire.LOGIT_BIAS_MAX:
-            problem = f"{req.logit_biases} logit biases; a request carries at most {wire.LOGIT_BIAS_MAX}"
-        return problem
-
-    def _read(self, req: RequestHeader, slot: int) -> tuple[str | None, wire.Sampling]:
-        """The request's constraint (None: none) and its sampling, logit biases included (the words after its prompt,
-        which :meth:`_problem` found within the slot); ValueError naming what is wrong with them."""
-        constraint: str | None = None
-        logit_bias: wire.LogitBias = ()
-        if req.flags & wire.FLAG_CONSTRAINT or req.logit_biases:
-            after = self.pool.slots.tokens[slot, req.token_count : wire.input_words(req.token_count, req.flags)]
-            constraint, logit_bias = wire.read_after_prompt(after, req.logit_biases)
-        sampling = req.sampling(logit_bias)
-        try:
-            sampling.check()
-        except wire.RequestInvalid as exc:
-            raise ValueError(str(exc)) from None
-        return constraint, sampling
-
     def _start(self, slot: int, conn_id: int, gen: int, now: float) -> None:
-        """A RUNNING slot: validate its request and hand it to the model side."""
-        self._handed.pop(slot, None)
+        """A RUNNING slot: validate its request (:func:`~edgepath.slots.requests.read_request`) and hand it to the
+        model side."""
+        self.results.started(slot)
         req = self._req_hdr[slot]
         peer = self.peers.get(conn_id)
-        request_id = req.request_id
-        self._res_hdr[slot].begin(request_id, gen, slot)
+        self._res_hdr[slot].begin(req.request_id, gen, slot)
         window = req.streaming(self.config.stream_window)
-        run = self.running[slot] = _Running(
+        run = self.running[slot] = Running(
             stream=window is not None,
             window=window or 0.0,
             slot=slot,
@@ -293,36 +194,16 @@ class SlotServer:
             reply_index=req.reply_index,
             offset=req.output_offset,
         )
-        problem = self._problem(req, peer)
-        if problem is None:
-            try:
-                constraint, sampling = self._read(req, slot)
-            except ValueError as exc:
-                problem = str(exc)
-        if problem is not None:
-            log.warning("slot %d: bad request: %s", slot, problem)
+        request = read_request(self.pool, self.config, slot, peer)
+        if isinstance(request, str):
+            log.warning("slot %d: bad request: %s", slot, request)
             self.stats.bad_requests += 1
             self._finish(run, Status.BAD_REQUEST, 0)
             return
-        slots = self.pool.slots
-        max_new = req.max_new_tokens
-        request = SlotRequest(
-            slot,
-            request_id,
-            max_new,
-            req.flags,
-            slots.tokens[slot, : req.token_count],
-            slots.outputs[slot, :max_new],
-            sampling,
-            req.cache_salt,
-            constraint,
-            req.tenant,
-            req.slot_floor,
-        )
         try:
             emits = self.handler.add(request, now)
         except Exception:
-            log.exception("handler refused slot %d (request %d)", slot, request_id)
+            log.exception("handler refused slot %d (request %d)", slot, request.request_id)
             emits = [Emit(slot, 0, Status.HANDLER_ERROR)]
         self._apply(emits, now)
 
@@ -361,13 +242,13 @@ class SlotServer:
             )
 
     def _apply(self, emits: list[Emit], now: float) -> None:
-        self._publish_prefixes()  # before any finished slot is freed: an agent that sees it free sees the table
-        self._publish_load()  # likewise: an agent that sees a slot free sees the work left behind it
+        # before any finished slot is freed: an agent that sees it free sees the table and the work left behind it
+        self.published.publish()
         for emit in emits:
             run = self.running.get(emit.slot)
             if run is None:
-                if emit.release and emit.slot in self._held:
-                    self._release_held(emit.slot)
+                if emit.release and emit.slot in self.results.held:
+                    self.results.release_held(emit.slot)
                 continue
             if emit.cached_tokens:
                 self._res_hdr[run.slot].cached(emit.cached_tokens)
@@ -375,7 +256,7 @@ class SlotServer:
                 result = self._res_hdr[run.slot]
                 result.first_token(lib.ep_now_ns())
                 uncached = max(1, self._req_hdr[run.slot].token_count - emit.cached_tokens)
-                result.prefill(own_ms(self._load, Prompt(emit.cached_tokens, uncached)) / 1e3)
+                result.prefill(own_ms(self.published.load, Prompt(emit.cached_tokens, uncached)) / 1e3)
             if emit.status is not None:
                 if emit.status == Status.HANDLER_ERROR:
                     self.stats.handler_errors += 1
@@ -398,24 +279,10 @@ class SlotServer:
                 due = wait if due is None else min(due, wait)
         return due
 
-    def _push_progress(self, run: _Running, now: float) -> None:
-        """The run's new output tokens and its progress word to its agent."""
-        peer = run.peer
-        if peer is None:
-            return
-        self._res_hdr[run.slot].placed(run.generation, run.offset + run.count)
-        self.memory.publish_result(run.slot, run.count)
-        try:
-            peer.send_progress(
-                self.pool_mr, self.pool.slots.result_offset(run.slot), run.reply_index, run.sent, run.count, run.offset
-            )
-        except TransportError as exc:
-            log.warning("streamed output for slot %d lost: %s", run.slot, exc)
-            run.peer = None
+    def _push_progress(self, run: Running, now: float) -> None:
+        """The run's new output tokens and its progress word to its agent; a run whose agent lost them is cancelled."""
+        if not self.results.push(run, now):
             self._cancel_running(run)
-            return
-        run.pushed(now)
-        self.stats.progress_writes += 1
 
     def _on_cancel(self, conn_id: int, imm: int) -> None:
         """A requester asked to stop a slot: honoured only for its own claim, in that generation."""
@@ -453,127 +320,25 @@ class SlotServer:
             or wire.word_generation(word) != wire.next_generation(run.generation)
         ):
             self.stats.reclaims_refused += 1
-            self._tell_reclaimer(peer, slot)
+            self.results.tell_reclaimer(peer, slot)
             return
         self.stats.reclaimed += 1
         released = self.handler.cancel(run.slot)
-        self._publish_prefixes()
-        self._publish_load()  # before the slot changes hands: its prompt leaves no load behind it
+        self.published.publish()  # before the slot changes hands: its prompt leaves no load behind it
         self._finish(run, Status.RECLAIMED, run.count, hold=not released, handover=(wire.word_holder(word), peer))
 
-    def _tell_reclaimer(self, peer: AgentPeer, slot: int) -> None:
-        try:
-            peer.notify_handover(self.pool_mr, slot)
-        except TransportError as exc:
-            log.warning("hand-over notice for slot %d lost: %s (the reclaimer's claim ends with its lease)", slot, exc)
-
-    def _hand_over(self, slot: int, gen: int, handover: tuple[int, AgentPeer]) -> None:
-        """DONE -> CLAIMED in the next generation for the reclaimer, who is told; its lease runs from now."""
-        holder, peer = handover
-        if self.peers.get(peer.conn.conn_id) is not peer:  # the reclaimer went away meanwhile
-            self.memory.step(slot, Event.RELEASE, gen)
-            return
-        self.memory.step(slot, Event.HANDOVER, gen, holder)
-        self._tell_reclaimer(peer, slot)
-        if self.config.handover_wait > 0:
-            self._handed[slot] = time.monotonic() + self.config.handover_wait
-
-    def _handover_hold(self, now: float) -> float | None:
-        """Seconds the next model step still waits for the request of a reclaimer a slot was handed over to (None:
-        it waits for none).  Without it the step that starts right after the hand-over runs without that request
-        -- the reclaimer cannot have sent it yet --, and the tenant under its floor waits a whole step more."""
-        for slot, until in list(self._handed.items()):
-            if until <= now:
-                del self._handed[slot]
-        return min(self._handed.values()) - now if self._handed else None
-
-    def _publish_prefixes(self) -> None:
-        """Rewrite the pool's prefix table when what the handler holds has changed."""
-        holder = self._holder
-        if holder is None:
-            return
-        version = holder.prefixes_version()
-        if version == self._prefixes_version:
-            return
-        self._prefixes_version = version
-        self.memory.publish_prefixes(wire.prefix_table(holder.prefixes(), len(self.pool.prefixes)))
-
-    def _publish_load(self) -> None:
-        """Rewrite the pool's load region when the handler's load has changed."""
-        if self._reporter is None:
-            return
-        self._load = self._reporter.load()
-        fields = wire.load_record(self._load)
-        if fields.tobytes() != self._load_fields.tobytes():
-            self._load_fields = fields
-            self.memory.publish_load(fields)
-
-    def _cancel_running(self, run: _Running) -> None:
+    def _cancel_running(self, run: Running) -> None:
         released = self.handler.cancel(run.slot)
-        self._publish_prefixes()
-        self._publish_load()  # before the slot is freed: a cancelled prompt leaves no load behind it
+        self.published.publish()  # before the slot is freed: a cancelled prompt leaves no load behind it
         self.stats.cancelled += 1
         self._finish(run, Status.CANCELLED, run.count, hold=not released)
 
     def _finish(
-        self,
-        run: _Running,
-        status: Status,
-        output_count: int,
-        hold: bool = False,
-        handover: tuple[int, AgentPeer] | None = None,
+        self, run: Running, status: Status, output_count: int, hold: bool = False, handover: Handover | None = None
     ) -> None:
-        """RUNNING -> DONE, the result back to its agent, DONE -> FREE -- or, reclaimed (``handover``: the holder
-        and the agent the slot goes to), DONE -> CLAIMED for the reclaimer -- unless the handler still holds the
-        slot's memory: then it stays DONE until the handler lets go."""
-        slot, gen, memory = run.slot, run.generation, self.memory
-        del self.running[slot]
-        if handover is not None:
-            self._handovers[slot] = handover
-        self._res_hdr[slot].end(gen, status, run.offset + output_count)  # counted in the whole answer
-        if status in (Status.OK, Status.LENGTH, Status.STOP):
-            self.stats.served += 1
-        memory.publish_result(slot, output_count)
-        memory.step(slot, Event.COMPLETE, gen)
-        if hold:
-            self._held[slot] = gen
-            self.stats.quarantined += 1
-        peer = run.peer
-        if peer is None or not 0 <= run.reply_index < peer.frames:
-            # Nobody to answer (the agent has gone, or named no valid reply frame): free the slot.
-            if not hold:
-                self._free(slot, gen)
-            self.stats.results_dropped += 1
-            return
-        try:
-            peer.send_final(
-                self.pool_mr, self.pool.slots.result_offset(slot), run.reply_index, output_count, run.offset
-            )
-        except TransportError as exc:
-            log.warning("result for slot %d lost: %s", slot, exc)
-            self.stats.results_dropped += 1
-            if not hold:
-                self._free(slot, gen)
-            return
-        if not hold:
-            self._free(slot, gen)
-        try:
-            peer.notify_final(self.pool_mr, run.reply_index)
-        except TransportError as exc:
-            log.warning("result notification for slot %d lost: %s", slot, exc)
-            self.stats.results_dropped += 1
-
-    def _free(self, slot: int, gen: int) -> None:
-        """The end of a slot's cycle: DONE -> FREE, or to its reclaimer when it was reclaimed."""
-        handover = self._handovers.pop(slot, None)
-        if handover is None:
-            self.memory.step(slot, Event.RELEASE, gen)
-        else:
-            self._hand_over(slot, gen, handover)
-
-    def _release_held(self, slot: int) -> None:
-        self._free(slot, self._held.pop(slot))
-        self.stats.quarantined -= 1
+        """The run leaves the running set and its cycle ends (:meth:`Results.finish`)."""
+        del self.running[run.slot]
+        self.results.finish(run, status, output_count, hold, handover)
 
     def scan_leases(self, now_ns: int | None = None) -> int:
         n = self.poller.scan_leases(now_ns or lib.ep_now_ns())
@@ -646,11 +411,11 @@ class SlotServer:
         memory.beat(now)
         wait = self.handler.wake_in(now)
         due = self.flush(now)
-        hold = self._handover_hold(now)
+        hold = self.results.handover_hold(now)
         for t in (wait if hold is None else hold, due):
             if t is not None:
                 timeout = min(timeout, t)
-        if self._held:
+        if self.results.held:
             timeout = min(timeout, self.config.scan_interval)
         waited = time.monotonic()
         completions = self.transport.cq.wait(max(0.0, timeout), spin=self.config.spin, max_entries=256)
@@ -660,7 +425,7 @@ class SlotServer:
         if completions or self.poller.hands_over:
             self.process(completions, now)
         wait = self.handler.wake_in(now)
-        if ((wait is not None and wait <= 0) or self._held) and self._handover_hold(now) is None:
+        if ((wait is not None and wait <= 0) or self.results.held) and self.results.handover_hold(now) is None:
             self.step(now)
             now = time.monotonic()
             memory.beat(now)
@@ -668,7 +433,7 @@ class SlotServer:
         # Whatever happened this turn (a cancel, a peer gone, a handler's own timer), the load agents read is
         # the handler's now: an idle server never publishes work it no longer has (a stale load refused
         # every request for good: issue 34).
-        self._publish_load()
+        self.published.publish_load()
         self._turned = now
         return now
 

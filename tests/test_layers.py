@@ -217,7 +217,13 @@ def test_the_product_wheel_does_not_carry_the_benchmarks() -> None:
     through the entry point the command line reads."""
     product = tomllib.loads((ROOT / "pyproject.toml").read_text())
     bench = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())
-    packages = {PACKAGES[f][0] for f in PACKAGES if f != "bench"} | {f"edgepath.edge.{room}" for room in EDGE_FOLDERS}
+    packages = {PACKAGES[f][0] for f in PACKAGES if f != "bench"} | {
+        ".".join((PACKAGES[f][0], *init.parent.relative_to(ROOT / f).parts))
+        for f in PACKAGES
+        if f != "bench"
+        for init in (ROOT / f).rglob("__init__.py")
+        if init.parent != ROOT / f
+    }  # and each sub-package: the edge's rooms, the wire contract's package
     assert set(product["tool"]["setuptools"]["packages"]) == packages
     assert "bench" not in product["tool"]["setuptools"]["package-dir"].values()
     assert product["project"]["optional-dependencies"].keys().isdisjoint({"bench"})

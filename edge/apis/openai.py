@@ -489,7 +489,7 @@ def _completion_logprobs(doc: Mapping[str, Any]) -> int | None:
 
 def _cap(limits: OpenAILimits, top: int | None, param: str) -> tuple[int, str]:
     """Most tokens one answer may have, and why: a slot's output holds ``max_tokens`` words, and with log
-    probabilities each token takes a record of them (contract/wire.py)."""
+    probabilities each token takes a record of them (contract/wire/logprobs.py)."""
     if top is None:
         return limits.max_tokens, "this server's most tokens per answer"
     if not limits.logprobs:

@@ -178,7 +178,7 @@ class OpenAIFormatter:
         return self.answer.start()
 
     def _feed(self, words: np.ndarray) -> bytes:
-        """The next output words: token ids, or log-probability records (contract/wire.py)."""
+        """The next output words: token ids, or log-probability records (contract/wire/logprobs.py)."""
         head = self._opening()
         if self.answer.stopped or not len(words):
             self._fed += len(words)

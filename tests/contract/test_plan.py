@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -288,7 +289,7 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     step under way counts half), joins from the next one behind the ``unseen`` claims, and its first token comes
     exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs say)."""
     published = Costs(*costs).published()
-    options = PolicyOptions(float(wire.np.float32(stall)), min_prefill, 4096)
+    options = PolicyOptions(float(np.float32(stall)), min_prefill, 4096)
     server = SimulatedServer(published, options)
     server.running = [Sequence(prompt, prompt, decoded) for prompt, decoded in decoding]
     server.running += [Sequence(done + left, done) for done, left in waiting]

@@ -182,7 +182,7 @@ def test_a_references_file_without_this_model_or_unreadable_is_refused(model: Pa
 def test_a_model_without_a_reference_is_checked_for_self_consistency(
     model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("edgepath.model.llama.shipped", dict)
+    monkeypatch.setattr("edgepath.model.answer_check.shipped", dict)
     with caplog.at_level(logging.INFO, logger="edgepath.model.llama"):
         handler({}).close()
     assert any("self-consistency only" in r.getMessage() for r in caplog.records)

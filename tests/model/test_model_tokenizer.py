@@ -152,8 +152,8 @@ def test_chat_bad_messages_are_named(tok: GGUFTokenizer) -> None:
 
 
 def test_chat_template_flag_replaces_the_models_template_and_needs_a_gguf_tokenizer(tmp_path) -> None:
-    from edgepath.builder import use_chat_template
     from edgepath.edge.text.tokenizer import load_tokenizer
+    from edgepath.edge_builder import use_chat_template
     from edgepath.model.gguf import default_model_path
 
     template = tmp_path / "plain.jinja"
