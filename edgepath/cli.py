@@ -203,34 +203,48 @@ def build_parser(added: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more: every process's debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser(
-        "serve",
-        help="serve the model: the HTTP/3 (or HTTP/1.1) API, and the slot server running the model",
-        description="Serve a model with an OpenAI-compatible API (and edgepath's own routes): HTTP/3 on port 4433 "
-        "by default, HTTP/1.1 on 8080 with --transport tcp. Prints `ready URL` when it accepts requests.",
+    commands = (  # (name, help, description, settings, run)
+        (
+            "serve",
+            "serve the model: the HTTP/3 (or HTTP/1.1) API, and the slot server running the model",
+            "Serve a model with an OpenAI-compatible API (and edgepath's own routes): HTTP/3 on port 4433 by default, "
+            "HTTP/1.1 on 8080 with --transport tcp. Prints `ready URL` when it accepts requests.",
+            ServeOptions,
+            cmd_serve,
+        ),
+        (
+            "chat",
+            "ask a running server one chat question over HTTP/3 and print the answer as it streams",
+            "Send one user message (and, with --system, a system message) to a running edgepath server's OpenAI chat "
+            "route over HTTP/3; the model's chat template renders it, and the answer's text is printed as it streams.",
+            ChatSettings,
+            cmd_chat,
+        ),
+        (
+            "request",
+            "send a running server one text to continue over HTTP/3; print the text and the server's timings",
+            "Send one prompt to a running edgepath server's own route (POST /v1/generate) over HTTP/3: the model "
+            "continues the text as it is, without a chat template. Prints the status, the text, the token counts and "
+            "where the server's time went.",
+            RequestSettings,
+            cmd_request,
+        ),
+        (
+            "probe",
+            "check a slot server as its agents do, or a quota ledger as its edges do (a container's liveness or "
+            "readiness probe); exit 0 if it passes",
+            "Attach to a running slot server as an agent does (its pool verified), wait for its heartbeat to move (at "
+            "most --hang-timeout seconds) and let go: exit 0 when it passes, 1 with the reason when not. With "
+            "--ready, a draining slot server (SIGTERM) fails too. With --ledger, the address is a quota ledger's: "
+            "connect as an edge does and read a word.",
+            ProbeSettings,
+            cmd_probe,
+        ),
     )
-    add_options(p, ServeOptions)
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser(
-        "chat",
-        help="ask a running server one chat question over HTTP/3 and print the answer as it streams",
-        description="Send one user message (and, with --system, a system message) to a running edgepath server's "
-        "OpenAI chat route over HTTP/3; the model's chat template renders it, and the answer's text is printed "
-        "as it streams.",
-    )
-    add_options(p, ChatSettings)
-    p.set_defaults(func=cmd_chat)
-
-    p = sub.add_parser(
-        "request",
-        help="send a running server one text to continue over HTTP/3; print the text and the server's timings",
-        description="Send one prompt to a running edgepath server's own route (POST /v1/generate) over HTTP/3: the "
-        "model continues the text as it is, without a chat template. Prints the status, the text, the token "
-        "counts and where the server's time went.",
-    )
-    add_options(p, RequestSettings)
-    p.set_defaults(func=cmd_request)
+    for verb, summary, description, section, cmd in commands:
+        p = sub.add_parser(verb, help=summary, description=description)
+        add_options(p, section)
+        p.set_defaults(func=cmd)
 
     data_path_commands = (
         ("slot-server", "run a model side alone: a slot pool served by a handler", SlotServerSettings, cmd_slot_server),
@@ -243,18 +257,6 @@ def build_parser(added: bool = True) -> argparse.ArgumentParser:
         ),
         ("demo", "run the whole data path in one process, without a model, and report", DemoSettings, cmd_demo),
     )
-    p = sub.add_parser(
-        "probe",
-        help="check a slot server as its agents do, or a quota ledger as its edges do (a container's liveness or "
-        "readiness probe); exit 0 if it passes",
-        description="Attach to a running slot server as an agent does (its pool verified), wait for its heartbeat "
-        "to move (at most --hang-timeout seconds) and let go: exit 0 when it passes, 1 with the reason when not. "
-        "With --ready, a draining slot server (SIGTERM) fails too. With --ledger, the address is a quota ledger's: "
-        "connect as an edge does and read a word.",
-    )
-    add_options(p, ProbeSettings)
-    p.set_defaults(func=cmd_probe)
-
     for name, help_text, settings, run in data_path_commands:
         p = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         add_options(p, settings)
