@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import orjson
@@ -236,6 +236,38 @@ def load_json(body: bytes) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return json.loads(body.decode("utf-8"))
+
+
+#: what :func:`json_object` found wrong with a body: not UTF-8, not JSON (or nested too deeply), not an object
+BodyProblem = Literal["utf8", "json", "type"]
+
+
+def json_object(body: bytes | Mapping[str, Any], refuse: Callable[[str, BodyProblem], Exception]) -> Mapping[str, Any]:
+    """A request body that must be one JSON object (:func:`load_json`; one already parsed is taken as it is).  What
+    is wrong with it is raised as ``refuse(problem, kind)`` -- ``problem`` says it of the body ("is not valid JSON:
+    ..."), each API puts it in its own words, status and code, so every route reads bodies alike."""
+    if isinstance(body, Mapping):
+        return body
+    try:
+        doc = load_json(bytes(body))
+    except UnicodeDecodeError as exc:
+        raise refuse(f"is not valid UTF-8 (byte {exc.start})", "utf8") from None
+    except ValueError as exc:
+        raise refuse(f"is not valid JSON: {exc}", "json") from None
+    except RecursionError:
+        raise refuse("nests JSON too deeply to parse", "json") from None
+    if not isinstance(doc, dict):
+        raise refuse(f"must be a JSON object, got {json_type(doc)}", "type")
+    return doc
+
+
+def request_object(body: bytes) -> Mapping[str, Any]:
+    """A body of edgepath's own routes (and llama-server's) as the JSON object it must be; else HttpError 400
+    ``invalid_utf8``, ``invalid_json`` or ``invalid_request`` (JSON that is no object)."""
+    return json_object(body, lambda problem, kind: HttpError(400, _BODY_CODES[kind], f"request body {problem}"))
+
+
+_BODY_CODES: dict[BodyProblem, str] = {"utf8": "invalid_utf8", "json": "invalid_json", "type": "invalid_request"}
 
 
 def json_response(status: int, payload: dict[str, Any]) -> Response:

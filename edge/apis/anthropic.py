@@ -30,7 +30,7 @@ from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import Headers, HttpError, json_type, load_json
+from edgepath.edge.http import Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -188,19 +188,7 @@ def parse_messages(body: bytes | Mapping[str, Any], limits: AnthropicLimits, *, 
 
 
 def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(body, Mapping):
-        return body
-    try:
-        doc = load_json(bytes(body))
-    except UnicodeDecodeError as exc:
-        raise invalid(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    except ValueError as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise invalid("the request body nests JSON too deeply to parse") from None
-    if not isinstance(doc, dict):
-        raise invalid(f"the request body must be a JSON object, got {json_type(doc)}")
-    return doc
+    return json_object(body, lambda problem, _: invalid(f"the request body {problem}"))
 
 
 def _max_tokens(value: Any, cap: int) -> int:

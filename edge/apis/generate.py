@@ -10,7 +10,7 @@ event per token and ``event: done`` with the summary when streamed.  Errors are 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from edgepath.edge.http import (
     error_response,
     json_response,
     json_type,
-    load_json,
+    request_object,
 )
 
 
@@ -57,14 +57,7 @@ class GenerateRoutes:
 
     def handle(self, path: str, method: str, body: bytes) -> Work:
         """The work a POST asks for; :class:`HttpError` (400) naming the field that is wrong."""
-        try:
-            doc = load_json(body)
-        except UnicodeDecodeError as exc:
-            raise HttpError(400, "invalid_utf8", f"request body is not valid UTF-8 (byte {exc.start})") from None
-        except ValueError as exc:
-            raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {type(doc).__name__}")
+        doc = request_object(body)
         kind = "generate" if path == GENERATE else "tokenize"
         generating = {"max_tokens", "stream", "cache_salt", "ignore_eos", *SAMPLING_FIELDS}
         allowed = {"prompt", "tokens"} | (generating if kind == "generate" else set())
@@ -88,7 +81,7 @@ class GenerateRoutes:
     def error(exc: HttpError) -> Response:
         return error_response(exc)
 
-    def _input(self, doc: dict[str, Any]) -> tuple[str | None, list[int] | None]:
+    def _input(self, doc: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
         has_prompt, has_tokens = "prompt" in doc, "tokens" in doc
         if has_prompt == has_tokens:
             raise HttpError(400, "invalid_request", "give exactly one of 'prompt' (a string) or 'tokens' (token ids)")
@@ -111,14 +104,14 @@ class GenerateRoutes:
             raise HttpError(400, "invalid_request", f"'tokens' must be a non-empty list of token ids in 0..{vocab - 1}")
         return None, tokens
 
-    def _sampling(self, doc: dict[str, Any]) -> Sampling:
+    def _sampling(self, doc: Mapping[str, Any]) -> Sampling:
         """The sampling fields, parsed and refused exactly as on the OpenAI routes (greedy by default)."""
         try:
             return parse_sampling(doc, GENERATE_DEFAULT, vocab_size=self.limits.vocab_size, seeds=self.seeds)
         except SamplingInvalid as exc:
             raise HttpError(400, "invalid_request", exc.message) from None
 
-    def _max_tokens(self, doc: dict[str, Any]) -> int:
+    def _max_tokens(self, doc: Mapping[str, Any]) -> int:
         cap = self.limits.output_capacity
         value = doc.get("max_tokens", cap)
         if type(value) is not int or not 1 <= value <= cap:
@@ -126,11 +119,11 @@ class GenerateRoutes:
         return value
 
 
-def _stream(doc: dict[str, Any]) -> bool:
+def _stream(doc: Mapping[str, Any]) -> bool:
     return _flag(doc, "stream")
 
 
-def _flag(doc: dict[str, Any], name: str) -> bool:
+def _flag(doc: Mapping[str, Any], name: str) -> bool:
     """A boolean field (false when absent or null)."""
     value = doc.get(name)
     if value is None:

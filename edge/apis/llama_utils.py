@@ -18,11 +18,12 @@ table (:meth:`~edgepath.edge.text.tokenizer.GGUFTokenizer.pieces`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
-from edgepath.edge.http import LLAMA_TOKENIZE, HttpError, Response, Work, json_response, json_type, load_json
+from edgepath.edge.http import LLAMA_TOKENIZE, HttpError, Response, Work, json_response, json_type, request_object
 
 #: llama-server's error ``type`` for each status (tools/server/server-common.cpp, format_error_response)
 ERROR_TYPES = {
@@ -60,7 +61,7 @@ class LlamaUtilRoutes:
         self.vocabulary = vocabulary
 
     def handle(self, path: str, method: str, body: bytes) -> Work | Response:
-        doc = _document(body)
+        doc = request_object(body)
         if path == LLAMA_TOKENIZE:
             return self._tokenize(doc)
         return self._detokenize(doc)
@@ -68,7 +69,7 @@ class LlamaUtilRoutes:
     def error(self, exc: HttpError) -> Response:
         return error_response(exc)
 
-    def _tokenize(self, doc: dict[str, Any]) -> Work:
+    def _tokenize(self, doc: Mapping[str, Any]) -> Work:
         _known(doc, TOKENIZE_FIELDS)
         content = doc.get("content")
         if not isinstance(content, str):
@@ -91,7 +92,7 @@ class LlamaUtilRoutes:
         pieces = self.vocabulary.pieces()
         return json_response(200, {"tokens": [{"id": t, "piece": _piece(pieces[t])} for t in tokens]})
 
-    def _detokenize(self, doc: dict[str, Any]) -> Response:
+    def _detokenize(self, doc: Mapping[str, Any]) -> Response:
         _known(doc, DETOKENIZE_FIELDS)
         tokens = doc.get("tokens", [])
         size = self.vocabulary.vocab_size
@@ -110,25 +111,13 @@ def error_response(exc: HttpError) -> Response:
     return response
 
 
-def _document(body: bytes) -> dict[str, Any]:
-    try:
-        doc = load_json(body)
-    except UnicodeDecodeError as exc:
-        raise HttpError(400, "invalid_utf8", f"request body is not valid UTF-8 (byte {exc.start})") from None
-    except ValueError as exc:
-        raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise HttpError(400, "invalid_request", f"request body must be a JSON object, got {json_type(doc)}")
-    return doc
-
-
-def _known(doc: dict[str, Any], fields: dict[str, Any]) -> None:
+def _known(doc: Mapping[str, Any], fields: dict[str, Any]) -> None:
     unknown = sorted(set(doc) - set(fields))
     if unknown:
         raise HttpError(400, "invalid_request", f"unknown field(s) {unknown}; allowed: {list(fields)}")
 
 
-def _flag(doc: dict[str, Any], name: str) -> bool:
+def _flag(doc: Mapping[str, Any], name: str) -> bool:
     value = doc.get(name)
     if value is None:
         return bool(TOKENIZE_FIELDS[name])

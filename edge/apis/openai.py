@@ -37,7 +37,7 @@ from edgepath.edge.apis.sampling import (
 )
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import Headers, HttpError, json_type, load_json
+from edgepath.edge.http import BodyProblem, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -200,7 +200,7 @@ def parse_completion_request(
 ) -> OpenAIRequest:
     """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError` (``seeds``: where a request that
     samples without a seed gets one)."""
-    doc = _document(body)
+    doc = document(body)
     _check_fields(doc, "completion")
     prompt, prompt_ids = _completion_prompt(doc, limits.vocab_size)
     top = _completion_logprobs(doc)
@@ -221,7 +221,7 @@ def parse_chat_request(
 ) -> OpenAIRequest:
     """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError` (``seeds``: as for
     :func:`parse_completion_request`)."""
-    doc = _document(body)
+    doc = document(body)
     _check_fields(doc, "chat")
     messages, tools, tools_grammar, template_tools = _tool_calling(doc, _messages(doc), limits)
     top = _chat_logprobs(doc)
@@ -267,20 +267,14 @@ def _tool_calling(
     return chat.messages, chat.tools, chat.constraint, chat.template_tools
 
 
-def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(body, Mapping):
-        return body
-    try:
-        doc = load_json(bytes(body))
-    except UnicodeDecodeError as exc:
-        raise invalid_request(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
-    except ValueError as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise invalid_request("the request body nests JSON too deeply to parse", code="invalid_json") from None
-    if not isinstance(doc, dict):
-        raise invalid_request(f"the request body must be a JSON object, got {json_type(doc)}", code="invalid_type")
-    return doc
+def document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A request body of OpenAI's routes (chat, completions, Responses) as the JSON object it must be; else 400
+    ``invalid_json`` (``invalid_type`` for JSON that is no object)."""
+    return json_object(body, _refuse_body)
+
+
+def _refuse_body(problem: str, kind: BodyProblem) -> OpenAIError:
+    return invalid_request(f"the request body {problem}", code="invalid_type" if kind == "type" else "invalid_json")
 
 
 def _common(

@@ -23,7 +23,7 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX
-from edgepath.edge.apis.openai import invalid_request, model_not_found, unsupported
+from edgepath.edge.apis.openai import document, invalid_request, model_not_found, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -33,7 +33,7 @@ from edgepath.edge.apis.sampling import (
 )
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import json_type, load_json
+from edgepath.edge.http import json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -76,7 +76,7 @@ class ResponsesRequest:
 
 def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLimits) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body; raises :class:`~edgepath.edge.apis.openai.OpenAIError`."""
-    doc = _document(body)
+    doc = document(body)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise invalid_request(
@@ -140,22 +140,6 @@ def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLim
         limits.thinking, instructions, doc.get("tool_choice") or "auto", tuple(raw_tools or ()), fmt, metadata,
         doc.get("parallel_tool_calls") is not False,
     )  # fmt: skip
-
-
-def _document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(body, Mapping):
-        return body
-    try:
-        doc = load_json(bytes(body))
-    except UnicodeDecodeError as exc:
-        raise invalid_request(f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
-    except ValueError as exc:
-        raise invalid_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise invalid_request("the request body nests JSON too deeply to parse", code="invalid_json") from None
-    if not isinstance(doc, dict):
-        raise invalid_request(f"the request body must be a JSON object, got {json_type(doc)}", code="invalid_type")
-    return doc
 
 
 def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
