@@ -7,7 +7,7 @@ that fill them (:func:`edgepath.options.option`: default, help, parser):
   secret every process on it proves it holds (``--peer-secret-file``, ``--peer-secret-grace``);
 * :class:`Capacity` -- tokens a slot or a frame holds (``--input-capacity``, ``--output-capacity``);
 * :class:`HandlerSettings` -- the model side (``--handler``, ``--handler-option``), whose options the
-  handler registry reads into typed ones (the llama handler's: :class:`edgepath.model.llama.LlamaOptions`);
+  handler registry reads into typed ones (the llama handler's: :class:`edgepath.model.llama_options.LlamaOptions`);
 * :class:`AgentSettings` -- an agent (``--frames``, ``--hang-timeout``);
 * :class:`SlotServerSettings` (``edgepath slot-server``) and :class:`AgentServiceSettings`
   (``edgepath agent``), made of those;

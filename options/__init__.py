@@ -13,7 +13,7 @@ of the text (:class:`Flag`).  The same declaration serves the two ways an option
   twice.  Every option is given at most once: a repeated single-valued option is an error (argparse would keep
   the last one silently), and only an option declared ``repeat`` collects several values.
 * **a handler's ``KEY=VALUE``** (``--handler-option``; the llama handler's
-  :class:`~edgepath.model.llama.LlamaOptions`, the echo handlers' options): :func:`read_pairs` reads them, each
+  :class:`~edgepath.model.llama_options.LlamaOptions`, the echo handlers' options): :func:`read_pairs` reads them, each
   by its field's parser, and an unknown key or a wrong value is an :class:`OptionError` that names the option,
   what is allowed and its default.
 
