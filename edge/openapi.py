@@ -250,7 +250,11 @@ def _schemas(limits: Limits, model: str | None) -> dict[str, Any]:
                 "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": TOP_LOGPROBS_MAX},
             },
         },
-        "ResponsesRequest": {"type": "object", "required": ["model", "input"]},
+        "ResponsesRequest": {
+            "type": "object",
+            "required": ["model", "input"],
+            "properties": {"input": {"maxItems": MESSAGES_MAX}},  # a string, or at most this many items
+        },
         "LlamaTokenizeRequest": {
             "type": "object",
             "additionalProperties": False,

@@ -26,7 +26,7 @@ import orjson
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
-from edgepath.edge.apis.limits import TOOLS_MAX
+from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
@@ -239,12 +239,17 @@ def _block_fields(block: Mapping[str, Any], where: str, fields: set[str]) -> Non
 def _messages(raw: Any) -> list[Turn]:
     if not isinstance(raw, list) or not raw:
         raise invalid(f"messages: must be a non-empty list of {{role, content}} objects, got {show(raw)}")
+    try:
+        check_messages(len(raw))
+    except LimitExceeded as exc:
+        raise invalid(f"{exc.param}: {exc.message}") from None
     turns: list[Turn] = []
+    made: set[str] = set()  # the ids of the calls made so far (a set kept as it grows: one pass, not one per turn)
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where}: must be an object with 'role' and 'content', got {json_type(message)}")
-        _answers_a_call(turns, message, where)
+        _answers_a_call(made, message, where)
         extra = sorted(set(message) - {"role", "content"})
         if extra:
             raise invalid(f"{where}.{extra[0]}: Extra inputs are not permitted")
@@ -255,7 +260,9 @@ def _messages(raw: Any) -> list[Turn]:
         if isinstance(content, str):
             turns.append(ChatMessage(role, _text(content, f"{where}.content")))
         elif isinstance(content, list):
-            turns += _user(content, where) if role == "user" else _assistant(content, where)
+            added = _user(content, where) if role == "user" else _assistant(content, where)
+            made.update(c.id for t in added if isinstance(t, ToolTurn) for c in t.calls)
+            turns += added
         else:
             raise invalid(f"{where}.content: must be a string or a list of content blocks, got {show(content)}")
     if isinstance(turns[-1], ChatMessage) and turns[-1].role == "assistant":
@@ -266,13 +273,12 @@ def _messages(raw: Any) -> list[Turn]:
     return turns
 
 
-def _answers_a_call(turns: Sequence[Turn], message: Mapping[str, Any], where: str) -> None:
-    """Each ``tool_result`` of ``message`` answers a ``tool_use`` of an earlier assistant turn (named in Anthropic's
-    places; the shared check names the conversation's turns)."""
+def _answers_a_call(made: set[str], message: Mapping[str, Any], where: str) -> None:
+    """Each ``tool_result`` of ``message`` answers a ``tool_use`` of an earlier assistant turn (``made``: their ids;
+    named in Anthropic's places; the shared check names the conversation's turns)."""
     content = message.get("content")
     if not isinstance(content, list):
         return
-    made = {c.id for t in turns if isinstance(t, ToolTurn) for c in t.calls}
     for j, block in enumerate(content):
         if isinstance(block, dict) and block.get("type") == "tool_result":
             call_id = block.get("tool_use_id")

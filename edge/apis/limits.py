@@ -137,10 +137,11 @@ def check_stops(stops: tuple[str, ...], param: str = "stop") -> None:
         )
 
 
-def check_messages(count: int, param: str = "messages") -> None:
-    """LimitExceeded when a chat has more than :data:`MESSAGES_MAX` messages."""
+def check_messages(count: int, param: str = "messages", what: str = "messages") -> None:
+    """LimitExceeded when a chat has more than :data:`MESSAGES_MAX` messages (``what``: how its shape calls them --
+    Responses' ``input`` holds items)."""
     if count > MESSAGES_MAX:
-        raise LimitExceeded(param, f"'{param}' holds {count} messages; at most {MESSAGES_MAX}")
+        raise LimitExceeded(param, f"'{param}' holds {count} {what}; at most {MESSAGES_MAX}")
 
 
 class SchemaBudget:

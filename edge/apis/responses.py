@@ -22,7 +22,7 @@ from typing import Any
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
-from edgepath.edge.apis.limits import TOOLS_MAX
+from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.openai import document, invalid_request, model_not_found, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
@@ -185,7 +185,12 @@ def _input(raw: Any) -> list[Turn]:
             param="input",
             code="missing_required_parameter" if raw is None else "invalid_type",
         )
+    try:
+        check_messages(len(raw), "input", "items")
+    except LimitExceeded as exc:
+        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
     turns: list[Turn] = []
+    made: set[str] = set()  # the ids of the calls made so far (kept as it grows: one pass, not one per output)
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -195,6 +200,7 @@ def _input(raw: Any) -> list[Turn]:
             turns.append(_message(item, where))
         elif kind == "function_call":
             call = _call(item, where)
+            made.add(call.id)
             last = turns[-1] if turns else None
             if isinstance(last, ToolTurn) and last.role == "assistant":
                 turns[-1] = ToolTurn("assistant", last.content, (*last.calls, call))
@@ -206,7 +212,7 @@ def _input(raw: Any) -> list[Turn]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise invalid_request(f"'{where}.call_id' must name the call this output answers", param=where)
-            if not any(isinstance(t, ToolTurn) and any(c.id == call_id for c in t.calls) for t in turns):
+            if call_id not in made:
                 raise invalid_request(
                     f"'{where}.call_id' = {call_id!r} answers no function_call earlier in 'input'",
                     param=f"{where}.call_id",

@@ -10,9 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, parse_messages
 from edgepath.edge.apis.limits import (
     JSON_CONTAINERS_MAX,
     JSON_DEPTH_MAX,
+    MESSAGES_MAX,
     SCHEMA_DEPTH_MAX,
     SCHEMA_REPEAT_MAX,
     check_json,
@@ -20,8 +22,9 @@ from edgepath.edge.apis.limits import (
     json_shape,
     pattern_size,
 )
-from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
+from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
+from edgepath.edge.apis.responses import ResponsesLimits, parse_response_request
 from edgepath.edge.apis.structured import FormatRefused, grammar_for
 from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, TOKENIZE, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
@@ -171,3 +174,47 @@ def test_the_stop_matcher_grows_with_the_stop_strings_not_their_square() -> None
     m = StopMatcher([stop])
     assert m.feed("x" + stop[:-1]).text == "x" and len(m.held) == len(stop) - 1
     assert m.feed(stop[-1]).stopped
+
+
+def test_every_chat_shape_holds_a_chat_to_the_same_message_limit_in_its_own_400() -> None:
+    """Messages and Responses take their chats' limit from the one module, as OpenAI's chat does: one message (item)
+    past it is that shape's 400 naming the field and the limit; at the limit the chat is read."""
+    turn = {"role": "user", "content": "hi"}
+    reply = {"role": "assistant", "content": "ok"}
+    chat = [turn, *([reply, turn] * (MESSAGES_MAX // 2))]  # ends with the user's turn, one past the limit
+    assert len(chat) == MESSAGES_MAX + 1
+    anthropic_limits = AnthropicLimits(8, (MODEL,))
+    with pytest.raises(AnthropicError) as refused:
+        parse_messages({"model": MODEL, "max_tokens": 8, "messages": chat}, anthropic_limits)
+    error = refused.value.payload()["error"]
+    assert refused.value.status == 400 and error["type"] == "invalid_request_error"
+    assert error["message"] == f"messages: 'messages' holds {MESSAGES_MAX + 1} messages; at most {MESSAGES_MAX}"
+    assert len(parse_messages({"model": MODEL, "max_tokens": 8, "messages": chat[1:]}, anthropic_limits).chat.messages)
+    responses_limits = ResponsesLimits(8, (MODEL,))
+    with pytest.raises(OpenAIError) as info:
+        parse_response_request({"model": MODEL, "input": chat}, responses_limits)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "input", "limit_exceeded")
+    assert f"'input' holds {MESSAGES_MAX + 1} items; at most {MESSAGES_MAX}" in info.value.message
+    assert parse_response_request({"model": MODEL, "input": chat[1:]}, responses_limits).chat.messages
+
+
+def test_calls_and_their_results_are_matched_across_a_chat_at_the_limit() -> None:
+    """Every result answers an earlier call: checked against the set of ids made so far, kept as it grows (it was
+    rebuilt from every earlier turn for each message, quadratic in the chat's length)."""
+    calls = [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}}]}
+        for i in range(MESSAGES_MAX // 2)
+    ]
+    results = [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "r"}]}
+        for i in range(MESSAGES_MAX // 2)
+    ]
+    chat = [m for pair in zip(calls, results, strict=True) for m in pair]
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    req = parse_messages(
+        {"model": MODEL, "max_tokens": 8, "messages": chat, "tools": tools}, AnthropicLimits(8, (MODEL,))
+    )
+    assert len(req.chat.messages) > MESSAGES_MAX // 2
+    bad = [*chat[:-1], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t999999"}]}]
+    with pytest.raises(AnthropicError, match="'t999999' answers no tool_use"):
+        parse_messages({"model": MODEL, "max_tokens": 8, "messages": bad, "tools": tools}, AnthropicLimits(8, (MODEL,)))
