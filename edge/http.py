@@ -96,10 +96,26 @@ class Work:
     salt: int = 0  # the request header's cache_salt: the tenant's namespace and cache_salt (wire.cache_salt)
     flags: int = 0  # request flags beyond the stream flag (logprobs: contract/wire/logprobs.py); max_tokens then
     # counts output words, a whole number of records
+    #: the grammar the answer must match, checked and not built yet: the lifecycle takes its words from the tenant's
+    #: cache (edge/grammars.py) or has a tokenizer worker build them into :attr:`constraint`
+    grammar: Grammar | None = None
     constraint: np.ndarray | None = None  # the words after the prompt: grammar, logit biases (wire.after_prompt)
     choices: int = 1  # OpenAI's n: choices of the one prompt, each on a slot of one slot server (edge/choices.py)
     #: a tokenize call that answers with the count alone, in its API's shape (Anthropic's count_tokens)
     counted: Callable[[int], Response] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A grammar an answer must match (``response_format``, enforced tool calls), checked when its request was parsed
+    and built later: ``digest`` names what it is built from (with the tenant, its cache key: edge/grammars.py);
+    ``build`` makes its words -- llama.cpp's schema converter is Python that takes milliseconds, so it runs on a
+    tokenizer worker, never on the event loop -- and raises :class:`HttpError` (400 naming the field) when the
+    converter refuses the schema or the grammar is too large to travel; ``param``: where the request has it."""
+
+    digest: bytes
+    build: Callable[[], np.ndarray]
+    param: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +220,16 @@ class Limits:
 class HttpError(Exception):
     """A request the core refuses; carries the status and the JSON error ``{type, message}``."""
 
-    def __init__(self, status: int, type_: str, message: str, headers: Headers | None = None) -> None:
+    def __init__(
+        self, status: int, type_: str, message: str, headers: Headers | None = None, *, param: str | None = None
+    ) -> None:
+        """``param``: the field it is about, for the shapes that name it apart from the message (OpenAI's)."""
         super().__init__(message)
         self.status = status
         self.type = type_
         self.message = message
         self.headers = headers or []
+        self.param = param
 
 
 def body_too_large(size: int, limit: int) -> HttpError:

@@ -30,6 +30,7 @@ from edgepath.edge.actions import EndStream, Respond, SendChunk, StartStream
 from edgepath.edge.apis.generate import GenerateFormatter, tokenize_response
 from edgepath.edge.billing import Billing
 from edgepath.edge.choices import Choices, Groups
+from edgepath.edge.grammars import GrammarCache
 from edgepath.edge.http import (
     GENERATE,
     Formatter,
@@ -113,6 +114,7 @@ class EdgeLifecycle:
         #: the edge's memory is over its high-water mark (edge/overload.py): new work gets 503 ``overloaded``
         self.memory = MemoryGuard()
         self.groups = Groups(metrics)  # requests of n choices in flight (edge/choices.py)
+        self.grammars = GrammarCache()  # built grammars by tenant and schema digest (edge/grammars.py)
 
     # -- events ----------------------------------------------------------------------------------
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
@@ -142,13 +144,21 @@ class EdgeLifecycle:
         answered and counted like every other response."""
         return [self._respond(rid, route_label(request), request, {}, response)]
 
-    def tokenized(self, rid: int, result: int | np.ndarray | BaseException, now: int) -> list[Action]:
+    def tokenized(
+        self, rid: int, result: int | np.ndarray | BaseException, now: int, words: np.ndarray | None = None
+    ) -> list[Action]:
         """A worker finished a :class:`Tokenize` action: the count written into the frame, the ids
-        (``/v1/tokenize``), or the exception the tokenizer raised."""
+        (``/v1/tokenize``), or the exception it raised; ``words``: the grammar it built (kept for its tenant)."""
         t = self.tracked.get(rid)
         if t is None:
             raise KeyError(f"tokenized() for request {rid}, which is not waiting for a tokenizer")
         self.tokenizing.done(t, now)
+        grammar = t.work.grammar
+        if words is not None and grammar is not None:
+            self.grammars.put(t.work.tenant.name, grammar.digest, words)
+            refused = _after_prompt(t.work, words)
+            if refused is not None and not isinstance(result, BaseException):
+                result = refused
         if t.gone:
             self._forget(t)
             self._release(t)
@@ -239,6 +249,11 @@ class EdgeLifecycle:
         if factory is None:
             raise LookupError(f"no formatter for route {route!r}; have {sorted(self.formatters)}")
         formatter = factory(work, self.tokenizer)
+        if work.grammar is not None:  # its words when its tenant sent the schema before; else a worker builds them
+            words = self.grammars.get(work.tenant.name, work.grammar.digest)
+            refused = None if words is None else _after_prompt(work, words)
+            if refused is not None:
+                return [self._respond(rid, route, request, timings, formatter.failure(refused))]
         if self.draining:
             error = HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
             return [self._respond(rid, route, request, timings, formatter.failure(error))]
@@ -611,3 +626,15 @@ def _ids_answer(work: Work, ids: np.ndarray) -> Response:
     ``/v1/tokenize``'s."""
     answer = work.options.get("answer")
     return answer(ids) if answer is not None else tokenize_response(ids.tolist())
+
+
+def _after_prompt(work: Work, grammar: np.ndarray) -> HttpError | None:
+    """``work``'s words after its prompt, now that its grammar's are built: them, then its logit biases; a 400 naming
+    both when together they are too many to travel."""
+    assert work.grammar is not None
+    try:
+        work.constraint = wire.grammar_then_biases(grammar, work.sampling.logit_bias)
+    except wire.RequestInvalid as exc:
+        param = work.grammar.param
+        return HttpError(400, "invalid_value", f"'{param}' and 'logit_bias' together: {exc}", param=param)
+    return None

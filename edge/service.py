@@ -11,7 +11,6 @@ hand-off sits between the doorbell and the response.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -45,7 +44,7 @@ from edgepath.edge.overload import DEFAULT_HIGH_WATER, MemoryGuard, MemoryReadin
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.text.tokenizer import Tokenizer
-from edgepath.edge.tokenizing import chat_tools
+from edgepath.edge.tokenizing import work_on_worker
 from edgepath.edge.turns import LARGE_BODY, Turns
 from edgepath.native.abi import lib
 
@@ -284,25 +283,18 @@ class EdgeService:
         self._run(self.lifecycle.tick(_now()))
 
     def _tokenize(self, action: Tokenize) -> None:
-        work: Callable[[], Any]
-        if action.messages is not None:
-            encode_chat = self.tokenizer.encode_chat_into  # type: ignore[attr-defined]
-            work = functools.partial(encode_chat, action.messages, action.out, **chat_tools(action.tools))
-        else:
-            assert action.prompt is not None
-            if action.out is None:
-                work = functools.partial(action.encode or self.tokenizer.encode, action.prompt)
-            else:
-                work = functools.partial(self.tokenizer.encode_into, action.prompt, action.out)
-        future = self.loop.run_in_executor(self.executor, work)
+        future = self.loop.run_in_executor(self.executor, work_on_worker, self.tokenizer, action)
         future.add_done_callback(lambda f: self._tokenized(action.rid, f))
 
-    def _tokenized(self, rid: int, future: asyncio.Future[Any]) -> None:
+    def _tokenized(self, rid: int, future: asyncio.Future[tuple[Any, Any]]) -> None:
+        words = None
         if future.cancelled():  # the executor shut down under it (the server is stopping)
             outcome: Any = asyncio.CancelledError("tokenizer worker cancelled")
+        elif future.exception() is not None:
+            outcome = future.exception()
         else:
-            outcome = future.exception() or future.result()
-        self._run(self.lifecycle.tokenized(rid, outcome, _now()))
+            outcome, words = future.result()
+        self._run(self.lifecycle.tokenized(rid, outcome, _now(), words))
 
     # -- actions -------------------------------------------------------------------------------------
     def _run(self, actions: list[Action]) -> None:

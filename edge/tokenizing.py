@@ -1,14 +1,18 @@
 """Where a request's prompt becomes token ids: written straight into its frame's registered array (or, for
-``/v1/tokenize``, into a fresh one), through the model's chat template when it is a chat.
+``/v1/tokenize``, into a fresh one), through the model's chat template when it is a chat -- and where a grammar its
+tenant has not sent before is built.
 
 A small prompt is encoded inline, on the event loop (cheaper than a hand-off); a large one goes to a worker as a
 :class:`~edgepath.edge.tracked.Tokenize` action, and its result comes back to the lifecycle's ``tokenized``.  "Large"
 counts what the work costs, not only the text: a chat's messages each cost its template
 :data:`~edgepath.edge.apis.limits.MESSAGE_CHARS` beyond their content (30,000 empty messages held the event loop
-2.9 s when only the contents were counted).  The workers are few and counted here, each tenant's too: a tenant may
-hold at most its share of them (:attr:`Tokenizing.share`, all but one when there are several), so one tenant's large
-prompts wait behind its own and a worker stays free for the others.  A large prompt that finds every worker busy, or
-its tenant's share taken, is refused at once (429 ``tokenizer_busy``), never queued.
+2.9 s when only the contents were counted).  A request whose grammar is not in its tenant's cache
+(:mod:`edgepath.edge.grammars`) goes to a worker too, whatever its prompt: the worker builds the grammar's words with
+the prompt's ids (llama.cpp's schema converter is milliseconds of Python).  The workers are few and counted here,
+each tenant's too: a tenant may hold at most its share of them (:attr:`Tokenizing.share`, all but one when there are
+several), so one tenant's large prompts wait behind its own and a worker stays free for the others.  A request for a
+worker that finds every worker busy, or its tenant's share taken, is refused at once (429 ``tokenizer_busy``), never
+queued.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def chat_size(messages: Any, tools: list[dict[str, Any]] | None) -> int:
 def chat_tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     """``encode_chat_into``'s keyword for the tools its template renders (none without them)."""
     return {} if tools is None else {"tools": tools}
+
+
+def builds_grammar(work: Work) -> bool:
+    """``work`` asks for a grammar whose words it does not have yet (not in its tenant's cache): a worker builds it."""
+    return work.grammar is not None and work.constraint is None
+
+
+def on_worker(work: Work) -> bool:
+    """``work`` is done on a worker: its prompt is large, or its grammar is to be built."""
+    return prompt_size(work) > INLINE_CHARS or builds_grammar(work)
 
 
 def prompt_size(work: Work) -> int:
@@ -70,44 +84,27 @@ class Tokenizing:
     def full(self, work: Work) -> bool:
         """``work`` needs a worker and every worker is busy, or its tenant holds its share of them: refuse it now
         (nothing is queued)."""
-        if prompt_size(work) <= INLINE_CHARS:
+        if not on_worker(work):
             return False
         return self.busy >= self.workers or self._held.get(work.tenant.name, 0) >= self.share
 
     def start(self, t: Tracked, out: np.ndarray | None) -> Started:
         """Encode ``t``'s prompt into ``out`` (a frame's token array; None: into a fresh array) inline, or hand it to
-        a worker when it is large.  Token ids given as such are copied (they fit ``out`` or the caller's length check
-        refuses them)."""
+        a worker when it is large or its grammar is to be built.  Token ids given as such are copied (they fit ``out``
+        or the caller's length check refuses them)."""
         work = t.work
         messages, tools = work.options.get("messages"), work.options.get("tools")
         encode = work.options.get("encode")  # a route's own way to encode (llama-server's /tokenize options)
-        if prompt_size(work) > INLINE_CHARS:
+        if on_worker(work):
             self.busy += 1
             tenant = work.tenant.name
             self._held[tenant] = self._held.get(tenant, 0) + 1
             t.timings["tokenize_start"] = self.clock()
-            return Tokenize(t.rid, work.prompt, out, messages, tools, encode)
+            grammar = work.grammar if builds_grammar(work) else None
+            return Tokenize(t.rid, work.prompt, out, messages, tools, encode, work.tokens, grammar)
         t0 = self.clock()
         try:
-            result: int | np.ndarray
-            if work.prompt is None and messages is None:
-                assert work.tokens is not None
-                if out is None:
-                    result = np.asarray(work.tokens, dtype=np.int32)
-                else:
-                    result = len(work.tokens)
-                    if result <= len(out):
-                        out[:result] = work.tokens
-            elif messages is not None:
-                assert out is not None  # /v1/tokenize takes a prompt or ids, never a chat
-                result = self.tokenizer.encode_chat_into(messages, out, **chat_tools(tools))  # type: ignore[attr-defined]
-            else:
-                prompt = work.prompt
-                assert prompt is not None
-                if out is not None:
-                    result = self.tokenizer.encode_into(prompt, out)
-                else:
-                    result = (encode or self.tokenizer.encode)(prompt)
+            result = encode_prompt(self.tokenizer, work.prompt, out, messages, tools, work.tokens, encode)
         except Exception as exc:
             return exc
         t.timings["tokenize"] = self.clock() - t0
@@ -126,9 +123,50 @@ class Tokenizing:
         t.timings["tokenize"] = now - t.timings.pop("tokenize_start")
 
 
+def encode_prompt(
+    tokenizer: Tokenizer,
+    prompt: str | None,
+    out: np.ndarray | None,
+    messages: list[dict[str, Any]] | None,
+    tools: list[dict[str, Any]] | None,
+    tokens: list[int] | None,
+    encode: Callable[[str], np.ndarray] | None = None,
+) -> int | np.ndarray:
+    """A prompt's ids written into ``out`` (their count; None: a fresh array of them, made by ``encode`` when the
+    route has its own): a chat through the model's template, text through the tokenizer, ids given as such copied
+    (when they fit: the caller's length check refuses the rest)."""
+    if prompt is None and messages is None:
+        assert tokens is not None
+        if out is None:
+            return np.asarray(tokens, dtype=np.int32)
+        if len(tokens) <= len(out):
+            out[: len(tokens)] = tokens
+        return len(tokens)
+    if messages is not None:
+        assert out is not None  # /v1/tokenize takes a prompt or ids, never a chat
+        return tokenizer.encode_chat_into(messages, out, **chat_tools(tools))  # type: ignore[attr-defined]
+    assert prompt is not None
+    if out is not None:
+        return tokenizer.encode_into(prompt, out)
+    return (encode or tokenizer.encode)(prompt)
+
+
+def work_on_worker(tokenizer: Tokenizer, action: Tokenize) -> tuple[int | np.ndarray, np.ndarray | None]:
+    """What a tokenizer worker does for ``action``, off the event loop: its grammar's words built (when it asks
+    for one), then its prompt encoded (:func:`encode_prompt`).  Raises what either raised."""
+    words = action.grammar.build() if action.grammar is not None else None
+    prompt = encode_prompt(
+        tokenizer, action.prompt, action.out, action.messages, action.tools, action.tokens, action.encode
+    )
+    return prompt, words
+
+
 def tokenizer_error(work: Work, exc: BaseException) -> HttpError:
-    """The answer to a request whose tokenizer raised: 400 when the model's chat template refused the messages (a
-    ValueError: the client's to fix), else 500 (logged: the server's)."""
+    """The answer to a request whose worker raised: its grammar's refusal (a 400 naming the field) as it is, 400 when
+    the model's chat template refused the messages (a ValueError: the client's to fix), else 500 (logged: the
+    server's)."""
+    if isinstance(exc, HttpError):
+        return exc
     if "messages" in work.options and isinstance(exc, ValueError):
         return HttpError(400, "invalid_request", f"the chat could not be rendered: {exc}")
     log.error("tokenizer failed on a %d-character prompt: %r", len(work.prompt or ""), exc)

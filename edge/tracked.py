@@ -17,7 +17,7 @@ import numpy as np
 from edgepath.contract import wire
 from edgepath.dpu.frame import write_header
 from edgepath.edge.actions import Answer
-from edgepath.edge.http import Formatter, Headers, Request, Work
+from edgepath.edge.http import Formatter, Grammar, Headers, Request, Work
 from edgepath.edge.tenancy.gate import Hold
 from edgepath.edge.tenancy.usage import Usage
 
@@ -25,8 +25,9 @@ from edgepath.edge.tenancy.usage import Usage
 @dataclass(frozen=True, slots=True)
 class Tokenize:
     """Encode ``prompt`` on a worker thread -- into ``out`` (a frame's registered token array) with
-    ``encode_into``, or into a fresh array with ``encode`` when ``out`` is None -- then report
-    the result (count, array, or the exception) with :meth:`EdgeLifecycle.tokenized`."""
+    ``encode_into``, or into a fresh array with ``encode`` when ``out`` is None -- and build ``grammar``'s words
+    when it is given, then report the result (count or array, and the words; or the exception) with
+    :meth:`EdgeLifecycle.tokenized` (:func:`edgepath.edge.tokenizing.work_on_worker` is the worker's job)."""
 
     rid: int
     prompt: str | None
@@ -34,6 +35,8 @@ class Tokenize:
     messages: list[dict[str, Any]] | None = None  # a chat, tokenized with the model's template instead
     tools: list[dict[str, Any]] | None = None  # the tools the chat's template renders, when it has a place for them
     encode: Callable[[str], np.ndarray] | None = None  # a route's own encoding into a fresh array (out None)
+    tokens: list[int] | None = None  # token ids given as such (copied; nothing to encode)
+    grammar: Grammar | None = None  # a grammar to build (not in its tenant's cache)
 
 
 Action = Answer | Tokenize

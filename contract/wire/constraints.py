@@ -34,9 +34,15 @@ def logit_bias_encoding(logit_bias: LogitBias) -> np.ndarray:
 def after_prompt(grammar: str | None, logit_bias: LogitBias) -> np.ndarray | None:
     """The words that follow a request's prompt: its grammar (:func:`constraint_encoding`), then its logit biases
     (:func:`logit_bias_encoding`; the request header says how many); None when it has neither."""
-    if grammar is None and not logit_bias:
-        return None
-    parts = [constraint_encoding(grammar)] if grammar is not None else []
+    return grammar_then_biases(None if grammar is None else constraint_encoding(grammar), logit_bias)
+
+
+def grammar_then_biases(grammar: np.ndarray | None, logit_bias: LogitBias) -> np.ndarray | None:
+    """:func:`after_prompt` of a grammar already encoded (the edge builds a grammar's words once and keeps them):
+    ``grammar``'s words as they are when there are no biases; None when there is neither."""
+    if not logit_bias:
+        return grammar
+    parts = [grammar] if grammar is not None else []
     words = np.concatenate([*parts, logit_bias_encoding(logit_bias)])
     if len(words) > CONSTRAINT_WORDS_MAX:
         raise RequestInvalid(f"a constraint takes 1 to {CONSTRAINT_WORDS_MAX} words, this one {len(words)}")

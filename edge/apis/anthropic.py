@@ -28,9 +28,9 @@ from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
-from edgepath.edge.apis.structured import FormatRefused, grammar_for
+from edgepath.edge.apis.structured import FormatRefused, schema_grammar
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import Headers, HttpError, json_object, json_type
+from edgepath.edge.http import Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -125,8 +125,9 @@ class MessagesRequest:
     stream: bool = False
     cache_salt: str | None = None
     thinking: Thinking | None = None
-    constraint: str | None = None
-    """The grammar the answer must match: ``output_config.format``'s, or the calls' when they are enforced."""
+    constraint: Grammar | None = None
+    """The grammar the answer must match: ``output_config.format``'s, or the calls' when they are enforced (checked,
+    built later off the event loop)."""
 
 
 #: Anthropic's defaults: temperature 1, no top_p or top_k
@@ -419,7 +420,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec
     return ToolSpec(tools, "required" if kind == "any" else "auto", None, not serial, fmt)
 
 
-def _output_format(raw: Any, limits: AnthropicLimits) -> str | None:
+def _output_format(raw: Any, limits: AnthropicLimits) -> Grammar | None:
     """``output_config``: ``format`` (a JSON schema the answer must match) as the grammar that enforces it (the
     chat route's ``response_format``: :mod:`edgepath.edge.apis.structured`); ``effort`` is checked, not used."""
     if raw is None:
@@ -436,10 +437,9 @@ def _output_format(raw: Any, limits: AnthropicLimits) -> str | None:
     if not limits.grammars:
         raise invalid("output_config.format: not supported by this server (its model side enforces no grammar)")
     try:
-        return grammar_for({"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}})
+        return schema_grammar(fmt["schema"], "output_config.format.schema")
     except FormatRefused as exc:
-        param = exc.param.replace("response_format.json_schema", "output_config.format")
-        raise invalid(f"{param}: {exc.message.replace(exc.param, param)}") from None
+        raise invalid(f"{exc.param}: {exc.message}") from None
 
 
 def _thinking(raw: Any, max_tokens: Any) -> None:

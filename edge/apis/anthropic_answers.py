@@ -62,8 +62,6 @@ class AnthropicRoutes:
             )  # fmt: skip
         except AnthropicError as err:
             return _error_response(err)
-        except wire.RequestInvalid as exc:
-            return _error_response(AnthropicError(400, f"tools or output_config.format: {exc}"))
         work.cache_salt = req.cache_salt
         return work
 

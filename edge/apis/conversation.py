@@ -19,7 +19,7 @@ from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolTurn
-from edgepath.edge.http import Work
+from edgepath.edge.http import Grammar, Work
 from edgepath.edge.text.chat import ChatMessage
 
 Turn = ChatMessage | ToolTurn
@@ -36,7 +36,7 @@ class Conversation:
 
     messages: tuple[Turn, ...]
     tools: ToolSpec | None
-    constraint: str | None
+    constraint: Grammar | None
     template_tools: tuple[Mapping[str, Any], ...] | None
 
 
@@ -67,18 +67,21 @@ def conversation(turns: Sequence[Turn], spec: ToolSpec | None, fmt: ToolFormat, 
 def chat_work(
     route: str,
     chat: Conversation,
-    constraint: str | None,
+    grammar: Grammar | None,
     *,
     max_tokens: int,
     stream: bool,
     sampling: Sampling,
     options: dict[str, Any],
 ) -> Work:
-    """The work item of a chat on ``route``: its turns and tools for the template, ``constraint`` (a
-    ``response_format``'s or the calls' grammar) and the sampling's logit biases encoded for the slot, after the
-    prompt; ``options`` is what the route's formatter needs.  wire.RequestInvalid when the grammar cannot travel."""
+    """The work item of a chat on ``route``: its turns and tools for the template, ``grammar`` (a
+    ``response_format``'s or the calls'), built later off the event loop (edge/grammars.py), and the sampling's logit
+    biases encoded for the slot, after the prompt (after the grammar's words once they are built); ``options`` is what
+    the route's formatter needs.  wire.RequestInvalid when the biases cannot travel."""
     options = {**options, "messages": list(tool_calling.template_messages(chat.messages))}
     if chat.template_tools is not None:
         options["tools"] = list(chat.template_tools)
-    encoded = wire.after_prompt(constraint, sampling.logit_bias)
-    return Work("generate", None, None, max_tokens, stream, sampling, route, options, constraint=encoded)
+    encoded = wire.after_prompt(None, sampling.logit_bias) if grammar is None else None
+    return Work(
+        "generate", None, None, max_tokens, stream, sampling, route, options, grammar=grammar, constraint=encoded
+    )

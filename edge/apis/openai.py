@@ -35,9 +35,9 @@ from edgepath.edge.apis.sampling import (
     parse_stops,
     show,
 )
-from edgepath.edge.apis.structured import FormatRefused, grammar_for
+from edgepath.edge.apis.structured import FormatRefused, grammar_of
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import BodyProblem, Headers, HttpError, json_object, json_type
+from edgepath.edge.http import BodyProblem, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -90,7 +90,7 @@ class OpenAIError(Exception):
     @classmethod
     def of(cls, exc: HttpError) -> OpenAIError:
         """The edge's error ``exc`` in OpenAI's shape; ``code`` keeps its name (``no_slot``, ``timeout``)."""
-        return cls(exc.status, exc.type, exc.message, headers=exc.headers)
+        return cls(exc.status, exc.type, exc.message, param=exc.param, headers=exc.headers)
 
     def payload(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -181,8 +181,9 @@ class OpenAIRequest:
     cache_salt: str | None = None  # the prefix cache namespace within the tenant's (as vLLM's cache_salt)
     logprobs: int | None = None
     """None: no log probabilities; else how many likeliest alternatives each token's entry lists."""
-    constraint: str | None = None
-    """A GBNF grammar the answer must match (``response_format``, or the calls of ``tool_choice`` required), or None."""
+    constraint: Grammar | None = None
+    """The grammar the answer must match (``response_format``, or the calls of ``tool_choice`` required), checked and
+    built later off the event loop, or None."""
     tools: ToolSpec | None = None
     """The tools offered to the model (chat's ``tools``, not ``tool_choice`` ``none``): its answer is read as calls."""
     n: int = 1
@@ -250,7 +251,7 @@ def parse_chat_request(
 
 def _tool_calling(
     doc: Mapping[str, Any], turns: Sequence[ChatMessage | ToolTurn], limits: OpenAILimits
-) -> tuple[tuple[ChatMessage | ToolTurn, ...], ToolSpec | None, str | None, tuple[Mapping[str, Any], ...] | None]:
+) -> tuple[tuple[ChatMessage | ToolTurn, ...], ToolSpec | None, Grammar | None, tuple[Mapping[str, Any], ...] | None]:
     """The conversation as the model sees it, the tools, the calls' grammar when they are enforced, and the tools
     the template renders (:func:`edgepath.edge.apis.conversation.conversation`, the one way every shape does it)."""
     try:
@@ -429,7 +430,7 @@ def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
     )
 
 
-def _constraint(doc: Mapping[str, Any], limits: OpenAILimits) -> str | None:
+def _constraint(doc: Mapping[str, Any], limits: OpenAILimits) -> Grammar | None:
     """``response_format`` as the grammar the model side enforces (:mod:`edgepath.edge.apis.structured`), or None."""
     fmt = doc.get("response_format")
     if fmt is None or fmt == {"type": "text"}:
@@ -437,7 +438,7 @@ def _constraint(doc: Mapping[str, Any], limits: OpenAILimits) -> str | None:
     if not limits.grammars:
         raise unsupported("response_format", fmt, '{"type": "text"} (this model side enforces no grammar)')
     try:
-        return grammar_for(fmt)
+        return grammar_of(fmt)
     except FormatRefused as exc:
         raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None
 

@@ -127,14 +127,14 @@ class OpenAIRoutes:
                 )  # fmt: skip
             else:
                 tokens = list(req.prompt_ids) if req.prompt_ids is not None else None
-                constraint = wire.after_prompt(req.constraint, req.sampling.logit_bias)  # what follows the prompt
+                # what follows the prompt: the logit biases (after the grammar's words once they are built)
+                biases = wire.after_prompt(None, req.sampling.logit_bias) if req.constraint is None else None
                 work = Work(
                     "generate", req.prompt, tokens, words, req.stream, req.sampling, path, {"openai": req},
-                    constraint=constraint,
+                    grammar=req.constraint, constraint=biases,
                 )  # fmt: skip
         except wire.RequestInvalid as exc:
-            param = "tools" if req.tools is not None else "response_format"
-            return _error_response(oa.invalid_request(f"'{param}': {exc}", param=param))
+            return _error_response(oa.invalid_request(f"'logit_bias': {exc}", param="logit_bias"))
         work.flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
         work.flags |= wire.FLAG_IGNORE_EOS if req.ignore_eos else 0
         work.cache_salt = req.cache_salt

@@ -31,9 +31,9 @@ from edgepath.edge.apis.sampling import (
     parse_sampling,
     show,
 )
-from edgepath.edge.apis.structured import FormatRefused, grammar_for
+from edgepath.edge.apis.structured import FormatRefused, json_object_grammar, schema_grammar
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import json_type
+from edgepath.edge.http import Grammar, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -63,7 +63,7 @@ class ResponsesRequest:
     max_output_tokens: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
     stream: bool = False
-    constraint: str | None = None
+    constraint: Grammar | None = None  # checked, built later off the event loop
     cache_salt: str | None = None
     thinking: Thinking | None = None
     instructions: str | None = None
@@ -330,7 +330,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolForm
     return ToolSpec(tools, "named", raw["name"], not serial, fmt)
 
 
-def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], str | None]:
+def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], Grammar | None]:
     """``text.format`` as the answer's format and the grammar that enforces it (the chat route's
     ``response_format``, :mod:`edgepath.edge.apis.structured`, whose ``json_schema`` is nested one level down)."""
     if raw is None:
@@ -347,21 +347,15 @@ def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], 
     if not limits.grammars:
         raise unsupported("text.format", fmt, '{"type": "text"} (this model side enforces no grammar)')
     if fmt["type"] == "json_object":
-        response_format: dict[str, Any] = {"type": "json_object"}
-    else:
-        name, schema = fmt.get("name"), fmt.get("schema")
-        if not isinstance(name, str) or not name or not isinstance(schema, dict):
-            raise invalid_request(
-                f"'text.format' of type json_schema needs 'name' (a string) and 'schema' (an object), got {show(fmt)}",
-                param="text.format",
-                code="invalid_value",
-            )
-        response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
-    try:
-        grammar = grammar_for(response_format)
-    except FormatRefused as exc:
-        param = exc.param.replace("response_format.json_schema", "text.format").replace(
-            "response_format", "text.format"
+        return fmt, json_object_grammar("text.format")
+    name, schema = fmt.get("name"), fmt.get("schema")
+    if not isinstance(name, str) or not name or not isinstance(schema, dict):
+        raise invalid_request(
+            f"'text.format' of type json_schema needs 'name' (a string) and 'schema' (an object), got {show(fmt)}",
+            param="text.format",
+            code="invalid_value",
         )
-        raise invalid_request(exc.message.replace(exc.param, param), param=param, code="invalid_value") from None
-    return fmt, grammar
+    try:
+        return fmt, schema_grammar(schema, "text.format.schema")
+    except FormatRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="invalid_value") from None

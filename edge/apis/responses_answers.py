@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import orjson
 
-from edgepath.contract import wire
 from edgepath.edge.apis import openai as oa
 from edgepath.edge.apis.conversation import chat_work
 from edgepath.edge.apis.openai_routes import openai_error
@@ -53,9 +52,6 @@ class ResponsesRoutes:
             )  # fmt: skip
         except oa.OpenAIError as err:
             return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
-        except wire.RequestInvalid as exc:
-            bad = oa.invalid_request(f"'text.format': {exc}", param="text.format")
-            return Response(bad.status, [(b"content-type", JSON)], bad.body())
         work.cache_salt = req.cache_salt
         return work
 

@@ -12,14 +12,27 @@ naming the keyword and where it is, never a grammar that enforces less than aske
 llama.cpp #19051).  The check also bounds what the grammar costs to build (:mod:`edgepath.edge.apis.limits`): the
 converter writes every repetition out (``maxLength`` 10^8 took it seconds and 1.8 GB), so a schema's nesting and its
 repetitions are counted first, and a request past them is a 400 before anything is built.
+
+Parsing a request checks its schema and gives a :class:`~edgepath.edge.http.Grammar` -- the schema's digest and how
+to build it -- not the grammar itself: the lifecycle takes the words from its tenant's cache (edge/grammars.py) or has
+a tokenizer worker build them, off the event loop, and only for a request no cheaper check refused.  Places are
+named as the request has them (``where``: ``response_format``, ``text.format``, ``output_config.format``), at the
+check and at the build alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+import orjson
+
+from edgepath.contract.wire import RequestInvalid, constraint_encoding
 from edgepath.edge.apis.limits import LimitExceeded, SchemaBudget
+from edgepath.edge.http import Grammar, HttpError
 
 #: keywords the converter enforces
 ENFORCED = frozenset(
@@ -51,41 +64,81 @@ class FormatRefused(ValueError):
         self.message = message
 
 
-def grammar_for(response_format: Any) -> str | None:
-    """The GBNF grammar ``response_format`` asks for (None: plain text); FormatRefused says what is wrong."""
+def digest_of(*parts: Any) -> bytes:
+    """The digest of what a grammar is built from (a schema and how it is used), whatever the order of its keys; a
+    document orjson does not write (integers past 64 bits, NaN, unpaired surrogates: the standard library read it)
+    is written by the standard library."""
+    try:
+        text = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        text = json.dumps(parts, sort_keys=True).encode()
+    return hashlib.sha256(text).digest()
+
+
+def deferred(digest: bytes, gbnf: Callable[[], str], param: str) -> Grammar:
+    """A grammar whose GBNF ``gbnf`` makes when it is built (FormatRefused naming the place), encoded as the words
+    that follow a prompt; ``param`` is named when it is too large to travel.  Building raises a 400
+    :class:`HttpError` either way, for the lifecycle to answer in the request's shape."""
+
+    def build() -> np.ndarray:
+        try:
+            return constraint_encoding(gbnf())
+        except FormatRefused as exc:
+            raise HttpError(400, "invalid_value", exc.message, param=exc.param) from None
+        except RequestInvalid as exc:
+            raise HttpError(400, "invalid_value", f"'{param}': the grammar is too large: {exc}", param=param) from None
+
+    return Grammar(digest, build, param)
+
+
+def grammar_of(response_format: Any, where: str = "response_format") -> Grammar | None:
+    """The grammar ``response_format`` asks for, checked now and built later (None: plain text); FormatRefused says
+    what is wrong.  ``where``: the request's name for it (its JSON schema sits at ``where.json_schema.schema``)."""
     if response_format is None:
         return None
     if not isinstance(response_format, Mapping):
-        raise FormatRefused("response_format", f"'response_format' must be an object, got {_show(response_format)}")
+        raise FormatRefused(where, f"'{where}' must be an object, got {_show(response_format)}")
     kind = response_format.get("type")
     if kind == "text":
         return None
-    from llama_cpp import llama_grammar  # the model extra: a server that enforces grammars runs llama.cpp
-
     if kind == "json_object":
-        return llama_grammar.JSON_GBNF
+        return json_object_grammar(where)
     if kind != "json_schema":
         raise FormatRefused(
-            "response_format.type",
-            f"'response_format.type' = {_show(kind)} is not supported; allowed: text, json_object, json_schema",
+            f"{where}.type", f"'{where}.type' = {_show(kind)} is not supported; allowed: text, json_object, json_schema"
         )
     spec = response_format.get("json_schema")
     if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
         raise FormatRefused(
-            "response_format.json_schema",
-            f"'response_format.json_schema' must be an object with 'name' and 'schema' (an object), got {_show(spec)}",
+            f"{where}.json_schema",
+            f"'{where}.json_schema' must be an object with 'name' and 'schema' (an object), got {_show(spec)}",
         )
-    return schema_grammar(spec["schema"], "response_format.json_schema.schema")
+    return schema_grammar(spec["schema"], f"{where}.json_schema.schema")
 
 
-def schema_grammar(schema: Mapping[str, Any], where: str) -> str:
-    """The GBNF grammar of JSON valid against ``schema`` (checked first: FormatRefused names what cannot be
-    enforced, ``where`` being the schema's place in the request); tool calls' grammars are made here too."""
-    import json
+def json_object_grammar(where: str) -> Grammar:
+    """Any JSON object: the grammar llama.cpp ships."""
+    return deferred(digest_of("json_object"), _json_object, where)
 
+
+def _json_object() -> str:
+    from llama_cpp import llama_grammar  # the model extra: a server that enforces grammars runs llama.cpp
+
+    return str(llama_grammar.JSON_GBNF)
+
+
+def schema_grammar(schema: Mapping[str, Any], where: str) -> Grammar:
+    """The grammar of JSON valid against ``schema``, checked now (FormatRefused names what cannot be enforced or
+    is past a limit, ``where`` being the schema's place in the request) and built later."""
+    check_schema(schema, where, schema)
+    return deferred(digest_of("json_schema", schema), lambda: schema_gbnf(schema, where), where)
+
+
+def schema_gbnf(schema: Mapping[str, Any], where: str) -> str:
+    """The converter's GBNF for a checked ``schema`` (FormatRefused when the converter itself refuses it: a pattern
+    it cannot read, a bad reference); tool calls' grammars are made from it too."""
     from llama_cpp import llama_grammar
 
-    check_schema(schema, where, schema)
     try:
         return str(llama_grammar.json_schema_to_gbnf(json.dumps(schema))).replace(_LOOSE_CHAR, _JSON_CHAR)
     except Exception as exc:  # the converter's own refusals (a pattern it cannot read, a bad reference)

@@ -33,7 +33,8 @@ from typing import Any, Literal
 
 from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.sampling import show as _show
-from edgepath.edge.apis.structured import FormatRefused, schema_grammar
+from edgepath.edge.apis.structured import FormatRefused, check_schema, deferred, digest_of, schema_gbnf
+from edgepath.edge.http import Grammar
 from edgepath.edge.text.chat import ChatMessage
 
 Choice = Literal["auto", "required", "named"]
@@ -233,11 +234,11 @@ def _choice(choice: Any, tools: Sequence[Tool]) -> tuple[Choice | Literal["none"
     raise ToolsRefused("tool_choice", f"'tool_choice' = {_show(choice)} is not supported; allowed: {CHOICES}")
 
 
-def grammar(spec: ToolSpec) -> str:
-    """The grammar of an answer of calls to ``spec``'s tools in its format: the fallback's JSON list of ``{"name",
-    "arguments"}`` objects; Hermes' ``<tool_call>`` blocks of such an object, one per call; Llama 3.1's one
-    ``{"name", "parameters"}`` object -- one call unless ``parallel`` (and one with Llama's).  FormatRefused (from
-    the schema check) names a keyword that cannot be enforced."""
+def grammar(spec: ToolSpec) -> Grammar:
+    """The grammar of an answer of calls to ``spec``'s tools in its format, checked now and built later: the
+    fallback's JSON list of ``{"name", "arguments"}`` objects; Hermes' ``<tool_call>`` blocks of such an object, one
+    per call; Llama 3.1's one ``{"name", "parameters"}`` object -- one call unless ``parallel`` (and one with
+    Llama's).  FormatRefused (from the schema check) names a keyword that cannot be enforced or a limit passed."""
     key = "parameters" if spec.format == "llama3-json" else "arguments"
     items, arguments = [], {}
     for k, tool in enumerate(spec.offered):
@@ -260,11 +261,26 @@ def grammar(spec: ToolSpec) -> str:
         schema = {"anyOf": items, "$defs": arguments}
     where = "tools" if spec.named is None else f"tools[{[t.name for t in spec.tools].index(spec.named)}]"
     try:
-        made = schema_grammar(schema, where)
+        check_schema(schema, where, schema)
     except FormatRefused as exc:
-        # the check names places in the composed schema: say them as the request has them
-        param = _request_place(exc.param, spec)
-        raise FormatRefused(param, exc.message.replace(exc.param, param)) from None
+        raise _in_request(exc, spec) from None
+    digest = digest_of("tools", spec.format, spec.parallel, schema)
+    return deferred(digest, lambda: _calls_gbnf(schema, where, spec), where)
+
+
+def _in_request(exc: FormatRefused, spec: ToolSpec) -> FormatRefused:
+    """``exc`` naming places as the request has them (the check names places in the composed schema)."""
+    param = _request_place(exc.param, spec)
+    return FormatRefused(param, exc.message.replace(exc.param, param))
+
+
+def _calls_gbnf(schema: Mapping[str, Any], where: str, spec: ToolSpec) -> str:
+    """The GBNF of the calls (on a tokenizer worker): the composed schema's, wrapped in ``<tool_call>`` blocks for
+    Hermes."""
+    try:
+        made = schema_gbnf(schema, where)
+    except FormatRefused as exc:
+        raise _in_request(exc, spec) from None
     if spec.format != "hermes":
         return made
     # the JSON object's grammar becomes one rule, and the answer is its <tool_call> blocks

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from helpers.grammars import grammar_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,7 @@ from edgepath.edge.apis.limits import (
 from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.apis.responses import ResponsesLimits, parse_response_request
-from edgepath.edge.apis.structured import FormatRefused, grammar_for
+from edgepath.edge.apis.structured import FormatRefused
 from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, TOKENIZE, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.text.stop import StopMatcher, automaton

@@ -10,7 +10,9 @@ import pytest
 from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
 
 pytest.importorskip("llama_cpp", reason="the model extra is not installed (pip install -e '.[model]')")
-from edgepath.edge.apis.structured import FormatRefused, grammar_for
+from helpers.grammars import gbnf, grammar_for
+
+from edgepath.edge.apis.structured import FormatRefused
 
 MODEL = "m"
 GRAMMARS = OpenAILimits(max_tokens=64, vocab_size=100, models=(MODEL,), grammars=True)
@@ -52,7 +54,7 @@ MIXED = {
 def test_a_schema_with_what_the_grammar_enforces_becomes_one() -> None:
     grammar = grammar_for(schema_format(MIXED))
     assert grammar is not None and "root ::=" in grammar and '"\\"status\\""' in grammar
-    assert chat(GRAMMARS, schema_format(MIXED)).constraint == grammar
+    assert gbnf(chat(GRAMMARS, schema_format(MIXED)).constraint) == grammar
     assert "object" in (grammar_for({"type": "json_object"}) or "")
     assert grammar_for({"type": "text"}) is None and chat(GRAMMARS, {"type": "text"}).constraint is None
 

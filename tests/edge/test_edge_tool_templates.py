@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 import pytest
+from helpers.grammars import gbnf
 from helpers.templates import template
 
 from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
@@ -142,7 +143,7 @@ def test_the_route_hands_the_template_its_tools_and_the_turns_as_openai_has_them
     routes = OpenAIRoutes(MODEL, 64, 100, ChatSupport(True, tool_format="hermes"), 0, grammars=True)
     body = {"model": MODEL, "messages": [ASKED, CALLED, RESULT], "tools": TOOLS, "tool_choice": "auto"}
     work = routes.parse(CHAT, json.dumps(body).encode())
-    assert isinstance(work, Work) and work.constraint is None
+    assert isinstance(work, Work) and work.grammar is None
     assert work.options["messages"] == [
         ASKED,
         {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {"name": "get_weather",
@@ -161,18 +162,20 @@ def test_the_route_hands_the_template_its_tools_and_the_turns_as_openai_has_them
 
 
 def test_the_enforced_grammars_are_the_templates_call_formats() -> None:
-    hermes = chat(QWEN, tools=TOOLS, tool_choice="required").constraint
+    hermes = gbnf(chat(QWEN, tools=TOOLS, tool_choice="required").constraint)
     assert hermes is not None and hermes.startswith(
         'root ::= "<tool_call>\\n" edgepath-tool-call "\\n</tool_call>" ("\\n" "<tool_call>\\n" edgepath-tool-call '
         '"\\n</tool_call>")*\n'
     )
     assert '"\\"arguments\\""' in hermes and '"\\"get_weather\\""' in hermes
-    one = chat(QWEN, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).constraint
+    one = gbnf(chat(QWEN, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).constraint)
     assert one is not None and one.startswith('root ::= "<tool_call>\\n" edgepath-tool-call "\\n</tool_call>"\n')
-    llama = chat(LLAMA, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert llama.constraint is not None and '"\\"parameters\\""' in llama.constraint
-    assert '"\\"arguments\\""' not in llama.constraint and '"\\"now\\""' not in llama.constraint
-    assert "<tool_call>" not in llama.constraint and '"["' not in llama.constraint.split("\n")[0]
+    llama = gbnf(
+        chat(LLAMA, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}).constraint
+    )
+    assert llama is not None and '"\\"parameters\\""' in llama
+    assert '"\\"arguments\\""' not in llama and '"\\"now\\""' not in llama
+    assert "<tool_call>" not in llama and '"["' not in llama.split("\n")[0]
 
 
 # -- the answers --------------------------------------------------------------------------------------------------

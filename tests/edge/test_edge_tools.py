@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from helpers.grammars import gbnf
 from helpers.openai_mock import client_answering
 
 from edgepath.contract import wire
@@ -92,14 +93,14 @@ def test_the_offer_joins_an_existing_system_turn() -> None:
 
 
 def test_required_and_named_are_enforced_by_a_grammar_of_calls() -> None:
-    required = chat(tools=TOOLS, tool_choice="required").constraint
+    required = gbnf(chat(tools=TOOLS, tool_choice="required").constraint)
     assert required is not None and "root ::=" in required
     assert '"\\"get_weather\\""' in required and '"\\"now\\""' in required  # each name a constant
     assert 'unit ::= "\\"c\\"" | "\\"f\\""' in required  # the tool's own $defs, moved with it
     assert '("," space item)*' in required  # a list of calls
-    one = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).constraint
+    one = gbnf(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).constraint)
     assert one is not None and '("," space item)*' not in one
-    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}).constraint
+    named = gbnf(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}}).constraint)
     assert named is not None and '"\\"now\\""' in named and "get_weather" not in named
 
 
@@ -323,8 +324,8 @@ def test_the_route_sends_the_calls_grammar_after_the_prompt() -> None:
     routes = OpenAIRoutes(MODEL, 256, 1000, ChatSupport(True), 0, grammars=True)
     body = {"model": MODEL, "messages": HI, "tools": TOOLS, "tool_choice": "required"}
     work = routes.parse(CHAT, json.dumps(body).encode())
-    assert isinstance(work, Work) and work.constraint is not None
-    assert wire.read_constraint(work.constraint) == work.options["openai"].constraint
+    assert isinstance(work, Work) and work.grammar is work.options["openai"].constraint and work.grammar is not None
+    assert wire.read_constraint(work.grammar.build()) == gbnf(work.options["openai"].constraint)
     assert work.options["messages"][0]["role"] == "system" and "get_weather" in work.options["messages"][0]["content"]
     auto = routes.parse(CHAT, json.dumps({**body, "tool_choice": "auto"}).encode())
-    assert isinstance(auto, Work) and auto.constraint is None
+    assert isinstance(auto, Work) and auto.grammar is None

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.grammars import gbnf
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis.openai import OpenAILimits, parse_chat_request
@@ -40,8 +41,9 @@ def grammar(fmt: str, **fields: Any) -> str:
     limits = OpenAILimits(64, 100, ("m",), grammars=True, tool_format=fmt)  # type: ignore[arg-type]
     req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, NOW],
                               **fields}, limits)  # fmt: skip
-    assert req.constraint is not None
-    return req.constraint
+    text = gbnf(req.constraint)  # built now, as a tokenizer worker builds it
+    assert text is not None
+    return text
 
 
 def accepts(tok: Any, gbnf: str, text: str) -> bool:
