@@ -47,14 +47,8 @@ class BodyLimits:
 
     def declared(self, headers: Iterable[tuple[bytes, bytes]]) -> HttpError | None:
         """413 at once when the request's ``Content-Length`` is past the limit (nothing more is read)."""
-        for name, value in headers:
-            if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    return None  # the framing layer judges a malformed length
-                return body_too_large(length, self.max_body) if length > self.max_body else None
-        return None
+        length = declared_length(headers)
+        return body_too_large(length, self.max_body) if length is not None and length > self.max_body else None
 
     def late(self) -> HttpError:
         """408: the request did not arrive complete within the timeout."""
@@ -65,15 +59,27 @@ class BodyLimits:
         return IncomingBody(self.max_body, loop.call_later(self.timeout, on_late))
 
 
+def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The request's ``Content-Length`` (None: none, or one the framing layer judges malformed)."""
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
 class IncomingBody:
     """One request's body while it arrives, and its deadline."""
 
-    __slots__ = ("_data", "_max_body", "_timer")
+    __slots__ = ("_data", "_dropped", "_max_body", "_timer")
 
     def __init__(self, max_body: int, timer: asyncio.TimerHandle) -> None:
         self._max_body = max_body
         self._timer = timer
         self._data = bytearray()
+        self._dropped = 0
 
     def add(self, chunk: bytes) -> HttpError | None:
         """Append ``chunk``; 413 once the body is past the limit (answer it at once, read no more)."""
@@ -81,6 +87,12 @@ class IncomingBody:
         if len(self._data) > self._max_body:
             return body_too_large(len(self._data), self._max_body)
         return None
+
+    def drop(self, chunk: bytes) -> bool:
+        """Count ``chunk`` of a body that is read only to be thrown away (its request was answered from its head);
+        False once more than the limit was dropped (close the connection)."""
+        self._dropped += len(chunk)
+        return self._dropped <= self._max_body
 
     def close(self) -> bytes:
         """Stop the deadline and hand over what arrived (the request is complete, answered early or gone)."""

@@ -29,6 +29,7 @@ from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.actions import EndStream, Respond, SendChunk, StartStream
 from edgepath.edge.apis.generate import GenerateFormatter, tokenize_response
 from edgepath.edge.billing import Billing
+from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget
 from edgepath.edge.choices import Choices, Groups
 from edgepath.edge.grammars import GrammarCache
 from edgepath.edge.http import (
@@ -48,6 +49,7 @@ from edgepath.edge.ops import OpsPages, unresponsive
 from edgepath.edge.overload import MemoryGuard
 from edgepath.edge.routes import HttpCore, route_label
 from edgepath.edge.tenancy.gate import TenantGate
+from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.edge.text.tokenizer import Tokenizer
 from edgepath.edge.tokenizing import Tokenizing, tokenizer_error
 from edgepath.edge.tracked import (
@@ -115,8 +117,55 @@ class EdgeLifecycle:
         self.memory = MemoryGuard()
         self.groups = Groups(metrics)  # requests of n choices in flight (edge/choices.py)
         self.grammars = GrammarCache()  # built grammars by tenant and schema digest (edge/grammars.py)
+        #: each tenant's budget of body bytes read per second (edge/body_budget.py; the driver sets --body-rate)
+        self.bodies = BodyBudget(DEFAULT_BODY_RATE, max(DEFAULT_BODY_RATE, core.limits.max_body))
 
     # -- events ----------------------------------------------------------------------------------
+    def head(self, rid: int, request: Request, length: int | None, now: int) -> list[Action] | None:
+        """A request's head arrived, its body not read yet (``request.body`` empty; ``length``: its declared
+        Content-Length, None: none).  Its answer now when it is refused from its headers alone -- its path, method or
+        API key; the edge stopping or shedding; its tenant at its ``slot_cap``, out of quota, or past its budget of
+        body bytes; no slot to be had for it now -- for the price of its headers and a word or two of load state
+        (no parse, no template, no tokenizer: issue 52); None: read its body (it is judged again, whole)."""
+        try:
+            head = self.core.head(request)
+        except HttpError as exc:
+            return [self._respond(rid, route_label(request), request, {}, self.core.refusal(request.target, exc))]
+        if head is None:
+            return None
+        tenant, admits = head
+        error = self._refused_at_head(tenant, admits, length or 0, now)
+        if error is None:
+            return None
+        response = self.core.refusal(request.target, error)
+        response.headers += self.gate.limits(tenant)
+        return [self._respond(rid, route_label(request), request, {}, response)]
+
+    def _refused_at_head(self, tenant: Tenant, admits: bool, length: int, now: int) -> HttpError | None:
+        """Why a request of ``tenant`` is refused whatever its body says, cheapest reason first; None: none."""
+        if self.memory.shedding:
+            reading = self.memory.reading
+            assert reading.limit is not None
+            return self.refusals.overloaded(reading.used, reading.limit)
+        wait = self.bodies.refused(tenant.name, length, now)
+        if wait is not None:
+            return self._counted(self.refusals.body_rate(wait, self.bodies.rate))
+        if not admits:
+            return None
+        if self.draining:
+            return draining()
+        refusal = self.gate.exhausted(tenant)
+        if refusal is not None:
+            return self._counted(self.refusals.tenant(refusal))
+        frame = self.port.acquire()
+        if frame is None:
+            return self._counted(self.refusals.no_slot())
+        try:
+            status = self.port.early_refusal(frame, tenant.floor_id, tenant.slot_floor)
+            return None if status is None else self._refusal(Status(status), frame)
+        finally:
+            self.port.release(frame)
+
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
         """A complete request arrived (``rid``: the driver's key for its reply channel; ``now``: read
         from the same monotonic clock as ``clock`` and the request's timestamps)."""
@@ -124,6 +173,9 @@ class EdgeLifecycle:
         timings = {"queue": now - arrival}
         handled = self.core.handle(request)
         timings["parse"] = self.clock() - now
+        if request.body:  # its tenant's budget pays for the bytes read (edge/body_budget.py)
+            tenant = handled.tenant.name if isinstance(handled, Work) else self.core.tenant_of(request)
+            self.bodies.take(tenant, len(request.body), now)
         if isinstance(handled, Response):
             return [self._respond(rid, route_label(request), request, timings, handled)]
         if isinstance(handled, StateQuery):
@@ -255,8 +307,7 @@ class EdgeLifecycle:
             if refused is not None:
                 return [self._respond(rid, route, request, timings, formatter.failure(refused))]
         if self.draining:
-            error = HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
-            return [self._respond(rid, route, request, timings, formatter.failure(error))]
+            return [self._respond(rid, route, request, timings, formatter.failure(draining()))]
         if self.tokenizing.full(work):
             return [self._respond(rid, route, request, timings, formatter.failure(self.refusals.busy()))]
         frame = self.port.acquire()
@@ -615,6 +666,11 @@ class EdgeLifecycle:
 
 
 _STATUS_NAMES = {int(status): status.name for status in Status}
+
+
+def draining() -> HttpError:
+    """503 for a new request while the edge stops (SIGTERM): another edge takes it."""
+    return HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
 
 
 def _status_name(status: int) -> str:

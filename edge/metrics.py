@@ -40,7 +40,7 @@ _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.33, 1.5, 2.
 # How late the event loop runs a timer: every tenant's requests wait that long (target: under 50 ms, issue 49)
 _LAG_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0)
 #: the reasons a request is refused 429 at claim time (edgepath_refusals_total's label)
-REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded", "slot_cap")
+REFUSAL_REASONS = ("no_slot", "over_bound", "quota_exceeded", "slot_cap", "body_rate")
 
 
 class LatencyWindow:

@@ -58,10 +58,12 @@ class Refusals:
         itself) do not fit what is left of its tenant's quota; ``retry-after-ms`` says when enough will have
         refilled (none when the request alone is more than the whole quota: it never fits)."""
         unit, limit, window = refused.unit, refused.limit, refused.window
-        if unit == "tokens":
-            need = f"this request needs {refused.need} tokens (its prompt and max_tokens)"
-        else:
+        if unit == "requests":
             need = "this request is 1 request"
+        elif refused.least:
+            need = f"any request takes at least {refused.need} tokens (a token of prompt and one of answer)"
+        else:
+            need = f"this request needs {refused.need} tokens (its prompt and max_tokens)"
         if math.isinf(refused.retry_after):
             why = f"{need}, more than the whole {limit}-token quota per {window}: lower max_tokens"
             return HttpError(429, "quota_exceeded", why)
@@ -86,6 +88,16 @@ class Refusals:
             "large_requests_waiting",
             "this API key already has its large requests waiting to be read; this server does not queue more",
             0.0,
+        )
+
+    def body_rate(self, retry_s: float, rate: int) -> HttpError:
+        """429 from the headers: the request's tenant has had its budget of body bytes read (``rate`` a second:
+        edge/body_budget.py), so this body is not read at all; ``retry_s``: when the budget holds it."""
+        return self.retry_later(
+            "body_rate",
+            f"this API key's tenant sends request bodies faster than this edge reads them for one tenant ({rate} "
+            "bytes a second, --body-rate); this one was not read",
+            max(1.0, retry_s * 1e3),
         )
 
     def overloaded(self, used: int, limit: int) -> HttpError:

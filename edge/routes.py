@@ -60,21 +60,23 @@ from edgepath.edge.tenancy.tenants import ANONYMOUS, Tenant
 @dataclass(frozen=True, slots=True)
 class Route:
     """One path of the API: the methods it allows and the API shape that answers it (``ops``: live state from the
-    lifecycle; open without an API key unless ops are protected)."""
+    lifecycle; open without an API key unless ops are protected); ``admits``: its requests ask for a slot, so they
+    may be refused from their headers alone, before their body is read (:meth:`HttpCore.head`)."""
 
     methods: tuple[str, ...]
     api: str
+    admits: bool = False
 
 
 #: the one route table: routing, ``Allow``, authentication, error shapes and metric labels all read it
 ROUTES: dict[str, Route] = {
-    GENERATE: Route(("POST",), "edgepath"),
+    GENERATE: Route(("POST",), "edgepath", admits=True),
     TOKENIZE: Route(("POST",), "edgepath"),
-    COMPLETIONS: Route(("POST",), "openai"),
-    CHAT: Route(("POST",), "openai"),
+    COMPLETIONS: Route(("POST",), "openai", admits=True),
+    CHAT: Route(("POST",), "openai", admits=True),
     MODELS: Route(("GET",), "openai"),
-    RESPONSES: Route(("POST",), "responses"),
-    MESSAGES: Route(("POST",), "anthropic"),
+    RESPONSES: Route(("POST",), "responses", admits=True),
+    MESSAGES: Route(("POST",), "anthropic", admits=True),
     COUNT_TOKENS: Route(("POST",), "anthropic"),
     LLAMA_TOKENIZE: Route(("POST",), "llama"),
     LLAMA_DETOKENIZE: Route(("POST",), "llama"),
@@ -178,7 +180,18 @@ class HttpCore:
         shape = self.shapes.get(api) if api is not None and api not in OWN_APIS else None
         return shape.error(exc) if shape is not None else error_response(exc)
 
-    def _route(self, request: Request) -> Handled:
+    def head(self, request: Request) -> tuple[Tenant, bool] | None:
+        """What a request's head alone decides, before its body is read: its tenant, and whether its route asks for a
+        slot -- the edge may refuse it now, for the price of its headers (docs/EDGE.md) -- or None for the routes
+        that read no body (the ops pages, the OpenAPI document, a shape not served here); :class:`HttpError` for a
+        path, method or API key that is refused whatever the body."""
+        _, route, tenant = self._head(request)
+        if route.api in OWN_APIS or self.shapes.get(route.api) is None:
+            return None
+        return tenant, route.admits
+
+    def _head(self, request: Request) -> tuple[SplitResult, Route, Tenant]:
+        """The path, method and API key checked (raises the refusal)."""
         parts = _split(request.target)
         route = ROUTES.get(parts.path)
         if request.ops and (route is None or route.api != "ops"):
@@ -196,6 +209,10 @@ class HttpCore:
                 f"{request.method} is not allowed on {parts.path}; use {', '.join(methods)}",
                 [(b"allow", ", ".join(methods).encode())],
             )
+        return parts, route, tenant
+
+    def _route(self, request: Request) -> Handled:
+        parts, route, tenant = self._head(request)
         if len(request.body) > self.limits.max_body:  # the adapters refuse it while it arrives: seldom seen here
             raise body_too_large(len(request.body), self.limits.max_body)
         if route.api == "ops":

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget
 from edgepath.edge.connections import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -92,11 +93,17 @@ class Reply(Protocol):
 
 class Intake(Protocol):
     """What an HTTP adapter sees of the edge (:class:`EdgeService` is one): the body limits it applies
-    while a request arrives, the connections it may keep, and where complete requests, early refusals and early
-    resets go."""
+    while a request arrives, the connections it may keep, and where request heads, complete requests, early refusals
+    and early resets go."""
 
     body: BodyLimits
     connections: ConnectionLimits
+
+    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
+        """A request's head arrived (``request.body`` empty; ``length``: its declared Content-Length): True when it
+        was refused from its headers alone and answered through ``reply`` -- read no more of it (drop its body) --,
+        False when its body is to be read and the request handed over whole."""
+        ...
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
         """Answer a complete request through ``reply``; cancel the ticket when its client goes away."""
@@ -142,6 +149,7 @@ class EdgeService:
         connections: ConnectionLimits | None = None,
         memory: Callable[[], MemoryReading] | None = None,
         memory_high_water: float = DEFAULT_HIGH_WATER,
+        body_rate: int = DEFAULT_BODY_RATE,
         formatters: Mapping[str, FormatterFactory] = DEFAULT_FORMATTERS,
         supervision: Callable[[], tuple[int, int] | None] | None = None,
         gate: TenantGate | None = None,
@@ -149,7 +157,8 @@ class EdgeService:
         """``supervision``: (restarts, hangs) of the slot server the app supervises, for /metrics; ``gate``: the
         tenants' slot caps, quotas and usage log (:class:`~edgepath.edge.tenancy.gate.TenantGate`); ``memory``: reads
         the edge's memory and its limit on every tick, new work being shed above ``memory_high_water`` of the limit
-        (edge/overload.py; None: never)."""
+        (edge/overload.py; None: never); ``body_rate``: bytes of request bodies one tenant may have read a second
+        (edge/body_budget.py; 0: no budget)."""
         self.core = core
         self.tokenizer = tokenizer
         self.port = port
@@ -180,6 +189,7 @@ class EdgeService:
             gate=gate,
         )
         self.lifecycle.memory = MemoryGuard(memory_high_water)
+        self.lifecycle.bodies = BodyBudget(body_rate, max(body_rate, core.limits.max_body))
         self.metrics.watch_memory(self.lifecycle.memory)
         self._memory = memory
         self._turns: Turns[tuple[int, Request]] = Turns()  # large requests waiting for their tenant's turn
@@ -222,6 +232,21 @@ class EdgeService:
         return len(self.lifecycle.tracked)
 
     # -- events from adapters --------------------------------------------------------------------
+    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
+        """Refuse ``request`` from its head when its headers alone decide it (the lifecycle's reasons, and a large body
+        whose tenant's line is full: edge/turns.py), answering through ``reply``; False: read its body."""
+        rid = next(self._rids)
+        actions = self.lifecycle.head(rid, request, length, _now())
+        large = length is not None and length >= LARGE_BODY
+        if actions is None and large and self._turns.full(self.core.tenant_of(request)):
+            error = self.core.refusals.waiting()
+            actions = self.lifecycle.refuse(rid, request, self.core.refusal(request.target, error))
+        if actions is None:
+            return False
+        self._replies[rid] = reply
+        self._run(actions)
+        return True
+
     def handle(self, request: Request, reply: Reply) -> Ticket:
         """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled.  A large one
         waits for its tenant's turn (edge/turns.py), or is refused at once when its tenant's line is full."""

@@ -40,6 +40,11 @@ class Turns(Generic[T]):
         line.append(item)
         return True
 
+    def full(self, tenant: str) -> bool:
+        """``tenant``'s line holds as many as it may: its next large request is refused (at its head, unread)."""
+        line = self._waiting.get(tenant)
+        return line is not None and len(line) >= self.per_tenant
+
     def next(self) -> T | None:
         """The next tenant's first item (that tenant goes to the back), or None when nothing waits."""
         if not self._waiting:

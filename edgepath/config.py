@@ -42,6 +42,7 @@ from edgepath.dpu.link_state import DEFAULT_HANG_TIMEOUT
 from edgepath.dpu.links import DEFAULT_DRAIN_TIMEOUT
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE as DEFAULT_QUIC_ENGINE
 from edgepath.edge.adapters.quic_engine import ENGINES as QUIC_ENGINES
+from edgepath.edge.body_budget import DEFAULT_BODY_RATE
 from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
 from edgepath.edge.overload import DEFAULT_HIGH_WATER
 from edgepath.edge.tenancy.usage import FSYNC as USAGE_FSYNC
@@ -497,6 +498,12 @@ class EdgeSettings:
         DEFAULT_HIGH_WATER,
         type=share,
         help="the share of the memory limit above which new requests are shed (default %(default)s)",
+    )
+    body_rate: int = option(
+        DEFAULT_BODY_RATE,
+        type=non_negative_int,
+        help="bytes of request bodies this edge reads per second for one tenant (its API key's); past them its next "
+        "requests are refused 429 body_rate from their headers, unread (0: no budget; default %(default)s)",
     )
     max_connections_per_address: int = option(
         DEFAULT_MAX_CONNECTIONS_PER_ADDRESS,

@@ -316,6 +316,7 @@ def build_edge(
         connections=ConnectionLimits(edge.max_connections, edge.max_connections_per_address, edge.idle_timeout),
         memory=functools.partial(read_memory, edge.memory_limit),
         memory_high_water=edge.memory_high_water,
+        body_rate=edge.body_rate,
         formatters={
             GENERATE: lambda work, tok: GenerateFormatter(tok.decode, model),  # the usage log names the model
             COMPLETIONS: openai_format,

@@ -36,6 +36,9 @@ class OpsIntake:
             OPS_CONNECTIONS, OPS_CONNECTIONS_PER_ADDRESS, service.connections.idle_timeout
         )
 
+    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
+        return self._service.head(dataclasses.replace(request, ops=True), length, reply)
+
     def handle(self, request: Request, reply: Reply) -> Ticket:
         return self._service.handle(dataclasses.replace(request, ops=True), reply)
 

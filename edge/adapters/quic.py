@@ -34,7 +34,7 @@ from functools import cache, partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from edgepath.edge.adapters.quic_engine import DEFAULT_ENGINE, QuicEngine, load_engine
-from edgepath.edge.body import IncomingBody
+from edgepath.edge.body import IncomingBody, declared_length
 from edgepath.edge.connections import DEFAULT_IDLE_TIMEOUT
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response
 from edgepath.edge.service import Intake, Ticket
@@ -208,6 +208,8 @@ class EdgeProtocol(_ProtocolBase):
                 if error is not None:
                     self._refuse_early(event.stream_id, stream, error)
                 elif not event.stream_ended:
+                    if self._refused_at_head(event.stream_id, stream):
+                        return
                     stream.body = limits.start(self._loop, partial(self._body_late, event.stream_id))
         elif isinstance(event, self.engine.DataReceived):
             stream = self._streams.get(event.stream_id)
@@ -226,6 +228,17 @@ class EdgeProtocol(_ProtocolBase):
             request = Request(stream.method, stream.target, stream.headers, body, lib.ep_now_ns(), self._arrival_ns)
             self._completed = True
             stream.ticket = self._service.handle(request, _StreamReply(self, event.stream_id))
+
+    def _refused_at_head(self, stream_id: int, stream: _Stream) -> bool:
+        """Ask the edge whether the request is refused from its head (answered now); then its body is not read:
+        reading is stopped with H3_NO_ERROR (RFC 9114 §4.1) and what still arrives is dropped."""
+        head = Request(stream.method, stream.target, stream.headers, b"", lib.ep_now_ns(), self._arrival_ns)
+        if not self._service.head(head, declared_length(stream.headers), _StreamReply(self, stream_id)):
+            return False
+        stream.answered = True
+        if not self._terminated:
+            self._quic.stop_stream(stream_id, H3_NO_ERROR)
+        return True
 
     def _body_late(self, stream_id: int) -> None:
         """The request did not complete within ``--body-timeout``: 408, and stop reading the rest."""

@@ -11,6 +11,12 @@ be complete within ``--body-timeout`` of its accept (a silent connection too: it
 request's first byte), a later one within ``--body-timeout`` of its first byte -- 408 and the connection closed
 otherwise (it held no frame meanwhile); and between requests a keep-alive connection may stay silent for
 ``--idle-timeout``, then it is closed.
+
+A request may be refused from its head alone (:meth:`~edgepath.edge.service.Intake.head`: its key, its tenant's
+state, no slot to be had): answered at once, its body is then read and dropped as it arrives -- never kept, never
+parsed -- and the connection goes on to its next request (keep-alive), or closes once the body is through when the
+client asked to close (closing with unread data would reset the connection, and the client could lose the answer).
+A client that waits for ``100 Continue`` is answered and the connection closed: it has sent no body.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from http import HTTPStatus
 
 import h11
 
-from edgepath.edge.body import IncomingBody
+from edgepath.edge.body import IncomingBody, declared_length
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
@@ -39,6 +45,7 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._ticket: Ticket | None = None
         self._busy = False  # a request is being answered; h11 holds later ones back
         self._closing = False  # the answer being sent is the connection's last (an early refusal)
+        self._dropping = False  # the request was answered from its head: its body is read and thrown away
         self._arrival_ns: int | None = None
         self._address: str | None = None  # the client's address, while the connection is counted
         self._idle: asyncio.TimerHandle | None = None  # between requests: --idle-timeout
@@ -95,6 +102,10 @@ class EdgeHttp11Protocol(asyncio.Protocol):
 
     def _body_late(self) -> None:
         """The request did not complete within ``--body-timeout`` of its first byte: 408, then close."""
+        if self._dropping and self._transport is not None:  # answered already: the rest of its body never came
+            self._transport.close()
+            self._transport = None
+            return
         if self._busy or self._transport is None:
             return
         error = self._service.body.late()
@@ -127,10 +138,22 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                 error = self._service.body.head(event.target, event.headers) or self._service.body.declared(
                     event.headers
                 )
+                if error is None and self._refused_at_head(event):
+                    continue
             elif isinstance(event, h11.Data):
                 assert self._body is not None  # opened with the request
+                if self._dropping:
+                    if not self._body.drop(event.data):
+                        self._transport.close()
+                        self._transport = None
+                    continue
                 error = self._body.add(event.data)
             elif isinstance(event, h11.EndOfMessage):
+                if self._dropping:
+                    self._dropping = False
+                    self._drop_body()
+                    self._next_cycle()
+                    continue
                 self._dispatch()
                 continue
             else:
@@ -138,6 +161,25 @@ class EdgeHttp11Protocol(asyncio.Protocol):
             if error is not None:
                 self._refuse_early(error)
                 return
+
+    def _refused_at_head(self, req: h11.Request) -> bool:
+        """Ask the edge whether the request is refused from its head (answered now, through :meth:`respond`); then
+        its body is dropped as it arrives."""
+        head = Request(
+            req.method.decode("ascii", "replace"),
+            req.target.decode("ascii", "replace"),
+            list(req.headers),
+            b"",
+            lib.ep_now_ns(),
+            self._arrival_ns,
+        )
+        # set before asking: the answer is written (and _finish runs) inside the call
+        self._dropping = True
+        self._closing = self._conn.they_are_waiting_for_100_continue  # no body comes: answer and close
+        if self._service.head(head, declared_length(req.headers), self):
+            return True
+        self._dropping = self._closing = False
+        return False
 
     def _dispatch(self) -> None:
         assert self._request is not None and self._body is not None
@@ -228,6 +270,14 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         out.append(self._conn.send(h11.EndOfMessage()))
         transport.write(b"".join(out))
         self._busy = False
+        if self._dropping and not self._closing and self._conn.their_state is h11.SEND_BODY:
+            return  # answered from its head: the rest of its body is read and dropped, then the next cycle
+        self._next_cycle()
+
+    def _next_cycle(self) -> None:
+        """This request and its answer are through: read the next request, or close."""
+        transport = self._transport
+        assert transport is not None
         if self._conn.our_state is h11.MUST_CLOSE or self._conn.their_state is not h11.DONE:
             transport.close()
             self._transport = None

@@ -67,6 +67,15 @@ class TenantGate:
             return CapReached(tenant.slot_cap)
         return None
 
+    def exhausted(self, tenant: Tenant) -> Refusal | None:
+        """Why any request of ``tenant`` would be refused now, whatever it asks (its ``slot_cap`` held, or a quota
+        holding less than any request takes: :meth:`Quotas.empty`), or None: decided from its API key alone, before
+        its body is read."""
+        capped = self.over_cap(tenant)
+        if capped is not None:
+            return capped
+        return self.quotas.empty(tenant, self.wall_clock())
+
     def limits(self, tenant: Tenant) -> Headers:
         """The rate-limit headers of an answer refused before it reserved anything: ``tenant``'s quotas as they
         are (none when it has none, or the ledger is out of reach)."""

@@ -59,6 +59,8 @@ WINDOWS = (
     Window("requests", "day", DAY_NS, "requests_per_day"),
 )
 UNITS = ("tokens", "requests")
+#: the least one request takes of each unit: a token of prompt and one of answer; the request itself
+LEAST = {"tokens": 2, "requests": 1}
 
 
 class Ledger(Protocol):
@@ -121,6 +123,7 @@ class Refused:
     remaining: int
     retry_after: float
     limits: Mapping[str, Limits] = field(default_factory=dict)
+    least: bool = False  # ``need`` is the least any request takes (:data:`LEAST`): refused before it was read
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,18 +195,38 @@ class Quotas:
 
     def limits(self, tenant: Tenant, now: int) -> Mapping[str, Limits] | Unavailable | None:
         """The rate-limit headers' values for ``tenant`` now, by unit (read from the ledger); None without a quota."""
-        seen: dict[Window, tuple[int, int]] = {}
         try:
-            for window in WINDOWS:
-                limit = window.limit(tenant)
-                if limit:
-                    seen[window] = (
-                        limit,
-                        self._take(self._entry(tenant.name, window, limit, now), window, limit, 0, now)[0],
-                    )
+            seen = self._read(tenant, now)
         except LedgerUnavailable as exc:
             return Unavailable(str(exc))
         return _limits(seen) if seen else None
+
+    def empty(self, tenant: Tenant, now: int) -> Refused | Unavailable | None:
+        """:class:`Refused` when one of ``tenant``'s buckets holds less than any request takes (:data:`LEAST`), read
+        now and nothing taken: its next request is refused whatever it asks, so the edge refuses it from its headers,
+        before its body is read; :class:`Unavailable` when the ledger cannot be reached; None otherwise."""
+        try:
+            seen = self._read(tenant, now)
+        except LedgerUnavailable as exc:
+            return Unavailable(str(exc))
+        for window, (limit, debt) in seen.items():
+            remaining, need = max(0, limit - debt), LEAST[window.unit]
+            if remaining < need:
+                wait = math.inf if need > limit else window.seconds(need - remaining, limit)
+                return Refused(need, window.unit, window.name, limit, remaining, wait, _limits(seen), least=True)
+        return None
+
+    def _read(self, tenant: Tenant, now: int) -> dict[Window, tuple[int, int]]:
+        """Each of ``tenant``'s buckets as its word is now (a CAS that changes nothing): window -> (limit, debt)."""
+        seen: dict[Window, tuple[int, int]] = {}
+        for window in WINDOWS:
+            limit = window.limit(tenant)
+            if limit:
+                seen[window] = (
+                    limit,
+                    self._take(self._entry(tenant.name, window, limit, now), window, limit, 0, now)[0],
+                )
+        return seen
 
     # -- the words -------------------------------------------------------------------------------------
     def _take(self, entry: int, window: Window, limit: int, need: int, now: int) -> tuple[int, bool]:

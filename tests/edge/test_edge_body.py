@@ -89,6 +89,15 @@ class _Intake:
         self.connections = ConnectionLimits(10, 10, 30.0)
         self.handled: list[Request] = []
         self.refused: list[tuple[Request, HttpError]] = []
+        self.refuse_heads: HttpError | None = None  # the answer every head gets (None: every body is read)
+        self.heads: list[tuple[Request, int | None]] = []
+
+    def head(self, request: Request, length: int | None, reply: Any) -> bool:
+        self.heads.append((request, length))
+        if self.refuse_heads is None:
+            return False
+        reply.respond(self.core.refusal(request.target, self.refuse_heads))
+        return True
 
     def handle(self, request: Request, reply: Any) -> Ticket:
         self.handled.append(request)
@@ -161,5 +170,84 @@ def test_http11_refuses_a_body_that_grows_past_the_limit_and_serves_a_complete_o
         status, headers, body = _split(bytes(transport.out))
         assert status.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["type"] == "body_too_large"
         assert (b"connection", b"close") in headers and transport.closed
+
+    asyncio.run(main())
+
+
+NO_SLOT = HttpError(429, "no_slot", "every slot is busy", [(b"retry-after", b"1")])
+
+
+def _post(body: bytes, *headers: bytes) -> bytes:
+    head = b"".join(h + b"\r\n" for h in headers)
+    return b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n" % (len(body), head) + body
+
+
+def test_http11_answers_a_request_refused_from_its_head_drops_its_body_and_keeps_the_connection() -> None:
+    """The answer goes out as soon as the head is read; the body that follows, in any number of reads, is dropped
+    (never handed over, never parsed); then the next request on the connection is read as usual."""
+
+    async def main() -> None:
+        protocol, intake, transport = _connection(max_body=1 << 20)
+        intake.refuse_heads = NO_SLOT
+        request = _post(b"x" * 100_000)
+        protocol.data_received(request[:200])
+        ((head, length),) = intake.heads
+        assert (head.method, head.target, head.body, length) == ("POST", "/v1/completions", b"", 100_000)
+        status, headers, body = _split(bytes(transport.out))
+        assert status.startswith(b"HTTP/1.1 429 ") and json.loads(body)["error"]["code"] == "no_slot"
+        assert (b"connection", b"close") not in headers and not transport.closed
+        for at in range(200, len(request), 30_000):
+            protocol.data_received(request[at : at + 30_000])
+        assert not intake.handled and not transport.closed
+        transport.out.clear()
+        intake.refuse_heads = None
+        protocol.data_received(_post(b'{"prompt": "hi"}'))
+        (served,) = intake.handled
+        assert served.body == b'{"prompt": "hi"}' and transport.out.startswith(b"HTTP/1.1 200 ")
+
+    asyncio.run(main())
+
+
+def test_http11_a_refused_client_that_asked_to_close_is_closed_once_its_body_is_through() -> None:
+    """Closing with unread data would reset the connection (and could lose the answer): the body is read first."""
+
+    async def main() -> None:
+        protocol, intake, transport = _connection(max_body=1 << 20)
+        intake.refuse_heads = NO_SLOT
+        request = _post(b"y" * 50_000, b"connection: close")
+        protocol.data_received(request[:100])
+        assert transport.out.startswith(b"HTTP/1.1 429 ") and not transport.closed
+        protocol.data_received(request[100:])
+        assert transport.closed and not intake.handled
+
+    asyncio.run(main())
+
+
+def test_http11_a_refused_client_waiting_for_100_continue_is_answered_and_closed_at_once() -> None:
+    async def main() -> None:
+        protocol, intake, transport = _connection(max_body=1 << 20)
+        intake.refuse_heads = NO_SLOT
+        protocol.data_received(_post(b"", b"expect: 100-continue").replace(b"length: 0", b"length: 5000"))
+        status, headers, _ = _split(bytes(transport.out))
+        assert status.startswith(b"HTTP/1.1 429 ") and (b"connection", b"close") in headers and transport.closed
+
+    asyncio.run(main())
+
+
+def test_http11_a_dropped_body_past_the_limit_or_its_deadline_closes_the_connection() -> None:
+    async def main() -> None:
+        protocol, intake, transport = _connection(max_body=64)
+        intake.refuse_heads = NO_SLOT
+        protocol.data_received(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        assert transport.out.startswith(b"HTTP/1.1 429 ")
+        protocol.data_received(b"40\r\n" + b"z" * 64 + b"\r\n")
+        assert not transport.closed  # 64 bytes dropped: within the limit
+        protocol.data_received(b"1\r\nz\r\n")
+        assert transport.closed and not intake.handled
+        protocol, intake, transport = _connection(max_body=64)
+        intake.refuse_heads = NO_SLOT
+        protocol.data_received(_post(b"z" * 60)[:-10])
+        protocol._body_late()  # its deadline: the rest never came
+        assert transport.closed and transport.out.count(b"HTTP/1.1") == 1  # no second answer
 
     asyncio.run(main())

@@ -29,6 +29,9 @@ class _Intake:
         self.connections = limits
         self.handled = 0
 
+    def head(self, request: Request, length: int | None, reply: Any) -> bool:
+        return False  # every body is read
+
     def handle(self, request: Request, reply: Any) -> Ticket:
         self.handled += 1
         reply.respond(Response(200, [(b"content-type", b"application/json")], b"{}"))
