@@ -47,8 +47,10 @@ SCHEMA_DEPTH_MAX = 16
 #: all the repetitions of one request's schemas together (each is written out in its grammar)
 SCHEMA_REPEAT_MAX = 4096
 
-_OPEN, _CLOSE, _QUOTE, _BACKSLASH = (ord(c) for c in '[]"\\')
+_OPEN, _CLOSE, _QUOTE = (ord(c) for c in '[]"')
 _BRACE, _END_BRACE = ord("{"), ord("}")
+#: every byte but the quotes and brackets a JSON text's shape is made of
+_NOT_SHAPE = bytes(b for b in range(256) if b not in b'[]{}"')
 
 
 class LimitExceeded(ValueError):
@@ -63,38 +65,21 @@ class LimitExceeded(ValueError):
 
 
 def json_shape(body: bytes) -> tuple[int, int]:
-    """How deep a JSON text nests arrays and objects, and how many it holds (brackets inside strings not counted):
-    a few numpy comparisons over the bytes, then work on the quotes and brackets found -- no parser's recursion, no
-    per-character Python.  Meaningful for valid JSON; for anything else numbers the parser then refuses anyway."""
+    """How deep a JSON text nests arrays and objects, and how many it holds (brackets inside strings not counted),
+    without a parser's recursion or per-character Python: its escapes taken out as a parser reads them (an escaped
+    backslash, then an escaped quote: neither opens or closes anything), every byte but quotes and brackets deleted
+    (``bytes.translate``, one pass in C), then a few numpy steps over what is left -- a chat of 2,048 messages is
+    12,000 quotes and brackets in 880 KB.  Meaningful for valid JSON; for anything else numbers the parser then
+    refuses anyway."""
     if body.count(b"[") + body.count(b"{") == 0:
         return 0, 0
-    a = np.frombuffer(body, dtype=np.uint8)
-    quotes = np.flatnonzero(a == _QUOTE)
-    if len(quotes) and body.count(b"\\"):
-        # a quote after an odd run of backslashes is escaped: part of its string; runs are measured backwards
-        escaped = np.zeros(len(quotes), dtype=bool)
-        at, run = quotes, 1
-        while True:
-            before = at - run
-            behind = before >= 0
-            behind[behind] = a[before[behind]] == _BACKSLASH
-            if not behind.any():
-                break
-            escaped ^= behind  # one more backslash in the run: the parity flips
-            at = np.where(behind, at, -(1 << 40))  # runs that ended stay out
-            run += 1
-        quotes = quotes[~escaped]
-    opening = np.flatnonzero((a == _OPEN) | (a == _BRACE))
-    closing = np.flatnonzero((a == _CLOSE) | (a == _END_BRACE))
-    # a bracket is inside a string when an odd number of (unescaped) quotes come before it
-    opening = opening[(np.searchsorted(quotes, opening) & 1) == 0]
-    closing = closing[(np.searchsorted(quotes, closing) & 1) == 0]
-    if not len(opening):
-        return 0, 0
-    steps = np.zeros(len(a), dtype=np.int8)
-    steps[opening] = 1
-    steps[closing] = -1
-    return int(np.cumsum(steps, dtype=np.int32).max()), len(opening)
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in body else body
+    s = np.frombuffer(text.translate(None, _NOT_SHAPE), dtype=np.uint8)
+    outside = (np.cumsum(s == _QUOTE, dtype=np.int32) & 1) == 0  # after an even number of quotes: not in a string
+    opening = outside & ((s == _OPEN) | (s == _BRACE))
+    closing = outside & ((s == _CLOSE) | (s == _END_BRACE))
+    steps = opening.view(np.int8) - closing.view(np.int8)
+    return max(0, int(np.cumsum(steps, dtype=np.int32).max())), int(np.count_nonzero(opening))
 
 
 def json_depth(body: bytes) -> int:
