@@ -128,3 +128,42 @@ def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: Runnin
     assert done["first_token_ms"] > 0
     # the tokens came over time (paced), so libcurl read them in several pieces, the first before the end
     assert len(chunks) > 1 and b"event: done" not in chunks[0]
+
+
+@pytest.fixture(scope="module", params=["quic", "tcp"])
+def budgeted_edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
+    """An echo edge whose tenant may have 4,096 bytes of bodies read (its --max-body), refilling at 100 a second."""
+    options = ServeOptions(
+        edge=EdgeSettings(transport=request.param, port_asked=free_port(), max_body=4096, body_rate=100),
+        sizing=Sizing(slots=4),
+        agent=AgentSettings(frames=16),
+        handler=HandlerSettings("echo"),
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+        with running_edge(options, tmp_path_factory.mktemp("budgeted")) as e:
+            yield e
+
+
+def test_curl_reads_a_refusal_sent_from_the_head_and_goes_on_on_the_same_connection(budgeted_edge: RunningEdge) -> None:
+    """A body past its tenant's budget is refused from its head -- never parsed: a broken body gets 429 body_rate,
+    not the 400 reading it would give -- and libcurl reads the answer (HTTP/3: STOP_SENDING with H3_NO_ERROR after
+    it; HTTP/1.1: the body dropped as it arrives), then sends its next request on the same connection."""
+    from curl_cffi import CurlHttpVersion, requests
+
+    quic = budgeted_edge.options.edge.transport == "quic"
+    version = CurlHttpVersion.V3ONLY if quic else CurlHttpVersion.V1_1
+    base = f"{'https' if quic else 'http'}://localhost:{budgeted_edge.port}"
+    opts = {"http_version": version, "verify": str(default_certificate()), "timeout": 30}
+    broken = b"{" + b"x" * 2999
+    with requests.Session() as session:
+        read = session.post(f"{base}/v1/generate", data=broken, **opts)
+        assert read.status_code == 400 and read.json()["error"]["type"] == "invalid_json"  # read: 3,000 bytes spent
+        refused = session.post(f"{base}/v1/generate", data=broken, **opts)
+        assert refused.http_version == (30 if quic else 2)  # libcurl's CURL_HTTP_VERSION_3 or _1_1
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "body_rate"
+        assert int(refused.headers["retry-after-ms"]) > 1000
+        after = session.post(f"{base}/v1/generate", json={"prompt": "after"}, **opts)  # fits what is left
+        assert after.status_code == 200 and after.json()["text"] == "after"
+    # HTTP/1.1 kept its one connection (keep-alive) through the refusal; HTTP/3 its one QUIC connection
+    assert read.headers.get("connection") != "close" and refused.headers.get("connection") != "close"
