@@ -43,6 +43,12 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def cmd_refusals(args: argparse.Namespace) -> int:
+    from edgepath.bench.refusals import main
+
+    return main(args)
+
+
 def cmd_stream(args: argparse.Namespace) -> int:
     from edgepath.bench.stream import main
 
@@ -83,6 +89,7 @@ def add_command(sub: Any) -> None:
     from edgepath.bench.hostile import add_arguments as add_hostile_arguments
     from edgepath.bench.lockout import add_arguments as add_lockout_arguments
     from edgepath.bench.model_compare import add_arguments as add_model_arguments
+    from edgepath.bench.refusals import add_arguments as add_refusals_arguments
     from edgepath.bench.stream import add_arguments as add_stream_arguments
     from edgepath.bench.tenants import add_arguments as add_tenants_arguments
 
@@ -151,6 +158,12 @@ def add_command(sub: Any) -> None:
     )
     add_hostile_arguments(p)
     p.set_defaults(func=cmd_hostile)
+    p = bench.add_parser(
+        "refusals",
+        help="the edge's CPU per refused request and the model's tokens/s under a flood of refused requests",
+    )
+    add_refusals_arguments(p)
+    p.set_defaults(func=cmd_refusals)
     p = bench.add_parser("stream", help="streamed responses under open-loop load (paced echo): TTFT, ITL, return path")
     add_stream_arguments(p)
     p.set_defaults(func=cmd_stream)
