@@ -266,7 +266,7 @@ class BlockingShape:
         return wire.constraint_encoding('root ::= "x"')
 
     def handle(self, path: str, method: str, body: bytes) -> Work:
-        grammar = Grammar(b"slow", self.build)
+        grammar = Grammar(b"slow", self.build, "response_format")
         return Work("generate", "hi", None, 4, False, route=GENERATE, grammar=grammar)
 
     def error(self, exc: Any) -> Response:
