@@ -220,6 +220,25 @@ def test_a_grammar_is_built_on_a_worker_once_per_tenant_and_then_taken_from_its_
     assert isinstance(other, Tokenize) and other.grammar is not None and edge.grammars.misses == 2
 
 
+def test_a_requests_logit_biases_follow_its_grammars_words_built_or_from_the_cache() -> None:
+    """The cache keeps a grammar's words alone; each request's own logit biases follow them after its prompt."""
+    port, tokenizer = wide_port(), ChatChars()
+    edge = lifecycle(port, tokenizer)
+    path, doc = ASKS["chat response_format"]
+    (first,) = edge.receive(1, post(path, {**doc, "logit_bias": {"5": 2}}, "a"), now=0)
+    assert isinstance(first, Tokenize)
+    n, built = work_on_worker(tokenizer, first)
+    assert edge.tokenized(1, n, now=1, words=built) == []
+    assert edge.receive(2, post(path, {**doc, "logit_bias": {"7": -3}}, "a"), now=2) == []  # from the cache
+    read = []
+    for frame in port.submitted:
+        req = port.frames.request_headers[frame]
+        after = port.frames.tokens[frame, req.token_count : req.token_count + wire.constraint_words(req.flags)]
+        read.append(wire.read_after_prompt(after, req.logit_biases))
+    assert read[0][0] == read[1][0] and read[0][0] is not None and "root ::=" in read[0][0]
+    assert (read[0][1], read[1][1]) == (((5, 2.0),), ((7, -3.0),)) and edge.grammars.hits == 1
+
+
 def test_a_grammar_the_converter_refuses_is_a_400_naming_the_field_in_the_shape_and_nothing_is_kept() -> None:
     """The check at parse passes what it can see; the converter's own refusal comes from the worker: answered in the
     route's shape, the frame given back, nothing cached."""
