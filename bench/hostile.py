@@ -1,13 +1,17 @@
 """``edgepath bench hostile``: what one hostile or careless request costs the front door (issue 49).
 
 Against ``edgepath serve`` with two API keys (two tenants) and its default handler (the real model), over HTTP/1.1
-and HTTP/3, this sends each case below once -- alone, from tenant A -- while ``/health/live`` is polled every 50 ms
-on a connection of its own, and reports per case: the answer's status, how much the serve process's resident memory
-grew while it was handled (its peak, ``VmHWM`` reset through ``/proc/PID/clear_refs`` before the case, less its
-``VmRSS`` before), and the worst ``/health/live`` latency meanwhile (targets: 64 MB and 50 ms).  Then ``--clients``
-clients of tenant A send the case that stalled the loop longest, in a loop for ``--seconds``, while tenant B's lone
-chats measure their time to first token against the same chats alone (target: within 1.2x), and B's streams that
-were under way when the flood began must all complete (nothing lost).
+and HTTP/3, this sends each case below once -- alone, from tenant A -- while ``/health/live`` is probed every 50 ms
+the way a kubelet probes it (a process of its own, a fresh HTTP/1.1 connection to serve's ``--ops-listen`` each
+time, 1 s timeout), and reports per case: the answer's status, how much the serve process's resident memory grew
+while it was handled (its peak, ``VmHWM`` reset through ``/proc/PID/clear_refs`` before the case, less its ``VmRSS``
+before), the worst ``/health/live`` latency meanwhile (targets: 64 MB and 50 ms), and the edge's own worst
+event-loop lag meanwhile (``edgepath_event_loop_lag_seconds``: the bucket its worst sample fell in) -- which tells a
+stalled edge loop from a probe that waited for a CPU.  (The probe used to share the load generator's event loop, so
+a megabyte sent by the aioquic client, packet by packet in Python, delayed the probe's own reading: that was counted
+as the edge's.)  Then ``--clients`` clients of tenant A send the case that stalled the edge's loop longest, in a loop
+for ``--seconds``, while tenant B's lone chats measure their time to first token against the same chats alone
+(target: within 1.2x), and B's streams that were under way when the flood began must all complete (nothing lost).
 
     edgepath bench hostile [--transports tcp,quic] [--seconds 30] [--clients 10] [--doc docs/PERFORMANCE.md]
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -149,6 +154,7 @@ class Served:
     def __init__(self, transport: str, state: Path, log: Path, extra: list[str]) -> None:
         self.transport = transport
         self.port = free_port(kind=socket.SOCK_DGRAM if transport == "quic" else socket.SOCK_STREAM)
+        self.ops_port = free_port(kind=socket.SOCK_STREAM)  # the probes' listener, as in a pod (deploy/kubernetes)
         env = dict(os.environ, EDGEPATH_API_KEYS=",".join(KEYS), XDG_STATE_HOME=str(state))
         argv = [
             sys.executable,
@@ -159,6 +165,8 @@ class Served:
             transport,
             "--port",
             str(self.port),
+            "--ops-listen",
+            f"127.0.0.1:{self.ops_port}",
             *extra,
         ]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
@@ -168,6 +176,7 @@ class Served:
             raise RuntimeError(f"serve did not start ({line!r}); see {log}")
         self.clients: dict[str, H3Client] = {}
         self._contexts: list[Any] = []
+        self.probe = Probe(self.ops_port, log.with_name(f"probes-{transport}.txt"))
 
     async def client(self, name: str) -> H3Client:
         """A named HTTP/3 connection (the poller's, tenant A's, tenant B's)."""
@@ -188,6 +197,7 @@ class Served:
     async def close(self) -> None:
         for context in self._contexts:
             await context.__aexit__(None, None, None)
+        self.probe.close()
         self.proc.terminate()
         self.proc.wait(60)
 
@@ -208,6 +218,91 @@ def _status(pid: int, name: str) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no {name}")
 
 
+# -- the probe --------------------------------------------------------------------------------------------------
+#: a probe's timeout, as a kubelet's (timeoutSeconds 1); a probe that timed out counts as this
+PROBE_TIMEOUT_S = 1.0
+
+
+def probe_loop(port: int, path: str, stop: Any) -> None:
+    """Ask ``GET /health/live`` on ``port`` (serve's ops listener) every 50 ms, on a fresh connection each time, until
+    ``stop`` is set; append ``start latency status`` (monotonic seconds) to ``path`` for each."""
+    request = b"GET /health/live HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+    with open(path, "a", buffering=1) as out:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status = 0
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S) as sock:
+                    sock.sendall(request)
+                    data = b""
+                    while chunk := sock.recv(1 << 16):
+                        data += chunk
+                        if time.monotonic() - t0 > PROBE_TIMEOUT_S:
+                            break
+                status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+            except OSError:
+                status = 0
+            latency = time.monotonic() - t0
+            out.write(f"{t0:.6f} {latency:.6f} {status}\n")
+            stop.wait(max(0.0, 0.05 - latency))
+
+
+class Probe:
+    """The kubelet-like prober as a process of its own (its CPU is not the load generator's event loop)."""
+
+    def __init__(self, port: int, path: Path) -> None:
+        self.path = path
+        path.write_text("")
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._proc = context.Process(target=probe_loop, args=(port, str(path), self._stop), daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + 60
+        while " 200\n" not in path.read_text():  # the prober is up and the edge answers it
+            if time.monotonic() > deadline or not self._proc.is_alive():
+                raise RuntimeError(f"no /health/live probe answered within 60 s (see {path})")
+            time.sleep(0.1)
+
+    def worst_ms(self, start: float, end: float) -> tuple[float, int]:
+        """The worst latency (ms; a failed or timed-out probe counts :data:`PROBE_TIMEOUT_S`) of the probes begun
+        between ``start`` and ``end`` (monotonic), and how many there were."""
+        worst, count = 0.0, 0
+        for line in self.path.read_text().splitlines():
+            t0, latency, status = line.split()
+            if start <= float(t0) <= end:
+                count += 1
+                worst = max(worst, float(latency) if status == "200" else PROBE_TIMEOUT_S)
+        return round(worst * 1e3, 1), count
+
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(10)
+
+
+def lag_buckets(port: int) -> dict[float, float]:
+    """``edgepath_event_loop_lag_seconds``'s cumulative bucket counts from serve's ops listener's ``/metrics``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    buckets: dict[float, float] = {}
+    for line in data.decode(errors="replace").splitlines():
+        if line.startswith("edgepath_event_loop_lag_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(le)] = float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def worst_lag_ms(before: dict[float, float], after: dict[float, float]) -> float:
+    """The upper bound (ms) of the bucket the worst lag sample between two readings fell in (0: no sample)."""
+    new = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    total = new.get(float("inf"), 0.0)
+    if total <= 0:
+        return 0.0
+    return min(le for le, count in new.items() if count >= total) * 1e3
+
+
 @dataclass
 class Case:
     name: str
@@ -216,36 +311,56 @@ class Case:
     rss_growth_mb: float
     live_worst_ms: float
     live_polls: int
+    loop_lag_ms: float
+    inline_worst_ms: float
     message: str = ""
 
 
-async def polled(served: Served, work: Awaitable[tuple[int, bytes]]) -> tuple[tuple[int, bytes], list[float]]:
-    """Run ``work`` while ``/health/live`` is asked every 50 ms; the latency of each answer (seconds)."""
-    latencies: list[float] = []
+@dataclass
+class Watched:
+    """What the probes and the edge's loop saw while some work ran."""
+
+    live_worst_ms: float  # the worst /health/live probe's latency (the prober's own process)
+    live_polls: int
+    loop_lag_ms: float  # the bucket the edge's worst event-loop lag sample fell in (its upper bound)
+    inline_worst_ms: float  # the worst /health/live asked from the load generator's own event loop (as before)
+
+
+async def watched(served: Served, work: Awaitable[tuple[int, bytes]]) -> tuple[tuple[int, bytes], Watched]:
+    """Run ``work``; the probes of ``/health/live`` begun meanwhile (and a few before and after), the edge's worst
+    event-loop lag meanwhile, and -- to compare -- ``/health/live`` asked every 50 ms from this process's own loop
+    (where the load generator's clients run) on the transport under test, as this bench did before."""
+    lag_before = await asyncio.to_thread(lag_buckets, served.ops_port)
+    inline: list[float] = []
     done = asyncio.Event()
 
     async def poll() -> None:
         while not done.is_set():
             t0 = time.perf_counter()
             status, _ = await served.call("GET", "/health/live", b"", None, line="live")
-            latencies.append(time.perf_counter() - t0 if status == 200 else float("inf"))
+            inline.append(time.perf_counter() - t0 if status == 200 else float("inf"))
             await asyncio.sleep(max(0.0, 0.05 - (time.perf_counter() - t0)))
 
     poller = asyncio.ensure_future(poll())
-    await asyncio.sleep(0.2)  # a few polls before the case
+    start = time.monotonic()
+    await asyncio.sleep(0.2)  # a few probes before the case
     try:
         result = await work
     finally:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
         done.set()
         await poller
-    return result, latencies
+    end = time.monotonic()
+    await asyncio.sleep(PROBE_TIMEOUT_S + 0.1)  # a probe begun before the end has been written
+    worst, polls = served.probe.worst_ms(start, end)
+    lag = worst_lag_ms(lag_before, await asyncio.to_thread(lag_buckets, served.ops_port))
+    return result, Watched(worst, polls, lag, round(max(inline) * 1e3, 1))
 
 
 async def one_case(served: Served, name: str, path: str, body: bytes) -> Case:
     before = served.rss()
     served.reset_peak()
-    (status, answer), latencies = await polled(served, served.call("POST", path, body, KEYS[0]))
+    (status, answer), seen = await watched(served, served.call("POST", path, body, KEYS[0]))
     growth = max(0, served.peak() - before) / MIB
     try:
         error = json.loads(answer).get("error", {})
@@ -253,7 +368,15 @@ async def one_case(served: Served, name: str, path: str, body: bytes) -> Case:
     except ValueError:
         message = ""
     return Case(
-        name, served.transport, status, round(growth, 1), round(max(latencies) * 1e3, 1), len(latencies), message
+        name,
+        served.transport,
+        status,
+        round(growth, 1),
+        seen.live_worst_ms,
+        seen.live_polls,
+        seen.loop_lag_ms,
+        seen.inline_worst_ms,
+        message,
     )
 
 
@@ -273,6 +396,8 @@ class Flood:
     streams_under_way: int = 0
     streams_completed: int = 0
     live_worst_ms: float = 0.0
+    loop_lag_ms: float = 0.0
+    inline_worst_ms: float = 0.0
 
 
 async def quiet_chat(served: Served, model: str, max_tokens: int = 8) -> tuple[int, float]:
@@ -322,8 +447,9 @@ async def flood(served: Served, model: str, case: tuple[str, str, bytes], client
         await asyncio.gather(*(hostile(i) for i in range(clients)), quiet())
         return 200, b""
 
-    _, latencies = await polled(served, all_of_it())
-    report.live_worst_ms = round(max(latencies) * 1e3, 1)
+    _, seen = await watched(served, all_of_it())
+    report.live_worst_ms, report.loop_lag_ms = seen.live_worst_ms, seen.loop_lag_ms
+    report.inline_worst_ms = seen.inline_worst_ms
     report.streams_completed = sum(1 for status, _ in await asyncio.gather(*under_way) if status == 200)
     if report.ttft_alone_ms and report.ttft_flooded_ms:
         alone = statistics.median(report.ttft_alone_ms)
@@ -344,7 +470,7 @@ async def run_transport(transport: str, args: argparse.Namespace, out: Path) -> 
         )
         results = [await one_case(served, *case) for case in cases(model)]
         by_name = {c[0]: c for c in cases(model)}
-        worst = max(results, key=lambda r: r.live_worst_ms)
+        worst = max(results, key=lambda r: (r.loop_lag_ms, r.live_worst_ms))
         flooded = await flood(served, model, by_name[worst.name], args.clients, args.seconds)
         return results, flooded
     finally:
@@ -357,23 +483,28 @@ def markdown(results: list[Case], floods: list[Flood], load: str, when: str) -> 
         f"targets: RSS growth <= {RSS_TARGET_MB} MB, /health/live <= {LIVE_TARGET_MS} ms, quiet TTFT <= "
         f"{TTFT_TARGET}x alone)",
         "",
-        "| case | transport | answer | serve RSS growth (MB) | /health/live worst (ms) |",
-        "|---|---|---|---|---|",
+        "| case | transport | answer | serve RSS growth (MB) | /health/live worst (ms) "
+        "| edge loop lag worst (ms, <=) | /health/live worst from the load generator's loop (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r.name} | {r.transport} | {r.status} | {r.rss_growth_mb:g} | {r.live_worst_ms:g} |")
+        lines.append(
+            f"| {r.name} | {r.transport} | {r.status} | {r.rss_growth_mb:g} | {r.live_worst_ms:g} | {r.loop_lag_ms:g} "
+            f"| {r.inline_worst_ms:g} |"
+        )
     lines += [
         "",
         "| flood | transport | clients x s | sent (statuses) | quiet TTFT alone p50 (ms) | under flood p50 / max "
-        "(x alone) | streams under way completed | /health/live worst (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "(x alone) | streams under way completed | /health/live worst (ms) | edge loop lag worst (ms, <=) "
+        "| /health/live worst from the load generator's loop (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in floods:
         alone = statistics.median(f.ttft_alone_ms) if f.ttft_alone_ms else float("nan")
         lines.append(
             f"| {f.case} | {f.transport} | {f.clients} x {f.seconds:g} | {f.sent} ({f.statuses}) | {alone:.0f} | "
             f"{f.ttft_ratio_p50} / {f.ttft_ratio_max} | {f.streams_completed} of {f.streams_under_way} | "
-            f"{f.live_worst_ms:g} |"
+            f"{f.live_worst_ms:g} | {f.loop_lag_ms:g} | {f.inline_worst_ms:g} |"
         )
     return "\n".join(lines)
 
