@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
 #: the blocks and who writes them: bench/ingress.py, bench/edge_cpu.py, bench/stream.py, bench/model_report.py,
-#: bench/hostile.py, bench/report.py (`make bench`)
-BLOCKS = ("ingress", "edge-cpu", "stream", "model", "hostile", "datapath")
+#: bench/hostile.py, bench/refusals.py, bench/report.py (`make bench`)
+BLOCKS = ("ingress", "edge-cpu", "stream", "model", "hostile", "refusals", "datapath")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
