@@ -6,14 +6,18 @@ under a flood of 200 refused attempts/s the model's tokens/s stays within 5 % of
 ``refused``, one request a day -- spent before the run, so every later request of it is refused (429
 ``quota_exceeded``), from its headers.  Per transport (``--transports``: HTTP/1.1, HTTP/3):
 
+* ``idle``: nothing sent for ``--seconds`` -- the edge's CPU at rest (heartbeats, timers);
+* ``flood only``: the refused tenant's flood (below) with nothing else running -- the edge's CPU;
 * ``alone``: ``--streams`` streamed chats of ``steady`` in a closed loop for ``--seconds`` -- the model's output
   tokens/s (each answer's tokens counted where its chunks arrived in the window), the edge's CPU;
 * ``flood``: the same loop while ``--clients`` clients of ``refused`` send chats (of ``--flood-body`` bytes) at
   ``--rate`` attempts/s in all, open loop, on kept connections (HTTP/1.1 keep-alive, one QUIC connection each: as
   retrying clients do), from a process of their own -- the tokens/s again, the edge's CPU, the flood's own CPU.
 
-The edge's CPU per refused attempt is the serve process's CPU (edge and agent, from /proc) in ``flood`` less that
-in ``alone``, over the attempts refused: the steady loop is the same in both.  Clients are libcurl's (curl_cffi),
+The edge's CPU per refused attempt is the serve process's CPU (edge and agent, from /proc) in ``flood only`` less
+that in ``idle``, over the attempts refused; and, as a second reading, ``flood`` less ``alone`` -- which holds only
+while the steady loop costs the same in both windows (on a machine shared with other work it need not: the model's
+pace, and so the edge's work for it, moves with what else runs).  Clients are libcurl's (curl_cffi),
 HTTP/1.1 in the clear and HTTP/3 over the edge's certificate.  Every process shares the machine's cores: the load
 average before each phase is reported.
 
@@ -204,8 +208,11 @@ class Result:
     transport: str
     alone: Phase
     flooded: Phase
+    idle: Phase
+    flood_only: Phase
     refused: int = 0
-    ms_per_refusal: float | None = None
+    ms_per_refusal: float | None = None  # the flood's CPU with the steady load, over its refusals
+    ms_per_refusal_only: float | None = None  # the flood's CPU with nothing else running, over its refusals
     throughput_ratio: float | None = None
 
 
@@ -235,10 +242,10 @@ class Served:
 
 
 async def phase(
-    served: Served, model: str, args: argparse.Namespace, name: str, flood: bool
+    served: Served, model: str, args: argparse.Namespace, name: str, flood: bool, steady: bool = True
 ) -> tuple[Phase, list[Answer]]:
-    """One window of ``--seconds``: the steady loop (which runs on past it to its answers' ends), and with ``flood``
-    the refused tenant's attempts over the same window; CPU read at its two ends."""
+    """One window of ``--seconds``: with ``steady`` the steady loop (which runs on past it to its answers' ends),
+    with ``flood`` the refused tenant's attempts over the same window; CPU read at its two ends."""
     pid = served.proc.pid
     result = Phase(name, round(os.getloadavg()[0], 2))
     t0 = time.perf_counter() + args.warmup  # the flood's connections are open by then
@@ -252,12 +259,13 @@ async def phase(
             target=_flood, args=(served.target, model, args.clients, args.rate, window, args.flood_body, queue)
         )
         flooder.start()
-    steady = asyncio.ensure_future(steady_loop(served.target, model, args.streams, args.max_tokens, window[1]))
+    load = steady_loop(served.target, model, args.streams, args.max_tokens, window[1]) if steady else _nothing()
+    running = asyncio.ensure_future(load)
     await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
     edge0, tree0 = cpu_seconds(pid), tree_cpu_seconds(pid)
     await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
     edge1, tree1, w1 = cpu_seconds(pid), tree_cpu_seconds(pid), time.perf_counter()
-    answers = await steady
+    answers = await running
     result.wall_s = round(w1 - t0, 2)
     result.edge_cpu_s = round(edge1 - edge0, 3)
     result.model_cpu_s = round((tree1 - tree0) - (edge1 - edge0), 2)
@@ -267,6 +275,10 @@ async def phase(
         result.flood = await asyncio.to_thread(queue.get, True, 600)
         flooder.join(60)
     return result, answers
+
+
+async def _nothing() -> list[Answer]:
+    return []
 
 
 async def run_transport(transport: str, args: argparse.Namespace, out: Path) -> Result:
@@ -285,11 +297,17 @@ async def run_transport(transport: str, args: argparse.Namespace, out: Path) -> 
             if spent.status_code != 200:
                 raise RuntimeError(f"the refused tenant's one request got {spent.status_code}: {spent.text[:200]}")
         await steady_loop(served.target, model, args.streams, args.max_tokens, time.perf_counter() + 5)  # warm
+        idle, _ = await phase(served, model, args, "idle", flood=False, steady=False)
+        only, _ = await phase(served, model, args, "flood only", flood=True, steady=False)
         alone, _ = await phase(served, model, args, "alone", flood=False)
         flooded, _ = await phase(served, model, args, "flood", flood=True)
     finally:
         served.close()
-    result = Result(transport, alone, flooded)
+    result = Result(transport, alone, flooded, idle, only)
+    refused_only = only.flood.get("statuses", {}).get("429", 0)
+    if refused_only:  # the flood's CPU with nothing else running: no steady load whose own CPU varies to subtract
+        added = only.edge_cpu_s - idle.edge_cpu_s * only.wall_s / idle.wall_s
+        result.ms_per_refusal_only = round(added / refused_only * 1e3, 3)
     result.refused = flooded.flood.get("statuses", {}).get("429", 0)
     if result.refused:  # the flood's CPU: the window's edge CPU less the same window's without it
         added = flooded.edge_cpu_s - alone.edge_cpu_s * flooded.wall_s / alone.wall_s
@@ -306,16 +324,18 @@ def markdown(results: list[Result], args: argparse.Namespace, when: str) -> str:
         f"{results[0].flooded.flood.get('bytes', 0) if results else 0}-byte chats; targets: <= {COST_TARGET_MS} ms "
         f"of edge CPU a refusal, tokens/s >= {THROUGHPUT_TARGET}x without the flood)",
         "",
-        "| transport | load avg before (alone / flood) | refused (statuses) | edge CPU alone / flood (cores) | "
-        "edge CPU a refusal (ms) | model tokens/s alone / flood (x) | flood generator (cores) |",
+        "| transport | load avg before (idle / flood only / alone / flood) | refused (statuses) | edge CPU idle / "
+        "flood only / alone / flood (cores) | edge CPU a refusal (ms): flood only less idle; flood less alone | "
+        "model tokens/s alone / flood (x) | flood generator (cores) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        a, f = r.alone, r.flooded
+        a, f, i, o = r.alone, r.flooded, r.idle, r.flood_only
         lines.append(
-            f"| {r.transport} | {a.loadavg} / {f.loadavg} | {r.refused} ({f.flood.get('statuses')}) | "
-            f"{a.edge_cpu_s / a.wall_s:.3f} / {f.edge_cpu_s / f.wall_s:.3f} | {r.ms_per_refusal} | "
-            f"{a.tokens_per_s} / {f.tokens_per_s} ({r.throughput_ratio}) | "
+            f"| {r.transport} | {i.loadavg} / {o.loadavg} / {a.loadavg} / {f.loadavg} | {r.refused} "
+            f"({f.flood.get('statuses')}) | {i.edge_cpu_s / i.wall_s:.3f} / {o.edge_cpu_s / o.wall_s:.3f} / "
+            f"{a.edge_cpu_s / a.wall_s:.3f} / {f.edge_cpu_s / f.wall_s:.3f} | {r.ms_per_refusal_only}; "
+            f"{r.ms_per_refusal} | {a.tokens_per_s} / {f.tokens_per_s} ({r.throughput_ratio}) | "
             f"{f.flood.get('cpu_s', 0) / max(f.flood.get('wall_s', 1), 1e-9):.2f} |"
         )
     return "\n".join(lines)
