@@ -63,6 +63,7 @@ from edgepath.edge.tenancy.auth import ApiKeys
 from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.edge.tokenizing import work_on_worker
 from edgepath.native.abi import lib
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 
@@ -300,7 +301,7 @@ def slots(tmp_path: Path) -> Iterator[Server]:
 def test_a_grammar_being_built_does_not_hold_up_another_request(slots: Server) -> None:
     async def go() -> tuple[Recorded, Recorded, EdgeService]:
         shape = BlockingShape()
-        agent = Agent(LoopbackTransport(), frames=4, input_capacity=64, output_capacity=64)
+        agent = Agent(LoopbackTransport(peer_keys(None)), frames=4, input_capacity=64, output_capacity=64)
         agent.attach(slots.address)
         tokenizer = CharTokenizer()
         core = HttpCore(Limits(1 << 20, 64, 64, tokenizer.vocab_size), openai=shape)  # type: ignore[arg-type]

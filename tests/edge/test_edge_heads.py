@@ -27,6 +27,7 @@ from edgepath.edge.tenancy.gate import TenantGate
 from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.edge.turns import LARGE_BODY
 from edgepath.native.abi import lib
+from edgepath.peer_secret import peer_keys
 from edgepath.transports.loopback import LoopbackTransport
 
 SECOND = 10**9
@@ -174,7 +175,7 @@ def test_a_large_body_whose_tenants_line_is_full_is_refused_from_its_head(slots:
     ``large_requests_waiting`` for its next large body at its head; a small one of it is read."""
 
     async def go() -> tuple[bool, bool, Recorded]:
-        agent = Agent(LoopbackTransport(), frames=8, input_capacity=64, output_capacity=64)
+        agent = Agent(LoopbackTransport(peer_keys(None)), frames=8, input_capacity=64, output_capacity=64)
         agent.attach(slots.address)
         core = HttpCore(Limits(1 << 20, 64, 64, CharTokenizer().vocab_size), ApiKeys(["a"]))
         service = EdgeService(
