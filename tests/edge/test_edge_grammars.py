@@ -240,6 +240,21 @@ def test_a_requests_logit_biases_follow_its_grammars_words_built_or_from_the_cac
     assert (read[0][1], read[1][1]) == (((5, 2.0),), ((7, -3.0),)) and edge.grammars.hits == 1
 
 
+def test_a_grammar_and_logit_biases_too_many_words_together_are_a_400_naming_both_and_the_frame_is_given_back() -> None:
+    port, tokenizer = wide_port(), ChatChars()
+    edge = lifecycle(port, tokenizer)
+    path, doc = ASKS["chat response_format"]
+    (first,) = edge.receive(1, post(path, {**doc, "logit_bias": {"5": 2}}, "a"), now=0)
+    assert isinstance(first, Tokenize)
+    n, _ = work_on_worker(tokenizer, first)
+    full = np.ones(wire.CONSTRAINT_WORDS_MAX, np.int32)  # a grammar as large as may travel: no room for a bias
+    (answer,) = edge.tokenized(1, n, now=1, words=full)
+    assert isinstance(answer, Respond) and answer.response.status == 400
+    error = json.loads(answer.response.body)["error"]
+    assert error["param"].startswith("response_format") and "'logit_bias'" in error["message"]
+    assert not port.held and not port.submitted
+
+
 def test_a_grammar_the_converter_refuses_is_a_400_naming_the_field_in_the_shape_and_nothing_is_kept() -> None:
     """The check at parse passes what it can see; the converter's own refusal comes from the worker: answered in the
     route's shape, the frame given back, nothing cached."""
