@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,7 +135,12 @@ def test_curl_http3_streams_events_as_the_tokens_are_produced(paced_edge: Runnin
 def budgeted_edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEdge]:
     """An echo edge whose tenant may have 4,096 bytes of bodies read (its --max-body), refilling at 100 a second."""
     options = ServeOptions(
-        edge=EdgeSettings(transport=request.param, port_asked=free_port(), max_body=4096, body_rate=100),
+        edge=EdgeSettings(
+            transport=request.param,
+            port_asked=free_port(kind=socket.SOCK_STREAM if request.param == "tcp" else socket.SOCK_DGRAM),
+            max_body=4096,
+            body_rate=100,
+        ),
         sizing=Sizing(slots=4),
         agent=AgentSettings(frames=16),
         handler=HandlerSettings("echo"),
