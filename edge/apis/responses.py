@@ -142,8 +142,37 @@ def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLim
     )  # fmt: skip
 
 
+#: the fields of ``POST /v1/responses`` this route reads: it applies them, takes them as harmless (who asks, a cache
+#: hint, a service tier: :data:`~edgepath.edge.apis.openai_fields.HARMLESS`' reasoning), or takes them only at the
+#: value that changes nothing (:func:`_refuse_unsupported`); any other field is a 400 naming it, as on the chat routes
+#: (:mod:`edgepath.edge.apis.openai_fields`): an answer is never silently other than asked
+KNOWN_FIELDS = frozenset(
+    {
+        # applied
+        "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+        "parallel_tool_calls", "text", "stream", "metadata", "cache_salt",
+        # harmless: who asks, hints for caching and latency
+        "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "stream_options",
+        # taken only at the value that changes nothing
+        "store", "previous_response_id", "conversation", "prompt", "background", "truncation", "include",
+        "top_logprobs", "max_tool_calls", "context_management", "reasoning",
+    }
+)  # fmt: skip
+
+
 def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
-    """400 for what this server cannot do without a different answer: state, background runs, stored prompts."""
+    """400 for a field this route does not know, and for what it cannot do without a different answer: state,
+    background runs, stored prompts, a reasoning effort."""
+    for name, value in doc.items():
+        if value is not None and name not in KNOWN_FIELDS:
+            raise invalid_request(
+                f"Unrecognized request argument supplied: {show(name)} (this server applies or refuses every field "
+                "it knows, by name, so that an answer is never silently other than asked; see its docs/API.md)",
+                param=name,
+                code="unknown_parameter",
+            )
+    if doc.get("reasoning") not in (None, {}):
+        raise unsupported("reasoning", doc["reasoning"], "null (the served model's reasoning is not configurable)")
     if doc.get("store") not in (None, False):
         raise unsupported("store", doc["store"], "false (this server keeps no responses: send the whole conversation "
                                                  "in 'input')")  # fmt: skip
@@ -337,6 +366,8 @@ def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], 
         return {"type": "text"}, None
     if not isinstance(raw, dict) or set(raw) - {"format", "verbosity"}:
         raise invalid_request(f"'text' must be {{\"format\": ...}}, got {show(raw)}", param="text")
+    if raw.get("verbosity") is not None:
+        raise unsupported("text.verbosity", raw["verbosity"], "null (the served model's verbosity is not configurable)")
     fmt = raw.get("format")
     if fmt is None or fmt == {"type": "text"}:
         return {"type": "text"}, None

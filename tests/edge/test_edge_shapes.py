@@ -302,6 +302,11 @@ def test_input_items_become_the_chat_with_calls_and_their_outputs() -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
         ({"model": "gpt-5"}, "model"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"min_p": 0.1}, "min_p"),  # a chat route's field, not this one's: refused, never dropped
+        ({"max_tokens": 5}, "max_tokens"),  # the chat routes' name for max_output_tokens
+        ({"tempreature": 0.5}, "tempreature"),
     ],
 )
 def test_what_responses_cannot_do_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
@@ -309,6 +314,15 @@ def test_what_responses_cannot_do_is_a_400_naming_it(fields: dict[str, Any], par
         responses(**fields)
     assert info.value.param == param, info.value.message
     assert info.value.status == (404 if param == "model" else 400)
+    if param in ("min_p", "max_tokens", "tempreature"):
+        assert info.value.code == "unknown_parameter" and f'"{param}"' in info.value.message
+
+
+def test_responses_takes_the_fields_that_change_nothing() -> None:
+    req = responses(user="u1", safety_identifier="s", prompt_cache_key="k", service_tier="auto", store=False,
+                    truncation="disabled", include=[], reasoning=None, stream_options={"include_obfuscation": False},
+                    text={"format": {"type": "text"}, "verbosity": None}, metadata={"a": "b"})  # fmt: skip
+    assert req.model == MODEL and req.metadata == {"a": "b"}
 
 
 def responses_answer(text: str, stream: bool, outcome: str = "STOP", **fields: Any) -> tuple[Any, list[Any]]:
