@@ -22,8 +22,13 @@ OpenAI chat completions at temperature 0 over HTTP/1.1:
 
 a. ``lone``: one request at a time -- TTFT and ITL of a request with nothing else running;
 b. ``concurrent``: closed loop with concurrency = slots -- throughput; its answered requests/s is the
-   system's *capacity*;
-c. ``poisson-P``: open loop, Poisson arrivals at P% of capacity (100/200/400 by default).  The capacity
+   system's *capacity*; then ``saturation``: the closed loop guidellm runs (issue 52), ``slots`` streams of chats
+   of ``--saturation-prompt-tokens`` (128) and answers of exactly ``--max-tokens`` (``ignore_eos``), each stream
+   sending its next chat when its last one ended -- tokens/s at saturation, and each request's mean inter-token
+   gap (guidellm's ITL);
+c. ``poisson-P``: open loop, Poisson arrivals at P% of capacity (100/200/400 by default); ``retry-P-rN``: the
+   same with users calling through the openai SDK's retries (``max_retries`` N), at 120 % (a mild overload) and
+   200 % by default.  The capacity
    is the *reference* system's (llama-server's when it runs; ``--rate-basis own`` for each system's own),
    so every system gets the same arrivals at the same absolute rate: goodput and queueing compare
    at equal offered load, which is what "goodput at 2x capacity" is judged on; then ``burst``: 2 x slots
@@ -72,7 +77,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -584,6 +589,9 @@ def summarize(
         "prediction_in_band": sum(low <= r <= high for r in ratios) / len(ratios) if ratios else None,
         "itl_p50_ms": _ms(percentile(gaps, 50)),
         "itl_p99_ms": _ms(percentile(gaps, 99)),
+        # guidellm's inter-token latency: each request's mean gap (its stream's time after the first token over the
+        # tokens after it), p50 over requests -- a stream's reading pace, stalls included
+        "itl_mean_p50_ms": _ms(percentile([statistics.fmean(g) for o in ok if (g := o.gaps())], 50)),
         "output_tokens": tokens,
         "tokens_per_chunk": tokens / chunks if chunks else None,
         "output_tok_s": tokens / span if span > 0 else None,
@@ -676,6 +684,7 @@ class Plan:
     retries: tuple[int, ...]  # the SDK's max_retries in those phases
     prefix_chats: int
     prefix_concurrent: int
+    saturation_prompt: int  # prompt tokens of the saturation phase's chats (0: no such phase)
     seed: int
     start_timeout: float
     rate_basis: str  # "common": the reference system's capacity; "own": each system's
@@ -696,11 +705,16 @@ class Chats:
     poisson: dict[float, list[list[dict[str, str]]]]
     retrying: dict[tuple[float, int], list[list[dict[str, str]]]]
     burst: list[list[dict[str, str]]]  # 2 x slots at once
+    saturation: list[list[dict[str, str]]]  # chats of one length, for the closed loop at saturation
     prefix_seq: list[list[dict[str, str]]]
     prefix_conc: list[list[dict[str, str]]]  # the first `slots` are the cold burst
 
     @classmethod
     def make(cls, workload: Workload, plan: Plan, slots: int, prefix_tokens: int) -> Chats:
+        saturation = []
+        if plan.saturation_prompt:
+            fixed = replace(workload, low=plan.saturation_prompt, high=plan.saturation_prompt)
+            saturation = fixed.chats("saturation", SATURATION_CHATS * slots)
         return cls(
             warmup=workload.chats("warmup", 1),
             lone=workload.chats("lone", plan.lone),
@@ -712,9 +726,14 @@ class Chats:
                 for r in plan.retries
             },
             burst=workload.chats("burst", 2 * slots),
+            saturation=saturation,
             prefix_seq=workload.shared_prefix("sequential", plan.prefix_chats, prefix_tokens),
             prefix_conc=workload.shared_prefix("concurrent", slots + plan.prefix_concurrent, prefix_tokens),
         )
+
+
+#: chats per slot made for the saturation phase: more than a closed loop of --seconds (90) sends here (~20)
+SATURATION_CHATS = 40
 
 
 def phase_name(fraction: float) -> str:
@@ -755,11 +774,11 @@ async def run_system(
         result["threads_default"] = system.default_threads() if threads is None else None
         model = await model_id(port)
 
-        def bodies(chat_list: list[list[dict[str, str]]]) -> list[Body]:
+        def bodies(chat_list: list[list[dict[str, str]]], **extra: Any) -> list[Body]:
             return [
                 {
                     "model": model, "messages": messages, "max_tokens": setup.max_tokens, "temperature": 0.0,
-                    "stream": True, "stream_options": {"include_usage": True},
+                    "stream": True, "stream_options": {"include_usage": True}, **extra,
                 }
                 for messages in chat_list
             ]  # fmt: skip
@@ -785,6 +804,9 @@ async def run_system(
             "concurrent", closed_loop(port, bodies(chats.concurrent), setup.slots, plan.timeout, plan.seconds)
         )
         result["capacity_rps"] = row["answered_rps"]
+        if chats.saturation:  # answers of one length, as guidellm asks them (ignore_eos: llama-server's and ours)
+            fixed = bodies(chats.saturation, ignore_eos=True)
+            await phase("saturation", closed_loop(port, fixed, setup.slots, plan.timeout, plan.seconds))
         basis = common_rate or row["answered_rps"]
         result["rate_basis_rps"] = basis
         if basis:
@@ -912,9 +934,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="1,2,4", help="Poisson rates, as fractions of capacity")
     p.add_argument(
         "--retry-loads",
-        default="1,2",
+        default="1.2,2",
         help="Poisson rates, as fractions of capacity, of the phases whose users call through the openai SDK's "
-        "retries (429 retried, its advice honoured); '' for none",
+        "retries (429 retried, its advice honoured): a mild overload and twice capacity by default; '' for none",
     )
     p.add_argument("--retries", default="2,8", help="the SDK's max_retries in those phases (2: its default)")
     p.add_argument(
@@ -926,6 +948,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--requests", type=int, default=40, help="requests of each Poisson phase at most")
     p.add_argument("--seconds", type=float, default=90.0, help="no request of a phase is started after this long")
+    p.add_argument(
+        "--saturation-prompt-tokens",
+        type=int,
+        default=128,
+        help="prompt tokens of the saturation phase's chats (slots streams in a closed loop, answers of exactly "
+        "--max-tokens, as guidellm's 128 in / 64 out); 0: no saturation phase",
+    )
     p.add_argument("--prefix-tokens", type=int, default=450, help="tokens of the shared system prompt")
     p.add_argument("--prefix-chats", type=int, default=6, help="chats of the sequential shared-prefix phase")
     p.add_argument("--prefix-concurrent", type=int, default=None, help="warm chats at concurrency = slots (2 x slots)")
@@ -1020,6 +1049,11 @@ def _check(args: argparse.Namespace) -> Checked:
     for flag in ("max_tokens", "batching_tokens"):
         if getattr(args, flag) < 2:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 2 (an inter-token gap), got {getattr(args, flag)}")
+    if args.saturation_prompt_tokens and not 16 <= args.saturation_prompt_tokens <= int(high):
+        raise ValueError(
+            f"--saturation-prompt-tokens: 0 (no such phase) or 16..{high} (within --prompt-tokens' longest, which sizes "
+            f"the slots), got {args.saturation_prompt_tokens}"
+        )
     if args.prefix_tokens < 16:
         raise ValueError(f"--prefix-tokens must be >= 16, got {args.prefix_tokens}")
     if not args.seconds > 0 or not args.start_timeout > 0:
@@ -1083,6 +1117,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         retries=checked.retries,
         prefix_chats=args.prefix_chats,
         prefix_concurrent=args.prefix_concurrent or 2 * args.slots,
+        saturation_prompt=args.saturation_prompt_tokens,
         seed=args.seed,
         start_timeout=args.start_timeout,
         rate_basis=args.rate_basis,

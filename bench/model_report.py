@@ -23,6 +23,7 @@ from edgepath.bench.readme import place_plot, rewrite_block
 PHASES = {
     "lone": "one request at a time",
     "concurrent": "concurrency = slots (closed loop)",
+    "saturation": "saturation: slots streams in a closed loop, one prompt length, answers of max_tokens",
     "prefix-seq-cold": "shared prefix: first chat (cold)",
     "prefix-seq-warm": "shared prefix: next chats, one at a time (warm)",
     "prefix-burst-cold": "shared prefix: slots chats at once (cold)",
@@ -78,10 +79,26 @@ def _figure(row: dict[str, Any] | None, key: str) -> float | None:
 VERSUS = (
     ("output tokens/s at concurrency = slots", "concurrent", "output_tok_s", ">=1.0"),
     ("ITL p50 at concurrency = slots", "concurrent", "itl_p50_ms", "<=1.1"),
+    ("output tokens/s at saturation (guidellm's closed loop)", "saturation", "output_tok_s", ">=1.0"),
+    ("ITL p50 at saturation, each request's mean gap (guidellm's)", "saturation", "itl_mean_p50_ms", "<=1.1"),
+    ("TTFT p50 at saturation", "saturation", "ttft_p50_ms", "<=1.0"),
     ("TTFT p50 of a lone request", "lone", "ttft_p50_ms", "<=1.0"),
     ("shared prefix: warm TTFT p50 (one at a time)", "prefix-seq-warm", "ttft_p50_ms", "<=2.0"),
     ("goodput at 200% of capacity", "poisson-200", "goodput_rps", ">=2.0"),
+    ("completed requests/s at 120% with clients retrying (max_retries 8)", "retry-120-r8", "answered_rps", ">=0.95"),
     ("completed requests/s at 200% with clients retrying (max_retries 8)", "retry-200-r8", "answered_rps", ">=0.95"),
+    (
+        "first tokens within 5 s of the call per second at 120% (max_retries 2)",
+        "retry-120-r2",
+        "first_token_5s_rps",
+        ">=1.5",
+    ),
+    (
+        "first tokens within 5 s of the call per second at 120% (max_retries 8)",
+        "retry-120-r8",
+        "first_token_5s_rps",
+        ">=1.5",
+    ),
     (
         "first tokens within 5 s of the call per second at 200% (max_retries 2)",
         "retry-200-r2",
@@ -96,7 +113,7 @@ VERSUS = (
     ),
 )
 #: Phases whose refused clients came back when advised: the share of those retries admitted (edgepath alone)
-ADVISED = ("retry-100-r2", "retry-100-r8", "retry-200-r2", "retry-200-r8")
+ADVISED = ("retry-100-r2", "retry-100-r8", "retry-120-r2", "retry-120-r8", "retry-200-r2", "retry-200-r8")
 #: Loads at which admitted requests' wait and TTFT are held to the bound (the admission issue's targets)
 OVERLOADS = ("poisson-200", "poisson-400")
 #: Phases whose requests' prediction error is judged
@@ -340,6 +357,8 @@ def _row(system: str, row: dict[str, Any]) -> str:
         )
     if row["edge_ms_p50"] is not None:
         notes.append(f"edge stages {row['edge_ms_p50']:.1f} ms p50")
+    if row["phase"] == "saturation" and row.get("itl_mean_p50_ms") is not None:
+        notes.append(f"each request's mean inter-token gap {row['itl_mean_p50_ms']:.1f} ms p50 (guidellm's ITL)")
     if row.get("attempts_mean") is not None and row["phase"].startswith("retry-"):
         notes.append(
             f"{row['attempts_mean']:.2f} attempts per request, first token within 5 s of the call "

@@ -173,6 +173,7 @@ class LlamaHandler:
             micro_batches([(seq.stream, length) for seq, _, length in parts], context.ubatch),
         )
         self.cost.observe(shape, (decoded - decode_start) * 1e3, now)
+        ran_on = self.governor.threads if self.governor is not None else self.options.threads
         if before is not None and self.governor is not None:
             threads = next_threads(self.governor, before, decoded, self.cost.base.step_ms(shape) / 1e3)
             if threads is not None:
@@ -186,7 +187,8 @@ class LlamaHandler:
         # after the step: the load published next, and the next step's plan, see the runs it leaves
         if self.sequences.compact():
             self.stats.compactions += 1
-        self.record.account(n, prompt_tokens, len(parts), started, decode_start, decoded, time.perf_counter())
+        ended = time.perf_counter()
+        self.record.account(n, prompt_tokens, len(parts), started, decode_start, decoded, ended, shape.ubatches, ran_on)
         self.record.summary(now)
         return out
 

@@ -36,12 +36,26 @@ class StepLog:
         self.stats = StepStats()
         self.book = book
         self._reported: tuple[float, StepStats, CacheStats] | None = None  # (when, totals then) of the last summary
+        self._step_ended = 0.0  # when the last step ended (perf_counter): the gap to the next
 
     def account(
-        self, n: int, prompt: int, slots: int, started: float, decode_start: float, decoded: float, ended: float
+        self,
+        n: int,
+        prompt: int,
+        slots: int,
+        started: float,
+        decode_start: float,
+        decoded: float,
+        ended: float,
+        ubatches: int,
+        threads: int,
     ) -> None:
         """A step of ``n`` tokens (``prompt`` of them prompt tokens) over ``slots`` slots, timed from ``started``
-        (``perf_counter``) to ``ended``, its ``llama_decode`` from ``decode_start`` to ``decoded``."""
+        (``perf_counter``) to ``ended``, its ``llama_decode`` from ``decode_start`` to ``decoded``, in ``ubatches``
+        micro-batches on ``threads`` threads.  The line also says how long the loop spent between the last step and
+        this one: what a step profile needs (bench/step_profile.py)."""
+        between_ms = (started - self._step_ended) * 1e3 if self._step_ended else 0.0
+        self._step_ended = ended
         s = self.stats
         decode_ms = (decoded - decode_start) * 1e3
         sample_ms = (ended - decoded) * 1e3
@@ -56,7 +70,7 @@ class StepLog:
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "step %d: %d tokens (%d decode, %d prompt) over %d slots: llama_decode %.1f ms, sampling %.2f ms, "
-                "python %.2f ms",
+                "python %.2f ms; %d micro-batches, %d threads, %.2f ms since the last step",
                 s.steps,
                 n,
                 n - prompt,
@@ -65,6 +79,9 @@ class StepLog:
                 decode_ms,
                 sample_ms,
                 python_ms,
+                ubatches,
+                threads,
+                between_ms,
             )
 
     def summary(self, now: float) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import io
 import re
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,12 @@ import pytest
 
 from edgepath.bench import llama_server
 from edgepath.bench.model_compare import (
+    SATURATION_CHATS,
     SYSTEMS,
+    Chats,
     IdleCost,
     Outcome,
+    Plan,
     Setup,
     Slo,
     Window,
@@ -135,6 +139,11 @@ def test_summary_counts_refusals_against_goodput_and_keeps_latency_over_answers(
     assert row["server_cpu_ms_per_request"] == pytest.approx(250.0)  # per answered request
     assert row["cached_tokens_mean"] == 150 and row["prompt_tokens_p50"] == 200
     assert row["rate_rps"] == 2.0 and row["client_bound"] is False and row["client_cpu_share"] == pytest.approx(0.05)
+    # guidellm's ITL: each request's own mean gap, then the median over requests (not over the gaps pooled)
+    stalled = Outcome(status=200, sent=0.0, done=2.0, chunks=[0.5, 0.54, 0.58, 1.58])  # a 1 s stall in its stream
+    even = Outcome(status=200, sent=0.0, done=2.0, chunks=[0.5, 0.6, 0.7, 0.8])
+    row = summarize("test", [stalled, even, stalled], WINDOW, Slo())
+    assert row["itl_p50_ms"] == pytest.approx(100.0) and row["itl_mean_p50_ms"] == pytest.approx(360.0)
 
 
 def test_late_sends_or_a_busy_client_mark_a_phase_client_bound() -> None:
@@ -172,6 +181,7 @@ def _parsed(*argv: str) -> argparse.Namespace:
         (("--max-tokens", "1"), "--max-tokens must be >= 2"),
         (("--slots", "0"), "--slots must be >= 1"),
         (("--ctx-per-slot", "512"), r"cannot hold the longest chat .* give >= 1216"),
+        (("--saturation-prompt-tokens", "2000"), r"0 \(no such phase\) or 16..1024"),
     ],
 )
 def test_bad_flags_are_named_with_what_is_allowed(argv: tuple[str, ...], message: str) -> None:
@@ -243,6 +253,14 @@ def test_prompts_are_deterministic_distinct_per_phase_and_of_the_drawn_length() 
     assert min(lengths) < 300 and max(lengths) > 500  # drawn over the range, not one size
 
 
+def test_the_saturation_phase_has_chats_of_one_length_and_none_when_turned_off() -> None:
+    plan = Plan(2, 4, 4, 8.0, (1.0,), (), (), 3, 2, saturation_prompt=160, seed=1, start_timeout=1.0, rate_basis="own")
+    chats = Chats.make(Workload(words, seed=3), plan, 2, 200)
+    lengths = {words(chat[0]["content"]) for chat in chats.saturation}
+    assert len(chats.saturation) == 2 * SATURATION_CHATS and 150 <= min(lengths) <= max(lengths) < 160 + 60
+    assert Chats.make(Workload(words), replace(plan, saturation_prompt=0), 2, 200).saturation == []
+
+
 def test_log_uniform_lengths_stay_in_their_range() -> None:
     rng = __import__("random").Random(3)
     draws = [log_uniform(rng, 128, 1024) for _ in range(2000)]
@@ -312,18 +330,24 @@ def _report(
 EDGE = {
     "lone": {"ttft_p50_ms": 500.0},
     "concurrent": {"output_tok_s": 80.0, "itl_p50_ms": 40.0},
+    "saturation": {"output_tok_s": 90.0, "itl_mean_p50_ms": 75.0, "ttft_p50_ms": 400.0},
     "poisson-200": {"goodput_rps": 0.3, "refused_429": 3, "refused_share": 0.3, "requests": 10, "ok": 7},
     "prefix-seq-cold": {"ttft_p50_ms": 2000.0},
     "prefix-seq-warm": {"ttft_p50_ms": 150.0},
+    "retry-120-r2": {"first_token_5s_rps": 0.6},
+    "retry-120-r8": {"answered_rps": 0.7, "first_token_5s_rps": 0.5},
     "retry-200-r2": {"first_token_5s_rps": 0.3},
     "retry-200-r8": {"answered_rps": 0.5, "first_token_5s_rps": 0.4},
 }
 PEER = {
     "lone": {"ttft_p50_ms": 400.0},
     "concurrent": {"output_tok_s": 76.8, "itl_p50_ms": 41.0},
+    "saturation": {"output_tok_s": 100.0, "itl_mean_p50_ms": 40.0, "ttft_p50_ms": 2000.0},
     "poisson-200": {"goodput_rps": 0.1},
     "prefix-seq-cold": {"ttft_p50_ms": 2500.0},
     "prefix-seq-warm": {"ttft_p50_ms": 80.0},
+    "retry-120-r2": {"first_token_5s_rps": 0.5},
+    "retry-120-r8": {"answered_rps": 0.7, "first_token_5s_rps": 0.25},
     "retry-200-r2": {"first_token_5s_rps": 0.1},
     "retry-200-r8": {"answered_rps": 0.6, "first_token_5s_rps": 0.1},
 }
@@ -339,6 +363,12 @@ def test_targets_are_judged_with_how_many_requests_were_answered() -> None:
     assert {name: (round(t["value"], 3), t["verdict"]) for name, t in judged.items()} == {
         "output tokens/s at concurrency = slots": (1.042, "met"),
         "ITL p50 at concurrency = slots": (0.976, "met"),
+        "output tokens/s at saturation (guidellm's closed loop)": (0.9, "missed"),
+        "ITL p50 at saturation": (1.875, "missed"),
+        "TTFT p50 at saturation": (0.2, "met"),
+        "completed requests/s at 120% with clients retrying (max_retries 8)": (1.0, "met"),
+        "first tokens within 5 s of the call per second at 120% (max_retries 2)": (1.2, "missed"),
+        "first tokens within 5 s of the call per second at 120% (max_retries 8)": (2.0, "met"),
         "TTFT p50 of a lone request": (1.25, "missed"),
         "shared prefix: warm TTFT p50 (one at a time)": (1.875, "met"),
         "goodput at 200% of capacity": (3.0, "met"),
