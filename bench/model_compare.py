@@ -1051,8 +1051,8 @@ def _check(args: argparse.Namespace) -> Checked:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 2 (an inter-token gap), got {getattr(args, flag)}")
     if args.saturation_prompt_tokens and not 16 <= args.saturation_prompt_tokens <= int(high):
         raise ValueError(
-            f"--saturation-prompt-tokens: 0 (no such phase) or 16..{high} (within --prompt-tokens' longest, which sizes "
-            f"the slots), got {args.saturation_prompt_tokens}"
+            f"--saturation-prompt-tokens: 0 (no such phase) or 16..{high} (within --prompt-tokens' longest, which "
+            f"sizes the slots), got {args.saturation_prompt_tokens}"
         )
     if args.prefix_tokens < 16:
         raise ValueError(f"--prefix-tokens must be >= 16, got {args.prefix_tokens}")

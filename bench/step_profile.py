@@ -13,12 +13,11 @@ the terms a step policy works in:
 * **both**: every process's CPU from ``/proc`` over the window (the edge with its in-process agent, the slot
   server, llama-server, the load generator), as shares of a core.
 
-The load is a closed loop of ``--clients`` streams, each sending its next chat as soon as its last one ended
-(``ignore_eos``, so every answer is ``--max-tokens`` long, as guidellm asks), from this process (h11, as ``bench
-model``) or from guidellm (``--load guidellm``, a tool none of us wrote; it needs a Hugging Face tokenizer
-directory, ``--processor``).
+The load is guidellm's closed loop made by this process (h11, as ``bench model``'s saturation phase):
+``--clients`` streams, each sending its next chat of ``--prompt-tokens`` as soon as its last one ended, every
+answer ``--max-tokens`` long (``ignore_eos``); a 429 is sent again at once, as guidellm does.
 
-    python -m edgepath.bench.step_profile --system edgepath [--load guidellm --processor DIR] [--seconds 60]
+    python -m edgepath.bench.step_profile --system edgepath|llama-server [--seconds 60] [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -186,13 +184,14 @@ def role(pid: int, root: int) -> str:
 
 def cpu_by_role(root: int) -> dict[str, float]:
     """CPU seconds so far of ``root`` and each live descendant, by role."""
-    out: Counter[str] = Counter()
+    out: dict[str, float] = {}
     for pid in (root, *descendants(root)):
         try:
-            out[role(pid, root)] += cpu_seconds(pid)
+            name = role(pid, root)
+            out[name] = out.get(name, 0.0) + cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return dict(out)
+    return out
 
 
 def cpu_shares(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
@@ -201,7 +200,9 @@ def cpu_shares(before: dict[str, float], after: dict[str, float], wall_s: float)
 
 
 # -- the run ----------------------------------------------------------------------------------------------
-def _server_argv(system: str, model: str, port: int, slots: int, ctx: int, max_tokens: int, options: list[str]):
+def _server_argv(
+    system: str, model: str, port: int, slots: int, ctx: int, max_tokens: int, options: list[str]
+) -> list[str]:
     from edgepath.bench import llama_server
 
     if system == "llama-server":
@@ -262,23 +263,6 @@ async def _model_name(port: int) -> str:
     return await model_id(port)
 
 
-def _guidellm(port: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """guidellm's concurrent profile against the server; its own summary of what it measured."""
-    exe = shutil.which("guidellm") if args.guidellm is None else args.guidellm
-    if exe is None:
-        raise RuntimeError("--load guidellm: no guidellm on PATH (pip install guidellm; or give --guidellm PATH)")
-    report = out / f"guidellm-{args.system}.json"
-    argv = [
-        exe, "benchmark", "run", "--target", f"http://127.0.0.1:{port}", "--profile", "concurrent",
-        "--rate", str(args.clients), "--max-seconds", str(args.seconds), "--processor", args.processor,
-        "--data", f"prompt_tokens={args.prompt_tokens},output_tokens={args.max_tokens}",
-        "--output-path", str(report),
-    ]  # fmt: skip
-    with (out / f"guidellm-{args.system}.log").open("wb") as log:
-        subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=args.seconds + 600, check=False)
-    return {"report": str(report), "command": " ".join(argv)}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the system, warm it, run the closed loop with every process's CPU read around it, stop it."""
     from edgepath.bench.model_compare import get, stop, wait_ready
@@ -300,15 +284,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         asyncio.run(wait_ready(proc, port, "/health", 300))
         steps_before = len(parse_steps(log_path.read_text(errors="replace").splitlines()))
-        metrics_before = parse_metrics(asyncio.run(get(port, "/metrics"))[1].decode()) if args.system != "edgepath" else {}
+        peer = args.system != "edgepath"
+        metrics_before = parse_metrics(asyncio.run(get(port, "/metrics"))[1].decode()) if peer else {}
         cpu0, self0, t0 = cpu_by_role(proc.pid), time.process_time(), time.perf_counter()
-        if args.load == "guidellm":
-            gl0 = _children_cpu()
-            result["load"] = _guidellm(port, args, out)
-            load_cpu = _children_cpu() - gl0
-        else:
-            result["load"] = asyncio.run(_own_loop(port, args.model, args))
-            load_cpu = time.process_time() - self0
+        result["load"] = asyncio.run(_own_loop(port, args.model, args))
+        load_cpu = time.process_time() - self0
         wall = time.perf_counter() - t0
         cpu = cpu_shares(cpu0, cpu_by_role(proc.pid), wall)
         cpu["load generator"] = load_cpu / wall
@@ -326,17 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _children_cpu() -> float:
-    """CPU of this process's waited-for children (guidellm's processes, once it has ended)."""
-    usage = os.times()
-    return usage.children_user + usage.children_system
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", choices=("edgepath", "llama-server"), default="edgepath")
-    p.add_argument("--load", choices=("own", "guidellm"), default="own", help="who drives the closed loop")
-    p.add_argument("--guidellm", default=None, help="guidellm's executable (default: the one on PATH)")
-    p.add_argument("--processor", default=None, help="--load guidellm: a Hugging Face tokenizer directory")
     p.add_argument("--clients", type=int, default=8, help="closed-loop streams")
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -352,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.load == "guidellm" and not args.processor:
-        parser.error("--load guidellm needs --processor DIR (a Hugging Face tokenizer directory for the model)")
     if min(args.clients, args.slots, args.prompt_tokens, args.max_tokens) < 1 or not args.seconds > 0:
         parser.error("--clients, --slots, --prompt-tokens and --max-tokens must be >= 1 and --seconds > 0")
     print(json.dumps(run(args), indent=2))

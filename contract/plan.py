@@ -37,6 +37,16 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    comes -- a CPU step cannot be cut --, and a borrower's prompt made that step long: on this project's 2-core
    machine a 128-token prompt beside seven decoding streams took 300-330 ms, the decoding alone 40-50 ms.  A prompt
    cut into more chunks costs a micro-batch's fixed part per chunk (~9 ms there).
+9. *A full house gathers its prompts*: while every slot of the server is taken (:attr:`Load.full`), objective 6's
+   join share does not hold -- the prompts behind one that gets its first token fill the stall bound with it.  No
+   request can arrive there until a stream ends, and at saturation streams that start in one step end in one step:
+   prompts computed together leave the steps between them pure decode steps, where the join share spread every
+   stream's start over several steps and put some prompt beside nearly every decode step.  Replayed on the cost
+   model in guidellm's closed loop (8 streams, 128-token prompts, 64 tokens each, started together;
+   ``python -m edgepath.bench.policy_sim``): each request's mean inter-token gap p50 50 -> 31 ms, llama-server's
+   batching 28 ms; time to first token p50 0.51 -> 1.73 s, llama-server's 1.88 s; tokens per second the same
+   (126): in a closed loop at a fixed rate a stream's time is its first token plus its gaps whatever the rule,
+   and the rule only chooses which of the two waits.  Below a full house the first token keeps its priority.
 
 **The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
 decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
@@ -175,6 +185,7 @@ class StepPolicy:
         runs: int = 1,
         floors: int = 0,
         lent_ms: float = 0.0,
+        full: bool = False,
     ) -> list[int]:
         """Prompt tokens to compute this step from each waiting prompt, oldest first.
 
@@ -183,7 +194,7 @@ class StepPolicy:
         ``floors`` of them within their tenant's slot floor; ``lent_ms``: while a floor is lent, what the others
         may add to the step (0: none is).  One count per waiting prompt, in order (0: it waits for a later step);
         the step holds ``decoding + sum(...)`` tokens, never more than ``batch``.  Each prompt chunk is charged a
-        micro-batch of its own."""
+        micro-batch of its own.  ``full``: every slot of the server is taken (objective 9)."""
         options = self.options
         if not lent_ms >= 0 or not math.isfinite(lent_ms):
             raise ValueError(f"plan: lent_ms must be finite and >= 0 ms, got {lent_ms}")
@@ -223,7 +234,7 @@ class StepPolicy:
                     lent_room -= added
                 if take == prompt.remaining and index < floors:  # a floor's first token: nothing else in its step
                     room_ms, floor = 0.0, 0
-                elif take == prompt.remaining:  # its first token: those behind may delay it only a little
+                elif take == prompt.remaining and not full:  # its first token: those behind delay it only a little
                     room_ms = min(room_ms, JOIN_SHARE * spent_ms)
         return plan
 
@@ -348,6 +359,8 @@ class Load:
     runs: int = 0  # micro-batches the decoding streams take (runs of consecutive sequence ids)
     floors: int = 0  # the first ``floors`` of ``waiting`` are within their tenant's slot floor (objective 7)
     lent_ms: float = 0.0  # while a floor is lent out, what the other prompts may add to a step (objective 8)
+    #: the server's slots (0: not known; never published -- an agent knows them from the pool header)
+    slots: int = 0
 
     @property
     def published(self) -> bool:
@@ -360,6 +373,11 @@ class Load:
     @property
     def idle(self) -> bool:
         return not self.decoding and not self.waiting
+
+    @property
+    def full(self) -> bool:
+        """Every slot taken (objective 9): each running request decodes or waits in prefill."""
+        return _full(self.slots, self.decoding, self.waiting)
 
     def planned_step(self, takes: Sequence[int]) -> Step:
         """The step the policy's ``takes`` (one per waiting prompt) make of this load."""
@@ -413,16 +431,24 @@ def predict(load: Load, prompt: Prompt, ahead: Sequence[Prompt] = (), under_way_
     if decoding >= policy.options.batch:
         return Prediction(math.inf, math.inf)
     if decoding or waiting:  # the step under way: what is left of it, then the state after it
-        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, load.lent_ms)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, load.lent_ms, load.full)
         decoded = decodes(waiting, takes, floors)
         step = costs.step_ms(_shape(decoding if decoded else 0, longest, runs, waiting, takes))
         elapsed = 0.5 * step if under_way_ms is None else max(0.0, step - under_way_ms)
         decoding, longest, runs, waiting, floors = _advance(decoding, longest, runs, waiting, takes, floors, decoded)
     waiting += ahead
+    waiting.append(prompt)
     ttft = _run(
-        costs, policy, decoding, longest, runs, [*waiting, prompt], elapsed, floors=floors, lent_ms=load.lent_ms
+        costs, policy, decoding, longest, runs, waiting, elapsed, floors=floors, lent_ms=load.lent_ms, slots=load.slots
     )
     return Prediction(ttft, max(0.0, ttft - own))
+
+
+def _full(slots: int, decoding: int, waiting: Sequence[Prompt]) -> bool:
+    """Whether ``decoding`` streams and ``waiting`` prompts take every one of ``slots`` (0: not known, never).
+    An agent reads at most ``LOAD_PROMPTS`` prompts one by one (the rest summed): on a pool of more slots than
+    that, with more prompts waiting, it does not see the house full that is."""
+    return 0 < slots <= decoding + len(waiting)
 
 
 def _shape(decoding: int, longest: int, runs: int, waiting: Sequence[Prompt], takes: Sequence[int]) -> Step:
@@ -472,17 +498,18 @@ def _run(
     ends: Sequence[int] = (),
     floors: int = 0,
     lent_ms: float = 0.0,
+    slots: int = 0,
 ) -> float:
     """Milliseconds (from ``elapsed``) until the last of ``waiting`` has its prompt computed.  ``ends``: for as many
     of the streams decoding now, the tokens after which each ends (the others, and those that start decoding on
     the way, go on); ``floors``: the first of ``waiting`` within their tenant's slot floor; ``lent_ms``: the
-    others' share of a step while a floor is lent, taken to stay lent."""
+    others' share of a step while a floor is lent, taken to stay lent; ``slots``: the server's (objective 9)."""
     last = len(waiting) - 1
     left = [e for e in ends if e > 0][:decoding]
     for _ in range(MAX_STEPS):
         if decoding >= policy.options.batch:
             return math.inf
-        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, lent_ms)
+        takes = policy.plan(costs, decoding, longest, waiting, runs, floors, lent_ms, _full(slots, decoding, waiting))
         decoded = decodes(waiting, takes, floors)
         elapsed += costs.step_ms(_shape(decoding if decoded else 0, longest, runs, waiting, takes))
         if takes[last] == waiting[last].remaining:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -154,8 +154,8 @@ class ServerLink:
         version = int(self._load_end[0])
         if version != self._load_version:
             load = wire.read_load(self.loads[0])
-            if load is not None:
-                self._load, self._load_version = load, version
+            if load is not None:  # the slots are the pool's (objective 9's full house), not the region's
+                self._load, self._load_version = replace(load, slots=len(self.words)), version
         return self._load
 
     def under_way_ms(self, now: float) -> float | None:

@@ -71,7 +71,7 @@ class LlamaHandler:
         self.book = PrefixBook(slots, int(options.cache_mb * 2**20) if options.prefix_cache else 0, options.cache_min)
         self.blobs = context.blobs  # the memory of the book's blobs and of sequences copied on the step loop
         self.sequences = Sequences(context, self.book, options)
-        self.planner = StepPlanner(options, batch, self.cost, self.sequences, self.n_vocab)
+        self.planner = StepPlanner(options, batch, self.cost, self.sequences, self.n_vocab, slots)
         self.record = StepLog(self.book)
         self.stats = self.record.stats
         try:

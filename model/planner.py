@@ -38,10 +38,12 @@ Parts = list[tuple[Sequence, int, int]]
 
 
 class StepPlanner:
-    """Plans steps over ``sequences`` with ``cost``'s costs and a step of at most ``batch`` tokens; token ids
-    outside ``n_vocab`` are refused."""
+    """Plans steps over ``sequences`` with ``cost``'s costs and a step of at most ``batch`` tokens, on a server of
+    ``slots`` slots (all taken: a full house, objective 9); token ids outside ``n_vocab`` are refused."""
 
-    def __init__(self, options: LlamaOptions, batch: int, cost: CostModel, sequences: Sequences, n_vocab: int) -> None:
+    def __init__(
+        self, options: LlamaOptions, batch: int, cost: CostModel, sequences: Sequences, n_vocab: int, slots: int
+    ) -> None:
         stall = float(np.float32(options.stall_ms))  # as published: the agents replay the plan with it
         self.policy = StepPolicy(PolicyOptions(stall, options.min_prefill, batch))
         self.lent_ms = float(np.float32(options.lent_ms))  # as published, as the stall
@@ -49,6 +51,7 @@ class StepPlanner:
         self.cost = cost
         self.sequences = sequences
         self.n_vocab = n_vocab
+        self.slots = slots
         #: floors learned from the requests that name them (a floor lent out keeps steps short: objective 8)
         self.floors: FloorMemory[int] = FloorMemory()
 
@@ -69,11 +72,12 @@ class StepPlanner:
             (decoding if seq.decoding else waiting).append(seq)
         longest = max((seq.prompt_len + seq.count - 1 for seq in decoding), default=0)
         costs, lent = self.cost.costs(), self.lent()
+        full = len(self.sequences.running) >= self.slots  # every slot taken: objective 9
         while True:
             prompts = [Prompt(seq.prefilled, seq.prompt_len - seq.prefilled) for seq in waiting]
             floors = sum(id(seq) in floor_ones for seq in waiting)  # the first ones: the order keeps them first
             streams = runs(s.stream for s in decoding)
-            takes = self.policy.plan(costs, len(decoding), longest, prompts, streams, floors, lent)
+            takes = self.policy.plan(costs, len(decoding), longest, prompts, streams, floors, lent, full)
             # A request takes its sequence (and what it can reuse) when its first prompt tokens are planned,
             # not on arrival: requests that arrive together with a shared prefix then copy it from the one
             # that computed it first.  Placing one can shorten its prompt: plan again.
@@ -165,4 +169,5 @@ class StepPlanner:
             ahead.append(seq)
         self.cost.forget(time.monotonic())
         options, lent = self.policy.options, self.lent()
-        return Load(self.cost.costs(), options, len(decoding), longest, tuple(waiting), runs(decoding), floors, lent)
+        waits = tuple(waiting)
+        return Load(self.cost.costs(), options, len(decoding), longest, waits, runs(decoding), floors, lent, self.slots)

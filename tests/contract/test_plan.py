@@ -73,6 +73,25 @@ def test_a_later_prompt_delays_an_earlier_ones_first_token_by_a_quarter_at_most(
     assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(1000, 100)) == [485, 0]
 
 
+def test_at_a_full_house_the_prompts_behind_a_first_token_fill_the_stall_bound() -> None:
+    """Objective 9: while every slot is taken the join share does not hold (nobody can arrive to be delayed), the
+    stall bound does."""
+    # the same step as above, 90 ms up to the first's first token: both prompts behind it whole (210 ms each)
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100), full=True) == [30, 100, 100]
+    # 300 ms: 210 left after the first, the second's 210 fits it exactly, nothing for the third
+    assert policy(stall_ms=300.0).plan(FLAT, 5, 0, fresh(30, 100, 100), full=True) == [30, 100, 0]
+    # a floor's first token still rides alone (objective 7), and a lent floor still holds the borrowers' prompts to
+    # lent_ms (objective 8): 50 ms, a micro-batch and 20 tokens, all of it the first's
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100), floors=1, full=True) == [30, 0]
+    assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100), lent_ms=50.0, full=True) == [20, 0]
+
+
+def test_a_house_is_full_when_its_running_requests_take_every_slot_and_never_when_its_slots_are_unknown() -> None:
+    busy = Load(FLAT, PolicyOptions(1000.0, 8, 512), decoding=2, waiting=(Prompt(0, 5),))
+    assert replace(busy, slots=3).full and replace(busy, slots=2).full
+    assert not replace(busy, slots=4).full and not busy.full  # a slot free; the slots not known (0)
+
+
 def test_while_slots_decode_prompt_tokens_fill_the_stall_bound() -> None:
     # the streams' micro-batch 20 ms, the chunk's own 10 ms: 35 tokens in the 70 ms left
     assert policy().plan(FLAT, 5, 0, fresh(100)) == [35]
@@ -241,18 +260,21 @@ class SimulatedServer:
     options: PolicyOptions
     running: list[Sequence] = field(default_factory=list)
     now: float = 0.0
+    slots: int = 0  # 0: as many as it runs, never full
 
     def load(self) -> Load:
         decoding = [s for s in self.running if not s.prefilling]
         waiting = tuple(Prompt(s.done, s.prompt - s.done) for s in self.running if s.prefilling)
         longest = max((s.prompt + s.decoded - 1 for s in decoding), default=0)
-        return Load(self.costs, self.options, len(decoding), longest, waiting, runs=1 if decoding else 0)
+        runs = 1 if decoding else 0
+        return Load(self.costs, self.options, len(decoding), longest, waiting, runs=runs, slots=self.slots)
 
     def step(self) -> None:
         decoding = [s for s in self.running if not s.prefilling]
         waiting = [s for s in self.running if s.prefilling]
         load = self.load()
-        takes = StepPolicy(self.options).plan(self.costs, len(decoding), load.longest, load.waiting, load.runs)
+        plan = StepPolicy(self.options).plan
+        takes = plan(self.costs, len(decoding), load.longest, load.waiting, load.runs, full=load.full)
         # each attends what the longest holds and itself (llama.cpp pads the streams to the longest)
         context = len(decoding) * max((s.prompt + s.decoded for s in decoding), default=0)
         attended = sum(chunk_attended(s.done, take) for s, take in zip(waiting, takes, strict=True))
@@ -275,6 +297,7 @@ class SimulatedServer:
     costs=st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10), st.floats(0, 5), st.floats(0, 10)),
     stall=st.floats(20, 3000),
     min_prefill=st.integers(1, 64),
+    spare=st.sampled_from([None, 0, 1]),
 )
 def test_the_agents_prediction_is_what_the_slot_server_then_does(
     decoding: list[tuple[int, int]],
@@ -284,18 +307,23 @@ def test_the_agents_prediction_is_what_the_slot_server_then_does(
     costs: tuple[float, float, float, float, float],
     stall: float,
     min_prefill: int,
+    spare: int | None,
 ) -> None:
     """The server publishes its load at the start of a step; the request arrives half-way through that step (a
     step under way counts half), joins from the next one behind the ``unseen`` claims, and its first token comes
-    exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs say)."""
+    exactly when the agent predicted (no stream ends meanwhile; steps cost what the costs say) -- its slots not
+    known, or ``spare`` more than its requests then take (0: a full house, objective 9)."""
     published = Costs(*costs).published()
     options = PolicyOptions(float(np.float32(stall)), min_prefill, 4096)
-    server = SimulatedServer(published, options)
+    slots = 0 if spare is None else len(decoding) + len(waiting) + len(unseen) + 1 + spare
+    server = SimulatedServer(published, options, slots=slots)
     server.running = [Sequence(prompt, prompt, decoded) for prompt, decoded in decoding]
     server.running += [Sequence(done + left, done) for done, left in waiting]
     record = wire.load_record(server.load())
     record["end"] = record["begin"] = 1
-    seen = wire.read_load(record[0])  # what the agent reads: the load region, float32 and all
+    read = wire.read_load(record[0])  # what the agent reads: the load region, float32 and all
+    assert read is not None
+    seen = replace(read, slots=slots)  # and the pool's slots, from its header (dpu/links.py)
     assert seen == server.load()
     cached, uncached = new
     prediction = predict(seen, Prompt(cached, uncached), [Prompt(done, left) for done, left in unseen])

@@ -155,7 +155,7 @@ def test_every_step_is_the_one_the_published_load_plans(floors_handler: LlamaHan
         lent.add(load.lent_ms)
         policy = StepPolicy(load.options)
         plan = (load.costs, load.decoding, load.longest, list(load.waiting), load.runs, load.floors, load.lent_ms)
-        takes = policy.plan(*plan)
+        takes = policy.plan(*plan, load.full)
         decoded = load.decoding if decodes(load.waiting, takes, load.floors) else 0
         alone += load.decoding > decoded
         before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
@@ -176,6 +176,30 @@ def test_every_step_is_the_one_the_published_load_plans(floors_handler: LlamaHan
     assert steps > 3 and handler.wake_in(0.0) is None
     assert alone == 1  # the floor's first-token step, its two streams decoding in the next
     assert lent == {handler.planner.lent_ms, 0.0}  # lent while the others ran, not before the floor was known nor after
+
+
+def test_a_full_house_gathers_its_prompts_in_the_step_its_published_load_plans(
+    handler: LlamaHandler, tok: GGUFTokenizer
+) -> None:
+    """Objective 9 on the real handler: with every slot taken, the prompts behind one that gets its first token
+    join its step within the stall bound -- the step the load the agents read plans, not the join share's."""
+    pool = Pool()
+    for slot in range(SLOTS - 2):
+        handler.add(pool.request(slot, chat(tok, "Count to ten."), max_new=16), 0.0)
+    while handler.load().waiting:
+        handler.step(0.0)
+    for slot, question in ((SLOTS - 2, "Name a colour."), (SLOTS - 1, "What is the capital of France?")):
+        handler.add(pool.request(slot, chat(tok, question), max_new=4), 0.0)
+    load = handler.load()
+    assert load.full and load.slots == SLOTS and load.decoding == SLOTS - 2 and len(load.waiting) == 2
+    plan = (load.costs, load.decoding, load.longest, list(load.waiting), load.runs, load.floors, load.lent_ms)
+    takes = StepPolicy(load.options).plan(*plan, load.full)
+    assert takes == [p.remaining for p in load.waiting]  # both whole, in one step
+    assert StepPolicy(load.options).plan(*plan, False)[1] < load.waiting[1].remaining  # the join share would not
+    before = (handler.stats.prompt_tokens, handler.stats.decode_tokens)
+    handler.step(0.0)
+    assert (handler.stats.prompt_tokens - before[0], handler.stats.decode_tokens - before[1]) == (sum(takes), 2)
+    drive(handler)
 
 
 def test_built_in_spec_loads_the_real_model(tok: GGUFTokenizer) -> None:
