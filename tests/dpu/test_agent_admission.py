@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from edgepath.slots.handlers import ReportsLoad
 
 pytestmark = pytest.mark.transport
 
-BUSY = Load(waiting=(Prompt(0, 1000), Prompt(0, 1000)), **PACE)  # about 6 s of prompts ahead
+BUSY = Load(waiting=(Prompt(0, 1000), Prompt(0, 1000)), **PACE)  # about 6 s of prompts ahead (4 slots: not full)
 IDLE = Load(**PACE)
 
 
@@ -36,16 +37,17 @@ def submit(agent: Agent, tokens: int, max_wait_ms: int = 0) -> tuple[int, Status
 
 def test_the_pool_header_carries_the_handlers_load_to_the_agent(make_server, new_agent) -> None:
     assert isinstance(Loaded(IDLE), ReportsLoad)
-    server = make_server(Loaded(BUSY))
+    server = make_server(Loaded(BUSY), slots=3)
     link = new_agent().attach(server.address)
     assert published(server.pool) == BUSY
-    assert link.load == BUSY  # read with the heartbeat when it attached
+    # read with the heartbeat when it attached, with the pool's slots from its header (objective 9's full house)
+    assert link.load == replace(BUSY, slots=3)
 
 
 def test_a_request_is_refused_at_once_when_every_server_would_make_it_wait_past_its_bound(
     make_server, new_agent
 ) -> None:
-    server = make_server(Loaded(BUSY))
+    server = make_server(Loaded(BUSY), slots=4)
     agent: Agent = new_agent(max_wait=2.0)
     agent.attach(server.address)
     index, status = submit(agent, 40)
@@ -77,7 +79,7 @@ def test_a_request_may_ask_for_less_never_for_more(make_server, new_agent) -> No
     assert submit(agent, 20)[1] is None  # within the server's bound
     assert submit(agent, 20, max_wait_ms=int(wait / 2))[1] is Status.OVER_BOUND  # asks for less than it would wait
     # more than the server allows is the server's bound: the busy server refuses it all the same
-    busy = make_server(Loaded(BUSY))
+    busy = make_server(Loaded(BUSY), slots=4)
     other: Agent = new_agent(max_wait=1.0)
     other.attach(busy.address)
     assert submit(other, 20, max_wait_ms=600_000)[1] is Status.OVER_BOUND
@@ -138,7 +140,7 @@ def test_a_cancelled_prompt_leaves_no_load_behind(make_server, new_agent) -> Non
     assert not handler.held and not server.running
     assert published(server.pool) == IDLE
     agent.link_set.refresh(link)
-    assert link.load == IDLE
+    assert link.load == replace(IDLE, slots=link.slot_count)
 
 
 def test_a_refusal_never_rests_on_a_view_older_than_a_heartbeat(make_server, new_agent) -> None:
@@ -204,7 +206,7 @@ def test_a_refusal_says_when_a_retry_is_predicted_to_be_admitted(make_server, ne
     frees = 4 * PACE["costs"].step_ms(Step(0, 1, 11))  # one flight: the soonest free, and the spacing
     assert frees <= retries[0] <= 1.25 * frees + 1
     assert all(frees - 1 <= b - a <= 1.25 * frees + 1 for a, b in itertools.pairwise(retries)), retries
-    busy = make_server(Loaded(BUSY))
+    busy = make_server(Loaded(BUSY), slots=4)
     other: Agent = new_agent(seed=7, clock=lambda: now[0])
     other.attach(busy.address)
     index, status = submit(other, 40)
@@ -224,7 +226,7 @@ def test_the_agent_knows_how_long_the_servers_step_under_way_has_run_from_its_cl
     """ABI 11: the server's heartbeat and its load's version are its CLOCK_MONOTONIC when stored, read in one READ;
     their difference, plus the time since that READ on the agent's own clock, is how long the step the load plans
     first has run -- and the prediction counts what is left of that step, not half of it."""
-    server = make_server(Loaded(BUSY))
+    server = make_server(Loaded(BUSY), slots=4)
     now = [100.0]
     agent: Agent = new_agent(max_wait=60.0, clock=lambda: now[0])
     link = agent.attach(server.address)
@@ -239,5 +241,6 @@ def test_the_agent_knows_how_long_the_servers_step_under_way_has_run_from_its_cl
     index, status = submit(agent, 40)
     assert status is None
     expected = predict(BUSY, Prompt(0, 40), under_way_ms=ran + 200.0)
-    assert agent.frames.request_headers[index].predicted_ttft_us == int(expected.ttft_ms * 1e3)
+    # within a microsecond: the agent's 200 ms is its clock's difference, a float a rounding away from 200.0
+    assert agent.frames.request_headers[index].predicted_ttft_us == pytest.approx(expected.ttft_ms * 1e3, abs=1)
     assert expected.ttft_ms <= predict(BUSY, Prompt(0, 40), under_way_ms=0.0).ttft_ms - 200.0
