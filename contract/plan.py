@@ -37,16 +37,17 @@ decoded one does, and every decoding stream waits for the whole step), its objec
    comes -- a CPU step cannot be cut --, and a borrower's prompt made that step long: on this project's 2-core
    machine a 128-token prompt beside seven decoding streams took 300-330 ms, the decoding alone 40-50 ms.  A prompt
    cut into more chunks costs a micro-batch's fixed part per chunk (~9 ms there).
-9. *A full house gathers its prompts*: while every slot of the server is taken (:attr:`Load.full`), objective 6's
-   join share does not hold -- the prompts behind one that gets its first token fill the stall bound with it.  No
-   request can arrive there until a stream ends, and at saturation streams that start in one step end in one step:
-   prompts computed together leave the steps between them pure decode steps, where the join share spread every
-   stream's start over several steps and put some prompt beside nearly every decode step.  Replayed on the cost
-   model in guidellm's closed loop (8 streams, 128-token prompts, 64 tokens each, started together;
-   ``python -m edgepath.bench.policy_sim``): each request's mean inter-token gap p50 50 -> 31 ms, llama-server's
-   batching 28 ms; time to first token p50 0.51 -> 1.73 s, llama-server's 1.88 s; tokens per second the same
-   (126): in a closed loop at a fixed rate a stream's time is its first token plus its gaps whatever the rule,
-   and the rule only chooses which of the two waits.  Below a full house the first token keeps its priority.
+9. *A full house that can start every waiting prompt at once does*: while every slot of the server is taken
+   (:attr:`Load.full`), if every waiting prompt fits the step whole within objectives 2, 7 and 8, objective 6's
+   join share does not hold and they all get their first token in it.  No request can arrive there until a
+   stream ends, and streams that start in one step end in one step: prompts started together leave the steps
+   between them pure decode steps, where the join share spread their starts over several steps and put a prompt
+   beside nearly every decode step (guidellm's closed loop, replayed on the cost model by
+   :mod:`edgepath.bench.policy_sim`: each request's mean inter-token gap p50 50 -> 32 ms, llama-server's batching
+   28; first token p50 0.5 -> 1.66 s, llama-server's 1.88; tokens per second the same).  When they do not all fit,
+   gathering would only delay the first one's token without clearing the queue (retrying clients at 2x capacity
+   lost 13 % of their first tokens within 5 s that way in the same replay; with the condition, none), so
+   objective 6 holds.
 
 **The cost of a step** (:class:`Costs`): ``overhead x micro-batches + prompt_ms x prompt tokens + decode_ms x
 decoded tokens + context_ms x attended / 1000 + decode_context_ms x context / 1000``, where ``attended`` sums,
@@ -208,6 +209,27 @@ class StepPolicy:
             raise ValueError(f"plan: {decoding} decoding slots leave no room in a batch of {options.batch}")
         if not waiting:
             return []
+        if full:  # objective 9: every prompt whole in this step, if the bound allows, else as below
+            gathered = self._fill(costs, decoding, longest, waiting, runs, floors, lent_ms, room, math.inf)
+            if all(take == prompt.remaining for take, prompt in zip(gathered, waiting, strict=True)):
+                return gathered
+        return self._fill(costs, decoding, longest, waiting, runs, floors, lent_ms, room, JOIN_SHARE)
+
+    def _fill(
+        self,
+        costs: Costs,
+        decoding: int,
+        longest: int,
+        waiting: Sequence[Prompt],
+        runs: int,
+        floors: int,
+        lent_ms: float,
+        room: int,
+        share: float,
+    ) -> list[int]:
+        """The plan of objectives 1-8, ``room`` tokens left in the batch, ``share`` the join share (objective 6;
+        infinite: none, objective 9)."""
+        options = self.options
         # The bound: what the step may cost beyond its decoding streams, spent oldest prompt first at each one's
         # own positions.  The floor: what it carries whatever the bound -- while streams decode, min_prefill in
         # all (admitted prompts always progress); while nobody decodes, the oldest prompt whole.
@@ -234,8 +256,8 @@ class StepPolicy:
                     lent_room -= added
                 if take == prompt.remaining and index < floors:  # a floor's first token: nothing else in its step
                     room_ms, floor = 0.0, 0
-                elif take == prompt.remaining and not full:  # its first token: those behind delay it only a little
-                    room_ms = min(room_ms, JOIN_SHARE * spent_ms)
+                elif take == prompt.remaining:  # its first token: those behind may delay it only a little
+                    room_ms = min(room_ms, share * spent_ms)
         return plan
 
 

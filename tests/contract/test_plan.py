@@ -74,12 +74,13 @@ def test_a_later_prompt_delays_an_earlier_ones_first_token_by_a_quarter_at_most(
 
 
 def test_at_a_full_house_the_prompts_behind_a_first_token_fill_the_stall_bound() -> None:
-    """Objective 9: while every slot is taken the join share does not hold (nobody can arrive to be delayed), the
-    stall bound does."""
+    """Objective 9: while every slot is taken, every waiting prompt starts in one step if the stall bound allows
+    them all (nobody can arrive to be delayed); if not, the join share holds as ever."""
     # the same step as above, 90 ms up to the first's first token: both prompts behind it whole (210 ms each)
     assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100, 100), full=True) == [30, 100, 100]
-    # 300 ms: 210 left after the first, the second's 210 fits it exactly, nothing for the third
-    assert policy(stall_ms=300.0).plan(FLAT, 5, 0, fresh(30, 100, 100), full=True) == [30, 100, 0]
+    # 300 ms: the second's 210 would fit, the third's not -- gathering would delay the first for no one's start
+    join = policy(stall_ms=300.0).plan(FLAT, 5, 0, fresh(30, 100, 100))
+    assert policy(stall_ms=300.0).plan(FLAT, 5, 0, fresh(30, 100, 100), full=True) == join == [30, 6, 0]
     # a floor's first token still rides alone (objective 7), and a lent floor still holds the borrowers' prompts to
     # lent_ms (objective 8): 50 ms, a micro-batch and 20 tokens, all of it the first's
     assert policy(stall_ms=1000.0).plan(FLAT, 5, 0, fresh(30, 100), floors=1, full=True) == [30, 0]

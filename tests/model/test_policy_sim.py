@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgepath.bench.policy_sim import rules, simulate
+from edgepath.bench.policy_sim import retrying, rules, simulate
 from edgepath.contract.plan import Costs, PolicyOptions, Prompt
 
 COSTS = Costs(overhead_ms=9.0, prompt_ms=1.6, decode_ms=2.2, context_ms=0.3, decode_context_ms=1.0)
@@ -42,3 +42,11 @@ def test_the_shipped_rule_gathers_only_at_a_full_house() -> None:
 def test_a_loop_too_short_for_its_warm_up_is_refused() -> None:
     with pytest.raises(ValueError, match="no request ended after the 20 s warm-up"):
         simulate(RULES["edgepath"], COSTS, 8, 140, 64, 10.0, 1, True)
+
+
+def test_retrying_clients_below_capacity_all_start_soon_and_far_over_it_some_give_up() -> None:
+    rule = RULES["edgepath"]
+    calm = retrying(rule, COSTS, 8, 0.1, (140, 1036), 64, 300.0, 1)
+    assert calm.calls > 10 and calm.completed == calm.calls and calm.soon_per_s == pytest.approx(calm.calls / 300)
+    flood = retrying(rule, COSTS, 8, 4.0, (140, 1036), 64, 120.0, 1, retries=2)
+    assert flood.completed < flood.calls / 2  # 4x capacity, two retries: most calls find no slot three times
