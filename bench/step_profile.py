@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port(socket.SOCK_STREAM)
-    ctx = args.prompt_tokens + args.max_tokens + 128
+    ctx = args.ctx_per_slot or args.prompt_tokens + args.max_tokens + 128
     argv = _server_argv(args.system, args.model, port, args.slots, ctx, args.max_tokens, args.handler_option)
     log_path = out / f"{args.system}.log"
     with log_path.open("wb") as log:
@@ -313,6 +313,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument(
+        "--ctx-per-slot",
+        type=int,
+        default=1216,
+        help="positions per slot, both systems (edgepath's step holds at most this + slots tokens: 1216, bench "
+        "model's for its 128-1024-token prompts, lets eight 140-token prompts share a step; 0: the prompt, the "
+        "answer and 128)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default=None, help="GGUF path (default: the F16 SmolLM2 edgepath serves)")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE", help="edgepath's handler")
@@ -325,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.clients, args.slots, args.prompt_tokens, args.max_tokens) < 1 or not args.seconds > 0:
         parser.error("--clients, --slots, --prompt-tokens and --max-tokens must be >= 1 and --seconds > 0")
+    if args.ctx_per_slot and args.ctx_per_slot < args.prompt_tokens + args.max_tokens + 64:
+        parser.error(
+            f"--ctx-per-slot must be 0 or >= --prompt-tokens + --max-tokens + 64 (the chat template's room), got "
+            f"{args.ctx_per_slot}"
+        )
     print(json.dumps(run(args), indent=2))
     return 0
 
