@@ -2,12 +2,12 @@
 
 A request is received -> routed and validated (:class:`~edgepath.edge.routes.HttpCore`) -> given a frame of the
 agent port (none free, its tenant at its ``slot_cap``, or no slot it could claim now: 429 before the prompt costs
-anything, :mod:`edgepath.edge.admission`) -> tokenized straight into the frame (:mod:`edgepath.edge.tokenizing`: inline, or on a worker when the
-prompt is large; all busy: 429, never a waiting line) -> admitted by its tenant's gate (quotas, slot cap:
-:mod:`edgepath.edge.tenancy.gate`) -> submitted (alone, or with its other choices: :mod:`edgepath.edge.choices`) ->
-answered from the port's deliveries: one response, or a stream started at the first output, one event chunk per
-delivery and an end.  A request past its deadline (504) or whose client went away is abandoned on
-the port, which fences and frees the frame: the edge holds nothing for it afterwards.
+anything, :mod:`edgepath.edge.admission`) -> tokenized straight into the frame (:mod:`edgepath.edge.tokenizing`:
+inline, or on a worker when the prompt is large; all busy: 429, never a waiting line) -> admitted by its tenant's
+gate (quotas, slot cap: :mod:`edgepath.edge.tenancy.gate`) -> submitted (alone, or with its other choices:
+:mod:`edgepath.edge.choices`) -> answered from the port's deliveries: one response, or a stream started at the
+first output, one event chunk per delivery and an end.  A request past its deadline (504) or whose client went
+away is abandoned on the port, which fences and frees the frame: the edge holds nothing for it afterwards.
 
 Nothing here reads a clock, opens a socket, starts a thread or waits: the driver
 (:class:`~edgepath.edge.service.EdgeService`) passes ``now`` with every event and carries out the

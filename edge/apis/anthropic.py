@@ -25,12 +25,12 @@ import orjson
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
-from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
 from edgepath.edge.apis.structured import FormatRefused, schema_grammar
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import Grammar, Headers, HttpError, json_object, json_type
+from edgepath.edge.http import ApiError, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -66,7 +66,7 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICES = '{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": NAME} or {"type": "none"}'
 
 
-class AnthropicError(Exception):
+class AnthropicError(ApiError):
     """An error answered in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
 
     def __init__(self, status: int, message: str, *, headers: Headers | None = None) -> None:
@@ -103,17 +103,6 @@ def sse(event: str, payload: Mapping[str, Any]) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class AnthropicLimits:
-    """What a request may ask for on this server."""
-
-    max_tokens: int
-    models: tuple[str, ...]
-    grammars: bool = False
-    tool_format: ToolFormat = "fallback"
-    thinking: Thinking | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class MessagesRequest:
     """A validated ``/v1/messages`` (or ``count_tokens``) request: the chat as the model sees it and how to answer."""
 
@@ -134,7 +123,7 @@ class MessagesRequest:
 DEFAULT = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=0)
 
 
-def parse_messages(body: bytes | Mapping[str, Any], limits: AnthropicLimits, *, count: bool = False) -> MessagesRequest:
+def parse_messages(body: bytes | Mapping[str, Any], limits: ChatLimits, *, count: bool = False) -> MessagesRequest:
     """Validate a ``POST /v1/messages`` body (``count``: a ``count_tokens`` body, which has no ``max_tokens`` and no
     sampling); raises :class:`AnthropicError`."""
     doc = _document(body)
@@ -420,7 +409,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec
     return ToolSpec(tools, "required" if kind == "any" else "auto", None, not serial, fmt)
 
 
-def _output_format(raw: Any, limits: AnthropicLimits) -> Grammar | None:
+def _output_format(raw: Any, limits: ChatLimits) -> Grammar | None:
     """``output_config``: ``format`` (a JSON schema the answer must match) as the grammar that enforces it (the
     chat route's ``response_format``: :mod:`edgepath.edge.apis.structured`); ``effort`` is checked, not used."""
     if raw is None:

@@ -21,47 +21,38 @@ import numpy as np
 import orjson
 
 from edgepath.contract import wire
-from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, MessagesRequest, parse_messages, sse
-from edgepath.edge.apis.conversation import chat_work
+from edgepath.edge.apis.anthropic import AnthropicError, MessagesRequest, parse_messages, sse
+from edgepath.edge.apis.conversation import ChatRoutes, chat_work
 from edgepath.edge.apis.output import OutputText, Piece
 from edgepath.edge.http import COUNT_TOKENS, JSON, MESSAGES, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
 def anthropic_error(exc: HttpError) -> Response:
-    return _error_response(AnthropicError.of(exc))
+    return AnthropicError.of(exc).response()
 
 
-def _error_response(err: AnthropicError) -> Response:
-    return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
-
-
-class AnthropicRoutes:
+class AnthropicRoutes(ChatRoutes):
     """Parses Anthropic's Messages requests into :class:`Work` for one served model (an
     :class:`~edgepath.edge.routes.ApiShape`)."""
 
-    def __init__(self, limits: AnthropicLimits, chat_available: bool, why_not: str = "") -> None:
-        self.limits = limits
-        self.chat_available = chat_available
-        self.why_not = why_not
+    errors = AnthropicError
 
     def error(self, exc: HttpError) -> Response:
         return anthropic_error(exc)
 
-    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
-        try:
-            if not self.chat_available:
-                raise AnthropicError(400, f"messages are not available: {self.why_not}")
-            count = path == COUNT_TOKENS
-            req = parse_messages(body, self.limits, count=count)
-            if count:
-                return _count_work(req)
-            work = chat_work(
-                MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-                sampling=req.sampling, options={"anthropic": req},
-            )  # fmt: skip
-        except AnthropicError as err:
-            return _error_response(err)
+    def unavailable(self) -> AnthropicError:
+        return AnthropicError(400, f"messages are not available: {self.why_not}")
+
+    def parse(self, path: str, body: bytes) -> Work:
+        count = path == COUNT_TOKENS
+        req = parse_messages(body, self.limits, count=count)
+        if count:
+            return _count_work(req)
+        work = chat_work(
+            MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
+            sampling=req.sampling, options={"anthropic": req},
+        )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
 

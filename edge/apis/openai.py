@@ -37,7 +37,7 @@ from edgepath.edge.apis.sampling import (
 )
 from edgepath.edge.apis.structured import FormatRefused, grammar_of
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import BodyProblem, Grammar, Headers, HttpError, json_object, json_type
+from edgepath.edge.http import ApiError, BodyProblem, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -69,7 +69,7 @@ ERROR_TYPES = {
 }
 
 
-class OpenAIError(Exception):
+class OpenAIError(ApiError):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
     Every error on the OpenAI routes is one of these -- the routes' own validation and, through

@@ -21,7 +21,7 @@ from typing import Any
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
-from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.openai import document, invalid_request, model_not_found, unsupported
 from edgepath.edge.apis.sampling import (
@@ -40,17 +40,6 @@ from edgepath.edge.text.thinking import Thinking
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TOOL_CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": NAME}"
 FORMATS = '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"?}'
-
-
-@dataclass(frozen=True, slots=True)
-class ResponsesLimits:
-    """What a request may ask for on this server."""
-
-    max_tokens: int
-    models: tuple[str, ...]
-    grammars: bool = False
-    tool_format: ToolFormat = "fallback"
-    thinking: Thinking | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +63,7 @@ class ResponsesRequest:
     parallel_tool_calls: bool = True
 
 
-def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLimits) -> ResponsesRequest:
+def parse_response_request(body: bytes | Mapping[str, Any], limits: ChatLimits) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body; raises :class:`~edgepath.edge.apis.openai.OpenAIError`."""
     doc = document(body)
     model = doc.get("model")
@@ -359,7 +348,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolForm
     return ToolSpec(tools, "named", raw["name"], not serial, fmt)
 
 
-def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], Grammar | None]:
+def _text_format(raw: Any, limits: ChatLimits) -> tuple[Mapping[str, Any], Grammar | None]:
     """``text.format`` as the answer's format and the grammar that enforces it (the chat route's
     ``response_format``, :mod:`edgepath.edge.apis.structured`, whose ``json_schema`` is nested one level down)."""
     if raw is None:

@@ -21,37 +21,32 @@ import numpy as np
 import orjson
 
 from edgepath.edge.apis import openai as oa
-from edgepath.edge.apis.conversation import chat_work
+from edgepath.edge.apis.conversation import ChatRoutes, chat_work
 from edgepath.edge.apis.openai_routes import openai_error
 from edgepath.edge.apis.output import OutputText, Piece
-from edgepath.edge.apis.responses import ResponsesLimits, ResponsesRequest, parse_response_request
+from edgepath.edge.apis.responses import ResponsesRequest, parse_response_request
 from edgepath.edge.http import JSON, RESPONSES, Headers, HttpError, Outcome, Response, Work
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
-class ResponsesRoutes:
+class ResponsesRoutes(ChatRoutes):
     """Parses ``/v1/responses`` requests into :class:`Work` for one served model (an
     :class:`~edgepath.edge.routes.ApiShape`)."""
 
-    def __init__(self, limits: ResponsesLimits, chat_available: bool, why_not: str = "") -> None:
-        self.limits = limits
-        self.chat_available = chat_available
-        self.why_not = why_not
+    errors = oa.OpenAIError
 
     def error(self, exc: HttpError) -> Response:
         return openai_error(exc)
 
-    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
-        try:
-            if not self.chat_available:
-                raise oa.invalid_request(f"responses are not available: {self.why_not}")
-            req = parse_response_request(body, self.limits)
-            work = chat_work(
-                RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-                sampling=req.sampling, options={"responses": req},
-            )  # fmt: skip
-        except oa.OpenAIError as err:
-            return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
+    def unavailable(self) -> oa.OpenAIError:
+        return oa.invalid_request(f"responses are not available: {self.why_not}")
+
+    def parse(self, path: str, body: bytes) -> Work:
+        req = parse_response_request(body, self.limits)
+        work = chat_work(
+            RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
+            sampling=req.sampling, options={"responses": req},
+        )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
 
