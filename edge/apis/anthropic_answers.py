@@ -17,14 +17,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import orjson
 
 from edgepath.contract import wire
 from edgepath.edge.apis.anthropic import AnthropicError, MessagesRequest, parse_messages, sse
 from edgepath.edge.apis.conversation import ChatRoutes, chat_work
-from edgepath.edge.apis.output import OutputText, Piece
-from edgepath.edge.http import COUNT_TOKENS, JSON, MESSAGES, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.apis.output import EventFormatter, OutputText, Piece
+from edgepath.edge.http import COUNT_TOKENS, JSON, MESSAGES, HttpError, Outcome, Response, Work
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
@@ -92,7 +91,7 @@ def usage(outcome: Outcome, output_tokens: int) -> dict[str, int]:
     }
 
 
-class AnthropicFormatter:
+class AnthropicFormatter(EventFormatter):
     """One Anthropic answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`)."""
 
     def __init__(self, request: MessagesRequest, tokenizer: Tokenizer, message_id: str) -> None:
@@ -101,21 +100,13 @@ class AnthropicFormatter:
         self.answer_id: str | None = message_id
         self.model: str | None = request.model
         self.watch = bool(request.stop)  # stop sequences need the output as it is produced
-        self.done = False
-        self._out = OutputText(tokenizer, request.stop, request.chat.tools, f"toolu_{message_id[4:]}", request.thinking)
-        self._fed = 0
+        out = OutputText(tokenizer, request.stop, request.chat.tools, f"toolu_{message_id[4:]}", request.thinking)
+        super().__init__(out, request.stream)
         self._started = False
         self._block: str | None = None  # the kind of the content block open on the stream
         self._index = -1
 
     # -- the lifecycle's calls --------------------------------------------------------------------------
-    def start(self) -> tuple[int, Headers]:
-        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-    def tokens(self, ids: np.ndarray) -> bytes:
-        data = self._feed(ids)
-        return data if self.request.stream else b""
-
     def complete(self, outcome: Outcome) -> Response:
         self._feed(outcome.tokens[self._fed :])
         self._out.finish()
@@ -156,18 +147,6 @@ class AnthropicFormatter:
         return AnthropicError.of(error).event()
 
     # -- the answer ---------------------------------------------------------------------------------------
-    def _feed(self, ids: np.ndarray) -> bytes:
-        head = self._opening() if self.request.stream else b""
-        if not len(ids):
-            return head
-        self._fed += len(ids)
-        if self._out.stopped:
-            self._out.feed(ids.tolist())
-            return head
-        piece = self._out.feed(ids.tolist())
-        self.done = self._out.stopped
-        return head + (self._piece(piece) if self.request.stream else b"")
-
     def _opening(self) -> bytes:
         """``message_start`` (the usage is known at the end: ``message_delta`` carries it) and a ``ping``."""
         if self._started:
