@@ -353,35 +353,29 @@ def _unsupported_block(block: Any, allowed: Sequence[str]) -> str:
 
 
 def _tools(raw: Any) -> tuple[Tool, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
+    listing = f"must be a list of at most {TOOLS_MAX} tools {{name, description?, input_schema}}"
+    return tool_calling.tool_list(raw, listing, _tool)
+
+
+def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
+    """One of a Messages request's tools: a client tool ``{name, description?, input_schema}``."""
+    if not isinstance(entry, dict):
+        raise ToolsRefused(where, f"must be an object {{name, description?, input_schema}}, got {show(entry)}")
+    kind = entry.get("type", "custom")
+    if kind != "custom":
         raise ToolsRefused(
-            "tools",
-            f"must be a list of at most {TOOLS_MAX} tools {{name, description?, input_schema}}, got {show(raw)}",
+            f"{where}.type",
+            f"tools of type {kind!r} (Anthropic's server tools) are not supported by this server; give client "
+            "tools: {name, description?, input_schema}",
         )
-    tools: list[Tool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolsRefused(where, f"must be an object {{name, description?, input_schema}}, got {show(entry)}")
-        kind = entry.get("type", "custom")
-        if kind != "custom":
-            raise ToolsRefused(
-                f"{where}.type",
-                f"tools of type {kind!r} (Anthropic's server tools) are not supported by this server; give client "
-                "tools: {name, description?, input_schema}",
-            )
-        extra = sorted(set(entry) - {"type", "name", "description", "input_schema", "cache_control"})
-        if extra:
-            raise ToolsRefused(f"{where}.{extra[0]}", "Extra inputs are not permitted")
-        if entry.get("input_schema") is None:
-            raise ToolsRefused(f"{where}.input_schema", "Field required (the JSON schema of the tool's input)")
-        tool = tool_calling.checked_tool(
-            entry.get("name"), entry.get("description"), entry.get("input_schema"), where, tools, "input_schema"
-        )
-        tools.append(tool)
-    return tuple(tools)
+    extra = sorted(set(entry) - {"type", "name", "description", "input_schema", "cache_control"})
+    if extra:
+        raise ToolsRefused(f"{where}.{extra[0]}", "Extra inputs are not permitted")
+    if entry.get("input_schema") is None:
+        raise ToolsRefused(f"{where}.input_schema", "Field required (the JSON schema of the tool's input)")
+    return tool_calling.checked_tool(
+        entry.get("name"), entry.get("description"), entry.get("input_schema"), where, taken, "input_schema"
+    )
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec | None:

@@ -15,7 +15,7 @@ on the OpenAI chat route, keys this server does not know are ignored, and a fiel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,8 @@ def parse_response_request(body: bytes | Mapping[str, Any], limits: ChatLimits) 
     turns += _input(doc.get("input"))
     raw_tools = doc.get("tools")
     try:
-        tools = _tools(raw_tools)
+        listing = f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "name", '
+        tools = tool_calling.tool_list(raw_tools, listing + '"description"?, "parameters"?} objects', _tool)
         spec = _tool_choice(doc.get("tool_choice"), tools, doc.get("parallel_tool_calls"), limits.tool_format)
         chat = conversation(turns, spec, limits.tool_format, limits.grammars)
     except (ToolsRefused, FormatRefused) as exc:
@@ -298,32 +299,18 @@ def _call(item: Mapping[str, Any], where: str) -> ToolCall:
     return ToolCall(call_id, name, arguments)
 
 
-def _tools(raw: Any) -> tuple[Tool, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
+def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
+    """One of a Responses request's tools: ``{"type": "function", "name", "description"?, "parameters"?}``."""
+    if not isinstance(entry, dict) or entry.get("type") != "function":
         raise ToolsRefused(
-            "tools",
-            f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "name", '
-            f'"description"?, "parameters"?}} objects, got {show(raw)}',
+            f"{where}.type",
+            f'\'{where}\' must be a function tool {{"type": "function", "name", ...}} (this server has no '
+            f"hosted tools), got {show(entry)}",
         )
-    tools: list[Tool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise ToolsRefused(
-                f"{where}.type",
-                f'\'{where}\' must be a function tool {{"type": "function", "name", ...}} (this server has no '
-                f"hosted tools), got {show(entry)}",
-            )
-        strict = entry.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
-        tools.append(
-            tool_calling.checked_tool(entry.get("name"), entry.get("description"), entry.get("parameters"), where,
-                                      tools)
-        )  # fmt: skip
-    return tuple(tools)
+    strict = entry.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
+    return tool_calling.checked_tool(entry.get("name"), entry.get("description"), entry.get("parameters"), where, taken)
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolFormat) -> ToolSpec | None:
