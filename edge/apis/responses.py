@@ -301,16 +301,10 @@ def _call(item: Mapping[str, Any], where: str) -> ToolCall:
 
 def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
     """One of a Responses request's tools: ``{"type": "function", "name", "description"?, "parameters"?}``."""
-    if not isinstance(entry, dict) or entry.get("type") != "function":
-        raise ToolsRefused(
-            f"{where}.type",
-            f'\'{where}\' must be a function tool {{"type": "function", "name", ...}} (this server has no '
-            f"hosted tools), got {show(entry)}",
-        )
-    strict = entry.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
-    return tool_calling.checked_tool(entry.get("name"), entry.get("description"), entry.get("parameters"), where, taken)
+    shape = 'a function tool {"type": "function", "name", ...} (this server has no hosted tools)'
+    entry = tool_calling.function_tool(entry, where, shape)
+    name, description, parameters = entry.get("name"), entry.get("description"), entry.get("parameters")
+    return tool_calling.checked_tool(name, description, parameters, where, taken, strict=entry.get("strict"))
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolFormat) -> ToolSpec | None:

@@ -168,34 +168,41 @@ def tool_list(raw: Any, refused: str, read: Callable[[Any, str, Sequence[Tool]],
     return tuple(tools)
 
 
+def function_tool(entry: Any, where: str, shape: str) -> Mapping[str, Any]:
+    """``entry`` when it is an object of ``"type": "function"`` (the only tools this server has); else ToolsRefused
+    naming ``where.type`` and saying that it must be ``shape``."""
+    if not isinstance(entry, Mapping) or entry.get("type") != "function":
+        raise ToolsRefused(f"{where}.type", f"'{where}' must be {shape}, got {_show(entry)}")
+    return entry
+
+
 def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
     """One of OpenAI chat's tools: ``{"type": "function", "function": {name, description?, parameters?}}``."""
-    if not isinstance(entry, Mapping) or entry.get("type") != "function":
-        raise ToolsRefused(
-            f"{where}.type",
-            f'\'{where}\' must be {{"type": "function", "function": {{...}}}} (function tools only), '
-            f"got {_show(entry)}",
-        )
-    function = entry.get("function")
+    shape = '{"type": "function", "function": {...}} (function tools only)'
+    function = function_tool(entry, where, shape).get("function")
     if not isinstance(function, Mapping):
         raise ToolsRefused(
             f"{where}.function",
             f"'{where}.function' must be an object {{name, description?, parameters?}}, got {_show(function)}",
         )
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ToolsRefused(f"{where}.function.strict", f"'{where}.function.strict' must be true or false")
-    return checked_tool(
-        function.get("name"), function.get("description"), function.get("parameters"), f"{where}.function", taken
-    )
+    name, description, parameters = function.get("name"), function.get("description"), function.get("parameters")
+    return checked_tool(name, description, parameters, f"{where}.function", taken, strict=function.get("strict"))
 
 
 def checked_tool(
-    name: Any, description: Any, parameters: Any, where: str, taken: Sequence[Tool] = (), schema: str = "parameters"
+    name: Any,
+    description: Any,
+    parameters: Any,
+    where: str,
+    taken: Sequence[Tool] = (),
+    schema: str = "parameters",
+    strict: Any = None,
 ) -> Tool:
     """One function tool as every API shape gives it (a name, an optional description, the JSON schema of its
-    arguments as ``schema`` -- Anthropic's ``input_schema``), checked: ToolsRefused names ``where.<field>`` and what
-    is allowed; a name already ``taken`` is refused."""
+    arguments as ``schema`` -- Anthropic's ``input_schema`` -- and OpenAI's optional ``strict``), checked:
+    ToolsRefused names ``where.<field>`` and what is allowed; a name already ``taken`` is refused."""
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ToolsRefused(
             f"{where}.name", f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}"
