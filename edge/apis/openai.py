@@ -268,6 +268,22 @@ def _tool_calling(
     return chat.messages, chat.tools, chat.constraint, chat.template_tools
 
 
+def served_model(doc: Mapping[str, Any], models: Sequence[str]) -> str:
+    """The request's ``model``, one of the ``models`` this server serves: 400 when it is missing or not a string,
+    404 ``model_not_found`` when it is another (OpenAI's chat, completions and Responses alike)."""
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request(
+            f"'model' must be a non-empty string naming a served model, got {show(model)}; "
+            f"available: {', '.join(map(repr, models))}",
+            param="model",
+            code="missing_required_parameter" if model is None else "invalid_type",
+        )
+    if model not in models:
+        raise model_not_found(model, models)
+    return model
+
+
 def document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     """A request body of OpenAI's routes (chat, completions, Responses) as the JSON object it must be; else 400
     ``invalid_json`` (``invalid_type`` for JSON that is no object)."""
@@ -286,16 +302,7 @@ def _common(
     seeds: Callable[[], int],
     **inputs: Any,
 ) -> OpenAIRequest:
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request(
-            f"'model' must be a non-empty string naming a served model, got {show(model)}; "
-            f"available: {', '.join(map(repr, limits.models))}",
-            param="model",
-            code="missing_required_parameter" if model is None else "invalid_type",
-        )
-    if model not in limits.models:
-        raise model_not_found(model, limits.models)
+    model = served_model(doc, limits.models)
     stream = _optional_bool(doc, "stream", False)
     return OpenAIRequest(
         n=_choices(doc, limits),

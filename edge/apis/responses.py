@@ -23,7 +23,7 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
-from edgepath.edge.apis.openai import document, invalid_request, model_not_found, unsupported
+from edgepath.edge.apis.openai import document, invalid_request, served_model, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -66,16 +66,7 @@ class ResponsesRequest:
 def parse_response_request(body: bytes | Mapping[str, Any], limits: ChatLimits) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body; raises :class:`~edgepath.edge.apis.openai.OpenAIError`."""
     doc = document(body)
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request(
-            f"'model' must be a non-empty string naming a served model, got {show(model)}; available: "
-            f"{', '.join(map(repr, limits.models))}",
-            param="model",
-            code="missing_required_parameter" if model is None else "invalid_type",
-        )
-    if model not in limits.models:
-        raise model_not_found(model, limits.models)
+    model = served_model(doc, limits.models)
     _refuse_unsupported(doc)
     instructions = doc.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
