@@ -284,6 +284,23 @@ def served_model(doc: Mapping[str, Any], models: Sequence[str]) -> str:
     return model
 
 
+def turn_list(raw: Any, param: str, shape: str, what: str = "messages") -> list[Any]:
+    """``raw``, the turns of a chat (``param``: its field, ``shape``: what it must be, ``what``: what its entries are
+    called), when it is a non-empty list of at most :data:`~edgepath.edge.apis.limits.MESSAGES_MAX`; else 400
+    ``missing_required_parameter``, ``invalid_type`` or ``limit_exceeded`` (OpenAI's chat and Responses alike)."""
+    if not isinstance(raw, list) or not raw:
+        raise invalid_request(
+            f"'{param}' must be {shape}, got {show(raw)}",
+            param=param,
+            code="missing_required_parameter" if raw is None else "invalid_type",
+        )
+    try:
+        check_messages(len(raw), param, what)
+    except LimitExceeded as exc:
+        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    return raw
+
+
 def document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     """A request body of OpenAI's routes (chat, completions, Responses) as the JSON object it must be; else 400
     ``invalid_json`` (``invalid_type`` for JSON that is no object)."""
@@ -374,17 +391,7 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
 
 
 def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage | ToolTurn, ...]:
-    messages = doc.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid_request(
-            f"'messages' must be a non-empty list of {{role, content}} objects, got {show(messages)}",
-            param="messages",
-            code="missing_required_parameter" if messages is None else "invalid_type",
-        )
-    try:
-        check_messages(len(messages))
-    except LimitExceeded as exc:
-        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    messages = turn_list(doc.get("messages"), "messages", "a non-empty list of {role, content} objects")
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
 
 

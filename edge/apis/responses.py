@@ -22,8 +22,8 @@ from typing import Any
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
-from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
-from edgepath.edge.apis.openai import document, invalid_request, served_model, unsupported
+from edgepath.edge.apis.limits import TOOLS_MAX
+from edgepath.edge.apis.openai import document, invalid_request, served_model, turn_list, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -189,16 +189,7 @@ def _input(raw: Any) -> list[Turn]:
     turn (with the assistant's text just before them)."""
     if isinstance(raw, str):
         return [ChatMessage("user", _text(raw, "input"))]
-    if not isinstance(raw, list) or not raw:
-        raise invalid_request(
-            f"'input' must be a string or a non-empty list of items, got {show(raw)}",
-            param="input",
-            code="missing_required_parameter" if raw is None else "invalid_type",
-        )
-    try:
-        check_messages(len(raw), "input", "items")
-    except LimitExceeded as exc:
-        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    raw = turn_list(raw, "input", "a string or a non-empty list of items", "items")
     turns: list[Turn] = []
     made: set[str] = set()  # the ids of the calls made so far (kept as it grows: one pass, not one per output)
     for i, item in enumerate(raw):
