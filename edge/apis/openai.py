@@ -15,7 +15,7 @@ fields (``temperature``, ``top_p``, ``seed``, the penalties, ``logit_bias``, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -301,6 +301,18 @@ def turn_list(raw: Any, param: str, shape: str, what: str = "messages") -> list[
     return raw
 
 
+def checked_role(turn: Mapping[str, Any], where: str, roles: Collection[str]) -> str:
+    """The ``role`` of the turn at ``where``, one of ``roles`` (its shape's); else 400 ``invalid_value`` naming them."""
+    role = turn.get("role")
+    if role not in roles:
+        raise invalid_request(
+            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(roles)}",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    return role
+
+
 def document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     """A request body of OpenAI's routes (chat, completions, Responses) as the JSON object it must be; else 400
     ``invalid_json`` (``invalid_type`` for JSON that is no object)."""
@@ -398,13 +410,7 @@ def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage | ToolTurn, ...]:
 def _message(m: Any, where: str) -> ChatMessage | ToolTurn:
     if not isinstance(m, dict):
         raise invalid_request(f"'{where}' must be an object with 'role' and 'content', got {json_type(m)}", param=where)
-    role = m.get("role")
-    if role not in ROLES:
-        raise invalid_request(
-            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(ROLES)}",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = checked_role(m, where, ROLES)
     if m.get("function_call") is not None:
         raise unsupported(f"{where}.function_call", m["function_call"], "none (deprecated: give 'tool_calls')")
     calls = m.get("tool_calls") not in (None, [])

@@ -23,7 +23,7 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX
-from edgepath.edge.apis.openai import document, invalid_request, served_model, turn_list, unsupported
+from edgepath.edge.apis.openai import checked_role, document, invalid_request, served_model, turn_list, unsupported
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -236,13 +236,7 @@ def _input(raw: Any) -> list[Turn]:
 
 
 def _message(item: Mapping[str, Any], where: str) -> ChatMessage:
-    role = item.get("role")
-    if role not in ROLES:
-        raise invalid_request(
-            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(ROLES)}",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = checked_role(item, where, ROLES)
     content = item.get("content")
     if isinstance(content, str):
         return ChatMessage(ROLES[role], _text(content, f"{where}.content"))
