@@ -304,7 +304,7 @@ def turn_list(raw: Any, param: str, shape: str, what: str = "messages") -> list[
 def checked_role(turn: Mapping[str, Any], where: str, roles: Collection[str]) -> str:
     """The ``role`` of the turn at ``where``, one of ``roles`` (its shape's); else 400 ``invalid_value`` naming them."""
     role = turn.get("role")
-    if role not in roles:
+    if not isinstance(role, str) or role not in roles:
         raise invalid_request(
             f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(roles)}",
             param=f"{where}.role",
