@@ -382,7 +382,7 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
     if isinstance(prompt, str):
         if not prompt:
             raise invalid_request("'prompt' is empty", param="prompt", code="invalid_value")
-        _check_utf8(prompt, "prompt")
+        check_utf8(prompt, "prompt")
         return prompt, None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
@@ -426,7 +426,7 @@ def _message(m: Any, where: str) -> ChatMessage | ToolTurn:
 def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
     content = m.get("content")
     if isinstance(content, str):
-        _check_utf8(content, f"{where}.content")
+        check_utf8(content, f"{where}.content")
         return ChatMessage(role, content)
     if isinstance(content, list):
         texts = []
@@ -439,7 +439,7 @@ def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
                     param=f"{where}.content[{j}]",
                     code="invalid_value" if kind != "text" else "invalid_type",
                 )
-            _check_utf8(part["text"], f"{where}.content[{j}].text")
+            check_utf8(part["text"], f"{where}.content[{j}].text")
             texts.append(part["text"])
         # Several text parts are one message: joined by newlines, as vLLM does.
         return ChatMessage(role, "\n".join(texts))
@@ -587,7 +587,8 @@ def _optional_bool(doc: Mapping[str, Any], name: str, default: bool, *, where: s
     return value
 
 
-def _check_utf8(text: str, where: str) -> None:
+def check_utf8(text: str, where: str) -> None:
+    """400 ``invalid_value`` when ``text`` holds an unpaired surrogate (JSON can carry one; UTF-8 cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -23,7 +23,15 @@ from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX
-from edgepath.edge.apis.openai import checked_role, document, invalid_request, served_model, turn_list, unsupported
+from edgepath.edge.apis.openai import (
+    check_utf8,
+    checked_role,
+    document,
+    invalid_request,
+    served_model,
+    turn_list,
+    unsupported,
+)
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -175,12 +183,7 @@ def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise invalid_request(f"'{where}' must be a string, got {show(value)}", param=where, code="invalid_type")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid_request(
-            f"'{where}' holds an unpaired surrogate escape, which is not valid UTF-8", param=where, code="invalid_value"
-        ) from None
+    check_utf8(value, where)
     return value
 
 
