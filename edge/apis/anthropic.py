@@ -17,7 +17,7 @@ table); a request refused because no slot could be had now (``no_slot``, ``over_
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,9 +282,7 @@ def _user(blocks: list[Any], where: str) -> list[Turn]:
     """A user turn's blocks in order: runs of text as one user message, each ``tool_result`` a tool turn."""
     turns: list[Turn] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for block, at, kind in _typed(blocks, where):
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_result":
@@ -319,9 +317,7 @@ def _assistant(blocks: list[Any], where: str) -> list[Turn]:
     the model (the templates of thinking models drop earlier turns' thinking themselves)."""
     texts: list[str] = []
     calls: list[ToolCall] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for block, at, kind in _typed(blocks, where):
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
@@ -343,6 +339,13 @@ def _assistant(blocks: list[Any], where: str) -> list[Turn]:
         except ToolsRefused as exc:
             raise invalid(f"{exc.param}: {exc.message}") from None
     return [ChatMessage("assistant", text)]
+
+
+def _typed(blocks: list[Any], where: str) -> Iterator[tuple[Any, str, Any]]:
+    """Each of a turn's content ``blocks`` with its place (``where.content[j]``, for its errors) and its type (None:
+    not an object)."""
+    for j, block in enumerate(blocks):
+        yield block, f"{where}.content[{j}]", block.get("type") if isinstance(block, dict) else None
 
 
 def _unsupported_block(block: Any, allowed: Sequence[str]) -> str:
