@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -230,6 +231,20 @@ class HttpError(Exception):
         self.message = message
         self.headers = headers or []
         self.param = param
+
+
+class ApiError(Exception, ABC):
+    """An error in one API's own shape (OpenAI's, Anthropic's): its status, its headers and its body, answered by
+    :meth:`response` on every route of that API."""
+
+    status: int
+    headers: Headers
+
+    @abstractmethod
+    def body(self) -> bytes: ...
+
+    def response(self) -> Response:
+        return Response(self.status, [(b"content-type", JSON), *self.headers], self.body())
 
 
 def body_too_large(size: int, limit: int) -> HttpError:

@@ -2,12 +2,12 @@
 
 A request is received -> routed and validated (:class:`~edgepath.edge.routes.HttpCore`) -> given a frame of the
 agent port (none free, its tenant at its ``slot_cap``, or no slot it could claim now: 429 before the prompt costs
-anything) -> tokenized straight into the frame (:mod:`edgepath.edge.tokenizing`: inline, or on a worker when the
-prompt is large; all busy: 429, never a waiting line) -> admitted by its tenant's gate (quotas, slot cap:
-:mod:`edgepath.edge.tenancy.gate`) -> submitted (alone, or with its other choices: :mod:`edgepath.edge.choices`) ->
-answered from the port's deliveries: one response, or a stream started at the first output, one event chunk per
-delivery and an end.  A request past its deadline (504) or whose client went away is abandoned on
-the port, which fences and frees the frame: the edge holds nothing for it afterwards.
+anything, :mod:`edgepath.edge.admission`) -> tokenized straight into the frame (:mod:`edgepath.edge.tokenizing`:
+inline, or on a worker when the prompt is large; all busy: 429, never a waiting line) -> admitted by its tenant's
+gate (quotas, slot cap: :mod:`edgepath.edge.tenancy.gate`) -> submitted (alone, or with its other choices:
+:mod:`edgepath.edge.choices`) -> answered from the port's deliveries: one response, or a stream started at the
+first output, one event chunk per delivery and an end.  A request past its deadline (504) or whose client went
+away is abandoned on the port, which fences and frees the frame: the edge holds nothing for it afterwards.
 
 Nothing here reads a clock, opens a socket, starts a thread or waits: the driver
 (:class:`~edgepath.edge.service.EdgeService`) passes ``now`` with every event and carries out the
@@ -27,9 +27,9 @@ import numpy as np
 from edgepath.contract import wire
 from edgepath.dpu.port import AgentPort, Delivery
 from edgepath.edge.actions import EndStream, Respond, SendChunk, StartStream
+from edgepath.edge.admission import Admission, draining
 from edgepath.edge.apis.generate import GenerateFormatter, tokenize_response
 from edgepath.edge.billing import Billing
-from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget
 from edgepath.edge.choices import Choices, Groups
 from edgepath.edge.grammars import GrammarCache
 from edgepath.edge.http import (
@@ -46,10 +46,8 @@ from edgepath.edge.http import (
 from edgepath.edge.measure import Measure
 from edgepath.edge.metrics import EdgeMetrics
 from edgepath.edge.ops import OpsPages, unresponsive
-from edgepath.edge.overload import MemoryGuard
 from edgepath.edge.routes import HttpCore, route_label
 from edgepath.edge.tenancy.gate import TenantGate
-from edgepath.edge.tenancy.tenants import Tenant
 from edgepath.edge.text.tokenizer import Tokenizer
 from edgepath.edge.tokenizing import Tokenizing, tokenizer_error
 from edgepath.edge.tracked import (
@@ -60,7 +58,6 @@ from edgepath.edge.tracked import (
     Tokenize,
     Tracked,
     output_tokens,
-    prompt_charged,
     write_request,
 )
 from edgepath.native.abi import Status
@@ -106,65 +103,24 @@ class EdgeLifecycle:
         self.unmatched = 0  # deliveries for a frame the edge does not track (a port bug if ever non-zero)
         self.broken = 0  # deliveries whose handling raised (an edge bug if ever non-zero; each one logged)
         self.gate = gate if gate is not None else TenantGate()
+        #: who is refused before a request costs anything: draining, shedding, body budgets, caps, quotas, no slot
+        self.admission = Admission(core, port, metrics, self.gate)
         self.ops = OpsPages(port, metrics)
         self.measure = Measure(port.frames, metrics)
         self.billing = Billing(
             self.gate, metrics, self.measure, request_timeout_ns
         )  # what each request is charged, and when
-        #: the edge is stopping (SIGTERM): new generations get 503 ``draining``, /health/ready 503, the rest finish
-        self.draining = False
-        #: the edge's memory is over its high-water mark (edge/overload.py): new work gets 503 ``overloaded``
-        self.memory = MemoryGuard()
         self.groups = Groups(metrics)  # requests of n choices in flight (edge/choices.py)
         self.grammars = GrammarCache()  # built grammars by tenant and schema digest (edge/grammars.py)
-        #: each tenant's budget of body bytes read per second (edge/body_budget.py; the driver sets --body-rate)
-        self.bodies = BodyBudget(DEFAULT_BODY_RATE, max(DEFAULT_BODY_RATE, core.limits.max_body))
 
     # -- events ----------------------------------------------------------------------------------
     def head(self, rid: int, request: Request, length: int | None, now: int) -> list[Action] | None:
         """A request's head arrived, its body not read yet (``request.body`` empty; ``length``: its declared
-        Content-Length, None: none).  Its answer now when it is refused from its headers alone -- its path, method or
-        API key; the edge stopping or shedding; its tenant at its ``slot_cap``, out of quota, or past its budget of
-        body bytes; no slot to be had for it now -- for the price of its headers and a word or two of load state
-        (no parse, no template, no tokenizer: issue 52); None: read its body (it is judged again, whole)."""
-        try:
-            head = self.core.head(request)
-        except HttpError as exc:
-            return [self._respond(rid, route_label(request), request, {}, self.core.refusal(request.target, exc))]
-        if head is None:
-            return None
-        tenant, admits = head
-        error = self._refused_at_head(tenant, admits, length or 0, now)
-        if error is None:
-            return None
-        response = self.core.refusal(request.target, error)
-        response.headers += self.gate.limits(tenant)
-        return [self._respond(rid, route_label(request), request, {}, response)]
-
-    def _refused_at_head(self, tenant: Tenant, admits: bool, length: int, now: int) -> HttpError | None:
-        """Why a request of ``tenant`` is refused whatever its body says, cheapest reason first; None: none."""
-        if self.memory.shedding:
-            reading = self.memory.reading
-            assert reading.limit is not None
-            return self.refusals.overloaded(reading.used, reading.limit)
-        wait = self.bodies.refused(tenant.name, length, now)
-        if wait is not None:
-            return self._counted(self.refusals.body_rate(wait, self.bodies.rate))
-        if not admits:
-            return None
-        if self.draining:
-            return draining()
-        refusal = self.gate.exhausted(tenant)
-        if refusal is not None:
-            return self._counted(self.refusals.tenant(refusal))
-        frame = self.port.acquire()
-        if frame is None:
-            return self._counted(self.refusals.no_slot())
-        try:
-            status = self.port.early_refusal(frame, tenant.floor_id, tenant.slot_floor)
-            return None if status is None else self._refusal(Status(status), frame)
-        finally:
-            self.port.release(frame)
+        Content-Length, None: none).  Its answer now when it is refused from its headers alone (edge/admission.py),
+        for the price of its headers and a word or two of load state (no parse, no template, no tokenizer: issue 52);
+        None: read its body (it is judged again, whole)."""
+        response = self.admission.head(request, length or 0, now)
+        return None if response is None else [self._respond(rid, route_label(request), request, {}, response)]
 
     def receive(self, rid: int, request: Request, now: int) -> list[Action]:
         """A complete request arrived (``rid``: the driver's key for its reply channel; ``now``: read
@@ -175,15 +131,17 @@ class EdgeLifecycle:
         timings["parse"] = self.clock() - now
         if request.body:  # its tenant's budget pays for the bytes read (edge/body_budget.py)
             tenant = handled.tenant.name if isinstance(handled, Work) else self.core.tenant_of(request)
-            self.bodies.take(tenant, len(request.body), now)
+            self.admission.bodies.take(tenant, len(request.body), now)
         if isinstance(handled, Response):
             return [self._respond(rid, route_label(request), request, timings, handled)]
         if isinstance(handled, StateQuery):
-            return [self._respond(rid, handled.route, request, timings, self.ops.answer(handled, now, self.draining))]
-        if self.memory.shedding:  # before any of the work's memory is spent; what is under way goes on
-            reading = self.memory.reading
-            assert reading.limit is not None
-            error = self.refusals.overloaded(reading.used, reading.limit)
+            return [
+                self._respond(
+                    rid, handled.route, request, timings, self.ops.answer(handled, now, self.admission.draining)
+                )
+            ]
+        error = self.admission.overloaded()  # before any of the work's memory is spent; what is under way goes on
+        if error is not None:
             return [
                 self._respond(rid, route_label(request), request, timings, self.core.refusal(request.target, error))
             ]
@@ -217,7 +175,7 @@ class EdgeLifecycle:
             self._count(t, CLIENT_GONE, now)
             return []
         if isinstance(result, BaseException):
-            return self._tokenizer_failed(t, result)
+            return self._refused(t, tokenizer_error(t.work, result))
         if isinstance(result, np.ndarray):
             self._forget(t)
             return [self._respond(rid, t.route, t.request, t.timings, _ids_answer(t.work, result))]
@@ -306,25 +264,14 @@ class EdgeLifecycle:
             refused = None if words is None else _after_prompt(work, words)
             if refused is not None:
                 return [self._respond(rid, route, request, timings, formatter.failure(refused))]
-        if self.draining:
+        if self.admission.draining:
             return [self._respond(rid, route, request, timings, formatter.failure(draining()))]
         if self.tokenizing.full(work):
             return [self._respond(rid, route, request, timings, formatter.failure(self.refusals.busy()))]
-        frame = self.port.acquire()
-        spares = [self.port.acquire() for _ in range(work.choices - 1)]  # n choices: a frame each, all or none
-        if frame is None or None in spares:
-            for index in [frame, *spares]:
-                if index is not None:
-                    self.port.release(index)
-            return [self._respond(rid, route, request, timings, formatter.failure(self.refusals.no_slot()))]
-        held = [frame, *(index for index in spares if index is not None)]
-        refused = self._early_refusal(work, frame, len(held))
-        if refused is not None:
-            for index in held:
-                self.port.release(index)
-            response = formatter.failure(refused)
-            response.headers += self.gate.limits(work.tenant)
-            return [self._respond(rid, route, request, timings, response)]
+        held = self.admission.frames(work, formatter)
+        if isinstance(held, Response):
+            return [self._respond(rid, route, request, timings, held)]
+        frame = held[0]
         t = Tracked(rid, request, route, work, formatter, Phase.TOKENIZING, timings, frame)
         t.spares = held[1:]
         self.tracked[rid] = t
@@ -333,7 +280,7 @@ class EdgeLifecycle:
         if isinstance(started, Tokenize):
             return [started]
         if isinstance(started, BaseException):
-            return self._tokenizer_failed(t, started)
+            return self._refused(t, tokenizer_error(t.work, started))
         assert isinstance(started, int)
         return self._tokenized_into_frame(t, started, now)
 
@@ -344,46 +291,14 @@ class EdgeLifecycle:
         try:
             self.core.limits.check_length(n, 0 if constraint is None else len(constraint))
         except HttpError as exc:
-            self._forget(t)
-            self._release(t)
-            return [self._answer(t, self._failure(t, exc))]
-        over = self._admit(t)
+            return self._refused(t, exc)
+        over = self.admission.admit(t)
         if over is not None:
-            self._forget(t)
-            self._release(t)
-            return [self._answer(t, self._failure(t, over))]
+            return self._refused(t, over)
         if constraint is not None:  # the grammar goes after the prompt, sent with it in the one WRITE
             self.port.frames.tokens[t.frame, n : n + len(constraint)] = constraint
         if t.spares:
             return self._submit_group(t, now)
-        return self._submit_one(t, now)
-
-    def _admit(self, t: Tracked) -> HttpError | None:
-        """Reserve the request's prompt and ``max_tokens`` (and the request itself: the first of its choices) against
-        its tenant's quotas, and a place within its ``slot_cap``, before any work (edge/tenancy/gate.py); the
-        refusal when that does not fit, and the rate-limit headers of its answer either way."""
-        tokens = prompt_charged(t) + output_tokens(t.work, t.work.max_tokens)  # max_tokens counts output words
-        hold, refusal = self.gate.admit(t.work.tenant, tokens, requests=1 if t.choice == 0 else 0)
-        t.limits = hold.limits
-        if refusal is not None:
-            return self._counted(self.refusals.tenant(refusal))
-        t.hold = hold
-        return None
-
-    def _early_refusal(self, work: Work, frame: int, slots: int) -> HttpError | None:
-        """The refusal a request gets before its prompt costs anything (templating, tokenizing): its tenant at its
-        ``slot_cap``, or no slot to be had for it now (the agent reads the state words; a tenant under its floor
-        takes one back), whatever its prompt.  A flood that never backs off then costs the edge a parse and a READ
-        per attempt, not a tokenization -- CPU the model shares on a CPU server (docs/TENANTS.md)."""
-        capped = self.gate.over_cap(work.tenant)
-        if capped is not None:
-            return self._counted(self.refusals.tenant(capped))
-        status = self.port.early_refusal(frame, work.tenant.floor_id, work.tenant.slot_floor, slots)
-        if status is None:
-            return None
-        return self._refusal(Status(status), frame)
-
-    def _submit_one(self, t: Tracked, now: int) -> list[Action]:
         refusal = self._submit([t], now)
         return [] if refusal is None else [self._answer(t, self._failure(t, refusal))]
 
@@ -406,7 +321,7 @@ class EdgeLifecycle:
             for member, frame in zip(members, frames, strict=True):
                 self._sent(member, port.frames.request_headers[frame], t1, t2, now)
             return None
-        refusal = self._refusal(Status(status), frames[0])
+        refusal = self.admission.data_path(Status(status), frames[0])
         lead.timings["claim"] = t2 - t1
         for member, frame in zip(members, frames, strict=True):
             self._forget(member)
@@ -437,7 +352,7 @@ class EdgeLifecycle:
         members = group.members
         for member in members:
             self.tracked[member.rid] = member
-        refusal = next((over for m in members[1:] if (over := self._admit(m)) is not None), None)
+        refusal = next((over for m in members[1:] if (over := self.admission.admit(m)) is not None), None)
         if refusal is None:
             refusal = self._submit(members, now)
             if refusal is None:
@@ -529,7 +444,7 @@ class EdgeLifecycle:
         status = result.status
         if status in wire.REFUSALS:  # an agent process answers its refusals through the port
             self._forget(t, NOTHING_RAN)
-            refusal = self._refusal(Status(status), frame)
+            refusal = self.admission.data_path(Status(status), frame)
             port.release(frame)
             if t.rid < 0:  # a choice's: its request's answer, the other choices abandoned
                 return self._fail(t, refusal)
@@ -578,7 +493,7 @@ class EdgeLifecycle:
             self.tracked[rid] = t
             return [started]
         if isinstance(started, BaseException):
-            return self._tokenizer_failed(t, started)
+            return self._refused(t, tokenizer_error(t.work, started))
         if work.counted is not None:
             assert isinstance(started, int)
             return [self._respond(rid, route, request, timings, work.counted(started))]
@@ -586,23 +501,12 @@ class EdgeLifecycle:
         return [self._respond(rid, route, request, timings, _ids_answer(work, started))]
 
     # -- helpers --------------------------------------------------------------------------------------
-    def _tokenizer_failed(self, t: Tracked, exc: BaseException) -> list[Action]:
-        """A tokenizer exception answers its own request (edge/tokenizing.py says how); the server keeps serving."""
+    def _refused(self, t: Tracked, error: HttpError) -> list[Action]:
+        """``t`` refused before it was submitted: forgotten, its frames given back, ``error`` its answer.  A tokenizer
+        exception is one (edge/tokenizing.py says how it answers): the server keeps serving."""
         self._forget(t)
         self._release(t)
-        return [self._answer(t, self._failure(t, tokenizer_error(t.work, exc)))]
-
-    def _refusal(self, status: Status, frame: int) -> HttpError:
-        """The answer to a request the data path refused before any slot ran it (``frame``: its frame)."""
-        frames = self.port.frames
-        slot_cap = frames.request_headers[frame].slot_cap  # the agents count it across every edge
-        return self._counted(self.refusals.data_path(status, frames.result_headers[frame], slot_cap))
-
-    def _counted(self, error: HttpError) -> HttpError:
-        """``error``, counted among the refusals in ``/metrics`` when it is a 429."""
-        if error.status == 429:
-            self.metrics.refused(error.type)
-        return error
+        return [self._answer(t, self._failure(t, error))]
 
     def _fail(self, t: Tracked, error: HttpError) -> list[Action]:
         """An error answer: a response, or the error event that ends a stream already started.  A choice of several
@@ -666,11 +570,6 @@ class EdgeLifecycle:
 
 
 _STATUS_NAMES = {int(status): status.name for status in Status}
-
-
-def draining() -> HttpError:
-    """503 for a new request while the edge stops (SIGTERM): another edge takes it."""
-    return HttpError(503, "draining", "this edge is stopping: send the request again (another edge takes it)")
 
 
 def _status_name(status: int) -> str:

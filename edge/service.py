@@ -188,9 +188,9 @@ class EdgeService:
             formatters=formatters,
             gate=gate,
         )
-        self.lifecycle.memory = MemoryGuard(memory_high_water)
-        self.lifecycle.bodies = BodyBudget(body_rate, max(body_rate, core.limits.max_body))
-        self.metrics.watch_memory(self.lifecycle.memory)
+        self.lifecycle.admission.memory = MemoryGuard(memory_high_water)
+        self.lifecycle.admission.bodies = BodyBudget(body_rate, max(body_rate, core.limits.max_body))
+        self.metrics.watch_memory(self.lifecycle.admission.memory)
         self._memory = memory
         self._turns: Turns[tuple[int, Request]] = Turns()  # large requests waiting for their tenant's turn
         self._turn_due = False
@@ -206,7 +206,7 @@ class EdgeService:
         self._on_readable()  # arms the port (and drains anything already there)
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
         if self._memory is not None:
-            self.lifecycle.memory.update(self._memory())
+            self.lifecycle.admission.memory.update(self._memory())
         self._probe(self.loop.time())
 
     def stop(self) -> None:
@@ -224,7 +224,7 @@ class EdgeService:
 
     def drain(self) -> None:
         """Stop taking new requests (503 ``draining``, /health/ready 503) and finish those under way."""
-        self.lifecycle.draining = True
+        self.lifecycle.admission.draining = True
 
     @property
     def pending(self) -> int:
@@ -304,7 +304,7 @@ class EdgeService:
         # idle timeout (the loop's exception handler still logs the error).
         self._check_handle = self.loop.call_later(self._check_interval, self._tick)
         if self._memory is not None:
-            self.lifecycle.memory.update(self._memory())
+            self.lifecycle.admission.memory.update(self._memory())
         self._run(self.lifecycle.tick(_now()))
 
     def _tokenize(self, action: Tokenize) -> None:

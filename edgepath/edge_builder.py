@@ -256,11 +256,10 @@ def build_edge(
     log probabilities and enforces grammars (the llama handler); ``fingerprint``: the OpenAI answers'
     ``system_fingerprint`` (:func:`serve_fingerprint`)."""
     from edgepath.edge.apis import anthropic_answers, responses_answers
-    from edgepath.edge.apis.anthropic import AnthropicLimits
+    from edgepath.edge.apis.conversation import ChatLimits
     from edgepath.edge.apis.generate import GenerateFormatter
     from edgepath.edge.apis.llama_utils import LlamaUtilRoutes, has_vocabulary
     from edgepath.edge.apis.openai_routes import OpenAIRoutes, chat_support, formatter_factory
-    from edgepath.edge.apis.responses import ResponsesLimits
     from edgepath.edge.apis.tools import TOOL_FORMATS
     from edgepath.edge.connections import ConnectionLimits
     from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, Limits
@@ -294,10 +293,10 @@ def build_edge(
     # the other shapes of a chat: the same template, tools, grammars and thinking as the chat route's
     cap, tools, thinking = limits.output_capacity, chat.tool_format, chat.thinking
     anthropic = anthropic_answers.AnthropicRoutes(
-        AnthropicLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
+        ChatLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
     )
     responses = responses_answers.ResponsesRoutes(
-        ResponsesLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
+        ChatLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
     )
     if chat.thinking is not None:
         log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers)")

@@ -17,7 +17,7 @@ table); a request refused because no slot could be had now (``no_slot``, ``over_
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +25,12 @@ import orjson
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
-from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
 from edgepath.edge.apis.sampling import SamplingInvalid, parse_cache_salt, parse_sampling, parse_stops, show
 from edgepath.edge.apis.structured import FormatRefused, schema_grammar
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import Grammar, Headers, HttpError, json_object, json_type
+from edgepath.edge.http import ApiError, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -66,7 +66,7 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 TOOL_CHOICES = '{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": NAME} or {"type": "none"}'
 
 
-class AnthropicError(Exception):
+class AnthropicError(ApiError):
     """An error answered in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
 
     def __init__(self, status: int, message: str, *, headers: Headers | None = None) -> None:
@@ -103,17 +103,6 @@ def sse(event: str, payload: Mapping[str, Any]) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class AnthropicLimits:
-    """What a request may ask for on this server."""
-
-    max_tokens: int
-    models: tuple[str, ...]
-    grammars: bool = False
-    tool_format: ToolFormat = "fallback"
-    thinking: Thinking | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class MessagesRequest:
     """A validated ``/v1/messages`` (or ``count_tokens``) request: the chat as the model sees it and how to answer."""
 
@@ -134,7 +123,7 @@ class MessagesRequest:
 DEFAULT = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=0)
 
 
-def parse_messages(body: bytes | Mapping[str, Any], limits: AnthropicLimits, *, count: bool = False) -> MessagesRequest:
+def parse_messages(body: bytes | Mapping[str, Any], limits: ChatLimits, *, count: bool = False) -> MessagesRequest:
     """Validate a ``POST /v1/messages`` body (``count``: a ``count_tokens`` body, which has no ``max_tokens`` and no
     sampling); raises :class:`AnthropicError`."""
     doc = _document(body)
@@ -293,9 +282,7 @@ def _user(blocks: list[Any], where: str) -> list[Turn]:
     """A user turn's blocks in order: runs of text as one user message, each ``tool_result`` a tool turn."""
     turns: list[Turn] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for block, at, kind in _typed(blocks, where):
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_result":
@@ -330,9 +317,7 @@ def _assistant(blocks: list[Any], where: str) -> list[Turn]:
     the model (the templates of thinking models drop earlier turns' thinking themselves)."""
     texts: list[str] = []
     calls: list[ToolCall] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+    for block, at, kind in _typed(blocks, where):
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
@@ -356,6 +341,13 @@ def _assistant(blocks: list[Any], where: str) -> list[Turn]:
     return [ChatMessage("assistant", text)]
 
 
+def _typed(blocks: list[Any], where: str) -> Iterator[tuple[Any, str, Any]]:
+    """Each of a turn's content ``blocks`` with its place (``where.content[j]``, for its errors) and its type (None:
+    not an object)."""
+    for j, block in enumerate(blocks):
+        yield block, f"{where}.content[{j}]", block.get("type") if isinstance(block, dict) else None
+
+
 def _unsupported_block(block: Any, allowed: Sequence[str]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if isinstance(kind, str):
@@ -364,35 +356,29 @@ def _unsupported_block(block: Any, allowed: Sequence[str]) -> str:
 
 
 def _tools(raw: Any) -> tuple[Tool, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
+    listing = f"must be a list of at most {TOOLS_MAX} tools {{name, description?, input_schema}}"
+    return tool_calling.tool_list(raw, listing, _tool)
+
+
+def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
+    """One of a Messages request's tools: a client tool ``{name, description?, input_schema}``."""
+    if not isinstance(entry, dict):
+        raise ToolsRefused(where, f"must be an object {{name, description?, input_schema}}, got {show(entry)}")
+    kind = entry.get("type", "custom")
+    if kind != "custom":
         raise ToolsRefused(
-            "tools",
-            f"must be a list of at most {TOOLS_MAX} tools {{name, description?, input_schema}}, got {show(raw)}",
+            f"{where}.type",
+            f"tools of type {kind!r} (Anthropic's server tools) are not supported by this server; give client "
+            "tools: {name, description?, input_schema}",
         )
-    tools: list[Tool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolsRefused(where, f"must be an object {{name, description?, input_schema}}, got {show(entry)}")
-        kind = entry.get("type", "custom")
-        if kind != "custom":
-            raise ToolsRefused(
-                f"{where}.type",
-                f"tools of type {kind!r} (Anthropic's server tools) are not supported by this server; give client "
-                "tools: {name, description?, input_schema}",
-            )
-        extra = sorted(set(entry) - {"type", "name", "description", "input_schema", "cache_control"})
-        if extra:
-            raise ToolsRefused(f"{where}.{extra[0]}", "Extra inputs are not permitted")
-        if entry.get("input_schema") is None:
-            raise ToolsRefused(f"{where}.input_schema", "Field required (the JSON schema of the tool's input)")
-        tool = tool_calling.checked_tool(
-            entry.get("name"), entry.get("description"), entry.get("input_schema"), where, tools, "input_schema"
-        )
-        tools.append(tool)
-    return tuple(tools)
+    extra = sorted(set(entry) - {"type", "name", "description", "input_schema", "cache_control"})
+    if extra:
+        raise ToolsRefused(f"{where}.{extra[0]}", "Extra inputs are not permitted")
+    if entry.get("input_schema") is None:
+        raise ToolsRefused(f"{where}.input_schema", "Field required (the JSON schema of the tool's input)")
+    return tool_calling.checked_tool(
+        entry.get("name"), entry.get("description"), entry.get("input_schema"), where, taken, "input_schema"
+    )
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec | None:
@@ -420,7 +406,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], fmt: ToolFormat) -> ToolSpec
     return ToolSpec(tools, "required" if kind == "any" else "auto", None, not serial, fmt)
 
 
-def _output_format(raw: Any, limits: AnthropicLimits) -> Grammar | None:
+def _output_format(raw: Any, limits: ChatLimits) -> Grammar | None:
     """``output_config``: ``format`` (a JSON schema the answer must match) as the grammar that enforces it (the
     chat route's ``response_format``: :mod:`edgepath.edge.apis.structured`); ``effort`` is checked, not used."""
     if raw is None:

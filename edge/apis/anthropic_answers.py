@@ -17,51 +17,41 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import orjson
 
 from edgepath.contract import wire
-from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, MessagesRequest, parse_messages, sse
-from edgepath.edge.apis.conversation import chat_work
-from edgepath.edge.apis.output import OutputText, Piece
-from edgepath.edge.http import COUNT_TOKENS, JSON, MESSAGES, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.apis.anthropic import AnthropicError, MessagesRequest, parse_messages, sse
+from edgepath.edge.apis.conversation import ChatRoutes, chat_work
+from edgepath.edge.apis.output import EventFormatter, OutputText, Piece
+from edgepath.edge.http import COUNT_TOKENS, JSON, MESSAGES, HttpError, Outcome, Response, Work
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
 def anthropic_error(exc: HttpError) -> Response:
-    return _error_response(AnthropicError.of(exc))
+    return AnthropicError.of(exc).response()
 
 
-def _error_response(err: AnthropicError) -> Response:
-    return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
-
-
-class AnthropicRoutes:
+class AnthropicRoutes(ChatRoutes):
     """Parses Anthropic's Messages requests into :class:`Work` for one served model (an
     :class:`~edgepath.edge.routes.ApiShape`)."""
 
-    def __init__(self, limits: AnthropicLimits, chat_available: bool, why_not: str = "") -> None:
-        self.limits = limits
-        self.chat_available = chat_available
-        self.why_not = why_not
+    errors = AnthropicError
 
     def error(self, exc: HttpError) -> Response:
         return anthropic_error(exc)
 
-    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
-        try:
-            if not self.chat_available:
-                raise AnthropicError(400, f"messages are not available: {self.why_not}")
-            count = path == COUNT_TOKENS
-            req = parse_messages(body, self.limits, count=count)
-            if count:
-                return _count_work(req)
-            work = chat_work(
-                MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-                sampling=req.sampling, options={"anthropic": req},
-            )  # fmt: skip
-        except AnthropicError as err:
-            return _error_response(err)
+    def unavailable(self) -> AnthropicError:
+        return AnthropicError(400, f"messages are not available: {self.why_not}")
+
+    def parse(self, path: str, body: bytes) -> Work:
+        count = path == COUNT_TOKENS
+        req = parse_messages(body, self.limits, count=count)
+        if count:
+            return _count_work(req)
+        work = chat_work(
+            MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
+            sampling=req.sampling, options={"anthropic": req},
+        )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
 
@@ -101,7 +91,7 @@ def usage(outcome: Outcome, output_tokens: int) -> dict[str, int]:
     }
 
 
-class AnthropicFormatter:
+class AnthropicFormatter(EventFormatter):
     """One Anthropic answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`)."""
 
     def __init__(self, request: MessagesRequest, tokenizer: Tokenizer, message_id: str) -> None:
@@ -110,21 +100,13 @@ class AnthropicFormatter:
         self.answer_id: str | None = message_id
         self.model: str | None = request.model
         self.watch = bool(request.stop)  # stop sequences need the output as it is produced
-        self.done = False
-        self._out = OutputText(tokenizer, request.stop, request.chat.tools, f"toolu_{message_id[4:]}", request.thinking)
-        self._fed = 0
+        out = OutputText(tokenizer, request.stop, request.chat.tools, f"toolu_{message_id[4:]}", request.thinking)
+        super().__init__(out, request.stream)
         self._started = False
         self._block: str | None = None  # the kind of the content block open on the stream
         self._index = -1
 
     # -- the lifecycle's calls --------------------------------------------------------------------------
-    def start(self) -> tuple[int, Headers]:
-        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-    def tokens(self, ids: np.ndarray) -> bytes:
-        data = self._feed(ids)
-        return data if self.request.stream else b""
-
     def complete(self, outcome: Outcome) -> Response:
         self._feed(outcome.tokens[self._fed :])
         self._out.finish()
@@ -165,18 +147,6 @@ class AnthropicFormatter:
         return AnthropicError.of(error).event()
 
     # -- the answer ---------------------------------------------------------------------------------------
-    def _feed(self, ids: np.ndarray) -> bytes:
-        head = self._opening() if self.request.stream else b""
-        if not len(ids):
-            return head
-        self._fed += len(ids)
-        if self._out.stopped:
-            self._out.feed(ids.tolist())
-            return head
-        piece = self._out.feed(ids.tolist())
-        self.done = self._out.stopped
-        return head + (self._piece(piece) if self.request.stream else b"")
-
     def _opening(self) -> bytes:
         """``message_start`` (the usage is known at the end: ``message_delta`` carries it) and a ``ping``."""
         if self._started:

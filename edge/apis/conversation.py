@@ -11,18 +11,64 @@ So every shape gets the same tokenizer, template, tools rendering, grammars, adm
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from edgepath.contract import wire
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolTurn
-from edgepath.edge.http import Grammar, Work
+from edgepath.edge.http import ApiError, Grammar, HttpError, Response, Work
 from edgepath.edge.text.chat import ChatMessage
+from edgepath.edge.text.thinking import Thinking
 
 Turn = ChatMessage | ToolTurn
+
+
+@dataclass(frozen=True, slots=True)
+class ChatLimits:
+    """What a chat request may ask for on this server (Anthropic's Messages and OpenAI's Responses alike)."""
+
+    max_tokens: int
+    models: tuple[str, ...]
+    grammars: bool = False
+    tool_format: ToolFormat = "fallback"
+    thinking: Thinking | None = None
+
+
+class ChatRoutes(ABC):
+    """The routes of one chat shape for one served model (an :class:`~edgepath.edge.routes.ApiShape`): a body parsed
+    into the one chat :class:`Work` item, or refused in the shape's own error (:attr:`errors`); the shape says how
+    its body is parsed (:meth:`parse`) and what it answers when the model side has no chat template."""
+
+    #: the shape's own error, which its parser raises and its routes answer in
+    errors: ClassVar[type[ApiError]]
+
+    def __init__(self, limits: ChatLimits, chat_available: bool, why_not: str = "") -> None:
+        self.limits = limits
+        self.chat_available = chat_available
+        self.why_not = why_not
+
+    @abstractmethod
+    def error(self, exc: HttpError) -> Response: ...
+
+    @abstractmethod
+    def unavailable(self) -> ApiError:
+        """The error of every request when the model side has no chat template (:attr:`why_not` says why)."""
+
+    @abstractmethod
+    def parse(self, path: str, body: bytes) -> Work:
+        """``body`` sent to ``path`` as the chat's work item; raises :attr:`errors`."""
+
+    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
+        try:
+            if not self.chat_available:
+                raise self.unavailable()
+            return self.parse(path, body)
+        except self.errors as err:
+            return err.response()
 
 
 class NoGrammar(ValueError):

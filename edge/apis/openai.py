@@ -15,7 +15,7 @@ fields (``temperature``, ``top_p``, ``seed``, the penalties, ``logit_bias``, and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,7 +37,7 @@ from edgepath.edge.apis.sampling import (
 )
 from edgepath.edge.apis.structured import FormatRefused, grammar_of
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
-from edgepath.edge.http import BodyProblem, Grammar, Headers, HttpError, json_object, json_type
+from edgepath.edge.http import ApiError, BodyProblem, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
 from edgepath.edge.text.thinking import Thinking
 
@@ -69,7 +69,7 @@ ERROR_TYPES = {
 }
 
 
-class OpenAIError(Exception):
+class OpenAIError(ApiError):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
     Every error on the OpenAI routes is one of these -- the routes' own validation and, through
@@ -268,6 +268,51 @@ def _tool_calling(
     return chat.messages, chat.tools, chat.constraint, chat.template_tools
 
 
+def served_model(doc: Mapping[str, Any], models: Sequence[str]) -> str:
+    """The request's ``model``, one of the ``models`` this server serves: 400 when it is missing or not a string,
+    404 ``model_not_found`` when it is another (OpenAI's chat, completions and Responses alike)."""
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request(
+            f"'model' must be a non-empty string naming a served model, got {show(model)}; "
+            f"available: {', '.join(map(repr, models))}",
+            param="model",
+            code="missing_required_parameter" if model is None else "invalid_type",
+        )
+    if model not in models:
+        raise model_not_found(model, models)
+    return model
+
+
+def turn_list(raw: Any, param: str, shape: str, what: str = "messages") -> list[Any]:
+    """``raw``, the turns of a chat (``param``: its field, ``shape``: what it must be, ``what``: what its entries are
+    called), when it is a non-empty list of at most :data:`~edgepath.edge.apis.limits.MESSAGES_MAX`; else 400
+    ``missing_required_parameter``, ``invalid_type`` or ``limit_exceeded`` (OpenAI's chat and Responses alike)."""
+    if not isinstance(raw, list) or not raw:
+        raise invalid_request(
+            f"'{param}' must be {shape}, got {show(raw)}",
+            param=param,
+            code="missing_required_parameter" if raw is None else "invalid_type",
+        )
+    try:
+        check_messages(len(raw), param, what)
+    except LimitExceeded as exc:
+        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    return raw
+
+
+def checked_role(turn: Mapping[str, Any], where: str, roles: Collection[str]) -> str:
+    """The ``role`` of the turn at ``where``, one of ``roles`` (its shape's); else 400 ``invalid_value`` naming them."""
+    role = turn.get("role")
+    if not isinstance(role, str) or role not in roles:
+        raise invalid_request(
+            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(roles)}",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    return role
+
+
 def document(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
     """A request body of OpenAI's routes (chat, completions, Responses) as the JSON object it must be; else 400
     ``invalid_json`` (``invalid_type`` for JSON that is no object)."""
@@ -286,16 +331,7 @@ def _common(
     seeds: Callable[[], int],
     **inputs: Any,
 ) -> OpenAIRequest:
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request(
-            f"'model' must be a non-empty string naming a served model, got {show(model)}; "
-            f"available: {', '.join(map(repr, limits.models))}",
-            param="model",
-            code="missing_required_parameter" if model is None else "invalid_type",
-        )
-    if model not in limits.models:
-        raise model_not_found(model, limits.models)
+    model = served_model(doc, limits.models)
     stream = _optional_bool(doc, "stream", False)
     return OpenAIRequest(
         n=_choices(doc, limits),
@@ -346,7 +382,7 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
     if isinstance(prompt, str):
         if not prompt:
             raise invalid_request("'prompt' is empty", param="prompt", code="invalid_value")
-        _check_utf8(prompt, "prompt")
+        check_utf8(prompt, "prompt")
         return prompt, None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
@@ -367,30 +403,14 @@ def _completion_prompt(doc: Mapping[str, Any], vocab_size: int) -> tuple[str | N
 
 
 def _messages(doc: Mapping[str, Any]) -> tuple[ChatMessage | ToolTurn, ...]:
-    messages = doc.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid_request(
-            f"'messages' must be a non-empty list of {{role, content}} objects, got {show(messages)}",
-            param="messages",
-            code="missing_required_parameter" if messages is None else "invalid_type",
-        )
-    try:
-        check_messages(len(messages))
-    except LimitExceeded as exc:
-        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    messages = turn_list(doc.get("messages"), "messages", "a non-empty list of {role, content} objects")
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
 
 
 def _message(m: Any, where: str) -> ChatMessage | ToolTurn:
     if not isinstance(m, dict):
         raise invalid_request(f"'{where}' must be an object with 'role' and 'content', got {json_type(m)}", param=where)
-    role = m.get("role")
-    if role not in ROLES:
-        raise invalid_request(
-            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(ROLES)}",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = checked_role(m, where, ROLES)
     if m.get("function_call") is not None:
         raise unsupported(f"{where}.function_call", m["function_call"], "none (deprecated: give 'tool_calls')")
     calls = m.get("tool_calls") not in (None, [])
@@ -406,7 +426,7 @@ def _message(m: Any, where: str) -> ChatMessage | ToolTurn:
 def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
     content = m.get("content")
     if isinstance(content, str):
-        _check_utf8(content, f"{where}.content")
+        check_utf8(content, f"{where}.content")
         return ChatMessage(role, content)
     if isinstance(content, list):
         texts = []
@@ -419,7 +439,7 @@ def _content(m: Mapping[str, Any], role: str, where: str) -> ChatMessage:
                     param=f"{where}.content[{j}]",
                     code="invalid_value" if kind != "text" else "invalid_type",
                 )
-            _check_utf8(part["text"], f"{where}.content[{j}].text")
+            check_utf8(part["text"], f"{where}.content[{j}].text")
             texts.append(part["text"])
         # Several text parts are one message: joined by newlines, as vLLM does.
         return ChatMessage(role, "\n".join(texts))
@@ -567,7 +587,8 @@ def _optional_bool(doc: Mapping[str, Any], name: str, default: bool, *, where: s
     return value
 
 
-def _check_utf8(text: str, where: str) -> None:
+def check_utf8(text: str, where: str) -> None:
+    """400 ``invalid_value`` when ``text`` holds an unpaired surrogate (JSON can carry one; UTF-8 cannot)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from edgepath.edge.apis.openai import SSE_DONE, FinishReason, Kind, OpenAIRequest, dumps, sse_event
 from edgepath.edge.apis.output import OutputText, Piece
@@ -103,6 +103,16 @@ def chat_completion(
     return _whole("chat", request_id, created, model, text, finish_reason, usage)
 
 
+class Extras(TypedDict, total=False):
+    """What a whole answer may carry beyond its text (:func:`completion_body` says what each is)."""
+
+    logprobs: Sequence[TokenLogprob] | None
+    tool_calls: Sequence[ToolCall]
+    index: int
+    details: Mapping[str, str] | None
+    reasoning: str | None
+
+
 def _whole(
     kind: Kind,
     request_id: int | str,
@@ -111,13 +121,11 @@ def _whole(
     text: str,
     finish_reason: FinishReason,
     usage: Usage,
-    logprobs: Sequence[TokenLogprob] | None = None,
-    tool_calls: Sequence[ToolCall] = (),
-    index: int = 0,
-    details: Mapping[str, str] | None = None,
-    reasoning: str | None = None,
     fingerprint: str | None = None,
+    **extras: Unpack[Extras],
 ) -> dict[str, Any]:
+    logprobs, tool_calls, index = extras.get("logprobs"), extras.get("tool_calls", ()), extras.get("index", 0)
+    details, reasoning = extras.get("details"), extras.get("reasoning")
     reason = _finish(finish_reason)
     shaped = None if logprobs is None else logprobs_payload(kind, logprobs)
     if kind == "completion":
@@ -149,34 +157,15 @@ def completion_body(
     text: str,
     finish_reason: FinishReason,
     usage: Usage,
-    logprobs: Sequence[TokenLogprob] | None = None,
-    tool_calls: Sequence[ToolCall] = (),
-    index: int = 0,
-    details: Mapping[str, str] | None = None,
-    reasoning: str | None = None,
+    **extras: Unpack[Extras],
 ) -> bytes:
     """The JSON body of a non-streamed answer to ``request``, whichever endpoint it came from (``logprobs``: the
     tokens' entries when the request asked for them; ``tool_calls``: the calls the answer made; ``index``: the
     choice's, of ``n``; ``details``: why it ended, beside ``finish_reason``, when the answer was cut short by the
     server: :data:`~edgepath.edge.http.RECLAIMED`; ``reasoning``: a thinking model's thinking, None when its
     template does not think)."""
-    return dumps(
-        _whole(
-            request.kind,
-            request_id,
-            created,
-            request.model,
-            text,
-            finish_reason,
-            usage,
-            logprobs,
-            tool_calls,
-            index,
-            details,
-            reasoning,
-            request.fingerprint,
-        )
-    )
+    kind, model, fingerprint = request.kind, request.model, request.fingerprint
+    return dumps(_whole(kind, request_id, created, model, text, finish_reason, usage, fingerprint, **extras))
 
 
 def models_list(models: Sequence[str], created: int, owned_by: str = "edgepath") -> dict[str, Any]:
@@ -413,11 +402,11 @@ class Answer:
                 self.text,
                 reason,
                 usage,
-                logprobs,
-                calls,
-                self.index,
-                details,
-                reasoning,
+                logprobs=logprobs,
+                tool_calls=calls,
+                index=self.index,
+                details=details,
+                reasoning=reasoning,
             )
         if calls:
             out += self._stream.tool_calls(calls)

@@ -30,11 +30,7 @@ from edgepath.edge.text.tokenizer import Tokenizer
 
 def openai_error(exc: HttpError) -> Response:
     """An edgepath error on an OpenAI route, in OpenAI's error shape."""
-    return _error_response(oa.OpenAIError.of(exc))
-
-
-def _error_response(err: oa.OpenAIError) -> Response:
-    return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
+    return oa.OpenAIError.of(exc).response()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +111,7 @@ class OpenAIRoutes:
             else:
                 req = oa.parse_completion_request(body, self.limits, self.seeds)
         except oa.OpenAIError as err:
-            return _error_response(err)
+            return err.response()
         # with log probabilities each token is a record of output words: max_tokens counts words on the wire
         words = req.max_tokens * wire.record_words(req.logprobs)
         try:
@@ -134,7 +130,7 @@ class OpenAIRoutes:
                     grammar=req.constraint, constraint=biases,
                 )  # fmt: skip
         except wire.RequestInvalid as exc:
-            return _error_response(oa.invalid_request(f"'logit_bias': {exc}", param="logit_bias"))
+            return oa.invalid_request(f"'logit_bias': {exc}", param="logit_bias").response()
         work.flags = wire.logprobs_flags(req.logprobs) if req.logprobs is not None else 0
         work.flags |= wire.FLAG_IGNORE_EOS if req.ignore_eos else 0
         work.cache_salt = req.cache_salt

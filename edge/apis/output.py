@@ -14,11 +14,15 @@ held (a shape without them passes none).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from edgepath.edge.apis.tools import ToolCall, ToolOutput, ToolSpec
+from edgepath.edge.http import Headers
 from edgepath.edge.text.detokenize import Decoder, IncrementalDetokenizer
 from edgepath.edge.text.stop import StopMatcher
 from edgepath.edge.text.thinking import Thinking, ThinkingSplit
@@ -176,3 +180,42 @@ class OutputText:
     def _expect_open(self) -> None:
         if self._finished:
             raise RuntimeError("OutputText: the output is finished")
+
+
+class EventFormatter(ABC):
+    """What the formatters of the shapes that stream typed events share (Anthropic's Messages, OpenAI's Responses):
+    the stream's head, and the output ids fed through their :class:`OutputText`, each :class:`Piece` written in the
+    shape's own events (:meth:`_piece`) after its opening ones (:meth:`_opening`); a stop sequence ends the answer."""
+
+    def __init__(self, out: OutputText, stream: bool) -> None:
+        self._out = out
+        self._stream = stream
+        self._fed = 0  # output ids fed to ``_out`` so far
+        self.done = False
+
+    def start(self) -> tuple[int, Headers]:
+        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def tokens(self, ids: np.ndarray) -> bytes:
+        data = self._feed(ids)
+        return data if self._stream else b""
+
+    @abstractmethod
+    def _opening(self) -> bytes:
+        """The events that open the stream, the first time (nothing after)."""
+
+    @abstractmethod
+    def _piece(self, piece: Piece) -> bytes:
+        """``piece`` in the shape's events."""
+
+    def _feed(self, ids: np.ndarray) -> bytes:
+        head = self._opening() if self._stream else b""
+        if not len(ids):
+            return head
+        self._fed += len(ids)
+        if self._out.stopped:
+            self._out.feed(ids.tolist())
+            return head
+        piece = self._out.feed(ids.tolist())
+        self.done = self._out.stopped
+        return head + (self._piece(piece) if self._stream else b"")

@@ -15,15 +15,23 @@ on the OpenAI chat route, keys this server does not know are ignored, and a fiel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from edgepath.contract.wire import Sampling
 from edgepath.edge.apis import tools as tool_calling
-from edgepath.edge.apis.conversation import Conversation, NoGrammar, Turn, conversation
-from edgepath.edge.apis.limits import TOOLS_MAX, LimitExceeded, check_messages
-from edgepath.edge.apis.openai import document, invalid_request, model_not_found, unsupported
+from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
+from edgepath.edge.apis.limits import TOOLS_MAX
+from edgepath.edge.apis.openai import (
+    check_utf8,
+    checked_role,
+    document,
+    invalid_request,
+    served_model,
+    turn_list,
+    unsupported,
+)
 from edgepath.edge.apis.sampling import (
     OPENAI_DEFAULT,
     SamplingInvalid,
@@ -40,17 +48,6 @@ from edgepath.edge.text.thinking import Thinking
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TOOL_CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": NAME}"
 FORMATS = '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "name", "schema", "strict"?}'
-
-
-@dataclass(frozen=True, slots=True)
-class ResponsesLimits:
-    """What a request may ask for on this server."""
-
-    max_tokens: int
-    models: tuple[str, ...]
-    grammars: bool = False
-    tool_format: ToolFormat = "fallback"
-    thinking: Thinking | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +71,10 @@ class ResponsesRequest:
     parallel_tool_calls: bool = True
 
 
-def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLimits) -> ResponsesRequest:
+def parse_response_request(body: bytes | Mapping[str, Any], limits: ChatLimits) -> ResponsesRequest:
     """Validate a ``POST /v1/responses`` body; raises :class:`~edgepath.edge.apis.openai.OpenAIError`."""
     doc = document(body)
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_request(
-            f"'model' must be a non-empty string naming a served model, got {show(model)}; available: "
-            f"{', '.join(map(repr, limits.models))}",
-            param="model",
-            code="missing_required_parameter" if model is None else "invalid_type",
-        )
-    if model not in limits.models:
-        raise model_not_found(model, limits.models)
+    model = served_model(doc, limits.models)
     _refuse_unsupported(doc)
     instructions = doc.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -95,7 +83,8 @@ def parse_response_request(body: bytes | Mapping[str, Any], limits: ResponsesLim
     turns += _input(doc.get("input"))
     raw_tools = doc.get("tools")
     try:
-        tools = _tools(raw_tools)
+        listing = f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "name", '
+        tools = tool_calling.tool_list(raw_tools, listing + '"description"?, "parameters"?} objects', _tool)
         spec = _tool_choice(doc.get("tool_choice"), tools, doc.get("parallel_tool_calls"), limits.tool_format)
         chat = conversation(turns, spec, limits.tool_format, limits.grammars)
     except (ToolsRefused, FormatRefused) as exc:
@@ -194,12 +183,7 @@ def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise invalid_request(f"'{where}' must be a string, got {show(value)}", param=where, code="invalid_type")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid_request(
-            f"'{where}' holds an unpaired surrogate escape, which is not valid UTF-8", param=where, code="invalid_value"
-        ) from None
+    check_utf8(value, where)
     return value
 
 
@@ -208,16 +192,7 @@ def _input(raw: Any) -> list[Turn]:
     turn (with the assistant's text just before them)."""
     if isinstance(raw, str):
         return [ChatMessage("user", _text(raw, "input"))]
-    if not isinstance(raw, list) or not raw:
-        raise invalid_request(
-            f"'input' must be a string or a non-empty list of items, got {show(raw)}",
-            param="input",
-            code="missing_required_parameter" if raw is None else "invalid_type",
-        )
-    try:
-        check_messages(len(raw), "input", "items")
-    except LimitExceeded as exc:
-        raise invalid_request(exc.message, param=exc.param, code="limit_exceeded") from None
+    raw = turn_list(raw, "input", "a string or a non-empty list of items", "items")
     turns: list[Turn] = []
     made: set[str] = set()  # the ids of the calls made so far (kept as it grows: one pass, not one per output)
     for i, item in enumerate(raw):
@@ -264,13 +239,7 @@ def _input(raw: Any) -> list[Turn]:
 
 
 def _message(item: Mapping[str, Any], where: str) -> ChatMessage:
-    role = item.get("role")
-    if role not in ROLES:
-        raise invalid_request(
-            f"'{where}.role' = {show(role)} is not supported; allowed: {', '.join(ROLES)}",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = checked_role(item, where, ROLES)
     content = item.get("content")
     if isinstance(content, str):
         return ChatMessage(ROLES[role], _text(content, f"{where}.content"))
@@ -309,32 +278,12 @@ def _call(item: Mapping[str, Any], where: str) -> ToolCall:
     return ToolCall(call_id, name, arguments)
 
 
-def _tools(raw: Any) -> tuple[Tool, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
-        raise ToolsRefused(
-            "tools",
-            f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "name", '
-            f'"description"?, "parameters"?}} objects, got {show(raw)}',
-        )
-    tools: list[Tool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            raise ToolsRefused(
-                f"{where}.type",
-                f'\'{where}\' must be a function tool {{"type": "function", "name", ...}} (this server has no '
-                f"hosted tools), got {show(entry)}",
-            )
-        strict = entry.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
-        tools.append(
-            tool_calling.checked_tool(entry.get("name"), entry.get("description"), entry.get("parameters"), where,
-                                      tools)
-        )  # fmt: skip
-    return tuple(tools)
+def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
+    """One of a Responses request's tools: ``{"type": "function", "name", "description"?, "parameters"?}``."""
+    shape = 'a function tool {"type": "function", "name", ...} (this server has no hosted tools)'
+    entry = tool_calling.function_tool(entry, where, shape)
+    name, description, parameters = entry.get("name"), entry.get("description"), entry.get("parameters")
+    return tool_calling.checked_tool(name, description, parameters, where, taken, strict=entry.get("strict"))
 
 
 def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolFormat) -> ToolSpec | None:
@@ -359,7 +308,7 @@ def _tool_choice(raw: Any, tools: tuple[Tool, ...], parallel: Any, fmt: ToolForm
     return ToolSpec(tools, "named", raw["name"], not serial, fmt)
 
 
-def _text_format(raw: Any, limits: ResponsesLimits) -> tuple[Mapping[str, Any], Grammar | None]:
+def _text_format(raw: Any, limits: ChatLimits) -> tuple[Mapping[str, Any], Grammar | None]:
     """``text.format`` as the answer's format and the grammar that enforces it (the chat route's
     ``response_format``, :mod:`edgepath.edge.apis.structured`, whose ``json_schema`` is nested one level down)."""
     if raw is None:

@@ -17,41 +17,35 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import orjson
 
 from edgepath.edge.apis import openai as oa
-from edgepath.edge.apis.conversation import chat_work
+from edgepath.edge.apis.conversation import ChatRoutes, chat_work
 from edgepath.edge.apis.openai_routes import openai_error
-from edgepath.edge.apis.output import OutputText, Piece
-from edgepath.edge.apis.responses import ResponsesLimits, ResponsesRequest, parse_response_request
-from edgepath.edge.http import JSON, RESPONSES, Headers, HttpError, Outcome, Response, Work
+from edgepath.edge.apis.output import EventFormatter, OutputText, Piece
+from edgepath.edge.apis.responses import ResponsesRequest, parse_response_request
+from edgepath.edge.http import JSON, RESPONSES, HttpError, Outcome, Response, Work
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
-class ResponsesRoutes:
+class ResponsesRoutes(ChatRoutes):
     """Parses ``/v1/responses`` requests into :class:`Work` for one served model (an
     :class:`~edgepath.edge.routes.ApiShape`)."""
 
-    def __init__(self, limits: ResponsesLimits, chat_available: bool, why_not: str = "") -> None:
-        self.limits = limits
-        self.chat_available = chat_available
-        self.why_not = why_not
+    errors = oa.OpenAIError
 
     def error(self, exc: HttpError) -> Response:
         return openai_error(exc)
 
-    def handle(self, path: str, method: str, body: bytes) -> Work | Response:
-        try:
-            if not self.chat_available:
-                raise oa.invalid_request(f"responses are not available: {self.why_not}")
-            req = parse_response_request(body, self.limits)
-            work = chat_work(
-                RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-                sampling=req.sampling, options={"responses": req},
-            )  # fmt: skip
-        except oa.OpenAIError as err:
-            return Response(err.status, [(b"content-type", JSON), *err.headers], err.body())
+    def unavailable(self) -> oa.OpenAIError:
+        return oa.invalid_request(f"responses are not available: {self.why_not}")
+
+    def parse(self, path: str, body: bytes) -> Work:
+        req = parse_response_request(body, self.limits)
+        work = chat_work(
+            RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
+            sampling=req.sampling, options={"responses": req},
+        )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
 
@@ -67,7 +61,7 @@ def _usage(outcome: Outcome, out: OutputText) -> dict[str, Any]:
     }
 
 
-class ResponsesFormatter:
+class ResponsesFormatter(EventFormatter):
     """One Responses answer for the lifecycle (see :class:`edgepath.edge.http.Formatter`)."""
 
     def __init__(self, request: ResponsesRequest, tokenizer: Tokenizer, rid: str, created: int) -> None:
@@ -77,9 +71,8 @@ class ResponsesFormatter:
         self.answer_id: str | None = f"resp_{rid}"
         self.model: str | None = request.model
         self.watch = False
-        self.done = False
-        self._out = OutputText(tokenizer, (), request.chat.tools, f"call_{rid}", request.thinking, count_thinking=True)
-        self._fed = 0
+        out = OutputText(tokenizer, (), request.chat.tools, f"call_{rid}", request.thinking, count_thinking=True)
+        super().__init__(out, request.stream)
         self._seq = 0
         self._started = False
         self._item: str | None = None  # the kind of the output item open on the stream
@@ -87,13 +80,6 @@ class ResponsesFormatter:
         self._items: list[dict[str, Any]] = []  # the output items the stream has finished
 
     # -- the lifecycle's calls --------------------------------------------------------------------------
-    def start(self) -> tuple[int, Headers]:
-        return 200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-    def tokens(self, ids: np.ndarray) -> bytes:
-        data = self._feed(ids)
-        return data if self.request.stream else b""
-
     def complete(self, outcome: Outcome) -> Response:
         self._feed(outcome.tokens[self._fed :])
         self._out.finish()
@@ -126,14 +112,6 @@ class ResponsesFormatter:
         return self._event("error", code=err.code, message=err.message, param=None)
 
     # -- the answer ---------------------------------------------------------------------------------------
-    def _feed(self, ids: np.ndarray) -> bytes:
-        head = self._opening() if self.request.stream else b""
-        if not len(ids):
-            return head
-        self._fed += len(ids)
-        piece = self._out.feed(ids.tolist())
-        return head + (self._piece(piece) if self.request.stream else b"")
-
     def _response(self, outcome: Outcome | None, output: list[dict[str, Any]]) -> dict[str, Any]:
         req = self.request
         incomplete = (

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -145,51 +145,64 @@ def parse_tools(doc: Mapping[str, Any], format: ToolFormat = "fallback") -> Tool
     parallel = doc.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolsRefused("parallel_tool_calls", f"'parallel_tool_calls' must be true or false, got {_show(parallel)}")
-    tools = _tools(raw) if raw is not None else ()
+    listing = f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "function": {{name, '
+    tools = tool_list(raw, listing + "description?, parameters?}} objects", _tool)
     mode, named = _choice(choice, tools)
     if mode == "none" or not tools:
         return None
     return ToolSpec(tools, mode, named, parallel is not False, format)
 
 
-def _tools(raw: Any) -> tuple[Tool, ...]:
+def tool_list(raw: Any, refused: str, read: Callable[[Any, str, Sequence[Tool]], Tool]) -> tuple[Tool, ...]:
+    """A request's tools in any shape: ``raw`` (None: none) a list of at most :data:`TOOLS_MAX` entries, else
+    ToolsRefused ``tools`` saying ``refused`` and what came; each entry read by ``read(entry, where, taken)``, where
+    ``where`` is its place (``tools[i]``) for its refusals and ``taken`` the tools before it (a name given twice is
+    refused)."""
+    if raw is None:
+        return ()
     if not isinstance(raw, list) or len(raw) > TOOLS_MAX:
-        raise ToolsRefused(
-            "tools",
-            f'\'tools\' must be a list of at most {TOOLS_MAX} {{"type": "function", "function": {{name, '
-            f"description?, parameters?}}}} objects, got {_show(raw)}",
-        )
+        raise ToolsRefused("tools", f"{refused}, got {_show(raw)}")
     tools: list[Tool] = []
     for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, Mapping) or entry.get("type") != "function":
-            raise ToolsRefused(
-                f"{where}.type",
-                f'\'{where}\' must be {{"type": "function", "function": {{...}}}} (function tools only), '
-                f"got {_show(entry)}",
-            )
-        function = entry.get("function")
-        if not isinstance(function, Mapping):
-            raise ToolsRefused(
-                f"{where}.function",
-                f"'{where}.function' must be an object {{name, description?, parameters?}}, got {_show(function)}",
-            )
-        strict = function.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise ToolsRefused(f"{where}.function.strict", f"'{where}.function.strict' must be true or false")
-        tools.append(
-            checked_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                         f"{where}.function", tools)
-        )  # fmt: skip
+        tools.append(read(entry, f"tools[{i}]", tools))
     return tuple(tools)
 
 
+def function_tool(entry: Any, where: str, shape: str) -> Mapping[str, Any]:
+    """``entry`` when it is an object of ``"type": "function"`` (the only tools this server has); else ToolsRefused
+    naming ``where.type`` and saying that it must be ``shape``."""
+    if not isinstance(entry, Mapping) or entry.get("type") != "function":
+        raise ToolsRefused(f"{where}.type", f"'{where}' must be {shape}, got {_show(entry)}")
+    return entry
+
+
+def _tool(entry: Any, where: str, taken: Sequence[Tool]) -> Tool:
+    """One of OpenAI chat's tools: ``{"type": "function", "function": {name, description?, parameters?}}``."""
+    shape = '{"type": "function", "function": {...}} (function tools only)'
+    function = function_tool(entry, where, shape).get("function")
+    if not isinstance(function, Mapping):
+        raise ToolsRefused(
+            f"{where}.function",
+            f"'{where}.function' must be an object {{name, description?, parameters?}}, got {_show(function)}",
+        )
+    name, description, parameters = function.get("name"), function.get("description"), function.get("parameters")
+    return checked_tool(name, description, parameters, f"{where}.function", taken, strict=function.get("strict"))
+
+
 def checked_tool(
-    name: Any, description: Any, parameters: Any, where: str, taken: Sequence[Tool] = (), schema: str = "parameters"
+    name: Any,
+    description: Any,
+    parameters: Any,
+    where: str,
+    taken: Sequence[Tool] = (),
+    schema: str = "parameters",
+    strict: Any = None,
 ) -> Tool:
     """One function tool as every API shape gives it (a name, an optional description, the JSON schema of its
-    arguments as ``schema`` -- Anthropic's ``input_schema``), checked: ToolsRefused names ``where.<field>`` and what
-    is allowed; a name already ``taken`` is refused."""
+    arguments as ``schema`` -- Anthropic's ``input_schema`` -- and OpenAI's optional ``strict``), checked:
+    ToolsRefused names ``where.<field>`` and what is allowed; a name already ``taken`` is refused."""
+    if strict is not None and not isinstance(strict, bool):
+        raise ToolsRefused(f"{where}.strict", f"'{where}.strict' must be true or false")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ToolsRefused(
             f"{where}.name", f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}"

@@ -34,12 +34,11 @@ from test_edge_service import (
 from edgepath.contract import wire
 from edgepath.contract.pool import AgentFrames, FrameLayout
 from edgepath.dpu.agent import Agent
-from edgepath.edge.apis.anthropic import AnthropicLimits
 from edgepath.edge.apis.anthropic_answers import AnthropicRoutes
 from edgepath.edge.apis.anthropic_answers import formatter_factory as anthropic_formatters
+from edgepath.edge.apis.conversation import ChatLimits
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.apis.openai_routes import formatter_factory as openai_formatters
-from edgepath.edge.apis.responses import ResponsesLimits
 from edgepath.edge.apis.responses_answers import ResponsesRoutes
 from edgepath.edge.apis.responses_answers import formatter_factory as responses_formatters
 from edgepath.edge.grammars import GrammarCache
@@ -174,8 +173,8 @@ def wide_port() -> FakePort:
 def lifecycle(port: FakePort, tokenizer: CharTokenizer) -> EdgeLifecycle:
     keys = ApiKeys.of_digests([(hashlib.sha256(k.encode()).digest(), Tenant(k, k.encode())) for k in ("a", "b")])
     shapes = {
-        "anthropic": AnthropicRoutes(AnthropicLimits(64, (MODEL,), grammars=True), True),
-        "responses": ResponsesRoutes(ResponsesLimits(64, (MODEL,), grammars=True), True),
+        "anthropic": AnthropicRoutes(ChatLimits(64, (MODEL,), grammars=True), True),
+        "responses": ResponsesRoutes(ChatLimits(64, (MODEL,), grammars=True), True),
     }
     openai = OpenAIRoutes(MODEL, 64, 1000, ChatSupport(True), 0, grammars=True)
     core = HttpCore(Limits(1 << 20, INPUT, 64, tokenizer.vocab_size), keys, openai, shapes=shapes)

@@ -134,7 +134,7 @@ def test_a_tenant_at_its_slot_cap_or_out_of_quota_is_refused_from_the_head(port:
 
 def test_a_draining_edge_refuses_from_the_head(port: FakePort) -> None:
     edge = lifecycle(port)
-    edge.draining = True
+    edge.admission.draining = True
     error = refused(edge, head("free"))
     assert (error["status"], error["type"]) == (503, "draining")
     assert edge.head(2, head("free", "/v1/tokenize"), 10, 0) is None  # what takes no slot is still served
@@ -142,7 +142,7 @@ def test_a_draining_edge_refuses_from_the_head(port: FakePort) -> None:
 
 def test_a_tenants_budget_of_body_bytes_refuses_its_heads_until_it_refills(port: FakePort) -> None:
     edge = lifecycle(port)
-    edge.bodies = BodyBudget(rate=1000, burst=2000)
+    edge.admission.bodies = BodyBudget(rate=1000, burst=2000)
     big = whole("free", "y" * 1900)
     assert edge.head(1, head("free"), len(big.body), 0) is None
     edge.receive(1, big, now=0)  # read: its bytes are taken from the tenant's budget

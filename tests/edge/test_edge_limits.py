@@ -11,7 +11,8 @@ from helpers.grammars import grammar_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, parse_messages
+from edgepath.edge.apis.anthropic import AnthropicError, parse_messages
+from edgepath.edge.apis.conversation import ChatLimits
 from edgepath.edge.apis.limits import (
     JSON_CONTAINERS_MAX,
     JSON_DEPTH_MAX,
@@ -25,7 +26,7 @@ from edgepath.edge.apis.limits import (
 )
 from edgepath.edge.apis.openai import OpenAIError, OpenAILimits, parse_chat_request
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
-from edgepath.edge.apis.responses import ResponsesLimits, parse_response_request
+from edgepath.edge.apis.responses import parse_response_request
 from edgepath.edge.apis.structured import FormatRefused
 from edgepath.edge.http import CHAT, COMPLETIONS, GENERATE, TOKENIZE, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
@@ -184,14 +185,14 @@ def test_every_chat_shape_holds_a_chat_to_the_same_message_limit_in_its_own_400(
     reply = {"role": "assistant", "content": "ok"}
     chat = [turn, *([reply, turn] * (MESSAGES_MAX // 2))]  # ends with the user's turn, one past the limit
     assert len(chat) == MESSAGES_MAX + 1
-    anthropic_limits = AnthropicLimits(8, (MODEL,))
+    anthropic_limits = ChatLimits(8, (MODEL,))
     with pytest.raises(AnthropicError) as refused:
         parse_messages({"model": MODEL, "max_tokens": 8, "messages": chat}, anthropic_limits)
     error = refused.value.payload()["error"]
     assert refused.value.status == 400 and error["type"] == "invalid_request_error"
     assert error["message"] == f"messages: 'messages' holds {MESSAGES_MAX + 1} messages; at most {MESSAGES_MAX}"
     assert len(parse_messages({"model": MODEL, "max_tokens": 8, "messages": chat[1:]}, anthropic_limits).chat.messages)
-    responses_limits = ResponsesLimits(8, (MODEL,))
+    responses_limits = ChatLimits(8, (MODEL,))
     with pytest.raises(OpenAIError) as info:
         parse_response_request({"model": MODEL, "input": chat}, responses_limits)
     assert (info.value.status, info.value.param, info.value.code) == (400, "input", "limit_exceeded")
@@ -212,10 +213,8 @@ def test_calls_and_their_results_are_matched_across_a_chat_at_the_limit() -> Non
     ]
     chat = [m for pair in zip(calls, results, strict=True) for m in pair]
     tools = [{"name": "f", "input_schema": {"type": "object"}}]
-    req = parse_messages(
-        {"model": MODEL, "max_tokens": 8, "messages": chat, "tools": tools}, AnthropicLimits(8, (MODEL,))
-    )
+    req = parse_messages({"model": MODEL, "max_tokens": 8, "messages": chat, "tools": tools}, ChatLimits(8, (MODEL,)))
     assert len(req.chat.messages) > MESSAGES_MAX // 2
     bad = [*chat[:-1], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t999999"}]}]
     with pytest.raises(AnthropicError, match="'t999999' answers no tool_use"):
-        parse_messages({"model": MODEL, "max_tokens": 8, "messages": bad, "tools": tools}, AnthropicLimits(8, (MODEL,)))
+        parse_messages({"model": MODEL, "max_tokens": 8, "messages": bad, "tools": tools}, ChatLimits(8, (MODEL,)))

@@ -69,8 +69,8 @@ def test_new_work_is_shed_with_503_in_its_routes_shape_and_the_ops_pages_still_a
     metrics = EdgeMetrics(lambda: 0.0, DeliveryStats)
     core = HttpCore(Limits(1 << 20, 16, 16, 100), openai=OpenAIRoutes("m", 16, 100, ChatSupport(False, ""), 0))
     edge = EdgeLifecycle(core, None, _Port(), metrics, lambda: 0, workers=1, request_timeout_ns=1)  # type: ignore[arg-type]
-    edge.memory.update(MemoryReading(900 * MIB, 1000 * MIB))
-    metrics.watch_memory(edge.memory)
+    edge.admission.memory.update(MemoryReading(900 * MIB, 1000 * MIB))
+    metrics.watch_memory(edge.admission.memory)
     requests = [
         Request("POST", "/v1/generate", [], b'{"prompt": "hi"}', 0),
         Request("POST", "/v1/completions", [], b'{"model": "m", "prompt": "hi"}', 0),

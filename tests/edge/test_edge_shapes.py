@@ -17,13 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond, only
 
-from edgepath.edge.apis.anthropic import AnthropicError, AnthropicLimits, parse_messages
+from edgepath.edge.apis.anthropic import AnthropicError, parse_messages
 from edgepath.edge.apis.anthropic_answers import AnthropicFormatter, AnthropicRoutes
 from edgepath.edge.apis.anthropic_answers import formatter_factory as anthropic_formatters
+from edgepath.edge.apis.conversation import ChatLimits
 from edgepath.edge.apis.openai import OpenAIError
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.apis.openai_routes import formatter_factory as openai_formatters
-from edgepath.edge.apis.responses import ResponsesLimits, parse_response_request
+from edgepath.edge.apis.responses import parse_response_request
 from edgepath.edge.apis.responses_answers import ResponsesFormatter, ResponsesRoutes
 from edgepath.edge.apis.responses_answers import formatter_factory as responses_formatters
 from edgepath.edge.http import CHAT, COUNT_TOKENS, MESSAGES, RESPONSES, HttpError, Limits, Outcome, Request, Work
@@ -43,8 +44,8 @@ openai = pytest.importorskip("openai", reason="the openai SDK is in the test ext
 MODEL = "m"
 ALABAMA = [{"role": "user", "content": "hi"}]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-A_LIMITS = AnthropicLimits(64, (MODEL,))
-R_LIMITS = ResponsesLimits(64, (MODEL,))
+A_LIMITS = ChatLimits(64, (MODEL,))
+R_LIMITS = ChatLimits(64, (MODEL,))
 
 
 def messages(**fields: Any) -> Any:
@@ -147,7 +148,7 @@ def test_tool_choice_maps_onto_the_one_tool_spec() -> None:
     tools = [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}, {"name": "now", "input_schema": {}}]
     assert messages(tools=tools).chat.tools.choice == "auto"
     assert messages(tools=tools, tool_choice={"type": "none"}).chat.tools is None
-    grammars = AnthropicLimits(64, (MODEL,), grammars=True)
+    grammars = ChatLimits(64, (MODEL,), grammars=True)
     pytest.importorskip("llama_cpp", reason="grammars are made with llama.cpp's converter")
     doc = {"model": MODEL, "max_tokens": 16, "messages": ALABAMA, "tools": tools}
     any_ = parse_messages({**doc, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}, grammars)
@@ -245,7 +246,7 @@ def test_a_thinking_models_thought_is_a_thinking_block() -> None:
 
     req = parse_messages(
         {"model": MODEL, "max_tokens": 64, "messages": ALABAMA, "stream": True},
-        AnthropicLimits(64, (MODEL,), thinking=Thinking()),
+        ChatLimits(64, (MODEL,), thinking=Thinking()),
     )
     fmt = AnthropicFormatter(req, CharTokenizer(), "msg_ep1")
     text = "<think>\nHmm.\n</think>\n\nHello."
@@ -254,7 +255,7 @@ def test_a_thinking_models_thought_is_a_thinking_block() -> None:
     assert b'"thinking_delta","thinking":"Hmm."' in raw and b'"text_delta","text":"Hello."' in raw
     assert b"<think>" not in raw
     whole = AnthropicFormatter(parse_messages({**{"model": MODEL, "max_tokens": 64, "messages": ALABAMA}},
-                                              AnthropicLimits(64, (MODEL,), thinking=Thinking())),
+                                              ChatLimits(64, (MODEL,), thinking=Thinking())),
                                CharTokenizer(), "msg_ep2").complete(Outcome(2, 3, ids, "STOP", 1))  # fmt: skip
     message = anthropic.types.Message.model_validate(json.loads(whole.body))
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
@@ -395,8 +396,8 @@ def lifecycle(port: FakePort, records: list[Usage]) -> EdgeLifecycle:
     limits = Limits(1 << 20, 64, 64, tokenizer.vocab_size)
     chat = ChatSupport(True)
     shapes = {
-        "anthropic": AnthropicRoutes(AnthropicLimits(64, (MODEL,)), True),
-        "responses": ResponsesRoutes(ResponsesLimits(64, (MODEL,)), True),
+        "anthropic": AnthropicRoutes(ChatLimits(64, (MODEL,)), True),
+        "responses": ResponsesRoutes(ChatLimits(64, (MODEL,)), True),
     }
     core = HttpCore(limits, keys, OpenAIRoutes(MODEL, 64, 1000, chat, 0), shapes=shapes)
     formatters = {CHAT: openai_formatters(lambda: 0), MESSAGES: anthropic_formatters(),
@@ -510,7 +511,7 @@ def test_a_thinking_models_thought_is_a_reasoning_item_with_its_tokens_counted()
 
     text = "<think>\nHmm.\n</think>\n\nHello."
     ids = np.array([ord(c) for c in text], np.int32)
-    limits = ResponsesLimits(64, (MODEL,), thinking=Thinking())
+    limits = ChatLimits(64, (MODEL,), thinking=Thinking())
     whole = ResponsesFormatter(parse_response_request({"model": MODEL, "input": "hi"}, limits), CharTokenizer(),
                                "ep1", 0).complete(Outcome(1, 3, ids, "STOP", 1))  # fmt: skip
     response = openai.types.responses.Response.model_validate(json.loads(whole.body))
