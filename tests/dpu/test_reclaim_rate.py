@@ -24,7 +24,9 @@ pytestmark = pytest.mark.transport
 FLOOD = 1  # the tenant with a floor (its id)
 SLOTS = 8
 LONG = 150  # tokens of a long answer: 150 x 10 ms, 1.5 s alone
-SECONDS = 6.0
+SECONDS = 6.0  # the least the flood runs; on a slow machine (the soft-RoCE lane's emulated VM) it runs on until
+#: SLOTS long answers have finished, at most LONGEST seconds, so the comparison below counts enough answers
+LONGEST = 60.0
 
 
 def submit(agent: Agent, prompt: int, max_new: int, tenant: int = 0, floor: int = 0) -> tuple[int, Status | None]:
@@ -49,8 +51,8 @@ def test_a_floor_flooding_one_token_requests_leaves_the_long_answers_of_others_t
     finished = cut = thrown = 0
     flood_frame: int | None = None
     flood_sent = flood_served = flood_refused = 0
-    deadline = time.monotonic() + SECONDS
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while (elapsed := time.monotonic() - start) < SECONDS or (finished < SLOTS and elapsed < LONGEST):
         for client, frame in noisy_clients.items():  # a closed loop: a client asks again as soon as it has no answer
             if frame is None:
                 index, status = submit(noisy, 10 + client, LONG)
@@ -80,7 +82,7 @@ def test_a_floor_flooding_one_token_requests_leaves_the_long_answers_of_others_t
                 flood.release(d.index)
         flood.check_links()
     print(
-        f"long answers finished {finished}, cut {cut} ({thrown} tokens thrown away); one-token requests "
+        f"{elapsed:.1f} s: long answers finished {finished}, cut {cut} ({thrown} tokens thrown away); one-token requests "
         f"{flood_sent} sent, {flood_served} served, {flood_refused} refused; reclaims "
         f"{sum(link.stats.reclaims for link in flood.links)}"
     )
@@ -92,7 +94,11 @@ def test_a_floor_flooding_one_token_requests_leaves_the_long_answers_of_others_t
     # Before the rate (2026-12-07, loopback, this test): 0 long answers finished, ~4,000 cut in 6 s (~6,200 tokens
     # thrown away), every one-token request served by a reclaim; with the rate alone (cursor order): 22 finished,
     # 12 cut, ~730 tokens thrown away; with the youngest first: 28-29 finished, 12 cut, 165-267 tokens.
-    assert flood_served > 0 and finished > cut, f"{finished} long answers finished, {cut} cut"
-    assert cut <= 2 * SECONDS + 2, f"{cut} long answers cut: more than the floor's 2 a second"
+    # The rate bounds the cuts by time, not by how fast the machine computes: the comparison is of work, the tokens
+    # of the answers that finished against those the cuts threw away (the soft-RoCE VM, 2026-12-07: 8 finished, 12
+    # cut, 358 tokens thrown in 6 s).
+    assert flood_served > 0 and finished >= SLOTS, f"{finished} long answers finished in {elapsed:.1f} s, {cut} cut"
+    assert finished * LONG > 2 * thrown, f"{finished} long answers finished, {thrown} tokens thrown away by {cut} cuts"
+    assert cut <= 2 * elapsed + 2, f"{cut} long answers cut in {elapsed:.1f} s: more than the floor's 2 a second"
     assert thrown <= cut * LONG // 4, f"the cut streams threw away {thrown} tokens: not the ones that ran least"
     assert wait_free(server)
