@@ -82,8 +82,8 @@ def test_a_floor_flooding_one_token_requests_leaves_the_long_answers_of_others_t
                 flood.release(d.index)
         flood.check_links()
     print(
-        f"{elapsed:.1f} s: long answers finished {finished}, cut {cut} ({thrown} tokens thrown away); one-token requests "
-        f"{flood_sent} sent, {flood_served} served, {flood_refused} refused; reclaims "
+        f"{elapsed:.1f} s: long answers finished {finished}, cut {cut} ({thrown} tokens thrown away); "
+        f"one-token requests {flood_sent} sent, {flood_served} served, {flood_refused} refused; reclaims "
         f"{sum(link.stats.reclaims for link in flood.links)}"
     )
     while noisy.inflight or flood.inflight:
