@@ -587,14 +587,14 @@ def build_ledger(settings: LedgerSettings) -> LedgerService:
     if settings.state is not None and not Path(settings.state).parent.is_dir():
         raise ValueError(f"--state {settings.state}: no directory {Path(settings.state).parent} to keep it in")
     transport = ledger_transport(settings.listen, settings.data_path, DEFAULT_HANG_TIMEOUT)
-    try:
-        return LedgerService(transport, settings.listen, settings.state, settings.save_interval)
-    except TransportError as exc:
-        transport.close()
-        raise RuntimeError(f"--listen {settings.listen}: {exc}") from exc
-    except BaseException:
-        transport.close()
-        raise
+    with contextlib.ExitStack() as on_failure:  # a ledger that did not start holds no transport
+        on_failure.callback(transport.close)
+        try:
+            service = LedgerService(transport, settings.listen, settings.state, settings.save_interval)
+        except TransportError as exc:
+            raise RuntimeError(f"--listen {settings.listen}: {exc}") from exc
+        on_failure.pop_all()
+    return service
 
 
 def ledger_home(address: str, options: ServeOptions, cleanup: contextlib.ExitStack) -> LedgerHome:

@@ -293,9 +293,17 @@ class Incoming(abc.ABC):
 
 
 class Listener(abc.ABC):
-    address: str
-    #: seconds a peer has to finish the handshake (:meth:`accept`; a connection manager uses it for each peer)
-    handshake_timeout: float
+    """Where peers of ``transport`` knock at ``address``: each is accepted (set up on the transport) or let go of."""
+
+    def __init__(self, transport: Transport, address: str) -> None:
+        self.transport = transport
+        self.address = address
+
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds a peer has to finish the handshake (:meth:`accept`; a connection manager uses it for each peer):
+        the transport's, so every listener on it gives peers the same time."""
+        return self.transport.handshake_timeout
 
     @abc.abstractmethod
     def incoming(self, timeout: float | None = None) -> Incoming | None:
@@ -325,6 +333,8 @@ class Transport(abc.ABC):
     name: str
     cq: CompletionQueue
     keys: PeerKeys
+    #: seconds a peer has to finish proving it holds a peer secret (its listeners' :attr:`Listener.handshake_timeout`)
+    handshake_timeout: float
 
     @abc.abstractmethod
     def register(self, name: str, length: int, access: Access, buffer: np.ndarray | None = None) -> MemoryRegion:

@@ -427,21 +427,18 @@ def _local(local: MemoryRegion, offset: int, length: int) -> Any:
 
 
 class LoopbackListener(Listener):
+    transport: LoopbackTransport
+
     def __init__(
         self, transport: LoopbackTransport, address: str, exports: list[LoopbackRegion], info: dict[str, Any]
     ) -> None:
-        self.transport = transport
-        self.address = address
+        super().__init__(transport, address)
         self._exports = exports
         self._info = info
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         _claim_path(address)
         self.sock.bind(address)
         self.sock.listen(64)
-
-    @property
-    def handshake_timeout(self) -> float:  # type: ignore[override]
-        return self.transport.handshake_timeout
 
     def incoming(self, timeout: float | None = None) -> LoopbackIncoming | None:
         self.sock.settimeout(timeout)
@@ -520,9 +517,7 @@ class LoopbackIncoming(Incoming):
                 conn.close()
             sock.close()
             raise
-        sock.settimeout(None)
-        transport._track(conn)
-        return conn
+        return transport._established(conn)
 
     def abort(self) -> None:
         self.sock.close()
@@ -564,8 +559,12 @@ class LoopbackTransport(Transport):
     def _next_id(self) -> int:
         return next(self._ids)
 
-    def _track(self, conn: LoopbackConnection) -> None:
+    def _established(self, conn: LoopbackConnection) -> LoopbackConnection:
+        """``conn`` through its handshake, on either side: its socket blocking again (the handshake's deadline is
+        over), and tracked until it closes."""
+        conn.sock.settimeout(None)
         self.connections[conn.conn_id] = conn
+        return conn
 
     def _forget(self, conn: LoopbackConnection) -> None:
         self.connections.pop(conn.conn_id, None)
@@ -615,27 +614,24 @@ class LoopbackTransport(Transport):
         regions = _own(exports)
         deadline = time.monotonic() + timeout
         try:
-            handshake = ConnectorHandshake(self.keys, time.monotonic())
-            _send(sock, {"version": PROTOCOL_VERSION, "opening": handshake.opening().hex()}, [])
-            answer, fds = _recv(sock, deadline)
-            _close_all(fds)  # nothing comes with the answer; whatever did is not mapped
-            proof = handshake.proof(_field(answer, "answer"))
-            hello = {**self._hello(conn_id, regions, info), "proof": proof.hex()}
-            _send(sock, hello, self._hello_fds(regions))
-            message, fds = _recv(sock, deadline)
-            conn = LoopbackConnection(self, sock, conn_id, message, fds)
-        except PeerRefused as exc:
-            sock.close()
-            raise PeerRefused(exc.reason, f"{address}: {exc}") from None
-        except OSError as exc:  # a peer too slow to answer within the timeout, or gone meanwhile
-            sock.close()
-            raise TransportError(f"connection setup with {address} failed: {exc}") from exc
-        except TransportError:
+            try:
+                handshake = ConnectorHandshake(self.keys, time.monotonic())
+                _send(sock, {"version": PROTOCOL_VERSION, "opening": handshake.opening().hex()}, [])
+                answer, fds = _recv(sock, deadline)
+                _close_all(fds)  # nothing comes with the answer; whatever did is not mapped
+                proof = handshake.proof(_field(answer, "answer"))
+                hello = {**self._hello(conn_id, regions, info), "proof": proof.hex()}
+                _send(sock, hello, self._hello_fds(regions))
+                message, fds = _recv(sock, deadline)
+                conn = LoopbackConnection(self, sock, conn_id, message, fds)
+            except PeerRefused as exc:
+                raise PeerRefused(exc.reason, f"{address}: {exc}") from None
+            except OSError as exc:  # a peer too slow to answer within the timeout, or gone meanwhile
+                raise TransportError(f"connection setup with {address} failed: {exc}") from exc
+        except BaseException:  # whatever went wrong, the half-made connection holds no socket
             sock.close()
             raise
-        sock.settimeout(None)
-        self._track(conn)
-        return conn
+        return self._established(conn)
 
     def close(self) -> None:
         """Idempotent."""

@@ -446,6 +446,8 @@ class VerbsIncoming(Incoming):
 class VerbsListener(Listener):
     """The accepting side of the handshake, on an rdma_cm id bound to ``address`` (IP:PORT)."""
 
+    transport: VerbsTransport
+
     def __init__(
         self, transport: VerbsTransport, address: str, exports: list[MemoryRegion], info: dict[str, Any]
     ) -> None:
@@ -453,8 +455,7 @@ class VerbsListener(Listener):
         from pyverbs.cmid import CMID, AddrInfo, CMEventChannel
         from pyverbs.pyverbs_error import PyverbsError
 
-        self.transport = transport
-        self.address = address
+        super().__init__(transport, address)
         self.exports = own_regions(exports)
         self.info = info
         host, port = split_address(address)
@@ -469,10 +470,6 @@ class VerbsListener(Listener):
         except PyverbsError as exc:
             self.close()
             raise TransportError(f"cannot listen on {address} over RDMA: {exc}") from exc
-
-    @property
-    def handshake_timeout(self) -> float:  # type: ignore[override]
-        return self.transport.handshake_timeout
 
     def incoming(self, timeout: float | None = None) -> VerbsIncoming | None:
         from pyverbs import cm_enums as ce
