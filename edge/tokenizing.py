@@ -39,9 +39,13 @@ def chat_size(messages: Any, tools: list[dict[str, Any]] | None) -> int:
     return size + (len(json.dumps(tools)) if tools else 0)
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """``encode_chat_into``'s keyword for the tools its template renders (none without them)."""
-    return {} if tools is None else {"tools": tools}
+def chat_keywords(tools: list[dict[str, Any]] | None, enable_thinking: bool) -> dict[str, Any]:
+    """``encode_chat_into``'s keywords: the tools its template renders (none without them), and ``enable_thinking``
+    when the request turned the thinking off (the template's default otherwise)."""
+    keywords: dict[str, Any] = {} if tools is None else {"tools": tools}
+    if not enable_thinking:
+        keywords["enable_thinking"] = False
+    return keywords
 
 
 def builds_grammar(work: Work) -> bool:
@@ -94,6 +98,7 @@ class Tokenizing:
         or the caller's length check refuses them)."""
         work = t.work
         messages, tools = work.options.get("messages"), work.options.get("tools")
+        thinking = work.options.get("enable_thinking", True)
         encode = work.options.get("encode")  # a route's own way to encode (llama-server's /tokenize options)
         if on_worker(work):
             self.busy += 1
@@ -101,10 +106,10 @@ class Tokenizing:
             self._held[tenant] = self._held.get(tenant, 0) + 1
             t.timings["tokenize_start"] = self.clock()
             grammar = work.grammar if builds_grammar(work) else None
-            return Tokenize(t.rid, work.prompt, out, messages, tools, encode, work.tokens, grammar)
+            return Tokenize(t.rid, work.prompt, out, messages, tools, encode, work.tokens, grammar, thinking)
         t0 = self.clock()
         try:
-            result = encode_prompt(self.tokenizer, work.prompt, out, messages, tools, work.tokens, encode)
+            result = encode_prompt(self.tokenizer, work.prompt, out, messages, tools, work.tokens, encode, thinking)
         except Exception as exc:
             return exc
         t.timings["tokenize"] = self.clock() - t0
@@ -131,10 +136,11 @@ def encode_prompt(
     tools: list[dict[str, Any]] | None,
     tokens: list[int] | None,
     encode: Callable[[str], np.ndarray] | None = None,
+    enable_thinking: bool = True,
 ) -> int | np.ndarray:
     """A prompt's ids written into ``out`` (their count; None: a fresh array of them, made by ``encode`` when the
-    route has its own): a chat through the model's template, text through the tokenizer, ids given as such copied
-    (when they fit: the caller's length check refuses the rest)."""
+    route has its own): a chat through the model's template (rendered with ``enable_thinking``), text through the
+    tokenizer, ids given as such copied (when they fit: the caller's length check refuses the rest)."""
     if prompt is None and messages is None:
         assert tokens is not None
         if out is None:
@@ -144,7 +150,7 @@ def encode_prompt(
         return len(tokens)
     if messages is not None:
         assert out is not None  # /v1/tokenize takes a prompt or ids, never a chat
-        return tokenizer.encode_chat_into(messages, out, **chat_tools(tools))  # type: ignore[attr-defined]
+        return tokenizer.encode_chat_into(messages, out, **chat_keywords(tools, enable_thinking))  # type: ignore[attr-defined]
     assert prompt is not None
     if out is not None:
         return tokenizer.encode_into(prompt, out)
@@ -156,8 +162,9 @@ def work_on_worker(tokenizer: Tokenizer, action: Tokenize) -> tuple[int | np.nda
     for one), then its prompt encoded (:func:`encode_prompt`).  Raises what either raised."""
     words = action.grammar.build() if action.grammar is not None else None
     prompt = encode_prompt(
-        tokenizer, action.prompt, action.out, action.messages, action.tools, action.tokens, action.encode
-    )
+        tokenizer, action.prompt, action.out, action.messages, action.tools, action.tokens, action.encode,
+        action.enable_thinking,
+    )  # fmt: skip
     return prompt, words
 
 

@@ -37,6 +37,7 @@ class Tokenize:
     encode: Callable[[str], np.ndarray] | None = None  # a route's own encoding into a fresh array (out None)
     tokens: list[int] | None = None  # token ids given as such (copied; nothing to encode)
     grammar: Grammar | None = None  # a grammar to build (not in its tenant's cache)
+    enable_thinking: bool = True  # false: the chat's template renders it with the thinking turned off
 
 
 Action = Answer | Tokenize

@@ -298,8 +298,9 @@ def build_edge(
     responses = responses_answers.ResponsesRoutes(
         ChatLimits(cap, (model,), model_side, tools, thinking), chat.available, chat.why_not
     )
-    if chat.thinking is not None:
-        log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers)")
+    if chat.thinking.on is not None:
+        switch = "a request may turn it off" if chat.thinking.switch else "its template has no switch to turn it off"
+        log.info("thinking: the chat template's model thinks in <think> blocks (split from its answers; %s)", switch)
     shapes: dict[str, ApiShape] = {"anthropic": anthropic, "responses": responses}
     if has_vocabulary(tokenizer):  # llama-server's /tokenize and /detokenize need the model's own vocabulary
         shapes["llama"] = LlamaUtilRoutes(tokenizer)

@@ -32,7 +32,7 @@ from edgepath.edge.apis.structured import FormatRefused, schema_grammar
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
 from edgepath.edge.http import ApiError, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
-from edgepath.edge.text.thinking import Thinking
+from edgepath.edge.text.thinking import Thinking, ThinkingFixed, ThinkingModes
 
 #: Anthropic's error ``type`` for each status this server answers with
 ERROR_TYPES = {
@@ -114,6 +114,9 @@ class MessagesRequest:
     stream: bool = False
     cache_salt: str | None = None
     thinking: Thinking | None = None
+    """How the answer's model thinks (None: it does not, or the request turned it off and the template has no block)."""
+    enable_thinking: bool = True
+    """False: ``thinking`` ``disabled``, the template rendered with ``enable_thinking`` false."""
     constraint: Grammar | None = None
     """The grammar the answer must match: ``output_config.format``'s, or the calls' when they are enforced (checked,
     built later off the event loop)."""
@@ -139,7 +142,8 @@ def parse_messages(body: bytes | Mapping[str, Any], limits: ChatLimits, *, count
             404, f"model: {model!r} is not served here; available: {', '.join(map(repr, limits.models))}"
         )
     turns = (*_system(doc.get("system")), *_messages(doc.get("messages")))
-    _thinking(doc.get("thinking"), None if count else doc.get("max_tokens"))
+    enabled = _thinking(doc.get("thinking"), None if count else doc.get("max_tokens"))
+    thinking = _chosen(limits.thinking, enabled)
     try:
         spec = _tool_choice(doc.get("tool_choice"), _tools(doc.get("tools")), limits.tool_format)
         chat = conversation(turns, spec, limits.tool_format, limits.grammars)
@@ -153,7 +157,7 @@ def parse_messages(body: bytes | Mapping[str, Any], limits: ChatLimits, *, count
     try:
         salt = parse_cache_salt(doc)
         if count:
-            return MessagesRequest(model, chat, cache_salt=salt, thinking=limits.thinking)
+            return MessagesRequest(model, chat, cache_salt=salt, thinking=thinking, enable_thinking=enabled)
         sampling = parse_sampling({k: doc[k] for k in ("temperature", "top_p", "top_k") if k in doc}, DEFAULT)
         stop = parse_stops(doc.get("stop_sequences"), "stop_sequences", MAX_STOP_SEQUENCES, single=False)
     except SamplingInvalid as exc:
@@ -173,7 +177,7 @@ def parse_messages(body: bytes | Mapping[str, Any], limits: ChatLimits, *, count
         raise invalid(f"stream: must be true or false, got {show(stream)}")
     return MessagesRequest(
         model, chat, _max_tokens(doc.get("max_tokens"), limits.max_tokens), sampling, stop, bool(stream), salt,
-        limits.thinking, shaped or chat.constraint,
+        thinking, enabled, shaped or chat.constraint,
     )  # fmt: skip
 
 
@@ -428,21 +432,32 @@ def _output_format(raw: Any, limits: ChatLimits) -> Grammar | None:
         raise invalid(f"{exc.param}: {exc.message}") from None
 
 
-def _thinking(raw: Any, max_tokens: Any) -> None:
-    """``thinking``: checked as Anthropic checks it; the model thinks as its chat template has it (docs/API.md)."""
+def _thinking(raw: Any, max_tokens: Any) -> bool:
+    """``thinking``, checked as Anthropic checks it: whether the model may think -- false for ``disabled``, which
+    renders the template with ``enable_thinking`` false; ``budget_tokens`` is checked, not applied (docs/API.md)."""
     if raw is None:
-        return
+        return True
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind in ("disabled", "adaptive") and set(raw) == {"type"}:
-        return
+        return kind != "disabled"
     if kind == "enabled" and set(raw) == {"type", "budget_tokens"}:
         budget = raw["budget_tokens"]
         if type(budget) is not int or budget < 1024:
             raise invalid(f"thinking.budget_tokens: must be an integer >= 1024, got {show(budget)}")
         if type(max_tokens) is int and budget >= max_tokens:
             raise invalid(f"max_tokens: must be greater than thinking.budget_tokens ({budget}), got {max_tokens}")
-        return
+        return True
     raise invalid('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}, got ' + show(raw))
+
+
+def _chosen(modes: ThinkingModes, enabled: bool) -> Thinking | None:
+    """The answer's thinking when the request asked for it ``enabled`` (:meth:`ThinkingModes.choose`), or the 400
+    naming ``thinking``."""
+    try:
+        return modes.choose(enabled)
+    except ThinkingFixed as exc:
+        raise invalid(f'thinking: {{"type": "disabled"}} cannot be applied: {exc}; allowed here: "enabled" or '
+                      '"adaptive"') from None  # fmt: skip
 
 
 def _metadata(raw: Any) -> None:

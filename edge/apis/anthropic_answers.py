@@ -50,7 +50,7 @@ class AnthropicRoutes(ChatRoutes):
             return _count_work(req)
         work = chat_work(
             MESSAGES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-            sampling=req.sampling, options={"anthropic": req},
+            sampling=req.sampling, options={"anthropic": req}, thinking=req.enable_thinking,
         )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
@@ -58,7 +58,10 @@ class AnthropicRoutes(ChatRoutes):
 
 def _count_work(req: MessagesRequest) -> Work:
     """``count_tokens``: the chat tokenized with the model's template, answered with the count."""
-    work = chat_work(COUNT_TOKENS, req.chat, None, max_tokens=0, stream=False, sampling=wire.Sampling(), options={})
+    work = chat_work(
+        COUNT_TOKENS, req.chat, None, max_tokens=0, stream=False, sampling=wire.Sampling(), options={},
+        thinking=req.enable_thinking,
+    )  # fmt: skip
     work.kind = "tokenize"
     work.counted = counted
     return work

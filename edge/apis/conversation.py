@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from edgepath.contract import wire
@@ -22,7 +22,7 @@ from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolTurn
 from edgepath.edge.http import ApiError, Grammar, HttpError, Response, Work
 from edgepath.edge.text.chat import ChatMessage
-from edgepath.edge.text.thinking import Thinking
+from edgepath.edge.text.thinking import ThinkingModes
 
 Turn = ChatMessage | ToolTurn
 
@@ -35,7 +35,8 @@ class ChatLimits:
     models: tuple[str, ...]
     grammars: bool = False
     tool_format: ToolFormat = "fallback"
-    thinking: Thinking | None = None
+    thinking: ThinkingModes = field(default_factory=ThinkingModes)
+    """How the chat template's model thinks, with thinking on and off (:mod:`edgepath.edge.text.thinking`)."""
 
 
 class ChatRoutes(ABC):
@@ -119,12 +120,16 @@ def chat_work(
     stream: bool,
     sampling: Sampling,
     options: dict[str, Any],
+    thinking: bool = True,
 ) -> Work:
     """The work item of a chat on ``route``: its turns and tools for the template, ``grammar`` (a
     ``response_format``'s or the calls'), built later off the event loop (edge/grammars.py), and the sampling's logit
     biases encoded for the slot, after the prompt (after the grammar's words once they are built); ``options`` is what
-    the route's formatter needs.  wire.RequestInvalid when the biases cannot travel."""
+    the route's formatter needs; ``thinking`` false renders the template with ``enable_thinking`` false (the request
+    turned the model's thinking off).  wire.RequestInvalid when the biases cannot travel."""
     options = {**options, "messages": list(tool_calling.template_messages(chat.messages))}
+    if not thinking:
+        options["enable_thinking"] = False
     if chat.template_tools is not None:
         options["tools"] = list(chat.template_tools)
     encoded = wire.after_prompt(None, sampling.logit_bias) if grammar is None else None

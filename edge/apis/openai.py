@@ -22,6 +22,7 @@ from typing import Any, Literal
 import orjson
 
 from edgepath.contract.wire import TOP_LOGPROBS_MAX, Sampling, record_words
+from edgepath.edge.apis import thinking_fields
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import NoGrammar, conversation
 from edgepath.edge.apis.limits import STOPS_MAX, LimitExceeded, check_messages
@@ -39,7 +40,7 @@ from edgepath.edge.apis.structured import FormatRefused, grammar_of
 from edgepath.edge.apis.tools import ToolFormat, ToolSpec, ToolsRefused, ToolTurn
 from edgepath.edge.http import ApiError, BodyProblem, Grammar, Headers, HttpError, json_object, json_type
 from edgepath.edge.text.chat import ChatMessage
-from edgepath.edge.text.thinking import Thinking
+from edgepath.edge.text.thinking import Thinking, ThinkingFixed, ThinkingModes
 
 Kind = Literal["completion", "chat"]
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -148,8 +149,8 @@ class OpenAILimits:
     """How tools are offered to the model and its calls read (:func:`edgepath.edge.apis.tools.template_format`)."""
     choices: int = 1
     """Most choices (``n``) one request may ask for: each takes a slot, all on one slot server, claimed together."""
-    thinking: Thinking | None = None
-    """How the chat template's model thinks (:func:`edgepath.edge.text.thinking.thinking_of`); None: it does not."""
+    thinking: ThinkingModes = field(default_factory=ThinkingModes)
+    """How the chat template's model thinks, with thinking on and off (:mod:`edgepath.edge.text.thinking`)."""
     fingerprint: str | None = None
     """The answers' ``system_fingerprint``: which model and build answer (None: not known)."""
 
@@ -190,6 +191,8 @@ class OpenAIRequest:
     """Choices to generate for the one prompt (:mod:`edgepath.edge.choices`)."""
     thinking: Thinking | None = None
     """How the chat template's model thinks (its thinking goes to ``reasoning_content``); None: it does not."""
+    enable_thinking: bool = True
+    """False: the request turned the thinking off (the template rendered with ``enable_thinking`` false)."""
     fingerprint: str | None = None
     """The server's ``system_fingerprint`` (:attr:`OpenAILimits.fingerprint`), for the answer."""
     ignore_eos: bool = False
@@ -243,10 +246,29 @@ def parse_chat_request(
             param="response_format",
             code="invalid_value",
         )
+    enabled, thinking = _thinking(doc, limits)
     return _common(
         doc, "chat", limits, max_tokens, seeds, messages=messages, logprobs=top,
-        constraint=constraint or tools_grammar, tools=tools, template_tools=template_tools, thinking=limits.thinking,
+        constraint=constraint or tools_grammar, tools=tools, template_tools=template_tools, thinking=thinking,
+        enable_thinking=enabled,
     )  # fmt: skip
+
+
+def _thinking(doc: Mapping[str, Any], limits: OpenAILimits) -> tuple[bool, Thinking | None]:
+    """Whether the request lets the model think (``chat_template_kwargs.enable_thinking``, ``reasoning_effort``:
+    :mod:`edgepath.edge.apis.thinking_fields`), and how its answer is split then."""
+    try:
+        asked = thinking_fields.chat_thinking(doc)
+    except thinking_fields.ThinkingRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="unsupported_parameter") from None
+    enabled = asked is not False
+    try:
+        return enabled, limits.thinking.choose(enabled)
+    except ThinkingFixed as exc:
+        by_kwargs = (doc.get("chat_template_kwargs") or {}).get("enable_thinking") is False
+        param, value = ("chat_template_kwargs.enable_thinking", False) if by_kwargs else (
+            "reasoning_effort", doc.get("reasoning_effort"))  # fmt: skip
+        raise unsupported(param, value, f"thinking on: {exc}") from None
 
 
 def _tool_calling(

@@ -47,6 +47,9 @@ APPLIED: Mapping[Kind, frozenset[str]] = {
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        # the thinking switched per request (edge/apis/thinking_fields.py)
+        "chat_template_kwargs",
+        "reasoning_effort",
     },
 }
 
@@ -89,7 +92,6 @@ def _while_off(switch: str) -> Neutral:
 #: fields of both routes taken only when they change nothing: vLLM's and llama.cpp's extensions at their defaults
 NEUTRAL_ANY: Mapping[str, Neutral] = {
     # OpenAI
-    "reasoning_effort": _off((), "null (the served model does not reason)"),
     "verbosity": _off((), "null"),
     "web_search_options": _off((), "null (no web search)"),
     "echo": _off((False,), "false"),
@@ -115,7 +117,6 @@ NEUTRAL_ANY: Mapping[str, Neutral] = {
     "logits_processors": _off((), "null"),
     "return_tokens_as_token_ids": _off((False,), "false"),
     "chat_template": _off((), "null (the model's own template, or the server's --chat-template)"),
-    "chat_template_kwargs": _off(({},), "null or {}"),
     "mm_processor_kwargs": _off((), "null (text only)"),
     "kv_transfer_params": _off((), "null"),
     "vllm_xargs": _off((), "null"),
@@ -158,6 +159,8 @@ NEUTRAL: Mapping[Kind, Mapping[str, Neutral]] = {
         **NEUTRAL_ANY,
         "best_of": _off((1,), "1 (choices are not ranked: ask for several with 'n')"),
         "suffix": _off(("",), "null (no insertion mode)"),
+        "reasoning_effort": _off((), "null (a prompt has no chat template to switch thinking in)"),
+        "chat_template_kwargs": _off(({},), "null or {} (a prompt has no chat template)"),
     },
     "chat": {
         **NEUTRAL_ANY,

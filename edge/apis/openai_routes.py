@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import Conversation, chat_work
 from edgepath.edge.apis.sampling import fresh_seed
 from edgepath.edge.http import CHAT, JSON, RECLAIMED, Headers, HttpError, Outcome, Response, Work
-from edgepath.edge.text.thinking import Thinking, thinking_of
+from edgepath.edge.text.thinking import ThinkingModes, thinking_modes
 from edgepath.edge.text.tokenizer import Tokenizer
 
 
@@ -42,8 +42,8 @@ class ChatSupport:
     why_not: str = ""
     tool_format: tool_calling.ToolFormat = "fallback"
     """How tools reach the model: the template's own way, or the fallback prompt (:mod:`edgepath.edge.apis.tools`)."""
-    thinking: Thinking | None = None
-    """How the template's model thinks (:mod:`edgepath.edge.text.thinking`); None: it does not."""
+    thinking: ThinkingModes = field(default_factory=ThinkingModes)
+    """How the template's model thinks, with thinking on and off (:mod:`edgepath.edge.text.thinking`)."""
 
 
 def chat_support(tokenizer: Tokenizer) -> ChatSupport:
@@ -52,7 +52,7 @@ def chat_support(tokenizer: Tokenizer) -> ChatSupport:
     source = getattr(tokenizer, "chat_template", None)
     if source is None:
         return ChatSupport(False, f"{tokenizer.name} carries no chat template; " + oa_chat_hint())
-    return ChatSupport(True, tool_format=tool_calling.template_format(source), thinking=thinking_of(source))
+    return ChatSupport(True, tool_format=tool_calling.template_format(source), thinking=thinking_modes(source))
 
 
 def oa_chat_hint() -> str:
@@ -119,7 +119,7 @@ class OpenAIRoutes:
                 chat = Conversation(req.messages, req.tools, req.constraint, req.template_tools)
                 work = chat_work(
                     path, chat, req.constraint, max_tokens=words, stream=req.stream, sampling=req.sampling,
-                    options={"openai": req},
+                    options={"openai": req}, thinking=req.enable_thinking,
                 )  # fmt: skip
             else:
                 tokens = list(req.prompt_ids) if req.prompt_ids is not None else None

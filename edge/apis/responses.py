@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgepath.contract.wire import Sampling
+from edgepath.edge.apis import thinking_fields
 from edgepath.edge.apis import tools as tool_calling
 from edgepath.edge.apis.conversation import ChatLimits, Conversation, NoGrammar, Turn, conversation
 from edgepath.edge.apis.limits import TOOLS_MAX
@@ -43,7 +44,7 @@ from edgepath.edge.apis.structured import FormatRefused, json_object_grammar, sc
 from edgepath.edge.apis.tools import Tool, ToolCall, ToolFormat, ToolSpec, ToolsRefused, ToolTurn
 from edgepath.edge.http import Grammar, json_type
 from edgepath.edge.text.chat import ChatMessage
-from edgepath.edge.text.thinking import Thinking
+from edgepath.edge.text.thinking import Thinking, ThinkingFixed
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TOOL_CHOICES = "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": NAME}"
@@ -63,6 +64,10 @@ class ResponsesRequest:
     constraint: Grammar | None = None  # checked, built later off the event loop
     cache_salt: str | None = None
     thinking: Thinking | None = None
+    enable_thinking: bool = True
+    """False: ``reasoning.effort`` turned the thinking off (the template rendered with ``enable_thinking`` false)."""
+    effort: str | None = None
+    """``reasoning.effort`` as given, echoed in the response."""
     instructions: str | None = None
     tool_choice: Any = "auto"
     tools: tuple[dict[str, Any], ...] = ()
@@ -124,10 +129,11 @@ def parse_response_request(body: bytes | Mapping[str, Any], limits: ChatLimits) 
         raise invalid_request(
             f"'metadata' must be an object of at most 16 string values, got {show(metadata)}", param="metadata"
         )
+    enabled, thinking = _thinking(doc, limits)
     return ResponsesRequest(
         model, chat, given or limits.max_tokens, given, sampling, bool(stream), constraint or chat.constraint, salt,
-        limits.thinking, instructions, doc.get("tool_choice") or "auto", tuple(raw_tools or ()), fmt, metadata,
-        doc.get("parallel_tool_calls") is not False,
+        thinking, enabled, (doc.get("reasoning") or {}).get("effort"), instructions, doc.get("tool_choice") or "auto",
+        tuple(raw_tools or ()), fmt, metadata, doc.get("parallel_tool_calls") is not False,
     )  # fmt: skip
 
 
@@ -144,14 +150,16 @@ KNOWN_FIELDS = frozenset(
         "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier", "stream_options",
         # taken only at the value that changes nothing
         "store", "previous_response_id", "conversation", "prompt", "background", "truncation", "include",
-        "top_logprobs", "max_tool_calls", "context_management", "reasoning",
+        "top_logprobs", "max_tool_calls", "context_management",
+        # applied as far as it switches the thinking (edge/apis/thinking_fields.py)
+        "reasoning",
     }
 )  # fmt: skip
 
 
 def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
     """400 for a field this route does not know, and for what it cannot do without a different answer: state,
-    background runs, stored prompts, a reasoning effort."""
+    background runs, stored prompts."""
     for name, value in doc.items():
         if value is not None and name not in KNOWN_FIELDS:
             raise invalid_request(
@@ -160,8 +168,6 @@ def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
                 param=name,
                 code="unknown_parameter",
             )
-    if doc.get("reasoning") not in (None, {}):
-        raise unsupported("reasoning", doc["reasoning"], "null (the served model's reasoning is not configurable)")
     if doc.get("store") not in (None, False):
         raise unsupported("store", doc["store"], "false (this server keeps no responses: send the whole conversation "
                                                  "in 'input')")  # fmt: skip
@@ -178,6 +184,19 @@ def _refuse_unsupported(doc: Mapping[str, Any]) -> None:
     for name in ("top_logprobs", "max_tool_calls", "context_management"):
         if doc.get(name) is not None:
             raise unsupported(name, doc[name], "null")
+
+
+def _thinking(doc: Mapping[str, Any], limits: ChatLimits) -> tuple[bool, Thinking | None]:
+    """Whether ``reasoning`` lets the model think (:func:`edgepath.edge.apis.thinking_fields.reasoning`), and how its
+    answer is split then."""
+    try:
+        enabled = thinking_fields.reasoning(doc.get("reasoning")) is not False
+    except thinking_fields.ThinkingRefused as exc:
+        raise invalid_request(exc.message, param=exc.param, code="unsupported_parameter") from None
+    try:
+        return enabled, limits.thinking.choose(enabled)
+    except ThinkingFixed as exc:
+        raise unsupported("reasoning.effort", doc["reasoning"]["effort"], f"null (thinking on: {exc})") from None
 
 
 def _text(value: Any, where: str) -> str:

@@ -44,7 +44,7 @@ class ResponsesRoutes(ChatRoutes):
         req = parse_response_request(body, self.limits)
         work = chat_work(
             RESPONSES, req.chat, req.constraint, max_tokens=req.max_tokens, stream=req.stream,
-            sampling=req.sampling, options={"responses": req},
+            sampling=req.sampling, options={"responses": req}, thinking=req.enable_thinking,
         )  # fmt: skip
         work.cache_salt = req.cache_salt
         return work
@@ -127,7 +127,8 @@ class ResponsesFormatter(EventFormatter):
             "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls,
             "temperature": req.sampling.temperature, "top_p": req.sampling.top_p, "tool_choice": req.tool_choice,
             "tools": list(req.tools), "text": {"format": dict(req.text_format)}, "store": False,
-            "previous_response_id": None, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": None, "truncation": "disabled",
+            "reasoning": {"effort": req.effort, "summary": None},
             "usage": None if outcome is None else _usage(outcome, self._out),
         }  # fmt: skip
 

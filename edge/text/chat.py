@@ -154,6 +154,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         now: datetime | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool = True,
     ) -> str:
         """The prompt text for ``messages``, ending with the assistant's opening when ``add_generation_prompt``.
 
@@ -161,7 +162,11 @@ class ChatTemplate:
         and ``tools`` the functions offered, as transformers' ``apply_chat_template(tools=...)`` passes them: a
         template that has a place for tools renders them (:mod:`edgepath.edge.apis.tools`).  ``now`` feeds
         ``strftime_now`` for templates that print today's date; a template that calls it without ``now`` is an
-        error rather than a silent read of the clock."""
+        error rather than a silent read of the clock.  ``enable_thinking`` goes to the template as transformers',
+        llama-server's and vLLM's ``chat_template_kwargs`` pass it: true by default, as llama-server renders (templates
+        that read it disagree on what its absence means: Qwen3's thinks, llama.cpp's DeepSeek-R1 distillations' close
+        the block at once); false asks a reasoning model's template to answer without thinking
+        (:mod:`edgepath.edge.text.thinking`), and a template that does not read it renders the same."""
         if not messages:
             raise ChatTemplateError("a chat needs at least one message")
 
@@ -181,9 +186,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 strftime_now=strftime_now,
-                # a reasoning model thinks, as llama-server renders its templates by default: templates that read
-                # it (Qwen3's, llama.cpp's DeepSeek-R1 distillations') disagree on what its absence means
-                enable_thinking=True,
+                enable_thinking=enable_thinking,
             )
         except ChatTemplateError:
             raise

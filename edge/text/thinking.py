@@ -8,6 +8,14 @@ detokenized text as it comes and gives back what is thinking and what is the ans
 thinking where its clients look for it (OpenAI chat's ``reasoning_content``, Anthropic's ``thinking`` block, a
 Responses ``reasoning`` item) and never into the answer's text.
 
+A request may turn the thinking off (Anthropic's ``thinking: {"type": "disabled"}``, OpenAI chat's
+``chat_template_kwargs: {"enable_thinking": false}``, a Responses ``reasoning.effort`` of ``none`` or ``minimal``):
+the template is then rendered with ``enable_thinking`` false, which the templates of reasoning models read (Qwen3's
+prints an empty ``<think></think>`` block for the model, which answers at once; llama.cpp's DeepSeek-R1
+distillations' closes the block it opened).  :func:`thinking_modes` finds from the template whether it has that
+switch and how the output is split either way (:class:`ThinkingModes`); a reasoning template without the switch
+cannot be turned off, and a request that asks to is refused (:class:`ThinkingFixed`), never answered with thinking.
+
 Text that may still be the start of a tag is held back, as the stop strings' matcher does, so the split does not
 depend on how the text was cut into deltas.  White space around the thinking (the newlines the templates put
 after ``<think>``, before ``</think>`` and after it) belongs to neither part.
@@ -34,19 +42,61 @@ class Thinking:
     close: str = CLOSE
 
 
-def thinking_of(source: str | None) -> Thinking | None:
+def thinking_of(source: str | None, enable_thinking: bool = True) -> Thinking | None:
     """The thinking of a chat template's model, None when the template has no thinking block: it must print the
-    close tag (in earlier turns, or in the prompt it ends with); the prompt it renders for one user turn says
-    whether the block is opened for the model."""
+    close tag (in earlier turns, or in the prompt it ends with); the prompt it renders for one user turn (with
+    ``enable_thinking``) says whether the block is opened for the model."""
     if source is None or CLOSE not in source:
         return None
+    prompt = _asked(source, enable_thinking)
+    return Thinking(starts_open=prompt is not None and prompt.rstrip().endswith(OPEN))
+
+
+def _asked(source: str, enable_thinking: bool) -> str | None:
+    """The prompt ``source`` renders for one user turn, None when it cannot render one."""
     try:
-        prompt = ChatTemplate(source).render(
-            [{"role": "user", "content": "?"}], add_generation_prompt=True, now=datetime(2000, 1, 1)
-        )
+        return ChatTemplate(source).render(
+            [{"role": "user", "content": "?"}], add_generation_prompt=True, now=datetime(2000, 1, 1),
+            enable_thinking=enable_thinking,
+        )  # fmt: skip
     except (ChatTemplateError, RecursionError, TypeError):
-        return Thinking()
-    return Thinking(starts_open=prompt.rstrip().endswith(OPEN))
+        return None
+
+
+class ThinkingFixed(ValueError):
+    """A request asked to turn the thinking off, and the template's model thinks with no switch to turn it off."""
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkingModes:
+    """How a chat template's model thinks with ``enable_thinking`` true (``on``: the default) and false (``off``),
+    None where it does not; ``switch``: the template reads ``enable_thinking`` (the prompts differ)."""
+
+    on: Thinking | None = None
+    off: Thinking | None = None
+    switch: bool = False
+
+    def choose(self, enabled: bool) -> Thinking | None:
+        """The thinking of an answer whose request asked for it ``enabled`` (or not).  ThinkingFixed when it asked
+        for none and the model thinks with no switch: its answer would think anyway.  A model that does not think
+        answers as it is either way (nothing to turn off; nothing to turn on)."""
+        if enabled:
+            return self.on
+        if self.on is not None and not self.switch:
+            raise ThinkingFixed(
+                "this model's chat template thinks (<think> blocks) and has no switch to turn it off (it does not "
+                "read enable_thinking)"
+            )
+        return self.off
+
+
+def thinking_modes(source: str | None) -> ThinkingModes:
+    """:class:`ThinkingModes` of a chat template: its thinking with ``enable_thinking`` true and false, and whether
+    the flag changes the prompt of one user turn (a template that ignores it renders the same)."""
+    if source is None:
+        return ThinkingModes()
+    on, off = _asked(source, True), _asked(source, False)
+    return ThinkingModes(thinking_of(source, True), thinking_of(source, False), on is not None and on != off)
 
 
 class Split(NamedTuple):

@@ -188,18 +188,21 @@ class GGUFTokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
     ) -> int:
-        """The model's chat template applied to ``messages`` (and ``tools``, for a template that renders them),
-        tokenized into ``out``: the template's own text with its markers parsed as control tokens, every message's
-        content as plain text (a user typing ``<|im_end|>`` cannot close their turn).  The count, as
-        :meth:`encode_into` returns it (when it exceeds ``len(out)``, ``out`` may hold a prefix of the ids).
+        """The model's chat template applied to ``messages`` (and ``tools``, for a template that renders them; and
+        ``enable_thinking``, for a reasoning model's template that reads it), tokenized into ``out``: the template's
+        own text with its markers parsed as control tokens, every message's content as plain text (a user typing
+        ``<|im_end|>`` cannot close their turn).  The count, as :meth:`encode_into` returns it (when it exceeds
+        ``len(out)``, ``out`` may hold a prefix of the ids).
 
         Each content is tokenized on its own, so a content that starts or ends with whitespace may
         split differently from tokenizing the whole rendered prompt (what llama.cpp's server does, with
         markers parsed everywhere, user text included)."""
         _check_frame(out)
         n = 0
-        for i, (text, special) in enumerate(self.chat_segments(messages, add_generation_prompt, tools)):
+        segments = self.chat_segments(messages, add_generation_prompt, tools, enable_thinking)
+        for i, (text, special) in enumerate(segments):
             room = out[n:] if n < len(out) else out[:0]
             count = self._tokenize(text, room, add_special=i == 0, special=special)
             if count > len(room):  # keep counting how many it would take, writing nothing more
@@ -213,7 +216,11 @@ class GGUFTokenizer:
         self._template = None
 
     def chat_segments(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
     ) -> list[tuple[str, bool]]:
         """The rendered chat prompt as ``(text, is_template_text)`` pieces, in order: the template is
         rendered (by :mod:`edgepath.edge.text.chat`, as transformers does) with a placeholder per content.
@@ -252,7 +259,9 @@ class GGUFTokenizer:
             marked.append(mark)
         if tools:
             self._plain_template_text(tools, "tools")
-        rendered = self._template.render(marked, add_generation_prompt=add_generation_prompt, tools=tools)
+        rendered = self._template.render(
+            marked, add_generation_prompt=add_generation_prompt, tools=tools, enable_thinking=enable_thinking
+        )
         segments: list[tuple[str, bool]] = []
         seen: list[int] = []
         at = 0

@@ -308,7 +308,6 @@ def test_stream_and_stream_options() -> None:
         ("chat", "repeat_last_n", 128),
         ("completion", "n_probs", 3),
         ("chat", "samplers", ["top_k"]),
-        ("chat", "chat_template_kwargs", {"enable_thinking": False}),
         ("completion", "grammar", 'root ::= "a"'),
         ("chat", "echo", 1),  # a number is not false
     ],

@@ -242,11 +242,11 @@ def test_a_tool_use_whole_and_streamed_with_input_json_deltas() -> None:
 
 
 def test_a_thinking_models_thought_is_a_thinking_block() -> None:
-    from edgepath.edge.text.thinking import Thinking
+    from edgepath.edge.text.thinking import Thinking, ThinkingModes
 
     req = parse_messages(
         {"model": MODEL, "max_tokens": 64, "messages": ALABAMA, "stream": True},
-        ChatLimits(64, (MODEL,), thinking=Thinking()),
+        ChatLimits(64, (MODEL,), thinking=ThinkingModes(Thinking())),
     )
     fmt = AnthropicFormatter(req, CharTokenizer(), "msg_ep1")
     text = "<think>\nHmm.\n</think>\n\nHello."
@@ -255,7 +255,7 @@ def test_a_thinking_models_thought_is_a_thinking_block() -> None:
     assert b'"thinking_delta","thinking":"Hmm."' in raw and b'"text_delta","text":"Hello."' in raw
     assert b"<think>" not in raw
     whole = AnthropicFormatter(parse_messages({**{"model": MODEL, "max_tokens": 64, "messages": ALABAMA}},
-                                              ChatLimits(64, (MODEL,), thinking=Thinking())),
+                                              ChatLimits(64, (MODEL,), thinking=ThinkingModes(Thinking()))),
                                CharTokenizer(), "msg_ep2").complete(Outcome(2, 3, ids, "STOP", 1))  # fmt: skip
     message = anthropic.types.Message.model_validate(json.loads(whole.body))
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
@@ -303,7 +303,8 @@ def test_input_items_become_the_chat_with_calls_and_their_outputs() -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
         ({"model": "gpt-5"}, "model"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"min_p": 0.1}, "min_p"),  # a chat route's field, not this one's: refused, never dropped
         ({"max_tokens": 5}, "max_tokens"),  # the chat routes' name for max_output_tokens
@@ -507,11 +508,11 @@ def test_any_document_is_work_or_an_error_in_the_shapes_own_form(
 def test_a_thinking_models_thought_is_a_reasoning_item_with_its_tokens_counted() -> None:
     from pydantic import TypeAdapter
 
-    from edgepath.edge.text.thinking import Thinking
+    from edgepath.edge.text.thinking import Thinking, ThinkingModes
 
     text = "<think>\nHmm.\n</think>\n\nHello."
     ids = np.array([ord(c) for c in text], np.int32)
-    limits = ChatLimits(64, (MODEL,), thinking=Thinking())
+    limits = ChatLimits(64, (MODEL,), thinking=ThinkingModes(Thinking()))
     whole = ResponsesFormatter(parse_response_request({"model": MODEL, "input": "hi"}, limits), CharTokenizer(),
                                "ep1", 0).complete(Outcome(1, 3, ids, "STOP", 1))  # fmt: skip
     response = openai.types.responses.Response.model_validate(json.loads(whole.body))

@@ -26,7 +26,7 @@ from edgepath.edge.apis.openai_answers import Answer
 from edgepath.edge.apis.output import OutputText
 from edgepath.edge.apis.tools import template_format
 from edgepath.edge.text.chat import ChatTemplate
-from edgepath.edge.text.thinking import Thinking, ThinkingSplit, thinking_of
+from edgepath.edge.text.thinking import Thinking, ThinkingSplit, thinking_modes, thinking_of
 
 QWEN3 = template("Qwen-Qwen3-0.6B.jinja")
 R1 = template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
@@ -102,7 +102,7 @@ def test_the_real_tokens_of_a_thought_split_the_same_as_its_text() -> None:
 
 
 def chat_answer(template: str, text: str, stream: bool, **fields: Any) -> bytes:
-    limits = OpenAILimits(64, 1000, ("m",), thinking=thinking_of(template), tool_format=template_format(template))
+    limits = OpenAILimits(64, 1000, ("m",), thinking=thinking_modes(template), tool_format=template_format(template))
     request = parse_chat_request({"model": "m", "messages": ASKED, "stream": stream, **fields}, limits)
     answer = Answer(request, CharTokenizer(), "1", 0, prompt_tokens=5)
     out = answer.start()
