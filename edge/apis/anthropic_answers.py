@@ -130,10 +130,6 @@ class AnthropicFormatter(EventFormatter):
         out = self._opening() + self._feed(outcome.tokens[self._fed :])
         for piece in self._out.finish():
             out += self._piece(piece)
-        for k, call in enumerate(self._out.calls):  # each call a block of its own
-            out += self._open(f"tool_use {k}", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            arguments = {"type": "input_json_delta", "partial_json": call.arguments}
-            out += sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": arguments})
         out += self._close()
         produced = self._out.token_count
         delta: dict[str, Any] = {
@@ -173,6 +169,13 @@ class AnthropicFormatter(EventFormatter):
             out += self._open("text", {"type": "text", "text": ""})
             delta = {"type": "text_delta", "text": piece.text}
             out += sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+        for call in piece.calls:  # each call a block of its own, its input's JSON as the model writes it
+            if call.name is not None:
+                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                out += self._open(f"tool_use {call.index}", block)
+            if call.arguments:
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                out += sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
         return out
 
     def _open(self, kind: str, block: dict[str, Any]) -> bytes:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
+from edgepath.edge.apis.call_stream import CallDelta
 from edgepath.edge.apis.openai import SSE_DONE, FinishReason, Kind, OpenAIRequest, dumps, sse_event
 from edgepath.edge.apis.output import OutputText, Piece
 from edgepath.edge.apis.tools import ToolCall
@@ -241,17 +242,19 @@ class StreamEncoder:
         self._expect("open")
         return sse_event(self._chunk({"reasoning_content": delta}, None)) if delta else b""
 
-    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
-        """The answer's calls as OpenAI streams them: per call, a chunk with its index, id, type and name (and
-        empty arguments), then one with its arguments."""
+    def tool_calls(self, deltas: Sequence[CallDelta]) -> bytes:
+        """The pieces of the answer's calls as OpenAI streams them: a call's first chunk with its index, id, type and
+        name (and empty arguments), then a chunk per piece of its arguments."""
         self._expect("open")
         out = b""
-        for index, call in enumerate(calls):
-            head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            out += sse_event(self._chunk({"tool_calls": [head]}, None))
-            out += sse_event(
-                self._chunk({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}, None)
-            )
+        for d in deltas:
+            if d.name is not None:
+                function = {"name": d.name, "arguments": ""}
+                head = {"index": d.index, "id": d.id, "type": "function", "function": function}
+                out += sse_event(self._chunk({"tool_calls": [head]}, None))
+            if d.arguments:
+                piece = {"index": d.index, "function": {"arguments": d.arguments}}
+                out += sse_event(self._chunk({"tool_calls": [piece]}, None))
         return out
 
     def finish(self, finish_reason: FinishReason, details: Mapping[str, str] | None = None) -> bytes:
@@ -408,8 +411,6 @@ class Answer:
                 details=details,
                 reasoning=reasoning,
             )
-        if calls:
-            out += self._stream.tool_calls(calls)
         return (
             out + self._stream.finish(reason, details) + self._stream.end(usage if self._stream.include_usage else None)
         )
@@ -428,7 +429,8 @@ class Answer:
         if self._stream is None:
             return b""
         out = self._stream.reasoning(piece.reasoning) if piece.reasoning else b""
-        return out + self._stream.text(piece.text, piece.entries)
+        out += self._stream.text(piece.text, piece.entries)
+        return out + (self._stream.tool_calls(piece.calls) if piece.calls else b"")
 
     def _expect(self, state: str) -> None:
         if self._state != state:

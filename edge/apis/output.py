@@ -5,7 +5,8 @@ cut at a stop string with nothing of it released (:class:`~edgepath.edge.text.st
 model's thinking and its answer when its chat template thinks (:class:`~edgepath.edge.text.thinking.ThinkingSplit`),
 and the answer held while it may be tool calls, then read as calls or released as text
 (:class:`~edgepath.edge.apis.tools.ToolOutput`).  What comes out are :class:`Piece` s -- thinking and answer text
-that may be sent now -- and at the end the calls; each shape (OpenAI's chat and completions, Anthropic's Messages,
+that may be sent now, and the pieces of the tool calls as the model writes them (each call's head, then its
+arguments' text) -- and at the end the calls as read; each shape (OpenAI's chat and completions, Anthropic's Messages,
 OpenAI's Responses) only writes them in its own events or body.
 
 ``entries`` travel with the text they came from: OpenAI's log probabilities, held with the answer text while it is
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from edgepath.edge.apis.call_stream import CallDelta
 from edgepath.edge.apis.tools import ToolCall, ToolOutput, ToolSpec
 from edgepath.edge.http import Headers
 from edgepath.edge.text.detokenize import Decoder, IncrementalDetokenizer
@@ -30,14 +32,16 @@ from edgepath.edge.text.thinking import Thinking, ThinkingSplit
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Text that may be sent now: the model's thinking, its answer, and the entries of the tokens they came from."""
+    """What may be sent now: the model's thinking, its answer, the entries of the tokens they came from, and the
+    pieces of its tool calls (after the text, in the answer's order)."""
 
     reasoning: str = ""
     text: str = ""
     entries: tuple[Any, ...] = ()
+    calls: tuple[CallDelta, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.text or self.entries)
+        return bool(self.reasoning or self.text or self.entries or self.calls)
 
 
 class OutputText:
@@ -111,12 +115,13 @@ class OutputText:
         """``ids`` one at a time while the thinking may go on, each one whose text was (part of) the thinking
         counted; the rest at once."""
         assert self._split is not None
-        reasoning, text = [], []
+        reasoning, text, calls = [], [], []
         for k, token in enumerate(ids):
             if self._split.decided or self._stopped:
                 rest = self.feed(ids[k:])
                 reasoning.append(rest.reasoning)
                 text.append(rest.text)
+                calls += rest.calls
                 break
             before = self._split.within
             piece = self._release(self._detok.feed([token]), ())
@@ -127,7 +132,8 @@ class OutputText:
                 self._undecided += 1
             reasoning.append(piece.reasoning)
             text.append(piece.text)
-        return Piece("".join(reasoning), "".join(text))
+            calls += piece.calls
+        return Piece("".join(reasoning), "".join(text), calls=tuple(calls))
 
     def finish(self) -> list[Piece]:
         """The output ended: the text still held, in order; the calls are then in :attr:`calls`."""
@@ -147,6 +153,7 @@ class OutputText:
             text, self.calls = self._tools.finish()
             held, self._held = tuple(self._held), []
             self._parts.append(text)
+            pieces.append(Piece(calls=tuple(self._tools.deltas())))
             pieces.append(Piece(text=text, entries=held))
         return [p for p in pieces if p]
 
@@ -164,18 +171,23 @@ class OutputText:
         piece = self._content(content, entries if not (reasoning and not content) else ())
         if reasoning and not content:  # the entries go with the thinking they came from
             return Piece(reasoning=reasoning, entries=entries)
-        return Piece(reasoning, piece.text, piece.entries)
+        return Piece(reasoning, piece.text, piece.entries, piece.calls)
 
     def _content(self, text: str, entries: tuple[Any, ...]) -> Piece:
+        calls: tuple[CallDelta, ...] = ()
         if self._tools is not None and self._tools.holding:
             text = self._tools.feed(text)
-            if not text:  # maybe tool calls: held, with the entries of its tokens
+            calls = tuple(self._tools.deltas())
+            if not text:  # maybe tool calls: held, with the entries of its tokens (which go with the calls' pieces)
                 self._held.extend(entries)
-                return Piece()
+                if not calls:
+                    return Piece()
+                entries, self._held = tuple(self._held), []
+                return Piece(entries=entries, calls=calls)
             entries, self._held = (*self._held, *entries), []
         if text:
             self._parts.append(text)
-        return Piece(text=text, entries=entries)
+        return Piece(text=text, entries=entries, calls=calls)
 
     def _expect_open(self) -> None:
         if self._finished:

@@ -78,6 +78,7 @@ class ResponsesFormatter(EventFormatter):
         self._item: str | None = None  # the kind of the output item open on the stream
         self._index = -1
         self._items: list[dict[str, Any]] = []  # the output items the stream has finished
+        self._calls: dict[int, dict[str, Any]] = {}  # the function_call items streamed, by call
 
     # -- the lifecycle's calls --------------------------------------------------------------------------
     def complete(self, outcome: Outcome) -> Response:
@@ -92,13 +93,6 @@ class ResponsesFormatter(EventFormatter):
         opened = self._item == "message" or any(item["type"] == "message" for item in self._items)
         if not self._out.calls and not opened:
             out += self._open("message", self._message_item(None, "in_progress"))  # an empty answer: its message
-        for k, call in enumerate(self._out.calls):
-            item = {"id": f"fc_{self.rid}_{k}", "type": "function_call", "status": "in_progress",
-                    "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
-            out += self._open(f"function_call {k}", item)
-            where = {"item_id": item["id"], "output_index": self._index}
-            out += self._event("response.function_call_arguments.delta", **where, delta=call.arguments)
-            out += self._event("response.function_call_arguments.done", **where, arguments=call.arguments)
         out += self._close()
         response = self._response(outcome, self._items)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
@@ -178,6 +172,17 @@ class ResponsesFormatter(EventFormatter):
             out += self._open("message", self._message_item(None, "in_progress"))
             out += self._event("response.output_text.delta", item_id=f"msg_{self.rid}", output_index=self._index,
                                content_index=0, delta=piece.text, logprobs=[])  # fmt: skip
+        for call in piece.calls:  # each call an item of its own, its arguments as the model writes them
+            if call.name is not None:
+                item = {"id": f"fc_{self.rid}_{call.index}", "type": "function_call", "status": "in_progress",
+                        "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
+                self._calls[call.index] = item
+                out += self._open(f"function_call {call.index}", dict(item))
+            if call.arguments:
+                item = self._calls[call.index]
+                item["arguments"] += call.arguments
+                out += self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self._index, delta=call.arguments)  # fmt: skip
         return out
 
     def _open(self, kind: str, item: dict[str, Any]) -> bytes:
@@ -210,12 +215,10 @@ class ResponsesFormatter(EventFormatter):
             out = self._event("response.output_text.done", item_id=item["id"], **where, content_index=0, text=text,
                               logprobs=[])  # fmt: skip
             out += self._event("response.content_part.done", item_id=item["id"], **where, content_index=0, part=part)
-        else:
-            k = int(kind.split()[1])
-            call = self._out.calls[k]
-            item = {"id": f"fc_{self.rid}_{k}", "type": "function_call", "status": "completed",
-                    "arguments": call.arguments, "call_id": call.id, "name": call.name}  # fmt: skip
-            out = b""
+        else:  # a function call: its arguments as they went out
+            item = {**self._calls[int(kind.split()[1])], "status": "completed"}
+            out = self._event("response.function_call_arguments.done", item_id=item["id"], **where,
+                              arguments=item["arguments"])  # fmt: skip
         self._items.append(item)
         return out + self._event("response.output_item.done", **where, item=item)
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from edgepath.edge.apis.call_stream import HERMES_OPEN, CallDelta, CallScanner, argument_spans
 from edgepath.edge.apis.limits import TOOLS_MAX
 from edgepath.edge.apis.sampling import show as _show
 from edgepath.edge.apis.structured import FormatRefused, check_schema, deferred, digest_of, schema_gbnf
@@ -46,7 +47,7 @@ TOOL_FORMATS: dict[str, str] = {
     "hermes": "tools rendered by the chat template, calls read as its <tool_call> blocks (Hermes, Qwen2.5)",
     "llama3-json": 'tools rendered by the chat template, a call read as its {"name", "parameters"} JSON (Llama 3.1)',
 }
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_CLOSE = "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 #: OpenAI's limit on a function's name (on the tools of one request: edge/apis/limits.py)
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -506,13 +507,20 @@ def offer(messages: Sequence[ChatMessage], spec: ToolSpec) -> tuple[ChatMessage,
 
 
 class ToolOutput:
-    """An answer's text, held back while it may be tool calls, then read as calls or released as text.
+    """An answer's text, held back while it may be tool calls, then read as calls or released as text -- and the
+    calls streamed as the model writes them.
 
     ``auto``, the fallback's and Llama's JSON: text that starts (after white space) with anything but ``[`` or
     ``{`` (Llama's: ``{``) is text, released at once; otherwise it is held to the end and read as calls
     (:func:`read_answer`), or released then if it is not calls.  ``auto``, Hermes': text is released up to a
     ``<tool_call>`` tag (what may be the start of one is held), and from the tag on it is held to the end.
-    ``required`` and a named function: the grammar made it calls, so it is all held and read at the end."""
+    ``required`` and a named function: the grammar made it calls, so it is all held and read at the end.
+
+    While it is held, the text goes through a :class:`~edgepath.edge.apis.call_stream.CallScanner`: each call's head
+    and its arguments' pieces are ready as they come (:meth:`deltas`), and at the end what is left of them, so that
+    the pieces of each call add up to its arguments as read.  An answer whose calls had started to go out and that
+    is not those calls after all (cut short by ``max_tokens``, or off its format) ends with its text released: the
+    calls sent stay as they were, and nothing of the answer is lost."""
 
     def __init__(self, spec: ToolSpec, call_prefix: str) -> None:
         self.spec = spec
@@ -520,6 +528,10 @@ class ToolOutput:
         self._held: list[str] = []
         self._holding = True
         self._tagged = False  # Hermes': a <tool_call> tag was seen, so the rest is held
+        names = [t.name for t in spec.offered]
+        self._scanner = CallScanner(spec.format, names, call_prefix, _argument_keys(spec))
+        self._deltas: list[CallDelta] = []
+        self._streamed: dict[int, tuple[str, str]] = {}  # each call gone out: its name and the arguments sent
 
     @property
     def holding(self) -> bool:
@@ -532,12 +544,14 @@ class ToolOutput:
             return text
         self._held.append(text)
         if self.spec.constrained or self._tagged:
+            self._scan(text)
             return ""
         held = "".join(self._held)
         if self.spec.format == "hermes":
             at = held.find(HERMES_OPEN)
             if at >= 0:
                 self._tagged = True
+                self._scan(held[at:])
             else:  # keep what may be the start of a tag
                 at = next((i for i in range(max(0, len(held) - len(HERMES_OPEN)), len(held))
                            if HERMES_OPEN.startswith(held[i:])), len(held))  # fmt: skip
@@ -545,18 +559,48 @@ class ToolOutput:
             return held[:at]
         start = held.lstrip()
         if not start or start[0] in ("{" if self.spec.format == "llama3-json" else "[{"):
+            self._scan(text)
             return ""
         self._holding = False
         return self._take()
 
+    def deltas(self) -> list[CallDelta]:
+        """The pieces of the calls that may go out now (each given once)."""
+        out, self._deltas = self._deltas, []
+        return out
+
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """At the answer's end: the text still to release and the calls (none: all of the text is the answer's;
-        with calls, the text beside them -- Hermes' text around its blocks -- or nothing)."""
+        with calls, the text beside them -- Hermes' text around its blocks -- or nothing).  The pieces of the calls
+        not gone out yet are then ready (:meth:`deltas`)."""
         text = self._take()
         if not self._holding:
             return text, ()
         self._holding = False
-        return read_answer(text, self.spec, self.call_prefix)
+        beside, calls = read_answer(text, self.spec, self.call_prefix)
+        if not calls or not self._agrees(calls):
+            return text, ()  # not calls; or not the calls that went out: the text is the answer's
+        for k, call in enumerate(calls):
+            streamed = self._streamed.get(k)
+            if streamed is None:
+                self._deltas.append(CallDelta(k, call.arguments, call.id, call.name))
+            elif len(call.arguments) > len(streamed[1]):
+                self._deltas.append(CallDelta(k, call.arguments[len(streamed[1]) :]))
+        return beside, calls
+
+    def _scan(self, text: str) -> None:
+        """Held ``text`` through the scanner: the pieces of the calls it lets go are ready."""
+        for delta in self._scanner.feed(text):
+            name, sent = self._streamed.get(delta.index, (delta.name or "", ""))
+            self._streamed[delta.index] = (name, sent + delta.arguments)
+            self._deltas.append(delta)
+
+    def _agrees(self, calls: Sequence[ToolCall]) -> bool:
+        """Whether every call gone out is the call read at that place, its arguments sent a start of its own."""
+        return all(
+            k < len(calls) and calls[k].name == name and calls[k].arguments.startswith(sent)
+            for k, (name, sent) in self._streamed.items()
+        )
 
     def _take(self) -> str:
         text = "".join(self._held)
@@ -582,7 +626,7 @@ def read_answer(text: str, spec: ToolSpec, call_prefix: str) -> tuple[str, tuple
                 entries.append(json.loads(block.group(1)))
             except ValueError:
                 return text, ()
-        calls = _calls(entries, spec, call_prefix, ("arguments",), decode=True)
+        calls = _calls(entries, spec, call_prefix, ("arguments",), _spans(text, spec), decode=True)
         edges = [0, *(i for b in blocks for i in b.span()), len(text)]
         beside = "".join(text[a:b] for a, b in zip(edges[::2], edges[1::2], strict=True))
         return ((beside if beside.strip() else ""), calls) if calls else (text, ())
@@ -591,11 +635,12 @@ def read_answer(text: str, spec: ToolSpec, call_prefix: str) -> tuple[str, tuple
     except ValueError:
         return text, ()
     if spec.format == "llama3-json":
-        calls = _calls([doc], spec, call_prefix, ("parameters", "arguments")) if isinstance(doc, dict) else ()
+        keys = ("parameters", "arguments")
+        calls = _calls([doc], spec, call_prefix, keys, _spans(text, spec)) if isinstance(doc, dict) else ()
     else:
         entries = [doc] if isinstance(doc, dict) else doc
         ok = isinstance(entries, list) and bool(entries) and (len(entries) == 1 or spec.parallel)
-        calls = _calls(entries, spec, call_prefix, ("arguments",)) if ok else ()
+        calls = _calls(entries, spec, call_prefix, ("arguments",), _spans(text, spec)) if ok else ()
     return ("", calls) if calls else (text, ())
 
 
@@ -604,11 +649,27 @@ def read_calls(text: str, spec: ToolSpec, call_prefix: str) -> tuple[ToolCall, .
     return read_answer(text, spec, call_prefix)[1]
 
 
+def _argument_keys(spec: ToolSpec) -> tuple[str, ...]:
+    """The member names of a call's arguments in ``spec``'s format."""
+    return ("parameters", "arguments") if spec.format == "llama3-json" else ("arguments",)
+
+
+def _spans(text: str, spec: ToolSpec) -> dict[int, str]:
+    return argument_spans(text, spec.format, _argument_keys(spec))
+
+
 def _calls(
-    entries: list[Any], spec: ToolSpec, call_prefix: str, keys: tuple[str, ...], decode: bool = False
+    entries: list[Any],
+    spec: ToolSpec,
+    call_prefix: str,
+    keys: tuple[str, ...],
+    spans: Mapping[int, str],
+    decode: bool = False,
 ) -> tuple[ToolCall, ...]:
     """Each entry a call ``{"name": <a tool offered>, <one of keys>: {arguments}}``; () if any is not.  ``decode``:
-    arguments given as the JSON text of an object are taken too."""
+    arguments given as the JSON text of an object are taken too.  A call's ``arguments`` is the model's own text of
+    them (``spans``: by call, :func:`~edgepath.edge.apis.call_stream.argument_spans`) -- what its streamed pieces
+    add up to -- and the object re-encoded only where that text does not hold it (a key given twice)."""
     names = {t.name for t in spec.offered}
     calls = []
     for k, entry in enumerate(entries):
@@ -620,8 +681,20 @@ def _calls(
             arguments = _decoded(arguments)
         if entry["name"] not in names or not isinstance(arguments, dict):
             return ()
-        calls.append(ToolCall(f"{call_prefix}_{k}", entry["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(ToolCall(f"{call_prefix}_{k}", entry["name"], _own_text(spans.get(k), arguments)))
     return tuple(calls)
+
+
+def _own_text(span: str | None, arguments: dict[str, Any]) -> str:
+    """The model's text of a call's ``arguments``: ``span`` (an object's JSON, or a string's holding it) when it
+    reads back as them, else their JSON."""
+    try:
+        text = json.loads(span) if span is not None and span.startswith('"') else span
+        if isinstance(text, str) and json.loads(text) == arguments:
+            return text
+    except ValueError:
+        pass
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _encodable(value: Any, where: str) -> None:

@@ -282,10 +282,13 @@ def test_a_streamed_answer_of_calls_as_openai_streams_them(client_for: Any) -> N
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not "".join(d.content or "" for d in deltas)  # held, then read as calls: no text sent
     pieces = [p for d in deltas for p in d.tool_calls or ()]
-    assert [(p.index, p.id, p.function.name) for p in pieces] == [
-        (0, "call_ep7_0", "get_weather"), (0, None, None), (1, "call_ep7_1", "now"), (1, None, None)
-    ]  # fmt: skip
-    assert [p.function.arguments for p in pieces] == ["", '{"city": "Oslo", "unit": "c"}', "", "{}"]
+    heads = [(k, p.index, p.id, p.function.name, p.function.arguments) for k, p in enumerate(pieces) if p.id]
+    assert [h[1:] for h in heads] == [(0, "call_ep7_0", "get_weather", ""), (1, "call_ep7_1", "now", "")]
+    # then each call's arguments as they were written (a character a token here), before the next call's head
+    first = [p.function.arguments for p in pieces[1 : heads[1][0]]]
+    assert all(p.index == 0 and p.id is None for p in pieces[1 : heads[1][0]])
+    assert first == list('{"city": "Oslo", "unit": "c"}')
+    assert "".join(p.function.arguments for p in pieces[heads[1][0] + 1 :]) == "{}"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens == len(CALLS) + 2
     text = run(chat(tools=TOOLS, stream=True), "Hi there")
@@ -305,7 +308,7 @@ def client_for() -> Any:
 
 
 def test_held_tokens_keep_their_log_probabilities() -> None:
-    """Entries of tokens held while they may be calls are sent just before the calls, one per token."""
+    """Entries of tokens held while they may be calls are sent with the calls' pieces, one per token."""
     limits = OpenAILimits(max_tokens=64, vocab_size=100, models=(MODEL,), logprobs=True, grammars=True)
     req = parse_chat_request({"model": MODEL, "messages": HI, "tools": TOOLS, "stream": True, "logprobs": True}, limits)
     answer = Answer(req, Chars(), "ep8", 1700000000, prompt_tokens=5)
@@ -317,7 +320,12 @@ def test_held_tokens_keep_their_log_probabilities() -> None:
     entries = [e for ev in evs[1:-1] if ev["choices"][0]["logprobs"] for e in ev["choices"][0]["logprobs"]["content"]]
     assert "".join(e["token"] for e in entries) == text and {e["logprob"] for e in entries} == {-0.5}
     calls = [p for ev in evs[1:-1] for p in ev["choices"][0]["delta"].get("tool_calls") or ()]
-    assert [p.get("id") for p in calls] == ["call_ep8_0", None]
+    assert [p.get("id") for p in calls] == ["call_ep8_0", None, None]  # its head, then "{" and "}" as they came
+    # the entries of the head's tokens go out just before it, those of each piece of its arguments before that piece
+    chunks = [ev["choices"][0] for ev in evs[1:-1]]
+    head = next(k for k, c in enumerate(chunks) if c["delta"].get("tool_calls"))
+    before = [e["token"] for c in chunks[:head] if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert "".join(before) == '[{"name": "now", "arguments": {'
 
 
 def test_the_route_sends_the_calls_grammar_after_the_prompt() -> None:
