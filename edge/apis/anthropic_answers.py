@@ -171,7 +171,7 @@ class AnthropicFormatter(EventFormatter):
             out += sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
         for call in piece.calls:  # each call a block of its own, its input's JSON as the model writes it
             if call.name is not None:
-                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                block: dict[str, Any] = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
                 out += self._open(f"tool_use {call.index}", block)
             if call.arguments:
                 delta = {"type": "input_json_delta", "partial_json": call.arguments}

@@ -115,7 +115,7 @@ class OutputText:
         """``ids`` one at a time while the thinking may go on, each one whose text was (part of) the thinking
         counted; the rest at once."""
         assert self._split is not None
-        reasoning, text, calls = [], [], []
+        reasoning, text, calls = [], [], list[CallDelta]()
         for k, token in enumerate(ids):
             if self._split.decided or self._stopped:
                 rest = self.feed(ids[k:])

@@ -174,8 +174,9 @@ class ResponsesFormatter(EventFormatter):
                                content_index=0, delta=piece.text, logprobs=[])  # fmt: skip
         for call in piece.calls:  # each call an item of its own, its arguments as the model writes them
             if call.name is not None:
-                item = {"id": f"fc_{self.rid}_{call.index}", "type": "function_call", "status": "in_progress",
-                        "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
+                item: dict[str, Any] = {"id": f"fc_{self.rid}_{call.index}", "type": "function_call",
+                                        "status": "in_progress", "arguments": "", "call_id": call.id,
+                                        "name": call.name}  # fmt: skip
                 self._calls[call.index] = item
                 out += self._open(f"function_call {call.index}", dict(item))
             if call.arguments:
