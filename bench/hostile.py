@@ -13,7 +13,7 @@ as the edge's.)  Then ``--clients`` clients of tenant A send the case that stall
 for ``--seconds``, while tenant B's lone chats measure their time to first token against the same chats alone
 (target: within 1.2x), and B's streams that were under way when the flood began must all complete (nothing lost).
 
-    edgepath bench hostile [--transports tcp,quic] [--seconds 30] [--clients 10] [--doc docs/PERFORMANCE.md]
+    edgepath bench hostile [--transports tcp,quic] [--seconds 30] [--clients 10] [--flood CASE] [--doc docs/PERFORMANCE.md]
 """
 
 from __future__ import annotations
@@ -468,10 +468,15 @@ async def run_transport(transport: str, args: argparse.Namespace, out: Path) -> 
         await served.call(
             "POST", "/v1/completions", json.dumps({"model": model, "prompt": "Hi", "max_tokens": 2}).encode(), KEYS[0]
         )
-        results = [await one_case(served, *case) for case in cases(model)]
         by_name = {c[0]: c for c in cases(model)}
-        worst = max(results, key=lambda r: (r.loop_lag_ms, r.live_worst_ms))
-        flooded = await flood(served, model, by_name[worst.name], args.clients, args.seconds)
+        if args.flood is not None:  # that flood alone: no single cases
+            if args.flood not in by_name:
+                raise SystemExit(f"--flood {args.flood!r} is no case of this bench; the cases: {', '.join(by_name)}")
+            results, chosen = [], args.flood
+        else:
+            results = [await one_case(served, *case) for case in cases(model)]
+            chosen = max(results, key=lambda r: (r.loop_lag_ms, r.live_worst_ms)).name
+        flooded = await flood(served, model, by_name[chosen], args.clients, args.seconds)
         return results, flooded
     finally:
         await served.close()
@@ -513,6 +518,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="tcp,quic", help="comma-separated: tcp, quic (default both)")
     p.add_argument("--seconds", type=float, default=30.0, help="length of the flood (default 30)")
     p.add_argument("--clients", type=int, default=10, help="clients of the flood (default 10)")
+    p.add_argument(
+        "--flood",
+        default=None,
+        metavar="CASE",
+        help="run only the flood, of this case (its name as in the table); default: every case once, then the flood "
+        "of the one that held the edge's loop longest",
+    )
     p.add_argument("--handler", default=None, help="serve's --handler (default: serve's own, the real model)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds serve's slot server may take to start")
     p.add_argument("--out", default="out/hostile", help="folder for hostile.json and the servers' logs")
@@ -520,6 +532,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.flood is not None and args.doc:
+        raise SystemExit("--doc rewrites the whole hostile block: it needs every case (leave --flood out)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
