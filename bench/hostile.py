@@ -13,7 +13,8 @@ as the edge's.)  Then ``--clients`` clients of tenant A send the case that stall
 for ``--seconds``, while tenant B's lone chats measure their time to first token against the same chats alone
 (target: within 1.2x), and B's streams that were under way when the flood began must all complete (nothing lost).
 
-    edgepath bench hostile [--transports tcp,quic] [--seconds 30] [--clients 10] [--flood CASE] [--doc docs/PERFORMANCE.md]
+    edgepath bench hostile [--transports tcp,quic] [--seconds 30] [--clients 10] [--flood CASE]
+                           [--doc docs/PERFORMANCE.md]
 """
 
 from __future__ import annotations

@@ -9,9 +9,17 @@ allowed size is read when the bucket is full).  A request's head is refused (429
 back) while its tenant's bucket holds less than its declared ``Content-Length`` -- before the body is read, so the
 refusal costs its headers only; the bytes of the bodies read are taken when each is complete, so a body that declared
 no length pays too, and the bucket may owe (later heads wait until it refills).
+
+A refused request's body still comes: over HTTP/1.1 the connection can go on only once it is read (and thrown away),
+and those bytes cost the loop what any body's bytes cost.  So they are paid for too, as they are read
+(:class:`Dropping`), and while the tenant's bucket owes, the connection stops reading until it refills: the kernel's
+flow control then holds the flooding client back, and the edge reads a refused tenant's bytes no faster than its
+budget -- not 330 MB/s of them (issue 49's flood).  HTTP/3 stops the stream instead (STOP_SENDING).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 #: bytes of request bodies one tenant may have read per second (``--body-rate``), by default
 DEFAULT_BODY_RATE = 8 << 20
@@ -43,6 +51,13 @@ class BodyBudget:
         if self.rate:
             self._buckets[tenant] = (self._held(tenant, now) - size, now)
 
+    def owes(self, tenant: str, now: int) -> float:
+        """Seconds until ``tenant``'s bucket owes nothing (0.0: it owes nothing now)."""
+        if not self.rate:
+            return 0.0
+        held = self._held(tenant, now)
+        return 0.0 if held >= 0 else -held / self.rate
+
     def _held(self, tenant: str, now: int) -> float:
         held, then = self._buckets.get(tenant, (self.burst, now))
         held = min(self.burst, held + (now - then) * self.rate / 1e9)
@@ -51,3 +66,20 @@ class BodyBudget:
         else:
             self._buckets[tenant] = (held, now)
         return held
+
+
+@dataclass(frozen=True, slots=True)
+class Dropping:
+    """The body of a request refused from its head, read only to be thrown away, paid for by its tenant's budget."""
+
+    budget: BodyBudget
+    tenant: str
+
+    def drop(self, size: int, now: int) -> float:
+        """``size`` more bytes of it were read: seconds to stop reading before the next (0.0: read on)."""
+        self.budget.take(self.tenant, size, now)
+        return self.budget.owes(self.tenant, now)
+
+    def owes(self, now: int) -> float:
+        """Seconds still to wait before reading on (the tenant's other requests may have spent more meanwhile)."""
+        return self.budget.owes(self.tenant, now)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
 from edgepath.edge.body import BodyLimits
-from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget
+from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget, Dropping
 from edgepath.edge.connections import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -99,10 +99,11 @@ class Intake(Protocol):
     body: BodyLimits
     connections: ConnectionLimits
 
-    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
-        """A request's head arrived (``request.body`` empty; ``length``: its declared Content-Length): True when it
-        was refused from its headers alone and answered through ``reply`` -- read no more of it (drop its body) --,
-        False when its body is to be read and the request handed over whole."""
+    def head(self, request: Request, length: int | None, reply: Reply) -> Dropping | None:
+        """A request's head arrived (``request.body`` empty; ``length``: its declared Content-Length): when it was
+        refused from its headers alone and answered through ``reply``, what its body's bytes cost as they are dropped
+        (read no more of it than its tenant's budget allows; HTTP/3 stops the stream); None when its body is to be
+        read and the request handed over whole."""
         ...
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
@@ -232,9 +233,10 @@ class EdgeService:
         return len(self.lifecycle.tracked)
 
     # -- events from adapters --------------------------------------------------------------------
-    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
+    def head(self, request: Request, length: int | None, reply: Reply) -> Dropping | None:
         """Refuse ``request`` from its head when its headers alone decide it (the lifecycle's reasons, and a large body
-        whose tenant's line is full: edge/turns.py), answering through ``reply``; False: read its body."""
+        whose tenant's line is full: edge/turns.py), answering through ``reply``, and say who pays for its dropped
+        body (its tenant's body budget: edge/body_budget.py); None: read its body."""
         rid = next(self._rids)
         actions = self.lifecycle.head(rid, request, length, _now())
         large = length is not None and length >= LARGE_BODY
@@ -242,10 +244,10 @@ class EdgeService:
             error = self.core.refusals.waiting()
             actions = self.lifecycle.refuse(rid, request, self.core.refusal(request.target, error))
         if actions is None:
-            return False
+            return None
         self._replies[rid] = reply
         self._run(actions)
-        return True
+        return Dropping(self.lifecycle.admission.bodies, self.core.tenant_of(request))
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
         """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled.  A large one

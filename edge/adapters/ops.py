@@ -17,6 +17,7 @@ from functools import partial
 
 from edgepath.edge.adapters.tcp import EdgeHttp11Protocol
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.body_budget import Dropping
 from edgepath.edge.connections import ConnectionLimits
 from edgepath.edge.http import HttpError, Request
 from edgepath.edge.service import Intake, Reply, Ticket
@@ -36,7 +37,7 @@ class OpsIntake:
             OPS_CONNECTIONS, OPS_CONNECTIONS_PER_ADDRESS, service.connections.idle_timeout
         )
 
-    def head(self, request: Request, length: int | None, reply: Reply) -> bool:
+    def head(self, request: Request, length: int | None, reply: Reply) -> Dropping | None:
         return self._service.head(dataclasses.replace(request, ops=True), length, reply)
 
     def handle(self, request: Request, reply: Reply) -> Ticket:

@@ -233,7 +233,7 @@ class EdgeProtocol(_ProtocolBase):
         """Ask the edge whether the request is refused from its head (answered now); then its body is not read:
         reading is stopped with H3_NO_ERROR (RFC 9114 §4.1) and what still arrives is dropped."""
         head = Request(stream.method, stream.target, stream.headers, b"", lib.ep_now_ns(), self._arrival_ns)
-        if not self._service.head(head, declared_length(stream.headers), _StreamReply(self, stream_id)):
+        if self._service.head(head, declared_length(stream.headers), _StreamReply(self, stream_id)) is None:
             return False
         stream.answered = True
         if not self._terminated:

@@ -16,7 +16,14 @@ A request may be refused from its head alone (:meth:`~edgepath.edge.service.Inta
 state, no slot to be had): answered at once, its body is then read and dropped as it arrives -- never kept, never
 parsed -- and the connection goes on to its next request (keep-alive), or closes once the body is through when the
 client asked to close (closing with unread data would reset the connection, and the client could lose the answer).
-A client that waits for ``100 Continue`` is answered and the connection closed: it has sent no body.
+A client that waits for ``100 Continue`` is answered and the connection closed: it has sent no body.  The dropped
+bytes are paid for by the tenant's body budget as they are read (:class:`~edgepath.edge.body_budget.Dropping`);
+while the tenant owes, the connection stops reading (``pause_reading``) until its bucket refills, so the kernel's
+flow control holds the client back and the edge reads a refused tenant's bytes no faster than its budget.  The body
+deadline still bounds the whole: a dropped body not through within ``--body-timeout`` of the request's first byte
+closes the connection (its answer went out first).  A paused connection still counts against the connection limits:
+opening more connections gets a flooding client no more bytes read (the budget is its tenant's), only its
+per-address cap sooner.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from http import HTTPStatus
 import h11
 
 from edgepath.edge.body import IncomingBody, declared_length
+from edgepath.edge.body_budget import Dropping
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
@@ -46,6 +54,8 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         self._busy = False  # a request is being answered; h11 holds later ones back
         self._closing = False  # the answer being sent is the connection's last (an early refusal)
         self._dropping = False  # the request was answered from its head: its body is read and thrown away
+        self._dropped: Dropping | None = None  # who pays for the bytes thrown away, while they are
+        self._paused: asyncio.TimerHandle | None = None  # reading stopped until the tenant's budget refills
         self._arrival_ns: int | None = None
         self._address: str | None = None  # the client's address, while the connection is counted
         self._idle: asyncio.TimerHandle | None = None  # between requests: --idle-timeout
@@ -67,6 +77,9 @@ class EdgeHttp11Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._drop_body()
         self._stop_idle()
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
         if self._ticket is not None:
             self._ticket.cancel()
             self._ticket = None
@@ -146,11 +159,13 @@ class EdgeHttp11Protocol(asyncio.Protocol):
                     if not self._body.drop(event.data):
                         self._transport.close()
                         self._transport = None
+                    elif self._dropped is not None:
+                        self._pace(self._dropped, self._dropped.drop(len(event.data), lib.ep_now_ns()))
                     continue
                 error = self._body.add(event.data)
             elif isinstance(event, h11.EndOfMessage):
                 if self._dropping:
-                    self._dropping = False
+                    self._dropping, self._dropped = False, None
                     self._drop_body()
                     self._next_cycle()
                     continue
@@ -176,10 +191,28 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         # set before asking: the answer is written (and _finish runs) inside the call
         self._dropping = True
         self._closing = self._conn.they_are_waiting_for_100_continue  # no body comes: answer and close
-        if self._service.head(head, declared_length(req.headers), self):
+        self._dropped = self._service.head(head, declared_length(req.headers), self)
+        if self._dropped is not None:
             return True
         self._dropping = self._closing = False
         return False
+
+    def _pace(self, dropped: Dropping, wait: float) -> None:
+        """Stop reading for ``wait`` seconds (0: read on): the tenant whose dropped body this is owes its budget."""
+        if wait > 0 and self._paused is None and self._transport is not None:
+            self._transport.pause_reading()
+            self._paused = asyncio.get_running_loop().call_later(wait, self._resume, dropped)
+
+    def _resume(self, dropped: Dropping) -> None:
+        """Read on once the tenant owes nothing -- or wait again: its other connections may have spent meanwhile."""
+        self._paused = None
+        if self._transport is None:
+            return
+        wait = dropped.owes(lib.ep_now_ns())
+        if wait > 0:
+            self._paused = asyncio.get_running_loop().call_later(wait, self._resume, dropped)
+        else:
+            self._transport.resume_reading()
 
     def _dispatch(self) -> None:
         assert self._request is not None and self._body is not None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -12,10 +13,12 @@ import pytest
 from edgepath.edge.adapters.tcp import EdgeHttp11Protocol
 from edgepath.edge.apis.openai_routes import ChatSupport, OpenAIRoutes
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.body_budget import BodyBudget, Dropping
 from edgepath.edge.connections import ConnectionLimits
 from edgepath.edge.http import Headers, HttpError, Limits, Request, Response
 from edgepath.edge.routes import HttpCore
 from edgepath.edge.service import Ticket
+from edgepath.native.abi import lib
 
 
 class _Handle:
@@ -91,13 +94,14 @@ class _Intake:
         self.refused: list[tuple[Request, HttpError]] = []
         self.refuse_heads: HttpError | None = None  # the answer every head gets (None: every body is read)
         self.heads: list[tuple[Request, int | None]] = []
+        self.budget = BodyBudget(0, 1)  # who pays for dropped bodies (0: no budget, never paced)
 
-    def head(self, request: Request, length: int | None, reply: Any) -> bool:
+    def head(self, request: Request, length: int | None, reply: Any) -> Dropping | None:
         self.heads.append((request, length))
         if self.refuse_heads is None:
-            return False
+            return None
         reply.respond(self.core.refusal(request.target, self.refuse_heads))
-        return True
+        return Dropping(self.budget, "t")
 
     def handle(self, request: Request, reply: Any) -> Ticket:
         self.handled.append(request)
@@ -251,3 +255,56 @@ def test_http11_a_dropped_body_past_the_limit_or_its_deadline_closes_the_connect
         assert transport.closed and transport.out.count(b"HTTP/1.1") == 1  # no second answer
 
     asyncio.run(main())
+
+
+#: the most bytes one read of an asyncio socket transport takes (``_SelectorSocketTransport.max_size``)
+ONE_READ = 256 * 1024
+
+
+class _Counting(EdgeHttp11Protocol):
+    """The adapter, counting the bytes it read off the socket."""
+
+    read = 0
+
+    def data_received(self, data: bytes) -> None:
+        _Counting.read += len(data)
+        super().data_received(data)
+
+
+def test_http11_a_refused_tenant_that_owes_its_budget_is_read_no_faster_than_it_and_closed_at_the_deadline() -> None:
+    """Issue 49's flood: a request refused from its head while its tenant's body budget is spent.  The answer goes
+    out first; then the connection stops reading while the tenant owes, so the edge reads the body no faster than the
+    budget (plus one read) however fast the client sends -- the kernel holds the rest back -- and the body deadline
+    closes the connection when the body cannot be through in time."""
+    rate, timeout, size = 32 * 1024, 1.0, 1 << 20
+
+    async def main() -> tuple[int, float, int, float]:
+        loop = asyncio.get_running_loop()
+        intake = _Intake(max_body=size)
+        intake.body = BodyLimits(size, timeout)
+        intake.connections = ConnectionLimits(10, 10, 2.0)  # unpaced, it would go on to idle out instead
+        intake.refuse_heads = HttpError(429, "body_rate", "this tenant's body budget is spent")
+        intake.budget = BodyBudget(rate, size)
+        intake.budget.take("t", size, lib.ep_now_ns())  # spent: the bucket holds nothing
+        _Counting.read = 0
+        server = await loop.create_server(lambda: _Counting(intake), "127.0.0.1", 0)  # type: ignore[arg-type]
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        start = loop.time()
+        head = _post(b"")[:-4].replace(b"length: 0", b"length: %d" % size) + b"\r\n\r\n"
+        writer.write(head + b"b" * size)  # as fast as the kernel takes it: the edge decides what it reads
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        # the rest of the answer, then the edge's close: a reset, with the unread body in its buffer (read first)
+        with contextlib.suppress(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 30)
+        closed = loop.time() - start
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return _Counting.read - len(head), closed, answer.count(b"HTTP/1.1 429 "), loop.time() - start
+
+    body_read, closed, answered, elapsed = asyncio.run(main())
+    assert answered == 1  # the 429 went out before the connection closed
+    assert closed >= timeout  # it was closed by the body deadline, not sooner
+    assert body_read <= rate * elapsed + ONE_READ  # paced: the budget's bytes and one read, however fast it sent
+    assert body_read < size  # so the body never got through: the deadline ended it

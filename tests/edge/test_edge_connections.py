@@ -15,6 +15,7 @@ from edgepath.edge.adapters.quic import serve_quic, server_configuration
 from edgepath.edge.adapters.tcp import serve_tcp
 from edgepath.edge.adapters.tls import generate_self_signed
 from edgepath.edge.body import BodyLimits
+from edgepath.edge.body_budget import Dropping
 from edgepath.edge.client import h3_client
 from edgepath.edge.connections import ConnectionLimits
 from edgepath.edge.http import HttpError, Request, Response
@@ -29,8 +30,8 @@ class _Intake:
         self.connections = limits
         self.handled = 0
 
-    def head(self, request: Request, length: int | None, reply: Any) -> bool:
-        return False  # every body is read
+    def head(self, request: Request, length: int | None, reply: Any) -> Dropping | None:
+        return None  # every body is read
 
     def handle(self, request: Request, reply: Any) -> Ticket:
         self.handled += 1

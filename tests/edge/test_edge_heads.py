@@ -16,7 +16,7 @@ from test_edge_lifecycle import TIMEOUT, Clock, FakePort, Respond
 from test_edge_service import Recorded, Server, start_server
 
 from edgepath.dpu.agent import Agent
-from edgepath.edge.body_budget import BodyBudget
+from edgepath.edge.body_budget import BodyBudget, Dropping
 from edgepath.edge.http import Limits, Request
 from edgepath.edge.lifecycle import EdgeLifecycle
 from edgepath.edge.metrics import EdgeMetrics
@@ -165,6 +165,20 @@ def test_a_body_budget_holds_at_least_one_largest_body_and_owes_for_bodies_of_no
         BodyBudget(rate=-1, burst=1)
 
 
+def test_a_dropped_body_is_paid_by_its_tenant_as_it_is_read_and_says_how_long_to_stop_reading() -> None:
+    """A refused request's body (HTTP/1.1 reads it to go on): its bytes are the tenant's to pay; while the tenant owes,
+    the adapter stops reading for as long as the bucket takes to refill (edge/adapters/tcp.py)."""
+    budget = BodyBudget(rate=1000, burst=1000)
+    dropping = Dropping(budget, "t")
+    assert dropping.drop(600, 0) == 0.0  # the bucket held it: read on
+    assert dropping.drop(900, 0) == pytest.approx(0.5)  # owes 500 bytes: half a second at 1000 a second
+    assert budget.refused("t", 1, 0) is not None  # and its heads are refused meanwhile
+    budget.take("t", 500, SECOND // 4)  # another of its connections spent more meanwhile
+    assert dropping.owes(SECOND // 2) == pytest.approx(0.5)  # so the first waits on (it would owe nothing now)
+    assert dropping.owes(2 * SECOND) == 0.0 and Dropping(budget, "u").owes(0) == 0.0  # refilled; another tenant's
+    assert Dropping(BodyBudget(rate=0, burst=0), "t").drop(1 << 30, 0) == 0.0  # no budget: never paced
+
+
 @pytest.fixture
 def slots(tmp_path) -> Server:  # type: ignore[no-untyped-def]
     yield from start_server(tmp_path, None)
@@ -174,7 +188,7 @@ def test_a_large_body_whose_tenants_line_is_full_is_refused_from_its_head(slots:
     """Through the service: a tenant with as many large requests waiting for their turn as it may have gets 429
     ``large_requests_waiting`` for its next large body at its head; a small one of it is read."""
 
-    async def go() -> tuple[bool, bool, Recorded]:
+    async def go() -> tuple[Dropping | None, Dropping | None, Recorded]:
         agent = Agent(LoopbackTransport(peer_keys(None)), frames=8, input_capacity=64, output_capacity=64)
         agent.attach(slots.address)
         core = HttpCore(Limits(1 << 20, 64, 64, CharTokenizer().vocab_size), ApiKeys(["a"]))
@@ -193,5 +207,5 @@ def test_a_large_body_whose_tenants_line_is_full_is_refused_from_its_head(slots:
         return large, small, third
 
     large, small, third = asyncio.run(go())
-    assert large and not small
+    assert large is not None and large.tenant == "key-1" and small is None  # its dropped body: its tenant pays
     assert third.response.status == 429 and b"large_requests_waiting" in third.response.body
