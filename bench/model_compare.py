@@ -357,13 +357,17 @@ def read_event(out: Outcome, line: bytes, now: float) -> None:
 
 
 async def stream_chat(
-    port: int, body: dict[str, Any], timeout: float, headers: Iterable[tuple[str, str]] = ()
+    port: int,
+    body: dict[str, Any],
+    timeout: float,
+    headers: Iterable[tuple[str, str]] = (),
+    local: str | None = None,
 ) -> Outcome:
-    """POST a streamed chat completion to 127.0.0.1:port (with ``headers``: an API key); when each content chunk
-    arrived."""
+    """POST a streamed chat completion to 127.0.0.1:port (with ``headers``: an API key; from the address ``local``,
+    another of loopback's, as another client); when each content chunk arrived."""
     out = Outcome(sent=time.perf_counter())
     try:
-        await asyncio.wait_for(_stream(port, body, out, headers), timeout)
+        await asyncio.wait_for(_stream(port, body, out, headers, local), timeout)
     except TimeoutError:
         out.error = f"timed out after {timeout:g} s"
     except (OSError, ValueError, h11.ProtocolError) as exc:
@@ -372,8 +376,10 @@ async def stream_chat(
     return out
 
 
-async def _stream(port: int, body: dict[str, Any], out: Outcome, extra: Iterable[tuple[str, str]] = ()) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _stream(
+    port: int, body: dict[str, Any], out: Outcome, extra: Iterable[tuple[str, str]] = (), local: str | None = None
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local, 0) if local else None)
     try:
         conn = h11.Connection(h11.CLIENT)
         payload = json.dumps(body).encode()
