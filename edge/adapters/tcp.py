@@ -29,19 +29,25 @@ per-address cap sooner.
 from __future__ import annotations
 
 import asyncio
+import threading
 from functools import partial
 from http import HTTPStatus
 
 import h11
 
-from edgepath.edge.body import IncomingBody, declared_length
+from edgepath.edge.body import HEAD_MAX, IncomingBody, declared_length
 from edgepath.edge.body_budget import Dropping
 from edgepath.edge.http import SERVER, Headers, HttpError, Request, Response, error_response
 from edgepath.edge.service import Intake, Ticket
 from edgepath.native.abi import lib
 
+#: the most bytes one read takes while a request's head is awaited (its head and a little more), and otherwise
+#: (asyncio's own read size)
+HEAD_READ, READ_MAX = HEAD_MAX, 256 * 1024
+_reads = threading.local()  # each thread's read buffer: a read is handed over before the loop does anything else
 
-class EdgeHttp11Protocol(asyncio.Protocol):
+
+class EdgeHttp11Protocol(asyncio.BufferedProtocol):
     """One TCP connection speaking HTTP/1.1 to the edge service."""
 
     def __init__(self, service: Intake) -> None:
@@ -87,6 +93,18 @@ class EdgeHttp11Protocol(asyncio.Protocol):
         if self._address is not None:
             self._service.connections.release(self._address)
             self._address = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the next read goes.  While a head is awaited, at most :data:`HEAD_READ` bytes: a request refused from
+        its head leaves the rest of its body in the kernel, read only as its tenant's budget allows (or never) --
+        reading 256 KiB of a flooding client's body before its head was judged cost the loop more than the rest."""
+        buffer: memoryview | None = getattr(_reads, "buffer", None)
+        if buffer is None:
+            buffer = _reads.buffer = memoryview(bytearray(READ_MAX))
+        return buffer[:HEAD_READ] if self._conn.their_state is h11.IDLE else buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(_reads.buffer[:nbytes]))  # the buffer is free for the next read
 
     def data_received(self, data: bytes) -> None:
         self._arrival_ns = lib.ep_now_ns()
