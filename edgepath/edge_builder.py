@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import time
@@ -112,6 +113,12 @@ async def start_edge(
         ops = await serve_ops(service, host, port, reuse_port=edge.reuse_port)
         cleanup.callback(ops.close)
         log.info("ops listener (/metrics, /health, probes; HTTP/1.1) on %s", edge.ops_listen)
+    # What is loaded by now (modules, the tokenizer, templates, routes) lives as long as the edge: out of the
+    # collector's sight, a full collection walks only what requests made.  Every closed asyncio socket transport is
+    # cyclic garbage (it holds its own bound read callback), so a flood of connections held open for seconds
+    # (issue 49's: refused bodies paced by their tenant's budget) made full collections frequent, each walking the
+    # whole heap: 50-100 ms with the loop stopped, the edge's worst stall in the flood.
+    gc.freeze()
     return lambda: drain_edge(service, server, edge.grace_period)
 
 
