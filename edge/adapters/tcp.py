@@ -23,7 +23,9 @@ flow control holds the client back and the edge reads a refused tenant's bytes n
 deadline still bounds the whole: a dropped body not through within ``--body-timeout`` of the request's first byte
 closes the connection (its answer went out first).  A paused connection still counts against the connection limits:
 opening more connections gets a flooding client no more bytes read (the budget is its tenant's), only its
-per-address cap sooner.
+per-address cap sooner.  While a request's head is awaited a read takes at most :data:`HEAD_READ` bytes, so the body
+of a request refused from its head mostly stays in the kernel (a 256 KiB first read of each flooding connection was
+the loop's largest item once the rest was paced).
 """
 
 from __future__ import annotations
