@@ -11,10 +11,12 @@ refusal costs its headers only; the bytes of the bodies read are taken when each
 no length pays too, and the bucket may owe (later heads wait until it refills).
 
 A refused request's body still comes: over HTTP/1.1 the connection can go on only once it is read (and thrown away),
-and those bytes cost the loop what any body's bytes cost.  So they are paid for too, as they are read
-(:class:`Dropping`), and while the tenant's bucket owes, the connection stops reading until it refills: the kernel's
-flow control then holds the flooding client back, and the edge reads a refused tenant's bytes no faster than its
-budget -- not 330 MB/s of them (issue 49's flood).  HTTP/3 stops the stream instead (STOP_SENDING).
+and those bytes cost the loop what any body's bytes cost.  So they are paced too, as they are read
+(:class:`Dropping`), by a bucket of their own at the same rate (``Admission.drops``): while it owes, the
+connection stops reading until it refills, the kernel's flow control holds the flooding client back, and the edge
+reads a tenant's refused bytes no faster than its budget -- not 330 MB/s of them (issue 49's flood).  A bucket of
+their own, so a refusal never spends what the tenant's next request may use: a client refused once and then sending
+within its budget is served.  HTTP/3 stops the stream instead (STOP_SENDING).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class BodyBudget:
 
 @dataclass(frozen=True, slots=True)
 class Dropping:
-    """The body of a request refused from its head, read only to be thrown away, paid for by its tenant's budget."""
+    """The body of a request refused from its head, read only to be thrown away, paced by its tenant's bucket of
+    refused bytes."""
 
     budget: BodyBudget
     tenant: str

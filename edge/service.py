@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from edgepath.dpu.port import AgentPort
 from edgepath.edge.body import BodyLimits
-from edgepath.edge.body_budget import DEFAULT_BODY_RATE, BodyBudget, Dropping
+from edgepath.edge.body_budget import DEFAULT_BODY_RATE, Dropping
 from edgepath.edge.connections import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
@@ -190,7 +190,7 @@ class EdgeService:
             gate=gate,
         )
         self.lifecycle.admission.memory = MemoryGuard(memory_high_water)
-        self.lifecycle.admission.bodies = BodyBudget(body_rate, max(body_rate, core.limits.max_body))
+        self.lifecycle.admission.budget_bodies(body_rate, core.limits.max_body)
         self.metrics.watch_memory(self.lifecycle.admission.memory)
         self._memory = memory
         self._turns: Turns[tuple[int, Request]] = Turns()  # large requests waiting for their tenant's turn
@@ -247,7 +247,7 @@ class EdgeService:
             return None
         self._replies[rid] = reply
         self._run(actions)
-        return Dropping(self.lifecycle.admission.bodies, self.core.tenant_of(request))
+        return Dropping(self.lifecycle.admission.drops, self.core.tenant_of(request))
 
     def handle(self, request: Request, reply: Reply) -> Ticket:
         """Start answering ``request``; ``reply`` gets exactly one answer unless the ticket is cancelled.  A large one

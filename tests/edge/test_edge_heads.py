@@ -165,17 +165,19 @@ def test_a_body_budget_holds_at_least_one_largest_body_and_owes_for_bodies_of_no
         BodyBudget(rate=-1, burst=1)
 
 
-def test_a_dropped_body_is_paid_by_its_tenant_as_it_is_read_and_says_how_long_to_stop_reading() -> None:
-    """A refused request's body (HTTP/1.1 reads it to go on): its bytes are the tenant's to pay; while the tenant owes,
-    the adapter stops reading for as long as the bucket takes to refill (edge/adapters/tcp.py)."""
-    budget = BodyBudget(rate=1000, burst=1000)
-    dropping = Dropping(budget, "t")
+def test_a_dropped_body_is_paid_by_its_tenant_as_it_is_read_and_says_how_long_to_stop_reading(port: FakePort) -> None:
+    """A refused request's body (HTTP/1.1 reads it to go on): its bytes are the tenant's to pay, from its bucket of
+    refused bytes; while that owes, the adapter stops reading for as long as the bucket takes to refill
+    (edge/adapters/tcp.py) -- and what the tenant's next request may use is not spent by it."""
+    edge = lifecycle(port)
+    edge.admission.budget_bodies(1000, 1000)
+    dropping = Dropping(edge.admission.drops, "free")
     assert dropping.drop(600, 0) == 0.0  # the bucket held it: read on
     assert dropping.drop(900, 0) == pytest.approx(0.5)  # owes 500 bytes: half a second at 1000 a second
-    assert budget.refused("t", 1, 0) is not None  # and its heads are refused meanwhile
-    budget.take("t", 500, SECOND // 4)  # another of its connections spent more meanwhile
+    assert edge.head(1, head("free"), 900, 0) is None  # its next body within its budget is read meanwhile
+    edge.admission.drops.take("free", 500, SECOND // 4)  # another of its refused bodies was read meanwhile
     assert dropping.owes(SECOND // 2) == pytest.approx(0.5)  # so the first waits on (it would owe nothing now)
-    assert dropping.owes(2 * SECOND) == 0.0 and Dropping(budget, "u").owes(0) == 0.0  # refilled; another tenant's
+    assert dropping.owes(2 * SECOND) == 0.0 and Dropping(edge.admission.drops, "u").owes(0) == 0.0  # refilled; another
     assert Dropping(BodyBudget(rate=0, burst=0), "t").drop(1 << 30, 0) == 0.0  # no budget: never paced
 
 
