@@ -16,16 +16,16 @@ A request may be refused from its head alone (:meth:`~edgepath.edge.service.Inta
 state, no slot to be had): answered at once, its body is then read and dropped as it arrives -- never kept, never
 parsed -- and the connection goes on to its next request (keep-alive), or closes once the body is through when the
 client asked to close (closing with unread data would reset the connection, and the client could lose the answer).
-A client that waits for ``100 Continue`` is answered and the connection closed: it has sent no body.  The dropped
-bytes are paid for by the tenant's bucket of refused bytes as they are read
-(:class:`~edgepath.edge.body_budget.Dropping`); while it owes, the connection stops reading (``pause_reading``)
-until the bucket refills, so the kernel's flow control holds the client back and the edge reads a refused tenant's
-bytes no faster than its budget.  The body deadline still bounds the whole: a dropped body not through within ``--body-timeout`` of the request's first byte
-closes the connection (its answer went out first).  A paused connection still counts against the connection limits:
-opening more connections gets a flooding client no more bytes read (the budget is its tenant's), only its
-per-address cap sooner.  While a request's head is awaited a read takes at most :data:`HEAD_READ` bytes, so the body
-of a request refused from its head mostly stays in the kernel (a 256 KiB first read of each flooding connection was
-the loop's largest item once the rest was paced).
+A client that waits for ``100 Continue`` is answered and the connection closed: it has sent no body.  The dropped bytes
+are paid for by the tenant's bucket of refused bytes as they are read (:class:`~edgepath.edge.body_budget.Dropping`);
+while it owes, the connection stops reading (``pause_reading``) until the bucket refills, so the kernel's flow control
+holds the client back and the edge reads a refused tenant's bytes no faster than its budget.  The body deadline still
+bounds the whole: a dropped body not through within ``--body-timeout`` of the request's first byte closes the connection
+(its answer went out first).  A paused connection still counts against the connection limits: opening more connections
+gets a flooding client no more bytes read (the budget is its tenant's), only its per-address cap sooner.  While a
+request's head is awaited a read takes at most :data:`HEAD_READ` bytes, so the body of a request refused from its head
+mostly stays in the kernel (a 256 KiB first read of each flooding connection was the loop's largest item once the rest
+was paced).
 """
 
 from __future__ import annotations
