@@ -47,7 +47,7 @@ def template_kwargs(raw: Any) -> bool | None:
         if key not in TEMPLATE_KEYS:
             raise ThinkingRefused(
                 f"chat_template_kwargs.{key}",
-                f"'chat_template_kwargs.{key}' is not applied by this server; allowed keys: "
+                f"chat_template_kwargs: the key {show(key)} is not applied by this server; allowed keys: "
                 f"{', '.join(TEMPLATE_KEYS)} (true or false)",
             )
     enabled = raw.get("enable_thinking")

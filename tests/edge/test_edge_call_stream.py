@@ -188,15 +188,24 @@ def anthropic_client(body: bytes, content_type: bytes) -> Any:
                                http_client=httpx.Client(transport=httpx.MockTransport(handler)))  # fmt: skip
 
 
+def chars(text: str) -> np.ndarray:
+    """``text`` as CharTokenizer's ids: one per character."""
+    return np.array([ord(c) for c in text], np.int32)
+
+
+def formatted(fmt: AnthropicFormatter | ResponsesFormatter, stream: bool, text: str, done: Outcome) -> bytes:
+    """``fmt``'s answer of ``text``: whole, or streamed one token at a time, then its end."""
+    if not stream:
+        return fmt.complete(done).body
+    ids = chars(text)
+    return b"".join(fmt.tokens(ids[i : i + 1]) for i in range(len(ids))) + fmt.end(done)
+
+
 def anthropic_answer(stream: bool, text: str) -> bytes:
     tools = [{"name": "get_weather", "input_schema": WEATHER}, {"name": "now", "input_schema": {"type": "object"}}]
     doc = {"model": MODEL, "max_tokens": 256, "messages": HI, "tools": tools, "stream": stream}
     fmt = AnthropicFormatter(parse_messages(doc, ChatLimits(256, (MODEL,))), CharTokenizer(), "msg_ep7")
-    ids = np.array([ord(c) for c in text], np.int32)
-    done = Outcome(7, 11, ids, "STOP", 1)
-    if not stream:
-        return fmt.complete(done).body
-    return b"".join(fmt.tokens(ids[i : i + 1]) for i in range(len(ids))) + fmt.end(done)
+    return formatted(fmt, stream, text, Outcome(7, 11, chars(text), "STOP", 1))
 
 
 def test_anthropic_streams_input_json_the_sdk_reassembles_as_the_whole_message() -> None:
@@ -218,11 +227,7 @@ def responses_answer(stream: bool, text: str) -> bytes:
     req = parse_response_request({"model": MODEL, "input": "hi", "tools": tools, "stream": stream},
                                  ChatLimits(256, (MODEL,)))  # fmt: skip
     fmt = ResponsesFormatter(req, CharTokenizer(), "ep1", 0)
-    ids = np.array([ord(c) for c in text], np.int32)
-    done = Outcome(1, 3, ids, "STOP", 1)
-    if not stream:
-        return fmt.complete(done).body
-    return b"".join(fmt.tokens(ids[i : i + 1]) for i in range(len(ids))) + fmt.end(done)
+    return formatted(fmt, stream, text, Outcome(1, 3, chars(text), "STOP", 1))
 
 
 def test_responses_streams_function_call_arguments_the_sdk_reassembles_as_the_whole_response() -> None:
