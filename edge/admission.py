@@ -34,17 +34,16 @@ class Admission:
         self.draining = False
         #: the edge's memory is over its high-water mark (edge/overload.py): new work gets 503 ``overloaded``
         self.memory = MemoryGuard()
-        #: each tenant's budget of body bytes read per second (edge/body_budget.py; the driver sets --body-rate)
-        self.bodies = BodyBudget(DEFAULT_BODY_RATE, max(DEFAULT_BODY_RATE, core.limits.max_body))
-        #: each tenant's bucket for the bodies of its requests refused from their head, read only to be thrown away
-        #: (the same rate, a bucket of its own: a refusal's bytes are paced without spending what its next request
-        #: may use)
-        self.drops = BodyBudget(DEFAULT_BODY_RATE, max(DEFAULT_BODY_RATE, core.limits.max_body))
+        self.budget_bodies(DEFAULT_BODY_RATE, core.limits.max_body)  # the driver sets --body-rate
 
     def budget_bodies(self, rate: int, max_body: int) -> None:
         """Each tenant may have ``rate`` bytes of bodies read a second (``--body-rate``; 0: no budget), and as many of
         refused ones thrown away."""
+        #: each tenant's budget of body bytes read per second (edge/body_budget.py)
         self.bodies = BodyBudget(rate, max(rate, max_body))
+        #: each tenant's bucket for the bodies of its requests refused from their head, read only to be thrown away
+        #: (the same rate, a bucket of its own: a refusal's bytes are paced without spending what its next request
+        #: may use)
         self.drops = BodyBudget(rate, max(rate, max_body))
 
     def head(self, request: Request, length: int, now: int) -> Response | None:
